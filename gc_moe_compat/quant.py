@@ -25,7 +25,7 @@ UE8M0 rounding rule
 A block's scale is the *smallest* power of two that brings its absolute maximum inside the element format:
 ``scale = 2**ceil(log2(max(amax, AMAX_FLOOR) / fmt_max))``, so that ``amax / scale <= fmt_max`` always holds and no
 element saturates (``fmt_max`` = 448 for E4M3, 6 for E2M1). :func:`ue8m0_scale` evaluates this exactly (the exponent
-guessed from ``frexp`` is corrected with exact power-of-two comparisons), not through a rounded ``log2``. This is the
+is read from ``frexp`` and settled by one exact power-of-two comparison), not through a rounded ``log2``. This is the
 rounding DeepGEMM's SM100 epilogue uses for the per-32 intermediate requantization and SGLang's ``scale_ue8m0`` path;
 it differs from the OCP spec's example ``floor(log2(amax)) - emax`` (which may saturate the block's largest element).
 The FP32 recipe (SGLang / DeepGEMM SM90 1x128 activations and 128x128 weight blocks) is instead
@@ -46,6 +46,8 @@ Packing
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -191,35 +193,28 @@ def e4m3_decode(bits: Tensor) -> Tensor:
 def ue8m0_scale(amax: Tensor, fmt_max: float) -> Tensor:
     """Smallest power-of-two scale with ``max(amax, AMAX_FLOOR) / scale <= fmt_max``, as float32.
 
-    Equals ``2**ceil(log2(max(amax, AMAX_FLOOR) / fmt_max))`` evaluated exactly: the exponent is estimated from the
-    float32 quotient's ``frexp`` and then corrected by one step either way with exact comparisons against
-    ``fmt_max * 2**k``, so a rounded quotient or ``log2`` can never pick a scale that makes the block's maximum
-    saturate. ``amax`` must be finite and non-negative; the result must fit UE8M0 (2**-127 .. 2**127).
+    Equals ``2**ceil(log2(max(amax, AMAX_FLOOR) / fmt_max))`` evaluated exactly rather than through a rounded
+    quotient and ``log2``: with ``a = ma * 2**ea`` and ``fmt_max = mf * 2**ef`` (``frexp``, mantissas in [0.5, 1)) the
+    answer is ``2**(ea - ef)`` or ``2**(ea - ef + 1)``, and an exact comparison ``a <= fmt_max * 2**(ea - ef)`` picks
+    one, so the block's maximum never saturates. ``amax`` must be finite and non-negative, ``fmt_max`` a positive
+    normal float32 value, and the result must fit UE8M0 (2**-127 .. 2**127).
     """
     fn = "ue8m0_scale"
     amax = _require_float(fn, "amax", amax)
     if isinstance(fmt_max, bool) or not isinstance(fmt_max, int | float):
         raise TypeError(f"{fn}: fmt_max must be a float, got {type(fmt_max).__name__} ({fmt_max!r})")
-    fmt_max = float(fmt_max)
-    if not (0.0 < fmt_max < float("inf")):
-        raise ValueError(f"{fn}: fmt_max must be positive and finite, got {fmt_max}")
+    fmt32 = float(torch.tensor(float(fmt_max), dtype=torch.float32))
+    if not (torch.finfo(torch.float32).tiny <= fmt32 < float("inf")):
+        raise ValueError(f"{fn}: fmt_max must be a positive, finite, normal float32 value, got {fmt_max}")
     _require_finite(fn, "amax", amax)
     if bool((amax < 0).any()):
         raise ValueError(f"{fn}: amax must be non-negative, got {amax.min().item()}")
 
     a = amax.float().clamp(min=AMAX_FLOOR)
-    mant, exp = torch.frexp(a / fmt_max)
-    # ceil(log2(m * 2**e)) for m in [0.5, 1) is e - 1 when m == 0.5 (exact power of two), else e.
-    k = exp.to(torch.int32) - (mant == 0.5).to(torch.int32)
-    k = k.clamp(_UE8M0_MIN_EXP - 2, _UE8M0_MAX_EXP + 2)
-    fmt = torch.tensor(fmt_max, dtype=torch.float32, device=a.device)
-
-    def fits(kk: Tensor) -> Tensor:  # amax <= fmt_max * 2**kk, exactly (an overflow to inf compares correctly)
-        kk = kk.clamp(-149, 127)
-        return a <= fmt * _pow2(kk)
-
-    k = torch.where(fits(k), k, k + 1)
-    k = torch.where(fits(k - 1), k - 1, k)
+    ef = math.frexp(fmt32)[1]
+    k = torch.frexp(a)[1].to(torch.int32) - ef  # ma / mf lies in (0.5, 2): ceil(log2) is k or k + 1
+    fits = a <= fmt32 * _pow2(k.clamp(-149, 127))  # exact: a power-of-two product (an overflow to inf compares right)
+    k = torch.where(fits, k, k + 1)
     if bool(((k < _UE8M0_MIN_EXP) | (k > _UE8M0_MAX_EXP)).any()):
         raise ValueError(
             f"{fn}: the scale for amax in [{a.min().item()}, {a.max().item()}] with fmt_max={fmt_max} needs 2**k "
