@@ -246,7 +246,7 @@ def dequantize_activations(x: Activations) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------- expert rows
 def _gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ w^T`` as an ideal FP32 accumulator: FP64 product rounded once to FP32 (see module docstring, 3)."""
-    if a.device.type == "mps":  # no FP64 there
+    if a.device.type == "mps":  # pragma: no cover - no FP64 there
         return a.float() @ w.float().T
     return (a.double() @ w.double().T).float()
 
@@ -331,11 +331,13 @@ def _check_routing(topk_idx_per_rank: Sequence[torch.Tensor], num_experts: int) 
     topk = topk_idx_per_rank[0].shape[-1] if topk_idx_per_rank[0].dim() == 2 else -1
     for r, idx in enumerate(topk_idx_per_rank):
         if idx.dim() != 2 or idx.shape[1] != topk or idx.is_floating_point() or idx.dtype == torch.bool:
-            raise ValueError(f"topk_idx[{r}]: expected an integer [T, k] tensor with k={topk}, got "
-                             f"{idx.dtype} {tuple(idx.shape)}")
+            raise ValueError(
+                f"topk_idx[{r}]: expected an integer [T, k] tensor with k={topk}, got {idx.dtype} {tuple(idx.shape)}"
+            )
         if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-            raise ValueError(f"topk_idx[{r}]: expert ids must lie in [-1, {num_experts}), "
-                             f"got [{int(idx.min())}, {int(idx.max())}]")
+            raise ValueError(
+                f"topk_idx[{r}]: expert ids must lie in [-1, {num_experts}), got [{int(idx.min())}, {int(idx.max())}]"
+            )
 
 
 def dispatch_plan(topk_idx_per_rank: Sequence[torch.Tensor], num_experts: int) -> list[list[torch.Tensor]]:
@@ -360,7 +362,7 @@ def dispatch_plan(topk_idx_per_rank: Sequence[torch.Tensor], num_experts: int) -
     counts = torch.bincount(all_experts, minlength=num_experts).tolist()
     per_expert = torch.split(all_rows[order], counts)
     local = num_experts // num_ranks
-    return [list(per_expert[d * local:(d + 1) * local]) for d in range(num_ranks)]
+    return [list(per_expert[d * local : (d + 1) * local]) for d in range(num_ranks)]
 
 
 def recv_counts(plan: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
@@ -421,11 +423,15 @@ def expert_parallel_reference(
     local, hidden, inter2 = l1s[0].num_experts, l1s[0].in_features, l1s[0].out_features
     for r, (l1, l2) in enumerate(zip(l1s, l2s, strict=True)):
         if (l1.num_experts, l1.out_features, l1.in_features) != (local, inter2, hidden) or inter2 % 2:
-            raise ValueError(f"l1_per_rank[{r}]: expected [{local}, 2I, {hidden}] like rank 0, got "
-                             f"[{l1.num_experts}, {l1.out_features}, {l1.in_features}]")
+            raise ValueError(
+                f"l1_per_rank[{r}]: expected [{local}, 2I, {hidden}] like rank 0, got "
+                f"[{l1.num_experts}, {l1.out_features}, {l1.in_features}]"
+            )
         if (l2.num_experts, l2.out_features, l2.in_features) != (local, hidden, inter2 // 2):
-            raise ValueError(f"l2_per_rank[{r}]: expected [{local}, {hidden}, {inter2 // 2}], got "
-                             f"[{l2.num_experts}, {l2.out_features}, {l2.in_features}]")
+            raise ValueError(
+                f"l2_per_rank[{r}]: expected [{local}, {hidden}, {inter2 // 2}], got "
+                f"[{l2.num_experts}, {l2.out_features}, {l2.in_features}]"
+            )
     plan = dispatch_plan(topk_idx_per_rank, local * num_ranks)
 
     xs = [dequantize_activations(x) for x in x_per_rank]
@@ -434,8 +440,10 @@ def expert_parallel_reference(
     for r, (x, w) in enumerate(zip(xs, topk_weights_per_rank, strict=True)):
         t = topk_idx_per_rank[r].shape[0]
         if tuple(x.shape) != (t, hidden) or tuple(w.shape) != (t, topk):
-            raise ValueError(f"x/topk_weights[{r}]: expected [{t}, {hidden}] and [{t}, {topk}], got "
-                             f"{tuple(x.shape)} and {tuple(w.shape)}")
+            raise ValueError(
+                f"x/topk_weights[{r}]: expected [{t}, {hidden}] and [{t}, {topk}], got "
+                f"{tuple(x.shape)} and {tuple(w.shape)}"
+            )
     offsets = [0]
     for x in xs:
         offsets.append(offsets[-1] + x.shape[0])
@@ -448,8 +456,12 @@ def expert_parallel_reference(
     partials = torch.zeros(x_all.shape[0], num_slots, hidden, dtype=torch.bfloat16, device=device)
     valid = torch.zeros(x_all.shape[0], num_slots, dtype=torch.bool, device=device)
     valid[:, :topk] = idx_all >= 0
-    kwargs = dict(activation_clamp=activation_clamp, activation_alpha=activation_alpha,
-                  intermediate_quant=intermediate_quant, round_l1_bf16=round_l1_bf16)
+    kwargs = dict(
+        activation_clamp=activation_clamp,
+        activation_alpha=activation_alpha,
+        intermediate_quant=intermediate_quant,
+        round_l1_bf16=round_l1_bf16,
+    )
     for dst in range(num_ranks):
         for e in range(local):
             rows = plan[dst][e].to(device)
@@ -462,11 +474,15 @@ def expert_parallel_reference(
     if shared is not None:
         sl1, sl2 = _as_weights(shared[0], "shared[0]"), _as_weights(shared[1], "shared[1]")
         if (sl1.num_experts, sl1.out_features, sl1.in_features) != (1, inter2, hidden) or (
-            sl2.num_experts, sl2.out_features, sl2.in_features) != (1, hidden, inter2 // 2):
+            sl2.num_experts,
+            sl2.out_features,
+            sl2.in_features,
+        ) != (1, hidden, inter2 // 2):
             raise ValueError(f"shared: expected one expert [1, {inter2}, {hidden}] and [1, {hidden}, {inter2 // 2}]")
         ones = torch.ones(x_all.shape[0], dtype=torch.float32, device=device)
-        partials[:, topk] = expert_rows(x_all, sl1.dequantize(0).to(device), sl2.dequantize(0).to(device), ones,
-                                        **kwargs)
+        partials[:, topk] = expert_rows(
+            x_all, sl1.dequantize(0).to(device), sl2.dequantize(0).to(device), ones, **kwargs
+        )
         valid[:, topk] = True
 
     y_fp32 = _combine(partials, valid)
@@ -492,8 +508,16 @@ def moe_reference(
 ) -> MoEResult:
     """The MoE layer on one rank holding all E experts: :func:`expert_parallel_reference` with P = 1."""
     return expert_parallel_reference(
-        [x], [topk_idx], [topk_weights], [l1], [l2], shared=shared, activation_clamp=activation_clamp,
-        activation_alpha=activation_alpha, intermediate_quant=intermediate_quant, round_l1_bf16=round_l1_bf16,
+        [x],
+        [topk_idx],
+        [topk_weights],
+        [l1],
+        [l2],
+        shared=shared,
+        activation_clamp=activation_clamp,
+        activation_alpha=activation_alpha,
+        intermediate_quant=intermediate_quant,
+        round_l1_bf16=round_l1_bf16,
     )[0]
 
 
@@ -511,8 +535,17 @@ def quantization_faithful_reference(
 ) -> MoEResult:
     """Reference 1: the kernel's exact inputs dequantized, intermediate requantized (``"ue8m0_32"``: FP8xFP4 path;
     ``"fp32_128"``: SM90 FP8xFP8 path). Target for kernels: cosine >= 0.9999, processed diff <= 1e-4."""
-    return moe_reference(x, topk_idx, topk_weights, l1, l2, shared=shared, activation_clamp=activation_clamp,
-                         activation_alpha=activation_alpha, intermediate_quant=intermediate_quant)
+    return moe_reference(
+        x,
+        topk_idx,
+        topk_weights,
+        l1,
+        l2,
+        shared=shared,
+        activation_clamp=activation_clamp,
+        activation_alpha=activation_alpha,
+        intermediate_quant=intermediate_quant,
+    )
 
 
 def model_reference(
@@ -528,8 +561,17 @@ def model_reference(
 ) -> MoEResult:
     """Reference 2: the BF16 layer with unquantized weights and float activations, no requantization.
     Target: cosine >= 0.97 with FP4 routed weights, >= 0.99 with FP8 weights."""
-    return moe_reference(x, topk_idx, topk_weights, l1, l2, shared=shared, activation_clamp=activation_clamp,
-                         activation_alpha=activation_alpha, intermediate_quant=None)
+    return moe_reference(
+        x,
+        topk_idx,
+        topk_weights,
+        l1,
+        l2,
+        shared=shared,
+        activation_clamp=activation_clamp,
+        activation_alpha=activation_alpha,
+        intermediate_quant=None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- metrics
