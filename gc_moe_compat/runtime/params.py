@@ -1,0 +1,51 @@
+"""By-value kernel parameters packed for ``cuLaunchKernel`` and ``CUDA_KERNEL_NODE_PARAMS``.
+
+Arguments are ctypes instances (scalars, or structures such as the workspace peer table) so that each one's exact
+by-value bytes are known: the driver copies them at launch / node creation, and the same bytes form the parameter
+signature that graph cache keys use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+Arg = ctypes._SimpleCData | ctypes.Structure | ctypes.Array
+
+
+def ptr(tensor: torch.Tensor) -> ctypes.c_uint64:
+    """A device pointer argument for ``tensor`` (which must be a CUDA tensor)."""
+    if not tensor.is_cuda:
+        raise ValueError(f"kernel pointer arguments must be CUDA tensors, got a {tensor.device} tensor")
+    return ctypes.c_uint64(tensor.data_ptr())
+
+
+class KernelArgs:
+    """Packed arguments: ``address`` is the ``void**`` array the driver reads; ``signature`` identifies them."""
+
+    def __init__(self, *args: Arg) -> None:
+        for i, arg in enumerate(args):
+            if not isinstance(arg, ctypes._SimpleCData | ctypes.Structure | ctypes.Array):
+                raise TypeError(f"kernel argument {i} must be a ctypes value (c_uint64, a Structure...), got {arg!r}")
+        self._args: tuple[Arg, ...] = args
+        self._pointers = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(a) for a in args))
+
+    @property
+    def address(self) -> int:
+        """Address of the ``void*`` array (valid while this object lives)."""
+        return ctypes.addressof(self._pointers)
+
+    @property
+    def signature(self) -> tuple[tuple[str, bytes], ...]:
+        """(type name, by-value bytes) of every argument."""
+        return tuple((type(a).__name__, ctypes.string_at(ctypes.addressof(a), ctypes.sizeof(a))) for a in self._args)
+
+    def __len__(self) -> int:
+        return len(self._args)
+
+
+def as_args(args: KernelArgs | Sequence[Arg]) -> KernelArgs:
+    """``args`` as :class:`KernelArgs`."""
+    return args if isinstance(args, KernelArgs) else KernelArgs(*args)

@@ -1,0 +1,86 @@
+"""Pure arithmetic of the SM split between the communication (dispatch) and compute partitions.
+
+Kept free of driver calls so that CI can test it on a machine without a GPU: the driver-facing code in
+:mod:`gc_moe_compat.runtime.green` applies the same rules to what ``cuDeviceGetDevResource`` reports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: The paper's SM90 default dispatch SM request (overridable with ``GC_MOE_SM90_DISPATCH_SMS``).
+SM90_DEFAULT_DISPATCH_SMS = 4
+MIN_COMPUTE_SMS = 32
+MIN_DISPATCH_SMS = 2
+
+
+class PartitionError(ValueError):
+    """A requested or obtained SM split breaks a partition rule; the message names the rule and the values."""
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """SM counts of one split: ``dispatch_sms + compute_sms == total_sms``."""
+
+    total_sms: int
+    dispatch_sms: int
+    compute_sms: int
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise PartitionError(f"{name} must be an integer SM count, got {raw!r}") from None
+
+
+def dispatch_request(explicit: int | None = None) -> int:
+    """The dispatch SM request: explicit argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4."""
+    if explicit is not None:
+        return int(explicit)
+    for name in ("GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
+        value = _env_int(name)
+        if value is not None:
+            return value
+    return SM90_DEFAULT_DISPATCH_SMS
+
+
+def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> SplitPlan:
+    """Checks the partition rules on a split (planned or obtained from the driver) and returns it as a plan."""
+    if compute_sms < MIN_COMPUTE_SMS:
+        raise PartitionError(f"compute partition needs >= {MIN_COMPUTE_SMS} SMs, got {compute_sms}")
+    if compute_sms % 2:
+        raise PartitionError(f"compute partition needs an even SM count, got {compute_sms}")
+    if dispatch_sms < MIN_DISPATCH_SMS:
+        raise PartitionError(f"dispatch partition needs >= {MIN_DISPATCH_SMS} SMs, got {dispatch_sms}")
+    if dispatch_sms + compute_sms != total_sms:
+        raise PartitionError(
+            f"partitions must cover the device: {dispatch_sms} dispatch + {compute_sms} compute != {total_sms} SMs"
+        )
+    return SplitPlan(total_sms=total_sms, dispatch_sms=dispatch_sms, compute_sms=compute_sms)
+
+
+def plan_split(total_sms: int, alignment: int, min_partition: int, request: int) -> SplitPlan:
+    """Plans the driver-aligned split for a dispatch request.
+
+    compute = floor((total - request) / alignment) * alignment; the remainder (>= request) is communication.
+    ``alignment`` and ``min_partition`` are the device's ``smCoscheduledAlignment`` and ``minSmPartitionSize``.
+    """
+    if total_sms <= 0 or alignment <= 0 or min_partition <= 0:
+        raise PartitionError(
+            f"device SM resource must be positive: total={total_sms}, alignment={alignment}, min={min_partition}"
+        )
+    if request < MIN_DISPATCH_SMS:
+        raise PartitionError(f"dispatch SM request must be >= {MIN_DISPATCH_SMS}, got {request}")
+    if request >= total_sms:
+        raise PartitionError(f"dispatch SM request {request} leaves no compute SMs on a {total_sms}-SM device")
+    compute = (total_sms - request) // alignment * alignment
+    if compute < min_partition:
+        raise PartitionError(
+            f"compute partition of {compute} SMs is below the driver's minimum partition of {min_partition} SMs"
+        )
+    return validate_split(total_sms, total_sms - compute, compute)

@@ -1,0 +1,72 @@
+"""Host side of the kernels' error records (kernels/common/status.cuh).
+
+Kernels never hang or trap on a failed wait: they write a :class:`KernelStatus` record and exit. The host reads the
+record after the launch and raises :class:`DeviceTimeoutError` or :class:`DeviceCheckError` with its fields.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+STATUS_MISMATCH = 2
+
+_DEFAULT_TIMEOUT_MS = 10_000
+
+
+class KernelStatus(ctypes.Structure):
+    """Mirror of ``gc_moe::KernelStatus`` (32 bytes)."""
+
+    _fields_ = [
+        ("code", ctypes.c_uint32),
+        ("site", ctypes.c_uint32),
+        ("observed", ctypes.c_uint64),
+        ("expected", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64),
+    ]
+
+
+class DeviceTimeoutError(TimeoutError):
+    """A device spin-wait ran past its timeout: the producer it waited for never arrived (or arrived too late)."""
+
+
+class DeviceCheckError(RuntimeError):
+    """A device-side protocol check failed (a counter or payload did not hold the required value)."""
+
+
+def spin_timeout_ns(timeout_ms: float | None = None) -> int:
+    """Timeout for device spin-waits: explicit argument > ``GC_MOE_SPIN_TIMEOUT_MS`` > 10 s."""
+    if timeout_ms is None:
+        timeout_ms = float(os.environ.get("GC_MOE_SPIN_TIMEOUT_MS", _DEFAULT_TIMEOUT_MS))
+    if timeout_ms <= 0:
+        raise ValueError(f"spin timeout must be positive, got {timeout_ms} ms")
+    return int(timeout_ms * 1_000_000)
+
+
+def new_status(device: torch.device | int | str) -> torch.Tensor:
+    """A zeroed status record on ``device`` (a uint8 tensor of ``sizeof(KernelStatus)`` bytes)."""
+    return torch.zeros(ctypes.sizeof(KernelStatus), dtype=torch.uint8, device=device)
+
+
+def read_status(status: torch.Tensor) -> KernelStatus:
+    """Copies a status record to the host (synchronizes with the producing stream through torch)."""
+    raw = bytes(status.cpu().numpy().tobytes())
+    return KernelStatus.from_buffer_copy(raw)
+
+
+def raise_for_status(status: torch.Tensor, what: str, sites: dict[int, str] | None = None) -> None:
+    """Raises if the record in ``status`` holds an error; ``what`` names the launch, ``sites`` names check sites."""
+    record = read_status(status)
+    if record.code == STATUS_OK:
+        return
+    site = (sites or {}).get(record.site, f"site {record.site}")
+    detail = f"{what}: {site}: observed {record.observed}, expected {record.expected}"
+    if record.code == STATUS_TIMEOUT:
+        raise DeviceTimeoutError(f"device spin-wait timed out in {detail} (peer or producer missing?)")
+    if record.code == STATUS_MISMATCH:
+        raise DeviceCheckError(f"device check failed in {detail}")
+    raise DeviceCheckError(f"unknown device status code {record.code} in {detail}")

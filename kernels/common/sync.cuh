@@ -1,0 +1,97 @@
+// Memory-ordering and timing primitives shared by every GC-MoE kernel (SM90+).
+//
+// Why raw PTX: the cross-partition and cross-GPU handshakes need explicit acquire/release at .gpu or .sys scope,
+// and the bounded spin-waits need the device-wide nanosecond clock (%globaltimer) so that a missing producer ends
+// in a reported error instead of a hang.
+#pragma once
+
+#include "common/status.cuh"
+
+// Back-off between polls of a spin-wait (a constexpr parameter: the JIT passes it as a define).
+#ifndef GC_MOE_SPIN_SLEEP_NS
+#define GC_MOE_SPIN_SLEEP_NS 64
+#endif
+
+namespace gc_moe {
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Physical SM index the calling thread runs on (used to prove green-context confinement).
+__device__ __forceinline__ u32 smid() {
+    u32 id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// Device-wide nanosecond clock; coarse (about 1 us ticks on Hopper) but monotonic and shared by all SMs.
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Scope of a flag: kGpu for partitions of one device, kSys for flags in a peer GPU's memory.
+enum class Scope { kGpu, kSys };
+
+template <Scope S>
+__device__ __forceinline__ u64 ld_acquire(const u64* p) {
+    return S == Scope::kGpu ? ld_acquire_gpu(p) : ld_acquire_sys(p);
+}
+
+// Spins until *flag >= target (acquire) or timeout_ns elapse. On timeout records kStatusTimeout with `site`,
+// the last observed value and the target in `status`, and returns false; the caller must then leave the kernel.
+// Generation-tagged flags only grow, so ">=" makes the wait correct across graph replays without a host reset.
+template <Scope S>
+__device__ __forceinline__ bool wait_at_least(const u64* flag, u64 target, u64 timeout_ns, KernelStatus* status,
+                                              u32 site) {
+    const u64 start = globaltimer_ns();
+    u64 seen = ld_acquire<S>(flag);
+    while (seen < target) {
+        if (globaltimer_ns() - start > timeout_ns) {
+            report_status(status, kStatusTimeout, site, seen, target);
+            return false;
+        }
+        __nanosleep(GC_MOE_SPIN_SLEEP_NS);
+        seen = ld_acquire<S>(flag);
+    }
+    return true;
+}
+
+// Busy-waits for `ns` nanoseconds: keeps a block resident so that a grid spreads over every SM it may use.
+__device__ __forceinline__ void busy_wait_ns(u64 ns) {
+    const u64 start = globaltimer_ns();
+    while (globaltimer_ns() - start < ns) {
+    }
+}
+
+// Generation-tagged arrival on a counter that is never reset: with `blocks` arrivals per generation, the
+// returned generation (1-based) is old / blocks + 1, and *last is true for the final arrival of that generation.
+__device__ __forceinline__ u64 arrive_generation(u64* counter, u32 blocks, bool* last) {
+    __threadfence();
+    const u64 old = atomicAdd(counter, 1ull);
+    *last = (old % blocks) == blocks - 1;
+    return old / blocks + 1;
+}
+
+}  // namespace gc_moe
