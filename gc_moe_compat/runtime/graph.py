@@ -78,10 +78,11 @@ class KernelNode:
 
 def capture_graph(stream: driver.CUstream) -> tuple[driver.CUgraph, list[driver.CUgraphNode]] | None:
     """(graph being captured, current dependencies) if ``stream`` is capturing, else None."""
-    status, _id, graph, deps, _edges, count = call(driver.cuStreamGetCaptureInfo, stream)
-    if status != _CAPTURE_ACTIVE:
+    # Outputs: status, id, graph, dependencies, (edge data,) dependency count.
+    info = call(driver.cuStreamGetCaptureInfo, stream)
+    if info[0] != _CAPTURE_ACTIVE:
         return None
-    return graph, list(deps or [])[: int(count)]
+    return info[2], list(info[3] or [])[: int(info[-1])]
 
 
 _warmed: set[tuple[str, str, int]] = set()

@@ -1,0 +1,200 @@
+"""Replay cost of the empty three-node green-context graph versus one-kernel graphs (SM90 runtime benchmark).
+
+Cases (every kernel is the empty ``rt_noop``): ``three_node_green`` (comm root + compute root + compute node
+depending on both, the operator's graph shape), ``one_kernel_green`` (one node on the compute partition) and
+``one_kernel_plain`` (one node in the caller's undivided context). Each is timed two ways: ``direct`` (100
+``cuGraphLaunch`` calls per window on torch's stream) and ``captured`` (the graph attached 100 times inside one
+outer ``torch.cuda.graph``, replayed once per window: the cost inside a serving engine's captured layer).
+BENCH_PROTOCOL.md timing: 10 warm-up and 30 measured windows, L2 flushed between windows, median window.
+
+Run on the lent H200 (scripts/device_check.sh does):
+``python bench/runtime_sm90.py --out bench/results/runtime_sm90.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver
+
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import call
+from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, get_graph
+from gc_moe_compat.runtime.green import Partition, Role, get_partition
+from gc_moe_compat.runtime.params import KernelArgs
+
+REPO = Path(__file__).resolve().parents[1]
+PER_WINDOW = 100
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return out.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return f"CUDA driver API {call(driver.cuDriverGetVersion)}"
+
+
+def graphs(part: Partition) -> dict[str, GreenGraph]:
+    """The benchmarked graphs, built (and their kernels warmed up in each context) before any timing."""
+    noop = jit.load_module("runtime_test/runtime_test.cu").kernel("rt_noop")
+    none = KernelArgs()
+    return {
+        "three_node_green": get_graph(
+            [
+                KernelNode.make("A", noop, Role.COMM, 1, 32, none),
+                KernelNode.make("B", noop, Role.COMPUTE, 1, 32, none),
+                KernelNode.make("C", noop, Role.COMPUTE, 1, 32, none, deps=("A", "B")),
+            ],
+            part,
+        ),
+        "one_kernel_green": get_graph([KernelNode.make("B", noop, Role.COMPUTE, 1, 32, none)], part),
+        "one_kernel_plain": get_graph([KernelNode.make("B", noop, None, 1, 32, none)], part),
+    }
+
+
+def time_windows(window: Callable[[], None], warmup: int, windows: int) -> list[float]:
+    """Per-launch microseconds of each measured window (CUDA events around PER_WINDOW launches)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # >= 2x the H200's 50 MiB L2
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    results = []
+    for i in range(warmup + windows):
+        flush.zero_()
+        torch.cuda.synchronize()
+        start.record()
+        window()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            results.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
+    return results
+
+
+def direct_window(graph: GreenGraph) -> Callable[[], None]:
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def window() -> None:
+        for _ in range(PER_WINDOW):
+            graph.replay(stream)
+
+    return window
+
+
+def captured_window(graph: GreenGraph) -> tuple[Callable[[], None], torch.cuda.CUDAGraph]:
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        for _ in range(PER_WINDOW):
+            graph.launch()
+    return outer.replay, outer
+
+
+def summarize(case: str, nodes: int, how: str, samples: list[float], host_us: float | None) -> dict[str, object]:
+    ordered = sorted(samples)
+    return {
+        "case": case,
+        "nodes": nodes,
+        "launch": how,
+        "latency_us": {"replay": statistics.median(samples)},
+        "p10_us": ordered[len(ordered) // 10],
+        "p90_us": ordered[(len(ordered) * 9) // 10],
+        "host_us_per_launch": host_us,
+        "windows_us": samples,
+    }
+
+
+def plot(points: list[dict[str, object]], path: Path) -> None:
+    """Bar chart of the median replay cost per case and launch mode (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG written", file=sys.stderr)
+        return
+    labels = [f"{p['case']}\n{p['launch']}" for p in points]
+    values = [p["latency_us"]["replay"] for p in points]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar(labels, values, color=["#4477aa" if p["launch"] == "direct" else "#ee7733" for p in points])
+    ax.set_ylabel("µs per replay (median window)")
+    ax.set_title("Green-context graph replay cost, H200")
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "runtime_sm90.json")
+    parser.add_argument("--dispatch-sms", type=int, default=None, help="dispatch SM request (default: env / 4)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=30)
+    args = parser.parse_args()
+
+    part = get_partition(args.dispatch_sms)
+    points = []
+    keep = []
+    for case, graph in graphs(part).items():
+        window = direct_window(graph)
+        t0 = time.perf_counter()
+        samples = time_windows(window, args.warmup, args.windows)
+        host = (time.perf_counter() - t0) * 1e6 / ((args.warmup + args.windows) * PER_WINDOW)
+        points.append(summarize(case, len(graph.nodes), "direct", samples, host))
+        replay, outer = captured_window(graph)
+        keep.append(outer)
+        points.append(
+            summarize(case, len(graph.nodes), "captured", time_windows(replay, args.warmup, args.windows), None)
+        )
+
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    meta = {
+        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA", "unknown"),
+        "dirty": bool(dirty) if dirty is not None else os.environ.get("GC_MOE_GIT_DIRTY", "unknown"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "driver": _driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": 1,
+        "partition": part.describe(),
+        "command": "python bench/runtime_sm90.py " + " ".join(sys.argv[1:]),
+        "protocol": f"{args.warmup} warm-up + {args.windows} measured windows of {PER_WINDOW} launches, L2 flushed",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    plot(points, args.out.with_suffix(".png"))
+    print(f"partition: {part.describe()}")
+    print(f"{'case':<18} {'launch':<9} {'median µs':>10} {'p10':>7} {'p90':>7} {'host µs':>8}")
+    for p in points:
+        host = f"{p['host_us_per_launch']:.2f}" if p["host_us_per_launch"] is not None else "-"
+        print(
+            f"{p['case']:<18} {p['launch']:<9} {p['latency_us']['replay']:>10.2f} "
+            f"{p['p10_us']:>7.2f} {p['p90_us']:>7.2f} {host:>8}"
+        )
+    del keep
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One command for the lent GPU machine (device tool `run`, from the repository root):
+#   bash scripts/device_check.sh [--tests-only | --bench-only] [--bench NAME]... [-k PYTEST_EXPR]
+# Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
+# package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
+# prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# NVLink multicast stays off on the lent machines (KINDS.md): every process started below inherits this.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+export OUT="${OUT:-$PWD/device_out}"
+export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-/tmp/gc_moe_cache}"
+PY="${PYTHON:-python3}"
+
+# Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
+BENCHES=(runtime_sm90)
+
+run_tests=1 run_bench=1 picked=() pytest_k=()
+while (($#)); do
+  case "$1" in
+    --tests-only) run_bench=0 ;;
+    --bench-only) run_tests=0 ;;
+    --bench) picked+=("$2"); shift ;;
+    -k) pytest_k=(-k "$2"); shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+((${#picked[@]})) && BENCHES=("${picked[@]}")
+mkdir -p "$OUT"
+
+{
+  echo "== setup $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  "$PY" -c "import sys, torch, cuda.bindings; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__, 'gpus', torch.cuda.device_count())"
+  command -v nvcc && nvcc --version | tail -n 1
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+} >"$OUT/setup.log" 2>&1
+setup_rc=$?
+if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
+if ((setup_rc)); then cat "$OUT/setup.log"; echo "setup failed ($setup_rc)"; exit "$setup_rc"; fi
+
+test_rc=0
+if ((run_tests)); then
+  timeout_opt=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=300)
+  "$PY" -m pytest -m "gpu or multigpu" -v -s -rA "${timeout_opt[@]}" "${pytest_k[@]}" \
+    --junitxml="$OUT/pytest.xml" tests >"$OUT/pytest.log" 2>&1
+  test_rc=$?
+fi
+
+bench_rc=0
+if ((run_bench)); then
+  for name in "${BENCHES[@]}"; do
+    echo "== bench $name" >>"$OUT/bench.log"
+    if "$PY" "bench/$name.py" --out "bench/results/$name.json" >>"$OUT/bench.log" 2>&1; then
+      cp "bench/results/$name.json" "$OUT/"
+      [[ -f "bench/results/$name.png" ]] && cp "bench/results/$name.png" "$OUT/"
+    else
+      bench_rc=1
+      echo "bench $name FAILED" >>"$OUT/bench.log"
+    fi
+  done
+fi
+
+"$PY" scripts/device_summary.py "$OUT" "${BENCHES[@]}"
+exit $((test_rc || bench_rc))

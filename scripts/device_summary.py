@@ -1,0 +1,55 @@
+"""Prints the short table that ends scripts/device_check.sh: test outcomes, then each benchmark's points.
+
+Usage: python scripts/device_summary.py OUT_DIR [BENCH_NAME...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def tests(out: Path) -> None:
+    junit = out / "pytest.xml"
+    if not junit.is_file():
+        print("tests: not run")
+        return
+    cases = ET.parse(junit).getroot().iter("testcase")
+    outcome: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+    for case in cases:
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome["failed"].append(name)
+        elif case.find("skipped") is not None:
+            outcome["skipped"].append(name)
+        else:
+            outcome["passed"].append(name)
+    print("tests: " + ", ".join(f"{len(v)} {k}" for k, v in outcome.items()))
+    for name in outcome["failed"]:
+        print(f"  FAILED {name}")
+
+
+def bench(out: Path, name: str) -> None:
+    path = out / f"{name}.json"
+    if not path.is_file():
+        print(f"bench {name}: no result file (see bench.log)")
+        return
+    data = json.loads(path.read_text())
+    print(f"bench {name}: partition {data['meta']['partition']}")
+    for point in data["points"]:
+        label = " ".join(str(point.get(k)) for k in ("case", "launch", "preset", "tokens_per_rank") if k in point)
+        latency = ", ".join(f"{op} {us:.2f} us" for op, us in point["latency_us"].items())
+        print(f"  {label:<40} {latency}")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    tests(out)
+    for name in sys.argv[2:]:
+        bench(out, name)
+
+
+if __name__ == "__main__":
+    main()
