@@ -1,0 +1,87 @@
+"""Argument checks shared by the facade functions: every unsupported value raises, naming the argument.
+
+Two kinds of refusal: ``ValueError`` for a value that DeepGEMM itself rejects (or that makes no sense), and
+``NotImplementedError`` for a value DeepGEMM accepts but GC-MoE has no path for (another MMA kind, activation or
+feature). Messages start with the facade function and the argument, so a serving log points at the call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from gc_moe_compat.config import MoEShape
+
+# DeepGEMM's names for values GC-MoE does not implement (accepted by some DeepGEMM build, so not a caller bug).
+DEEPGEMM_ONLY_MMA_TYPES = ("bf16xbf16", "mxf4xmxf4", "nvfp4xnvfp4")
+SUPPORTED_MMA_TYPES = ("fp8xfp4", "fp8xfp8")
+DEEPGEMM_ONLY_ACTIVATIONS = ("swigluoai", "situ")
+SUPPORTED_ACTIVATIONS = ("swiglu",)
+
+# config.MoEShape field -> the facade's argument name, so errors name what the caller passed.
+_FACADE_NAMES = {
+    "capacity": "num_max_tokens_per_rank",
+    "intermediate": "intermediate_hidden",
+    "topk": "num_topk",
+    "num_ranks": "group.size()",
+    "num_experts / num_ranks": "num_experts / group.size()",
+}
+
+
+def choice(fn: str, arg: str, value: object, supported: Iterable[object], not_implemented: Iterable[object]) -> None:
+    """``value`` must be in ``supported``; a known DeepGEMM-only value raises NotImplementedError, else ValueError."""
+    supported = tuple(supported)
+    if value in supported:
+        return
+    if value in tuple(not_implemented):
+        raise NotImplementedError(f"{fn}: {arg}={value!r} is a DeepGEMM option GC-MoE does not implement "
+                                  f"(supported: {supported})")
+    raise ValueError(f"{fn}: {arg} must be one of {supported}, got {value!r}")
+
+
+def unsupported_feature(fn: str, arg: str, value: object, default: object, what: str) -> None:
+    """A DeepGEMM feature GC-MoE lacks: only its default (off) value is accepted."""
+    if value is not default and value != default:
+        raise NotImplementedError(f"{fn}: {arg}={value!r} is not supported: GC-MoE has no {what}; "
+                                  f"pass {default!r}")
+
+
+def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) -> int:
+    """A Python int (not bool) in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
+    return value
+
+
+def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) -> float:
+    """A finite real number (int or float, not bool); ``positive`` additionally requires ``> 0``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {value}")
+    return float(value)
+
+
+def tensor(fn: str, arg: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
+    """A tensor of one of ``dtypes`` with ``ndim`` dimensions (TypeError for type/dtype, ValueError for rank)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{fn}: {arg} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{fn}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def moe_shape(fn: str, **fields: object) -> MoEShape:
+    """``config.MoEShape(**fields)`` with its errors re-worded in the facade's argument names."""
+    try:
+        return MoEShape(**fields)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        arg, _, rest = str(exc).partition(": ")
+        raise type(exc)(f"{fn}: {_FACADE_NAMES.get(arg, arg)}: {rest}") from exc

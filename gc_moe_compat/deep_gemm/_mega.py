@@ -1,0 +1,164 @@
+"""The Mega MoE calls: validate every argument exactly, then run the GC-MoE operator.
+
+``fp8_fp4_mega_moe`` (FP8 activations x MXFP4 routed weights, recipe ``(1, 1, 32)``) and ``fp8_mega_moe`` (SGLang's
+Hopper call: FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``) check the buffer, the output, the
+weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then call
+:func:`gc_moe_compat.operator.mega_moe`. DeepGEMM options GC-MoE lacks (NVFP4, BF16, TRT-LLM layout, post-expert
+norm, ...) raise NotImplementedError naming the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gc_moe_compat import config, operator
+from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat.deep_gemm._buffer import SymmBuffer
+
+__all__ = ["bf16_mega_moe", "fp8_fp4_mega_moe", "fp8_mega_moe", "nvfp4_mega_moe"]
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _live_buffer(fn: str, sym_buffer: object) -> SymmBuffer:
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f"{fn}: sym_buffer must come from gc_moe_compat's get_symm_buffer_for_mega_moe, "
+                        f"got {type(sym_buffer).__module__}.{type(sym_buffer).__name__}")
+    if sym_buffer.buffer is None:
+        raise ValueError(f"{fn}: sym_buffer was destroyed")
+    return sym_buffer
+
+
+def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
+         shared_l1_weights: object, shared_l2_weights: object, stats: object, recipe: object,
+         activation: object, activation_clamp: object, fast_math: object) -> None:
+    """Checks common to both calls, then the operator."""
+    buf = _live_buffer(fn, sym_buffer)
+    _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS, _checks.DEEPGEMM_ONLY_ACTIVATIONS)
+    if activation_clamp is not None:
+        activation_clamp = _checks.finite_float(fn, "activation_clamp", activation_clamp, positive=True)
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"{fn}: fast_math must be a bool, got {type(fast_math).__name__}")
+    shape = config.MoEShape(
+        num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
+        intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,
+        capacity=buf.num_max_tokens_per_rank, mma_type=mma_type)
+    y = _checks.tensor(fn, "y", y, (torch.bfloat16,), 2)
+    num_tokens = y.shape[0]
+    try:
+        config.validate(shape, x=buf.x[:num_tokens], x_sf=buf.x_sf[:num_tokens], topk_idx=buf.topk_idx[:num_tokens],
+                        topk_weights=buf.topk_weights[:num_tokens], y=y, l1_weights=l1_weights, l2_weights=l2_weights,
+                        shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
+                        num_tokens=num_tokens, check_values=False)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{fn}: {exc}") from exc
+    if stats is not None:
+        stats = _checks.tensor(fn, "cumulative_local_expert_recv_stats", stats, (torch.int32,), 1)
+        if stats.shape[0] != shape.num_local_experts or stats.device != y.device:
+            raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be int32 [{shape.num_local_experts}] "
+                             f"on {y.device}, got {tuple(stats.shape)} on {stats.device}")
+    operator.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
+                      shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
+                      recipe=tuple(recipe), activation_clamp=activation_clamp, fast_math=fast_math)
+
+
+def fp8_fp4_mega_moe(y: torch.Tensor,
+                     l1_weights: _Pair,
+                     l2_weights: _Pair,
+                     sym_buffer: SymmBuffer,
+                     shared_l1_weights: _Pair | None = None,
+                     shared_l2_weights: _Pair | None = None,
+                     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                     recipe: tuple[int, int, int] = (1, 1, 32),
+                     activation: str = 'swiglu',
+                     activation_clamp: float | None = None,
+                     fast_math: bool = True,
+                     use_x_scales: bool = False,
+                     l1_alphas: torch.Tensor | None = None,
+                     l2_alphas: torch.Tensor | None = None,
+                     l2_act_scales: torch.Tensor | None = None,
+                     weight_layout: str = 'megamoe',
+                     global_num_tokens: int | None = None,
+                     post_expert_norm: bool = False,
+                     post_expert_norm_weight: torch.Tensor | None = None,
+                     post_expert_norm_eps: float = 1e-6,
+                     post_expert_norm_weight_first: bool = False):
+    """One MoE layer, FP8 activations x MXFP4 routed weights (FP8 shared weights): ``y [T, H]`` bf16 in place."""
+    fn = "fp8_fp4_mega_moe"
+    if tuple(recipe) == (1, 1, 16):
+        raise NotImplementedError(f"{fn}: recipe=(1, 1, 16) is NVFP4: GC-MoE has no NVFP4 path")
+    _checks.choice(fn, "recipe", tuple(recipe), ((1, 1, 32),), ())
+    _checks.choice(fn, "weight_layout", weight_layout, ("megamoe",), ("trtllm",))
+    _checks.unsupported_feature(fn, "use_x_scales", use_x_scales, False, "per-token outer scales (NVFP4 only)")
+    for arg, value in (("l1_alphas", l1_alphas), ("l2_alphas", l2_alphas), ("l2_act_scales", l2_act_scales)):
+        _checks.unsupported_feature(fn, arg, value, None, "NVFP4 per-expert alphas / activation scales")
+    for arg, value, default in (("post_expert_norm", post_expert_norm, False),
+                                ("post_expert_norm_weight", post_expert_norm_weight, None),
+                                ("post_expert_norm_eps", post_expert_norm_eps, 1e-6),
+                                ("post_expert_norm_weight_first", post_expert_norm_weight_first, False)):
+        _checks.unsupported_feature(fn, arg, value, default, "fused post-expert norm")
+    if global_num_tokens is not None and isinstance(sym_buffer, SymmBuffer):
+        _checks.integer(fn, "global_num_tokens", global_num_tokens, 0,
+                        sym_buffer.shape.num_ranks * sym_buffer.num_max_tokens_per_rank)
+    _run(fn, "fp8xfp4", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
+         cumulative_local_expert_recv_stats, recipe, activation, activation_clamp, fast_math)
+
+
+def fp8_mega_moe(y: torch.Tensor,
+                 l1_weights: _Pair,
+                 l2_weights: _Pair,
+                 sym_buffer: SymmBuffer,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                 recipe: tuple[int, int, int] = (128, 128, 128),
+                 activation: str = 'swiglu',
+                 activation_clamp: float | None = None,
+                 fast_math: bool = True):
+    """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights (SGLang's Hopper path): ``y`` in place."""
+    fn = "fp8_mega_moe"
+    _checks.choice(fn, "recipe", tuple(recipe), ((128, 128, 128),), ())
+    _run(fn, "fp8xfp8", y, l1_weights, l2_weights, sym_buffer, None, None, cumulative_local_expert_recv_stats,
+         recipe, activation, activation_clamp, fast_math)
+
+
+def nvfp4_mega_moe(y: torch.Tensor,
+                   l1_weights: _Pair,
+                   l2_weights: _Pair,
+                   sym_buffer: SymmBuffer,
+                   shared_l1_weights: _Pair | None = None,
+                   shared_l2_weights: _Pair | None = None,
+                   cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                   activation: str = 'swiglu',
+                   activation_clamp: float | None = None,
+                   fast_math: bool = True,
+                   use_x_scales: bool = False,
+                   l1_alphas: torch.Tensor | None = None,
+                   l2_alphas: torch.Tensor | None = None,
+                   l2_act_scales: torch.Tensor | None = None,
+                   weight_layout: str = 'megamoe',
+                   global_num_tokens: int | None = None,
+                   post_expert_norm: bool = False,
+                   post_expert_norm_weight: torch.Tensor | None = None,
+                   post_expert_norm_eps: float = 1e-6,
+                   post_expert_norm_weight_first: bool = False):
+    """SGLang pin's NVFP4 x NVFP4 layer: GC-MoE has no NVFP4 path."""
+    raise NotImplementedError("nvfp4_mega_moe: GC-MoE has no NVFP4 path (mma_type='nvfp4xnvfp4')")
+
+
+def bf16_mega_moe(y: torch.Tensor,
+                  l1_weights: torch.Tensor,
+                  l2_weights: torch.Tensor,
+                  sym_buffer: SymmBuffer,
+                  shared_l1_weights: torch.Tensor | None = None,
+                  shared_l2_weights: torch.Tensor | None = None,
+                  cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                  activation: str = 'swiglu',
+                  activation_clamp: float | None = None,
+                  fast_math: bool = True,
+                  weight_layout: str = 'megamoe',
+                  global_num_tokens: int | None = None,
+                  post_expert_norm: bool = False,
+                  post_expert_norm_weight: torch.Tensor | None = None,
+                  post_expert_norm_eps: float = 1e-6,
+                  post_expert_norm_weight_first: bool = False):
+    """DeepGEMM's BF16 layer: GC-MoE has no BF16 path."""
+    raise NotImplementedError("bf16_mega_moe: GC-MoE has no BF16 Mega MoE path (mma_type='bf16xbf16')")

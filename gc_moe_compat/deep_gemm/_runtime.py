@@ -1,0 +1,78 @@
+"""``get_num_sms`` / ``set_num_sms`` and ``get_block_m_for_mega_moe``: pure-host settings and heuristics.
+
+``set_num_sms`` records how many SMs the Mega MoE operator may use in this process (DeepGEMM keeps the same
+process-wide value; SGLang lowers it around its Mega MoE calls on Blackwell). The operator splits that budget into
+its communication and compute green contexts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gc_moe_compat.deep_gemm import _checks
+
+__all__ = ["BLOCK_M_CANDIDATES", "get_block_m_for_mega_moe", "get_num_sms", "set_num_sms"]
+
+# The SM90 operator's token block sizes (paper §4.4, Hopper path: "BM in {8, 16, 32, 64}").
+BLOCK_M_CANDIDATES = (8, 16, 32, 64)
+
+_num_sms: int | None = None
+
+
+def _device_num_sms() -> int | None:
+    """SM count of the current CUDA device, or None on a host without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def get_num_sms() -> int:
+    """SMs the operator may use: the value last set, else every SM of the current device.
+
+    Raises RuntimeError on a host with no CUDA device when nothing was set (there is no default to report).
+    """
+    if _num_sms is not None:
+        return _num_sms
+    device = _device_num_sms()
+    if device is None:
+        raise RuntimeError("get_num_sms: no CUDA device is visible and set_num_sms() was not called")
+    return device
+
+
+def set_num_sms(new_num_sms: int, /) -> None:
+    """Limit the operator to ``new_num_sms`` SMs: ``0 < new_num_sms <= device SMs`` (DeepGEMM's own check)."""
+    global _num_sms
+    device = _device_num_sms()
+    _num_sms = _checks.integer("set_num_sms", "new_num_sms", new_num_sms, 1, device)
+
+
+def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
+                             num_max_tokens_per_rank: int, num_tokens: int,
+                             num_topk: int, mma_type: str = 'fp8xfp4',
+                             global_num_tokens: int | None = None) -> int:
+    """Token block size ``BM`` the SM90 operator picks for this call.
+
+    Heuristic (the paper's block-size rule, restricted to the Hopper candidates): the expected tokens per expert
+    ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the tokens all EP ranks send this call,
+    DeepGEMM's meaning), else ``num_tokens * num_ranks``; a one-sigma routing margin ``m + sqrt(m)`` is covered with
+    the smallest candidate in ``BLOCK_M_CANDIDATES``, capped at 64 (larger loads use several blocks per expert).
+    Pure host arithmetic; callers pass the same arguments as to the kernel call so both agree.
+    """
+    fn = "get_block_m_for_mega_moe"
+    _checks.integer(fn, "num_ranks", num_ranks, 1)
+    _checks.integer(fn, "num_experts", num_experts, 1)
+    if num_experts % num_ranks:
+        raise ValueError(f"{fn}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
+    _checks.integer(fn, "num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    _checks.integer(fn, "num_tokens", num_tokens, 0, num_max_tokens_per_rank)
+    _checks.integer(fn, "num_topk", num_topk, 1, num_experts)
+    _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
+    if global_num_tokens is None:
+        total = num_tokens * num_ranks
+    else:
+        total = _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)
+    expected = total * num_topk / num_experts
+    covered = expected + math.sqrt(expected)
+    return next((bm for bm in BLOCK_M_CANDIDATES if bm >= covered), BLOCK_M_CANDIDATES[-1])

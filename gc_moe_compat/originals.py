@@ -1,0 +1,79 @@
+"""The real ``deep_gemm`` / ``deep_ep``, loadable in the same process as the swapped facades (for A/B runs).
+
+``load(name)`` finds the installed package with the path-based finder only (so the swap's meta-path hook, which
+maps ``deep_gemm`` to the facade, is bypassed) and executes it under the alias ``gc_moe_compat.originals.<name>``.
+Both DeepGEMM builds import their own submodules and ``_C`` relatively, so they load unchanged under the alias.
+When the swap is off and the real package is already imported as ``<name>``, that module is returned as is.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+__all__ = ["ALIAS_PREFIX", "NAMES", "alias", "load", "location"]
+
+NAMES = ("deep_gemm", "deep_ep")
+ALIAS_PREFIX = "gc_moe_compat.originals."
+
+
+def alias(name: str) -> str:
+    """The ``sys.modules`` key the original ``name`` is loaded under."""
+    return ALIAS_PREFIX + name
+
+
+def _check(name: str) -> None:
+    if name not in NAMES:
+        raise ValueError(f"originals: name must be one of {NAMES}, got {name!r}")
+
+
+def location(name: str) -> str | None:
+    """``__init__.py`` of the installed original ``name`` on ``sys.path``, or None when there is none."""
+    _check(name)
+    spec = importlib.machinery.PathFinder.find_spec(name)
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
+        return None
+    return spec.origin
+
+
+def _already_imported(name: str) -> ModuleType | None:
+    """``sys.modules[name]`` when it is the real package (not the facade the swap put there)."""
+    module = sys.modules.get(name)
+    if module is None or module.__name__.startswith("gc_moe_compat."):
+        return None
+    return module
+
+
+def load(name: str) -> ModuleType:
+    """Import the original ``name`` (once; later calls return the same module).
+
+    Raises ImportError naming the package when none is installed or when it fails to load (for example a compiled
+    extension built against another torch or driver); the cause is chained.
+    """
+    _check(name)
+    key = alias(name)
+    if key in sys.modules:
+        return sys.modules[key]
+    module = _already_imported(name)
+    if module is not None:
+        return module
+    origin = location(name)
+    if origin is None:
+        raise ImportError(f"no original {name} package is installed on sys.path", name=name)
+    spec = importlib.util.spec_from_file_location(key, origin, submodule_search_locations=[os.path.dirname(origin)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        for loaded in [k for k in sys.modules if k == key or k.startswith(key + ".")]:
+            del sys.modules[loaded]
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise ImportError(f"the original {name} at {origin} failed to load: {type(exc).__name__}: {exc}",
+                          name=name, path=origin) from exc
+    return module

@@ -1,0 +1,193 @@
+"""The facade's signatures equal DeepGEMM's (committed JSON), and SGLang 0.5.23's deep_gemm call sites bind to them.
+
+The JSON comes from ``scripts/gen_signatures.py`` (``deepinfer-gemm==2.8.2`` and ``sgl-deep-gemm==0.2.3.post2``).
+The SGLang wheel is fetched from the registry at test time into ``~/.cache/gc_moe_compat/registry`` (skipped, with
+the reason, only when the registry cannot be reached).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import gc_moe_compat.deep_gemm as facade
+
+SIGNATURES = json.loads((Path(__file__).parent / "data" / "deep_gemm_mega_moe.json").read_text())
+SGL_PIN = "sgl-deep-gemm==0.2.3.post2"
+UPSTREAM = "deepinfer-gemm==2.8.2"
+CACHE = Path.home() / ".cache" / "gc_moe_compat" / "registry"
+SGLANG = ("sglang", "0.5.23")
+SGLANG_FILES = ("sglang/srt/layers/moe/mega_moe.py", "sglang/srt/layers/moe/mega_moe_sm90.py")
+
+
+def _ours(name: str) -> inspect.Signature:
+    obj = facade
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return inspect.signature(obj)
+
+
+def _as_records(sig: inspect.Signature) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
+
+
+def _expected(params: list[dict]) -> list[tuple[str, str, object]]:
+    empty = inspect.Parameter.empty
+    return [(p["name"], p["kind"], empty if p["default"] is None else ast.literal_eval(p["default"])) for p in params]
+
+
+def _python_entries(name: str) -> dict[str, list[dict]]:
+    return {pin: e["params"] for pin, e in SIGNATURES["names"][name].items() if e and e["params"] is not None}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES["names"]))
+def test_name_exists_in_facade(name: str) -> None:
+    obj = facade
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    assert callable(obj)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SIGNATURES["names"] if _python_entries(n)))
+def test_signature_equals_sglang_pin_and_extends_upstream(name: str) -> None:
+    entries = _python_entries(name)
+    ours = _as_records(_ours(name))
+    if "." in name:  # a method: drop ``self``
+        entries = {pin: params[1:] for pin, params in entries.items()}
+        ours = ours[1:] if ours and ours[0][0] == "self" else ours
+    # The union of both packages is SGLang's pin where it has the name (a superset of upstream), else upstream.
+    reference = entries.get(SGL_PIN, entries.get(UPSTREAM))
+    assert ours == _expected(reference)
+    for params in entries.values():  # every package's parameters are a prefix of ours (same names, order, defaults)
+        assert ours[: len(params)] == _expected(params)
+    for (_, _, default), (_, _, want) in zip(ours, _expected(reference), strict=True):
+        assert type(default) is type(want)
+
+
+def test_compiled_names_take_deepgemm_arguments() -> None:
+    """``get_num_sms``/``set_num_sms`` are compiled in both packages: no arguments / one positional."""
+    assert SIGNATURES["names"]["set_num_sms"][SGL_PIN]["params"] is None
+    assert len(_ours("get_num_sms").parameters) == 0
+    _ours("set_num_sms").bind(132)
+
+
+def test_sglang_hopper_gate_attributes() -> None:
+    assert hasattr(facade, "fp8_mega_moe") and hasattr(facade, "mega_moe_pre_dispatch_sm90")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# SGLang 0.5.23 call sites
+
+
+def _registry_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _sglang_wheel() -> Path:
+    name, version = SGLANG
+    CACHE.mkdir(parents=True, exist_ok=True)
+    cached = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
+    if cached:
+        return cached[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
+           "--platform", "manylinux_2_34_x86_64", "-q", "-d", str(CACHE), f"{name}=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        if not _registry_reachable():
+            pytest.skip(f"the package registry (pypi.org) is unreachable, cannot fetch {name}=={version}")
+        raise AssertionError(f"pip download {name}=={version} failed:\n{proc.stderr}")
+    (wheel,) = CACHE.glob(f"{name}-{version}-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def sglang_sources() -> dict[str, str]:
+    with zipfile.ZipFile(_sglang_wheel()) as zf:
+        names = zf.namelist()
+        found = {}
+        for path in SGLANG_FILES:
+            (member,) = [n for n in names if n.endswith(path)]
+            found[path] = zf.read(member).decode()
+    return found
+
+
+def _kwarg_keys(func: ast.AST, name: str) -> set[str]:
+    """String keys ever put into the dict ``name`` inside ``func`` (literal or ``name["k"] = ...``)."""
+    keys: set[str] = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+                    keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                        and target.value.id == name and isinstance(target.slice, ast.Constant)):
+                    keys.add(target.slice.value)
+    return keys
+
+
+def _deep_gemm_calls(source: str) -> list[tuple[str, int, int, set[str]]]:
+    """Every call of a ``deep_gemm`` function: (name, line, positional count, keyword names).
+
+    Names come from ``import deep_gemm [as m]`` (``m.name(...)``), ``from deep_gemm import name [as n]`` and a
+    parameter named ``deep_gemm``, scoped to the function they appear in; ``**d`` is resolved to the keys ``d`` is
+    built with.
+    """
+    tree = ast.parse(source)
+    calls = []
+    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for scope in scopes:
+        module_aliases, direct = set(), {}
+        body_nodes = scope.body if scope is tree else list(ast.walk(scope))
+        for node in body_nodes:
+            if isinstance(node, ast.Import):
+                module_aliases |= {a.asname or a.name for a in node.names if a.name == "deep_gemm"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "deep_gemm":
+                direct.update({a.asname or a.name: a.name for a in node.names})
+        if scope is not tree:  # SGLang also passes the module around as a parameter named ``deep_gemm``
+            module_aliases |= {a.arg for a in scope.args.args if a.arg == "deep_gemm"}
+        if scope is tree or not (module_aliases or direct):
+            continue
+        for node in ast.walk(scope):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in module_aliases:
+                name = f.attr
+            elif isinstance(f, ast.Name) and f.id in direct:
+                name = direct[f.id]
+            else:
+                continue
+            keywords = {k.arg for k in node.keywords if k.arg is not None}
+            for k in node.keywords:
+                if k.arg is None and isinstance(k.value, ast.Name):
+                    keywords |= _kwarg_keys(scope, k.value.id)
+            calls.append((name, node.lineno, len(node.args), keywords))
+    return sorted(set((n, line, pos, frozenset(kw)) for n, line, pos, kw in calls))
+
+
+def test_sglang_call_sites_bind(sglang_sources: dict[str, str]) -> None:
+    seen = set()
+    for path, source in sglang_sources.items():
+        for name, line, npos, keywords in _deep_gemm_calls(source):
+            seen.add(name)
+            fn = getattr(facade, name)
+            try:
+                inspect.signature(fn).bind(*[object()] * npos, **dict.fromkeys(keywords, object()))
+            except TypeError as exc:
+                pytest.fail(f"{path}:{line}: deep_gemm.{name}({npos} positional, {sorted(keywords)}) does not bind: "
+                            f"{exc}")
+    assert {"fp8_mega_moe", "mega_moe_pre_dispatch_sm90", "fp8_fp4_mega_moe", "get_symm_buffer_for_mega_moe",
+            "get_block_m_for_mega_moe", "transform_sf_into_required_layout", "transform_weights_for_mega_moe",
+            "get_num_sms", "set_num_sms", "mega_moe_pre_dispatch"} <= seen
