@@ -44,6 +44,14 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def _dirty() -> bool | None:
+    """Whether tracked files differ from HEAD (``GC_MOE_GIT_DIRTY`` where the copy has no git metadata)."""
+    if os.environ.get("GC_MOE_GIT_DIRTY"):
+        return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
 def _driver_version() -> str:
     try:
         out = subprocess.run(
@@ -75,21 +83,26 @@ def graphs(part: Partition) -> dict[str, GreenGraph]:
     }
 
 
-def time_windows(window: Callable[[], None], warmup: int, windows: int) -> list[float]:
-    """Per-launch microseconds of each measured window (CUDA events around PER_WINDOW launches)."""
+def time_windows(window: Callable[[], None], warmup: int, windows: int) -> tuple[list[float], float]:
+    """Per-launch device microseconds of each measured window (CUDA events around PER_WINDOW launches), and the
+    median host microseconds per launch spent issuing them (when it exceeds the device time, launches are host-bound).
+    """
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # >= 2x the H200's 50 MiB L2
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    results = []
+    device_us, host_us = [], []
     for i in range(warmup + windows):
         flush.zero_()
         torch.cuda.synchronize()
         start.record()
+        t0 = time.perf_counter()
         window()
+        t1 = time.perf_counter()
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
-            results.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
-    return results
+            device_us.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
+            host_us.append((t1 - t0) * 1e6 / PER_WINDOW)
+    return device_us, statistics.median(host_us)
 
 
 def direct_window(graph: GreenGraph) -> Callable[[], None]:
@@ -119,7 +132,8 @@ def summarize(case: str, nodes: int, how: str, samples: list[float], host_us: fl
         "latency_us": {"replay": statistics.median(samples)},
         "p10_us": ordered[len(ordered) // 10],
         "p90_us": ordered[(len(ordered) * 9) // 10],
-        "host_us_per_launch": host_us,
+        "host_us_per_launch": host_us,  # captured: one outer replay issues all 100, amortized per graph
+        "host_bound": host_us > statistics.median(samples),
         "windows_us": samples,
     }
 
@@ -157,21 +171,16 @@ def main() -> None:
     points = []
     keep = []
     for case, graph in graphs(part).items():
-        window = direct_window(graph)
-        t0 = time.perf_counter()
-        samples = time_windows(window, args.warmup, args.windows)
-        host = (time.perf_counter() - t0) * 1e6 / ((args.warmup + args.windows) * PER_WINDOW)
+        samples, host = time_windows(direct_window(graph), args.warmup, args.windows)
         points.append(summarize(case, len(graph.nodes), "direct", samples, host))
         replay, outer = captured_window(graph)
         keep.append(outer)
-        points.append(
-            summarize(case, len(graph.nodes), "captured", time_windows(replay, args.warmup, args.windows), None)
-        )
+        samples, host = time_windows(replay, args.warmup, args.windows)
+        points.append(summarize(case, len(graph.nodes), "captured", samples, host))
 
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
     meta = {
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA", "unknown"),
-        "dirty": bool(dirty) if dirty is not None else os.environ.get("GC_MOE_GIT_DIRTY", "unknown"),
+        "git_sha": os.environ.get("GC_MOE_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
+        "dirty": _dirty(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "driver": _driver_version(),

@@ -73,6 +73,34 @@ def test_sm_confinement(wanted):
     assert max(seen[Role.COMM] | seen[Role.COMPUTE]) < total_sms()
 
 
+def test_graph_nodes_stay_on_their_partition():
+    """Kernel nodes bound to green contexts run on their partition, launched directly and inside a torch capture."""
+    part = get_partition(16)
+    kernel = module().kernel("rt_record_smid")
+    comm = torch.full((4 * part.dispatch_sms,), -1, dtype=torch.int32, device="cuda")
+    compute = torch.full((4 * part.compute_sms,), -1, dtype=torch.int32, device="cuda")
+    graph = get_graph(
+        [
+            KernelNode.make("comm", kernel, Role.COMM, comm.numel(), 1024, KernelArgs(ptr(comm), u64(100_000))),
+            KernelNode.make(
+                "compute", kernel, Role.COMPUTE, compute.numel(), 1024, KernelArgs(ptr(compute), u64(100_000))
+            ),
+        ],
+        part,
+    )
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        graph.launch()
+    for run in (graph.launch, outer.replay):
+        comm.fill_(-1)
+        compute.fill_(-1)
+        run()
+        torch.cuda.synchronize()
+        a, b = set(comm.tolist()), set(compute.tolist())
+        assert -1 not in a | b
+        assert (len(a), len(b)) == (part.dispatch_sms, part.compute_sms) and not a & b
+
+
 def _spin_setter_nodes(part, flag, target, status, wait_ns, scratch, setter_first):
     mod = module()
     spinner = KernelNode.make(
@@ -97,7 +125,7 @@ def _spin_setter_nodes(part, flag, target, status, wait_ns, scratch, setter_firs
 
 
 @pytest.mark.parametrize("setter_first", [False, True])
-def test_coresidency_in_one_graph(setter_first, record_property):
+def test_coresidency_in_one_graph(setter_first):
     """A grid filling the compute partition waits on a flag set by a root on the communication partition."""
     part = get_partition()
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -110,11 +138,10 @@ def test_coresidency_in_one_graph(setter_first, record_property):
         graph.launch()
         torch.cuda.synchronize()
         raise_for_status(status, "co-residency graph", SITES)
-    record_property("max_wait_us", wait_ns.item() / 1e3)
     print(f"co-residency in one graph (setter first={setter_first}): flag seen after {wait_ns.item() / 1e3:.1f} us")
 
 
-def test_undivided_device_contrast(record_property):
+def test_undivided_device_contrast():
     """The same two kernels on two streams of the undivided device: reported, never failed on (FACTS.md)."""
     mod = module()
     spin, setter = mod.kernel("rt_spin_on_flag"), mod.kernel("rt_set_flag")
@@ -135,7 +162,6 @@ def test_undivided_device_contrast(record_property):
         outcome = f"flag seen after {wait_ns.item() / 1e3:.1f} us (kernels overlapped)"
     except DeviceTimeoutError:
         outcome = "flag not seen within 1 s (kernels serialized)"
-    record_property("undivided_outcome", outcome)
     print(f"undivided device, {blocks} x 1024 spinner + setter on two streams: {outcome}")
 
 
