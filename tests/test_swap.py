@@ -1,0 +1,165 @@
+"""The GC_MOE_SWAP import hook in fresh interpreters: on, off, partial, bad values, originals beside the facade.
+
+Each case runs ``sys.executable -c ...`` with its own environment, so the ``.pth`` installed with the package sees the
+variable at interpreter start exactly as a serving process does. A tiny stand-in ``deep_gemm`` / ``deep_ep`` on
+``PYTHONPATH`` plays the installed originals.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+FACADE = "gc_moe_compat.deep_gemm"
+
+
+@pytest.fixture(scope="module")
+def originals_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stand-ins for the real packages: relative imports only, like both DeepGEMM builds."""
+    root = tmp_path_factory.mktemp("originals")
+    pkg = root / "deep_gemm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import _impl\nfrom ._impl import fp8_gemm_nt\nORIGINAL = True\n")
+    (pkg / "_impl.py").write_text("def fp8_gemm_nt(a, b, d):\n    return 'original fp8_gemm_nt'\n")
+    (pkg / "utils.py").write_text("from . import _impl\nWHO = 'original utils'\n")
+    (root / "deep_ep").mkdir()
+    (root / "deep_ep" / "__init__.py").write_text("ORIGINAL = True\n")
+    return root
+
+
+def _run(code: str, swap: str | None, path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GC_MOE_SWAP", "PYTHONPATH")}
+    if swap is not None:
+        env["GC_MOE_SWAP"] = swap
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _ok(code: str, swap: str | None, path: Path | None = None) -> str:
+    proc = _run(code, swap, path)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("swap", [None, "0", ""])
+def test_off_imports_nothing_and_keeps_originals(originals_dir: Path, swap: str | None) -> None:
+    out = _ok("""
+        import sys
+        print('gc_moe_compat' in sys.modules)
+        import deep_gemm, deep_ep
+        print(deep_gemm.__name__, deep_gemm.ORIGINAL, deep_ep.ORIGINAL)
+    """, swap, originals_dir)
+    assert out.split() == ["False", "deep_gemm", "True", "True"]
+
+
+@pytest.mark.parametrize("swap", ["1", "deep_gemm"])
+def test_deep_gemm_swapped_with_original_beside(originals_dir: Path, swap: str) -> None:
+    out = _ok("""
+        import sys
+        import deep_gemm
+        import deep_gemm.mega
+        from deep_gemm import fp8_mega_moe, mega_moe_pre_dispatch_sm90
+        import deep_gemm.utils
+        from gc_moe_compat import originals
+        print(deep_gemm.__name__, deep_gemm.mega.__name__, fp8_mega_moe.__module__)
+        print(deep_gemm.fp8_gemm_nt(1, 2, 3).replace(' ', '_'))
+        print(deep_gemm.utils.WHO.replace(' ', '_'), deep_gemm.utils.__name__)
+        print(originals.load('deep_gemm').ORIGINAL, sys.modules['deep_gemm'] is deep_gemm)
+    """, swap, originals_dir)
+    assert out.split() == [
+        FACADE, f"{FACADE}.mega", f"{FACADE}._mega",
+        "original_fp8_gemm_nt",
+        "original_utils", "gc_moe_compat.originals.deep_gemm.utils",
+        "True", "True",
+    ]
+
+
+def test_swap_one_deep_gemm_leaves_deep_ep(originals_dir: Path) -> None:
+    out = _ok("import deep_gemm, deep_ep; print(deep_gemm.__name__, deep_ep.ORIGINAL)", "deep_gemm", originals_dir)
+    assert out.split() == [FACADE, "True"]
+
+
+def test_swap_deep_ep_has_no_facade_yet(originals_dir: Path) -> None:
+    out = _ok("""
+        import deep_gemm
+        print(deep_gemm.ORIGINAL)
+        try:
+            import deep_ep
+        except ImportError as exc:
+            print(type(exc).__name__, '|', exc)
+    """, "deep_ep", originals_dir)
+    assert out.startswith("True\nImportError | GC_MOE_SWAP=deep_ep swaps deep_ep, but its facade gc_moe_compat.deep_ep "
+                          "is not implemented yet")
+    proc = _run("import deep_ep", "1", originals_dir)
+    assert proc.returncode == 1 and "gc_moe_compat.deep_ep is not implemented yet" in proc.stderr
+
+
+def test_forwarding_without_original() -> None:
+    out = _ok("""
+        import deep_gemm
+        print(hasattr(deep_gemm, 'get_compile_mode'))
+        try:
+            deep_gemm.fp8_gemm_nt
+        except AttributeError as exc:
+            print(type(exc).__name__, '|', exc)
+        try:
+            import deep_gemm.utils
+        except ImportError as exc:
+            print(type(exc).__name__, '|', exc)
+    """, "deep_gemm")
+    lines = out.splitlines()
+    assert lines[0] == "False"
+    assert lines[1].startswith("MissingOriginalError | deep_gemm.fp8_gemm_nt is not part of gc-moe-compat's Mega MoE")
+    assert "sgl-deep-gemm==0.2.3.post2" in lines[1] and "deepinfer-gemm==2.8.2" in lines[1]
+    assert lines[2].startswith("ModuleNotFoundError | No module named 'deep_gemm.utils': the gc_moe_compat.deep_gemm "
+                               "facade has no 'utils'")
+
+
+@pytest.mark.parametrize("value", ["bogus", "true", "deep_gemm,deep_ep", "2"])
+def test_bad_value_fails_on_import_only(originals_dir: Path, value: str) -> None:
+    quiet = _run("import json; print('fine')", value, originals_dir)  # unrelated programs are unaffected, silently
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "fine\n", "")
+    out = _ok("""
+        try:
+            import deep_gemm
+        except ImportError:
+            print('swallowed as ImportError')
+        except RuntimeError as exc:
+            print(type(exc).__name__, '|', exc)
+    """, value, originals_dir)
+    assert out == (f"SwapConfigError | GC_MOE_SWAP={value!r} is not a valid value: use 1 (deep_gemm and deep_ep), "
+                   "deep_gemm, deep_ep, or 0 / unset (off)\n")
+    check = _run("from gc_moe_compat.swap import main; raise SystemExit(main(['--check']))", value)
+    assert check.returncode == 2 and "configuration error" in check.stdout
+
+
+def test_logs_once() -> None:
+    proc = _run("""
+        import logging
+        logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')
+        import deep_gemm, deep_gemm.mega
+        import importlib; importlib.reload(deep_gemm.mega)
+    """, "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gc_moe_compat.swap")]
+    assert lines == ["gc_moe_compat.swap gc_moe_compat.swap (GC_MOE_SWAP=1): deep_gemm -> gc_moe_compat.deep_gemm, "
+                     "deep_ep -> gc_moe_compat.deep_ep"]
+
+
+def test_check_command(originals_dir: Path) -> None:
+    env = {**os.environ, "GC_MOE_SWAP": "deep_gemm", "PYTHONPATH": str(originals_dir)}
+    proc = subprocess.run([sys.executable, "-m", "gc_moe_compat.swap", "--check"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["GC_MOE_SWAP='deep_gemm'", "hook: installed, swapping deep_gemm"]
+    assert lines[2].startswith(f"deep_gemm: GC-MoE facade {FACADE} (")
+    assert lines[2].endswith(f"original: {originals_dir / 'deep_gemm' / '__init__.py'}")
+    assert lines[3] == f"deep_ep: original ({originals_dir / 'deep_ep' / '__init__.py'})"

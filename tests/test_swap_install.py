@@ -1,0 +1,34 @@
+"""The swap's ``.pth`` reaches site-packages: in this (editable) install and inside a built wheel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PTH = ROOT / "shims" / "gc_moe_compat_swap.pth"
+
+
+def test_pth_is_cheap_when_off() -> None:
+    """The one line does an env lookup and imports nothing unless the variable is set (``import os`` is free)."""
+    line = PTH.read_text()
+    assert line.count("\n") == 1 and line.startswith("import os; ")
+    assert 'os.environ.get("GC_MOE_SWAP", "0") not in ("", "0") and ' in line
+
+
+def test_pth_installed_in_this_environment() -> None:
+    installed = Path(sysconfig.get_paths()["purelib"]) / PTH.name
+    assert installed.read_text() == PTH.read_text(), "reinstall: pip install -e '.[test]'"
+
+
+def test_wheel_ships_pth_at_root(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("gc_moe_compat-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert zf.read(PTH.name) == PTH.read_bytes()
+    assert "gc_moe_compat/deep_gemm/__init__.py" in names and "gc_moe_compat/_swap_hook.py" in names
