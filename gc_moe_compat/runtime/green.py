@@ -103,14 +103,22 @@ class Partition:
         )
         self.workqueue_mode, self.workqueue_fallback_reason, descs = _descriptors(dev, [remainder, compute_res])
         self.comm = self._make_side(Role.COMM, int(remainder.sm.smCount), descs[0])
-        self.compute = self._make_side(Role.COMPUTE, int(compute_res.sm.smCount), descs[1])
+        try:
+            self.compute = self._make_side(Role.COMPUTE, int(compute_res.sm.smCount), descs[1])
+        except CudaError:
+            _destroy(self.comm)  # nothing ran on it yet
+            raise
         log.info("gc_moe_compat partition on cuda:%d: %s", device_index, self.describe())
 
     def _make_side(self, role: Role, sm_count: int, desc: driver.CUdevResourceDesc) -> GreenSide:
         flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
         green_ctx = call(driver.cuGreenCtxCreate, desc, self._dev, flags)
-        ctx = call(driver.cuCtxFromGreenCtx, green_ctx)
-        stream = call(driver.cuGreenCtxStreamCreate, green_ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        try:
+            ctx = call(driver.cuCtxFromGreenCtx, green_ctx)
+            stream = call(driver.cuGreenCtxStreamCreate, green_ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        except CudaError:
+            call(driver.cuGreenCtxDestroy, green_ctx)
+            raise
         return GreenSide(role=role, sm_count=sm_count, green_ctx=green_ctx, ctx=ctx, stream=stream)
 
     @property
@@ -174,12 +182,17 @@ class Partition:
                     call(driver.cuEventSynchronize, event)
                 finally:
                     call(driver.cuEventDestroy, event)
-                call(driver.cuStreamSynchronize, side.stream)
-                call(driver.cuStreamDestroy, side.stream)
-                call(driver.cuGreenCtxDestroy, side.green_ctx)
+                _destroy(side)
         finally:
             call(driver.cuCtxPopCurrent)
             call(driver.cuDevicePrimaryCtxRelease, self._dev)
+
+
+def _destroy(side: GreenSide) -> None:
+    """Waits for the side's stream, then destroys it and the green context."""
+    call(driver.cuStreamSynchronize, side.stream)
+    call(driver.cuStreamDestroy, side.stream)
+    call(driver.cuGreenCtxDestroy, side.green_ctx)
 
 
 _cache: dict[tuple[int, int, int, int], Partition] = {}
