@@ -19,6 +19,9 @@ __all__ = ["ALIAS_PREFIX", "NAMES", "alias", "load", "location"]
 NAMES = ("deep_gemm", "deep_ep")
 ALIAS_PREFIX = "gc_moe_compat.originals."
 
+# A failed load is remembered: feature probes (``hasattr``) must not re-execute a broken package on every call.
+_failures: dict[str, ImportError] = {}
+
 
 def alias(name: str) -> str:
     """The ``sys.modules`` key the original ``name`` is loaded under."""
@@ -51,18 +54,21 @@ def load(name: str) -> ModuleType:
     """Import the original ``name`` (once; later calls return the same module).
 
     Raises ImportError naming the package when none is installed or when it fails to load (for example a compiled
-    extension built against another torch or driver); the cause is chained.
+    extension built against another torch or driver); the cause is chained. A failure is cached for the process.
     """
     _check(name)
     key = alias(name)
     if key in sys.modules:
         return sys.modules[key]
+    if name in _failures:
+        raise _failures[name]
     module = _already_imported(name)
     if module is not None:
         return module
     origin = location(name)
     if origin is None:
-        raise ImportError(f"no original {name} package is installed on sys.path", name=name)
+        _failures[name] = ImportError(f"no original {name} package is installed on sys.path", name=name)
+        raise _failures[name]
     spec = importlib.util.spec_from_file_location(key, origin, submodule_search_locations=[os.path.dirname(origin)])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -74,6 +80,8 @@ def load(name: str) -> ModuleType:
             del sys.modules[loaded]
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        raise ImportError(f"the original {name} at {origin} failed to load: {type(exc).__name__}: {exc}",
-                          name=name, path=origin) from exc
+        error = ImportError(f"the original {name} at {origin} failed to load: {type(exc).__name__}: {exc}",
+                            name=name, path=origin)
+        _failures[name] = error
+        raise error from exc
     return module
