@@ -1,6 +1,7 @@
 """Setuptools hook: ship ``shims/gc_moe_compat_swap.pth`` at the top of site-packages (wheel and editable).
 
-Everything else is declared in ``pyproject.toml``. A ``.pth`` must sit in the site directory itself, which no
+Besides the package list (found here so that no subpackage is left out), everything is declared in
+``pyproject.toml``. A ``.pth`` must sit in the site directory itself, which no
 declarative setuptools option can target, so ``build_py`` copies it into the build root next to the packages (wheel
 builds), and ``editable_wheel`` copies it into the root of the editable wheel it assembles (``pip install -e``).
 ``tests/test_swap_install.py`` checks both.
@@ -9,7 +10,7 @@ builds), and ``editable_wheel`` copies it into the root of the editable wheel it
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -37,4 +38,7 @@ class EditableWheelWithPth(editable_wheel):
         return result
 
 
-setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})
+# Every subpackage of gc_moe_compat, found rather than listed so none is left out of the wheel, plus kernels/.
+PACKAGES = [*find_packages(include=["gc_moe_compat", "gc_moe_compat.*"]), "gc_moe_compat.kernels"]
+
+setup(packages=PACKAGES, cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})

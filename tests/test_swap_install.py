@@ -24,11 +24,18 @@ def test_pth_installed_in_this_environment() -> None:
     assert installed.read_text() == PTH.read_text(), "reinstall: pip install -e '.[test]'"
 
 
-def test_wheel_ships_pth_at_root(tmp_path: Path) -> None:
+def test_wheel_ships_pth_packages_and_kernels(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("gc_moe_compat-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         assert zf.read(PTH.name) == PTH.read_bytes()
-    assert "gc_moe_compat/deep_gemm/__init__.py" in names and "gc_moe_compat/_swap_hook.py" in names
+    assert "gc_moe_compat/_swap_hook.py" in names
+    subpackages = [p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "gc_moe_compat").rglob("__init__.py")]
+    for package in subpackages:
+        assert f"{package}/__init__.py" in names, f"{package} missing from the wheel"
+    kernel_sources = [p.relative_to(ROOT / "kernels").as_posix() for p in (ROOT / "kernels").rglob("*.cu*")]
+    assert kernel_sources, "kernels/ holds no CUDA sources"
+    for source in kernel_sources:
+        assert f"gc_moe_compat/kernels/{source}" in names, f"kernels/{source} missing from the wheel"
