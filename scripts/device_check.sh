@@ -31,7 +31,8 @@ done
 ((${#picked[@]})) && BENCHES=("${picked[@]}")
 mkdir -p "$OUT"
 
-{
+(
+  set -e  # any failing setup step fails the setup
   echo "== setup $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
   "$PY" -c "import sys, torch, cuda.bindings; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__, 'gpus', torch.cuda.device_count())"
@@ -40,10 +41,18 @@ mkdir -p "$OUT"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-} >"$OUT/setup.log" 2>&1
+  # The wheel installs on this Python too, with every subpackage and the kernel sources inside it.
+  rm -rf /tmp/gc_wheel /tmp/gc_wheel_site
+  "$PY" -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/gc_wheel . &&
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/gc_wheel_site /tmp/gc_wheel/gc_moe_compat-*.whl &&
+    (cd /tmp && PYTHONPATH=/tmp/gc_wheel_site "$PY" -c "import sys, importlib.resources as r, gc_moe_compat.runtime, \
+gc_moe_compat.deep_gemm, gc_moe_compat.reference; k = r.files('gc_moe_compat.kernels'); \
+print('wheel ok on', sys.version.split()[0], sorted(p.name for p in k.iterdir() if p.is_dir() and p.name != '__pycache__'))")
+) >"$OUT/setup.log" 2>&1
 setup_rc=$?
 if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
 if ((setup_rc)); then cat "$OUT/setup.log"; echo "setup failed ($setup_rc)"; exit "$setup_rc"; fi
+grep "^wheel ok" "$OUT/setup.log"
 
 test_rc=0
 if ((run_tests)); then
