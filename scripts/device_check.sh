@@ -15,7 +15,7 @@ export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-/tmp/gc_moe_cache}"
 PY="${PYTHON:-python3}"
 
 # Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
-BENCHES=(runtime_sm90)
+BENCHES=(runtime_sm90 gemm_sm90)
 
 run_tests=1 run_bench=1 picked=() pytest_k=()
 while (($#)); do
@@ -54,6 +54,22 @@ if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH="/tmp/site${PYTHON
 if ((setup_rc)); then cat "$OUT/setup.log"; echo "setup failed ($setup_rc)"; exit "$setup_rc"; fi
 grep "^wheel ok" "$OUT/setup.log"
 
+# DeepGEMM 2.8.2 (the SM90 GEMM baseline, FACTS.md): built from the carried sdist in the background while the tests
+# run; the benchmarks import it from /tmp/deepgemm with libstdc++ preloaded (its JIT crashes otherwise).
+dg_pid=
+if ((run_bench)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null; then
+  (
+    set -e
+    mkdir -p /tmp/elfutils
+    for deb in .whl/libdw-dev_*.deb .whl/libelf-dev_*.deb; do dpkg-deb -x "$deb" /tmp/elfutils; done
+    inc=/tmp/elfutils/usr/include lib=/tmp/elfutils/usr/lib/x86_64-linux-gnu
+    CPATH="$inc${CPATH:+:$CPATH}" LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}" \
+      LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_HOME=/usr/local/cuda \
+      "$PY" -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/deepgemm .whl/deepinfer_gemm-*.tar.gz
+  ) >"$OUT/deepgemm_build.log" 2>&1 &
+  dg_pid=$!
+fi
+
 test_rc=0
 if ((run_tests)); then
   timeout_opt=()
@@ -64,6 +80,14 @@ if ((run_tests)); then
 fi
 
 bench_rc=0
+if [[ -n "$dg_pid" ]]; then
+  if wait "$dg_pid"; then
+    export PYTHONPATH="/tmp/deepgemm${PYTHONPATH:+:$PYTHONPATH}" LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
+    export LD_LIBRARY_PATH="/tmp/elfutils/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  else
+    echo "DeepGEMM build failed (deepgemm_build.log); benchmarks record it as unavailable" >>"$OUT/bench.log"
+  fi
+fi
 if ((run_bench)); then
   for name in "${BENCHES[@]}"; do
     echo "== bench $name" >>"$OUT/bench.log"

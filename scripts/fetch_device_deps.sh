@@ -13,7 +13,10 @@ mkdir -p .whl
 PY="${PYTHON:-python3}"
 
 if [[ "${1:-}" == "--deepgemm" ]]; then
-  "$PY" -m pip download --no-deps --no-binary :all: "deepinfer-gemm==2.8.2" -d .whl
+  # `pip download` of this sdist fails here (its setup.py needs CUDA to produce metadata): take the file the
+  # registry's simple index lists for 2.8.2.
+  url=$(curl -fsS https://pypi.org/simple/deepinfer-gemm/ | grep -o 'https://[^"#]*deepinfer_gemm-2\.8\.2\.tar\.gz' | head -n 1)
+  (cd .whl && curl -fsSLO "$url")
   (cd .whl && apt-get download libdw-dev libelf-dev)
 fi
 du -sh .whl

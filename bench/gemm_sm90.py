@@ -1,0 +1,327 @@
+"""SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
+
+Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep): the rank-0 share of
+``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.sm90.workload). Operators, each captured in
+a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
+median window):
+
+* ``gc_fp8``: this library's FP8xFP8 kernels (W1 with the fused SwiGLU / routing weight / FP8 requant, W2 BF16).
+* ``deepgemm_pipeline``: ``m_grouped_fp8_gemm_nt_masked`` W1 on the same FP8 weights, SiLU-and-mul with clamp and
+  per-token 1x128 FP8 requant in torch, masked W2 (what SGLang's DeepEP low-latency path runs on Hopper).
+* ``deepgemm_gemms``: the two masked GEMMs alone.
+* ``gc_fp4``: not measured: the FP8xFP4 kernel does not exist (the point records why).
+
+Floor per point: the active experts' FP8 weight and scale bytes plus the rows' token payload in (FP8 + scales) and
+out (BF16), over the device-to-device copy bandwidth measured in the same run; efficiency = floor / latency.
+Accuracy per point: our partials against the quantization-faithful and BF16 model references.
+
+Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
+``python bench/gemm_sm90.py --out bench/results/gemm_sm90.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.reference import accuracy_metrics
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
+from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, ExpertGemmSM90, variant_defines
+from gc_moe_compat.sm90.heuristics import W1_SLABS, W2_SLABS, max_stages, tile_rows
+from gc_moe_compat.sm90.workload import CLAMP, Layer, Tokens, make_layer, make_tokens, reference_partials
+
+REPO = Path(__file__).resolve().parents[1]
+PER_WINDOW = 100
+TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _dirty() -> bool | None:
+    if os.environ.get("GC_MOE_GIT_DIRTY"):
+        return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return out.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
+def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
+    """Median over windows of (CUDA-event time of PER_WINDOW replays of a graph of ``fn``) / PER_WINDOW, in µs."""
+    fn()  # JIT / module load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # >= 2x the 50 MiB L2
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for i in range(warmup + windows):
+        flush.zero_()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(PER_WINDOW):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            samples.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
+    return statistics.median(samples)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written) of a 2 GiB copy, median of 10."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(12):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def floor_bytes(layer: Layer, counts: torch.Tensor) -> int:
+    """Active experts' FP8 weights + block scales, plus the rows' payload in (FP8 + FP32 1x128) and out (BF16)."""
+    h, inter = layer.l1.in_features, layer.l1.out_features // 2
+    per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
+    rows = int(counts.sum())
+    return int((counts > 0).sum()) * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
+
+
+class DeepGemmPipeline:
+    """DeepGEMM 2.8.2 SM90 masked pipeline on the same FP8 weights (natural gate-then-up L1 rows)."""
+
+    def __init__(self, dg, layer: Layer, tok: Tokens) -> None:  # noqa: ANN001 - the deep_gemm module
+        self.dg, self.layer = dg, layer
+        e, h = layer.l1.num_experts, layer.l1.in_features
+        self.inter = layer.l1.out_features // 2
+        idx = tok.topk_idx
+        counts = torch.bincount(idx[idx >= 0], minlength=e)
+        self.max_m = max(128, math.ceil(int(counts.max()) / 128) * 128)
+        self.masked_m = counts.to(torch.int32)
+        active = max(1, int((counts > 0).sum()))
+        self.expected_m = max(1, math.ceil(int(counts.sum()) / active))
+        dev = tok.x.device
+        self.x = torch.zeros(e, self.max_m, h, dtype=torch.float8_e4m3fn, device=dev)
+        self.x_sf = torch.ones(e, self.max_m, h // 128, dtype=torch.float32, device=dev)
+        for ex in range(e):
+            tokens = (idx == ex).any(dim=1).nonzero().squeeze(1)
+            self.x[ex, : tokens.numel()] = tok.x_fp8[tokens]
+            self.x_sf[ex, : tokens.numel()] = tok.x_sf[tokens]
+        self.d1 = torch.empty(e, self.max_m, 2 * self.inter, dtype=torch.bfloat16, device=dev)
+        self.a2 = torch.empty(e, self.max_m, self.inter, dtype=torch.float8_e4m3fn, device=dev)
+        self.a2_sf = torch.empty(e, self.max_m, self.inter // 128, dtype=torch.float32, device=dev)
+        self.d2 = torch.empty(e, self.max_m, h, dtype=torch.bfloat16, device=dev)
+        self.common = dict(recipe=(1, 128, 128), disable_ue8m0_cast=True)
+
+    def gemm1(self) -> None:
+        l1 = self.layer.l1
+        self.dg.m_grouped_fp8_gemm_nt_masked((self.x, self.x_sf), (l1.payload, l1.scales), self.d1, self.masked_m,
+                                             self.expected_m, **self.common)  # fmt: skip
+
+    def gemm2(self) -> None:
+        l2 = self.layer.l2
+        self.dg.m_grouped_fp8_gemm_nt_masked((self.a2, self.a2_sf), (l2.payload, l2.scales), self.d2, self.masked_m,
+                                             self.expected_m, **self.common)  # fmt: skip
+
+    def act_quant(self) -> None:
+        gate, up = self.d1[..., : self.inter].float(), self.d1[..., self.inter :].float()
+        gate = gate.clamp(max=CLAMP)
+        act = gate * torch.sigmoid(gate) * up.clamp(-CLAMP, CLAMP)
+        g = act.view(*act.shape[:-1], -1, 128)
+        sf = g.abs().amax(dim=-1).clamp(min=1e-10) / 448.0
+        self.a2.copy_((g / sf.unsqueeze(-1)).view_as(act).to(torch.float8_e4m3fn))
+        self.a2_sf.copy_(sf)
+
+    def pipeline(self) -> None:
+        self.gemm1()
+        self.act_quant()
+        self.gemm2()
+
+    def gemms(self) -> None:
+        self.gemm1()
+        self.gemm2()
+
+
+def sass_record(bms: set[int], pipelined: set[bool]) -> dict[str, object]:
+    """QGMMA / UTMALDG / local-memory counts and ptxas resources of the variants the benchmark ran."""
+    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    record = {}
+    for bm in sorted(bms):
+        for pipe in sorted(pipelined):
+            for epi, slabs in ((1, W1_SLABS), (2, W2_SLABS)):
+                defines = variant_defines(bm, epi, pipe, max_stages(bm, slabs))
+                cubin = jit.compile_cubin(SOURCE, defines)
+                try:
+                    text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True,
+                                          text=True, check=True).stdout  # fmt: skip
+                    ops = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL")}
+                except (OSError, subprocess.CalledProcessError) as err:
+                    ops = {"error": str(err)}
+                res = cubin.resources.get(KERNEL)
+                record[f"bm{bm}_{'pipelined' if pipe else 'plain'}_w{epi}"] = {
+                    "sass": ops,
+                    "resources": None if res is None else res.__dict__,
+                }
+    return record
+
+
+def plot(points: list[dict[str, object]], path: Path) -> None:
+    """Latency and efficiency versus tokens per rank, one panel pair per preset (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG written", file=sys.stderr)
+        return
+    presets = sorted({p["preset"] for p in points})
+    fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 7), squeeze=False)
+    for col, preset in enumerate(presets):
+        pts = [p for p in points if p["preset"] == preset]
+        ts = [p["tokens_per_rank"] for p in pts]
+        ax = axes[0][col]
+        for op in ("gc_fp8", "deepgemm_pipeline", "deepgemm_gemms"):
+            ys = [p["latency_us"].get(op) for p in pts]
+            if any(y is not None for y in ys):
+                ax.plot(ts, ys, marker="o", label=op)
+        ax.plot(ts, [p["floor_us"] for p in pts], "k--", label="floor (FP8 bytes / copy BW)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{preset}: latency (µs)")
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        ax.plot(ts, [p["efficiency"].get("gc_fp8") for p in pts], marker="o", label="gc_fp8 efficiency")
+        ax.plot(ts, [p["speedup"].get("vs_deepgemm_pipeline") for p in pts], marker="s", label="speedup vs DG pipeline")
+        ax.axhline(0.7, color="grey", lw=0.5)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.legend(fontsize=7)
+    fig.suptitle("SM90 expert GEMMs (W1 -> W2) on one H200, CUDA-graph replay")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/gemm_sm90.json")
+    parser.add_argument("--presets", nargs="+", default=["dsv41-flash", "glm52"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=30)
+    args = parser.parse_args()
+    torch.cuda.init()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        import deep_gemm as dg
+
+        dg_error = None
+    except Exception as err:  # noqa: BLE001 - any import failure is recorded, the rest still runs
+        dg, dg_error = None, f"{type(err).__name__}: {err}"
+    bandwidth = copy_bandwidth()
+    points, used_bm, used_pipe = [], set(), set()
+    for preset in args.presets:
+        layer = make_layer(preset, torch.device("cuda"), seed=1)
+        e = layer.l1.num_experts
+        for t in args.tokens:
+            tok = make_tokens(layer, t, seed=t)
+            tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
+            counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
+            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms)
+            used_bm.add(cfg.bm)
+            used_pipe.add(cfg.pipelined)
+            grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
+            gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
+            ws = gemm.workspace(grouped)
+            latency = {"gc_fp8": time_graph(lambda g=gemm, gr=grouped, w=ws: g.run(gr, w), args.warmup, args.windows)}
+            gemm.check()
+            ours = scatter_partials(gemm.run(grouped, ws).out, grouped, tok.x.shape[0], layer.topk)
+            ref, valid = reference_partials(layer, tok, faithful=True)
+            model, _ = reference_partials(layer, tok, faithful=False)
+            accuracy = {
+                "faithful": accuracy_metrics(ours[valid], ref[valid]),
+                "model": accuracy_metrics(ours[valid], model[valid]),
+            }
+            if dg is not None:
+                base = DeepGemmPipeline(dg, layer, tok)
+                latency["deepgemm_pipeline"] = time_graph(base.pipeline, args.warmup, args.windows)
+                latency["deepgemm_gemms"] = time_graph(base.gemms, args.warmup, args.windows)
+            floor_us = floor_bytes(layer, counts) / bandwidth * 1e6
+            point = {
+                "preset": preset,
+                "mma_type": "fp8xfp8",
+                "shared": False,
+                "tokens_per_rank": t,
+                "rows": int(counts.sum()),
+                "active_experts": int((counts > 0).sum()),
+                "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "stages": [cfg.stages_w1, cfg.stages_w2]},
+                "latency_us": latency,
+                "per_rank_us": {op: [v] for op, v in latency.items()},
+                "floor_us": floor_us,
+                "efficiency": {op: floor_us / v for op, v in latency.items()},
+                "speedup": {
+                    f"vs_{op}": v / latency["gc_fp8"] for op, v in latency.items() if op.startswith("deepgemm")
+                },
+                "fp8xfp4": "not measured: the FP8xFP4 register-A kernel is not implemented",
+                "accuracy": accuracy,
+            }
+            points.append(point)
+            print(json.dumps({k: point[k] for k in ("preset", "tokens_per_rank", "config", "latency_us", "floor_us")}))
+            del gemm, ws, grouped
+        del layer
+        torch.cuda.empty_cache()
+    meta = {
+        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA"),
+        "dirty": _dirty(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "driver": _driver(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": 1,
+        "partition": {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
+        "command": " ".join(["python", "bench/gemm_sm90.py", *sys.argv[1:]]),
+        "timing": {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW},
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "deepgemm": "deepinfer-gemm 2.8.2 (built on the device)" if dg is not None else f"unavailable: {dg_error}",
+        "targets": TARGETS,
+        "sass": sass_record(used_bm, used_pipe),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    plot(points, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Host entry point of the SM90 expert GEMMs: weights prepared for the kernels, variants compiled, W1 -> W2 launched.
+
+:class:`ExpertGemmSM90` runs the grouped W1 GEMM with the fused SwiGLU / routing-weight / FP8 requantization
+epilogue, then the grouped W2 GEMM writing BF16 partial rows, on one stream (kernels/sm90/fp8_grouped_gemm.cu).
+It is the compute role of the operator on Hopper. FP8xFP8 only: the FP8xFP4 register-A path is not implemented
+(:func:`prepare_fp4_weights` raises ``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+from cuda.bindings import driver
+
+from gc_moe_compat.layouts import interleave_gate_up
+from gc_moe_compat.reference import ExpertWeights
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import call, device
+from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.params import ptr
+from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
+
+from .grouping import GroupedTokens
+from .heuristics import BLOCK_M_CANDIDATES, W1_SLABS, W2_SLABS, KernelConfig, max_stages, smem_bytes, tile_rows
+from .tensormap import encode_2d
+
+SOURCE = "sm90/fp8_grouped_gemm.cu"
+KERNEL = "gc_sm90_fp8_grouped_gemm"
+EPI_W1, EPI_W2 = 1, 2
+SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
+
+
+def variant_defines(bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True) -> dict[str, int]:
+    """Compile-time parameters of one kernel variant."""
+    return {
+        "GC_BM": bm,
+        "GC_EPI": epi,
+        "GC_M_SUB": W1_SLABS if epi == EPI_W1 else W2_SLABS,
+        "GC_PRODUCER_WG": int(pipelined),
+        "GC_STAGES": stages,
+        "GC_FAST_MATH": int(fast_math),
+    }
+
+
+def all_variants() -> list[dict[str, int]]:
+    """Every variant the heuristic can pick (both epilogues, every BM, both thread layouts, default stages)."""
+    out = []
+    for bm in BLOCK_M_CANDIDATES:
+        for pipelined in (True, False):
+            out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS)))
+            out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, W2_SLABS)))
+    return out
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """FP8 expert weights as the kernels read them.
+
+    ``w1`` FP8 ``[E * 2I, H]`` with gate/up rows interleaved by 8 per expert; ``w1_sf`` FP32 ``[E, 2I/128, H/128]``
+    in the natural (gate blocks, then up blocks) order: a 256-row W1 task reads gate block ``tile`` and up block
+    ``I/128 + tile``, each row's scale looked up by its source row (layouts.interleave_gate_up_block_scales explains
+    why the blocks cannot be permuted). ``w2`` FP8 ``[E * H, I]``, ``w2_sf`` FP32 ``[E, H/128, I/128]``.
+    """
+
+    w1: torch.Tensor
+    w1_sf: torch.Tensor
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def prepare_fp8_weights(l1: ExpertWeights, l2: ExpertWeights) -> Fp8Weights:
+    """Kernel layout of canonical ``fp8_block128`` weights (L1 ``[E, 2I, H]`` gate rows first, L2 ``[E, H, I]``)."""
+    if l1.fmt != "fp8_block128" or l2.fmt != "fp8_block128":
+        raise ValueError(f"weights: the FP8xFP8 kernels take fp8_block128, got {l1.fmt} and {l2.fmt}")
+    e, two_i, h = l1.payload.shape
+    inter = two_i // 2
+    if tuple(l2.payload.shape) != (e, h, inter) or inter % 128 or h % 128:
+        raise ValueError(
+            f"weights: need L1 [E, 2I, H], L2 [E, H, I] with I, H multiples of 128, got "
+            f"{tuple(l1.payload.shape)} and {tuple(l2.payload.shape)}"
+        )
+    w1 = interleave_gate_up(l1.payload).reshape(e * two_i, h).contiguous()
+    w2 = l2.payload.reshape(e * h, inter).contiguous()
+    return Fp8Weights(w1, l1.scales.float().contiguous(), w2, l2.scales.float().contiguous(), e, h, inter)
+
+
+def prepare_fp4_weights(l1: ExpertWeights, l2: ExpertWeights) -> None:
+    """The FP8xFP4 path (MXFP4 weights, register-A WGMMA with in-register FP4 -> E4M3 decode) is not implemented."""
+    raise NotImplementedError(
+        "FP8xFP4 SM90 GEMM: the register-A WGMMA kernel (FP4 -> E4M3 register decode, per-K32 scale FMA with the "
+        "window repack's rel_exp and per-expert factor, UE8M0 1x32 intermediate requant) does not exist yet"
+    )
+
+
+@dataclass
+class Workspace:
+    """The intermediate between W1 and W2 and the partial rows: FP8 ``[R, I]``, FP32 ``[I/128, R]``, BF16 ``[R, H]``."""
+
+    inter: torch.Tensor
+    inter_sf_t: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, weights: Fp8Weights, dev: torch.device) -> Workspace:
+        return cls(
+            torch.empty(rows, weights.inter, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(weights.inter // 128, rows, dtype=torch.float32, device=dev),
+            torch.empty(rows, weights.hidden, dtype=torch.bfloat16, device=dev),
+        )
+
+
+class ExpertGemmSM90:
+    """W1 -> W2 of grouped tokens on a stream with one :class:`KernelConfig` (the heuristic's or an explicit one).
+
+    ``activation_clamp`` None means no clamp; ``fast_math`` selects ``__expf`` + ``__frcp_rn`` in the sigmoid.
+    ``num_sms`` bounds the persistent grid (default: the device's SM count, e.g. a green partition's size).
+    """
+
+    def __init__(
+        self,
+        weights: Fp8Weights,
+        config: KernelConfig,
+        *,
+        activation_clamp: float | None = None,
+        activation_alpha: float = 1.0,
+        fast_math: bool = True,
+        num_sms: int | None = None,
+    ) -> None:
+        self.weights, self.config = weights, config
+        self.device = weights.w1.device
+        ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.num_sms = num_sms or torch.cuda.get_device_properties(ordinal).multi_processor_count
+        self.clamp = math.inf if activation_clamp is None else float(activation_clamp)
+        self.alpha = float(activation_alpha)
+        self.status = new_status(self.device)
+        self.timeout_ns = spin_timeout_ns()
+        self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
+        self._kernels = {}
+        for epi in (EPI_W1, EPI_W2):
+            defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math)
+            kernel = jit.load_module(SOURCE, defines).kernel(KERNEL)
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
+            self._kernels[epi] = kernel
+        self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
+        self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(W2_SLABS))
+
+    def _smem(self, epi: int) -> int:
+        return smem_bytes(self.config.bm, W1_SLABS if epi == EPI_W1 else W2_SLABS, self._stages[epi])
+
+    def workspace(self, grouped: GroupedTokens) -> Workspace:
+        """Buffers for :meth:`run` on ``grouped`` (allocate once to replay the launches in a graph)."""
+        return Workspace.empty(grouped.rows, self.weights, self.device)
+
+    def _launch(
+        self,
+        epi: int,
+        tm_x: ctypes.Array,
+        w_sf: torch.Tensor,
+        x_sf_t: torch.Tensor,
+        grouped: GroupedTokens,
+        out: torch.Tensor,
+        out_sf_t: torch.Tensor,
+        n_w: int,
+        k: int,
+        stream: int,
+    ) -> None:
+        tasks = grouped.blocks.shape[0] * (n_w // tile_rows(W1_SLABS if epi == EPI_W1 else W2_SLABS))
+        args = [
+            self._tm_w1 if epi == EPI_W1 else self._tm_w2,
+            tm_x,
+            ptr(w_sf),
+            ptr(x_sf_t),
+            ptr(grouped.blocks),
+            ptr(grouped.num_blocks),
+            ptr(grouped.routing_w),
+            ptr(out),
+            ptr(out_sf_t),
+            ctypes.c_int32(n_w),
+            ctypes.c_int32(k),
+            ctypes.c_int32(grouped.rows),
+            ctypes.c_float(self.clamp),
+            ctypes.c_float(self.alpha),
+            ptr(self.status),
+            ctypes.c_uint64(self.timeout_ns),
+        ]
+        launch(self._kernels[epi], min(tasks, self.num_sms), self.config.threads, args, stream, self._smem(epi))
+
+    def run(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
+        """Launches W1 then W2 on ``stream`` (default: torch's current stream); returns the workspace (``ws.out``)."""
+        if grouped.bm != self.config.bm:
+            raise ValueError(f"grouped: built with bm={grouped.bm}, this runner's variant has bm={self.config.bm}")
+        if grouped.x.shape[1] != self.weights.hidden:
+            raise ValueError(f"grouped: hidden size {grouped.x.shape[1]} != weights' {self.weights.hidden}")
+        ws = ws or self.workspace(grouped)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if stream is None else stream
+        w = self.weights
+        self._launch(
+            EPI_W1,
+            encode_2d(grouped.x.view(torch.uint8), grouped.bm),
+            w.w1_sf,
+            grouped.x_sf_t,
+            grouped,
+            ws.inter,
+            ws.inter_sf_t,
+            2 * w.inter,
+            w.hidden,
+            stream,
+        )
+        self._launch(
+            EPI_W2,
+            encode_2d(ws.inter.view(torch.uint8), grouped.bm),
+            w.w2_sf,
+            ws.inter_sf_t,
+            grouped,
+            ws.out,
+            ws.inter_sf_t,
+            w.hidden,
+            w.inter,
+            stream,
+        )
+        return ws
+
+    def check(self) -> None:
+        """Raises if a launch recorded a device error (timeout or shared-memory mismatch); synchronizes."""
+        raise_for_status(self.status, "SM90 expert GEMM", SITES)

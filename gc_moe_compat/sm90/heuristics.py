@@ -1,0 +1,89 @@
+"""Block size and kernel variant of the SM90 expert GEMMs, chosen on the host from the expected tokens per expert.
+
+Paper §4.4: ``BM in {8, 16, 32, 64}`` (the ring block's token rows, the WGMMA N extent) and a 384-thread pipelined
+variant (a producer warpgroup that runs ahead across tasks) or a 256-thread non-pipelined one (loads issued by a
+consumer thread, only within its own task). Why these rules:
+
+* BM covers the expected rows of one expert plus one standard deviation of a balanced multinomial routing
+  (``m + sqrt(m)``), so most experts fill one block; a larger BM would only stream padded token rows, a smaller one
+  would re-stream the expert's weights once per extra block (each block reads every weight tile).
+* Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
+  active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
+* Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
+  bytes in flight per SM are what hide the DRAM latency.
+
+The shared-memory formula mirrors ``kSmemBytes`` in ``kernels/sm90/fp8_grouped_gemm.cu``; the kernel checks its
+dynamic shared memory against it and reports a mismatch instead of running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BLOCK_M_CANDIDATES = (8, 16, 32, 64)
+MAX_STAGES = 8
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory one H200 CTA may opt into
+BK = 128
+CONSUMER_WARPGROUPS = 2
+W1_SLABS = 2  # 64-row slabs per consumer warpgroup in W1: 256 rows = one 128-column requant group per task
+W2_SLABS = 1  # W2 tiles of 128 rows: twice the tasks, for balance at small T
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled variant: block rows ``bm``, stages per GEMM, and whether the producer warpgroup exists."""
+
+    bm: int
+    pipelined: bool
+    stages_w1: int
+    stages_w2: int
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: 384 pipelined (producer + 2 consumer warpgroups), 256 otherwise."""
+        return 128 * (CONSUMER_WARPGROUPS + int(self.pipelined))
+
+
+def tile_rows(slabs: int) -> int:
+    """Weight rows of one task: 64 per slab per consumer warpgroup."""
+    return CONSUMER_WARPGROUPS * slabs * 64
+
+
+def smem_bytes(bm: int, slabs: int, stages: int) -> int:
+    """Dynamic shared memory of a variant (``kSmemBytes`` of the kernel)."""
+    stage = tile_rows(slabs) * BK + bm * BK + bm * 4
+    reduction = CONSUMER_WARPGROUPS * 4 * bm * 4
+    return stages * stage + reduction + 2 * stages * 8 + 1024
+
+
+def max_stages(bm: int, slabs: int) -> int:
+    """The most stages (<= MAX_STAGES) whose shared memory fits one CTA."""
+    stages = MAX_STAGES
+    while stages > 2 and smem_bytes(bm, slabs, stages) > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+def select_block_m(expected_rows: float) -> int:
+    """Smallest candidate BM covering ``m + sqrt(m)`` expected rows of an expert (the largest candidate beyond)."""
+    if expected_rows < 0 or math.isnan(expected_rows):
+        raise ValueError(f"expected_rows: must be a non-negative number of rows per expert, got {expected_rows}")
+    need = expected_rows + math.sqrt(expected_rows)
+    return next((bm for bm in BLOCK_M_CANDIDATES if bm >= need), BLOCK_M_CANDIDATES[-1])
+
+
+def select_config(expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int) -> KernelConfig:
+    """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
+
+    ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on.
+    """
+    if active_experts < 0 or tiles_per_block < 1 or num_sms < 1:
+        raise ValueError(
+            f"active_experts >= 0, tiles_per_block >= 1, num_sms >= 1 required, got "
+            f"{active_experts}, {tiles_per_block}, {num_sms}"
+        )
+    bm = select_block_m(expected_rows)
+    blocks = active_experts * max(1, math.ceil(expected_rows / bm))
+    pipelined = blocks * tiles_per_block > num_sms
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS), max_stages(bm, W2_SLABS))
