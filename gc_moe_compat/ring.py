@@ -58,6 +58,7 @@ from gc_moe_compat.config import MoEShape
 
 __all__ = [
     "BLOCK_M_CANDIDATES",
+    "DEFAULT_GEOMETRY",
     "RingCapacity",
     "RingCapacityError",
     "RingModel",
@@ -106,6 +107,10 @@ class TaskGeometry:
                                  f"{getattr(self, arg)}")
 
 
+DEFAULT_GEOMETRY = TaskGeometry()
+"""The SM90 kernels' geometry: 256-row W1 and W2 tasks, two W1 waves of look-ahead."""
+
+
 @dataclass(frozen=True)
 class RingModel:
     """The capacity model of one (shape, ``BM``, compute-partition size): see the module docstring."""
@@ -113,7 +118,7 @@ class RingModel:
     shape: MoEShape
     block_m: int
     compute_sms: int
-    geometry: TaskGeometry = TaskGeometry()
+    geometry: TaskGeometry = DEFAULT_GEOMETRY
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, MoEShape):
@@ -264,7 +269,8 @@ class RingCapacity:
     blocks: int
 
     @classmethod
-    def for_partition(cls, shape: MoEShape, compute_sms: int, geometry: TaskGeometry = TaskGeometry()) -> RingCapacity:
+    def for_partition(cls, shape: MoEShape, compute_sms: int,
+                      geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
         """The capacity every ``BM`` candidate needs on a ``compute_sms``-SM compute partition."""
         models = [RingModel(shape, bm, compute_sms, geometry) for bm in BLOCK_M_CANDIDATES]
         return cls(rows=max(m.required_ring_blocks * m.block_m for m in models),
