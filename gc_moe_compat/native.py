@@ -1,0 +1,175 @@
+"""The native GC-MoE API of the paper's Listing 1, SM90 path.
+
+``get_symm_buffer_for_gc_moe`` (:mod:`.native_buffer`), ``transform_weights_for_gc_moe`` (:mod:`.native_weights`),
+``fp8_fp4_gc_moe`` (FP8 activations x window-repacked MXFP4 weights, recipe ``(1, 1, 32)``) and ``fp8_fp8_gc_moe``
+(FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``). A call writes ``y [T, H]`` BF16 in place from the
+``T`` tokens staged in ``buffer.x[:T]`` etc., ``T = y.shape[0]``.
+
+What a call does, in order: every argument through :func:`gc_moe_compat.config.validate` and the option checks
+(``TypeError``/``ValueError`` naming the argument); take the single-instance workspace guard
+(:func:`.native_buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
+would get (:class:`gc_moe_compat.ring.RingCapacityError`); then launch the roles. The role kernels are not built
+yet, so the last step raises ``NotImplementedError`` naming each missing kernel; nothing runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gc_moe_compat import config
+from gc_moe_compat.native_buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe, partition_mode
+from gc_moe_compat.native_weights import GcMoeWeights, transform_weights_for_gc_moe
+from gc_moe_compat.ring import RingModel, RingPlan
+
+__all__ = [
+    "OPERATOR_MISSING",
+    "RECIPES",
+    "GcMoeBuffer",
+    "GcMoeWeights",
+    "fp8_fp4_gc_moe",
+    "fp8_fp8_gc_moe",
+    "get_symm_buffer_for_gc_moe",
+    "missing_role_kernels",
+    "not_built_error",
+    "partition_mode",
+    "ring_plan",
+    "transform_weights_for_gc_moe",
+    "validate_call",
+]
+
+OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) is not built yet"
+RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
+"""The one recipe of each compute path."""
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def missing_role_kernels(num_shared_experts: int) -> tuple[str, ...]:
+    """The role kernels a launch needs that do not exist yet (role4 only with a fused shared expert)."""
+    roles = (
+        "role1 dispatch (per-expert counts, packed send/receive counters, tag-1 barrier, pull into the token ring, "
+        "l1_full_count release)",
+        "role2 SM90 grouped GEMM over ring blocks (l1_full_count acquire, W1 SwiGLU + requant into l2_acts, "
+        "l2_full_mask, W2 scatter into the source ranks' combine buffers)",
+        "role3 finalize (combine readiness, receive-count arrival check, parity flip, signal resets, slot-order "
+        "combine into y)",
+    )
+    if num_shared_experts:
+        roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)
+    return roles
+
+
+def not_built_error(what: str, num_shared_experts: int, detail: str | None = None) -> NotImplementedError:
+    """The error a launch raises until the role kernels exist: ``what``, ``detail`` and every missing kernel."""
+    kernels = "; ".join(missing_role_kernels(num_shared_experts))
+    extra = f"{detail}; " if detail else ""
+    return NotImplementedError(f"{what}: {OPERATOR_MISSING}: {extra}missing role kernels: {kernels}; nothing ran")
+
+
+def _finite(arg: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{arg}: must be a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{arg}: must be a finite{' positive' if positive else ''} number, got {value}")
+    return float(value)
+
+
+def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Tensor], l1_weights: object,
+                  l2_weights: object, shared_l1_weights: object = None, shared_l2_weights: object = None, *,
+                  check_values: bool = True) -> int:
+    """``config.validate`` of one call against ``shape``; returns ``T = y.shape[0]``.
+
+    ``inputs`` holds the full-capacity staging views ``x``, ``x_sf``, ``topk_idx``, ``topk_weights``; their ``[:T]``
+    slices are checked. With a fused shared expert the shared weight pairs are required.
+    """
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise TypeError(f"y: must be a 2-D bfloat16 tensor [T, H], got {y!r:.80}")
+    if shape.num_shared_experts and (shared_l1_weights is None or shared_l2_weights is None):
+        raise ValueError("shared_l1_weights/shared_l2_weights: must be given (the buffer has a fused shared "
+                         "expert, combine slot k), got None")
+    t = y.shape[0]
+    config.validate(shape, **{name: view[:t] for name, view in inputs.items()}, y=y, l1_weights=l1_weights,
+                    l2_weights=l2_weights, shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
+                    num_tokens=t, check_values=check_values)
+    return t
+
+
+def ring_plan(buffer: GcMoeBuffer, num_tokens: int) -> RingPlan:
+    """The ring plan of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, ring checked
+    against the compute SMs the launch would get (:class:`gc_moe_compat.ring.RingCapacityError` if undersized)."""
+    from gc_moe_compat.deep_gemm._runtime import get_block_m_for_mega_moe
+
+    s = buffer.shape
+    bm = get_block_m_for_mega_moe(s.num_ranks, s.num_experts, s.capacity, num_tokens, s.topk, s.mma_type)
+    model = RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
+    return buffer.layout.ring.plan(model)
+
+
+def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: int) -> _Pair:
+    if not isinstance(w, GcMoeWeights):
+        raise TypeError(f"{arg}: must come from transform_weights_for_gc_moe, got {type(w).__name__}")
+    if (w.mma_type, w.gemm) != (mma_type, gemm):
+        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={mma_type!r}, got the {w.gemm!r} "
+                         f"weights of mma_type={w.mma_type!r}")
+    if mma_type == "fp8xfp4":
+        f = w.factor
+        if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or tuple(f.shape) != (num_local_experts,):
+            raise ValueError(f"{arg}.factor: must be float32 [{num_local_experts}] (per-expert 2^base), got {f!r:.80}")
+    return w.pair
+
+
+def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
+         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+         shared_l2_weights: object, check_values: bool) -> None:
+    if not isinstance(buffer, GcMoeBuffer):
+        raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
+    if buffer.storage is None:
+        raise ValueError(f"{fn}: buffer: was destroyed")
+    shape = buffer.shape
+    try:
+        if shape.mma_type != mma_type:
+            raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
+        e = shape.num_local_experts
+        l1, l2 = _weights("w1", w1, mma_type, "l1", e), _weights("w2", w2, mma_type, "l2", e)
+        inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
+        t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
+        if not isinstance(recipe, tuple | list) or tuple(recipe) != RECIPES[mma_type]:
+            raise ValueError(f"recipe: must be {RECIPES[mma_type]} for {mma_type}, got {recipe!r}")
+        if activation != "swiglu":
+            raise ValueError(f"activation: must be 'swiglu' (fused in the W1 epilogue), got {activation!r}")
+        _finite("activation_alpha", activation_alpha)
+        if activation_clamp is not None:
+            _finite("activation_clamp", activation_clamp, positive=True)
+        if not isinstance(check_values, bool):
+            raise TypeError(f"check_values: must be a bool, got {type(check_values).__name__}")
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{fn}: {exc}") from exc
+    with exclusive(buffer):
+        ring_plan(buffer, t)
+        raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts)
+
+
+def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
+                   recipe: tuple[int, int, int] = (1, 1, 32), activation: str = "swiglu",
+                   activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
+                   shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
+                   check_values: bool = True) -> None:
+    """One MoE layer, FP8 activations x MXFP4 routed weights: ``y [T, H]`` BF16 written in place.
+
+    ``check_values`` (default on) also checks the staged ``topk_idx`` range and ``topk_weights`` finiteness: one
+    device sync each outside graph capture, skipped automatically while capturing.
+    """
+    _run("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values)
+
+
+def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
+                   recipe: tuple[int, int, int] = (128, 128, 128), activation: str = "swiglu",
+                   activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
+                   shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
+                   check_values: bool = True) -> None:
+    """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights: ``y [T, H]`` BF16 written in place."""
+    _run("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values)
