@@ -240,6 +240,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
+    if os.environ.get("GC_MOE_BENCH_WINDOWS"):  # "WARMUP,WINDOWS": a shorter run inside a device lease
+        args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
@@ -250,6 +252,30 @@ def main() -> None:
         dg, dg_error = None, f"{type(err).__name__}: {err}"
     bandwidth = copy_bandwidth()
     points, used_bm, used_pipe = [], set(), set()
+    meta = {
+        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA"),
+        "dirty": _dirty(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "driver": _driver(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": 1,
+        "partition": {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
+        "command": " ".join(
+            [
+                *(f"GC_MOE_BENCH_WINDOWS={w}" for w in [os.environ.get("GC_MOE_BENCH_WINDOWS")] if w),
+                "python",
+                "bench/gemm_sm90.py",
+                *sys.argv[1:],
+            ]
+        ),  # fmt: skip
+        "timing": {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW},
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "deepgemm": "deepinfer-gemm 2.8.2 (built on the device)" if dg is not None else f"unavailable: {dg_error}",
+        "targets": TARGETS,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for preset in args.presets:
         layer = make_layer(preset, torch.device("cuda"), seed=1)
         e = layer.l1.num_experts
@@ -296,28 +322,12 @@ def main() -> None:
                 "accuracy": accuracy,
             }
             points.append(point)
+            args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
             print(json.dumps({k: point[k] for k in ("preset", "tokens_per_rank", "config", "latency_us", "floor_us")}))
             del gemm, ws, grouped
         del layer
         torch.cuda.empty_cache()
-    meta = {
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA"),
-        "dirty": _dirty(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "world_size": 1,
-        "partition": {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
-        "command": " ".join(["python", "bench/gemm_sm90.py", *sys.argv[1:]]),
-        "timing": {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW},
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "deepgemm": "deepinfer-gemm 2.8.2 (built on the device)" if dg is not None else f"unavailable: {dg_error}",
-        "targets": TARGETS,
-        "sass": sass_record(used_bm, used_pipe),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta["sass"] = sass_record(used_bm, used_pipe)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
     plot(points, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
