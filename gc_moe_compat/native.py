@@ -90,6 +90,9 @@ def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Ten
         raise ValueError("shared_l1_weights/shared_l2_weights: must be given (the buffer has a fused shared "
                          "expert, combine slot k), got None")
     t = y.shape[0]
+    if t > shape.capacity:
+        raise ValueError(f"y.shape[0] (tokens T): must be <= capacity={shape.capacity} (the buffer's Tmax; ring and "
+                         f"combine buffers are sized for it), got {t}")
     config.validate(shape, **{name: view[:t] for name, view in inputs.items()}, y=y, l1_weights=l1_weights,
                     l2_weights=l2_weights, shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
                     num_tokens=t, check_values=check_values)
