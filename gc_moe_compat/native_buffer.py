@@ -31,7 +31,7 @@ from gc_moe_compat.operator_layout import OperatorLayout, WorkspaceOffsets
 from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
-__all__ = ["PARTITION_ENV", "PARTITION_MODES", "GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe",
+__all__ = ["PARTITION_ENV", "PARTITION_MODES", "GcMoeBuffer", "device_sms", "exclusive", "get_symm_buffer_for_gc_moe",
            "partition_mode"]
 
 PARTITION_ENV = "GC_MOE_PARTITION"
