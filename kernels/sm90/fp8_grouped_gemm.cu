@@ -71,23 +71,12 @@ static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this til
 
 struct Task {
     int expert, valid, row_off, tile;
-    bool shared_w;  // the expert has another ring block: its tasks read the same weight tiles (keep them in L2)
 };
 
 __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_blocks) {
     const int blk = task % num_blocks;  // consecutive tasks share a weight tile across an expert's blocks (L2 reuse)
-    const int expert = __ldg(blocks + 3 * blk);
-    const bool shared_w = (blk > 0 && __ldg(blocks + 3 * (blk - 1)) == expert) ||
-                          (blk + 1 < num_blocks && __ldg(blocks + 3 * (blk + 1)) == expert);
-    return Task{expert, __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks, shared_w};
+    return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
 }
-
-// L2 cache hints of the three streams a stage loads.
-struct Policies {
-    u64 w;         // evict-first: a weight tile of a one-block expert is read once per call
-    u64 shared_w;  // evict-normal: the expert's other block reads the same tile at about the same time
-    u64 x;         // evict-last: every weight tile of a block re-reads its token tile
-};
 
 struct Pipeline {
     u32 base;  // shared address of the 1024-aligned tile area
@@ -98,14 +87,13 @@ struct Pipeline {
 // Waits for stage `it % kStages` to be free and issues the weight tile, token tile and token scales of K step kb.
 __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                         const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                        const Policies& pol, KernelStatus* status, u64 timeout_ns) {
+                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
     if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
-    tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full,
-                t.shared_w ? pol.shared_w : pol.w);
-    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, pol.x);
+    tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
+    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
     return true;
@@ -262,7 +250,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
     const int num_tasks = nb * (n_w / kRows);
-    const Policies pol{evict_first_policy(), evict_normal_policy(), evict_last_policy()};
+    const u64 policy_w = evict_first_policy();
+    const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
@@ -272,7 +261,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
                 const Task t = load_task(blocks, task, nb);
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                    if (!produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, pol, status, timeout_ns))
+                    if (!produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                                 timeout_ns))
                         return;
                 }
             }
@@ -291,7 +281,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         const int n8 = (min(t.valid, kBM) + 7) / 8;
         if (!kProducerWG && local_tid == 0) {
             for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
-                if (!produce(pipe, it + kb, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, pol, status, timeout_ns))
+                if (!produce(pipe, it + kb, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                             timeout_ns))
                     return;
             }
         }
@@ -323,8 +314,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
                 for (int i = 0; i < kAcc; ++i) fence_operand(tmp[s][i]);
             wgmma_fence();
-            const u32 a_base = pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK;
-            mma_k128_n(n8, tmp, a_base, pipe.base + kOffX + stage * kXBytes);
+            mma_k128_n(n8, tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
             wgmma_commit();
             wgmma_wait_all();
 #pragma unroll
@@ -334,8 +324,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             __syncwarp();
             if (lane == 0) mbar_arrive(pipe.empty(stage));
             if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                if (!produce(pipe, it + kStages, t, kb + kStages, &tm_w, &tm_x, x_sf_t, n_w, rows_total, pol, status,
-                             timeout_ns))
+                if (!produce(pipe, it + kStages, t, kb + kStages, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w,
+                             policy_x, status, timeout_ns))
                     return;
             }
             __syncwarp();

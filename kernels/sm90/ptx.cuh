@@ -70,13 +70,6 @@ __device__ __forceinline__ u64 evict_first_policy() {
     return policy;
 }
 
-// The default L2 priority, for weight tiles that the expert's next ring block reads at about the same time.
-__device__ __forceinline__ u64 evict_normal_policy() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
 // An L2 policy that keeps the token tiles: every weight tile of a block re-reads them.
 __device__ __forceinline__ u64 evict_last_policy() {
     u64 policy;
