@@ -156,8 +156,13 @@ def _pow2(k: Tensor) -> Tensor:
 
 
 def _fp8_amax_scale(amax: Tensor) -> Tensor:
-    """The FP32 recipe: ``max(amax, AMAX_FLOOR) / 448`` in float32."""
-    return amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+    """The FP32 recipe: ``max(amax, AMAX_FLOOR) / 448`` in float32, correctly rounded on every device.
+
+    The divisor is a tensor on purpose: torch's CUDA division by a Python scalar multiplies by its rounded reciprocal,
+    which differs from the true quotient in the last bit for some inputs (seen on H200) and would make CPU and GPU
+    scales disagree.
+    """
+    return amax.clamp(min=AMAX_FLOOR) / amax.new_tensor(E4M3_MAX)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def _same_on_cuda(fn, *args, **kwargs) -> None:
     for c, g in zip(cpu, gpu, strict=True):
         assert g.device.type == "cuda"
         c, g = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (c, g.cpu()))
-        assert torch.equal(c, g), fn.__name__
+        torch.testing.assert_close(g, c, rtol=0, atol=0, equal_nan=True, msg=fn.__name__)  # bitwise, NaN == NaN
 
 
 def test_quantizers_bit_identical_on_cuda() -> None:
