@@ -22,6 +22,7 @@ from gc_moe_compat import config
 from gc_moe_compat.native_buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe, partition_mode
 from gc_moe_compat.native_weights import GcMoeWeights, transform_weights_for_gc_moe
 from gc_moe_compat.ring import RingModel, RingPlan
+from gc_moe_compat.sm90.heuristics import select_block_m
 
 __all__ = [
     "OPERATOR_MISSING",
@@ -102,10 +103,8 @@ def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Ten
 def ring_plan(buffer: GcMoeBuffer, num_tokens: int) -> RingPlan:
     """The ring plan of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, ring checked
     against the compute SMs the launch would get (:class:`gc_moe_compat.ring.RingCapacityError` if undersized)."""
-    from gc_moe_compat.deep_gemm._runtime import get_block_m_for_mega_moe
-
     s = buffer.shape
-    bm = get_block_m_for_mega_moe(s.num_ranks, s.num_experts, s.capacity, num_tokens, s.topk, s.mma_type)
+    bm = select_block_m(num_tokens * s.num_ranks * s.topk / s.num_experts)
     model = RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
     return buffer.layout.ring.plan(model)
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat.config import MoEShape
+from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES
 
 __all__ = [
     "BLOCK_M_CANDIDATES",
@@ -68,9 +69,6 @@ __all__ = [
     "pool_rows",
     "pool_table",
 ]
-
-BLOCK_M_CANDIDATES = (8, 16, 32, 64)
-"""Token block sizes ``BM`` of the SM90 kernels (paper §4.4, Hopper path); ``deep_gemm._runtime`` uses the same."""
 
 
 class RingCapacityError(ValueError):

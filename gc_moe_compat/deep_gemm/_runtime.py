@@ -7,16 +7,12 @@ its communication and compute green contexts.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, select_block_m
 
 __all__ = ["BLOCK_M_CANDIDATES", "get_block_m_for_mega_moe", "get_num_sms", "set_num_sms"]
-
-# The SM90 operator's token block sizes (paper §4.4, Hopper path: "BM in {8, 16, 32, 64}").
-BLOCK_M_CANDIDATES = (8, 16, 32, 64)
 
 _num_sms: int | None = None
 
@@ -54,11 +50,9 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
                              global_num_tokens: int | None = None) -> int:
     """Token block size ``BM`` the SM90 operator picks for this call.
 
-    Heuristic (the paper's block-size rule, restricted to the Hopper candidates): the expected tokens per expert
-    ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the tokens all EP ranks send this call,
-    DeepGEMM's meaning), else ``num_tokens * num_ranks``; a one-sigma routing margin ``m + sqrt(m)`` is covered with
-    the smallest candidate in ``BLOCK_M_CANDIDATES``, capped at 64 (larger loads use several blocks per expert).
-    Pure host arithmetic; callers pass the same arguments as to the kernel call so both agree.
+    The expected tokens per expert ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the
+    tokens all EP ranks send this call, DeepGEMM's meaning), else ``num_tokens * num_ranks``, goes through the SM90
+    kernels' own rule (:func:`gc_moe_compat.sm90.heuristics.select_block_m`), so this answer is the BM they run.
     """
     fn = "get_block_m_for_mega_moe"
     _checks.integer(fn, "num_ranks", num_ranks, 1)
@@ -73,6 +67,4 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
         total = num_tokens * num_ranks
     else:
         total = _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)
-    expected = total * num_topk / num_experts
-    covered = expected + math.sqrt(expected)
-    return next((bm for bm in BLOCK_M_CANDIDATES if bm >= covered), BLOCK_M_CANDIDATES[-1])
+    return select_block_m(total * num_topk / num_experts)
