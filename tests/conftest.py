@@ -1,7 +1,11 @@
-"""Skips `gpu` / `multigpu` tests where the hardware they need is absent."""
+"""Skips `gpu` / `multigpu` tests where the hardware they need is absent; the shared single-rank process group."""
+
+import socket
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def _gpu_count() -> int:
@@ -17,3 +21,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(few_gpus)
+
+
+@pytest.fixture(scope="session")
+def group() -> Iterator[dist.ProcessGroup]:
+    """A single-rank gloo group on 127.0.0.1 (a free port), destroyed after the session."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,19 +15,6 @@ from gc_moe_compat import layouts, quant
 from gc_moe_compat.deep_gemm import _runtime
 
 H, N_I, E, K = 512, 256, 16, 4
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    """A single-rank gloo group on 127.0.0.1 (a free port), destroyed afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _buffer(group: dist.ProcessGroup, **kw: object) -> dg.SymmBuffer:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,19 +16,6 @@ from gc_moe_compat.runtime.split import PartitionError
 from gc_moe_compat.runtime.workspace import WorkspaceBusyError
 
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    """A single-rank gloo group on 127.0.0.1 (a free port), destroyed afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
