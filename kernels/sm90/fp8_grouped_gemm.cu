@@ -15,10 +15,9 @@
 // 128 intermediate columns of one FP32 requant group (amax reduced across the 8 consumer warps). GC_EPI=2: W2
 // epilogue, BF16 partial rows. Block table rows: (local expert, valid rows, first row); rows live in the same
 // grouped order in every row-indexed array (x, routing weights, intermediate, outputs).
-#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "sm90/ptx.cuh"
+#include "sm90/grouped.cuh"
 
 #ifndef GC_BM
 #define GC_BM 16
@@ -68,15 +67,6 @@ static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a m
 static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");
 static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
-
-struct Task {
-    int expert, valid, row_off, tile;
-};
-
-__device__ __forceinline__ Task load_task(const int* blocks, int task, int num_blocks) {
-    const int blk = task % num_blocks;  // consecutive tasks share a weight tile across an expert's blocks (L2 reuse)
-    return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
-}
 
 struct Pipeline {
     u32 base;  // shared address of the 1024-aligned tile area
@@ -132,19 +122,6 @@ __device__ __forceinline__ void mma_k128_n(int n8, float (&tmp)[kMSub][kAcc], u3
     }
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-__device__ __forceinline__ float sigmoid(float v) {
-#if GC_FAST_MATH
-    return __frcp_rn(1.0f + __expf(-v));
-#else
-    return 1.0f / (1.0f + expf(-v));
-#endif
-}
-
-// Accumulator register i of a slab holds column 8*(i/4) + 2*(lane%4) + i%2 and row 16*warp + lane/4 + 8*((i/2)%2).
-__device__ __forceinline__ int acc_col(int i, int lane) { return 8 * (i / 4) + 2 * (lane & 3) + (i & 1); }
-
 // W1: SwiGLU(gate, up) * routing weight, amax over the task's 128 intermediate columns per token, FP32 scale
 // (amax / 448, stored transposed [I/128, rows] where the W2 producer bulk-copies it) and E4M3 payload [rows, I].
 __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
@@ -160,7 +137,7 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
         for (int s = 0; s < kMSub; ++s) {
             const float gate = fminf(round_bf16(acc[s][i]), clamp);
             const float up = fminf(fmaxf(round_bf16(acc[s][i + 2]), -clamp), clamp);
-            const float act = gate * sigmoid(alpha * gate) * up * rw;
+            const float act = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
             acc[s][i] = act;
             m = fmaxf(m, fabsf(act));
         }
