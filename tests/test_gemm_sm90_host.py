@@ -7,13 +7,16 @@ import math
 import pytest
 import torch
 
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, all_variants, prepare_fp4_weights, prepare_fp8_weights
+from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
+from gc_moe_compat.sm90.gemm import KERNELS, all_variants, prepare_fp4_weights, prepare_fp8_weights
 from gc_moe_compat.sm90.heuristics import (
     BLOCK_M_CANDIDATES,
     MAX_STAGES,
+    MMA_TYPES,
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
@@ -48,12 +51,17 @@ def test_variant_pipelined_only_with_more_tasks_than_sms() -> None:
         select_config(1.0, 1, 0, 132)
 
 
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
-def test_stages_fill_but_fit_shared_memory(bm: int) -> None:
+def test_stages_fill_but_fit_shared_memory(bm: int, mma_type: str) -> None:
     for slabs in (W1_SLABS, W2_SLABS):
-        stages = max_stages(bm, slabs)
-        assert 2 <= stages <= MAX_STAGES and smem_bytes(bm, slabs, stages) <= SMEM_LIMIT
-        assert stages == MAX_STAGES or smem_bytes(bm, slabs, stages + 1) > SMEM_LIMIT
+        stages = max_stages(bm, slabs, mma_type)
+        assert 2 <= stages <= MAX_STAGES and smem_bytes(bm, slabs, stages, mma_type) <= SMEM_LIMIT
+        assert stages == MAX_STAGES or smem_bytes(bm, slabs, stages + 1, mma_type) > SMEM_LIMIT
+    # an FP4 stage streams half the weight bytes of an FP8 one (+ 1/32 for the relative exponents)
+    assert smem_bytes(bm, W1_SLABS, 1, "fp8xfp4") < smem_bytes(bm, W1_SLABS, 1, "fp8xfp8")
+    with pytest.raises(ValueError, match="mma_type"):
+        smem_bytes(bm, W1_SLABS, 2, "fp4")
 
 
 def test_group_tokens_layout_and_scatter() -> None:
@@ -102,8 +110,55 @@ def test_prepare_fp8_weights_interleaves_and_checks() -> None:
     assert (w.inter, w.hidden, w.num_experts) == (128, 256, 2) and torch.equal(w.w1_sf, l1.scales)
     with pytest.raises(ValueError, match="fp8_block128"):
         prepare_fp8_weights(ExpertWeights.quantize(torch.randn(2, 256, 256), "bf16"), l2)
-    with pytest.raises(NotImplementedError, match="FP8xFP4"):
+    with pytest.raises(ValueError, match="mxfp4"):
         prepare_fp4_weights(l1, l2)
+
+
+def _spread_mxfp4(e: int, n: int, k: int, seed: int, steps: int = 16) -> ExpertWeights:
+    """MXFP4 weights whose K32 scales span ``steps`` exponents: beyond the 11-step window, so some groups clip."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=gen)
+    w = w * torch.exp2(-torch.randint(0, steps, (e, n, k // 32), generator=gen).float()).repeat_interleave(32, -1)
+    return ExpertWeights.quantize(w, "mxfp4")
+
+
+def test_fp4_units_round_trip_and_register_decode_is_exact() -> None:
+    """The lane permutation is a bijection, and the kernel's decoder (replayed bit for bit: PRMT table of
+    E4M3(e2m1 * 2^d / 64) per row and K32 group, sign bits) gives exactly the window dequantization, d up to 10."""
+    w = _spread_mxfp4(2, 128, 512, seed=1)
+    rep = layouts.window_repack_mxfp4(w.payload, w.scales)
+    assert int(rep.rel_exp.max()) == 10 and bool(rep.clipped.any())
+    units = permute_units(rep.packed, rep.rel_exp)
+    assert tuple(units.shape) == (2, 512 // 128, 128 // 64, UNIT_BYTES) and UNIT_BYTES == UNIT_ROWS * 128
+    packed, rel = unpermute_units(units)
+    assert torch.equal(packed, rep.packed) and torch.equal(rel, rep.rel_exp)
+    decoded = decode_units(units).view(torch.float8_e4m3fn).float() * 64 * rep.factor[:, None, None]
+    assert torch.equal(decoded, layouts.window_dequantize(rep))
+    with pytest.raises(ValueError, match="rel_exp"):
+        permute_units(rep.packed, rep.rel_exp + 1)
+
+
+def test_prepare_fp4_weights_round_trips_to_mxfp4_inside_the_window() -> None:
+    """window_dequantize of the prepared units equals the MXFP4 dequantization of the interleaved weights wherever
+    the K32 group lies inside its expert's window, and the clipped groups are off by at most 0.25 * 2^base."""
+    e, inter, h = 2, 128, 256
+    l1, l2 = _spread_mxfp4(e, 2 * inter, h, seed=2), _spread_mxfp4(e, h, inter, seed=3)
+    w = prepare_fp4_weights(l1, l2)
+    assert (w.num_experts, w.hidden, w.inter) == (e, h, inter)
+    for units, factor, src, interleave in ((w.w1, w.w1_factor, l1, True), (w.w2, w.w2_factor, l2, False)):
+        n, k = src.payload.shape[1], src.in_features
+        packed, rel = unpermute_units(units.reshape(e, k // 128, n // 64, UNIT_BYTES))
+        base = torch.log2(factor).to(torch.int32)
+        got = layouts.window_dequantize(layouts.WindowRepackedMXFP4(packed, rel, factor, base, rel > 255))
+        payload, codes = src.payload, src.scales
+        if interleave:
+            payload, codes = layouts.interleave_gate_up(payload), layouts.interleave_gate_up(codes)
+        want = quant.dequantize_mxfp4(payload, codes)
+        inside = (codes.to(torch.int32) - 127 >= base[:, None, None]).repeat_interleave(32, -1)
+        assert bool(inside.any()) and bool((~inside).any())
+        assert torch.equal(got[inside], want[inside])
+        bound = 0.25 * factor[:, None, None].expand_as(got)
+        assert bool(((got - want).abs()[~inside] <= bound[~inside]).all())
 
 
 def _has_nvcc() -> bool:
@@ -116,11 +171,15 @@ def _has_nvcc() -> bool:
 
 @pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
 @pytest.mark.parametrize(
-    "defines", all_variants(), ids=lambda d: "bm{GC_BM}-epi{GC_EPI}-prod{GC_PRODUCER_WG}".format(**d)
+    ("mma_type", "defines"),
+    [(m, d) for m in MMA_TYPES for d in all_variants(m)],
+    ids=lambda v: v if isinstance(v, str) else "bm{GC_BM}-epi{GC_EPI}-prod{GC_PRODUCER_WG}".format(**v),
 )
-def test_every_variant_compiles_without_spills(defines: dict[str, int], tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """CI builds every variant for sm_90a: no stack frame, no spills, the register cap of the thread layout held."""
+def test_every_variant_compiles_without_spills(mma_type: str, defines: dict[str, int], tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """CI builds every variant of both kernels for sm_90a: no stack frame, no spills, the register cap of the thread
+    layout held."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    res = jit.compile_cubin(SOURCE, defines).resources[KERNEL]
+    source, kernel = KERNELS[mma_type]
+    res = jit.compile_cubin(source, defines).resources[kernel]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
     assert res.registers <= (168 if defines["GC_PRODUCER_WG"] else 255)

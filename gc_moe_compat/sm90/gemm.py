@@ -1,9 +1,16 @@
 """Host entry point of the SM90 expert GEMMs: weights prepared for the kernels, variants compiled, W1 -> W2 launched.
 
-:class:`ExpertGemmSM90` runs the grouped W1 GEMM with the fused SwiGLU / routing-weight / FP8 requantization
-epilogue, then the grouped W2 GEMM writing BF16 partial rows, on one stream (kernels/sm90/fp8_grouped_gemm.cu).
-It is the compute role of the operator on Hopper. FP8xFP8 only: the FP8xFP4 register-A path is not implemented
-(:func:`prepare_fp4_weights` raises ``NotImplementedError``).
+:class:`ExpertGemmSM90` runs the grouped W1 GEMM with the fused SwiGLU / routing-weight / requantization epilogue,
+then the grouped W2 GEMM writing BF16 partial rows, on one stream. It is the compute role of the operator on Hopper,
+for both weight formats:
+
+* ``fp8xfp8`` (:func:`prepare_fp8_weights`, kernels/sm90/fp8_grouped_gemm.cu): FP8 weights with FP32 128x128 block
+  scales, FP32 1x128 intermediate requant.
+* ``fp8xfp4`` (:func:`prepare_fp4_weights`, kernels/sm90/fp8_fp4_grouped_gemm.cu): MXFP4 weights window-repacked
+  and lane-permuted (:mod:`gc_moe_compat.sm90.fp4_layout`), decoded to E4M3 in registers for register-A WGMMA;
+  UE8M0 1x32 intermediate requant.
+
+Activations are E4M3 with FP32 1x128 scales in both (the Hopper path's input format).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from cuda.bindings import driver
 
 from gc_moe_compat.layouts import interleave_gate_up
+from gc_moe_compat.native_weights import transform_weights_for_gc_moe
 from gc_moe_compat.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call, device
@@ -23,13 +31,18 @@ from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
 
+from .fp4_layout import UNIT_ROWS, permute_units
 from .grouping import GroupedTokens
 from .heuristics import BLOCK_M_CANDIDATES, W1_SLABS, W2_SLABS, KernelConfig, max_stages, smem_bytes, tile_rows
 from .tensormap import encode_2d
 
 SOURCE = "sm90/fp8_grouped_gemm.cu"
 KERNEL = "gc_sm90_fp8_grouped_gemm"
+FP4_SOURCE = "sm90/fp8_fp4_grouped_gemm.cu"
+FP4_KERNEL = "gc_sm90_fp8_fp4_grouped_gemm"
+KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": (FP4_SOURCE, FP4_KERNEL)}
 EPI_W1, EPI_W2 = 1, 2
+_PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_weights
 SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
 
 
@@ -45,13 +58,14 @@ def variant_defines(bm: int, epi: int, pipelined: bool, stages: int, fast_math: 
     }
 
 
-def all_variants() -> list[dict[str, int]]:
-    """Every variant the heuristic can pick (both epilogues, every BM, both thread layouts, default stages)."""
+def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
+    """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
+    layouts, default stages)."""
     out = []
     for bm in BLOCK_M_CANDIDATES:
         for pipelined in (True, False):
-            out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS)))
-            out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, W2_SLABS)))
+            out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
+            out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, W2_SLABS, mma_type)))
     return out
 
 
@@ -90,27 +104,64 @@ def prepare_fp8_weights(l1: ExpertWeights, l2: ExpertWeights) -> Fp8Weights:
     return Fp8Weights(w1, l1.scales.float().contiguous(), w2, l2.scales.float().contiguous(), e, h, inter)
 
 
-def prepare_fp4_weights(l1: ExpertWeights, l2: ExpertWeights) -> None:
-    """The FP8xFP4 path (MXFP4 weights, register-A WGMMA with in-register FP4 -> E4M3 decode) is not implemented."""
-    raise NotImplementedError(
-        "FP8xFP4 SM90 GEMM: the register-A WGMMA kernel (FP4 -> E4M3 register decode, per-K32 scale FMA with the "
-        "window repack's rel_exp and per-expert factor, UE8M0 1x32 intermediate requant) does not exist yet"
-    )
+@dataclass(frozen=True)
+class Fp4Weights:
+    """MXFP4 expert weights as the FP8xFP4 kernels read them.
+
+    ``w1`` / ``w2``: uint8 ``[E * K/128 * N/64 * UNIT_ROWS, 128]``, the lane-permuted units of
+    :mod:`gc_moe_compat.sm90.fp4_layout` (W1: ``N = 2I`` rows interleaved gate/up by 8, ``K = H``; W2: ``N = H``,
+    ``K = I``) viewed as 128-byte rows for the TMA; ``w1_factor`` / ``w2_factor``: FP32 ``[E]``, the window
+    repack's ``2^base`` per expert (the kernel multiplies by it and by the decoder's x64 headroom once per task).
+    """
+
+    w1: torch.Tensor
+    w1_factor: torch.Tensor
+    w2: torch.Tensor
+    w2_factor: torch.Tensor
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def prepare_fp4_weights(l1: ExpertWeights, l2: ExpertWeights) -> Fp4Weights:
+    """Kernel layout of canonical ``mxfp4`` weights (L1 ``[E, 2I, H]`` gate rows first, L2 ``[E, H, I]``).
+
+    The interleave and the window repack are the native API's (:func:`transform_weights_for_gc_moe`, ``fp8xfp4``);
+    this adds the lane permutation into K128 x 64-row units. Only rearranges and re-expresses scales exactly: groups
+    inside the window dequantize to the same values (tests/test_gemm_sm90_host.py).
+    """
+    if l1.fmt != "mxfp4" or l2.fmt != "mxfp4":
+        raise ValueError(f"weights: the FP8xFP4 kernels take mxfp4, got {l1.fmt} and {l2.fmt}")
+    e, two_i, _ = l1.payload.shape
+    units: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    factors: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for start in range(0, e, _PREP_CHUNK):  # the window is per expert: chunks bound the int temporaries
+        stop = min(e, start + _PREP_CHUNK)
+        l1c, l2c = l1.experts(start, stop), l2.experts(start, stop)
+        pair = transform_weights_for_gc_moe((l1c.payload, l1c.scales), (l2c.payload, l2c.scales), "fp8xfp4")
+        for i, t in enumerate(pair):
+            units[i].append(permute_units(t.payload.view(torch.uint8), t.scales))
+            factors[i].append(t.factor)
+    w1, w2 = (torch.cat(u, dim=0).reshape(-1, 128) for u in units)
+    return Fp4Weights(w1, torch.cat(factors[0]), w2, torch.cat(factors[1]), e, l2.payload.shape[1], two_i // 2)
 
 
 @dataclass
 class Workspace:
-    """The intermediate between W1 and W2 and the partial rows: FP8 ``[R, I]``, FP32 ``[I/128, R]``, BF16 ``[R, H]``."""
+    """The intermediate between W1 and W2 and the partial rows: FP8 ``[R, I]``, its scales ``[I/128, R]`` (FP32
+    1x128 for fp8xfp8; for fp8xfp4 int32 words of four UE8M0 K32 codes, group ``4i + j`` in byte ``j``), BF16
+    ``[R, H]``."""
 
     inter: torch.Tensor
     inter_sf_t: torch.Tensor
     out: torch.Tensor
 
     @classmethod
-    def empty(cls, rows: int, weights: Fp8Weights, dev: torch.device) -> Workspace:
+    def empty(cls, rows: int, weights: Fp8Weights | Fp4Weights, dev: torch.device) -> Workspace:
+        sf_dtype = torch.int32 if isinstance(weights, Fp4Weights) else torch.float32
         return cls(
             torch.empty(rows, weights.inter, dtype=torch.float8_e4m3fn, device=dev),
-            torch.empty(weights.inter // 128, rows, dtype=torch.float32, device=dev),
+            torch.empty(weights.inter // 128, rows, dtype=sf_dtype, device=dev),
             torch.empty(rows, weights.hidden, dtype=torch.bfloat16, device=dev),
         )
 
@@ -118,13 +169,14 @@ class Workspace:
 class ExpertGemmSM90:
     """W1 -> W2 of grouped tokens on a stream with one :class:`KernelConfig` (the heuristic's or an explicit one).
 
+    The weights' type picks the kernel (:class:`Fp8Weights`: FP8xFP8, :class:`Fp4Weights`: FP8xFP4).
     ``activation_clamp`` None means no clamp; ``fast_math`` selects ``__expf`` + ``__frcp_rn`` in the sigmoid.
     ``num_sms`` bounds the persistent grid (default: the device's SM count, e.g. a green partition's size).
     """
 
     def __init__(
         self,
-        weights: Fp8Weights,
+        weights: Fp8Weights | Fp4Weights,
         config: KernelConfig,
         *,
         activation_clamp: float | None = None,
@@ -140,19 +192,28 @@ class ExpertGemmSM90:
         self.alpha = float(activation_alpha)
         self.status = new_status(self.device)
         self.timeout_ns = spin_timeout_ns()
+        self.mma_type = "fp8xfp4" if isinstance(weights, Fp4Weights) else "fp8xfp8"
+        source, name = KERNELS[self.mma_type]
         self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
         self._kernels = {}
         for epi in (EPI_W1, EPI_W2):
             defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math)
-            kernel = jit.load_module(SOURCE, defines).kernel(KERNEL)
+            kernel = jit.load_module(source, defines).kernel(name)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
             self._kernels[epi] = kernel
-        self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
-        self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(W2_SLABS))
+        if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
+            self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
+            self._tm_w2 = encode_2d(weights.w2, 2 * W2_SLABS * UNIT_ROWS, swizzle=False)
+            self._w_sf = (weights.w1_factor, weights.w2_factor)
+        else:
+            self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
+            self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(W2_SLABS))
+            self._w_sf = (weights.w1_sf, weights.w2_sf)
 
     def _smem(self, epi: int) -> int:
-        return smem_bytes(self.config.bm, W1_SLABS if epi == EPI_W1 else W2_SLABS, self._stages[epi])
+        slabs = W1_SLABS if epi == EPI_W1 else W2_SLABS
+        return smem_bytes(self.config.bm, slabs, self._stages[epi], self.mma_type)
 
     def workspace(self, grouped: GroupedTokens) -> Workspace:
         """Buffers for :meth:`run` on ``grouped`` (allocate once to replay the launches in a graph)."""
@@ -204,7 +265,7 @@ class ExpertGemmSM90:
         self._launch(
             EPI_W1,
             encode_2d(grouped.x.view(torch.uint8), grouped.bm),
-            w.w1_sf,
+            self._w_sf[0],
             grouped.x_sf_t,
             grouped,
             ws.inter,
@@ -216,7 +277,7 @@ class ExpertGemmSM90:
         self._launch(
             EPI_W2,
             encode_2d(ws.inter.view(torch.uint8), grouped.bm),
-            w.w2_sf,
+            self._w_sf[1],
             ws.inter_sf_t,
             grouped,
             ws.out,

@@ -12,8 +12,10 @@ consumer thread, only within its own task). Why these rules:
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
   bytes in flight per SM are what hide the DRAM latency.
 
-The shared-memory formula mirrors ``kSmemBytes`` in ``kernels/sm90/fp8_grouped_gemm.cu``; the kernel checks its
-dynamic shared memory against it and reports a mismatch instead of running.
+The shared-memory formulas mirror ``kSmemBytes`` in ``kernels/sm90/fp8_grouped_gemm.cu`` (``"fp8xfp8"``) and
+``kernels/sm90/fp8_fp4_grouped_gemm.cu`` (``"fp8xfp4"``: a 64-row slab of one K128 step is a 4352-byte unit of FP4
+codes and relative exponents, half the FP8 tile); each kernel checks its dynamic shared memory against it and
+reports a mismatch instead of running.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ BK = 128
 CONSUMER_WARPGROUPS = 2
 W1_SLABS = 2  # 64-row slabs per consumer warpgroup in W1: 256 rows = one 128-column requant group per task
 W2_SLABS = 1  # W2 tiles of 128 rows: twice the tasks, for balance at small T
+MMA_TYPES = ("fp8xfp8", "fp8xfp4")
+FP4_UNIT_BYTES = 64 * BK // 2 + 64 * BK // 32  # one slab and K128 step: FP4 codes + one d byte per K32 group
 
 
 @dataclass(frozen=True)
@@ -50,17 +54,26 @@ def tile_rows(slabs: int) -> int:
     return CONSUMER_WARPGROUPS * slabs * 64
 
 
-def smem_bytes(bm: int, slabs: int, stages: int) -> int:
-    """Dynamic shared memory of a variant (``kSmemBytes`` of the kernel)."""
-    stage = tile_rows(slabs) * BK + bm * BK + bm * 4
-    reduction = CONSUMER_WARPGROUPS * 4 * bm * 4
+def _check_mma_type(mma_type: str) -> None:
+    if mma_type not in MMA_TYPES:
+        raise ValueError(f"mma_type: one of {MMA_TYPES}, got {mma_type!r}")
+
+
+def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8") -> int:
+    """Dynamic shared memory of a variant (``kSmemBytes`` of the ``mma_type`` kernel)."""
+    _check_mma_type(mma_type)
+    if mma_type == "fp8xfp8":
+        weights, reduction = tile_rows(slabs) * BK, CONSUMER_WARPGROUPS * 4 * bm * 4
+    else:  # amax per (warpgroup, slab, warp, column): the UE8M0 groups are 32 columns = one warpgroup's slab
+        weights, reduction = CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES, CONSUMER_WARPGROUPS * slabs * 4 * bm * 4
+    stage = weights + bm * BK + bm * 4
     return stages * stage + reduction + 2 * stages * 8 + 1024
 
 
-def max_stages(bm: int, slabs: int) -> int:
+def max_stages(bm: int, slabs: int, mma_type: str = "fp8xfp8") -> int:
     """The most stages (<= MAX_STAGES) whose shared memory fits one CTA."""
     stages = MAX_STAGES
-    while stages > 2 and smem_bytes(bm, slabs, stages) > SMEM_LIMIT:
+    while stages > 2 and smem_bytes(bm, slabs, stages, mma_type) > SMEM_LIMIT:
         stages -= 1
     return stages
 
@@ -73,11 +86,15 @@ def select_block_m(expected_rows: float) -> int:
     return next((bm for bm in BLOCK_M_CANDIDATES if bm >= need), BLOCK_M_CANDIDATES[-1])
 
 
-def select_config(expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int) -> KernelConfig:
+def select_config(
+    expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8"
+) -> KernelConfig:
     """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
 
-    ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on.
+    ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
+    picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both).
     """
+    _check_mma_type(mma_type)
     if active_experts < 0 or tiles_per_block < 1 or num_sms < 1:
         raise ValueError(
             f"active_experts >= 0, tiles_per_block >= 1, num_sms >= 1 required, got "
@@ -86,4 +103,4 @@ def select_config(expected_rows: float, active_experts: int, tiles_per_block: in
     bm = select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
     pipelined = blocks * tiles_per_block > num_sms
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS), max_stages(bm, W2_SLABS))
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, W2_SLABS, mma_type))

@@ -4,7 +4,8 @@ A preset's per-rank load: ``e`` local experts; ``T`` tokens per rank on each of 
 uniformly without repetition over ``8e`` experts (seeded), routing weights a softmax of random logits; this rank
 (rank 0) receives the rows routed to experts ``[0, e)``, so the GEMMs see ``T * 8`` candidate tokens with non-local
 slots marked ``-1`` (DeepGEMM's ``masked_m`` view of the same load). Weights are random (``randn / sqrt(K)``),
-stored in BF16 (the model reference) and ``fp8_block128`` (what the kernels read).
+stored in BF16 (the model reference), ``fp8_block128`` (what the FP8xFP8 kernels read) and, through
+:func:`make_fp4_layer`, ``mxfp4`` (what the FP8xFP4 kernels read after the window repack).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat.config import PRESETS
+from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.reference import ExpertWeights, moe_reference, quantize_activations
 
-from .gemm import Fp8Weights, prepare_fp8_weights
+from .gemm import Fp4Weights, Fp8Weights, prepare_fp4_weights, prepare_fp8_weights
 
 WORLD = 8
 CLAMP = 10.0  # BENCH_PROTOCOL.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
@@ -89,4 +91,55 @@ def reference_partials(layer: Layer, tok: Tokens, faithful: bool) -> tuple[torch
         )  # fmt: skip
     else:
         res = moe_reference(tok.x, tok.topk_idx, tok.topk_weights, layer.l1_bf16, layer.l2_bf16, activation_clamp=CLAMP)
+    return res.partials, res.valid
+
+
+@dataclass(frozen=True)
+class Fp4Layer:
+    """One rank's routed experts in MXFP4: ``l1`` / ``l2`` as quantized (canonical ``mxfp4``), ``l1_window`` /
+    ``l2_window`` the same after the window repack expressed as plain ``mxfp4`` (what the kernels compute with:
+    equal to ``l1`` / ``l2`` wherever a K32 group lies inside its expert's 11-step window), ``prepared`` the
+    kernels' form."""
+
+    l1: ExpertWeights
+    l2: ExpertWeights
+    l1_window: ExpertWeights
+    l2_window: ExpertWeights
+    prepared: Fp4Weights
+
+
+def _window_equivalent(w: ExpertWeights) -> ExpertWeights:
+    """``w`` (mxfp4) after the window repack, as plain mxfp4 (UE8M0 codes ``d + base + 127``), expert by expert."""
+    packed, codes = [], []
+    for i in range(w.num_experts):
+        p, c = window_unrepack_mxfp4(window_repack_mxfp4(w.payload[i : i + 1], w.scales[i : i + 1]))
+        packed.append(p)
+        codes.append(c)
+    return ExpertWeights("mxfp4", torch.cat(packed), torch.cat(codes))
+
+
+def make_fp4_layer(l1_bf16: torch.Tensor, l2_bf16: torch.Tensor) -> Fp4Layer:
+    """MXFP4 weights (UE8M0 K32 scales, quant.quantize_mxfp4) of BF16 ``l1 [E, 2I, H]`` / ``l2 [E, H, I]``."""
+    quantized = []
+    for w in (l1_bf16, l2_bf16):
+        parts = [ExpertWeights.quantize(w[i : i + 1], "mxfp4") for i in range(w.shape[0])]  # bounded temporaries
+        quantized.append(
+            ExpertWeights("mxfp4", torch.cat([q.payload for q in parts]), torch.cat([q.scales for q in parts]))
+        )
+    l1, l2 = quantized
+    return Fp4Layer(l1, l2, _window_equivalent(l1), _window_equivalent(l2), prepare_fp4_weights(l1, l2))
+
+
+def reference_partials_fp4(
+    layer: Layer, fp4: Fp4Layer, tok: Tokens, faithful: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials [N, k, H] BF16, valid [N, k])`` of the FP8xFP4 quantization-faithful reference (window-repacked
+    MXFP4 weights, E4M3 activations with FP32 1x128 scales, UE8M0 1x32 intermediate requant) or the BF16 model
+    reference."""
+    if not faithful:
+        return reference_partials(layer, tok, faithful=False)
+    res = moe_reference(
+        (tok.x_fp8, tok.x_sf), tok.topk_idx, tok.topk_weights, fp4.l1_window, fp4.l2_window,
+        activation_clamp=CLAMP, intermediate_quant="ue8m0_32",
+    )  # fmt: skip
     return res.partials, res.valid
