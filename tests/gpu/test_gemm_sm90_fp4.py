@@ -1,0 +1,128 @@
+"""SM90 FP8xFP4 expert GEMMs on the H200: accuracy against both references, boundary expert sizes, SASS.
+
+The faithful reference computes with the window-repacked MXFP4 weights (``Fp4Layer.l1_window``: what the kernel's
+units encode), E4M3 activations with FP32 1x128 scales and the UE8M0 1x32 intermediate requant. Every run: fresh
+seeded inputs, the intermediate, its scales and the partial rows poisoned (0xFF bytes: NaN in FP8 and BF16) before
+the launch, so an unwritten element shows up as NaN; only rows of real (token, slot) pairs are outputs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate, quantize_activations
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
+from gc_moe_compat.sm90.gemm import FP4_KERNEL, FP4_SOURCE, ExpertGemmSM90, Workspace, all_variants
+from gc_moe_compat.sm90.heuristics import W1_SLABS, W2_SLABS, max_stages, tile_rows
+from gc_moe_compat.sm90.workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def _config(bm: int, pipelined: bool) -> KernelConfig:
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, "fp8xfp4"), max_stages(bm, W2_SLABS, "fp8xfp4"))
+
+
+def _run(gemm: ExpertGemmSM90, grouped) -> Workspace:  # noqa: ANN001 - GroupedTokens
+    ws = gemm.workspace(grouped)
+    for t in (ws.inter, ws.out, ws.inter_sf_t):
+        t.view(torch.uint8).fill_(0xFF)
+    gemm.run(grouped, ws)
+    torch.cuda.synchronize()
+    gemm.check()
+    return ws
+
+
+def _intermediate(ws: Workspace, rows: torch.Tensor) -> torch.Tensor:
+    """The W2 input of ``rows`` in FP32: E4M3 payload times 2^(code - 127) of its UE8M0 K32 group."""
+    codes = ws.inter_sf_t.view(torch.uint8).reshape(ws.inter_sf_t.shape[0], -1, 4)[:, rows]  # [I/128, n, 4]
+    scales = torch.exp2(codes.permute(1, 0, 2).reshape(codes.shape[1], -1).float() - 127)
+    return ws.inter[rows].float() * scales.repeat_interleave(32, dim=1)
+
+
+@pytest.fixture(scope="module", params=["dsv41-flash", "glm52"])
+def layers(request: pytest.FixtureRequest):  # noqa: ANN201
+    layer = make_layer(request.param, DEV, seed=1)
+    return layer, make_fp4_layer(layer.l1_bf16, layer.l2_bf16)
+
+
+@pytest.mark.parametrize("tokens_per_rank", SWEEP_TOKENS)
+def test_fp4_presets_sweep(layers, tokens_per_rank: int) -> None:  # noqa: ANN001
+    layer, fp4 = layers
+    tok = make_tokens(layer, tokens_per_rank, seed=tokens_per_rank)
+    e = layer.l1.num_experts
+    tiles = 2 * fp4.prepared.inter // tile_rows(W1_SLABS)
+    cfg = select_config(tokens_per_rank * layer.topk / e, e, tiles, 132, "fp8xfp4")
+    grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
+    ws = _run(ExpertGemmSM90(fp4.prepared, cfg, activation_clamp=CLAMP), grouped)
+    live = grouped.row_token >= 0
+    assert not ws.out[live].isnan().any() and not ws.inter[live].float().isnan().any()
+    ours = scatter_partials(ws.out, grouped, tok.x.shape[0], layer.topk)
+    ref, valid = reference_partials_fp4(layer, fp4, tok, faithful=True)
+    model, _ = reference_partials_fp4(layer, fp4, tok, faithful=False)
+    m = accuracy_metrics(ours[valid], ref[valid])
+    mm = accuracy_metrics(ours[valid], model[valid])
+    print(f"fp4 {layer.name} T={tokens_per_rank} bm={cfg.bm} pipelined={cfg.pipelined} faithful {m} model {mm}")
+    assert m["nonfinite"] == 0 and m["cosine"] >= 0.9999 and m["processed_diff"] <= 1e-4
+    assert mm["cosine"] >= 0.97
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("bm", [8, 16, 32, 64])
+def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
+    """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included. The
+    weights' K32 scales span 16 exponents, so the window clips groups and the decoder folds d up to 10."""
+    gen = torch.Generator(device=DEV).manual_seed(100 + bm + pipelined)
+    h, inter = 512, 256
+    spread = [
+        (torch.randn(4, n, k, generator=gen, device=DEV) / k**0.5)
+        * torch.exp2(-torch.randint(0, 16, (4, n, k // 32), generator=gen, device=DEV).float()).repeat_interleave(
+            32, dim=-1
+        )
+        for n, k in ((2 * inter, h), (h, inter))
+    ]
+    fp4 = make_fp4_layer(*(w.to(torch.bfloat16) for w in spread))
+    counts = [0, 1, bm, bm + 1]
+    n = sum(counts)
+    x = torch.randn(n, h, generator=gen, device=DEV) * 2
+    idx = torch.repeat_interleave(torch.arange(4, device=DEV), torch.tensor(counts, device=DEV))
+    idx = idx[torch.randperm(n, generator=gen, device=DEV)].unsqueeze(1)
+    weights = torch.rand(n, 1, generator=gen, device=DEV) + 0.5
+    x_fp8, x_sf = quantize_activations(x, "fp32_128")
+    grouped = group_tokens(x_fp8, x_sf, idx, weights, 4, bm)
+    ws = _run(ExpertGemmSM90(fp4.prepared, _config(bm, pipelined), activation_clamp=CLAMP), grouped)
+    xq = x_fp8.float() * x_sf.repeat_interleave(128, dim=1)
+    for e in (1, 2, 3):
+        rows = (grouped.row_token >= 0) & (torch.repeat_interleave(grouped.blocks[:, 0].long(), bm) == e)
+        tokens = grouped.row_token[rows]
+        w1, w2 = fp4.l1_window.dequantize(e), fp4.l2_window.dequantize(e)
+        kw = dict(activation_clamp=CLAMP, intermediate_quant="ue8m0_32")
+        ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
+        ref_inter = l1_intermediate(xq[tokens], w1, weights[tokens, 0], **kw)
+        mi, mo = accuracy_metrics(_intermediate(ws, rows), ref_inter), accuracy_metrics(ws.out[rows], ref)
+        print(f"fp4 bm={bm} pipelined={pipelined} expert {e} rows {int(rows.sum())}: inter {mi} out {mo}")
+        assert mo["nonfinite"] == 0 and mi["nonfinite"] == 0
+        assert mo["cosine"] >= 0.9999 and mo["processed_diff"] <= 1e-4 and mi["cosine"] >= 0.9999
+
+
+def test_fp4_sass_and_resources() -> None:
+    """Every FP8xFP4 variant: QGMMA (register-A WGMMA on E4M3), UTMALDG (TMA), PRMT (the register decoder) in the
+    SASS, no local memory, no spills."""
+    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    for defines in all_variants("fp8xfp4"):
+        cubin = jit.compile_cubin(FP4_SOURCE, defines)
+        res = cubin.resources[FP4_KERNEL]
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True, text=True, check=True)
+        text = sass.stdout
+        counts = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL")}
+        print(f"fp4 {defines}: {res} {counts}")
+        assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["PRMT"] > 0
+        assert counts["LDL"] == 0 and counts["STL"] == 0
+        assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
