@@ -9,11 +9,15 @@ median window):
 * ``deepgemm_pipeline``: ``m_grouped_fp8_gemm_nt_masked`` W1 on the same FP8 weights, SiLU-and-mul with clamp and
   per-token 1x128 FP8 requant in torch, masked W2 (what SGLang's DeepEP low-latency path runs on Hopper).
 * ``deepgemm_gemms``: the two masked GEMMs alone.
-* ``gc_fp4``: not measured: the FP8xFP4 kernel does not exist (the point records why).
+* ``gc_fp4``: this library's FP8xFP4 kernels on MXFP4 weights of the same BF16 layer (window-repacked,
+  lane-permuted; FP4 decoded to E4M3 in registers; UE8M0 1x32 intermediate).
 
-Floor per point: the active experts' FP8 weight and scale bytes plus the rows' token payload in (FP8 + scales) and
-out (BF16), over the device-to-device copy bandwidth measured in the same run; efficiency = floor / latency.
+Floors per point, over the device-to-device copy bandwidth measured in the same run: FP8 = the active experts' FP8
+weight and scale bytes plus the rows' token payload in (FP8 + scales) and out (BF16); FP4 = the active experts'
+``1.5 H I`` FP4 bytes + one scale byte per 32 values, plus the same payload. Efficiency = floor / latency (gc_fp4
+against the FP4 floor, everything else against the FP8 floor); speedups are DeepGEMM's latency over ours.
 Accuracy per point: our partials against the quantization-faithful and BF16 model references.
+``GC_MOE_BENCH_TOKENS`` ("64,128,256") restricts the sweep, ``GC_MOE_BENCH_WINDOWS`` the windows (short leases).
 
 Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
 ``python bench/gemm_sm90.py --out bench/results/gemm_sm90.json``
@@ -39,9 +43,18 @@ from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, ExpertGemmSM90, variant_defines
-from gc_moe_compat.sm90.heuristics import W1_SLABS, W2_SLABS, max_stages, tile_rows
-from gc_moe_compat.sm90.workload import CLAMP, Layer, Tokens, make_layer, make_tokens, reference_partials
+from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, variant_defines
+from gc_moe_compat.sm90.heuristics import MMA_TYPES, W1_SLABS, W2_SLABS, max_stages, tile_rows
+from gc_moe_compat.sm90.workload import (
+    CLAMP,
+    Layer,
+    Tokens,
+    make_fp4_layer,
+    make_layer,
+    make_tokens,
+    reference_partials,
+    reference_partials_fp4,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PER_WINDOW = 100
@@ -109,10 +122,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times[2:])
 
 
-def floor_bytes(layer: Layer, counts: torch.Tensor) -> int:
-    """Active experts' FP8 weights + block scales, plus the rows' payload in (FP8 + FP32 1x128) and out (BF16)."""
+def floor_bytes(layer: Layer, counts: torch.Tensor, mma_type: str = "fp8xfp8") -> int:
+    """Active experts' weights + scales (FP8 with FP32 128x128 block scales, or FP4 with one UE8M0 byte per 32
+    values), plus the rows' payload in (FP8 + FP32 1x128) and out (BF16)."""
     h, inter = layer.l1.in_features, layer.l1.out_features // 2
-    per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
+    if mma_type == "fp8xfp8":
+        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
+    else:
+        per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
     rows = int(counts.sum())
     return int((counts > 0).sum()) * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
 
@@ -176,22 +193,24 @@ def sass_record(bms: set[int], pipelined: set[bool]) -> dict[str, object]:
     """QGMMA / UTMALDG / local-memory counts and ptxas resources of the variants the benchmark ran."""
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     record = {}
-    for bm in sorted(bms):
-        for pipe in sorted(pipelined):
-            for epi, slabs in ((1, W1_SLABS), (2, W2_SLABS)):
-                defines = variant_defines(bm, epi, pipe, max_stages(bm, slabs))
-                cubin = jit.compile_cubin(SOURCE, defines)
-                try:
-                    text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True,
-                                          text=True, check=True).stdout  # fmt: skip
-                    ops = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL")}
-                except (OSError, subprocess.CalledProcessError) as err:
-                    ops = {"error": str(err)}
-                res = cubin.resources.get(KERNEL)
-                record[f"bm{bm}_{'pipelined' if pipe else 'plain'}_w{epi}"] = {
-                    "sass": ops,
-                    "resources": None if res is None else res.__dict__,
-                }
+    for mma_type in MMA_TYPES:
+        source, kernel = KERNELS[mma_type]
+        for bm in sorted(bms):
+            for pipe in sorted(pipelined):
+                for epi, slabs in ((1, W1_SLABS), (2, W2_SLABS)):
+                    defines = variant_defines(bm, epi, pipe, max_stages(bm, slabs, mma_type))
+                    cubin = jit.compile_cubin(source, defines)
+                    try:
+                        text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True,
+                                              text=True, check=True).stdout  # fmt: skip
+                        ops = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL")}
+                    except (OSError, subprocess.CalledProcessError) as err:
+                        ops = {"error": str(err)}
+                    res = cubin.resources.get(kernel)
+                    record[f"{mma_type}_bm{bm}_{'pipelined' if pipe else 'plain'}_w{epi}"] = {
+                        "sass": ops,
+                        "resources": None if res is None else res.__dict__,
+                    }
     return record
 
 
@@ -211,17 +230,21 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
         pts = [p for p in points if p["preset"] == preset]
         ts = [p["tokens_per_rank"] for p in pts]
         ax = axes[0][col]
-        for op in ("gc_fp8", "deepgemm_pipeline", "deepgemm_gemms"):
+        for op in ("gc_fp8", "gc_fp4", "deepgemm_pipeline", "deepgemm_gemms"):
             ys = [p["latency_us"].get(op) for p in pts]
             if any(y is not None for y in ys):
                 ax.plot(ts, ys, marker="o", label=op)
         ax.plot(ts, [p["floor_us"] for p in pts], "k--", label="floor (FP8 bytes / copy BW)")
+        ax.plot(ts, [p["floor_fp4_us"] for p in pts], "k:", label="floor (FP4 bytes / copy BW)")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{preset}: latency (µs)")
         ax.legend(fontsize=7)
         ax = axes[1][col]
         ax.plot(ts, [p["efficiency"].get("gc_fp8") for p in pts], marker="o", label="gc_fp8 efficiency")
-        ax.plot(ts, [p["speedup"].get("vs_deepgemm_pipeline") for p in pts], marker="s", label="speedup vs DG pipeline")
+        ax.plot(ts, [p["efficiency"].get("gc_fp4") for p in pts], marker="o", label="gc_fp4 efficiency (FP4 floor)")
+        ax.plot(ts, [p["speedup"].get("vs_deepgemm_pipeline") for p in pts], marker="s", label="fp8 x DG pipeline")
+        ax.plot(ts, [p["speedup"].get("fp4_vs_deepgemm_pipeline") for p in pts], marker="s", label="fp4 x DG pipeline")
+        ax.axhline(0.6, color="grey", lw=0.5)
         ax.axhline(0.7, color="grey", lw=0.5)
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set_xscale("log", base=2)
@@ -242,6 +265,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("GC_MOE_BENCH_WINDOWS"):  # "WARMUP,WINDOWS": a shorter run inside a device lease
         args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
+    if os.environ.get("GC_MOE_BENCH_TOKENS"):  # "T,T,...": a subset of the sweep inside a device lease
+        args.tokens = [int(v) for v in os.environ["GC_MOE_BENCH_TOKENS"].split(",")]
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
@@ -264,7 +289,7 @@ def main() -> None:
         "partition": {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
         "command": " ".join(
             [
-                *(f"GC_MOE_BENCH_WINDOWS={w}" for w in [os.environ.get("GC_MOE_BENCH_WINDOWS")] if w),
+                *(f"{k}={os.environ[k]}" for k in ("GC_MOE_BENCH_WINDOWS", "GC_MOE_BENCH_TOKENS") if os.environ.get(k)),
                 "python",
                 "bench/gemm_sm90.py",
                 *sys.argv[1:],
@@ -278,6 +303,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for preset in args.presets:
         layer = make_layer(preset, torch.device("cuda"), seed=1)
+        fp4 = make_fp4_layer(layer.l1_bf16, layer.l2_bf16)
         e = layer.l1.num_experts
         for t in args.tokens:
             tok = make_tokens(layer, t, seed=t)
@@ -298,34 +324,51 @@ def main() -> None:
                 "faithful": accuracy_metrics(ours[valid], ref[valid]),
                 "model": accuracy_metrics(ours[valid], model[valid]),
             }
+            cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4")
+            gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
+            ws4 = gemm4.workspace(grouped)
+            latency["gc_fp4"] = time_graph(lambda g=gemm4, gr=grouped, w=ws4: g.run(gr, w), args.warmup, args.windows)
+            gemm4.check()
+            ours4 = scatter_partials(gemm4.run(grouped, ws4).out, grouped, tok.x.shape[0], layer.topk)
+            ref4, _ = reference_partials_fp4(layer, fp4, tok, faithful=True)
+            accuracy["fp4_faithful"] = accuracy_metrics(ours4[valid], ref4[valid])
+            accuracy["fp4_model"] = accuracy_metrics(ours4[valid], model[valid])
             if dg is not None:
                 base = DeepGemmPipeline(dg, layer, tok)
                 latency["deepgemm_pipeline"] = time_graph(base.pipeline, args.warmup, args.windows)
                 latency["deepgemm_gemms"] = time_graph(base.gemms, args.warmup, args.windows)
             floor_us = floor_bytes(layer, counts) / bandwidth * 1e6
+            floor_fp4_us = floor_bytes(layer, counts, "fp8xfp4") / bandwidth * 1e6
             point = {
                 "preset": preset,
-                "mma_type": "fp8xfp8",
+                "mma_type": "fp8xfp8 and fp8xfp4",
                 "shared": False,
                 "tokens_per_rank": t,
                 "rows": int(counts.sum()),
                 "active_experts": int((counts > 0).sum()),
-                "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "stages": [cfg.stages_w1, cfg.stages_w2]},
+                "config": {
+                    "bm": cfg.bm,
+                    "pipelined": cfg.pipelined,
+                    "stages": [cfg.stages_w1, cfg.stages_w2],
+                    "stages_fp4": [cfg4.stages_w1, cfg4.stages_w2],
+                },  # fmt: skip
                 "latency_us": latency,
                 "per_rank_us": {op: [v] for op, v in latency.items()},
                 "floor_us": floor_us,
-                "efficiency": {op: floor_us / v for op, v in latency.items()},
+                "floor_fp4_us": floor_fp4_us,
+                "efficiency": {op: (floor_fp4_us if op == "gc_fp4" else floor_us) / v for op, v in latency.items()},
                 "speedup": {
-                    f"vs_{op}": v / latency["gc_fp8"] for op, v in latency.items() if op.startswith("deepgemm")
+                    **{f"vs_{op}": v / latency["gc_fp8"] for op, v in latency.items() if op.startswith("deepgemm")},
+                    **{f"fp4_vs_{op}": v / latency["gc_fp4"] for op, v in latency.items() if op.startswith("deepgemm")},
                 },
-                "fp8xfp4": "not measured: the FP8xFP4 register-A kernel is not implemented",
                 "accuracy": accuracy,
             }
             points.append(point)
             args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
-            print(json.dumps({k: point[k] for k in ("preset", "tokens_per_rank", "config", "latency_us", "floor_us")}))
-            del gemm, ws, grouped
-        del layer
+            keys = ("preset", "tokens_per_rank", "config", "latency_us", "floor_us", "floor_fp4_us")
+            print(json.dumps({k: point[k] for k in keys}))
+            del gemm, ws, gemm4, ws4, grouped
+        del layer, fp4
         torch.cuda.empty_cache()
     meta["sass"] = sass_record(used_bm, used_pipe)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
