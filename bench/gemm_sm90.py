@@ -351,7 +351,7 @@ def main() -> None:
                     "pipelined": cfg.pipelined,
                     "stages": [cfg.stages_w1, cfg.stages_w2],
                     "stages_fp4": [cfg4.stages_w1, cfg4.stages_w2],
-                },  # fmt: skip
+                },
                 "latency_us": latency,
                 "per_rank_us": {op: [v] for op, v in latency.items()},
                 "floor_us": floor_us,
