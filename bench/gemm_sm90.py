@@ -26,7 +26,6 @@ Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics
@@ -56,32 +56,7 @@ from gc_moe_compat.sm90.workload import (
     reference_partials_fp4,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-PER_WINDOW = 100
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _dirty() -> bool | None:
-    if os.environ.get("GC_MOE_GIT_DIRTY"):
-        return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else bool(status)
-
-
-def _driver() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        return out.splitlines()[0].strip()
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return "unknown"
 
 
 def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
@@ -91,20 +66,12 @@ def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # >= 2x the 50 MiB L2
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for i in range(warmup + windows):
-        flush.zero_()
-        torch.cuda.synchronize()
-        start.record()
+
+    def window() -> None:
         for _ in range(PER_WINDOW):
             graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            samples.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
-    return statistics.median(samples)
+
+    return statistics.median(timed_windows(window, warmup, windows)[0])
 
 
 def copy_bandwidth() -> float:
@@ -216,13 +183,8 @@ def sass_record(bms: set[int], pipelined: set[bool]) -> dict[str, object]:
 
 def plot(points: list[dict[str, object]], path: Path) -> None:
     """Latency and efficiency versus tokens per rank, one panel pair per preset (skipped without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     presets = sorted({p["preset"] for p in points})
     fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 7), squeeze=False)
@@ -277,24 +239,13 @@ def main() -> None:
         dg, dg_error = None, f"{type(err).__name__}: {err}"
     bandwidth = copy_bandwidth()
     points, used_bm, used_pipe = [], set(), set()
-    meta = {
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("GC_MOE_GIT_SHA"),
-        "dirty": _dirty(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "world_size": 1,
-        "partition": {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
-        "command": " ".join(
-            [
-                *(f"{k}={os.environ[k]}" for k in ("GC_MOE_BENCH_WINDOWS", "GC_MOE_BENCH_TOKENS") if os.environ.get(k)),
-                "python",
-                "bench/gemm_sm90.py",
-                *sys.argv[1:],
-            ]
-        ),  # fmt: skip
+    meta = result_meta(
+        "bench/gemm_sm90.py",
+        sys.argv[1:],
+        {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"},
+        env_keys=("GC_MOE_BENCH_WINDOWS", "GC_MOE_BENCH_TOKENS"),
+    )
+    meta |= {
         "timing": {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW},
         "copy_bandwidth_bytes_per_s": bandwidth,
         "deepgemm": "deepinfer-gemm 2.8.2 (built on the device)" if dg is not None else f"unavailable: {dg_error}",

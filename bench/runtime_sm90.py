@@ -14,55 +14,19 @@ Run on the lent H200 (scripts/device_check.sh does):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cuda.bindings import driver
+from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, get_graph
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.params import KernelArgs
-
-REPO = Path(__file__).resolve().parents[1]
-PER_WINDOW = 100
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _dirty() -> bool | None:
-    """Whether tracked files differ from HEAD (``GC_MOE_GIT_DIRTY`` where the copy has no git metadata)."""
-    if os.environ.get("GC_MOE_GIT_DIRTY"):
-        return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else bool(status)
-
-
-def _driver_version() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return out.splitlines()[0].strip()
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return f"CUDA driver API {call(driver.cuDriverGetVersion)}"
 
 
 def graphs(part: Partition) -> dict[str, GreenGraph]:
@@ -81,28 +45,6 @@ def graphs(part: Partition) -> dict[str, GreenGraph]:
         "one_kernel_green": get_graph([KernelNode.make("B", noop, Role.COMPUTE, 1, 32, none)], part),
         "one_kernel_plain": get_graph([KernelNode.make("B", noop, None, 1, 32, none)], part),
     }
-
-
-def time_windows(window: Callable[[], None], warmup: int, windows: int) -> tuple[list[float], float]:
-    """Per-launch device microseconds of each measured window (CUDA events around PER_WINDOW launches), and the
-    median host microseconds per launch spent issuing them (when it exceeds the device time, launches are host-bound).
-    """
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # >= 2x the H200's 50 MiB L2
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    device_us, host_us = [], []
-    for i in range(warmup + windows):
-        flush.zero_()
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        window()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            device_us.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
-            host_us.append((t1 - t0) * 1e6 / PER_WINDOW)
-    return device_us, statistics.median(host_us)
 
 
 def direct_window(graph: GreenGraph) -> Callable[[], None]:
@@ -140,13 +82,8 @@ def summarize(case: str, nodes: int, how: str, samples: list[float], host_us: fl
 
 def plot(points: list[dict[str, object]], path: Path) -> None:
     """Bar chart of the median replay cost per case and launch mode (skipped without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{p['case']}\n{p['launch']}" for p in points]
     values = [p["latency_us"]["replay"] for p in points]
@@ -171,26 +108,15 @@ def main() -> None:
     points = []
     keep = []
     for case, graph in graphs(part).items():
-        samples, host = time_windows(direct_window(graph), args.warmup, args.windows)
+        samples, host = timed_windows(direct_window(graph), args.warmup, args.windows)
         points.append(summarize(case, len(graph.nodes), "direct", samples, host))
         replay, outer = captured_window(graph)
         keep.append(outer)
-        samples, host = time_windows(replay, args.warmup, args.windows)
+        samples, host = timed_windows(replay, args.warmup, args.windows)
         points.append(summarize(case, len(graph.nodes), "captured", samples, host))
 
-    meta = {
-        "git_sha": os.environ.get("GC_MOE_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
-        "dirty": _dirty(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "driver": _driver_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "world_size": 1,
-        "partition": part.describe(),
-        "command": "python bench/runtime_sm90.py " + " ".join(sys.argv[1:]),
-        "protocol": f"{args.warmup} warm-up + {args.windows} measured windows of {PER_WINDOW} launches, L2 flushed",
-    }
+    meta = result_meta("bench/runtime_sm90.py", sys.argv[1:], part.describe())
+    meta["protocol"] = f"{args.warmup} warm-up + {args.windows} measured windows of {PER_WINDOW} launches, L2 flushed"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
     plot(points, args.out.with_suffix(".png"))
