@@ -26,6 +26,9 @@ region                  dtype      shape                   written by (read by)
                                                            arrival check: high words sum to ``dispatch_sms·P``)
 ``combine_ready``       int64      ``[P]``                 peer ``r``'s role3 at ``[r]``: ``replay_seq + 1``
                                                            with release (phase-encoded, never reset)
+``finalize_arrive``     int64      ``[1]``                 own role3: +1 per finalize CTA once it has read
+                                                           ``replay_seq``; the arrival completing the grid
+                                                           advances ``replay_seq`` and stores 0 back
 ``src_index``           int32      ``[e, P, Tmax]``        peer ``src``'s role1: ``src_token·k + slot`` of its
                                                            rows for local expert ``le``, ascending
 ``pool_header``         int64      ``[1]``                 own role1: ``(1 << 32) | pool blocks``; role3 -> 0
@@ -53,6 +56,8 @@ region                  dtype      shape                   written by (read by)
 
 Role3 resets, for the next replay: ``send_counts``, ``recv_counts[parity]``, ``pool_header`` and the four ring
 signals (to 0). ``tag1_barrier``, ``replay_seq``, ``combine_ready`` are phase-encoded and never reset.
+``finalize_arrive`` exists because every finalize CTA reads ``replay_seq`` (its readiness wait target) while the
+same kernel advances it: the advance must follow the last read, and the grid is not a cooperative launch.
 """
 
 from __future__ import annotations
@@ -92,9 +97,9 @@ SHARED_REGIONS = ("shared_l2_acts", "shared_l2_acts_sf")
 
 REGION_NAMES = (
     *INPUT_VIEWS, "tag1_barrier", "replay_seq", "recv_parity", "send_counts", "recv_counts", "combine_ready",
-    "src_index", "pool_header", "pool_table", "l1_acts", "l1_acts_sf", "l1_routing_weights", "l1_source",
-    "l1_full_count", "l1_empty_count", "l2_full_mask", "l2_empty_count", "l2_acts", "l2_acts_sf", *SHARED_REGIONS,
-    "combine", "status",
+    "finalize_arrive", "src_index", "pool_header", "pool_table", "l1_acts", "l1_acts_sf", "l1_routing_weights",
+    "l1_source", "l1_full_count", "l1_empty_count", "l2_full_mask", "l2_empty_count", "l2_acts", "l2_acts_sf",
+    *SHARED_REGIONS, "combine", "status",
 )
 """Every region in placement order (the field order of :class:`WorkspaceOffsets`)."""
 
@@ -215,6 +220,7 @@ def _specs(shape: MoEShape, ring: RingCapacity, pool: int, topk_idx_dtype: torch
         RegionSpec("send_counts", torch.int64, (shape.num_experts,)),
         RegionSpec("recv_counts", torch.int64, (2, p, e)),
         RegionSpec("combine_ready", torch.int64, (p,)),
+        RegionSpec("finalize_arrive", torch.int64, (1,)),
         RegionSpec("src_index", torch.int32, (e, p, t)),
         RegionSpec("pool_header", torch.int64, (1,)),
         RegionSpec("pool_table", torch.int32, (pool, 3)),

@@ -20,7 +20,8 @@ def _expected_bytes(shape: config.MoEShape, cap: ring.RingCapacity, pool: int, i
     want = {
         "x": t * h, "x_sf": t * h // 128 * 4, "topk_idx": t * k * idx_bytes, "topk_weights": t * k * 4,
         "tag1_barrier": 8, "replay_seq": 8, "recv_parity": 8, "send_counts": 8 * shape.num_experts,
-        "recv_counts": 8 * 2 * p * e, "combine_ready": 8 * p, "src_index": 4 * e * p * t, "pool_header": 8,
+        "recv_counts": 8 * 2 * p * e, "combine_ready": 8 * p, "finalize_arrive": 8, "src_index": 4 * e * p * t,
+        "pool_header": 8,
         "pool_table": 12 * pool, "l1_acts": cap.rows * h, "l1_acts_sf": 4 * cap.rows * h // 128,
         "l1_routing_weights": 4 * cap.rows, "l1_source": 16 * cap.rows, "l1_full_count": 4 * cap.blocks,
         "l1_empty_count": 4 * cap.blocks, "l2_full_mask": 8 * cap.blocks, "l2_empty_count": 4 * cap.blocks,
@@ -54,7 +55,7 @@ def test_regions_disjoint_aligned_exact(name: str, p: int, shared: bool, mma: st
 def test_dsv41_flash_two_ranks_total() -> None:
     layout = OperatorLayout.build(config.preset_shape("dsv41-flash", 2), 128)
     assert (layout.ring.rows, layout.ring.blocks, layout.pool_blocks) == (23 * 64, 23, 432)
-    assert layout.total_bytes == 31_736_064
+    assert layout.total_bytes == 31_736_320
 
 
 def test_views_dtype_shape_and_aliasing() -> None:
