@@ -50,8 +50,6 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 def missing_role_kernels(num_shared_experts: int) -> tuple[str, ...]:
     """The role kernels a launch needs that do not exist yet (role4 only with a fused shared expert)."""
     roles = (
-        "role1 dispatch (per-expert counts, packed send/receive counters, tag-1 barrier, pull into the token ring, "
-        "l1_full_count release)",
         "role2 SM90 grouped GEMM over ring blocks (l1_full_count acquire, W1 SwiGLU + requant into l2_acts, "
         "l2_full_mask, W2 scatter into the source ranks' combine buffers)",
         "role3 finalize (combine readiness, receive-count arrival check, parity flip, signal resets, slot-order "
