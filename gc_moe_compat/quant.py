@@ -126,7 +126,15 @@ def _require_ndim(fn: str, name: str, x: Tensor, ndim: int) -> None:
         raise ValueError(f"{fn}: {name} must have at least {ndim} dimension(s), got shape {tuple(x.shape)}")
 
 
+def _can_inspect(x: Tensor) -> bool:
+    """Whether checks that read values may run: not under CUDA graph capture, where the device sync they need would
+    break the capture (a serving engine captures the pre-dispatch quantization). Shape and dtype checks always run."""
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _require_finite(fn: str, name: str, x: Tensor) -> None:
+    if not _can_inspect(x):
+        return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         first = x[bad].flatten()[0].item()
@@ -142,6 +150,8 @@ def _require_pos_int(fn: str, name: str, v: object) -> int:
 
 
 def _require_code_range(fn: str, name: str, codes: Tensor, limit: int) -> None:
+    if not _can_inspect(codes):
+        return
     bad = codes > limit
     if bool(bad.any()):
         raise ValueError(f"{fn}: {name} must hold values in 0..{limit}, got {int(codes[bad].max())}")
@@ -160,9 +170,9 @@ def _fp8_amax_scale(amax: Tensor) -> Tensor:
 
     The divisor is a tensor on purpose: torch's CUDA division by a Python scalar multiplies by its rounded reciprocal,
     which differs from the true quotient in the last bit for some inputs (seen on H200) and would make CPU and GPU
-    scales disagree.
+    scales disagree. ``full_like`` (a device fill, no host copy) keeps it capturable in a CUDA graph.
     """
-    return amax.clamp(min=AMAX_FLOOR) / amax.new_tensor(E4M3_MAX)
+    return amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, E4M3_MAX)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -212,7 +222,7 @@ def ue8m0_scale(amax: Tensor, fmt_max: float) -> Tensor:
     if not (torch.finfo(torch.float32).tiny <= fmt32 < float("inf")):
         raise ValueError(f"{fn}: fmt_max must be a positive, finite, normal float32 value, got {fmt_max}")
     _require_finite(fn, "amax", amax)
-    if bool((amax < 0).any()):
+    if _can_inspect(amax) and bool((amax < 0).any()):
         raise ValueError(f"{fn}: amax must be non-negative, got {amax.min().item()}")
 
     a = amax.float().clamp(min=AMAX_FLOOR)
@@ -220,7 +230,7 @@ def ue8m0_scale(amax: Tensor, fmt_max: float) -> Tensor:
     k = torch.frexp(a)[1].to(torch.int32) - ef  # ma / mf lies in (0.5, 2): ceil(log2) is k or k + 1
     fits = a <= fmt32 * _pow2(k.clamp(-149, 127))  # exact: a power-of-two product (an overflow to inf compares right)
     k = torch.where(fits, k, k + 1)
-    if bool(((k < _UE8M0_MIN_EXP) | (k > _UE8M0_MAX_EXP)).any()):
+    if _can_inspect(k) and bool(((k < _UE8M0_MIN_EXP) | (k > _UE8M0_MAX_EXP)).any()):
         raise ValueError(
             f"{fn}: the scale for amax in [{a.min().item()}, {a.max().item()}] with fmt_max={fmt_max} needs 2**k "
             f"with k in [{int(k.min())}, {int(k.max())}], outside UE8M0's [{_UE8M0_MIN_EXP}, {_UE8M0_MAX_EXP}]"
@@ -242,7 +252,7 @@ def ue8m0_encode(scale: Tensor) -> Tensor:
     normal = (bits >= 0) & (biased >= 1) & (biased <= 254) & ((bits & 0x7FFFFF) == 0)
     tiny = bits == 0x00400000  # 2**-127, the one in-range float32 subnormal
     ok = normal | tiny
-    if not bool(ok.all()):
+    if _can_inspect(ok) and not bool(ok.all()):
         first = s[~ok].flatten()[0].item()
         raise ValueError(
             f"{fn}: scale must hold positive powers of two in [2**-127, 2**127], found {int((~ok).sum())} other "
