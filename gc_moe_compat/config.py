@@ -27,11 +27,11 @@ rule                                   reason
 ``E <= 2048``                          static per-expert signal region sizing
 ``E % P == 0``, ``E/P <= 512``         experts are distributed evenly; lane-held per-expert counters
 ``k <= E``                             top-k without repetition needs k distinct experts
-``1 <= capacity <= 4096``              ring, combine buffer and receive counters are sized statically from the
-                                       per-rank capacity; 4096 (16x the paper's 256) is this library's choice,
-                                       not the paper's: it bounds the symmetric buffer (the worst-case receive
-                                       ring is P·capacity tokens per rank) while covering decode batches.
-                                       Prefill-sized batches must be chunked by the caller.
+``1 <= capacity <= 8192``              ring, combine buffer and receive counters are sized statically from the
+                                       per-rank capacity; 8192 is this library's choice, not the paper's (256):
+                                       SGLang's default ``SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK``,
+                                       so an unchanged deployment is accepted, while the symmetric buffer stays
+                                       bounded. Larger batches must be chunked by the caller.
 ``0 <= num_tokens <= capacity``        tokens beyond the capacity have no ring/combine slot
 ``mma_type in MMA_TYPES``              the only two compute paths (FP8xFP4 routed, FP8xFP8 SM90 recipe)
 tensors: dtype/shape per the table     the kernels read raw bytes through fixed TMA descriptors and strides
@@ -104,7 +104,7 @@ MAX_COMBINE_SLOTS = 32
 MAX_EXPERTS = 2048
 MAX_LOCAL_EXPERTS = 512
 MAX_RANKS = 72
-MAX_CAPACITY = 4096
+MAX_CAPACITY = 8192
 MMA_TYPES = ("fp8xfp4", "fp8xfp8")
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

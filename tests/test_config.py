@@ -177,8 +177,8 @@ def test_tokens_per_expert_rejects_negative() -> None:
     ("num_experts", 9, "num_experts", "multiple of 2"),
     ("num_ranks", 0, "num_ranks", "[1, 72]"),
     ("num_ranks", 73, "num_ranks", "72 offsets"),
-    ("capacity", 0, "capacity", "[1, 4096]"),
-    ("capacity", MAX_CAPACITY + 1, "capacity", "[1, 4096]"),
+    ("capacity", 0, "capacity", "[1, 8192]"),
+    ("capacity", MAX_CAPACITY + 1, "capacity", "[1, 8192]"),
 ])
 def test_scalar_rule(field: str, value: int, arg: str, rule: str) -> None:
     with raises(ValueError, f"{arg}:", rule, f"got {value}"):
