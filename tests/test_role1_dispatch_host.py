@@ -46,10 +46,11 @@ def test_role1_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: py
 
 
 def test_role1_params_header_is_generated_from_the_ctypes_structs() -> None:
-    """kernels/sm90/dispatch_params.cuh holds exactly the C declarations of the structs the host packs."""
+    """The kernel's headers hold exactly the C declarations of the two structs the host packs by value."""
     header = (KERNELS_DIR / "sm90" / "dispatch_params.cuh").read_text()
-    assert dispatch.params_header() in header
     assert "// BEGIN GENERATED\n" + dispatch.params_header() + "// END GENERATED" in header
+    assert '#include "common/workspace_offsets.cuh"' in header
+    assert WorkspaceOffsets.c_declaration() in (KERNELS_DIR / "common" / "workspace_offsets.cuh").read_text()
 
 
 def test_role1_params_struct_layout() -> None:

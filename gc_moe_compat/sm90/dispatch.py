@@ -8,7 +8,8 @@ expert, writes each entry ``src_token·k + slot`` into the target rank's ``src_i
 (:mod:`gc_moe_compat.ring`). The kernel gets three by-value arguments: the workspace
 :class:`~gc_moe_compat.runtime.workspace.PeerTable`, the
 :class:`~gc_moe_compat.operator_layout.WorkspaceOffsets` and :class:`DispatchParams`; its C declarations live in
-kernels/sm90/dispatch_params.cuh, generated from the ctypes classes (:func:`params_header`, checked by the tests).
+kernels/common/workspace_offsets.cuh and kernels/sm90/dispatch_params.cuh, generated from the ctypes classes
+(:func:`params_header`; the tests check both).
 
 :func:`assign_rows` is the kernel's row and block arithmetic written with torch: which pool block, ring row and
 ``l1_full_count`` increment each received row gets, from the ``[P, e]`` receive counts alone.
@@ -107,8 +108,8 @@ class DispatchParams(ctypes.Structure):
 
 
 def params_header() -> str:
-    """The generated part of kernels/sm90/dispatch_params.cuh: both by-value structs of the kernel."""
-    return WorkspaceOffsets.c_declaration() + "\n" + DispatchParams.c_declaration()
+    """The generated part of kernels/sm90/dispatch_params.cuh: the C declaration of :class:`DispatchParams`."""
+    return DispatchParams.c_declaration()
 
 
 def dispatch_params(buffer: GcMoeBuffer, plan: RingPlan, num_tokens: int, timeout_ms: float | None = None, *,
