@@ -52,8 +52,6 @@ def missing_role_kernels(num_shared_experts: int) -> tuple[str, ...]:
     roles = (
         "role2 SM90 grouped GEMM over ring blocks (l1_full_count acquire, W1 SwiGLU + requant into l2_acts, "
         "l2_full_mask, W2 scatter into the source ranks' combine buffers)",
-        "role3 finalize (combine readiness, receive-count arrival check, parity flip, signal resets, slot-order "
-        "combine into y)",
     )
     if num_shared_experts:
         roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)

@@ -223,7 +223,7 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
         call(y, w1, w2, buf, **kw)
     msg = str(info.value)
     assert msg.startswith(f"{call.__name__}: running the layer: the GC-MoE SM90 operator (issue 5) is not built yet")
-    assert all(role in msg for role in ("role2 SM90 grouped GEMM", "role3 finalize")) and "role1" not in msg
+    assert "role2 SM90 grouped GEMM" in msg and "role1" not in msg and "role3" not in msg
     assert ("role4 fused shared expert" in msg) == bool(shared) and msg.endswith("nothing ran")
     with exclusive(buf), pytest.raises(WorkspaceBusyError):
         call(y, w1, w2, buf, **kw)
@@ -308,7 +308,7 @@ def test_seam_reaches_native_validation(group: dist.ProcessGroup) -> None:
     kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
               recipe=(1, 1, 32), activation_clamp=None, fast_math=True)
     y = torch.empty(3, H, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="facade's SymmBuffer holds only the caller-staged inputs.*role3"):
+    with pytest.raises(NotImplementedError, match="facade's SymmBuffer holds only the caller-staged inputs.*role2"):
         operator.mega_moe(y, l1, l2, sym, **kw)
     with pytest.raises(ValueError, match="l1_weights\\[0\\]: must be of shape"):
         operator.mega_moe(y, (l1[0][:1], l1[1]), l2, sym, **kw)
