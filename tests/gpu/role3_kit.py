@@ -8,13 +8,16 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+from cuda.bindings import driver
 
 from gc_moe_compat.config import MoEShape
 from gc_moe_compat.native_buffer import GcMoeBuffer
 from gc_moe_compat.reference import _combine
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import as_stream, call
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import ptr
+from gc_moe_compat.sm90 import finalize
 
 SOURCE = "runtime_test/finalize_test.cu"
 STAND_IN_SITES = {1: "replay_seq", 2: "recv_parity", 3: "combine_ready", 4: "finalize_arrive", 5: "recv_counts",
@@ -128,6 +131,20 @@ def scatter(rows: torch.Tensor, data: torch.Tensor, buffer: GcMoeBuffer, stream:
             ctypes.c_uint32(buffer.shape.hidden), ptr(rows), ptr(data), ctypes.c_uint32(n)]
     grid = min(132, -(-n * buffer.shape.hidden // 8 // 256))
     launch(module().kernel("ft_scatter_rows"), grid, 256, args, stream)
+
+
+def warm_up(buffer: GcMoeBuffer, *streams: object) -> None:
+    """Launches role3 (warm-up flag: no effect) and the stand-ins once on every stream and waits: lazy module loading
+    serializes a kernel's first launch in a context (FACTS.md), which would stall a kernel another one spins for."""
+    y = torch.empty(0, buffer.shape.hidden, dtype=torch.bfloat16, device=buffer.storage.device)
+    none = ctypes.c_uint64(0)
+    for stream in streams:
+        launch(finalize.kernel(), 1, finalize.THREADS, finalize.finalize_args(buffer, y, warmup=True), stream)
+        launch(module().kernel("ft_scatter_rows"), 1, 32, [buffer.peer_table, none, ctypes.c_uint32(0),
+                                                          ctypes.c_uint32(8), none, none, ctypes.c_uint32(0)], stream)
+        delay(0, stream)
+    for stream in streams:
+        call(driver.cuStreamSynchronize, as_stream(stream))
 
 
 def delay(ns: int, stream: object) -> None:

@@ -30,13 +30,13 @@ from role3_kit import (
     stage_combine,
     stage_counters,
     stage_inputs,
+    warm_up,
 )
 from runtime_kit import sync
 
 from gc_moe_compat import reference
 from gc_moe_compat.native_buffer import get_symm_buffer_for_gc_moe
 from gc_moe_compat.runtime.green import get_partition
-from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.status import DeviceTimeoutError
 from gc_moe_compat.sm90 import finalize
 
@@ -52,14 +52,10 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank = dist.get_rank()
     buf = get_symm_buffer_for_gc_moe(dist.group.WORLD, 8, 64, 3, 1024, 256, "fp8xfp8", num_shared_experts=1)
-    shape, part = buf.shape, get_partition(buf.dispatch_sms)
+    shape, part = buf.shape, get_partition()
     stream = part.compute.stream
 
-    # First launches can serialize (FACTS.md): run role3 once in its context, as a no-op.
-    launch(finalize.kernel(), 1, finalize.THREADS, finalize.finalize_args(buf, poisoned_y(0, shape.hidden)[0],
-                                                                          warmup=True), stream)
-    delay(0, stream)
-    sync(part.compute)
+    warm_up(buf, stream)  # first launches can serialize (FACTS.md)
     dist.barrier()
 
     stats = torch.zeros(shape.num_local_experts, dtype=torch.int32, device="cuda")

@@ -27,6 +27,7 @@ from role3_kit import (
     stage_combine,
     stage_counters,
     stage_inputs,
+    warm_up,
 )
 from runtime_kit import sync, u32
 
@@ -86,7 +87,7 @@ def _stage_one_rank(buffer: GcMoeBuffer, gen: torch.Generator, tokens: int, repl
 def test_role3_combine_exact_and_state_reset(group: dist.ProcessGroup, name: str, tokens: int,
                                              max_ctas: int | None) -> None:
     buf = _buffer(group, name)
-    part = get_partition(buf.dispatch_sms)
+    part = get_partition()
     seed = int.from_bytes(os.urandom(4), "little") >> 1  # fresh inputs every run; printed for a replay
     print(f"{name} T={tokens} max_ctas={max_ctas}: seed {seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -113,7 +114,7 @@ def test_role3_combine_exact_and_state_reset(group: dist.ProcessGroup, name: str
 @pytest.mark.gpu
 def test_role3_arrival_check_reports_the_expert_and_still_completes(group: dist.ProcessGroup) -> None:
     buf = _buffer(group, "k2s1")
-    part = get_partition(buf.dispatch_sms)
+    part = get_partition()
     data, parity = _stage_one_rank(buf, torch.Generator().manual_seed(3), 20, 4)
     buf.recv_counts[parity, 0, 5] += 1 << 32  # one dispatch CTA too many for local expert 5
     y, _ = poisoned_y(20, buf.shape.hidden)
@@ -144,7 +145,7 @@ def test_role3_1000_graph_replays_phase_encoding(group: dist.ProcessGroup) -> No
     capture): each stand-in checks the state role3 left (replay_seq, parity, readiness, zeros) and leaves new
     counts in recv_counts[n & 1]; the statistics must add every replay's counts, y must be exact at the end."""
     buf = _buffer(group, "k6s1h5120")
-    part = get_partition(buf.dispatch_sms)
+    part = get_partition()
     data = make_rank_data(torch.Generator().manual_seed(11), buf.shape, 77)
     stage_inputs(buf, data)
     stage_combine(buf, 0, data, buf.shape)
@@ -204,6 +205,7 @@ def test_role3_two_ranks_on_one_gpu_wait_for_each_other(group: dist.ProcessGroup
     part = get_partition()
     bufs = _simulated_pair(group, PAIR_SHAPE)
     sides = [part.compute, part.comm]
+    warm_up(bufs[0], part.compute.stream, part.comm.stream)
     for rnd, tokens in enumerate([(40, 64), (0, 64), (64, 13)]):
         gen = torch.Generator().manual_seed(100 + rnd)
         datas = [make_rank_data(gen, PAIR_SHAPE, t) for t in tokens]
