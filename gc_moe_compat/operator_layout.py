@@ -72,6 +72,7 @@ import torch
 
 from gc_moe_compat.config import MoEShape
 from gc_moe_compat.ring import BLOCK_M_CANDIDATES, DEFAULT_GEOMETRY, RingCapacity, RingModel, TaskGeometry
+from gc_moe_compat.runtime.params import c_struct_declaration
 from gc_moe_compat.runtime.status import KernelStatus
 from gc_moe_compat.runtime.workspace import DEFAULT_ALIGNMENT, LayoutPlanner, Region
 
@@ -126,11 +127,7 @@ class WorkspaceOffsets(ctypes.Structure):
     @classmethod
     def c_declaration(cls) -> str:
         """The matching C++ struct (``gc_moe::WorkspaceOffsets``) with a size check, for the kernel sources."""
-        kinds = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigned int"}
-        fields = "\n".join(f"    {kinds[kind]} {name};" for name, kind in cls._fields_)
-        return (f"struct WorkspaceOffsets {{\n{fields}\n}};\n"
-                f"static_assert(sizeof(WorkspaceOffsets) == {ctypes.sizeof(cls)}, "
-                "\"WorkspaceOffsets must match gc_moe_compat/operator_layout.py\");\n")
+        return c_struct_declaration(cls, "WorkspaceOffsets", "gc_moe_compat/operator_layout.py")
 
 
 @dataclass(frozen=True)

@@ -49,3 +49,15 @@ class KernelArgs:
 def as_args(args: KernelArgs | Sequence[Arg]) -> KernelArgs:
     """``args`` as :class:`KernelArgs`."""
     return args if isinstance(args, KernelArgs) else KernelArgs(*args)
+
+
+_C_TYPES = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigned int", ctypes.c_int64: "long long",
+            ctypes.c_int32: "int"}
+
+
+def c_struct_declaration(struct: type[ctypes.Structure], c_name: str, origin: str) -> str:
+    """The C++ declaration of a flat ctypes parameter struct, with a ``static_assert`` on its size, so kernel
+    headers are generated from (and checked against) the one Python definition in ``origin``."""
+    fields = "\n".join(f"    {_C_TYPES[kind]} {name};" for name, kind in struct._fields_)
+    return (f"struct {c_name} {{\n{fields}\n}};\n"
+            f"static_assert(sizeof({c_name}) == {ctypes.sizeof(struct)}, \"{c_name} must match {origin}\");\n")

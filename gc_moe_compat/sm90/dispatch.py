@@ -28,7 +28,7 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.launch import launch
-from gc_moe_compat.runtime.params import KernelArgs
+from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
 from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
 
 __all__ = [
@@ -100,11 +100,7 @@ class DispatchParams(ctypes.Structure):
     @classmethod
     def c_declaration(cls) -> str:
         """The matching C++ struct (``gc_moe::DispatchParams``) with a size check."""
-        kinds = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigned int"}
-        fields = "\n".join(f"    {kinds[kind]} {name};" for name, kind in cls._fields_)
-        return (f"struct DispatchParams {{\n{fields}\n}};\n"
-                f"static_assert(sizeof(DispatchParams) == {ctypes.sizeof(cls)}, "
-                "\"DispatchParams must match gc_moe_compat/sm90/dispatch.py\");\n")
+        return c_struct_declaration(cls, "DispatchParams", "gc_moe_compat/sm90/dispatch.py")
 
 
 def params_header() -> str:
