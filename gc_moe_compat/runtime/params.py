@@ -52,7 +52,7 @@ def as_args(args: KernelArgs | Sequence[Arg]) -> KernelArgs:
 
 
 _C_TYPES = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigned int", ctypes.c_int64: "long long",
-            ctypes.c_int32: "int"}
+            ctypes.c_int32: "int", ctypes.c_float: "float"}
 
 
 def c_struct_declaration(struct: type[ctypes.Structure], c_name: str, origin: str) -> str:
