@@ -8,20 +8,27 @@
 What a call does, in order: every argument through :func:`gc_moe_compat.config.validate` and the option checks
 (``TypeError``/``ValueError`` naming the argument); take the single-instance workspace guard
 (:func:`.native_buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
-would get (:class:`gc_moe_compat.ring.RingCapacityError`); then launch the roles. The role kernels are not built
-yet, so the last step raises ``NotImplementedError`` naming each missing kernel; nothing runs.
+would get (:class:`gc_moe_compat.ring.RingCapacityError`; with ``GC_MOE_PARTITION=off`` the ring must hold the
+whole pool); then run the three-node graph of :mod:`gc_moe_compat.sm90.layer` (role1 dispatch, role2 grouped
+GEMMs, role3 finalize) on torch's current stream, or attach it to the capture in progress. Outside capture the call
+then waits for the graph and raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` /
+``DeviceCheckError`` naming the role and site of any device-side error (inside a capture the records are read by
+the next eager call). Paths whose role kernels do not exist yet (:func:`missing_role_kernels`: the FP8xFP4 role2,
+role4 for a fused shared expert) raise ``NotImplementedError`` naming them before anything runs.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from gc_moe_compat import config
 from gc_moe_compat.native_buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe, partition_mode
 from gc_moe_compat.native_weights import GcMoeWeights, transform_weights_for_gc_moe
-from gc_moe_compat.ring import RingModel, RingPlan
+from gc_moe_compat.ring import RingCapacityError, RingModel, RingPlan
+from gc_moe_compat.sm90 import layer, role2
 from gc_moe_compat.sm90.heuristics import select_block_m
 
 __all__ = [
@@ -35,32 +42,40 @@ __all__ = [
     "missing_role_kernels",
     "not_built_error",
     "partition_mode",
+    "ring_model",
     "ring_plan",
     "transform_weights_for_gc_moe",
     "validate_call",
 ]
 
-OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) is not built yet"
+OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) does not cover this configuration yet"
 RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
 """The one recipe of each compute path."""
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-def missing_role_kernels(num_shared_experts: int) -> tuple[str, ...]:
-    """The role kernels a launch needs that do not exist yet (role4 only with a fused shared expert)."""
-    roles = (
-        "role2 SM90 grouped GEMM over ring blocks (l1_full_count acquire, W1 SwiGLU + requant into l2_acts, "
-        "l2_full_mask, W2 scatter into the source ranks' combine buffers)",
-    )
+def missing_role_kernels(num_shared_experts: int, mma_type: str = "fp8xfp4") -> tuple[str, ...]:
+    """The role kernels a launch of ``mma_type`` needs that do not exist yet (role4 only with a fused shared expert).
+
+    FP8xFP8 without a shared expert has all three roles (role1 dispatch, role2 operator-mode grouped GEMM, role3
+    finalize): nothing is missing.
+    """
+    roles: tuple[str, ...] = ()
+    if mma_type == "fp8xfp4":
+        roles += ("role2 SM90 FP8xFP4 grouped GEMM in operator mode (the FP8xFP8 kernel's GC_OPERATOR build: ring "
+                  "block table, l1_full_count acquire, l2_full_mask, W2 scatter into the source ranks' combine "
+                  "buffers; not yet ported to kernels/sm90/fp8_fp4_grouped_gemm.cu)",)
     if num_shared_experts:
         roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)
     return roles
 
 
-def not_built_error(what: str, num_shared_experts: int, detail: str | None = None) -> NotImplementedError:
-    """The error a launch raises until the role kernels exist: ``what``, ``detail`` and every missing kernel."""
-    kernels = "; ".join(missing_role_kernels(num_shared_experts))
+def not_built_error(what: str, num_shared_experts: int, detail: str | None = None,
+                    mma_type: str = "fp8xfp4") -> NotImplementedError:
+    """The error a launch raises while a role kernel it needs is missing: ``what``, ``detail`` and every missing
+    kernel (:func:`missing_role_kernels`)."""
+    kernels = "; ".join(missing_role_kernels(num_shared_experts, mma_type)) or "none"
     extra = f"{detail}; " if detail else ""
     return NotImplementedError(f"{what}: {OPERATOR_MISSING}: {extra}missing role kernels: {kernels}; nothing ran")
 
@@ -96,13 +111,28 @@ def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Ten
     return t
 
 
-def ring_plan(buffer: GcMoeBuffer, num_tokens: int) -> RingPlan:
-    """The ring plan of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, ring checked
-    against the compute SMs the launch would get (:class:`gc_moe_compat.ring.RingCapacityError` if undersized)."""
+def ring_model(buffer: GcMoeBuffer, num_tokens: int) -> RingModel:
+    """The ring model of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, the compute SMs
+    the launch would get now."""
     s = buffer.shape
     bm = select_block_m(num_tokens * s.num_ranks * s.topk / s.num_experts)
-    model = RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
-    return buffer.layout.ring.plan(model)
+    return RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
+
+
+def ring_plan(buffer: GcMoeBuffer, num_tokens: int, model: RingModel | None = None) -> RingPlan:
+    """The ring plan of a call with ``num_tokens`` tokens (``model`` default :func:`ring_model`), checked against
+    the compute SMs the launch would get (:class:`gc_moe_compat.ring.RingCapacityError` if undersized). With the
+    partition off the roles run in sequence: role1 must never wait for a refill, so the ring must hold the pool."""
+    model = model or ring_model(buffer, num_tokens)
+    ring = buffer.layout.ring
+    plan = ring.plan(model)
+    if buffer.partition == "off" and not ring.holds_pool(model):
+        raise RingCapacityError(
+            f"buffer: GC_MOE_PARTITION=off runs role1 before role2, so the ring must hold the whole pool of "
+            f"{model.pool_blocks} blocks of BM={model.block_m} rows (role1 would otherwise wait forever for role2 to "
+            f"free a block); this buffer's ring holds {ring.ring_blocks(model)}: create the buffer with "
+            "partition='off' (it then sizes the ring for the whole pool)")
+    return plan
 
 
 def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: int) -> _Pair:
@@ -145,8 +175,31 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
     with exclusive(buffer):
-        ring_plan(buffer, t)
-        raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts)
+        model = ring_model(buffer, t)
+        plan = ring_plan(buffer, t, model)
+        if missing_role_kernels(shape.num_shared_experts, mma_type):
+            raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
+        _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp)
+
+
+_caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()
+"""Built graphs and weight views per buffer (dropped with the buffer)."""
+
+
+def _launch(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, t: int,
+            model: RingModel, plan: RingPlan, activation_alpha: float, activation_clamp: float | None) -> None:
+    """Runs (or, inside a capture, attaches) the call's three-node graph; outside capture waits for it and raises
+    the first device-side error (role order)."""
+    if not buffer.storage.is_cuda:
+        raise RuntimeError(f"{fn}: buffer: lives in host memory (created without a CUDA device); running the layer "
+                           "needs the GPU")
+    cache = _caches.setdefault(buffer, layer.LayerCache())
+    call = layer.LayerCall(num_tokens=t, model=model, plan=plan, variant=role2.role2_variant(model, t),
+                           activation_clamp=None if activation_clamp is None else float(activation_clamp),
+                           activation_alpha=float(activation_alpha))
+    if layer.run_layer(buffer, y, w1, w2, call, cache):
+        return
+    layer.raise_for_layer_status(buffer, f"{fn}: running the layer")
 
 
 def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,

@@ -11,7 +11,9 @@ the compute one; ``off`` runs the same kernels in sequence on the whole device (
 ``partition`` argument wins over the environment. The ring is sized from the compute SMs the roles will have:
 the green partition's compute side (``on``; its dispatch request comes from ``dispatch_sms`` >
 ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`)
-or every SM (``off``). A workspace is single-instance: :func:`exclusive` rejects overlapping calls.
+or every SM (``off``). With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring
+block: the ring then holds the whole pool (:meth:`gc_moe_compat.ring.RingCapacity.whole_pool`). A workspace is
+single-instance: :func:`exclusive` rejects overlapping calls.
 """
 
 from __future__ import annotations
@@ -210,5 +212,5 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
     else:
         dispatch, device_compute = request, compute_sms
     planned = device_compute if compute_sms is None else compute_sms
-    layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype)
+    layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off")
     return GcMoeBuffer(group, shape, layout, mode, dispatch, planned)

@@ -21,6 +21,8 @@ __all__ = ["OPERATOR_MISSING", "mega_moe", "workspace_view"]
 
 _FACADE_NO_WORKSPACE = ("the deep_gemm facade's SymmBuffer holds only the caller-staged inputs, not the operator "
                         "workspace (gc_moe_compat.native.GcMoeBuffer)")
+_SEAM_NO_RUN = ("this seam receives the facade's canonical weight pairs, not transform_weights_for_gc_moe output; "
+                "call gc_moe_compat.native.fp8_fp8_gc_moe to run the operator")
 _MMA_OF_RECIPE = {recipe: mma for mma, recipe in native.RECIPES.items()}
 
 
@@ -50,9 +52,10 @@ def mega_moe(
                              check_values=False)
     with native.exclusive(buffer):
         if not isinstance(buffer, native.GcMoeBuffer):
-            raise native.not_built_error(what, shape.num_shared_experts, _FACADE_NO_WORKSPACE)
+            raise native.not_built_error(what, shape.num_shared_experts, _FACADE_NO_WORKSPACE, shape.mma_type)
         native.ring_plan(buffer, t)
-        raise native.not_built_error(what, shape.num_shared_experts)
+        detail = None if native.missing_role_kernels(shape.num_shared_experts, shape.mma_type) else _SEAM_NO_RUN
+        raise native.not_built_error(what, shape.num_shared_experts, detail, shape.mma_type)
 
 
 def workspace_view(buffer: Any, name: str) -> torch.Tensor:

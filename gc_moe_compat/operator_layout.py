@@ -162,13 +162,17 @@ class OperatorLayout:
 
     @classmethod
     def build(cls, shape: MoEShape, compute_sms: int, *, geometry: TaskGeometry = DEFAULT_GEOMETRY,
-              topk_idx_dtype: torch.dtype = torch.int64) -> OperatorLayout:
-        """Plan every region for ``shape`` with a ring sized for a ``compute_sms``-SM compute partition."""
+              topk_idx_dtype: torch.dtype = torch.int64, whole_pool: bool = False) -> OperatorLayout:
+        """Plan every region for ``shape`` with a ring sized for a ``compute_sms``-SM compute partition, or, with
+        ``whole_pool``, holding the whole pool (roles in sequence, ``GC_MOE_PARTITION=off``)."""
         if not isinstance(shape, MoEShape):
             raise TypeError(f"shape: must be an MoEShape, got {type(shape).__name__}")
         if topk_idx_dtype not in (torch.int64, torch.int32):
             raise TypeError(f"topk_idx_dtype: must be torch.int64 or torch.int32 (expert ids), got {topk_idx_dtype}")
-        ring = RingCapacity.for_partition(shape, compute_sms, geometry)
+        if whole_pool:
+            ring = RingCapacity.whole_pool(shape, geometry)
+        else:
+            ring = RingCapacity.for_partition(shape, compute_sms, geometry)
         pool = max(RingModel(shape, bm, compute_sms, geometry).pool_blocks for bm in BLOCK_M_CANDIDATES)
         specs = {s.name: s for s in _specs(shape, ring, pool, topk_idx_dtype)}
         planner = _plan(specs.values())

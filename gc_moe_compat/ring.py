@@ -274,6 +274,17 @@ class RingCapacity:
         return cls(rows=max(m.required_ring_blocks * m.block_m for m in models),
                    blocks=max(m.required_ring_blocks for m in models))
 
+    @classmethod
+    def whole_pool(cls, shape: MoEShape, geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
+        """A ring holding every pool block of every ``BM`` candidate: what roles run in sequence need
+        (``GC_MOE_PARTITION=off``: role1 finishes before role2 starts, so it can never wait for a refill)."""
+        models = [RingModel(shape, bm, 1, geometry) for bm in BLOCK_M_CANDIDATES]
+        return cls(rows=max(m.pool_blocks * m.block_m for m in models), blocks=max(m.pool_blocks for m in models))
+
+    def holds_pool(self, model: RingModel) -> bool:
+        """Whether this capacity holds ``model``'s whole pool (no ring block is ever refilled)."""
+        return self.ring_blocks(model) >= model.pool_blocks
+
     def ring_blocks(self, model: RingModel) -> int:
         """Ring blocks of ``model.block_m`` rows this capacity holds (never more than the pool uses)."""
         return min(self.rows // model.block_m, self.blocks, model.pool_blocks)

@@ -6,6 +6,7 @@ capture the graph is instantiated and launched on the caller's stream; inside a 
 added to the capturing graph as a child node (``cuStreamGetCaptureInfo`` -> ``cuGraphAddChildGraphNode`` ->
 ``cuStreamUpdateCaptureDependencies``), so a serving engine's CUDA-graph runner can capture a layer call.
 Before a kernel is placed in a graph it is launched once in its context (first launches can serialize).
+Without a partition (``partition=None``, e.g. ``GC_MOE_PARTITION=off``) every node runs in the caller's context.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _watch(partition: Partition) -> None:
     partition.on_close(_forget)
 
 
-def _warm_up(node: KernelNode, partition: Partition) -> None:
+def _warm_up(node: KernelNode, partition: Partition | None) -> None:
     """Launches ``node.kernel`` once in its context (and waits) unless that was done before in this process."""
     if node.role is None:
         ctx, stream = current_context(), as_stream(torch.cuda.current_stream().cuda_stream)
@@ -118,7 +119,8 @@ def _warm_up(node: KernelNode, partition: Partition) -> None:
         side = partition.side(node.role)
         ctx, stream = int(side.ctx), side.stream
     key = (node.kernel.module_key, node.kernel.name, ctx)
-    _watch(partition)
+    if partition is not None:
+        _watch(partition)
     with _lock:
         if key in _warmed:
             return
@@ -134,12 +136,16 @@ def _warm_up(node: KernelNode, partition: Partition) -> None:
 
 
 class GreenGraph:
-    """A CUDA graph of :class:`KernelNode` s on one partition. Build with :func:`get_graph` to share the cache."""
+    """A CUDA graph of :class:`KernelNode` s on one partition (or, with ``partition=None``, on the caller's context:
+    every node's ``role`` must then be None). Build with :func:`get_graph` to share the cache."""
 
-    def __init__(self, nodes: Sequence[KernelNode], partition: Partition) -> None:
+    def __init__(self, nodes: Sequence[KernelNode], partition: Partition | None) -> None:
         names = [n.name for n in nodes]
         if len(set(names)) != len(names):
             raise ValueError(f"graph node names must be unique, got {names}")
+        if partition is None and any(n.role is not None for n in nodes):
+            raise ValueError(f"nodes {[n.name for n in nodes if n.role is not None]} name a green context role but "
+                             "the graph has no partition")
         for i, node in enumerate(nodes):
             missing = [d for d in node.deps if d not in names[:i]]
             if missing:
@@ -191,12 +197,13 @@ class GreenGraph:
             self.graph = None
 
 
-def get_graph(nodes: Sequence[KernelNode], partition: Partition) -> GreenGraph:
+def get_graph(nodes: Sequence[KernelNode], partition: Partition | None) -> GreenGraph:
     """The cached graph for (kernels, launch shapes, by-value parameters, partition); built on first use.
 
-    Graphs are destroyed when their partition is closed.
+    Graphs are destroyed when their partition is closed (graphs without a partition live as long as the process).
     """
-    key = (id(partition), partition.key, current_context(), tuple(n.signature() for n in nodes))
+    part_key = None if partition is None else (id(partition), partition.key)
+    key = (part_key, current_context(), tuple(n.signature() for n in nodes))
     with _lock:
         graph = _graphs.get(key)
     if graph is not None:

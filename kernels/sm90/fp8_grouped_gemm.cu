@@ -353,8 +353,6 @@ __device__ __forceinline__ void red_release_gpu_xor_u64(u64* p, u64 v) {
 
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-__device__ __forceinline__ int4 ld_cg_int4(const int4* p) { return __ldcg(p); }
-
 __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -518,7 +516,7 @@ __device__ __forceinline__ void op_epilogue_w2(const OpArgs& a, const float (&ac
     const int4* source = a.at<const int4>(a.off.l1_source);
     for (int u = local_tid; u < t.valid * kChunks; u += kConsumerThreads) {
         const int col = u / kChunks, c = u % kChunks;
-        const int4 src = ld_cg_int4(source + t.row_off + col);  // (src_rank, src_token, slot, pool block)
+        const int4 src = __ldcg(source + t.row_off + col);  // (src_rank, src_token, slot, pool block)
         if (src.w != pool_block) {
             report_status(a.status(), kStatusMismatch, kSiteSource, static_cast<u64>(src.w), pool_block);
             continue;
