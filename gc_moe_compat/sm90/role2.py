@@ -130,11 +130,13 @@ def operator_stages(bm: int) -> int:
 
 
 def role2_defines(bm: int, pipelined: bool, fast_math: bool = True) -> dict[str, int]:
-    """Compile-time parameters of one operator-mode variant (256-row tasks for both GEMMs)."""
+    """Compile-time parameters of one operator-mode variant (256-row tasks for both GEMMs); ``GC_OP_SMEM_BYTES``
+    is :func:`operator_smem_bytes`, which the kernel asserts equal to its own ``kSmemBytes``."""
     if bm not in BLOCK_M_CANDIDATES:
         raise ValueError(f"bm: must be one of {BLOCK_M_CANDIDATES}, got {bm!r}")
+    stages = operator_stages(bm)
     return {"GC_OPERATOR": 1, "GC_BM": bm, "GC_EPI": 1, "GC_M_SUB": W1_SLABS, "GC_PRODUCER_WG": int(pipelined),
-            "GC_STAGES": operator_stages(bm), "GC_FAST_MATH": int(fast_math)}
+            "GC_STAGES": stages, "GC_FAST_MATH": int(fast_math), "GC_OP_SMEM_BYTES": operator_smem_bytes(bm, stages)}
 
 
 @dataclass(frozen=True)

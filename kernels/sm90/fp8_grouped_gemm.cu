@@ -336,6 +336,9 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 }
 
 constexpr u32 kRole1Record = 0, kRole2Record = 1;
+// The host's shared-memory formula (gc_moe_compat/sm90/role2.py: operator_smem_bytes) arrives as a define in every
+// build, so a drift between the two fails to compile instead of failing the launch-time check.
+static_assert(kSmemBytes == GC_OP_SMEM_BYTES, "GC_OP_SMEM_BYTES: role2.operator_smem_bytes differs from kSmemBytes");
 
 __device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32* p) {
     u32 v;

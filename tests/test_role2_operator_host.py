@@ -1,0 +1,309 @@
+"""Role2 in operator mode and the operator assembly, host side (no GPU).
+
+* the operator-mode kernel (``GC_OPERATOR=1``) builds for sm_90a without spills in every variant, and its
+  shared-memory size equals the host formula (the build asserts it);
+* every standalone FP8xFP8 variant's cubin is byte-identical to the one built before operator mode existed;
+* :class:`Role2Params` is the generated C declaration;
+* the task sequence is ring.py's live-block order, and a simulation of the persistent grid with role1's refill
+  waits finishes for the capacity the host checks (and can deadlock below it);
+* the three-node graph's node list, contexts, dependencies and warm-up arguments (kernels faked);
+* ``GC_MOE_PARTITION=off`` sizes the ring for the whole pool and rejects a ring that does not hold it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gc_moe_compat import native, ring
+from gc_moe_compat.config import MoEShape
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.green import Role
+from gc_moe_compat.sm90 import dispatch, finalize, layer, role2
+from gc_moe_compat.sm90.gemm import SOURCE, all_variants
+from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
+from gc_moe_compat.sm90.tensormap import TensorMapArg
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+DATA = Path(__file__).resolve().parent / "data" / "sm90_fp8_standalone_cubins.json"
+H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
+
+
+def _has_nvcc() -> bool:
+    try:
+        jit.find_nvcc()
+    except jit.JitError:
+        return False
+    return True
+
+
+needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GC_MOE_PARTITION", "GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Kernel builds
+
+
+def test_role2_params_header_is_generated_from_the_ctypes_struct() -> None:
+    header = (KERNELS_DIR / "sm90" / "role2_params.cuh").read_text()
+    assert "// BEGIN GENERATED\n" + role2.params_header() + "// END GENERATED" in header
+    assert ctypes.sizeof(role2.Role2Params) == 64
+
+
+@pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
+def test_operator_smem_fits_and_stages_are_maximal(bm: int) -> None:
+    stages = role2.operator_stages(bm)
+    assert stages >= 2 and role2.operator_smem_bytes(bm, stages) <= SMEM_LIMIT
+    assert stages == 8 or role2.operator_smem_bytes(bm, stages + 1) > SMEM_LIMIT
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", [role2.Role2Variant(bm, p) for bm in BLOCK_M_CANDIDATES for p in (True, False)],
+                         ids=lambda v: f"bm{v.bm}-prod{int(v.pipelined)}")
+def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every operator-mode variant builds for sm_90a (which also asserts kSmemBytes == operator_smem_bytes): no
+    stack frame, no spills, the 168-register cap of the producer layout."""
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    res = jit.compile_cubin(role2.SOURCE, variant.defines).resources[role2.KERNEL]
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
+    assert res.registers <= (168 if variant.pipelined else 255)
+
+
+def _standalone_variants() -> list[dict[str, int]]:
+    """The variants the hash record holds: every heuristic variant, plus the first two without fast math."""
+    variants = all_variants("fp8xfp8")
+    return variants + [{**d, "GC_FAST_MATH": 0} for d in variants[:2]]
+
+
+@needs_nvcc
+def test_standalone_cubins_are_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Operator mode is a compile-time switch: every standalone FP8xFP8 cubin (the GPU-verified kernels) is the
+    same bytes as before it existed (tests/data/sm90_fp8_standalone_cubins.json, same nvcc)."""
+    record = json.loads(DATA.read_text())
+    version = subprocess.run([str(jit.find_nvcc()), "--version"], capture_output=True, text=True).stdout
+    if record["nvcc"] not in version:
+        pytest.skip(f"hashes recorded with {record['nvcc']}, this nvcc differs")
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    variants = _standalone_variants()
+    assert len(variants) == len(record["cubins"])
+    for defines in variants:
+        cubin = jit.compile_cubin(SOURCE, defines)
+        digest = hashlib.sha256(cubin.path.read_bytes()).hexdigest()
+        assert digest == record["cubins"][str(sorted(defines.items()))], defines
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Task sequence and deadlock freedom
+
+
+def _declared_order(n: int, w: int, t1: int, t2: int) -> list[tuple[str, int, int]]:
+    """ring.py's live-block order written out: W1 of the look-ahead blocks (tile-major), then per block j its W2
+    tiles followed by the W1 tiles of block j + w."""
+    a = min(w, n)
+    out = [("w1", b, tile) for tile in range(t1) for b in range(a)]
+    for j in range(n):
+        out += [("w2", j, tile) for tile in range(t2)]
+        out += [("w1", j + w, tile) for tile in range(t1) if j + w < n]
+    return out
+
+
+@pytest.mark.parametrize(("n", "w", "t1", "t2"), [(0, 3, 2, 2), (1, 3, 2, 2), (5, 3, 2, 4), (7, 7, 3, 1),
+                                                  (9, 1, 1, 1), (40, 6, 18, 20), (3, 10, 4, 2)])
+def test_task_sequence_is_the_live_block_order(n: int, w: int, t1: int, t2: int) -> None:
+    seq = role2.task_sequence(n, w, t1, t2)
+    assert seq == _declared_order(n, w, t1, t2)
+    assert sorted(seq) == sorted([("w1", b, i) for b in range(n) for i in range(t1)]
+                                 + [("w2", b, i) for b in range(n) for i in range(t2)])
+    pos = {task: i for i, task in enumerate(seq)}
+    for b in range(n):  # W2 of a block after every W1 tile of it
+        assert min(pos[("w2", b, i)] for i in range(t2)) > max(pos[("w1", b, i)] for i in range(t1))
+
+
+def _simulate(n: int, ring_blocks: int, ctas: int, w: int, t1: int, t2: int, row_steps: int = 1) -> bool:
+    """Discrete simulation of role1 (pulls pool blocks in order, refill waits on W1 and W2 of p - R) and role2's
+    grid (CTA c runs tasks c, c + C, ... in order; a W1 task needs its block landed, a W2 task every W1 tile of its
+    block). Returns whether everything finished (False: no actor could move, a deadlock)."""
+    seq = role2.task_sequence(n, w, t1, t2)
+    done_w1 = [0] * n
+    done_w2 = [0] * n
+    landed = [False] * n
+    queue = [list(range(c, len(seq), ctas)) for c in range(ctas)]
+    heads = [0] * ctas
+    pulled = 0
+    while pulled < n or any(h < len(q) for h, q in zip(heads, queue, strict=True)):
+        moved = False
+        for _ in range(row_steps):  # role1
+            if pulled < n:
+                p = pulled
+                if p < ring_blocks or (done_w1[p - ring_blocks] == t1 and done_w2[p - ring_blocks] == t2):
+                    landed[p] = True
+                    pulled += 1
+                    moved = True
+        for c in range(ctas):
+            if heads[c] == len(queue[c]):
+                continue
+            kind, b, _ = seq[queue[c][heads[c]]]
+            if kind == "w1" and landed[b]:
+                done_w1[b] += 1
+            elif kind == "w2" and done_w1[b] == t1:
+                done_w2[b] += 1
+            else:
+                continue
+            heads[c] += 1
+            moved = True
+        if not moved:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("compute_sms", [4, 16, 128])
+@pytest.mark.parametrize("bm", [8, 64])
+def test_grid_never_deadlocks_with_the_checked_ring(compute_sms: int, bm: int) -> None:
+    shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64)
+    model = ring.RingModel(shape, bm, compute_sms)
+    t1, t2, w = model.w1_tasks_per_block, model.w2_tasks_per_block, model.lookahead_blocks
+    for n in (1, model.pool_blocks // 3, model.pool_blocks):
+        for r in (model.required_ring_blocks, model.deadlock_free_blocks):
+            assert _simulate(n, r, compute_sms, w, t1, t2), (n, r)
+
+
+def test_ring_below_the_look_ahead_can_deadlock() -> None:
+    """Why R >= min(pool, w): with fewer ring blocks, W1 of block R (look-ahead, early in the sequence) waits for
+    role1, which waits for W2 of block 0, which comes after it."""
+    assert not _simulate(n=8, ring_blocks=2, ctas=1, w=4, t1=1, t2=1)
+    assert _simulate(n=8, ring_blocks=4, ctas=1, w=4, t1=1, t2=1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Graph assembly (kernels faked: no driver, no GPU)
+
+
+class _FakeKernel:
+    def __init__(self, name: str) -> None:
+        self.name, self.module_key, self.handle, self.resources = name, f"key-{name}", None, None
+
+
+class _FakeWeights:
+    """What role2_args reads of a Role2Weights."""
+
+    def __init__(self) -> None:
+        self.tm_w1 = TensorMapArg()
+        self.tm_w2 = TensorMapArg()
+        self.w1_sf, self.w2_sf = torch.ones(E, 2 * N_I // 128, H // 128), torch.ones(E, H // 128, N_I // 128)
+        self.num_experts, self.hidden, self.inter = E, H, N_I
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> _FakeWeights:
+    monkeypatch.setattr(dispatch, "kernel", lambda: _FakeKernel(dispatch.KERNEL))
+    monkeypatch.setattr(finalize, "kernel", lambda: _FakeKernel(finalize.KERNEL))
+    monkeypatch.setattr(role2, "kernel", lambda v: _FakeKernel(f"{role2.KERNEL}-{v.bm}-{int(v.pipelined)}"))
+    monkeypatch.setattr(role2, "_ring_maps", lambda buf, bm: (TensorMapArg(), TensorMapArg()))
+    return _FakeWeights()
+
+
+def _buffer(group: dist.ProcessGroup, partition: str) -> native.GcMoeBuffer:
+    return native.get_symm_buffer_for_gc_moe(group, num_experts=E, capacity=TMAX, topk=K, hidden=H,
+                                             intermediate=N_I, mma_type="fp8xfp8", compute_sms=64,
+                                             partition=partition)
+
+
+def _call(buf: native.GcMoeBuffer, t: int) -> layer.LayerCall:
+    model = native.ring_model(buf, t)
+    return layer.LayerCall(num_tokens=t, model=model, plan=native.ring_plan(buf, t, model),
+                           variant=role2.role2_variant(model, t), activation_clamp=10.0, activation_alpha=1.0)
+
+
+@pytest.mark.parametrize("partition", ["on", "off"])
+def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: _FakeWeights, partition: str) -> None:
+    buf = _buffer(group, partition)
+    y = torch.empty(5, H, dtype=torch.bfloat16)
+    call = _call(buf, 5)
+    nodes = layer.layer_nodes(buf, y, fakes, call)
+    assert [n.name for n in nodes] == list(layer.NODE_NAMES)
+    r1, r2, r3 = nodes
+    if partition == "on":  # concurrent roots on the two green contexts, role3 on compute after both
+        assert (r1.role, r2.role, r3.role) == (Role.COMM, Role.COMPUTE, Role.COMPUTE)
+        assert (r1.deps, r2.deps, r3.deps) == ((), (), ("role1", "role2"))
+    else:  # the whole device, in sequence
+        assert (r1.role, r2.role, r3.role) == (None, None, None)
+        assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role2",))
+    assert r1.grid == (buf.dispatch_sms, 1, 1) and r2.grid == (call.model.compute_sms, 1, 1)
+    assert r2.block == (call.variant.threads, 1, 1) and r2.shared_bytes == call.variant.smem
+    params = role2.Role2Params.from_buffer_copy(r2.args.signature[-1][1])
+    warm = role2.Role2Params.from_buffer_copy(r2.warmup_args.signature[-1][1])
+    assert (params.flags, warm.flags) == (0, role2.WARMUP)
+    assert (params.block_m, params.ring_blocks) == (call.plan.block_m, call.plan.ring_blocks)
+    assert (params.w1_tasks, params.w2_tasks, params.lookahead) == (2 * N_I // 256, H // 256,
+                                                                    call.model.lookahead_blocks)
+    assert (params.hidden, params.inter, params.clamp, params.alpha) == (H, N_I, 10.0, 1.0)
+    assert params.w1_sf == fakes.w1_sf.data_ptr() and params.w2_sf == fakes.w2_sf.data_ptr()
+    assert len(r2.args) == 7 and r2.args.signature[4][0] == type(buf.peer_table).__name__
+    for node in (r1, r3):
+        assert node.warmup_args is not None and node.args.signature != node.warmup_args.signature
+
+
+def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fakes: _FakeWeights) -> None:
+    buf = _buffer(group, "on")
+    y, y2 = torch.empty(5, H, dtype=torch.bfloat16), torch.empty(5, H, dtype=torch.bfloat16)
+    w = native.transform_weights_for_gc_moe((torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn),
+                                             torch.ones(E, 2 * N_I // 128, H // 128)),
+                                            (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn),
+                                             torch.ones(E, H // 128, N_I // 128)), "fp8xfp8")
+    call = _call(buf, 5)
+    key = layer.call_key(buf, y, *w, call)
+    assert key == layer.call_key(buf, y, *w, _call(buf, 5))
+    assert key != layer.call_key(buf, y2, *w, call)  # another output tensor
+    assert key != layer.call_key(buf, y, *w, _call(buf, 6))  # another token count
+    assert key != layer.call_key(buf, y, *w, dataclasses.replace(call, activation_clamp=None))
+
+
+def test_layer_cache_builds_weight_views_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+    monkeypatch.setattr(role2, "Role2Weights", lambda w1, w2: built.append((w1, w2)) or object())
+    cache = layer.LayerCache()
+    a, b = object(), object()
+    first = cache.role2_weights(a, b)
+    assert cache.role2_weights(a, b) is first and len(built) == 1
+    assert cache.role2_weights(b, a) is not first and len(built) == 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Partition off: the ring holds the whole pool
+
+
+def test_partition_off_ring_holds_the_pool(group: dist.ProcessGroup) -> None:
+    buf = _buffer(group, "off")
+    assert buf.layout.ring == ring.RingCapacity.whole_pool(buf.shape)
+    for t in (1, TMAX):
+        model = native.ring_model(buf, t)
+        assert buf.layout.ring.holds_pool(model)
+        assert native.ring_plan(buf, t, model).ring_blocks == model.pool_blocks
+
+
+def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup) -> None:
+    shape = MoEShape(num_experts=64, num_ranks=1, hidden=H, intermediate=N_I, topk=8, capacity=512,
+                     mma_type="fp8xfp8")
+    small = ring.RingCapacity.for_partition(shape, 4)
+    model = ring.RingModel(shape, 8, 4)
+    assert not small.holds_pool(model)  # a 4-SM ring does not hold this pool
+    buf = native.get_symm_buffer_for_gc_moe(group, num_experts=64, capacity=512, topk=8, hidden=H,
+                                            intermediate=N_I, mma_type="fp8xfp8", compute_sms=4, partition="on")
+    buf.partition = "off"  # the mode changed after a partitioned buffer was sized
+    with pytest.raises(ring.RingCapacityError, match="GC_MOE_PARTITION=off runs role1 before role2"):
+        native.ring_plan(buf, 1)
