@@ -1,0 +1,111 @@
+"""One rank of the operator's two-rank test (started by test_operator_two_rank.py through torchrun).
+
+Both ranks build every rank's weights and inputs from the same seeds, stage their own and call
+``fp8_fp8_gc_moe`` on a two-rank symmetric buffer (partition on, then off): each rank's ``y`` must meet the
+quantization-faithful targets against the 2-rank reference (expert_parallel_reference), for the T sweep, T = 0 on one
+or both ranks, Zipf, one-expert and -1-slot routing, and different T per rank; ring payloads, combine and ``y`` are
+poisoned before every call. Then rank 1 stays away from one call: rank 0 must get DeviceTimeoutError naming role1's
+tag-1 barrier, and a buffer created afterwards must work on both ranks. Prints ``PASS rank <r>``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from operator_kit import (
+    CAPACITY,
+    SWEEP,
+    check_accuracy,
+    make_inputs,
+    make_weights,
+    poison,
+    poisoned_y,
+    preset_dims,
+    reference_ys,
+    stage,
+)
+
+from gc_moe_compat import native
+from gc_moe_compat.runtime.status import DeviceTimeoutError
+
+WORLD = 2
+CASES = [("uniform", (t, t)) for t in SWEEP] + [
+    ("uniform", (0, 5)), ("uniform", (37, 0)), ("uniform", (0, 0)), ("zipf", (CAPACITY, 64)),
+    ("one_expert", (CAPACITY, CAPACITY)), ("holes", (1, 200)), ("zipf", (3, CAPACITY)),
+]
+MISSING_PEER_TIMEOUT_MS = 300
+
+
+def _buffer(preset: str, partition: str) -> native.GcMoeBuffer:
+    e, k, h, inter = preset_dims(preset)
+    return native.get_symm_buffer_for_gc_moe(dist.group.WORLD, e * WORLD, CAPACITY, k, h, inter, "fp8xfp8",
+                                             partition=partition)
+
+
+def _round(buf: native.GcMoeBuffer, weights: list, kind: str, tokens: tuple[int, int], seed: int, rank: int) -> None:
+    e, k, h, _ = preset_dims_of(buf)
+    inputs = [make_inputs(kind, t, e * WORLD, k, h, seed=seed * WORLD + r) for r, t in enumerate(tokens)]
+    stage(buf, inputs[rank])
+    poison(buf)
+    y = poisoned_y(tokens[rank], h)
+    torch.cuda.synchronize()
+    dist.barrier()  # no peer scatters into this rank's combine buffer before it is poisoned
+    native.fp8_fp8_gc_moe(y, weights[rank].w1, weights[rank].w2, buf)
+    torch.cuda.synchronize()
+    if tokens[rank]:
+        m = check_accuracy(y, reference_ys(inputs, weights)[rank], f"rank {rank} {kind} T={tokens}")
+        print(f"rank {rank}: {buf.partition} {kind} T={tokens}: cosine {m['cosine']:.7f} processed "
+              f"{m['processed_diff']:.2e}", flush=True)
+    dist.barrier()  # every rank finished reading its combine buffer before peers write the next round
+
+
+def preset_dims_of(buf: native.GcMoeBuffer) -> tuple[int, int, int, int]:
+    s = buf.shape
+    return s.num_local_experts, s.topk, s.hidden, s.intermediate
+
+
+def main() -> None:
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = dist.get_rank()
+    for preset in ("tiny", "dsv41-flash"):
+        weights = [make_weights(preset, r) for r in range(WORLD)]  # every rank's, for the reference
+        for partition in ("on", "off"):
+            buf = _buffer(preset, partition)
+            for i, (kind, tokens) in enumerate(CASES):
+                _round(buf, weights, kind, tokens, seed=i, rank=rank)
+            buf.destroy()
+        del weights
+        torch.cuda.empty_cache()
+
+    preset = "tiny"
+    weights = [make_weights(preset, r) for r in range(WORLD)]
+    os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = str(MISSING_PEER_TIMEOUT_MS)  # read when the call's graph is built
+    buf = _buffer(preset, "on")
+    if rank == 0:
+        e, k, h, _ = preset_dims(preset)
+        stage(buf, make_inputs("uniform", 16, e * WORLD, k, h, seed=99))
+        y = poisoned_y(16, h)
+        start = time.monotonic()
+        try:
+            native.fp8_fp8_gc_moe(y, weights[0].w1, weights[0].w2, buf)
+        except DeviceTimeoutError as err:
+            elapsed = time.monotonic() - start
+            assert "role1" in str(err) and "tag-1 barrier" in str(err), err
+            print(f"rank 0: rank 1 absent -> DeviceTimeoutError after {elapsed:.3f} s: {err}", flush=True)
+        else:
+            raise AssertionError("the call passed with rank 1 absent")
+    dist.barrier()
+    del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
+    fresh = _buffer(preset, "on")  # the next operator created after the failure works on both ranks
+    _round(fresh, weights, "uniform", (16, 16), seed=123, rank=rank)
+    print(f"PASS rank {rank}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
