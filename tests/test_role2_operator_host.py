@@ -2,7 +2,8 @@
 
 * the operator-mode kernel (``GC_OPERATOR=1``) builds for sm_90a without spills in every variant, and its
   shared-memory size equals the host formula (the build asserts it);
-* every standalone FP8xFP8 variant's cubin is byte-identical to the one built before operator mode existed;
+* every standalone FP8xFP8 / FP8xFP4 variant's cubin is byte-identical to its record (FP8: built before operator
+  mode existed; FP4: built before the kernels' shared code moved into grouped.cuh);
 * :class:`Role2Params` is the generated C declaration;
 * the task sequence is ring.py's live-block order, and a simulation of the persistent grid with role1's refill
   waits finishes for the capacity the host checks (and can deadlock below it);
@@ -28,12 +29,12 @@ from gc_moe_compat.config import MoEShape
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.sm90 import dispatch, finalize, layer, role2
-from gc_moe_compat.sm90.gemm import SOURCE, all_variants
+from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, all_variants
 from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.sm90.tensormap import TensorMapArg
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-DATA = Path(__file__).resolve().parent / "data" / "sm90_fp8_standalone_cubins.json"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
 
 
@@ -84,25 +85,36 @@ def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, t
     assert res.registers <= (168 if variant.pipelined else 255)
 
 
-def _standalone_variants() -> list[dict[str, int]]:
-    """The variants the hash record holds: every heuristic variant, plus the first two without fast math."""
-    variants = all_variants("fp8xfp8")
+def _standalone_variants(mma_type: str) -> list[dict[str, int]]:
+    """The variants a hash record holds: every heuristic variant, plus the first two without fast math."""
+    variants = all_variants(mma_type)
     return variants + [{**d, "GC_FAST_MATH": 0} for d in variants[:2]]
 
 
+# (source, mma type, record): FP8xFP8 recorded before operator mode existed (commit fb7c8b1); FP8xFP4 recorded at
+# commit 1447f6d, before the twins of the two kernels moved into grouped.cuh.
+STANDALONE_RECORDS = {
+    "fp8xfp8": (SOURCE, DATA_DIR / "sm90_fp8_standalone_cubins.json"),
+    "fp8xfp4": (FP4_SOURCE, DATA_DIR / "sm90_fp4_standalone_cubins.json"),
+}
+
+
 @needs_nvcc
-def test_standalone_cubins_are_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Operator mode is a compile-time switch: every standalone FP8xFP8 cubin (the GPU-verified kernels) is the
-    same bytes as before it existed (tests/data/sm90_fp8_standalone_cubins.json, same nvcc)."""
-    record = json.loads(DATA.read_text())
+@pytest.mark.parametrize("mma_type", sorted(STANDALONE_RECORDS))
+def test_standalone_cubins_are_byte_identical(mma_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Operator mode is a compile-time switch and shared device code is a refactor: every standalone cubin (the
+    GPU-verified FP8xFP8 and FP8xFP4 kernels) is the same bytes as in its record (tests/data/sm90_*_standalone_cubins
+    .json, same nvcc)."""
+    source, data = STANDALONE_RECORDS[mma_type]
+    record = json.loads(data.read_text())
     version = subprocess.run([str(jit.find_nvcc()), "--version"], capture_output=True, text=True).stdout
     if record["nvcc"] not in version:
         pytest.skip(f"hashes recorded with {record['nvcc']}, this nvcc differs")
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    variants = _standalone_variants()
+    variants = _standalone_variants(mma_type)
     assert len(variants) == len(record["cubins"])
     for defines in variants:
-        cubin = jit.compile_cubin(SOURCE, defines)
+        cubin = jit.compile_cubin(source, defines)
         digest = hashlib.sha256(cubin.path.read_bytes()).hexdigest()
         assert digest == record["cubins"][str(sorted(defines.items()))], defines
 
