@@ -84,11 +84,7 @@ static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 
-struct Pipeline {
-    u32 base;  // shared address of the 1024-aligned tile area
-    __device__ __forceinline__ u32 full(u32 stage) const { return base + kOffBar + 8 * stage; }
-    __device__ __forceinline__ u32 empty(u32 stage) const { return base + kOffBar + 8 * (kStages + stage); }
-};
+using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Waits for stage `it % kStages` to be free and issues the weight units (codes + d), token tile and token scales of
 // K step kb. Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
@@ -156,23 +152,7 @@ __device__ __forceinline__ void mma_stage(float (&tmp)[kSplit][kMSub][kAcc], con
 
 __device__ __forceinline__ void mma_stage_n(int n8, float (&tmp)[kSplit][kMSub][kAcc], const u32 (&a)[kMSub][4][4],
                                             u32 b_base) {
-    switch (n8) {
-#define GC_MMA_CASE(C) \
-    case C:            \
-        if constexpr (C * 8 <= kBM) mma_stage<C * 8>(tmp, a, b_base); \
-        break;
-        GC_MMA_CASE(1)
-        GC_MMA_CASE(2)
-        GC_MMA_CASE(3)
-        GC_MMA_CASE(4)
-        GC_MMA_CASE(5)
-        GC_MMA_CASE(6)
-        GC_MMA_CASE(7)
-        GC_MMA_CASE(8)
-#undef GC_MMA_CASE
-        default:
-            break;
-    }
+    with_wgmma_n<kBM>(n8, [&](auto n) { mma_stage<decltype(n)::value>(tmp, a, b_base); });
 }
 
 // UE8M0 scale of a 32-value group (quant.ue8m0_scale(amax, 448)): the smallest 2^k with max(amax, 1e-10) <= 448 * 2^k,
@@ -234,20 +214,6 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
     named_barrier(1 + cw, 128);  // `red` is rewritten by the next task
 }
 
-// W2: BF16 partial rows [rows, H].
-__device__ __forceinline__ void epilogue_w2(const float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp,
-                                            int lane, __nv_bfloat16* out, int n_w) {
-#pragma unroll
-    for (int s = 0; s < kMSub; ++s) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-            const int col = acc_col(i, lane);
-            const int h = t.tile * kRows + (cw * kMSub + s) * 64 + warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
-            if (col < t.valid) out[static_cast<size_t>(t.row_off + col) * n_w + h] = __float2bfloat16_rn(acc[s][i]);
-        }
-    }
-}
-
 }  // namespace sm90
 }  // namespace gc_moe
 
@@ -268,21 +234,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                                  int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
                                  u64 timeout_ns) {
     extern __shared__ u8 smem_raw[];
-    u8* smem = reinterpret_cast<u8*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    u8* smem = align_smem_1024(smem_raw);
     const Pipeline pipe{smem_addr(smem)};
     const int tid = threadIdx.x;
-    u32 dyn_smem;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < kSmemBytes) {
-        if (tid == 0) report_status(status, kStatusMismatch, kSiteSmem, dyn_smem, kSmemBytes);
-        return;
-    }
+    if (!has_dyn_smem(kSmemBytes, tid, status, kSiteSmem)) return;
     if (tid == 0) {
-        for (u32 s = 0; s < kStages; ++s) {
-            mbar_init(pipe.full(s), 1);
-            mbar_init(pipe.empty(s), kConsumerWGs * 4);
-        }
-        fence_barrier_init();
+        pipe.init(kConsumerWGs * 4);
         prefetch_tensormap(&tm_w);
         prefetch_tensormap(&tm_x);
     }
@@ -297,18 +254,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        setmaxnreg_dec<40>();
-        if (tid == 0) {
-            u32 it = 0;
-            for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-                const Task t = load_task(blocks, task, nb);
-                for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                    if (!produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w,
-                                 policy_x, status, timeout_ns))
-                        return;
-                }
-            }
-        }
+        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
+            return produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
+                           status, timeout_ns);
+        });
         return;
     }
     if (kProducerWG) setmaxnreg_inc<232>();
@@ -329,10 +278,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         __syncwarp();
         float acc[kMSub][kAcc];
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) acc[s][i] = 0.0f;
+        zero(acc);
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
             const u32 stage = it % kStages;
             if (!mbar_wait(pipe.full(stage), (it / kStages) & 1, timeout_ns, status, kSiteFull)) return;
@@ -345,28 +291,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
             float tmp[kSplit][kMSub][kAcc];
-#pragma unroll
-            for (int q = 0; q < kSplit; ++q)
-#pragma unroll
-                for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-                    for (int i = 0; i < kAcc; ++i) fence_operand(tmp[q][s][i]);
+            fence_operands(tmp);
             wgmma_fence();  // the decoded A registers were written by this thread
             mma_stage_n(n8, tmp, a, pipe.base + stage * kXBytes);
             wgmma_commit();
             wgmma_wait_all();
-#pragma unroll
-            for (int q = 0; q < kSplit; ++q)
-#pragma unroll
-                for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-                    for (int i = 0; i < kAcc; ++i) fence_operand(tmp[q][s][i]);
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) fence_operand(a[s][q][j]);  // A stays live until the wait above
+            fence_operands(tmp);
+            fence_operands(a);  // A stays live until the wait above
             __syncwarp();
             if (lane == 0) mbar_arrive(pipe.empty(stage));
             if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
@@ -399,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf, n_w / 2, rows_total,
                         clamp, alpha);
         } else {
-            epilogue_w2(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
+            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }
     }
 }

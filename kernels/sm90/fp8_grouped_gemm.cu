@@ -92,24 +92,29 @@ static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(!GC_OPERATOR || kMSub == 2, "operator mode: W1 and W2 tasks of 256 rows (ring.DEFAULT_GEOMETRY)");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 
-struct Pipeline {
-    u32 base;  // shared address of the 1024-aligned tile area
-    __device__ __forceinline__ u32 full(u32 stage) const { return base + kOffBar + 8 * stage; }
-    __device__ __forceinline__ u32 empty(u32 stage) const { return base + kOffBar + 8 * (kStages + stage); }
-};
+using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Waits for stage `it % kStages` to be free and issues the weight tile, token tile and token scales of K step kb.
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
-                                        const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns) {
-    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
-    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free).
+__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
+                                      const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
+                                      u64 policy_w, u64 policy_x) {
+    const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
     tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
     tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
+}
+
+// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
+// abort rule to the same loads).
+__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
+                                        const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
+                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns) {
+    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
+    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
+    issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x);
     return true;
 }
 
@@ -127,23 +132,7 @@ __device__ __forceinline__ void mma_k128(float (&tmp)[kMSub][kAcc], u32 a_base, 
 }
 
 __device__ __forceinline__ void mma_k128_n(int n8, float (&tmp)[kMSub][kAcc], u32 a_base, u32 b_base) {
-    switch (n8) {
-#define GC_MMA_CASE(C) \
-    case C:            \
-        if constexpr (C * 8 <= kBM) mma_k128<C * 8>(tmp, a_base, b_base); \
-        break;
-        GC_MMA_CASE(1)
-        GC_MMA_CASE(2)
-        GC_MMA_CASE(3)
-        GC_MMA_CASE(4)
-        GC_MMA_CASE(5)
-        GC_MMA_CASE(6)
-        GC_MMA_CASE(7)
-        GC_MMA_CASE(8)
-#undef GC_MMA_CASE
-        default:
-            break;
-    }
+    with_wgmma_n<kBM>(n8, [&](auto n) { mma_k128<decltype(n)::value>(tmp, a_base, b_base); });
 }
 
 // W1: SwiGLU(gate, up) * routing weight, amax over the task's 128 intermediate columns per token, FP32 scale
@@ -196,20 +185,6 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
     named_barrier(1, kConsumerThreads);  // `red` is rewritten by the next task
 }
 
-// W2: BF16 partial rows [rows, H].
-__device__ __forceinline__ void epilogue_w2(const float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp,
-                                            int lane, __nv_bfloat16* out, int n_w) {
-#pragma unroll
-    for (int s = 0; s < kMSub; ++s) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-            const int col = acc_col(i, lane);
-            const int h = t.tile * kRows + (cw * kMSub + s) * 64 + warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
-            if (col < t.valid) out[static_cast<size_t>(t.row_off + col) * n_w + h] = __float2bfloat16_rn(acc[s][i]);
-        }
-    }
-}
-
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
 // Role2 of the GC-MoE operator (paper §4.3-4.5): one persistent grid of C CTAs (one per compute-partition SM, all
@@ -253,20 +228,6 @@ __device__ __forceinline__ void epilogue_w2(const float (&acc)[kMSub][kAcc], con
 // status record holds an error (role1 failing ends role2 within one poll; a failed role2 wait ends the other CTAs
 // likewise); the consumers then leave together at the first pipeline slot their producer did not issue
 // (op_wait_full), so no warpgroup-collective instruction or named barrier is ever left half-joined.
-// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free): the
-// loads of `produce`, without its wait (the operator's waits add the abort rule).
-__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
-                                      const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                      u64 policy_w, u64 policy_x) {
-    const u32 stage = it % kStages;
-    const u32 full = pipe.full(stage);
-    mbar_arrive_expect_tx(full, kStageTx);
-    tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
-    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
-    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
-              full);
-}
-
 // The consumer warpgroups' K loop of one task for epilogue Epi, accumulating into `acc` (zeroed here): the standalone
 // kernel's loop, made a template because one operator grid runs both GEMMs (the standalone kernel keeps its inline
 // copy: refactoring it changes its register allocation, and its cubins must stay byte-identical).
@@ -283,10 +244,7 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
         }
     }
     __syncwarp();
-#pragma unroll
-    for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) acc[s][i] = 0.0f;
+    zero(acc);
     // Scale rows of this thread's slabs: W1 tiles hold gate block `tile` and up block I/128 + tile.
     const float* ws_row[2];
 #pragma unroll
@@ -304,18 +262,12 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 #pragma unroll
         for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
         float tmp[kMSub][kAcc];
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) fence_operand(tmp[s][i]);
+        fence_operands(tmp);
         wgmma_fence();
         mma_k128_n(n8, tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
         wgmma_commit();
         wgmma_wait_all();
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) fence_operand(tmp[s][i]);
+        fence_operands(tmp);
         __syncwarp();
         if (lane == 0) mbar_arrive(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
@@ -547,23 +499,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (params.flags & kRole2Warmup) return;
     const OpArgs a{peers, off, params};
     extern __shared__ u8 smem_raw[];
-    u8* smem = reinterpret_cast<u8*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    u8* smem = align_smem_1024(smem_raw);
     const Pipeline pipe{smem_addr(smem)};
     u8* out_tile = smem + kOffOut;
     volatile u32* words = reinterpret_cast<volatile u32*>(out_tile + kBM * kOutPitch);  // [0] pool blocks, [1] stop
     const int tid = threadIdx.x;
-    u32 dyn_smem;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < kSmemBytes) {
-        if (tid == 0) report_status(a.status(), kStatusMismatch, kSiteSmem, dyn_smem, kSmemBytes);
-        return;
-    }
+    if (!has_dyn_smem(kSmemBytes, tid, a.status(), kSiteSmem)) return;
     if (tid == 0) {
-        for (u32 s = 0; s < kStages; ++s) {
-            mbar_init(pipe.full(s), 1);
-            mbar_init(pipe.empty(s), kConsumerWGs * 4);
-        }
-        fence_barrier_init();
+        pipe.init(kConsumerWGs * 4);
         prefetch_tensormap(&tm_w1);
         prefetch_tensormap(&tm_w2);
         prefetch_tensormap(&tm_l1);
@@ -686,21 +629,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                              int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
                              u64 timeout_ns) {
     extern __shared__ u8 smem_raw[];
-    u8* smem = reinterpret_cast<u8*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    u8* smem = align_smem_1024(smem_raw);
     const Pipeline pipe{smem_addr(smem)};
     const int tid = threadIdx.x;
-    u32 dyn_smem;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < kSmemBytes) {
-        if (tid == 0) report_status(status, kStatusMismatch, kSiteSmem, dyn_smem, kSmemBytes);
-        return;
-    }
+    if (!has_dyn_smem(kSmemBytes, tid, status, kSiteSmem)) return;
     if (tid == 0) {
-        for (u32 s = 0; s < kStages; ++s) {
-            mbar_init(pipe.full(s), 1);
-            mbar_init(pipe.empty(s), kConsumerWGs * 4);
-        }
-        fence_barrier_init();
+        pipe.init(kConsumerWGs * 4);
         prefetch_tensormap(&tm_w);
         prefetch_tensormap(&tm_x);
     }
@@ -714,18 +648,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        setmaxnreg_dec<40>();
-        if (tid == 0) {
-            u32 it = 0;
-            for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-                const Task t = load_task(blocks, task, nb);
-                for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                    if (!produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
-                                 timeout_ns))
-                        return;
-                }
-            }
-        }
+        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
+            return produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                           timeout_ns);
+        });
         return;
     }
     if (kProducerWG) setmaxnreg_inc<232>();
@@ -747,10 +673,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         __syncwarp();
         float acc[kMSub][kAcc];
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) acc[s][i] = 0.0f;
+        zero(acc);
         // Scale rows of this thread's slabs: W1 tiles hold gate block `tile` and up block I/128 + tile.
         const float* ws_row[2];
 #pragma unroll
@@ -768,18 +691,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
             float tmp[kMSub][kAcc];
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-                for (int i = 0; i < kAcc; ++i) fence_operand(tmp[s][i]);
+            fence_operands(tmp);
             wgmma_fence();
             mma_k128_n(n8, tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
             wgmma_commit();
             wgmma_wait_all();
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-                for (int i = 0; i < kAcc; ++i) fence_operand(tmp[s][i]);
+            fence_operands(tmp);
             __syncwarp();
             if (lane == 0) mbar_arrive(pipe.empty(stage));
             if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
@@ -802,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total,
                         clamp, alpha);
         } else {
-            epilogue_w2(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
+            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }
     }
 }

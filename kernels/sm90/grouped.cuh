@@ -1,5 +1,7 @@
-// Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu): the task table
-// read, the WGMMA accumulator's column map and the epilogue arithmetic whose rounding the references model.
+// Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu, and its operator mode):
+// the stage ring's barriers and the kernels' common start, the task table read, the WGMMA accumulator's column map,
+// the register fences around WGMMA and the epilogue arithmetic whose rounding the references model. Everything is
+// __forceinline__: the standalone kernels' cubins are byte-identical to their records (tests/test_role2_operator_host.py).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +10,94 @@
 
 namespace gc_moe {
 namespace sm90 {
+
+// The stage ring's mbarriers, 8 bytes each from kOffBar of the 1024-aligned tile area: full[kStages], then
+// empty[kStages].
+template <u32 kOffBar, int kStages>
+struct StagePipeline {
+    u32 base;  // shared address of the 1024-aligned tile area
+    __device__ __forceinline__ u32 full(u32 stage) const { return base + kOffBar + 8 * stage; }
+    __device__ __forceinline__ u32 empty(u32 stage) const { return base + kOffBar + 8 * (kStages + stage); }
+    // One thread: one arrival (the producer's expect_tx) fills a stage, `empty_arrivals` (one per consumer warp)
+    // free it.
+    __device__ __forceinline__ void init(u32 empty_arrivals) const {
+        for (u32 s = 0; s < kStages; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), empty_arrivals);
+        }
+        fence_barrier_init();
+    }
+};
+
+// The 1024-aligned tile area in dynamic shared memory (128-byte swizzled tiles want 1024-byte alignment; every
+// kernel's kSmemBytes holds 1024 bytes of slack for it).
+__device__ __forceinline__ u8* align_smem_1024(u8* raw) {
+    return reinterpret_cast<u8*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~static_cast<uintptr_t>(1023));
+}
+
+// False when the launch gave less dynamic shared memory than `need` (thread `tid` == 0 records kStatusMismatch at
+// `site` with what it got and the need).
+__device__ __forceinline__ bool has_dyn_smem(u32 need, int tid, KernelStatus* status, u32 site) {
+    u32 dyn_smem;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < need) {
+        if (tid == 0) report_status(status, kStatusMismatch, site, dyn_smem, need);
+        return false;
+    }
+    return true;
+}
+
+// Register fences around an asynchronous WGMMA: the compiler neither reads nor moves these values across them.
+template <typename T, int A, int B>
+__device__ __forceinline__ void fence_operands(T (&x)[A][B]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b) fence_operand(x[a][b]);
+}
+
+template <typename T, int A, int B, int C>
+__device__ __forceinline__ void fence_operands(T (&x)[A][B][C]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a) fence_operands(x[a]);
+}
+
+template <int A, int B>
+__device__ __forceinline__ void zero(float (&x)[A][B]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b) x[a][b] = 0.0f;
+}
+
+// WGMMA N as a type, for with_wgmma_n's callback.
+template <int N>
+struct WgmmaN {
+    static constexpr int value = N;
+};
+
+// Calls f(WgmmaN<n8 * 8>{}) for n8 * 8 <= kBM (WGMMA N, the block's valid rows rounded up to 8, is an immediate of
+// the instruction); any other n8 does nothing.
+template <int kBM, typename F>
+__device__ __forceinline__ void with_wgmma_n(int n8, F&& f) {
+    switch (n8) {
+#define GC_MMA_CASE(C)                                    \
+    case C:                                               \
+        if constexpr (C * 8 <= kBM) f(WgmmaN<C * 8>{});   \
+        break;
+        GC_MMA_CASE(1)
+        GC_MMA_CASE(2)
+        GC_MMA_CASE(3)
+        GC_MMA_CASE(4)
+        GC_MMA_CASE(5)
+        GC_MMA_CASE(6)
+        GC_MMA_CASE(7)
+        GC_MMA_CASE(8)
+#undef GC_MMA_CASE
+        default:
+            break;
+    }
+}
 
 // One unit of work: `tile` of an expert's weight rows against one ring block (expert, valid rows, first row).
 struct Task {
@@ -19,6 +109,24 @@ struct Task {
 __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_blocks) {
     const int blk = task % num_blocks;
     return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
+}
+
+// The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
+// (blockIdx.x, + gridDim.x, ...) and issues each one's kb_count K steps in order into pipeline slot `it`;
+// produce(it, t, kb) false gives up.
+template <typename Produce>
+__device__ __forceinline__ void produce_tasks(int tid, const int* blocks, int nb, int num_tasks, int kb_count,
+                                              Produce&& produce) {
+    setmaxnreg_dec<40>();
+    if (tid == 0) {
+        u32 it = 0;
+        for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
+            const Task t = load_task(blocks, task, nb);
+            for (int kb = 0; kb < kb_count; ++kb, ++it) {
+                if (!produce(it, t, kb)) return;
+            }
+        }
+    }
 }
 
 // The W1 epilogue rounds the GEMM result to BF16 before SwiGLU (reference.py, semantics 4).
@@ -36,6 +144,22 @@ __device__ __forceinline__ float sigmoid(float v) {
 
 // Accumulator register i of a slab holds column 8*(i/4) + 2*(lane%4) + i%2 and row 16*warp + lane/4 + 8*((i/2)%2).
 __device__ __forceinline__ int acc_col(int i, int lane) { return 8 * (i / 4) + 2 * (lane & 3) + (i & 1); }
+
+// W2 epilogue of the standalone kernels: BF16 partial rows [rows, H] of a task of kRows weight rows (consumer
+// warpgroup cw owns kMSub slabs of 64 rows).
+template <int kRows, int kMSub, int kAcc>
+__device__ __forceinline__ void epilogue_w2(const float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
+                                            __nv_bfloat16* out, int n_w) {
+#pragma unroll
+    for (int s = 0; s < kMSub; ++s) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+            const int col = acc_col(i, lane);
+            const int h = t.tile * kRows + (cw * kMSub + s) * 64 + warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
+            if (col < t.valid) out[static_cast<size_t>(t.row_off + col) * n_w + h] = __float2bfloat16_rn(acc[s][i]);
+        }
+    }
+}
 
 }  // namespace sm90
 }  // namespace gc_moe
