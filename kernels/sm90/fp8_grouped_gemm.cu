@@ -135,6 +135,34 @@ __device__ __forceinline__ void mma_k128_n(int n8, float (&tmp)[kMSub][kAcc], u3
     with_wgmma_n<kBM>(n8, [&](auto n) { mma_k128<decltype(n)::value>(tmp, a_base, b_base); });
 }
 
+// Scale rows of this thread's slabs for epilogue Epi: W1 tiles hold gate block `tile` and up block I/128 + tile;
+// W2: the 128-row block of each slab.
+template <int Epi>
+__device__ __forceinline__ void scale_rows(const Task& t, int cw, int row_blocks, int kb_count, const float* w_sf,
+                                           const float* (&ws_row)[2]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int block = Epi == 1 ? t.tile + s * (row_blocks / 2)
+                                   : (t.tile * kRows + (cw * kMSub + min(s, kMSub - 1)) * 64) / 128;
+        ws_row[s] = w_sf + (static_cast<size_t>(t.expert) * row_blocks + block) * kb_count;
+    }
+}
+
+// Promotes one K128 step into the main accumulator with w_scale * x_scale.
+template <int Epi>
+__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kMSub][kAcc], float ws0,
+                                        float ws1, const float (&xsr)[kAcc / 2]) {
+#pragma unroll
+    for (int s = 0; s < kMSub; ++s) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+            // W1: registers i%4 in {0,1} are gate rows (scale ws0), {2,3} up rows (ws1); W2: slab s's block.
+            const float ws = Epi == 1 ? ((i & 2) ? ws1 : ws0) : (s == 0 ? ws0 : ws1);
+            acc[s][i] = fmaf(tmp[s][i], ws * xsr[2 * (i / 4) + (i & 1)], acc[s][i]);
+        }
+    }
+}
+
 // W1: SwiGLU(gate, up) * routing weight, amax over the task's 128 intermediate columns per token, FP32 scale
 // (amax / 448, stored transposed [I/128, rows] where the W2 producer bulk-copies it) and E4M3 payload [rows, I].
 __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
@@ -230,7 +258,8 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
 // (op_wait_full), so no warpgroup-collective instruction or named barrier is ever left half-joined.
 // The consumer warpgroups' K loop of one task for epilogue Epi, accumulating into `acc` (zeroed here): the standalone
 // kernel's loop, made a template because one operator grid runs both GEMMs (the standalone kernel keeps its inline
-// copy: refactoring it changes its register allocation, and its cubins must stay byte-identical).
+// copy of the loop, sharing its pieces: calling consume<kEpi> from it changes its machine code, all 18 recorded
+// cubins, and those must stay byte-identical).
 // `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
 // (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when the wait gives up.
 template <int Epi, typename WaitFull, typename Load>
@@ -245,14 +274,8 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     }
     __syncwarp();
     zero(acc);
-    // Scale rows of this thread's slabs: W1 tiles hold gate block `tile` and up block I/128 + tile.
     const float* ws_row[2];
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-        const int block = Epi == 1 ? t.tile + s * (row_blocks / 2)
-                                   : (t.tile * kRows + (cw * kMSub + min(s, kMSub - 1)) * 64) / 128;
-        ws_row[s] = w_sf + (static_cast<size_t>(t.expert) * row_blocks + block) * kb_count;
-    }
+    scale_rows<Epi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
     for (int kb = 0; kb < kb_count; ++kb, ++it) {
         const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
         const u32 stage = it % kStages;
@@ -274,15 +297,7 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
             if (!load(it + kStages, kb + kStages)) return false;
         }
         __syncwarp();
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s) {
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) {
-                // W1: registers i%4 in {0,1} are gate rows (scale ws0), {2,3} up rows (ws1); W2: slab s's block.
-                const float ws = Epi == 1 ? ((i & 2) ? ws1 : ws0) : (s == 0 ? ws0 : ws1);
-                acc[s][i] = fmaf(tmp[s][i], ws * xsr[2 * (i / 4) + (i & 1)], acc[s][i]);
-            }
-        }
+        promote<Epi>(acc, tmp, ws0, ws1, xsr);
     }
     return true;
 }
@@ -674,14 +689,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         float acc[kMSub][kAcc];
         zero(acc);
-        // Scale rows of this thread's slabs: W1 tiles hold gate block `tile` and up block I/128 + tile.
         const float* ws_row[2];
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            const int block = kEpi == 1 ? t.tile + s * (row_blocks / 2)
-                                        : (t.tile * kRows + (cw * kMSub + min(s, kMSub - 1)) * 64) / 128;
-            ws_row[s] = w_sf + (static_cast<size_t>(t.expert) * row_blocks + block) * kb_count;
-        }
+        scale_rows<kEpi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
             const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
             const u32 stage = it % kStages;
@@ -705,15 +714,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                     return;
             }
             __syncwarp();
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s) {
-#pragma unroll
-                for (int i = 0; i < kAcc; ++i) {
-                    // W1: registers i%4 in {0,1} are gate rows (scale ws0), {2,3} up rows (ws1); W2: slab s's block.
-                    const float ws = kEpi == 1 ? ((i & 2) ? ws1 : ws0) : (s == 0 ? ws0 : ws1);
-                    acc[s][i] = fmaf(tmp[s][i], ws * xsr[2 * (i / 4) + (i & 1)], acc[s][i]);
-                }
-            }
+            promote<kEpi>(acc, tmp, ws0, ws1, xsr);
         }
         if constexpr (kEpi == 1) {
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total,
