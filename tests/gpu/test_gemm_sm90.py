@@ -6,36 +6,19 @@ before the launch, so an unwritten element shows up as NaN; only rows of real (t
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 import torch
+from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate, quantize_activations
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import SOURCE, ExpertGemmSM90, all_variants
-from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, tile_rows
+from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
+from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
+from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, ExpertGemmSM90, all_variants
+from gc_moe_compat.sm90.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens, reference_partials
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-
-
-def _config(bm: int, pipelined: bool) -> KernelConfig:
-    return KernelConfig(bm, pipelined, max_stages(bm, 2), max_stages(bm, 1))
-
-
-def _run(gemm: ExpertGemmSM90, grouped):  # noqa: ANN001, ANN202 - test helper
-    ws = gemm.workspace(grouped)
-    for t in (ws.inter, ws.out, ws.inter_sf_t):
-        t.view(torch.uint8).fill_(0xFF)
-    gemm.run(grouped, ws)
-    torch.cuda.synchronize()
-    gemm.check()
-    return ws
 
 
 @pytest.fixture(scope="module", params=["dsv41-flash", "glm52"])
@@ -50,7 +33,7 @@ def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
     cfg = select_config(tokens_per_rank * layer.topk / e, e, 2 * layer.prepared.inter // tile_rows(W1_SLABS), 132)
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
     gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
-    ws = _run(gemm, grouped)
+    ws = run_poisoned(gemm, grouped)
     live = grouped.row_token >= 0
     assert not ws.out[live].isnan().any() and not ws.inter[live].float().isnan().any()
     ours = scatter_partials(ws.out, grouped, tok.x.shape[0], layer.topk)
@@ -68,20 +51,11 @@ def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
 def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included."""
     layer = make_layer("tiny", DEV, seed=bm + pipelined, experts=4, shape=(512, 256))
-    counts = [0, 1, bm, bm + 1]
-    n = sum(counts)
-    gen = torch.Generator(device=DEV).manual_seed(7 * bm)
-    x = torch.randn(n, 512, generator=gen, device=DEV) * 2
-    idx = torch.repeat_interleave(torch.arange(4, device=DEV), torch.tensor(counts, device=DEV))
-    idx = idx[torch.randperm(n, generator=gen, device=DEV)].unsqueeze(1)
-    weights = torch.rand(n, 1, generator=gen, device=DEV) + 0.5
-    x_fp8, x_sf = quantize_activations(x, "fp32_128")
-    grouped = group_tokens(x_fp8, x_sf, idx, weights, 4, bm)
-    ws = _run(ExpertGemmSM90(layer.prepared, _config(bm, pipelined), activation_clamp=CLAMP), grouped)
-    xq = x_fp8.float() * x_sf.repeat_interleave(128, dim=1)
+    tok = boundary_tokens(bm, 512, torch.Generator(device=DEV).manual_seed(7 * bm))
+    ws = run_poisoned(ExpertGemmSM90(layer.prepared, config(bm, pipelined), activation_clamp=CLAMP), tok.grouped)
+    xq, weights = tok.x_dequant, tok.topk_weights
     for e in (1, 2, 3):
-        rows = (grouped.row_token >= 0) & (torch.repeat_interleave(grouped.blocks[:, 0].long(), bm) == e)
-        tokens = grouped.row_token[rows]
+        rows, tokens = tok.rows_of(e)
         w1, w2 = layer.l1.dequantize(e), layer.l2.dequantize(e)
         kw = dict(activation_clamp=CLAMP, intermediate_quant="fp32_128")
         ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
@@ -97,13 +71,8 @@ def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
 
 def test_sass_and_resources() -> None:
     """Every variant: QGMMA (WGMMA on FP8) and UTMALDG (TMA) in the SASS, no local memory, no spills."""
-    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     for defines in all_variants():
-        cubin = jit.compile_cubin(SOURCE, defines)
-        res = cubin.resources["gc_sm90_fp8_grouped_gemm"]
-        sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True, text=True, check=True)
-        text = sass.stdout
-        counts = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL")}
+        res, counts = sass_report(SOURCE, defines, KERNEL, ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL"))
         print(f"{defines}: {res} {counts}")
         assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0
         assert counts["LDL"] == 0 and counts["STL"] == 0

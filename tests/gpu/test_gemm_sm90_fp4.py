@@ -8,36 +8,19 @@ the launch, so an unwritten element shows up as NaN; only rows of real (token, s
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 import torch
+from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate, quantize_activations
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
+from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
+from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.gemm import FP4_KERNEL, FP4_SOURCE, ExpertGemmSM90, Workspace, all_variants
-from gc_moe_compat.sm90.heuristics import W1_SLABS, W2_SLABS, max_stages, tile_rows
+from gc_moe_compat.sm90.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.sm90.workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-
-
-def _config(bm: int, pipelined: bool) -> KernelConfig:
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, "fp8xfp4"), max_stages(bm, W2_SLABS, "fp8xfp4"))
-
-
-def _run(gemm: ExpertGemmSM90, grouped) -> Workspace:  # noqa: ANN001 - GroupedTokens
-    ws = gemm.workspace(grouped)
-    for t in (ws.inter, ws.out, ws.inter_sf_t):
-        t.view(torch.uint8).fill_(0xFF)
-    gemm.run(grouped, ws)
-    torch.cuda.synchronize()
-    gemm.check()
-    return ws
 
 
 def _intermediate(ws: Workspace, rows: torch.Tensor) -> torch.Tensor:
@@ -61,7 +44,7 @@ def test_fp4_presets_sweep(layers, tokens_per_rank: int) -> None:  # noqa: ANN00
     tiles = 2 * fp4.prepared.inter // tile_rows(W1_SLABS)
     cfg = select_config(tokens_per_rank * layer.topk / e, e, tiles, 132, "fp8xfp4")
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
-    ws = _run(ExpertGemmSM90(fp4.prepared, cfg, activation_clamp=CLAMP), grouped)
+    ws = run_poisoned(ExpertGemmSM90(fp4.prepared, cfg, activation_clamp=CLAMP), grouped)
     live = grouped.row_token >= 0
     assert not ws.out[live].isnan().any() and not ws.inter[live].float().isnan().any()
     ours = scatter_partials(ws.out, grouped, tok.x.shape[0], layer.topk)
@@ -89,19 +72,12 @@ def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
         for n, k in ((2 * inter, h), (h, inter))
     ]
     fp4 = make_fp4_layer(*(w.to(torch.bfloat16) for w in spread))
-    counts = [0, 1, bm, bm + 1]
-    n = sum(counts)
-    x = torch.randn(n, h, generator=gen, device=DEV) * 2
-    idx = torch.repeat_interleave(torch.arange(4, device=DEV), torch.tensor(counts, device=DEV))
-    idx = idx[torch.randperm(n, generator=gen, device=DEV)].unsqueeze(1)
-    weights = torch.rand(n, 1, generator=gen, device=DEV) + 0.5
-    x_fp8, x_sf = quantize_activations(x, "fp32_128")
-    grouped = group_tokens(x_fp8, x_sf, idx, weights, 4, bm)
-    ws = _run(ExpertGemmSM90(fp4.prepared, _config(bm, pipelined), activation_clamp=CLAMP), grouped)
-    xq = x_fp8.float() * x_sf.repeat_interleave(128, dim=1)
+    tok = boundary_tokens(bm, h, gen)
+    ws = run_poisoned(ExpertGemmSM90(fp4.prepared, config(bm, pipelined, "fp8xfp4"), activation_clamp=CLAMP),
+                      tok.grouped)
+    xq, weights = tok.x_dequant, tok.topk_weights
     for e in (1, 2, 3):
-        rows = (grouped.row_token >= 0) & (torch.repeat_interleave(grouped.blocks[:, 0].long(), bm) == e)
-        tokens = grouped.row_token[rows]
+        rows, tokens = tok.rows_of(e)
         w1, w2 = fp4.l1_window.dequantize(e), fp4.l2_window.dequantize(e)
         kw = dict(activation_clamp=CLAMP, intermediate_quant="ue8m0_32")
         ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
@@ -115,13 +91,8 @@ def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
 def test_fp4_sass_and_resources() -> None:
     """Every FP8xFP4 variant: QGMMA (register-A WGMMA on E4M3), UTMALDG (TMA), PRMT (the register decoder) in the
     SASS, no local memory, no spills."""
-    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     for defines in all_variants("fp8xfp4"):
-        cubin = jit.compile_cubin(FP4_SOURCE, defines)
-        res = cubin.resources[FP4_KERNEL]
-        sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True, text=True, check=True)
-        text = sass.stdout
-        counts = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL")}
+        res, counts = sass_report(FP4_SOURCE, defines, FP4_KERNEL, ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL"))
         print(f"fp4 {defines}: {res} {counts}")
         assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["PRMT"] > 0
         assert counts["LDL"] == 0 and counts["STL"] == 0
