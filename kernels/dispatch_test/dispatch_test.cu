@@ -1,9 +1,10 @@
 // Stand-ins that let role1 (kernels/sm90/dispatch.cu) run alone in the tests (tests/gpu/test_role1_*.py).
 // dt_consume plays role2's side of the token ring: it walks the pool blocks in order like the GEMM's task stream,
 // copies every block generation to a capture buffer once l1_full_count says it is complete (so the test sees every
-// generation, not only what survives in the ring), then releases l1_empty_count and, after a delay, l2_empty_count
-// exactly as role2 would (t1 / t2 per generation). dt_finalize plays role3's bookkeeping: the receive-count arrival
-// check, the resets of operator_layout's "role3 resets" list, the parity flip and the replay_seq advance.
+// generation, not only what survives in the ring), then releases l1_empty_count and l2_empty_count (the latter
+// optionally delayed) exactly as role2 would (t1 / t2 per generation). dt_finalize plays role3's bookkeeping: the
+// receive-count arrival check, the resets of operator_layout's "role3 resets" list, the parity flip and the
+// replay_seq advance.
 // They carry no GEMM or combine logic.
 #include "common/peer_table.cuh"
 #include "common/status.cuh"
@@ -51,8 +52,9 @@ __device__ __forceinline__ bool wait_u32(const u32* p, u32 target, u64 timeout_n
     return true;
 }
 
-// One CTA. bm / ring: the call's BM and R; t1 / t2: empty releases per generation; delay_ns: pause between the
-// l1_empty and the l2_empty release (so role1's second refill wait is exercised on its own).
+// One CTA. bm / ring: the call's BM and R; t1 / t2: empty releases per generation; delay_ns > 0: the l2_empty
+// releases of generation 0 are held back until every generation-0 block is consumed and the delay has passed, while
+// l1_empty is released at once, so every refill wait of role1 passes l1_empty and waits on l2_empty alone.
 extern "C" __global__ void dt_consume(const PeerTable peers, const WorkspaceOffsets off, Capture cap, u32 bm,
                                       u32 ring, u32 hidden, u32 t1, u32 t2, u64 delay_ns, u64 timeout_ns,
                                       KernelStatus* status, u32 warmup) {
@@ -104,9 +106,14 @@ extern "C" __global__ void dt_consume(const PeerTable peers, const WorkspaceOffs
         if (threadIdx.x == 0) {
             __threadfence();
             atomicAdd(empty1 + b, t1);
-            gc_moe::busy_wait_ns(delay_ns);
-            __threadfence();
-            atomicAdd(empty2 + b, t2);
+            const u32 first_gen = min(ring, s_blocks);
+            if (delay_ns == 0 || q >= first_gen) {
+                atomicAdd(empty2 + b, t2);
+            } else if (q == first_gen - 1) {
+                gc_moe::busy_wait_ns(delay_ns);
+                __threadfence();
+                for (u32 g0 = 0; g0 < first_gen; ++g0) atomicAdd(empty2 + g0, t2);
+            }
         }
     }
 }

@@ -24,6 +24,13 @@ POISONED = ("l1_acts", "l1_acts_sf", "l1_routing_weights", "l1_source", "l2_acts
 """Payload regions filled with 0xFF (FP8/FP32/BF16 NaN, source -1) before a checked call: a padding row or an
 unwritten combine slot that leaked into y would show up as NaN."""
 COSINE_MIN, PROCESSED_MAX = 0.9999, 1e-4
+"""BENCH_PROTOCOL.md reference-1 targets, checked as they are for the protocol's workload presets."""
+TINY_COSINE_MIN, TINY_PROCESSED_MAX = 0.9995, 5e-4
+"""The test-only ``tiny`` preset (I = 256, top-2): a rank with one token and one or two valid slots has a single
+256-wide FP8 intermediate, so one E4M3 rounding flip moves the processed diff by ~1e-4. Hopper's FP8 WGMMA keeps
+about 14 mantissa bits inside each K128 step, which the FP32 reference cannot reproduce; a CPU model of that
+truncation on tiny's shapes (1 token, 300 seeds) gave processed diffs up to 3.4e-4 and above 1e-4 in 1-2 % of seeds,
+while an exact FP32 re-ordering stays <= 1.7e-5. Wider presets average such flips out and keep the protocol targets."""
 
 
 @dataclass(frozen=True)
@@ -128,11 +135,13 @@ def reference_ys(inputs: list[RankInputs], weights: list[RankWeights]) -> list[t
     return [r.y for r in results]
 
 
-def check_accuracy(y: torch.Tensor, y_ref: torch.Tensor, what: str) -> dict[str, float | int]:
-    """BENCH_PROTOCOL.md reference 1 targets: no NaN/Inf, cosine >= 0.9999, processed diff <= 1e-4."""
+def check_accuracy(y: torch.Tensor, y_ref: torch.Tensor, what: str, preset: str) -> dict[str, float | int]:
+    """No NaN/Inf; BENCH_PROTOCOL.md reference 1 targets (cosine >= 0.9999, processed diff <= 1e-4) for the
+    workload presets, :data:`TINY_COSINE_MIN` / :data:`TINY_PROCESSED_MAX` for ``tiny``."""
     m = accuracy_metrics(y.float(), y_ref.float())
     assert m["nonfinite"] == 0 and m["nonfinite_ref"] == 0, f"{what}: non-finite values {m}"
-    assert m["cosine"] >= COSINE_MIN and m["processed_diff"] <= PROCESSED_MAX, f"{what}: {m}"
+    cos_min, diff_max = (TINY_COSINE_MIN, TINY_PROCESSED_MAX) if preset == "tiny" else (COSINE_MIN, PROCESSED_MAX)
+    assert m["cosine"] >= cos_min and m["processed_diff"] <= diff_max, f"{preset} {what}: {m}"
     return m
 
 

@@ -45,7 +45,8 @@ def _buffer(preset: str, partition: str) -> native.GcMoeBuffer:
                                              partition=partition)
 
 
-def _round(buf: native.GcMoeBuffer, weights: list, kind: str, tokens: tuple[int, int], seed: int, rank: int) -> None:
+def _round(buf: native.GcMoeBuffer, weights: list, preset: str, kind: str, tokens: tuple[int, int], seed: int,
+           rank: int) -> None:
     e, k, h, _ = preset_dims_of(buf)
     inputs = [make_inputs(kind, t, e * WORLD, k, h, seed=seed * WORLD + r) for r, t in enumerate(tokens)]
     stage(buf, inputs[rank])
@@ -56,8 +57,8 @@ def _round(buf: native.GcMoeBuffer, weights: list, kind: str, tokens: tuple[int,
     native.fp8_fp8_gc_moe(y, weights[rank].w1, weights[rank].w2, buf)
     torch.cuda.synchronize()
     if tokens[rank]:
-        m = check_accuracy(y, reference_ys(inputs, weights)[rank], f"rank {rank} {kind} T={tokens}")
-        print(f"rank {rank}: {buf.partition} {kind} T={tokens}: cosine {m['cosine']:.7f} processed "
+        m = check_accuracy(y, reference_ys(inputs, weights)[rank], f"rank {rank} {kind} T={tokens}", preset)
+        print(f"rank {rank}: {preset} {buf.partition} {kind} T={tokens}: cosine {m['cosine']:.7f} processed "
               f"{m['processed_diff']:.2e}", flush=True)
     dist.barrier()  # every rank finished reading its combine buffer before peers write the next round
 
@@ -72,12 +73,12 @@ def main() -> None:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank = dist.get_rank()
-    for preset in ("tiny", "dsv41-flash"):
+    for preset in ("tiny", "dsv41-flash", "glm52"):
         weights = [make_weights(preset, r) for r in range(WORLD)]  # every rank's, for the reference
         for partition in ("on", "off"):
             buf = _buffer(preset, partition)
             for i, (kind, tokens) in enumerate(CASES):
-                _round(buf, weights, kind, tokens, seed=i, rank=rank)
+                _round(buf, weights, preset, kind, tokens, seed=i, rank=rank)
             buf.destroy()
         del weights
         torch.cuda.empty_cache()
@@ -102,7 +103,7 @@ def main() -> None:
     dist.barrier()
     del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
     fresh = _buffer(preset, "on")  # the next operator created after the failure works on both ranks
-    _round(fresh, weights, "uniform", (16, 16), seed=123, rank=rank)
+    _round(fresh, weights, preset, "uniform", (16, 16), seed=123, rank=rank)
     print(f"PASS rank {rank}", flush=True)
     dist.destroy_process_group()
 
