@@ -212,9 +212,12 @@ def test_role1_refill_waits_time_out_into_status_and_the_next_call_works(group: 
         rig.run(inputs, plan, consume=False, timeout_ms=300)
     assert time.monotonic() - start < 5
     rig.finalize()
+    # 37 tokens x top-4 = 148 rows in BM=8 blocks over 16 experts: 19..34 pool blocks. A ring of 18 blocks makes every
+    # refill a generation-1 wait, whose l1_empty the stand-in releases at once: only the l2_empty wait can time out.
+    two_generations = rig.plan(8, 18)
     start = time.monotonic()
     with pytest.raises(DeviceTimeoutError, match="l2_empty_count"):
-        rig.run(inputs, plan, delay_ns=1_500_000_000, timeout_ms=300, consume_timeout_ms=3_000)
+        rig.run(inputs, two_generations, delay_ns=1_500_000_000, timeout_ms=300, consume_timeout_ms=3_000)
     assert time.monotonic() - start < 10
     rig.finalize()
     rig.run_and_check("zipf", 120, plan)
