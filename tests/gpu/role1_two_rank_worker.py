@@ -10,7 +10,6 @@ stays away: rank 0 must get DeviceTimeoutError at the tag-1 barrier within its t
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -31,6 +30,7 @@ from role1_kit import (
     standins,
     sync,
 )
+from two_rank import join, report_pass
 
 from gc_moe_compat import native
 from gc_moe_compat.ring import RingModel, RingPlan
@@ -52,10 +52,7 @@ MISSING_PEER_TIMEOUT_MS = 300
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank = dist.get_rank()
+    rank = join()
     part = get_partition()
     buf = native.get_symm_buffer_for_gc_moe(dist.group.WORLD, num_experts=16, capacity=CAPACITY, topk=4, hidden=1024,
                                             intermediate=256)
@@ -122,8 +119,7 @@ def main() -> None:
         else:
             raise AssertionError("role1 passed the tag-1 barrier with rank 1 absent")
     dist.barrier()
-    print(f"PASS rank {rank}", flush=True)
-    dist.destroy_process_group()
+    report_pass(rank)
 
 
 if __name__ == "__main__":

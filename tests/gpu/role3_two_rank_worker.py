@@ -11,7 +11,6 @@ while rank 1 stays away: DeviceTimeoutError naming rank 1 after the configured t
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -33,6 +32,7 @@ from role3_kit import (
     warm_up,
 )
 from runtime_kit import sync
+from two_rank import join, report_pass
 
 from gc_moe_compat import reference
 from gc_moe_compat.native_buffer import get_symm_buffer_for_gc_moe
@@ -47,10 +47,7 @@ MISSING_PEER_TIMEOUT_MS = 300
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank = dist.get_rank()
+    rank = join()
     buf = get_symm_buffer_for_gc_moe(dist.group.WORLD, 8, 64, 3, 1024, 256, "fp8xfp8", num_shared_experts=1)
     shape, part = buf.shape, get_partition()
     stream = part.compute.stream
@@ -112,8 +109,7 @@ def main() -> None:
         else:
             raise AssertionError("waiting for a missing peer did not time out")
     dist.barrier()
-    print(f"PASS rank {rank}", flush=True)
-    dist.destroy_process_group()
+    report_pass(rank)
 
 
 if __name__ == "__main__":

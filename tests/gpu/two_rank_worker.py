@@ -7,12 +7,11 @@ and must get DeviceTimeoutError within the configured timeout. Prints ``PASS ran
 
 from __future__ import annotations
 
-import os
 import time
 
-import torch
 import torch.distributed as dist
 from runtime_kit import SITES, i32, module, sync, u32, u64
+from two_rank import join, report_pass
 
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.launch import launch
@@ -26,10 +25,8 @@ MISSING_PEER_TIMEOUT_MS = 300
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    rank = join()
+    peer = 1 - rank
     part = get_partition()
     plan = LayoutPlanner()
     plan.add("signal", 128 + 4 * PAYLOAD_WORDS, alignment=4096)
@@ -71,8 +68,7 @@ def main() -> None:
     else:
         raise AssertionError("waiting for a missing peer did not time out")
     dist.barrier()
-    print(f"PASS rank {rank}", flush=True)
-    dist.destroy_process_group()
+    report_pass(rank)
 
 
 if __name__ == "__main__":
