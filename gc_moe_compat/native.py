@@ -148,9 +148,24 @@ def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: i
     return w.pair
 
 
+def _recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
+    """``cumulative_local_expert_recv_stats``: None or a contiguous int32 ``[e]`` on the buffer's device."""
+    if stats is None:
+        return None
+    e = buffer.shape.num_local_experts
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32:
+        raise TypeError(f"cumulative_local_expert_recv_stats: must be an int32 tensor [{e}] or None, got "
+                        f"{stats!r:.80}")
+    if tuple(stats.shape) != (e,) or not stats.is_contiguous() or stats.device != buffer.storage.device:
+        raise ValueError(f"cumulative_local_expert_recv_stats: must be a contiguous int32 tensor [{e}] (e = E/P) on "
+                         f"{buffer.storage.device}, got shape {tuple(stats.shape)} on {stats.device}")
+    return stats
+
+
 def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
          activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
-         shared_l2_weights: object, check_values: bool) -> None:
+         shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
+         recv_stats: object = None) -> None:
     if not isinstance(buffer, GcMoeBuffer):
         raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
     if buffer.storage is None:
@@ -172,6 +187,9 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
             _finite("activation_clamp", activation_clamp, positive=True)
         if not isinstance(check_values, bool):
             raise TypeError(f"check_values: must be a bool, got {type(check_values).__name__}")
+        if not isinstance(fast_math, bool):
+            raise TypeError(f"fast_math: must be a bool, got {type(fast_math).__name__}")
+        recv_stats = _recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
     with exclusive(buffer):
@@ -179,7 +197,8 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         plan = ring_plan(buffer, t, model)
         if missing_role_kernels(shape.num_shared_experts, mma_type):
             raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
-        _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp)
+        _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
+                recv_stats=recv_stats)
 
 
 _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()
@@ -187,16 +206,19 @@ _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.Weak
 
 
 def _launch(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, t: int,
-            model: RingModel, plan: RingPlan, activation_alpha: float, activation_clamp: float | None) -> None:
+            model: RingModel, plan: RingPlan, activation_alpha: float, activation_clamp: float | None, *,
+            fast_math: bool = True, recv_stats: torch.Tensor | None = None) -> None:
     """Runs (or, inside a capture, attaches) the call's three-node graph; outside capture waits for it and raises
-    the first device-side error (role order)."""
+    the first device-side error (role order). ``fast_math`` picks the role2 variant's sigmoid; ``recv_stats`` is
+    role3's optional per-local-expert receive counter."""
     if not buffer.storage.is_cuda:
         raise RuntimeError(f"{fn}: buffer: lives in host memory (created without a CUDA device); running the layer "
                            "needs the GPU")
     cache = _caches.setdefault(buffer, layer.LayerCache())
-    call = layer.LayerCall(num_tokens=t, model=model, plan=plan, variant=role2.role2_variant(model, t),
+    call = layer.LayerCall(num_tokens=t, model=model, plan=plan,
+                           variant=role2.role2_variant(model, t, fast_math=fast_math),
                            activation_clamp=None if activation_clamp is None else float(activation_clamp),
-                           activation_alpha=float(activation_alpha))
+                           activation_alpha=float(activation_alpha), recv_stats=recv_stats)
     if layer.run_layer(buffer, y, w1, w2, call, cache):
         return
     layer.raise_for_layer_status(buffer, f"{fn}: running the layer")
@@ -220,7 +242,14 @@ def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
                    recipe: tuple[int, int, int] = (128, 128, 128), activation: str = "swiglu",
                    activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
                    shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
-                   check_values: bool = True) -> None:
-    """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights: ``y [T, H]`` BF16 written in place."""
+                   check_values: bool = True, fast_math: bool = True,
+                   cumulative_local_expert_recv_stats: torch.Tensor | None = None) -> None:
+    """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights: ``y [T, H]`` BF16 written in place.
+
+    ``fast_math`` (default on): ``__expf`` and a fast reciprocal in the SwiGLU sigmoid (DeepGEMM's option).
+    ``cumulative_local_expert_recv_stats``: optional contiguous int32 ``[E/P]`` on the buffer's device; role3 adds
+    the rows this rank received per local expert in this call (DeepGEMM's / DeepEP's statistics counter).
+    """
     _run("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
-         shared_l1_weights, shared_l2_weights, check_values)
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)

@@ -19,6 +19,8 @@ single-instance: :func:`exclusive` rejects overlapping calls.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import os
 import threading
 import weakref
@@ -122,6 +124,38 @@ class GcMoeBuffer:
             {name: layout.view(self.storage, name) for name in layout.specs})
         for name, view in self.views.items():
             setattr(self, name, view)
+        self.alias_of: GcMoeBuffer | None = None
+        self._aliases: dict[str, GcMoeBuffer] = {}
+
+    def retyped(self, mma_type: str) -> GcMoeBuffer:
+        """This workspace as a buffer of the other compute path ``mma_type`` (no new allocation).
+
+        Why: DeepGEMM's callers create one symmetric buffer and may run either layer call on it (SGLang's Hopper
+        path creates it with ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe``, FP8xFP8). The workspace layout does
+        not depend on ``mma_type`` (checked here by rebuilding it), so the alias shares storage, peer table, views
+        and the single-instance guard (:func:`exclusive` locks the primary); it is cached, so the graphs built for
+        it are reused. Raises ``ValueError`` for an unknown ``mma_type`` and ``NotImplementedError`` if the layouts
+        ever differ.
+        """
+        self._require_live()
+        primary = self.alias_of or self
+        if mma_type == primary.shape.mma_type:
+            return primary
+        if mma_type not in config.MMA_TYPES:
+            raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
+        alias = primary._aliases.get(mma_type)
+        if alias is None:
+            shape = dataclasses.replace(primary.shape, mma_type=mma_type)
+            layout = OperatorLayout.build(shape, primary.layout.compute_sms, geometry=primary.layout.geometry,
+                                          topk_idx_dtype=primary.layout.specs["topk_idx"].dtype,
+                                          whole_pool=primary.partition == "off")
+            if layout.regions != primary.layout.regions or layout.ring != primary.layout.ring:
+                raise NotImplementedError(f"mma_type={mma_type!r}: its workspace layout differs from this buffer's "
+                                          f"({primary.shape.mma_type!r}); create a buffer for it")
+            alias = copy.copy(primary)
+            alias.shape, alias.layout, alias.alias_of, alias._aliases = shape, layout, primary, {}
+            primary._aliases[mma_type] = alias
+        return alias
 
     def view(self, name: str) -> torch.Tensor:
         """Region ``name`` (``KeyError`` naming the regions if there is none)."""
@@ -158,6 +192,9 @@ class GcMoeBuffer:
         self.views = MappingProxyType({})
         self.storage = None
         self.group = None
+        for alias in self._aliases.values():
+            alias.destroy()
+        self._aliases = {}
 
 
 _locks: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
@@ -171,6 +208,7 @@ def exclusive(buffer: object) -> Iterator[None]:
     The workspace (ring, counters, parity, barrier phase) is single-instance (paper, Limitations): two calls on one
     buffer at once would corrupt each other's protocol state, so they must serialize.
     """
+    buffer = getattr(buffer, "alias_of", None) or buffer  # an alias shares its primary's workspace and guard
     with _locks_guard:
         lock = _locks.setdefault(buffer, threading.Lock())
     if not lock.acquire(blocking=False):

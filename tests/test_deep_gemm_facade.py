@@ -1,4 +1,5 @@
-"""CPU behaviour of the deep_gemm facade: buffer views, pre-dispatch numerics, heuristics, transforms, refusals."""
+"""CPU behaviour of the deep_gemm facade: buffer views (of the operator workspace), pre-dispatch numerics, heuristics,
+transforms, refusals, and the layer calls up to the operator launch (which needs a GPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import layouts, quant
+from gc_moe_compat import layouts, native, quant
 from gc_moe_compat.deep_gemm import _runtime
 
 H, N_I, E, K = 512, 256, 16, 4
@@ -42,30 +43,50 @@ def test_buffer_views(group: dist.ProcessGroup, mma_type: str, num_shared_expert
         assert (tuple(view.shape), view.dtype, view.stride()) == (shape, dtype, stride), name
         start = view.data_ptr() - buf.buffer.data_ptr()
         assert start % 128 == 0 and start + view.nbytes <= buf.buffer.nbytes
+        assert view is buf.workspace.views[name]  # the operator's staging region itself: no copy
     assert buf.shared_l1_acts is buf.x
     assert (buf.shared_l1_acts_sf is buf.x_sf) == bool(num_shared_experts)
     assert buf.x_scales.numel() == 0 and buf.x_scales.dtype == torch.int8
+    assert isinstance(buf.workspace, native.GcMoeBuffer) and buf.workspace.shape == buf.shape
+    assert buf.buffer.data_ptr() == buf.workspace.storage.data_ptr() and buf.buffer.dtype == torch.int8
+    assert buf.buffer.nbytes == buf.workspace.layout.total_bytes
     assert buf.handle.buffer_ptrs == [buf.buffer.data_ptr()]
     assert int(buf.buffer.abs().sum()) == 0  # zeroed
     spans = sorted((getattr(buf, n).data_ptr(), getattr(buf, n).data_ptr() + getattr(buf, n).nbytes) for n in want)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # views do not overlap
     buf.destroy()
     assert buf.buffer is None and buf.handle is None and buf.group is None and buf.x is None
+    assert buf.workspace is None
 
 
-@pytest.mark.parametrize("name", ["l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf", "shared_l2_acts",
-                                  "shared_l2_acts_sf"])
-def test_operator_workspace_views_raise(group: dist.ProcessGroup, name: str) -> None:
-    with pytest.raises(NotImplementedError, match=f"{name}.*issue 5"):
-        getattr(_buffer(group), name)
+@pytest.mark.parametrize("num_shared_experts", [0, 1])
+def test_operator_workspace_views(group: dist.ProcessGroup, num_shared_experts: int) -> None:
+    buf = _buffer(group, num_shared_experts=num_shared_experts)
+    for name in ("l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"):
+        assert getattr(buf, name) is buf.workspace.views[name]
+    for name in ("shared_l2_acts", "shared_l2_acts_sf"):
+        if num_shared_experts:
+            assert getattr(buf, name) is buf.workspace.views[name]
+        else:
+            assert not hasattr(buf, name)
+            with pytest.raises(AttributeError, match="only with num_shared_experts=1"):
+                getattr(buf, name)
+    with pytest.raises(AttributeError, match="'SymmBuffer' object has no attribute 'nope'"):
+        buf.nope  # noqa: B018
 
 
 def test_buffer_reuses_base(group: dist.ProcessGroup) -> None:
     base = _buffer(group)
-    small = dg.SymmBuffer(group, E, 8, K, H, N_I, base=base)
-    assert small.buffer is base.buffer and small.x.data_ptr() == base.x.data_ptr()
+    small = dg.SymmBuffer(group, E, 8, K, H, N_I, base=base)  # aligns to base's 64 tokens: the same configuration
+    assert small.workspace is base.workspace and small.x is base.x
+    other = dg.SymmBuffer(group, E, 8, K, H, N_I, mma_type="fp8xfp8", base=base)  # either compute path, one workspace
+    assert other.workspace is base.workspace and other.mma_type == "fp8xfp8"
     with pytest.raises(ValueError, match="base holds"):
         dg.SymmBuffer(group, E, 256, K, H, N_I, base=base)
+    with pytest.raises(NotImplementedError, match="base: sharing a workspace between two configurations"):
+        dg.SymmBuffer(group, E, 8, 2, H, N_I, base=base)  # smaller, but another layout
+    with pytest.raises(ValueError, match="base must be a live SymmBuffer"):
+        dg.SymmBuffer(group, E, 8, K, H, N_I, base=object())
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
@@ -181,13 +202,16 @@ def _fp4_weights() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tenso
     return l1, l2
 
 
-def test_fp8_mega_moe_validates_then_needs_operator(group: dist.ProcessGroup) -> None:
-    buf = _buffer(group)
+def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> None:
+    buf = _buffer(group)  # mma_type='fp8xfp4', as SGLang creates its Hopper buffer
     l1, l2 = _fp8_weights()
     y = torch.empty(3, H, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="issue 5\\) does not cover this configuration yet: the deep_gemm"):
+    buf.topk_idx[:3] = 0
+    with pytest.raises(RuntimeError, match="fp8_fp8_gc_moe: buffer: lives in host memory .* needs the GPU"):
         dg.fp8_mega_moe(y, l1, l2, buf, recipe=(128, 128, 128), activation="swiglu", activation_clamp=10.0,
                         fast_math=True)
+    with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was created with num_shared_experts=1"):
+        dg.fp8_mega_moe(y, l1, l2, _buffer(group, num_shared_experts=1))
     with pytest.raises(ValueError, match="fp8_mega_moe: recipe must be one of"):
         dg.fp8_mega_moe(y, l1, l2, buf, recipe=(1, 1, 32))
     with pytest.raises(ValueError, match="fp8_mega_moe: .*l1_weights"):
@@ -200,10 +224,16 @@ def test_fp8_mega_moe_validates_then_needs_operator(group: dist.ProcessGroup) ->
         dg.fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(TypeError, match="sym_buffer"):
         dg.fp8_mega_moe(y, l1, l2, object())
+    buf.destroy()
+    with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was destroyed"):
+        dg.fp8_mega_moe(y, l1, l2, buf)
 
 
 @pytest.mark.parametrize(("kw", "exc", "arg"), [
-    ({}, NotImplementedError, "issue 5"),
+    ({}, NotImplementedError, "missing role kernels: role2 SM90 FP8xFP4"),
+    ({"cumulative_local_expert_recv_stats": torch.zeros(E, dtype=torch.int32)}, NotImplementedError,
+     "cumulative_local_expert_recv_stats=.* on the FP8xFP4 path"),
+    ({"fast_math": False}, NotImplementedError, "fast_math=False on the FP8xFP4 path"),
     ({"recipe": (1, 1, 16)}, NotImplementedError, "recipe"),
     ({"recipe": (1, 128, 128)}, ValueError, "recipe"),
     ({"use_x_scales": True}, NotImplementedError, "use_x_scales"),
@@ -220,7 +250,8 @@ def test_fp8_mega_moe_validates_then_needs_operator(group: dist.ProcessGroup) ->
 def test_fp8_fp4_mega_moe_arguments(group: dist.ProcessGroup, kw: dict, exc: type, arg: str) -> None:
     buf = _buffer(group)
     l1, l2 = _fp4_weights()
-    with pytest.raises(exc, match=arg if arg == "issue 5" else f"fp8_fp4_mega_moe: .*{arg}"):
+    facade_arg = exc is not NotImplementedError or "FP8xFP4" not in arg  # else the operator's own refusal
+    with pytest.raises(exc, match=f"fp8_fp4_mega_moe: .*{arg}" if facade_arg else arg):
         dg.fp8_fp4_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
 
 

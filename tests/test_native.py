@@ -305,32 +305,6 @@ def test_ring_plan_uses_block_m_heuristic(group: dist.ProcessGroup) -> None:
         assert plan.ring_blocks >= ring.RingModel(buf.shape, want_bm, 64).required_ring_blocks
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The operator seam (facade path)
-
-
-def test_seam_reaches_native_validation(group: dist.ProcessGroup) -> None:
-    sym = dg.get_symm_buffer_for_mega_moe(group, E, TMAX, K, H, N_I)
-    l1, l2 = _fp4_pairs()
-    kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
-              recipe=(1, 1, 32), activation_clamp=None, fast_math=True)
-    y = torch.empty(3, H, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="facade's SymmBuffer holds only the caller-staged inputs.*role2"):
-        operator.mega_moe(y, l1, l2, sym, **kw)
-    with pytest.raises(ValueError, match="l1_weights\\[0\\]: must be of shape"):
-        operator.mega_moe(y, (l1[0][:1], l1[1]), l2, sym, **kw)
-    with exclusive(sym), pytest.raises(WorkspaceBusyError):
-        operator.mega_moe(y, l1, l2, sym, **kw)
-    with pytest.raises(NotImplementedError, match="workspace view 'l2_acts'.*issue 5"):
-        operator.workspace_view(sym, "l2_acts")
-    buf = _buffer(group)
-    _stage(buf, 3)
-    with pytest.raises(NotImplementedError, match="running the Mega MoE layer: .*missing role kernels: role2"):
-        operator.mega_moe(y, l1, l2, buf, **kw)
-    with pytest.raises(ValueError, match="recipe: must be one of"):
-        operator.mega_moe(y, l1, l2, buf, **{**kw, "recipe": (1, 1, 16)})
-
-
 def test_concurrent_calls_serialize(group: dist.ProcessGroup) -> None:
     """Two threads on one buffer: the one that finds it held gets WorkspaceBusyError, never a shared workspace."""
     args = _call_args(group)

@@ -1,15 +1,12 @@
 """``SymmBuffer`` and ``get_symm_buffer_for_mega_moe``: the symmetric buffer callers stage inputs into.
 
-What the facade owns: the caller-facing input views SGLang writes before each call (``x``, ``x_sf``, ``topk_idx``,
-``topk_weights``, plus the ``shared_l1_acts*`` aliases and the NVFP4-only ``x_scales``), their byte layout inside
-one symmetric allocation, and the allocation itself (torch symmetric memory + rendezvous for more than one rank,
-plain ``torch.empty`` for one, zeroed, then a group barrier: DeepGEMM's sequence).
-
-Layout (the SM90 operator's, for both ``fp8xfp4`` and ``fp8xfp8``: the paper's Hopper path consumes "E4M3FN with
-contiguous FP32 K128 scales" either way, exactly what SGLang's SM90 pin hands its Hopper kernel):
+A ``SymmBuffer`` is backed by the GC-MoE operator's workspace, a :class:`gc_moe_compat.native.GcMoeBuffer`
+(``buffer.workspace``: one symmetric allocation, torch symmetric memory + rendezvous for more than one rank, a
+plain zeroed allocation for one; created collectively, then a group barrier: DeepGEMM's sequence). DeepGEMM's
+attributes are views of it:
 
 ====================  ==================  ===============  =========================================
-view                  dtype               shape            strides
+attribute             dtype               shape            strides
 ====================  ==================  ===============  =========================================
 ``x``                 float8_e4m3fn       ``[T, H]``       ``(H, 1)``
 ``x_sf``              float32             ``[T, H/128]``   ``(H/128, 1)`` (K-major, FP32 1x128 scales)
@@ -18,58 +15,48 @@ view                  dtype               shape            strides
 ``shared_l1_acts``    ``x`` itself (the shared expert reads the local tokens, zero copy)
 ``shared_l1_acts_sf`` ``x_sf`` itself with a shared expert, else an empty byte tensor
 ``x_scales``          empty byte tensor (NVFP4 only, absent as in SGLang's pin)
+``buffer``            int8                the whole workspace (``handle.buffer_ptrs``: every rank's base)
 ====================  ==================  ===============  =========================================
 
-``T`` is ``num_max_tokens_per_rank`` rounded up to ``TOKEN_ALIGNMENT``; each view starts on a 128-byte boundary.
-What the operator owns (issue 5): the token ring and L2 activations (``l1_acts``, ``l1_acts_sf``, ``l2_acts``,
-``l2_acts_sf``, ``shared_l2_acts``, ``shared_l2_acts_sf``). Reading them goes through
-:func:`gc_moe_compat.operator.workspace_view`, which raises until the operator exists; SGLang never reads them.
+``x`` ... ``topk_weights`` ARE the workspace's staging regions (:mod:`gc_moe_compat.operator_layout`), so what the
+pre-dispatch writes is what the operator's role1 reads; there is no copy. ``T`` is ``num_max_tokens_per_rank``
+rounded up to ``TOKEN_ALIGNMENT``. ``topk_idx`` is int64 as in DeepGEMM 2.8.2; SGLang passes int32 ids to the
+pre-dispatch, which converts them (the operator reads either width, the facade keeps DeepGEMM's). The layout is the
+SM90 operator's for both ``mma_type`` values ("E4M3FN with contiguous FP32 K128 scales", what SGLang's SM90 pin hands
+its Hopper kernel): SGLang creates its Hopper buffer with ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe`` on it.
 
-On a host without CUDA the buffer is allocated in CPU memory (single rank only), so layouts and the pre-dispatch
-staging can be inspected and tested anywhere; running the operator still needs the GPU.
+The operator's own regions (token ring and L2 activations: ``l1_acts``, ``l1_acts_sf``, ``l2_acts``, ``l2_acts_sf``,
+and with a shared expert ``shared_l2_acts``, ``shared_l2_acts_sf``) are readable as attributes through
+:func:`gc_moe_compat.operator.workspace_view`; their shapes are the operator's, not DeepGEMM's (SGLang never reads
+them). On a host without CUDA the workspace is host memory (single rank only), so layouts and the pre-dispatch
+staging can be inspected and tested anywhere; running the operator needs the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import warnings
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat import operator
+from gc_moe_compat import config, native, operator
 from gc_moe_compat.deep_gemm import _checks
 from gc_moe_compat.deep_gemm._runtime import BLOCK_M_CANDIDATES
+from gc_moe_compat.operator_layout import OperatorLayout
 
-__all__ = ["TOKEN_ALIGNMENT", "SymmBuffer", "ViewSpec", "get_symm_buffer_for_mega_moe",
-           "get_symm_buffer_for_sm90_mega_moe", "input_views"]
+__all__ = ["HOST_COMPUTE_SMS", "TOKEN_ALIGNMENT", "SymmBuffer", "get_symm_buffer_for_mega_moe",
+           "get_symm_buffer_for_sm90_mega_moe"]
 
 # num_max_tokens_per_rank is rounded up to a multiple of every candidate BM (DeepGEMM rounds to its own LCM).
 TOKEN_ALIGNMENT = math.lcm(*BLOCK_M_CANDIDATES)
-_VIEW_ALIGN_BYTES = 128
+HOST_COMPUTE_SMS = 128
+"""Compute SMs the token ring is sized for on a host without CUDA (an H200's compute partition at the default
+dispatch request); on a GPU the workspace sizes it from the device's partition."""
+_INPUT_VIEWS = ("x", "x_sf", "topk_idx", "topk_weights")
 _OPERATOR_VIEWS = ("l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf", "shared_l2_acts", "shared_l2_acts_sf")
-
-
-@dataclass(frozen=True)
-class ViewSpec:
-    """One caller-facing view: its byte offset in the buffer, shape, dtype and (element) strides."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def stride(self) -> tuple[int, ...]:
-        """Row-major strides of ``shape``."""
-        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def align_tokens(num_max_tokens_per_rank: int) -> int:
@@ -77,45 +64,18 @@ def align_tokens(num_max_tokens_per_rank: int) -> int:
     return -(-num_max_tokens_per_rank // TOKEN_ALIGNMENT) * TOKEN_ALIGNMENT
 
 
-def input_views(num_max_tokens_per_rank: int, num_topk: int, hidden: int) -> tuple[ViewSpec, ...]:
-    """The caller-facing views of the module table for an (already aligned) capacity, packed in order."""
-    specs = []
-    offset = 0
-    for name, shape, dtype in (
-        ("x", (num_max_tokens_per_rank, hidden), torch.float8_e4m3fn),
-        ("x_sf", (num_max_tokens_per_rank, hidden // 128), torch.float32),
-        ("topk_idx", (num_max_tokens_per_rank, num_topk), torch.int64),
-        ("topk_weights", (num_max_tokens_per_rank, num_topk), torch.float32),
-    ):
-        spec = ViewSpec(name, offset, shape, dtype)
-        specs.append(spec)
-        offset = -(-(offset + spec.nbytes) // _VIEW_ALIGN_BYTES) * _VIEW_ALIGN_BYTES
-    return tuple(specs)
-
-
-def _allocate(group: dist.ProcessGroup, num_bytes: int) -> tuple[torch.Tensor, Any]:
-    """One zeroed symmetric allocation and its handle (``handle.buffer_ptrs``), then a group barrier."""
-    if group.size() == 1:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        buffer = torch.empty(num_bytes, dtype=torch.int8, device=device)
-        handle = types.SimpleNamespace(buffer_ptrs=[buffer.data_ptr()])
-    else:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"SymmBuffer: group.size()={group.size()} needs CUDA symmetric memory; "
-                               "no CUDA device is visible")
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device="cuda")
-        handle = symm_mem.rendezvous(buffer, group=group)
-    buffer.zero_()
-    group.barrier()
-    if buffer.is_cuda:
-        torch.cuda.synchronize()
-    return buffer, handle
+def _workspace(fn: str, group: dist.ProcessGroup, shape: config.MoEShape) -> native.GcMoeBuffer:
+    """A fresh operator workspace for ``shape`` (collective), errors re-worded in the facade's argument names."""
+    try:
+        return native.get_symm_buffer_for_gc_moe(
+            group, shape.num_experts, shape.capacity, shape.topk, shape.hidden, shape.intermediate, shape.mma_type,
+            shape.num_shared_experts, compute_sms=None if torch.cuda.is_available() else HOST_COMPUTE_SMS)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{fn}: {exc}") from exc
 
 
 class SymmBuffer:
-    """The facade's symmetric buffer: DeepGEMM's attributes, the SM90 operator's input layout (module table)."""
+    """The facade's symmetric buffer: DeepGEMM's attributes as views of the operator workspace (module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup,
                  num_experts: int,
@@ -145,37 +105,56 @@ class SymmBuffer:
         self.mma_type = mma_type
         self.activation = activation
 
-        specs = input_views(num_max_tokens_per_rank, num_topk, hidden)
-        num_bytes = specs[-1].offset + specs[-1].nbytes
         if base is None:
-            self.buffer, self.handle = _allocate(group, num_bytes)
+            self.workspace: native.GcMoeBuffer | None = _workspace(fn, group, self.shape)
         else:
-            if base.buffer is None or base.handle is None or base.group is not group:
-                raise ValueError(f"{fn}: base must be a live SymmBuffer of the same group")
-            if num_bytes > base.buffer.nbytes:
-                raise ValueError(f"{fn}: base holds {base.buffer.nbytes} bytes, this configuration needs {num_bytes}")
-            self.buffer, self.handle = base.buffer, base.handle
-        for spec in specs:
-            raw = self.buffer[spec.offset:spec.offset + spec.nbytes]
-            setattr(self, spec.name, raw.view(spec.dtype).view(spec.shape))
+            self.workspace = self._share(fn, base)
+        self.buffer = self.workspace.storage.view(torch.int8)
+        table = self.workspace.peer_table
+        self.handle = types.SimpleNamespace(
+            buffer_ptrs=[table.base + table.offsets[r] for r in range(table.world_size)])
+        for name in _INPUT_VIEWS:
+            setattr(self, name, self.workspace.views[name])
         empty = self.buffer[:0]
         self.shared_l1_acts = self.x
         self.shared_l1_acts_sf = self.x_sf if num_shared_experts > 0 else empty
         self.x_scales = empty
 
+    def _share(self, fn: str, base: SymmBuffer) -> native.GcMoeBuffer:
+        """``base``'s workspace, when this configuration is ``base``'s (up to ``mma_type``: both compute paths run
+        on one workspace). DeepGEMM reuses a base's bytes for any smaller configuration; here the workspace also
+        holds the persistent synchronization state of its layout, so another layout cannot overlay it."""
+        if not isinstance(base, SymmBuffer) or base.workspace is None or base.group is not self.group:
+            raise ValueError(f"{fn}: base must be a live SymmBuffer of the same group")
+        ours, theirs = self.shape, base.workspace.shape
+        if ours == dataclasses.replace(theirs, mma_type=ours.mma_type):
+            return base.workspace
+        needed = OperatorLayout.build(ours, base.workspace.layout.compute_sms).total_bytes
+        if needed > base.buffer.nbytes:
+            raise ValueError(f"{fn}: base holds {base.buffer.nbytes} bytes, this configuration needs {needed}")
+        raise NotImplementedError(f"{fn}: base: sharing a workspace between two configurations ({theirs} and {ours}) "
+                                  "is not supported: each layout keeps persistent synchronization counters in it")
+
     def __getattr__(self, name: str) -> torch.Tensor:
-        # Only reached for attributes not set in __init__: the operator-owned workspace views.
+        # Only reached for attributes not set in __init__: the operator-owned workspace regions.
         if name in _OPERATOR_VIEWS:
-            return operator.workspace_view(self, name)
+            try:
+                return operator.workspace_view(self, name)
+            except KeyError as exc:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}: the workspace has "
+                                     "it only with num_shared_experts=1") from exc
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def destroy(self):
-        """Drop the references to the allocation (DeepGEMM's semantics); the buffer is unusable afterwards."""
+        """Drop the references to the workspace (DeepGEMM's semantics); the buffer is unusable afterwards. The
+        memory is freed once nothing else (a ``base`` sharer, a captured graph's caller) holds it."""
         self.handle = None
         self.buffer = None
         self.group = None
-        self.x = None
-        self.x_sf = None
+        self.workspace = None
+        for name in _INPUT_VIEWS:
+            setattr(self, name, None)
+        self.shared_l1_acts = self.shared_l1_acts_sf = self.x_scales = None
 
 
 def get_symm_buffer_for_mega_moe(group: dist.ProcessGroup,

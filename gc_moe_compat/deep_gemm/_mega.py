@@ -2,9 +2,18 @@
 
 ``fp8_fp4_mega_moe`` (FP8 activations x MXFP4 routed weights, recipe ``(1, 1, 32)``) and ``fp8_mega_moe`` (SGLang's
 Hopper call: FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``) check the buffer, the output, the
-weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then call
-:func:`gc_moe_compat.operator.mega_moe`. DeepGEMM options GC-MoE lacks (NVFP4, BF16, TRT-LLM layout, post-expert
-norm, ...) raise NotImplementedError naming the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
+weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then run the
+operator through :func:`gc_moe_compat.operator.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of them).
+
+Weights are DeepGEMM's layout: L1 rows interleaved gate/up by 8 (``transform_weights_for_mega_moe_sm90`` /
+``transform_weights_for_mega_moe`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is; FP8 block
+scales in the natural ``[E/P, N/128, K/128]`` layout; FP4 per-row scales interleaved like their rows. They are
+converted for the operator once per weight tensor (see :func:`gc_moe_compat.operator.operator_weights`).
+
+Today ``fp8_mega_moe`` runs (FP8xFP8, no shared expert); ``fp8_fp4_mega_moe`` raises NotImplementedError from the
+operator naming its missing role kernels (the FP8xFP4 role2, role4 for shared experts). DeepGEMM options GC-MoE
+lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming the argument;
+``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ def _live_buffer(fn: str, sym_buffer: object) -> SymmBuffer:
     if not isinstance(sym_buffer, SymmBuffer):
         raise TypeError(f"{fn}: sym_buffer must come from gc_moe_compat's get_symm_buffer_for_mega_moe, "
                         f"got {type(sym_buffer).__module__}.{type(sym_buffer).__name__}")
-    if sym_buffer.buffer is None:
+    if sym_buffer.workspace is None:
         raise ValueError(f"{fn}: sym_buffer was destroyed")
     return sym_buffer
 
@@ -116,6 +125,9 @@ def fp8_mega_moe(y: torch.Tensor,
     """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights (SGLang's Hopper path): ``y`` in place."""
     fn = "fp8_mega_moe"
     _checks.choice(fn, "recipe", tuple(recipe), ((128, 128, 128),), ())
+    if isinstance(sym_buffer, SymmBuffer) and sym_buffer.num_shared_experts:
+        raise ValueError(f"{fn}: sym_buffer was created with num_shared_experts={sym_buffer.num_shared_experts}, "
+                         "but fp8_mega_moe takes no shared-expert weights (create it with num_shared_experts=0)")
     _run(fn, "fp8xfp8", y, l1_weights, l2_weights, sym_buffer, None, None, cumulative_local_expert_recv_stats,
          recipe, activation, activation_clamp, fast_math)
 

@@ -1,0 +1,228 @@
+"""The seam from the deep_gemm facade to the native operator, on CPU: the facade buffer's workspace and its
+per-compute-path alias, the weight conversion (zero-copy FP8, repacked FP4, once per weight tensor), the options
+handed to the native call, and the guard shared by a workspace and its alias. The launch itself needs a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import layouts, native, operator, quant
+from gc_moe_compat.native_buffer import exclusive
+from gc_moe_compat.runtime.workspace import WorkspaceBusyError
+
+H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GC_MOE_PARTITION", "GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _sym(group: dist.ProcessGroup, **kw: object) -> dg.SymmBuffer:
+    buf = dg.get_symm_buffer_for_mega_moe(group, E, TMAX, K, H, N_I, **kw)
+    buf.topk_idx[:4] = torch.tensor([[0, 5], [3, -1], [7, 1], [2, 2]])
+    return buf
+
+
+def _fp8_canonical(seed: int = 1) -> tuple[_Pair, _Pair]:
+    g = torch.Generator().manual_seed(seed)
+    return (quant.quantize_fp8_blocks(torch.randn(E, 2 * N_I, H, generator=g)),
+            quant.quantize_fp8_blocks(torch.randn(E, H, N_I, generator=g)))
+
+
+def _fp8_deepgemm(seed: int = 1) -> tuple[_Pair, _Pair]:
+    """DeepGEMM-layout FP8 pairs: what transform_weights_for_mega_moe_sm90 (and SGLang's builder) return."""
+    return dg.transform_weights_for_mega_moe_sm90(*_fp8_canonical(seed))
+
+
+def _fp4_canonical() -> tuple[_Pair, _Pair]:
+    g = torch.Generator().manual_seed(0)
+    return (quant.quantize_mxfp4(torch.randn(E, 2 * N_I, H, generator=g)),
+            quant.quantize_mxfp4(torch.randn(E, H, N_I, generator=g)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _same_weights(a: native.GcMoeWeights, b: native.GcMoeWeights) -> bool:
+    factors = (a.factor is None and b.factor is None) or torch.equal(a.factor, b.factor)
+    return ((a.mma_type, a.gemm) == (b.mma_type, b.gemm) and factors and torch.equal(_bits(a.payload), _bits(b.payload))
+            and torch.equal(a.scales, b.scales))
+
+
+class _Launches:
+    """Records the native launches (``native._launch``) instead of running them (no GPU here)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[dict] = []
+        monkeypatch.setattr(native, "_launch", self._record)
+
+    def _record(self, fn, buffer, y, w1, w2, t, model, plan, alpha, clamp, *, fast_math=True, recv_stats=None):
+        self.calls.append(dict(fn=fn, buffer=buffer, y=y, w1=w1, w2=w2, t=t, alpha=alpha, clamp=clamp,
+                               fast_math=fast_math, recv_stats=recv_stats))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Workspace and its per-compute-path alias
+
+
+def test_retyped_alias_shares_the_workspace(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)  # SGLang's Hopper buffer: mma_type='fp8xfp4', then fp8_mega_moe (FP8xFP8) on it
+    primary = sym.workspace
+    alias = primary.retyped("fp8xfp8")
+    assert alias is not primary and alias.shape.mma_type == "fp8xfp8" and alias.alias_of is primary
+    assert alias.storage is primary.storage and alias.views is primary.views and alias.x is sym.x
+    assert alias.layout.regions == primary.layout.regions and alias.offsets is primary.offsets
+    assert primary.retyped("fp8xfp8") is alias and alias.retyped("fp8xfp4") is primary and alias.retyped(
+        "fp8xfp8") is alias
+    assert operator.workspace_of(sym) is primary and operator.workspace_view(sym, "l2_acts") is primary.l2_acts
+    with pytest.raises(KeyError, match="no workspace region 'nope'"):
+        operator.workspace_view(sym, "nope")
+    with pytest.raises(ValueError, match="mma_type: must be one of"):
+        primary.retyped("nvfp4xnvfp4")
+    with exclusive(primary), pytest.raises(WorkspaceBusyError), exclusive(alias):
+        pass
+    with exclusive(alias), pytest.raises(WorkspaceBusyError), exclusive(primary):
+        pass
+    primary.destroy()
+    assert alias.storage is None
+    with pytest.raises(ValueError, match="buffer: was destroyed"):
+        primary.retyped("fp8xfp8")
+
+
+def test_seam_refuses_other_buffers(group: dist.ProcessGroup) -> None:
+    with pytest.raises(TypeError, match="buffer: must be a facade SymmBuffer or a GcMoeBuffer, got object"):
+        operator.workspace_of(object())
+    sym = _sym(group)
+    sym.destroy()
+    with pytest.raises(TypeError, match="got SymmBuffer"):  # its workspace reference is gone
+        operator.workspace_of(sym)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Weight conversion
+
+
+def test_fp8_weights_are_wrapped_without_copy_and_equal_the_native_transform(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)
+    canonical = _fp8_canonical()
+    l1, l2 = dg.transform_weights_for_mega_moe_sm90(*canonical)
+    w1, w2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    assert w1.payload is l1[0] and w1.scales is l1[1] and w2.payload is l2[0] and w2.scales is l2[1]
+    ref1, ref2 = native.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp8")
+    assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
+    assert operator.operator_weights(sym, "fp8xfp8", l1, l2) == (w1, w2)
+    assert operator.operator_weights(sym.workspace.retyped("fp8xfp8"), "fp8xfp8", l1, l2)[0] is w1  # one cache
+
+
+def test_weights_are_reconverted_after_an_in_place_update(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)
+    l1, l2 = _fp8_deepgemm()
+    w1, w2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    l2[1].mul_(2)  # bumps that tensor's version counter
+    v1, v2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    assert v1 is w1 and v2 is not w2 and torch.equal(v2.scales, l2[1])
+    copy_l1 = (l1[0].clone(), l1[1].clone())  # same values, other tensors: another entry
+    assert operator.operator_weights(sym, "fp8xfp8", copy_l1, l2)[0] is not w1
+    other = _sym(group)  # another workspace converts for itself
+    assert operator.operator_weights(other, "fp8xfp8", l1, l2)[0] is not w1
+
+
+def test_non_contiguous_fp8_weights_are_copied_once(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)
+    l1, l2 = _fp8_deepgemm()
+    strided = torch.empty(E, 2 * N_I, 2 * H, dtype=l1[0].dtype)[..., ::2]
+    strided.view(torch.uint8).copy_(l1[0].view(torch.uint8))
+    w1, _ = operator.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)
+    assert w1.payload.is_contiguous() and torch.equal(_bits(w1.payload), _bits(l1[0]))
+    assert operator.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)[0] is w1
+
+
+def test_fp4_weights_are_deinterleaved_and_repacked_once(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)
+    canonical = _fp4_canonical()
+    for packed in (False, True):  # UE8M0 codes or DeepGEMM's packed int32 form
+        form = quant.pack_ue8m0_k32 if packed else (lambda codes: codes)
+        l1, l2 = dg.transform_weights_for_mega_moe(*[(w, form(sf)) for w, sf in canonical])
+        w1, w2 = operator.operator_weights(sym, "fp8xfp4", l1, l2)
+        ref1, ref2 = native.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp4")
+        assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
+        assert operator.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
+        assert torch.equal(layouts.deinterleave_gate_up(l1[0]), canonical[0][0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The call
+
+
+def test_fp8_mega_moe_hands_the_operator_its_options(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = _Launches(monkeypatch)
+    sym = _sym(group)
+    l1, l2 = _fp8_deepgemm()
+    stats = torch.zeros(E, dtype=torch.int32)
+    y = torch.empty(4, H, dtype=torch.bfloat16)
+    dg.fp8_mega_moe(y, l1, l2, sym, cumulative_local_expert_recv_stats=stats, activation_clamp=7.0,
+                    fast_math=False)
+    dg.fp8_mega_moe(y, l1, l2, sym)
+    first, second = launches.calls
+    assert first["fn"] == "fp8_fp8_gc_moe" and first["buffer"] is sym.workspace.retyped("fp8xfp8")
+    assert first["y"] is y and first["t"] == 4 and first["alpha"] == 1.0 and first["clamp"] == 7.0
+    assert first["fast_math"] is False and first["recv_stats"] is stats
+    assert first["w1"].payload is l1[0] and first["w2"].payload is l2[0]
+    assert second["fast_math"] is True and second["recv_stats"] is None and second["clamp"] is None
+    assert second["w1"] is first["w1"] and second["w2"] is first["w2"]  # converted once: the graph cache key holds
+    with exclusive(sym.workspace), pytest.raises(WorkspaceBusyError):  # the primary's guard covers the alias
+        dg.fp8_mega_moe(y, l1, l2, sym)
+    assert len(launches.calls) == 2
+
+
+def test_operator_seam_runs_on_a_native_buffer(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = _Launches(monkeypatch)
+    buf = native.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
+    buf.topk_idx.fill_(-1)
+    l1, l2 = _fp8_deepgemm()
+    kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
+              recipe=(128, 128, 128), activation_clamp=None, fast_math=True)
+    operator.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
+    assert launches.calls[0]["buffer"] is buf and launches.calls[0]["t"] == 2
+    with pytest.raises(ValueError, match="recipe: must be one of"):
+        operator.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **{**kw, "recipe": (1, 1, 16)})
+
+
+def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> None:
+    buf = native.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
+    buf.topk_idx.fill_(-1)
+    w1, w2 = native.transform_weights_for_gc_moe(*_fp8_canonical(), mma_type="fp8xfp8")
+    y = torch.empty(2, H, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="fp8_fp8_gc_moe: fast_math: must be a bool"):
+        native.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=1)
+    with pytest.raises(TypeError, match="fp8_fp8_gc_moe: cumulative_local_expert_recv_stats: must be an int32"):
+        native.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(E))
+    with pytest.raises(ValueError, match="fp8_fp8_gc_moe: cumulative_local_expert_recv_stats: must be a contiguous "
+                                         "int32 tensor \\[8\\]"):
+        native.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(2 * E, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="lives in host memory"):  # valid options reach the launch
+        native.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=False,
+                              cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32))
+
+
+def test_fp8_fp4_mega_moe_reaches_the_missing_role2(group: dist.ProcessGroup) -> None:
+    sym = _sym(group)
+    l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+    y = torch.empty(3, H, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="fp8_fp4_gc_moe: running the layer: .*missing role kernels: role2 "
+                                                  "SM90 FP8xFP4 grouped GEMM in operator mode.*nothing ran"):
+        dg.fp8_fp4_mega_moe(y, l1, l2, sym)
+    shared = _sym(group, num_shared_experts=1)
+    codes = torch.uint8
+    s1 = (torch.zeros(1, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.full((1, 2 * N_I, H // 32), 127, dtype=codes))
+    s2 = (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), torch.full((1, H, N_I // 32), 127, dtype=codes))
+    with pytest.raises(NotImplementedError, match="role4 fused shared expert"):
+        dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=s1, shared_l2_weights=s2)
