@@ -22,16 +22,22 @@ PER_WINDOW = 100  # launches (or graph replays) per timed window
 L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
 
 
-def timed_windows(window: Callable[[], None], warmup: int, windows: int) -> tuple[list[float], float]:
+def timed_windows(window: Callable[[], None], warmup: int, windows: int,
+                  before_window: Callable[[], None] | None = None) -> tuple[list[float], float]:
     """Run ``window`` (which issues PER_WINDOW launches) ``warmup + windows`` times, L2 flushed and the device
     synchronized before each; return the per-launch device microseconds of each measured window (CUDA events) and
-    the median host microseconds per launch spent issuing them (above the device time, launches are host-bound)."""
+    the median host microseconds per launch spent issuing them (above the device time, launches are host-bound).
+
+    ``before_window`` runs after the synchronization and before the start event is recorded (e.g. a device-side
+    barrier of several ranks, so that their windows start together)."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     device_us, host_us = [], []
     for i in range(warmup + windows):
         flush.zero_()
         torch.cuda.synchronize()
+        if before_window is not None:
+            before_window()
         start.record()
         t0 = time.perf_counter()
         window()
@@ -42,6 +48,35 @@ def timed_windows(window: Callable[[], None], warmup: int, windows: int) -> tupl
             device_us.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
             host_us.append((t1 - t0) * 1e6 / PER_WINDOW)
     return device_us, statistics.median(host_us)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written) of a 2 GiB copy, median of 10."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(12):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def expert_floor_bytes(hidden: int, inter: int, active_experts: int, rows: int, mma_type: str = "fp8xfp8") -> int:
+    """BENCH_PROTOCOL.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
+    block scales, or FP4 ``1.5 H I`` with one UE8M0 byte per 32 values), plus ``rows`` token rows in (FP8 + FP32
+    1x128 scales) and out (BF16)."""
+    h = hidden
+    if mma_type == "fp8xfp8":
+        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
+    elif mma_type == "fp8xfp4":
+        per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
+    else:
+        raise ValueError(f"mma_type: must be 'fp8xfp8' or 'fp8xfp4', got {mma_type!r}")
+    return active_experts * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
 
 
 def _git(*args: str) -> str | None:

@@ -6,8 +6,9 @@ a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 re
 median window):
 
 * ``gc_fp8``: this library's FP8xFP8 kernels (W1 with the fused SwiGLU / routing weight / FP8 requant, W2 BF16).
-* ``deepgemm_pipeline``: ``m_grouped_fp8_gemm_nt_masked`` W1 on the same FP8 weights, SiLU-and-mul with clamp and
-  per-token 1x128 FP8 requant in torch, masked W2 (what SGLang's DeepEP low-latency path runs on Hopper).
+* ``deepgemm_pipeline``: ``m_grouped_fp8_gemm_nt_masked`` W1 on the same FP8 weights, the fused Triton activation
+  of bench/_baseline_sm90.py (clamped SwiGLU, routing weight, per-token 1x128 FP8 requant, valid rows only), masked
+  W2 (what SGLang's DeepEP low-latency path runs on Hopper); activation scales MN-major (no transpose kernel).
 * ``deepgemm_gemms``: the two masked GEMMs alone.
 * ``gc_fp4``: this library's FP8xFP4 kernels on MXFP4 weights of the same BF16 layer (window-repacked,
   lane-permuted; FP4 decoded to E4M3 in registers; UE8M0 1x32 intermediate).
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -37,7 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
+from _baseline_sm90 import DeepGemmMasked, masked_geometry
+from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics
@@ -74,86 +75,35 @@ def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
     return statistics.median(timed_windows(window, warmup, windows)[0])
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + written) of a 2 GiB copy, median of 10."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(12):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times[2:])
-
-
 def floor_bytes(layer: Layer, counts: torch.Tensor, mma_type: str = "fp8xfp8") -> int:
-    """Active experts' weights + scales (FP8 with FP32 128x128 block scales, or FP4 with one UE8M0 byte per 32
-    values), plus the rows' payload in (FP8 + FP32 1x128) and out (BF16)."""
+    """:func:`_common.expert_floor_bytes` of this point: the active experts and the rows of ``counts``."""
     h, inter = layer.l1.in_features, layer.l1.out_features // 2
-    if mma_type == "fp8xfp8":
-        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
-    else:
-        per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
-    rows = int(counts.sum())
-    return int((counts > 0).sum()) * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
+    return expert_floor_bytes(h, inter, int((counts > 0).sum()), int(counts.sum()), mma_type)
 
 
 class DeepGemmPipeline:
-    """DeepGEMM 2.8.2 SM90 masked pipeline on the same FP8 weights (natural gate-then-up L1 rows)."""
+    """DeepGEMM 2.8.2 SM90 masked pipeline (bench/_baseline_sm90.py, fused Triton activation) on the same FP8
+    weights, with this point's tokens staged into the masked layout (row ``j`` of expert ``e``: the ``j``-th token
+    routed to ``e``, its scales MN-major, its routing weight)."""
 
     def __init__(self, dg, layer: Layer, tok: Tokens) -> None:  # noqa: ANN001 - the deep_gemm module
-        self.dg, self.layer = dg, layer
-        e, h = layer.l1.num_experts, layer.l1.in_features
-        self.inter = layer.l1.out_features // 2
+        e = layer.l1.num_experts
         idx = tok.topk_idx
         counts = torch.bincount(idx[idx >= 0], minlength=e)
-        self.max_m = max(128, math.ceil(int(counts.max()) / 128) * 128)
-        self.masked_m = counts.to(torch.int32)
-        active = max(1, int((counts > 0).sum()))
-        self.expected_m = max(1, math.ceil(int(counts.sum()) / active))
-        dev = tok.x.device
-        self.x = torch.zeros(e, self.max_m, h, dtype=torch.float8_e4m3fn, device=dev)
-        self.x_sf = torch.ones(e, self.max_m, h // 128, dtype=torch.float32, device=dev)
+        max_m, expected_m = masked_geometry(counts)
+        self.masked = DeepGemmMasked(dg, layer.l1, layer.l2, counts, max_m, expected_m, clamp=CLAMP)
         for ex in range(e):
-            tokens = (idx == ex).any(dim=1).nonzero().squeeze(1)
-            self.x[ex, : tokens.numel()] = tok.x_fp8[tokens]
-            self.x_sf[ex, : tokens.numel()] = tok.x_sf[tokens]
-        self.d1 = torch.empty(e, self.max_m, 2 * self.inter, dtype=torch.bfloat16, device=dev)
-        self.a2 = torch.empty(e, self.max_m, self.inter, dtype=torch.float8_e4m3fn, device=dev)
-        self.a2_sf = torch.empty(e, self.max_m, self.inter // 128, dtype=torch.float32, device=dev)
-        self.d2 = torch.empty(e, self.max_m, h, dtype=torch.bfloat16, device=dev)
-        self.common = dict(recipe=(1, 128, 128), disable_ue8m0_cast=True)
-
-    def gemm1(self) -> None:
-        l1 = self.layer.l1
-        self.dg.m_grouped_fp8_gemm_nt_masked((self.x, self.x_sf), (l1.payload, l1.scales), self.d1, self.masked_m,
-                                             self.expected_m, **self.common)  # fmt: skip
-
-    def gemm2(self) -> None:
-        l2 = self.layer.l2
-        self.dg.m_grouped_fp8_gemm_nt_masked((self.a2, self.a2_sf), (l2.payload, l2.scales), self.d2, self.masked_m,
-                                             self.expected_m, **self.common)  # fmt: skip
-
-    def act_quant(self) -> None:
-        gate, up = self.d1[..., : self.inter].float(), self.d1[..., self.inter :].float()
-        gate = gate.clamp(max=CLAMP)
-        act = gate * torch.sigmoid(gate) * up.clamp(-CLAMP, CLAMP)
-        g = act.view(*act.shape[:-1], -1, 128)
-        sf = g.abs().amax(dim=-1).clamp(min=1e-10) / 448.0
-        self.a2.copy_((g / sf.unsqueeze(-1)).view_as(act).to(torch.float8_e4m3fn))
-        self.a2_sf.copy_(sf)
+            tokens, slots = (idx == ex).nonzero(as_tuple=True)
+            n = tokens.numel()
+            self.masked.x[ex, :n] = tok.x_fp8[tokens]
+            self.masked.x_sf_t[ex, :, :n] = tok.x_sf[tokens].T
+            self.masked.rw[ex, :n] = tok.topk_weights[tokens, slots]
 
     def pipeline(self) -> None:
-        self.gemm1()
-        self.act_quant()
-        self.gemm2()
+        self.masked.pipeline()
 
     def gemms(self) -> None:
-        self.gemm1()
-        self.gemm2()
+        self.masked.gemms()
 
 
 def sass_record(bms: set[int], pipelined: set[bool]) -> dict[str, object]:

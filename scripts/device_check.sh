@@ -16,6 +16,10 @@ PY="${PYTHON:-python3}"
 
 # Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
 BENCHES=(runtime_sm90 gemm_sm90)
+# Benchmarks that need two GPUs: run by default only where there are two.
+BENCHES_X2=(operator_sm90)
+# Result names that are not the script name (two-rank benchmarks name their world size).
+declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2)
 
 run_tests=1 run_bench=1 picked=() pytest_k=()
 while (($#)); do
@@ -28,7 +32,13 @@ while (($#)); do
   esac
   shift
 done
-((${#picked[@]})) && BENCHES=("${picked[@]}")
+if ((${#picked[@]})); then
+  BENCHES=("${picked[@]}")
+elif (($(nvidia-smi -L 2>/dev/null | grep -c '^GPU') >= 2)); then
+  BENCHES+=("${BENCHES_X2[@]}")
+fi
+RESULTS=()
+for name in "${BENCHES[@]}"; do RESULTS+=("${RESULT_NAME[$name]:-$name}"); done
 mkdir -p "$OUT"
 
 (
@@ -90,10 +100,11 @@ if [[ -n "$dg_pid" ]]; then
 fi
 if ((run_bench)); then
   for name in "${BENCHES[@]}"; do
-    echo "== bench $name" >>"$OUT/bench.log"
-    if "$PY" "bench/$name.py" --out "bench/results/$name.json" >>"$OUT/bench.log" 2>&1; then
-      cp "bench/results/$name.json" "$OUT/"
-      [[ -f "bench/results/$name.png" ]] && cp "bench/results/$name.png" "$OUT/"
+    result="${RESULT_NAME[$name]:-$name}"
+    echo "== bench $name -> $result" >>"$OUT/bench.log"
+    if "$PY" "bench/$name.py" --out "bench/results/$result.json" >>"$OUT/bench.log" 2>&1; then
+      cp "bench/results/$result.json" "$OUT/"
+      [[ -f "bench/results/$result.png" ]] && cp "bench/results/$result.png" "$OUT/"
     else
       bench_rc=1
       echo "bench $name FAILED" >>"$OUT/bench.log"
@@ -101,5 +112,5 @@ if ((run_bench)); then
   done
 fi
 
-"$PY" scripts/device_summary.py "$OUT" "${BENCHES[@]}"
+"$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
 exit $((test_rc || bench_rc))
