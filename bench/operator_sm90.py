@@ -39,6 +39,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,8 +61,12 @@ WORLD = 2
 OPS = ("gc_moe", "gc_moe_no_partition", "composed_baseline")
 PRESETS = ("dsv41-flash", "glm52")
 SEED_BASE = 50_000
-RUN_TIMEOUT_S = 570
-"""The two ranks' hard limit (device calls end at 600 s)."""
+BUDGET_S = 380
+"""Default wall-clock budget of the whole run (prebuild + ranks): the ranks start no point that would end past it
+(estimated from the previous point) and the launcher stops them GRACE_S after it."""
+GRACE_S = 45
+DEADLINE_ENV = "GC_MOE_BENCH_DEADLINE"
+"""Set by the launcher for the ranks: the budget's end (``time.time()`` seconds)."""
 COSINE_FAITHFUL, PROCESSED_FAITHFUL = 0.9999, 1e-4
 """BENCH_PROTOCOL.md reference-1 targets (the operator)."""
 COSINE_BASELINE = 0.99
@@ -243,7 +248,7 @@ def _prebuild_operator_kernels(presets: Sequence[str], tokens: Sequence[int]) ->
         e, k, _, _ = preset_dims(preset)
         bms |= {select_block_m(t * WORLD * k / (e * WORLD)) for t in tokens}
     jobs = [(dispatch.SOURCE, {}), (finalize.SOURCE, {})]
-    jobs += [(role2.SOURCE, role2.role2_defines(bm, pipe)) for bm in sorted(bms) for pipe in (False, True)]
+    jobs += [(role2.SOURCE, role2.Role2Variant(bm, pipe).defines) for bm in sorted(bms) for pipe in (False, True)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         cubins = list(pool.map(lambda job: jit.compile_cubin(*job), jobs))
     return [f"{src} {defs}: {'cached' if c.from_cache else 'built'}"
@@ -304,6 +309,8 @@ def prebuild(presets: Sequence[str], tokens: Sequence[int], workers: int) -> Non
     t0 = time.monotonic()
     calls = _deepgemm_calls(presets, tokens)
     chunks = [calls[i::workers] for i in range(workers) if calls[i::workers]]
+    if not chunks:
+        return
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(len(chunks), mp_context=ctx) as procs:
         futures = [procs.submit(_warm_deepgemm, i % WORLD, chunk) for i, chunk in enumerate(chunks)]
@@ -466,7 +473,13 @@ def run_ranks(args: argparse.Namespace) -> None:
     points: list[dict[str, object]] = []
     partitions: dict[str, object] = {}
     t_start = time.monotonic()
+    deadline = float(os.environ[DEADLINE_ENV]) if os.environ.get(DEADLINE_ENV) else math.inf
+    skipped: list[list[object]] = []
+    last_point_s = 0.0
     for preset in args.presets:
+        if skipped:
+            skipped += [[preset, t] for t in args.tokens]
+            continue
         e, k, h, inter = preset_dims(preset)
         num_experts = e * WORLD
         canon = [make_expert_weights(preset, r) for r in range(WORLD)]  # every rank's: the reference needs them
@@ -478,6 +491,10 @@ def run_ranks(args: argparse.Namespace) -> None:
             partitions = {**get_partition(bufs["on"].dispatch_sms).describe(), "buffer": bufs["on"].describe(),
                           "no_partition_buffer": bufs["off"].describe()}
         for t in args.tokens:
+            # rank 0 decides for both: start no point that would end past the budget
+            if skipped or ranks.gather(time.time() + 1.5 * last_point_s > deadline)[0]:
+                skipped.append([preset, t])
+                continue
             t0 = time.monotonic()
             inputs = [make_inputs("uniform", t, num_experts, k, h, seed=input_seed(t, r)) for r in range(WORLD)]
             y_ref = reference_ys(inputs, canon)[rank]
@@ -496,8 +513,9 @@ def run_ranks(args: argparse.Namespace) -> None:
                        "active_experts": [p.active_experts for p in plans], "max_m": [p.max_m for p in plans],
                        "expected_m": [p.expected_m for p in plans]}
             points.append(assemble_point(preset, t, records, floor_us, routing))
+            last_point_s = time.monotonic() - t0
             if rank == 0:
-                write_result(args, points, partitions, bandwidths, baseline_off, final=False)
+                write_result(args, points, partitions, bandwidths, baseline_off, skipped, final=False)
                 lat = ", ".join(f"{op} {us:.1f}" for op, us in points[-1]["latency_us"].items())
                 print(f"{preset} T={t}: {lat} µs, floor {floor_us:.1f} µs ({time.monotonic() - t0:.1f} s)", flush=True)
         for buf in bufs.values():
@@ -506,14 +524,15 @@ def run_ranks(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     if rank == 0:
-        write_result(args, points, partitions, bandwidths, baseline_off, final=True)
+        write_result(args, points, partitions, bandwidths, baseline_off, skipped, final=True)
         print_table(points)
         print(f"ranks ran {time.monotonic() - t_start:.1f} s; wrote {args.out}", flush=True)
     ranks.dist.barrier()
 
 
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], partition: dict[str, object],
-                 bandwidths: list[float], baseline_off: str | None, *, final: bool) -> None:
+                 bandwidths: list[float], baseline_off: str | None, skipped: list[list[object]], *,
+                 final: bool) -> None:
     """The result file (after every point, so partial results survive) and, at the end, the PNG."""
     meta = result_meta("bench/operator_sm90.py", sys.argv[1:], partition, world_size=WORLD, env_keys=ENV_KEYS)
     meta |= {
@@ -539,7 +558,8 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                    "system libstdc++ (FACTS.md)",
         },
         "targets": summarize_targets(points),
-        "complete": final,
+        "complete": final and not skipped,
+        "skipped_points": {"points": skipped, "why": f"past the run's budget ({args.budget_s} s, --budget-s)"},
     }
     data = {"meta": meta, "points": points}
     try:
@@ -555,10 +575,10 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
 
 def plot(points: list[dict[str, object]], path: Path) -> None:
     """Latency (with the floor) and speedups versus tokens per rank, one column per preset."""
-    plt = pyplot()
+    presets = [p for p in PRESETS if any(q["preset"] == p for q in points)]
+    plt = pyplot() if presets else None
     if plt is None:
         return
-    presets = [p for p in PRESETS if any(q["preset"] == p for q in points)]
     fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 7), squeeze=False)
     for col, preset in enumerate(presets):
         pts = [p for p in points if p["preset"] == preset]
@@ -615,6 +635,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     parser.add_argument("--prebuild-workers", type=int, default=8, help="DeepGEMM JIT warm-up processes (0: none)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall-clock budget of the whole run")
     args = parser.parse_args(argv)
     if os.environ.get("GC_MOE_BENCH_WINDOWS"):  # "WARMUP,WINDOWS": a shorter run inside a device lease
         args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
@@ -632,6 +653,7 @@ def main() -> int:
         run_ranks(args)
         sys.stdout.flush()
         os._exit(0)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
+    deadline = time.time() + args.budget_s
     gpus = torch.cuda.device_count()
     if gpus < WORLD:
         print(f"operator_sm90: needs {WORLD} GPUs (nvidia-h200-x2), found {gpus}", file=sys.stderr)
@@ -639,13 +661,18 @@ def main() -> int:
     if args.prebuild_workers > 0:
         prebuild(args.presets, args.tokens, args.prebuild_workers)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **{DEADLINE_ENV: repr(deadline)})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(Path(__file__).resolve()), *sys.argv[1:]]
+    limit = max(60.0, deadline + GRACE_S - time.time())
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a stop reaches the ranks too
     try:
-        return subprocess.run(cmd, env=env, timeout=RUN_TIMEOUT_S).returncode
+        return proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-        print(f"operator_sm90: the ranks ran past {RUN_TIMEOUT_S} s and were stopped", file=sys.stderr)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"operator_sm90: the ranks ran past the budget ({args.budget_s} s + {GRACE_S} s) and were stopped; "
+              f"{args.out} holds the points finished before (meta.complete false)", file=sys.stderr)
         return 1
 
 

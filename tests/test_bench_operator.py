@@ -558,3 +558,29 @@ def _composed_two_ranks() -> None:
         port = sock.getsockname()[1]
     mp.spawn(_composed_rank, args=(port, [7, 3]), nprocs=2)
 
+
+
+def test_write_result_table_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The rank-0 writer on the host (the GPU name faked): a file that passes the schema check, the table, and the
+    PNG where matplotlib is installed."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200 (faked)")
+    monkeypatch.delenv("GC_MOE_BENCH_TOKENS", raising=False)
+    args = bench.parse_args(["--out", str(tmp_path / "operator_sm90_x2.json")])
+    pts = [_point(p, t, 100.0 + t, 120.0 + t, 300.0 if t > 1 else None, 60.0) for p in ("glm52", "dsv41-flash")
+           for t in (1, 4, 64)]
+    part = {"dispatch_sms": 4, "compute_sms": 128, "workqueue": "default"}
+    bench.write_result(args, pts, part, [4.2e12, 4.3e12], None, [["glm52", 256]], final=True)
+    data = __import__("json").loads(args.out.read_text())
+    bench.validate_result(data)
+    meta = data["meta"]
+    assert "schema_error" not in meta and meta["complete"] is False
+    assert meta["skipped_points"]["points"] == [["glm52", 256]]
+    assert meta["world_size"] == 2 and meta["partition"] == part and meta["gpu"] == "NVIDIA H200 (faked)"
+    assert meta["targets"]["gc_moe_faster_than_composed_baseline"]["met"] is False  # unmeasured at T = 1
+    assert len(data["points"]) == 6
+    png = args.out.with_suffix(".png")
+    assert png.is_file() == (importlib.util.find_spec("matplotlib") is not None)
+    bench.print_table(pts)
+    out = capsys.readouterr().out
+    assert out.count("glm52") == 3 and out.count("dsv41-flash") == 3 and "composed" in out
