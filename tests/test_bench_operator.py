@@ -498,6 +498,28 @@ def interpreter_checks() -> None:
         truncated = (want.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
         assert torch.equal(y, want.to(torch.bfloat16)) or torch.equal(y, truncated), (y - want).abs().max()
     _composed_two_ranks()
+    _gemm_sm90_pipeline()
+
+
+def _gemm_sm90_pipeline() -> None:
+    """bench/gemm_sm90.py's DeepGEMM pipeline (tokens staged into the masked layout, the shared fused activation)
+    with :class:`FakeDeepGemm`: every valid (token, slot) partial equals the faithful reference's (tiny preset)."""
+    from gc_moe_compat.reference import accuracy_metrics
+    from gc_moe_compat.sm90.workload import make_layer, make_tokens, reference_partials
+
+    layer = make_layer("tiny", torch.device("cpu"), seed=1)
+    tok = make_tokens(layer, 4, seed=4)
+    pipe = gemm_sm90.DeepGemmPipeline(FakeDeepGemm(), layer, tok)
+    pipe.masked.a2 = torch.zeros(pipe.masked.a2.shape)  # FP32 quotients: see FakeDeepGemm
+    pipe.pipeline()
+    ref, valid = reference_partials(layer, tok, faithful=True)
+    ours = torch.zeros_like(ref)
+    for ex in range(layer.l1.num_experts):
+        tokens, slots = (tok.topk_idx == ex).nonzero(as_tuple=True)
+        ours[tokens, slots] = pipe.masked.d2[ex, : tokens.numel()]
+    assert int(valid.sum()) > 0
+    m = accuracy_metrics(ours[valid].float(), ref[valid].float())  # bit-exact here; an exp ulp may flip one E4M3
+    assert m["nonfinite"] == 0 and m["cosine"] >= 0.9999 and m["processed_diff"] <= 1e-4, m
 
 
 class FakeDeepGemm:
