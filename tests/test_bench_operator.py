@@ -606,3 +606,81 @@ def test_write_result_table_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     bench.print_table(pts)
     out = capsys.readouterr().out
     assert out.count("glm52") == 3 and out.count("dsv41-flash") == 3 and "composed" in out
+
+
+class _FakeRanks:
+    """Rank 0 of two, with the peer's contribution to every gather fixed."""
+
+    rank, world, group = 0, 2, None
+
+    def __init__(self, peer: object = None) -> None:
+        self.peer = peer
+
+    def gather(self, obj: object) -> list[object]:
+        return [obj, self.peer]
+
+
+class _FakeGraph:
+    def __init__(self, fn: object) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@pytest.mark.parametrize("case", ["ok", "run_fails", "peer_fails", "check_fails", "replay_differs"])
+def test_measure_op_records_latency_or_why_not(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_op's decisions with the device parts faked: eager accuracy, capture, timing, the post-replay check
+    and the bit-identity of replayed and eager y; any rank's failure makes the op unavailable on both."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    monkeypatch.setattr(bench, "capture", _FakeGraph)
+    monkeypatch.setattr(bench, "time_replays", lambda graph, *_: (graph.replay(), 42.5)[1])
+    y_ref = torch.randn(3, 8).to(torch.bfloat16)
+    y = y_ref.clone()
+    calls = []
+
+    def run() -> torch.Tensor:
+        calls.append(1)
+        if case == "run_fails":
+            raise RuntimeError("eager call failed")
+        if case == "replay_differs" and len(calls) > 1:
+            y.add_(1)
+        return y
+
+    def check() -> None:
+        if case == "check_fails":
+            raise TimeoutError("role2 timed out")
+
+    record = {"latency_us": {}, "accuracy": {}, "bit_identical": {}, "unavailable": {}}
+    ranks = _FakeRanks("ValueError: peer broke" if case == "peer_fails" else None)
+    bench.measure_op("gc_moe", run, y_ref, ranks, record, bench.parse_args([]), check=check)
+    if case in ("ok", "replay_differs"):
+        assert record["latency_us"] == {"gc_moe": 42.5} and not record["unavailable"]
+        assert record["accuracy"]["gc_moe"]["cosine"] == pytest.approx(1.0)
+        assert record["bit_identical"] == {"gc_moe": case == "ok"}
+    else:
+        assert "gc_moe" not in record["latency_us"]
+        why = record["unavailable"]["gc_moe"]
+        want = {"run_fails": "failed: RuntimeError: eager call failed", "peer_fails": "failed: ValueError: peer broke",
+                "check_fails": "device error after the timed replays: TimeoutError: role2 timed out"}[case]
+        assert why == want
+
+
+def test_measure_baseline_setup_failure_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A baseline that cannot be set up on one rank is unavailable on both, before any collective of its own."""
+
+    def broken(*_: object, **__: object) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(base, "ComposedBaseline", broken)
+    record = {"latency_us": {}, "accuracy": {}, "bit_identical": {}, "unavailable": {}}
+    bench.measure_baseline(_FakeRanks(), None, None, (None, None), None, None, record, bench.parse_args([]))
+    assert not record["latency_us"]
+    assert record["unavailable"] == {"composed_baseline": "setup failed: MemoryError: no room"}
+    record["unavailable"].clear()
+    staged = type("Staged", (), {"stage": lambda self, *_: None})()
+    monkeypatch.setattr(base, "ComposedBaseline", lambda *_, **__: staged)  # fine here, broken on the peer
+    inputs = type("Inputs", (), {"x": None, "x_sf": None, "topk_weights": None})()
+    bench.measure_baseline(_FakeRanks("MemoryError: no room"), None, None, (None, None), inputs, None, record,
+                           bench.parse_args([]))
+    assert record["unavailable"] == {"composed_baseline": "setup failed: MemoryError: no room"}
