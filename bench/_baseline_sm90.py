@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -41,6 +41,18 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-10  # gc_moe_compat.quant.AMAX_FLOOR: the FP32 1x128 recipe's scale floor
 ACT_PROGRAMS_PER_SM = 4
 """The activation kernel's grid: ``e`` experts x ``ceil(ACT_PROGRAMS_PER_SM * SMs / e)`` row programs."""
+
+
+def import_deep_gemm() -> ModuleType:
+    """The real DeepGEMM, never this library's facade (which ``GC_MOE_SWAP=deep_gemm`` would put under the name
+    ``deep_gemm``); raises ImportError saying why it cannot be had."""
+    import deep_gemm
+
+    if not deep_gemm.__name__.startswith("gc_moe_compat"):
+        return deep_gemm
+    from gc_moe_compat import originals
+
+    return originals.load("deep_gemm")
 
 
 # --------------------------------------------------------------------------------------------------- host planning

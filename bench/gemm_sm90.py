@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _baseline_sm90 import DeepGemmMasked, masked_geometry
+from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
@@ -182,8 +182,7 @@ def main() -> None:
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
-        import deep_gemm as dg
-
+        dg = import_deep_gemm()
         dg_error = None
     except Exception as err:  # noqa: BLE001 - any import failure is recorded, the rest still runs
         dg, dg_error = None, f"{type(err).__name__}: {err}"

@@ -259,7 +259,7 @@ def _warm_deepgemm(device: int, calls: Sequence[tuple[str, int, int]]) -> str:
     """Runs each ``(preset, max_m, expected_m)`` masked pipeline once on zero data (DeepGEMM JIT and Triton into
     their disk caches), plus the composed baseline's data-movement kernels for each preset."""
     torch.cuda.set_device(device)
-    import deep_gemm as dg
+    dg = base.import_deep_gemm()
 
     from gc_moe_compat.reference import ExpertWeights
 
@@ -464,8 +464,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     ranks = Ranks()
     rank = ranks.rank
     try:
-        import deep_gemm as dg
-
+        dg = base.import_deep_gemm()
         baseline_off = None
     except Exception as err:  # noqa: BLE001 - any import failure is recorded, the rest still runs
         dg, baseline_off = None, f"import deep_gemm failed: {type(err).__name__}: {err}"
@@ -556,6 +555,8 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                         "the baseline",
             "env": "scripts/device_check.sh builds DeepGEMM into /tmp/deepgemm and runs with LD_PRELOAD of the "
                    "system libstdc++ (FACTS.md)",
+            "module": getattr(sys.modules.get("gc_moe_compat.originals.deep_gemm", sys.modules.get("deep_gemm")),
+                              "__file__", None),
         },
         "targets": summarize_targets(points),
         "complete": final and not skipped,

@@ -684,3 +684,16 @@ def test_measure_baseline_setup_failure_is_shared(monkeypatch: pytest.MonkeyPatc
     bench.measure_baseline(_FakeRanks("MemoryError: no room"), None, None, (None, None), inputs, None, record,
                            bench.parse_args([]))
     assert record["unavailable"] == {"composed_baseline": "setup failed: MemoryError: no room"}
+
+
+def test_import_deep_gemm_never_returns_the_facade(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat import originals
+
+    monkeypatch.setattr(originals, "_failures", {})  # the load failure below is not cached for other tests
+    real = type(sys)("deep_gemm")
+    monkeypatch.setitem(sys.modules, "deep_gemm", real)
+    assert base.import_deep_gemm() is real
+    facade = type(sys)("gc_moe_compat.deep_gemm")  # what GC_MOE_SWAP=deep_gemm puts under the name deep_gemm
+    monkeypatch.setitem(sys.modules, "deep_gemm", facade)
+    with pytest.raises(ImportError, match="no original deep_gemm"):  # none installed here: never the facade
+        base.import_deep_gemm()
