@@ -1,8 +1,8 @@
 """The facade's signatures equal DeepGEMM's (committed JSON), and SGLang 0.5.23's deep_gemm call sites bind to them.
 
 The JSON comes from ``scripts/gen_signatures.py`` (``deepinfer-gemm==2.8.2`` and ``sgl-deep-gemm==0.2.3.post2``).
-The SGLang wheel is fetched from the registry at test time into ``~/.cache/gc_moe_compat/registry`` (skipped, with
-the reason, only when the registry cannot be reached).
+The SGLang wheel is fetched from the registry at test time into ``~/.cache/gc_moe_compat/registry`` by
+``tests/sglang_wheel.py`` (skipped, with the reason, only when the registry cannot be reached).
 """
 
 from __future__ import annotations
@@ -10,22 +10,16 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import socket
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
+import sglang_wheel
 
 import gc_moe_compat.deep_gemm as facade
 
 SIGNATURES = json.loads((Path(__file__).parent / "data" / "deep_gemm_mega_moe.json").read_text())
 SGL_PIN = "sgl-deep-gemm==0.2.3.post2"
 UPSTREAM = "deepinfer-gemm==2.8.2"
-CACHE = Path.home() / ".cache" / "gc_moe_compat" / "registry"
-SGLANG = ("sglang", "0.5.23")
-SGLANG_FILES = ("sglang/srt/layers/moe/mega_moe.py", "sglang/srt/layers/moe/mega_moe_sm90.py")
 
 
 def _ours(name: str) -> inspect.Signature:
@@ -87,40 +81,12 @@ def test_sglang_hopper_gate_attributes() -> None:
 # SGLang 0.5.23 call sites
 
 
-def _registry_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
-
-
-def _sglang_wheel() -> Path:
-    name, version = SGLANG
-    CACHE.mkdir(parents=True, exist_ok=True)
-    cached = sorted(CACHE.glob(f"{name}-{version}-*.whl"))
-    if cached:
-        return cached[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-           "--platform", "manylinux_2_34_x86_64", "-q", "-d", str(CACHE), f"{name}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        if not _registry_reachable():
-            pytest.skip(f"the package registry (pypi.org) is unreachable, cannot fetch {name}=={version}")
-        raise AssertionError(f"pip download {name}=={version} failed:\n{proc.stderr}")
-    (wheel,) = CACHE.glob(f"{name}-{version}-*.whl")
-    return wheel
-
-
 @pytest.fixture(scope="module")
 def sglang_sources() -> dict[str, str]:
-    with zipfile.ZipFile(_sglang_wheel()) as zf:
-        names = zf.namelist()
-        found = {}
-        for path in SGLANG_FILES:
-            (member,) = [n for n in names if n.endswith(path)]
-            found[path] = zf.read(member).decode()
-    return found
+    try:
+        return sglang_wheel.read_sources()
+    except sglang_wheel.RegistryUnreachableError as exc:
+        pytest.skip(str(exc))
 
 
 def _kwarg_keys(func: ast.AST, name: str) -> set[str]:
