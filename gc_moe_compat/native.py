@@ -13,8 +13,9 @@ whole pool); then run the three-node graph of :mod:`gc_moe_compat.sm90.layer` (r
 GEMMs, role3 finalize) on torch's current stream, or attach it to the capture in progress. Outside capture the call
 then waits for the graph and raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` /
 ``DeviceCheckError`` naming the role and site of any device-side error (inside a capture the records are read by
-the next eager call). Paths whose role kernels do not exist yet (:func:`missing_role_kernels`: the FP8xFP4 role2,
-role4 for a fused shared expert) raise ``NotImplementedError`` naming them before anything runs.
+the next eager call). Both compute paths have all three roles (role2: :mod:`gc_moe_compat.sm90.role2` picks the
+FP8xFP8 or the FP8xFP4 grouped-GEMM kernel by ``mma_type``); a fused shared expert needs role4, which does not exist
+yet (:func:`missing_role_kernels`), so such a call raises ``NotImplementedError`` naming it before anything runs.
 """
 
 from __future__ import annotations
@@ -58,14 +59,12 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 def missing_role_kernels(num_shared_experts: int, mma_type: str = "fp8xfp4") -> tuple[str, ...]:
     """The role kernels a launch of ``mma_type`` needs that do not exist yet (role4 only with a fused shared expert).
 
-    FP8xFP8 without a shared expert has all three roles (role1 dispatch, role2 operator-mode grouped GEMM, role3
-    finalize): nothing is missing.
+    Both ``mma_type`` paths without a shared expert have all three roles (role1 dispatch, role2 operator-mode grouped
+    GEMM of that weight format, role3 finalize): nothing is missing.
     """
+    if mma_type not in config.MMA_TYPES:
+        raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
     roles: tuple[str, ...] = ()
-    if mma_type == "fp8xfp4":
-        roles += ("role2 SM90 FP8xFP4 grouped GEMM in operator mode (the FP8xFP8 kernel's GC_OPERATOR build: ring "
-                  "block table, l1_full_count acquire, l2_full_mask, W2 scatter into the source ranks' combine "
-                  "buffers; not yet ported to kernels/sm90/fp8_fp4_grouped_gemm.cu)",)
     if num_shared_experts:
         roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)
     return roles
@@ -228,14 +227,17 @@ def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
                    recipe: tuple[int, int, int] = (1, 1, 32), activation: str = "swiglu",
                    activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
                    shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
-                   check_values: bool = True) -> None:
+                   check_values: bool = True, fast_math: bool = True,
+                   cumulative_local_expert_recv_stats: torch.Tensor | None = None) -> None:
     """One MoE layer, FP8 activations x MXFP4 routed weights: ``y [T, H]`` BF16 written in place.
 
     ``check_values`` (default on) also checks the staged ``topk_idx`` range and ``topk_weights`` finiteness: one
-    device sync each outside graph capture, skipped automatically while capturing.
+    device sync each outside graph capture, skipped automatically while capturing. ``fast_math`` and
+    ``cumulative_local_expert_recv_stats`` as in :func:`fp8_fp8_gc_moe`.
     """
     _run("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
-         shared_l1_weights, shared_l2_weights, check_values)
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)
 
 
 def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,

@@ -6,8 +6,10 @@ never quantizes, it only rearranges (and, for FP4, re-expresses scales exactly a
 * ``fp8xfp4`` (routed MXFP4 weights, recipe ``(1, 1, 32)``): L1 rows (payload and per-row UE8M0 K32 scales)
   interleaved gate/up in runs of 8 (:func:`gc_moe_compat.layouts.interleave_gate_up`), then both GEMMs'
   weights window-repacked per expert (:func:`gc_moe_compat.layouts.window_repack_mxfp4`): FP4 codes, relative
-  exponents ``d`` in ``[0, 10]`` and the per-expert factor ``2^base``. Packed-int32 UE8M0 scales are unpacked first.
-  The register decoder's lane permutation of the tile bytes is a kernel-side concern and is not applied here.
+  exponents ``d`` in ``[0, 10]`` and the per-expert factor ``2^base``, a few experts at a time (the window is per
+  expert; the repack's integer temporaries are ~30 bytes per weight). Packed-int32 UE8M0 scales are unpacked first.
+  The register decoder's lane permutation of the tile bytes is a kernel-side concern
+  (:func:`gc_moe_compat.sm90.role2.fp4_units`) and is not applied here.
 * ``fp8xfp8`` (FP8 weights with FP32 128x128 block scales, recipe ``(128, 128, 128)``): the L1 payload interleaved
   gate/up by 8; block scales stay ``[e, 2I/128, H/128]`` (gate blocks then up blocks: the kernel maps a W1 tile to
   gate block ``tile`` and up block ``I/128 + tile``); L2 unchanged.
@@ -24,6 +26,8 @@ from gc_moe_compat import config, layouts, quant
 __all__ = ["GcMoeWeights", "transform_weights_for_gc_moe"]
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
+_REPACK_CHUNK = 8
+"""Experts per window-repack call (bounds the temporaries; the result does not depend on it)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
         codes = _ue8m0_codes(sf)
         if gemm == "l1":
             payload, codes = layouts.interleave_gate_up(payload), layouts.interleave_gate_up(codes)
-        rep = layouts.window_repack_mxfp4(payload, codes)
-        out.append(GcMoeWeights(rep.packed, rep.rel_exp, rep.factor, mma_type, gemm))
+        reps = [layouts.window_repack_mxfp4(payload[i:i + _REPACK_CHUNK], codes[i:i + _REPACK_CHUNK])
+                for i in range(0, payload.shape[0], _REPACK_CHUNK)]
+        out.append(GcMoeWeights(*(torch.cat([getattr(r, f) for r in reps]) for f in ("packed", "rel_exp", "factor")),
+                                mma_type, gemm))
     return out[0], out[1]

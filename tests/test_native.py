@@ -177,6 +177,20 @@ def test_transform_fp8xfp4_interleaves_and_window_repacks() -> None:
     assert torch.equal(p1[0].payload, t1.payload) and torch.equal(p1[1].scales, t2.scales)
 
 
+def test_transform_fp8xfp4_in_expert_chunks_equals_one_repack() -> None:
+    """The repack runs a few experts at a time (bounded temporaries); the window is per expert, so 19 experts with
+    K32 exponents spread over 16 steps (clipped groups included) give exactly the whole-tensor repack."""
+    g = torch.Generator().manual_seed(4)
+    spread = torch.exp2(-torch.randint(0, 16, (19, 2 * N_I, H // 32), generator=g).float())
+    w = torch.randn(19, 2 * N_I, H, generator=g) * spread.repeat_interleave(32, -1)
+    (p1, s1), (p2, s2) = quant.quantize_mxfp4(w, 32), quant.quantize_mxfp4(w[:, :H, :N_I], 32)
+    t1, t2 = native.transform_weights_for_gc_moe((p1, s1), (p2, s2), mma_type="fp8xfp4")
+    whole = layouts.window_repack_mxfp4(layouts.interleave_gate_up(p1), layouts.interleave_gate_up(s1))
+    assert bool(whole.clipped.any())
+    assert torch.equal(t1.payload, whole.packed) and torch.equal(t1.scales, whole.rel_exp)
+    assert torch.equal(t1.factor, whole.factor) and torch.equal(t2.factor, layouts.window_repack_mxfp4(p2, s2).factor)
+
+
 def test_transform_fp8xfp8_interleaves_l1_payload_only() -> None:
     (w1, s1), (w2, s2) = _fp8_pairs()
     t1, t2 = native.transform_weights_for_gc_moe((w1, s1), (w2, s2), mma_type="fp8xfp8")
@@ -219,9 +233,11 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
         kw = dict(shared_l1_weights=quant.quantize_fp8_blocks(torch.randn(1, 2 * N_I, H, generator=g)),
                   shared_l2_weights=quant.quantize_fp8_blocks(torch.randn(1, H, N_I, generator=g)))
     y = torch.empty(5, H, dtype=torch.bfloat16)
-    if mma_type == "fp8xfp8" and not shared:  # every role exists: past the role check, to the launch
-        assert native.missing_role_kernels(0, "fp8xfp8") == ()
-        with pytest.raises(RuntimeError, match="fp8_fp8_gc_moe: buffer: lives in host memory.*needs the GPU"):
+    if not shared:  # every role exists for both weight formats: past the role check, to the launch
+        assert native.missing_role_kernels(0, mma_type) == ()
+        with pytest.raises(ValueError, match="mma_type: must be one of"):
+            native.missing_role_kernels(0, "fp8xbf16")
+        with pytest.raises(RuntimeError, match=f"{call.__name__}: buffer: lives in host memory.*needs the GPU"):
             call(y, w1, w2, buf, **kw)
         return
     with pytest.raises(NotImplementedError) as info:
@@ -229,9 +245,8 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
     msg = str(info.value)
     assert msg.startswith(f"{call.__name__}: running the layer: the GC-MoE SM90 operator (issue 5) does not cover "
                           "this configuration yet")
-    assert ("role2 SM90 FP8xFP4 grouped GEMM in operator mode" in msg) == (mma_type == "fp8xfp4")
-    assert "role1" not in msg and "role3" not in msg
-    assert ("role4 fused shared expert" in msg) == bool(shared) and msg.endswith("nothing ran")
+    assert "role1" not in msg and "role2" not in msg and "role3" not in msg
+    assert "role4 fused shared expert" in msg and msg.endswith("nothing ran")
     with exclusive(buf), pytest.raises(WorkspaceBusyError):
         call(y, w1, w2, buf, **kw)
 
@@ -280,7 +295,7 @@ def test_call_weight_and_buffer_mismatches(group: dist.ProcessGroup) -> None:
     args["buffer"].topk_idx[0, 0] = E
     with pytest.raises(ValueError, match="fp8_fp4_gc_moe: topk_idx: must be in \\[-1, 8\\)"):
         native.fp8_fp4_gc_moe(**args)
-    with pytest.raises(NotImplementedError, match="issue 5"):
+    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):  # past the checks
         native.fp8_fp4_gc_moe(**args, check_values=False)
     args["buffer"].destroy()
     with pytest.raises(ValueError, match="fp8_fp4_gc_moe: buffer: was destroyed"):
@@ -324,5 +339,5 @@ def test_concurrent_calls_serialize(group: dist.ProcessGroup) -> None:
     finally:
         release.set()
         th.join()
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match="lives in host memory"):  # released: the call reaches the launch
         native.fp8_fp4_gc_moe(**args)

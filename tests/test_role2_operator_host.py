@@ -1,12 +1,13 @@
 """Role2 in operator mode and the operator assembly, host side (no GPU).
 
-* the operator-mode kernel (``GC_OPERATOR=1``) builds for sm_90a without spills in every variant, and its
-  shared-memory size equals the host formula (the build asserts it);
+* the operator-mode kernels (``GC_OPERATOR=1``, FP8xFP8 and FP8xFP4) build for sm_90a without spills in every
+  variant, and their shared-memory size equals the host formula (the build asserts it);
 * every standalone FP8xFP8 / FP8xFP4 variant's cubin is byte-identical to its record (FP8: built before operator
   mode existed; FP4: built before the kernels' shared code moved into grouped.cuh);
 * :class:`Role2Params` is the generated C declaration;
+* the FP8xFP4 kernel's weight units are exactly the standalone FP4 kernel's (the GPU-verified layout);
 * the task sequence is ring.py's live-block order, and a simulation of the persistent grid with role1's refill
-  waits finishes for the capacity the host checks (and can deadlock below it);
+  waits finishes for the capacity the host checks (and can deadlock below it), for both kernels' task counts;
 * the three-node graph's node list, contexts, dependencies and warm-up arguments (kernels faked);
 * ``GC_MOE_PARTITION=off`` sizes the ring for the whole pool and rejects a ring that does not hold it.
 """
@@ -25,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat import native, ring
-from gc_moe_compat.config import MoEShape
+from gc_moe_compat.config import MMA_TYPES, MoEShape
+from gc_moe_compat.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.sm90 import dispatch, finalize, layer, role2
-from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, all_variants
+from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, all_variants, prepare_fp4_weights
 from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.sm90.tensormap import TensorMapArg
 
@@ -65,22 +67,39 @@ def test_role2_params_header_is_generated_from_the_ctypes_struct() -> None:
     assert ctypes.sizeof(role2.Role2Params) == 64
 
 
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
-def test_operator_smem_fits_and_stages_are_maximal(bm: int) -> None:
-    stages = role2.operator_stages(bm)
-    assert stages >= 2 and role2.operator_smem_bytes(bm, stages) <= SMEM_LIMIT
-    assert stages == 8 or role2.operator_smem_bytes(bm, stages + 1) > SMEM_LIMIT
+def test_operator_smem_fits_and_stages_are_maximal(bm: int, mma_type: str) -> None:
+    stages = role2.operator_stages(bm, mma_type)
+    assert stages >= 2 and role2.operator_smem_bytes(bm, stages, mma_type) <= SMEM_LIMIT
+    assert stages == 8 or role2.operator_smem_bytes(bm, stages + 1, mma_type) > SMEM_LIMIT
+    assert role2.Role2Variant(bm, True, mma_type=mma_type).smem == role2.operator_smem_bytes(bm, stages, mma_type)
+
+
+def test_variant_picks_the_kernel_of_its_weight_format() -> None:
+    fp8, fp4 = role2.Role2Variant(16, True), role2.Role2Variant(16, True, mma_type="fp8xfp4")
+    assert (fp8.source, fp8.kernel_name) == (role2.SOURCE, role2.KERNEL) == role2.KERNELS["fp8xfp8"]
+    assert (fp4.source, fp4.kernel_name) == ("sm90/fp8_fp4_grouped_gemm.cu", "gc_sm90_fp8_fp4_role2")
+    assert fp4.defines["GC_OP_SMEM_BYTES"] == fp4.smem != fp8.smem
+    assert role2.role2_defines(16, True) == fp8.defines  # the FP8xFP8 default (bench/operator_sm90.py's call)
+    with pytest.raises(ValueError, match="mma_type: must be one of"):
+        role2.Role2Variant(16, True, mma_type="fp8xbf16")
+    for mma_type in MMA_TYPES:
+        shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64,
+                         mma_type=mma_type)
+        assert role2.role2_variant(ring.RingModel(shape, 8, 16), 4).mma_type == mma_type
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", [role2.Role2Variant(bm, p) for bm in BLOCK_M_CANDIDATES for p in (True, False)],
-                         ids=lambda v: f"bm{v.bm}-prod{int(v.pipelined)}")
+@pytest.mark.parametrize("variant", [role2.Role2Variant(bm, p, mma_type=m) for m in MMA_TYPES
+                                     for bm in BLOCK_M_CANDIDATES for p in (True, False)],
+                         ids=lambda v: f"{v.mma_type}-bm{v.bm}-prod{int(v.pipelined)}")
 def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every operator-mode variant builds for sm_90a (which also asserts kSmemBytes == operator_smem_bytes): no
-    stack frame, no spills, the 168-register cap of the producer layout."""
+    """Every operator-mode variant of both kernels builds for sm_90a (which also asserts kSmemBytes ==
+    operator_smem_bytes): no stack frame, no spills, the 168-register cap of the producer layout."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    res = jit.compile_cubin(role2.SOURCE, variant.defines).resources[role2.KERNEL]
+    res = jit.compile_cubin(variant.source, variant.defines).resources[variant.kernel_name]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
     assert res.registers <= (168 if variant.pipelined else 255)
 
@@ -117,6 +136,60 @@ def test_standalone_cubins_are_byte_identical(mma_type: str, tmp_path: Path, mon
         cubin = jit.compile_cubin(source, defines)
         digest = hashlib.sha256(cubin.path.read_bytes()).hexdigest()
         assert digest == record["cubins"][str(sorted(defines.items()))], defines
+
+
+def test_fp4_units_are_the_standalone_kernels_units() -> None:
+    """The operator's FP8xFP4 weight view (native transform, then role2.fp4_units, chunked) is byte for byte what the
+    GPU-verified standalone FP4 kernel reads (gemm.prepare_fp4_weights), factors included; K32 scales spread over 16
+    exponents so the window clips groups and the units carry d up to 10; 11 experts cross a permutation chunk."""
+    g = torch.Generator().manual_seed(5)
+    e, h, inter = 11, 256, 128
+    spread = [torch.randn(e, n, k, generator=g) * torch.exp2(-torch.randint(0, 16, (e, n, k // 32), generator=g)
+                                                             .float()).repeat_interleave(32, dim=-1)
+              for n, k in ((2 * inter, h), (h, inter))]
+    l1, l2 = (ExpertWeights.quantize(w, "mxfp4") for w in spread)
+    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
+    assert int(w1.scales.max()) == 10
+    ref = prepare_fp4_weights(l1, l2)
+    assert torch.equal(role2.fp4_units(w1), ref.w1) and torch.equal(role2.fp4_units(w2), ref.w2)
+    assert torch.equal(w1.factor, ref.w1_factor) and torch.equal(w2.factor, ref.w2_factor)
+    with pytest.raises(ValueError, match="w: must be fp8xfp4 weights"):
+        role2.fp4_units(native.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")[0])
+
+
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
+def test_role2_weights_maps(mma_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Role2Weights (tensor maps faked: no driver): FP8xFP8 maps the interleaved payloads with 256-row swizzled boxes
+    and passes the block scales; FP8xFP4 maps the decoder's units with one task's four units per box (136 rows of
+    128 bytes, no swizzle: kWBytes of the kernel) and passes the per-expert factors."""
+    maps = []
+    monkeypatch.setattr(role2, "encode_2d", lambda t, rows, swizzle=True: maps.append((tuple(t.shape), rows, swizzle)))
+    if mma_type == "fp8xfp8":
+        w1, w2 = native.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")
+        assert maps == [] and role2.Role2Weights(w1, w2).w1_sf.shape == (E, 2 * N_I // 128, H // 128)
+        assert maps == [((E * 2 * N_I, H), 256, True), ((E * H, N_I), 256, True)]
+        return
+    g = torch.Generator().manual_seed(6)
+    l1 = ExpertWeights.quantize(torch.randn(E, 2 * N_I, H, generator=g), "mxfp4")
+    l2 = ExpertWeights.quantize(torch.randn(E, H, N_I, generator=g), "mxfp4")
+    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
+    view = role2.Role2Weights(w1, w2)
+    assert (view.mma_type, view.num_experts, view.hidden, view.inter) == ("fp8xfp4", E, H, N_I)
+    assert maps == [((E * (H // 128) * (2 * N_I // 64) * 34, 128), 136, False),
+                    ((E * (N_I // 128) * (H // 64) * 34, 128), 136, False)]
+    assert 136 * 128 == 4 * 4352 and torch.equal(view.w1_sf, w1.factor)
+    assert torch.equal(view.w2_sf, w2.factor) and view.w2_sf.dtype == torch.float32
+    with pytest.raises(ValueError, match="weights: role2 takes an \\(l1, l2\\) pair of one mma_type"):
+        role2.Role2Weights(w2, w1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a first FP4 call on a buffer inside a capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="make one eager call with these weights on this buffer before capturing"):
+        role2.Role2Weights(w1, w2)
+
+
+def _fp8_pairs() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    return ((torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * N_I // 128, H // 128)),
+            (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, N_I // 128)))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -183,11 +256,16 @@ def _simulate(n: int, ring_blocks: int, ctas: int, w: int, t1: int, t2: int, row
     return True
 
 
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("compute_sms", [4, 16, 128])
 @pytest.mark.parametrize("bm", [8, 64])
-def test_grid_never_deadlocks_with_the_checked_ring(compute_sms: int, bm: int) -> None:
-    shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64)
+def test_grid_never_deadlocks_with_the_checked_ring(compute_sms: int, bm: int, mma_type: str) -> None:
+    """Both kernels walk the same sequence: 256-row W1 and W2 tasks (their kRows; the FP8xFP4 operator build keeps
+    two slabs per warpgroup in W2 for it), so t1 = 2I/256 and t2 = H/256 for either weight format."""
+    shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64,
+                     mma_type=mma_type)
     model = ring.RingModel(shape, bm, compute_sms)
+    assert (model.w1_tasks_per_block, model.w2_tasks_per_block) == (2 * 512 // role2.TASK_ROWS, 1024 // role2.TASK_ROWS)
     t1, t2, w = model.w1_tasks_per_block, model.w2_tasks_per_block, model.lookahead_blocks
     for n in (1, model.pool_blocks // 3, model.pool_blocks):
         for r in (model.required_ring_blocks, model.deadlock_free_blocks):
@@ -211,12 +289,16 @@ class _FakeKernel:
 
 
 class _FakeWeights:
-    """What role2_args reads of a Role2Weights."""
+    """What role2_args reads of a Role2Weights (FP8xFP8: block scales; FP8xFP4: per-expert factors)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mma_type: str = "fp8xfp8") -> None:
+        self.mma_type = mma_type
         self.tm_w1 = TensorMapArg()
         self.tm_w2 = TensorMapArg()
-        self.w1_sf, self.w2_sf = torch.ones(E, 2 * N_I // 128, H // 128), torch.ones(E, H // 128, N_I // 128)
+        if mma_type == "fp8xfp8":
+            self.w1_sf, self.w2_sf = torch.ones(E, 2 * N_I // 128, H // 128), torch.ones(E, H // 128, N_I // 128)
+        else:
+            self.w1_sf, self.w2_sf = torch.ones(E), torch.full((E,), 2.0)
         self.num_experts, self.hidden, self.inter = E, H, N_I
 
 
@@ -224,14 +306,14 @@ class _FakeWeights:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> _FakeWeights:
     monkeypatch.setattr(dispatch, "kernel", lambda: _FakeKernel(dispatch.KERNEL))
     monkeypatch.setattr(finalize, "kernel", lambda: _FakeKernel(finalize.KERNEL))
-    monkeypatch.setattr(role2, "kernel", lambda v: _FakeKernel(f"{role2.KERNEL}-{v.bm}-{int(v.pipelined)}"))
+    monkeypatch.setattr(role2, "kernel", lambda v: _FakeKernel(f"{v.kernel_name}-{v.bm}-{int(v.pipelined)}"))
     monkeypatch.setattr(role2, "_ring_maps", lambda buf, bm: (TensorMapArg(), TensorMapArg()))
     return _FakeWeights()
 
 
-def _buffer(group: dist.ProcessGroup, partition: str) -> native.GcMoeBuffer:
+def _buffer(group: dist.ProcessGroup, partition: str, mma_type: str = "fp8xfp8") -> native.GcMoeBuffer:
     return native.get_symm_buffer_for_gc_moe(group, num_experts=E, capacity=TMAX, topk=K, hidden=H,
-                                             intermediate=N_I, mma_type="fp8xfp8", compute_sms=64,
+                                             intermediate=N_I, mma_type=mma_type, compute_sms=64,
                                              partition=partition)
 
 
@@ -241,11 +323,15 @@ def _call(buf: native.GcMoeBuffer, t: int) -> layer.LayerCall:
                            variant=role2.role2_variant(model, t), activation_clamp=10.0, activation_alpha=1.0)
 
 
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("partition", ["on", "off"])
-def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: _FakeWeights, partition: str) -> None:
-    buf = _buffer(group, partition)
+def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: _FakeWeights, partition: str,
+                                               mma_type: str) -> None:
+    buf = _buffer(group, partition, mma_type)
+    fakes = _FakeWeights(mma_type)
     y = torch.empty(5, H, dtype=torch.bfloat16)
     call = _call(buf, 5)
+    assert call.variant.mma_type == mma_type
     nodes = layer.layer_nodes(buf, y, fakes, call)
     assert [n.name for n in nodes] == list(layer.NODE_NAMES)
     r1, r2, r3 = nodes
@@ -257,6 +343,7 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
         assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role2",))
     assert r1.grid == (buf.dispatch_sms, 1, 1) and r2.grid == (call.model.compute_sms, 1, 1)
     assert r2.block == (call.variant.threads, 1, 1) and r2.shared_bytes == call.variant.smem
+    assert r2.kernel.name.startswith(role2.KERNELS[mma_type][1] + "-")
     params = role2.Role2Params.from_buffer_copy(r2.args.signature[-1][1])
     warm = role2.Role2Params.from_buffer_copy(r2.warmup_args.signature[-1][1])
     assert (params.flags, warm.flags) == (0, role2.WARMUP)
@@ -268,6 +355,12 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
     assert len(r2.args) == 7 and r2.args.signature[4][0] == type(buf.peer_table).__name__
     for node in (r1, r3):
         assert node.warmup_args is not None and node.args.signature != node.warmup_args.signature
+    other = _FakeWeights("fp8xfp4" if mma_type == "fp8xfp8" else "fp8xfp8")
+    with pytest.raises(ValueError, match=f"weights: {other.mma_type} weights on a buffer of mma_type='{mma_type}'"):
+        layer.layer_nodes(buf, y, other, call)
+    wrong = dataclasses.replace(call, variant=dataclasses.replace(call.variant, mma_type=other.mma_type))
+    with pytest.raises(ValueError, match=f"variant: the {other.mma_type} kernel on a buffer of mma_type"):
+        layer.layer_nodes(buf, y, fakes, wrong)
 
 
 def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fakes: _FakeWeights) -> None:

@@ -1,13 +1,18 @@
-"""Host side of role2 in operator mode, the SM90 FP8xFP8 grouped GEMM over the token ring (paper §4.3-4.5).
+"""Host side of role2 in operator mode, the SM90 grouped GEMMs over the token ring (paper §4.3-4.5).
 
-The kernel is ``kernels/sm90/fp8_grouped_gemm.cu`` compiled with ``GC_OPERATOR=1`` (entry ``gc_sm90_fp8_role2``;
-the standalone variants, ``GC_OPERATOR`` unset, are unchanged byte for byte). One persistent grid of one CTA per
-compute SM acquires ``pool_header`` (role1), reads the block table from ``pool_table`` and walks the task sequence
-of :func:`task_sequence`: W1 tiles of ring blocks as role1 fills them (``l1_full_count``), W1 epilogue into
-``l2_acts`` / ``l2_acts_sf`` toggling ``l2_full_mask`` and releasing ``l1_empty_count``, W2 tiles once their
-intermediate tiles are there, W2 epilogue storing BF16 partial rows straight into the source rank's ``combine`` slot
-``(slot, src_token)`` and releasing ``l2_empty_count``. The ordering argument (deadlock freedom, proxy fences, why
-role3's fence/release chain covers the remote stores) is written at the top of the kernel's operator section.
+The kernel is a grouped-GEMM source compiled with ``GC_OPERATOR=1``, one per weight format (:data:`KERNELS`):
+``kernels/sm90/fp8_grouped_gemm.cu`` (entry ``gc_sm90_fp8_role2``, ``fp8xfp8``: FP8 weights with FP32 128x128 block
+scales, FP32 1x128 intermediate requant) and ``kernels/sm90/fp8_fp4_grouped_gemm.cu`` (``gc_sm90_fp8_fp4_role2``,
+``fp8xfp4``: window-repacked MXFP4 weights decoded to E4M3 in registers, UE8M0 1x32 intermediate requant, packed four
+codes per 32-bit word of ``l2_acts_sf`` exactly as the standalone FP4 kernel writes them). Their standalone variants
+(``GC_OPERATOR`` unset) are unchanged byte for byte. Both share the grid body, ring handshake and W2 scatter
+(``kernels/sm90/role2_kernel.cuh``, ``role2_ring.cuh``). One persistent grid of one CTA per compute SM acquires
+``pool_header`` (role1), reads the block table from ``pool_table`` and walks the task sequence of
+:func:`task_sequence`: W1 tiles of ring blocks as role1 fills them (``l1_full_count``), W1 epilogue into ``l2_acts`` /
+``l2_acts_sf`` toggling ``l2_full_mask`` and releasing ``l1_empty_count``, W2 tiles once their intermediate tiles are
+there, W2 epilogue storing BF16 partial rows straight into the source rank's ``combine`` slot ``(slot, src_token)``
+and releasing ``l2_empty_count``. The ordering argument (deadlock freedom, proxy fences, why role3's fence/release
+chain covers the remote stores) is written at the top of ``role2_kernel.cuh``.
 
 Arguments: four tensor maps (W1 / W2 weights, ``l1_acts`` / ``l2_acts`` of the workspace), the workspace
 :class:`~gc_moe_compat.runtime.workspace.PeerTable` and :class:`~gc_moe_compat.operator_layout.WorkspaceOffsets`,
@@ -36,11 +41,22 @@ from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
 from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
 
-from .heuristics import BK, BLOCK_M_CANDIDATES, CONSUMER_WARPGROUPS, MAX_STAGES, SMEM_LIMIT, W1_SLABS, tile_rows
+from .fp4_layout import UNIT_ROWS, permute_units
+from .heuristics import (
+    BLOCK_M_CANDIDATES,
+    CONSUMER_WARPGROUPS,
+    MAX_STAGES,
+    MMA_TYPES,
+    SMEM_LIMIT,
+    W1_SLABS,
+    smem_bytes,
+    tile_rows,
+)
 from .tensormap import TensorMapArg, encode_2d
 
 __all__ = [
     "KERNEL",
+    "KERNELS",
     "ROLE2_RECORD",
     "SITES",
     "SOURCE",
@@ -49,6 +65,7 @@ __all__ = [
     "Role2Params",
     "Role2Variant",
     "Role2Weights",
+    "fp4_units",
     "operator_smem_bytes",
     "operator_stages",
     "params_header",
@@ -62,6 +79,8 @@ __all__ = [
 
 SOURCE = "sm90/fp8_grouped_gemm.cu"
 KERNEL = "gc_sm90_fp8_role2"
+KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": ("sm90/fp8_fp4_grouped_gemm.cu", "gc_sm90_fp8_fp4_role2")}
+"""``(source, entry)`` of the operator-mode kernel per ``mma_type`` (:data:`SOURCE` / :data:`KERNEL`: FP8xFP8)."""
 TASK_ROWS = tile_rows(W1_SLABS)
 """Weight rows of every role2 task, W1 and W2 alike (256: ``ring.DEFAULT_GEOMETRY``)."""
 WARMUP = 1
@@ -85,7 +104,9 @@ SITES = {
 class Role2Params(ctypes.Structure):
     """By-value kernel argument: weight scales, sizes, ring plan numbers, epilogue constants, timeout, flags.
 
-    ``w1_sf`` / ``w2_sf``: device addresses of the FP32 block scales ``[e, 2I/128, H/128]`` / ``[e, H/128, I/128]``;
+    ``w1_sf`` / ``w2_sf``: device addresses of the W1 / W2 weight scales the kernel applies outside the payload:
+    ``fp8xfp8`` the FP32 block scales ``[e, 2I/128, H/128]`` / ``[e, H/128, I/128]``, ``fp8xfp4`` the per-expert window
+    factors ``2^base`` (FP32 ``[e]``; the K32 scales travel inside the weight units);
     ``w1_tasks`` / ``w2_tasks`` / ``lookahead``: ``t1``, ``t2``, ``w`` of the call's :class:`~gc_moe_compat.ring.
     RingModel`; ``clamp`` +inf for no clamp.
     """
@@ -112,40 +133,61 @@ def params_header() -> str:
     return c_struct_declaration(Role2Params, "Role2Params", "gc_moe_compat/sm90/role2.py")
 
 
-def operator_smem_bytes(bm: int, stages: int) -> int:
+def _check_mma_type(mma_type: object) -> str:
+    if mma_type not in MMA_TYPES:
+        raise ValueError(f"mma_type: must be one of {MMA_TYPES}, got {mma_type!r}")
+    return mma_type
+
+
+def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of an operator-mode variant (``kSmemBytes`` with ``GC_OPERATOR=1``): the standalone
-    W1 layout plus the W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and 16 bytes of shared words."""
-    stage = TASK_ROWS * BK + bm * BK + bm * 4
-    reduction = CONSUMER_WARPGROUPS * 4 * bm * 4
-    out_tile = bm * (TASK_ROWS * 2 + 16) + 16
-    return stages * stage + reduction + out_tile + 2 * stages * 8 + 1024
+    W1 layout of the ``mma_type`` kernel (:func:`~gc_moe_compat.sm90.heuristics.smem_bytes`, 256-row tasks) plus the
+    W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and 16 bytes of shared words."""
+    return smem_bytes(bm, W1_SLABS, stages, _check_mma_type(mma_type)) + bm * (TASK_ROWS * 2 + 16) + 16
 
 
-def operator_stages(bm: int) -> int:
+def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
     """The most stages (<= MAX_STAGES) whose operator-mode shared memory fits one CTA."""
     stages = MAX_STAGES
-    while stages > 2 and operator_smem_bytes(bm, stages) > SMEM_LIMIT:
+    while stages > 2 and operator_smem_bytes(bm, stages, mma_type) > SMEM_LIMIT:
         stages -= 1
     return stages
 
 
-def role2_defines(bm: int, pipelined: bool, fast_math: bool = True) -> dict[str, int]:
-    """Compile-time parameters of one operator-mode variant (256-row tasks for both GEMMs); ``GC_OP_SMEM_BYTES``
-    is :func:`operator_smem_bytes`, which the kernel asserts equal to its own ``kSmemBytes``."""
+def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: str = "fp8xfp8") -> dict[str, int]:
+    """Compile-time parameters of one operator-mode variant of the ``mma_type`` kernel (:data:`KERNELS`; 256-row
+    tasks for both GEMMs); ``GC_OP_SMEM_BYTES`` is :func:`operator_smem_bytes`, which the kernel asserts equal to
+    its own ``kSmemBytes``."""
     if bm not in BLOCK_M_CANDIDATES:
         raise ValueError(f"bm: must be one of {BLOCK_M_CANDIDATES}, got {bm!r}")
-    stages = operator_stages(bm)
+    stages = operator_stages(bm, mma_type)
     return {"GC_OPERATOR": 1, "GC_BM": bm, "GC_EPI": 1, "GC_M_SUB": W1_SLABS, "GC_PRODUCER_WG": int(pipelined),
-            "GC_STAGES": stages, "GC_FAST_MATH": int(fast_math), "GC_OP_SMEM_BYTES": operator_smem_bytes(bm, stages)}
+            "GC_STAGES": stages, "GC_FAST_MATH": int(fast_math),
+            "GC_OP_SMEM_BYTES": operator_smem_bytes(bm, stages, mma_type)}
 
 
 @dataclass(frozen=True)
 class Role2Variant:
-    """One operator-mode variant: ``bm``, producer warpgroup or not, fast-math sigmoid."""
+    """One operator-mode variant: ``bm``, producer warpgroup or not, fast-math sigmoid, and the weight format's
+    kernel (``mma_type``, :data:`KERNELS`)."""
 
     bm: int
     pipelined: bool
     fast_math: bool = True
+    mma_type: str = "fp8xfp8"
+
+    def __post_init__(self) -> None:
+        _check_mma_type(self.mma_type)
+
+    @property
+    def source(self) -> str:
+        """The kernel source under ``kernels/``."""
+        return KERNELS[self.mma_type][0]
+
+    @property
+    def kernel_name(self) -> str:
+        """The kernel's entry point."""
+        return KERNELS[self.mma_type][1]
 
     @property
     def threads(self) -> int:
@@ -154,21 +196,22 @@ class Role2Variant:
 
     @property
     def smem(self) -> int:
-        return operator_smem_bytes(self.bm, operator_stages(self.bm))
+        return operator_smem_bytes(self.bm, operator_stages(self.bm, self.mma_type), self.mma_type)
 
     @property
     def defines(self) -> dict[str, int]:
-        return role2_defines(self.bm, self.pipelined, self.fast_math)
+        return role2_defines(self.bm, self.pipelined, self.fast_math, self.mma_type)
 
 
 def role2_variant(model: RingModel, num_tokens: int, *, fast_math: bool = True) -> Role2Variant:
-    """The variant for a call: ``model.block_m``; the producer warpgroup when the expected tasks (over the blocks
-    ``num_tokens`` tokens per rank fill on average) exceed the grid, as the standalone heuristic decides."""
+    """The variant for a call: ``model.block_m``, the kernel of ``model.shape.mma_type``; the producer warpgroup
+    when the expected tasks (over the blocks ``num_tokens`` tokens per rank fill on average) exceed the grid, as
+    the standalone heuristic decides."""
     s = model.shape
     rows = num_tokens * s.num_ranks * min(s.topk, s.num_local_experts)
     blocks = min(model.pool_blocks, -(-rows // model.block_m) + min(s.num_local_experts, rows))
     tasks = blocks * (model.w1_tasks_per_block + model.w2_tasks_per_block)
-    return Role2Variant(model.block_m, tasks > model.compute_sms, fast_math)
+    return Role2Variant(model.block_m, tasks > model.compute_sms, fast_math, s.mma_type)
 
 
 def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, int, int]]:
@@ -186,20 +229,58 @@ def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, i
     return out
 
 
+_UNIT_CHUNK = 8
+"""Experts per lane-permutation chunk in :func:`fp4_units` (its integer temporaries are ~40 bytes per weight)."""
+
+
+def fp4_units(w: GcMoeWeights) -> torch.Tensor:
+    """The ``fp8xfp4`` weights ``w`` (window-repacked ``[e, N, K/2]`` codes, relative exponents ``[e, N, K/32]``) as
+    the register decoder's lane-permuted units (:func:`~gc_moe_compat.sm90.fp4_layout.permute_units`) viewed as
+    128-byte rows ``uint8 [e * K/128 * N/64 * UNIT_ROWS, 128]``, permuted a few experts at a time."""
+    if w.mma_type != "fp8xfp4":
+        raise ValueError(f"w: must be fp8xfp4 weights, got mma_type={w.mma_type!r}")
+    codes = w.payload.view(torch.uint8)
+    parts = [permute_units(codes[i:i + _UNIT_CHUNK], w.scales[i:i + _UNIT_CHUNK])
+             for i in range(0, codes.shape[0], _UNIT_CHUNK)]
+    return torch.cat(parts).reshape(-1, 128)
+
+
 class Role2Weights:
-    """One weight pair's kernel view: tensor maps of the interleaved W1 ``[e·2I, H]`` and W2 ``[e·H, I]`` payloads
-    (256-row boxes) and their FP32 block scales; built once per :class:`GcMoeWeights` pair and reused."""
+    """One weight pair's kernel view, built once per :class:`GcMoeWeights` pair and reused: tensor maps of both
+    GEMMs' weights (one box per task and K128 step) and the per-weight scales :class:`Role2Params` points at.
+
+    ``fp8xfp8``: the interleaved W1 ``[e·2I, H]`` and W2 ``[e·H, I]`` E4M3 payloads (256-row boxes, 128-byte swizzle)
+    and their FP32 block scales. ``fp8xfp4``: the window-repacked payloads lane-permuted into the decoder's units
+    (:func:`fp4_units`; boxes of a task's four 64-row units, no swizzle) and the per-expert factors ``2^base``.
+    """
 
     def __init__(self, w1: GcMoeWeights, w2: GcMoeWeights) -> None:
-        if w1.mma_type != "fp8xfp8" or w2.mma_type != "fp8xfp8":
-            raise ValueError(f"weights: role2 operator mode takes fp8xfp8 weights, got {w1.mma_type}/{w2.mma_type}")
-        e, two_i, h = w1.payload.shape
-        self.num_experts, self.hidden, self.inter = e, h, two_i // 2
+        if (w1.gemm, w2.gemm) != ("l1", "l2") or w1.mma_type != w2.mma_type or w1.mma_type not in KERNELS:
+            raise ValueError(f"weights: role2 takes an (l1, l2) pair of one mma_type in {tuple(KERNELS)}, got "
+                             f"({w1.gemm}, {w2.gemm}) of {w1.mma_type}/{w2.mma_type}")
+        self.mma_type = w1.mma_type
         self.w1, self.w2 = w1, w2  # keep the payloads alive while the maps point at them
-        self.tm_w1 = encode_2d(w1.payload.reshape(e * two_i, h).view(torch.uint8), TASK_ROWS)
-        self.tm_w2 = encode_2d(w2.payload.reshape(e * h, self.inter).view(torch.uint8), TASK_ROWS)
-        self.w1_sf = w1.scales.float().contiguous()
-        self.w2_sf = w2.scales.float().contiguous()
+        e, two_i, k_cols = w1.payload.shape
+        self.num_experts, self.inter = e, two_i // 2
+        if self.mma_type == "fp8xfp8":
+            self.hidden = k_cols
+            self.tm_w1 = encode_2d(w1.payload.reshape(e * two_i, k_cols).view(torch.uint8), TASK_ROWS)
+            self.tm_w2 = encode_2d(w2.payload.reshape(e * k_cols, self.inter).view(torch.uint8), TASK_ROWS)
+            self.w1_sf = w1.scales.float().contiguous()
+            self.w2_sf = w2.scales.float().contiguous()
+        else:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # the permutation's kernels would land in the caller's graph and fill the units only when it replays
+                raise RuntimeError("weights: fp8xfp4 weights are lane-permuted for role2 on their first call on a "
+                                   "buffer, which cannot happen while a stream is capturing: make one eager call with "
+                                   "these weights on this buffer before capturing")
+            self.hidden = 2 * k_cols
+            box = TASK_ROWS // 64 * UNIT_ROWS  # one task's 64-row units of one K128 step
+            self.units1, self.units2 = fp4_units(w1), fp4_units(w2)
+            self.tm_w1 = encode_2d(self.units1, box, swizzle=False)
+            self.tm_w2 = encode_2d(self.units2, box, swizzle=False)
+            self.w1_sf = w1.factor.float().contiguous()
+            self.w2_sf = w2.factor.float().contiguous()
 
 
 def _ring_maps(buffer: GcMoeBuffer, bm: int) -> tuple[TensorMapArg, TensorMapArg]:
@@ -211,6 +292,8 @@ def role2_params(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, p
                  timeout_ms: float | None = None, warmup: bool = False) -> Role2Params:
     """The :class:`Role2Params` of one call (``plan`` from the buffer's ring for ``model``)."""
     shape = buffer.shape
+    if weights.mma_type != shape.mma_type:
+        raise ValueError(f"weights: {weights.mma_type} weights on a buffer of mma_type={shape.mma_type!r}")
     if (weights.num_experts, weights.hidden, weights.inter) != (shape.num_local_experts, shape.hidden,
                                                                 shape.intermediate):
         raise ValueError(f"weights: [{weights.num_experts} experts, H={weights.hidden}, I={weights.inter}] do not "
@@ -239,7 +322,7 @@ def role2_args(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
 
 def kernel(variant: Role2Variant) -> jit.Kernel:
     """The operator-mode kernel of ``variant``, compiled (or cached), loaded, its shared-memory opt-in set."""
-    k = jit.load_module(SOURCE, variant.defines).kernel(KERNEL)
+    k = jit.load_module(variant.source, variant.defines).kernel(variant.kernel_name)
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
     return k
@@ -253,6 +336,8 @@ def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
     :data:`WARMUP` flag. ``kw``: the keywords of :func:`role2_params`."""
     if variant.bm != plan.block_m:
         raise ValueError(f"variant: BM={variant.bm} differs from the plan's {plan.block_m}")
+    if variant.mma_type != buffer.shape.mma_type:
+        raise ValueError(f"variant: the {variant.mma_type} kernel on a buffer of mma_type={buffer.shape.mma_type!r}")
     role = Role.COMPUTE if buffer.partition == "on" else None
     args = role2_args(buffer, weights, model, plan, **kw)
     warm = role2_args(buffer, weights, model, plan, **kw, warmup=True)

@@ -26,9 +26,17 @@
 // intermediate columns = four UE8M0 requant groups of 32, one per (consumer warpgroup, slab): amax across that
 // warpgroup's 4 warps. Payload E4M3 [rows, I], scales as packed UE8M0 words [I/128, rows] (group 4*kb + j in byte j:
 // exactly what the W2 producer bulk-copies per K128 step). GC_EPI=2: W2, BF16 partial rows.
+//
+// GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 pieces at the
+// end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_kernel.cuh, shared with the FP8xFP8
+// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. The
+// standalone cubins (GC_OPERATOR=0) are byte-identical to their record (tests/test_role2_operator_host.py).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
+#if GC_OPERATOR
+#include "sm90/role2_ring.cuh"
+#endif
 
 #ifndef GC_BM
 #define GC_BM 16
@@ -58,12 +66,24 @@ constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
 constexpr int kConsumerWGs = 2;
+constexpr int kConsumerThreads = kConsumerWGs * 128;
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
 constexpr int kSlabs = kConsumerWGs * kMSub;  // 64-row slabs per task
 constexpr int kRows = kSlabs * 64;
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;               // accumulator registers per 64-row slab and thread (m64nBMk32)
-constexpr int kSplit = kEpi == 1 ? 1 : 4;   // accumulators per K128 step: W2's token scales change every K32
+// K32 groups per WGMMA batch of epilogue Epi. W1 accumulates a stage's four K32 groups in one accumulator (the token
+// scale is per K128); W2 keeps one accumulator per group (its token scales change every K32), as many groups per
+// batch as keep these within 128 / kMSub registers (the decoded A fragments grow with the slabs): all four in the
+// standalone kernels (one slab per warpgroup), for the operator's two-slab W2 tasks four up to BM = 16, two at 32,
+// one at 64.
+template <int Epi>
+constexpr int kGroups = Epi == 1                            ? 4
+                        : 4 * kMSub * kMSub * kAcc <= 128 ? 4
+                        : 2 * kMSub * kMSub * kAcc <= 128 ? 2
+                                                          : 1;
+template <int Epi>
+constexpr int kTmp = Epi == 1 ? 1 : kGroups<Epi>;  // accumulators of one batch
 constexpr u32 kCodeBytes = 64 * kBK / 2;    // FP4 codes of one slab and K128 step
 constexpr u32 kUnitBytes = kCodeBytes + 64 * kBK / 32;  // + one d byte per row and K32 group
 constexpr int kUnitRows = kUnitBytes / 128;  // rows of the 128-byte tensor-map view per unit
@@ -74,9 +94,13 @@ constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffW = kStages * kXBytes;  // token tiles first: 128-byte swizzle wants 1024-byte alignment
 constexpr u32 kOffS = kOffW + kStages * kWBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
-constexpr u32 kOffBar = kOffRed + kConsumerWGs * kMSub * 4 * kBM * 4;  // amax per (warpgroup, slab, warp, column)
-constexpr u32 kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;           // + slack to align the base to 1024
-constexpr int kSiteSmem = 1, kSiteEmpty = 2, kSiteFull = 3;
+constexpr u32 kOffOut = kOffRed + kConsumerWGs * kMSub * 4 * kBM * 4;  // amax per (warpgroup, slab, warp, column)
+// Operator mode: the W2 epilogue's BF16 tile [kBM tokens][kRows] (rows padded by 16 bytes against bank conflicts)
+// for 16-byte scatter stores, and 16 bytes holding the pool block count and the producer's stop slot.
+constexpr u32 kOutPitch = kRows * 2 + 16;
+constexpr u32 kOutBytes = GC_OPERATOR ? kBM * kOutPitch + 16 : 0;
+constexpr u32 kOffBar = kOffOut + kOutBytes;
+constexpr u32 kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
 
 static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a multiple of 8 up to 64");
 static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of 128 intermediate columns");
@@ -86,14 +110,12 @@ static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this til
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Waits for stage `it % kStages` to be free and issues the weight units (codes + d), token tile and token scales of
-// K step kb. Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count,
-                                        int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const u32* x_sf_t,
-                                        int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
-                                        u64 timeout_ns) {
-    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
-    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
+// Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
+// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
+                                      const TensorMap* tm_w, const TensorMap* tm_x, const u32* x_sf_t, int rows_total,
+                                      u64 policy_w, u64 policy_x) {
+    const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
     const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
@@ -101,6 +123,17 @@ __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task
     tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
+}
+
+// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
+// abort rule to the same loads).
+__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count,
+                                        int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const u32* x_sf_t,
+                                        int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
+                                        u64 timeout_ns) {
+    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
+    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
+    issue(pipe, it, t, kb, kb_count, slabs_w, tm_w, tm_x, x_sf_t, rows_total, policy_w, policy_x);
     return true;
 }
 
@@ -135,24 +168,107 @@ __device__ __forceinline__ void decode_slab(const u8* unit, int warp, int lane, 
     }
 }
 
-// The stage's MMAs for every slab with N columns: W1 accumulates the four K32 groups into tmp[0], W2 keeps one
-// accumulator per K32 group (its token scales differ per group).
-template <int N>
-__device__ __forceinline__ void mma_stage(float (&tmp)[kSplit][kMSub][kAcc], const u32 (&a)[kMSub][4][4],
-                                          u32 b_base) {
+// The A fragments of K32 groups [q0, q0 + G) of one slab, reading only those groups' words and d bytes (the
+// operator's W2 batches at large BM keep fewer A registers live than decode_slab's 16).
+template <int G>
+__device__ __forceinline__ void decode_groups(const u8* unit, int warp, int lane, int q0, u32 (&a)[G][4]) {
+    const u8* d = unit + kCodeBytes + (warp * 8 + lane / 4) * 8;  // [row +0, row +8][K32 group]
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int q = 0; q < G; ++q) {
+        const int k = q0 + q;
+        const uint2 w = *reinterpret_cast<const uint2*>(unit + (warp * 2 + k / 2) * 512 + lane * 16 + (k & 1) * 8);
+        u32 lo0, hi0, lo1, hi1;
+        fp4_table(d[k], lo0, hi0);
+        fp4_table(d[4 + k], lo1, hi1);
+        decode_word(w.x, lo0, hi0, a[q][0], a[q][2]);
+        decode_word(w.y, lo1, hi1, a[q][1], a[q][3]);
+    }
+}
+
+// The MMAs of K32 groups [q0, q0 + kGroups<Epi>) of a stage for every slab with N columns: W1 accumulates the
+// four groups into tmp[0], W2 keeps one accumulator per group (its token scales differ per group).
+template <int Epi, int N>
+__device__ __forceinline__ void mma_groups(float (&tmp)[kTmp<Epi>][kMSub][kAcc],
+                                           const u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
+#pragma unroll
+    for (int q = 0; q < kGroups<Epi>; ++q) {
 #pragma unroll
         for (int s = 0; s < kMSub; ++s) {
-            WgmmaRegA<N>::mma(tmp[kSplit == 1 ? 0 : k][s], a[s][k], smem_desc_sw128(b_base + k * 32),
-                              kSplit == 1 && k > 0);
+            WgmmaRegA<N>::mma(tmp[Epi == 1 ? 0 : q][s], a[s][q], smem_desc_sw128(b_base + (q0 + q) * 32),
+                              Epi == 1 && q > 0);
         }
     }
 }
 
-__device__ __forceinline__ void mma_stage_n(int n8, float (&tmp)[kSplit][kMSub][kAcc], const u32 (&a)[kMSub][4][4],
-                                            u32 b_base) {
-    with_wgmma_n<kBM>(n8, [&](auto n) { mma_stage<decltype(n)::value>(tmp, a, b_base); });
+template <int Epi>
+__device__ __forceinline__ void mma_groups_n(int n8, float (&tmp)[kTmp<Epi>][kMSub][kAcc],
+                                             const u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
+    with_wgmma_n<kBM>(n8, [&](auto n) { mma_groups<Epi, decltype(n)::value>(tmp, a, b_base, q0); });
+}
+
+// Promotes a batch into the main accumulator: W1 with the token's FP32 1x128 scale, W2 with 2^(code - 127) of each
+// group's UE8M0 token scale (codes are >= 1 here).
+template <int Epi>
+__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kTmp<Epi>][kMSub][kAcc],
+                                        const u32 (&xsr)[kAcc / 2], int q0) {
+#pragma unroll
+    for (int q = 0; q < kTmp<Epi>; ++q) {
+#pragma unroll
+        for (int c = 0; c < kAcc / 2; ++c) {
+            const float sc = Epi == 1 ? __uint_as_float(xsr[c])
+                                      : __uint_as_float(((xsr[c] >> (8 * (q0 + q))) & 0xFFu) << 23);
+            const int i = 4 * (c / 2) + (c & 1);
+#pragma unroll
+            for (int s = 0; s < kMSub; ++s) {
+                acc[s][i] = fmaf(tmp[q][s][i], sc, acc[s][i]);
+                acc[s][i + 2] = fmaf(tmp[q][s][i + 2], sc, acc[s][i + 2]);
+            }
+        }
+    }
+}
+
+// The A fragments of this warpgroup's slabs for K32 groups [q0, q0 + G) of a full stage.
+template <int G>
+__device__ __forceinline__ void decode_batch(const u8* smem, u32 stage, int cw, int warp, int lane, int q0,
+                                             u32 (&a)[kMSub][G][4]) {
+#pragma unroll
+    for (int s = 0; s < kMSub; ++s) {
+        const u8* unit = smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes;
+        if constexpr (G == 4) {
+            decode_slab(unit, warp, lane, a[s]);
+        } else {
+            decode_groups<G>(unit, warp, lane, q0, a[s]);
+        }
+    }
+}
+
+// The token scales of this thread's accumulator columns in a full stage (W1: FP32 bits; W2: four UE8M0 codes).
+__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int lane, u32 (&xsr)[kAcc / 2]) {
+    const u32* xs = reinterpret_cast<const u32*>(smem + kOffS + stage * kSBytes);
+#pragma unroll
+    for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+}
+
+// One WGMMA batch (K32 groups [q0, q0 + kGroups<Epi>)) of a stage whose token tile starts at b_base, waited for.
+template <int Epi>
+__device__ __forceinline__ void mma_batch(int n8, float (&tmp)[kTmp<Epi>][kMSub][kAcc],
+                                          u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
+    fence_operands(tmp);
+    wgmma_fence();  // the decoded A registers were written by this thread
+    mma_groups_n<Epi>(n8, tmp, a, b_base, q0);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(tmp);
+    fence_operands(a);  // A stays live until the wait above
+}
+
+// The window factor 2^base of the task's expert and the decoder's x64 headroom, once per task.
+__device__ __forceinline__ void apply_factor(float (&acc)[kMSub][kAcc], const float* factor, int expert) {
+    const float f64 = __ldg(factor + expert) * 64.0f;
+#pragma unroll
+    for (int s = 0; s < kMSub; ++s)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[s][i] *= f64;
 }
 
 // UE8M0 scale of a 32-value group (quant.ue8m0_scale(amax, 448)): the smallest 2^k with max(amax, 1e-10) <= 448 * 2^k,
@@ -174,7 +290,7 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
 #pragma unroll
     for (int c = 0; c < kAcc / 2; ++c) {
         const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        const float rw = col < t.valid ? __ldg(routing_w + t.row_off + col) : 0.0f;
+        const float rw = col < t.valid ? GC_RING_LOAD(routing_w + t.row_off + col) : 0.0f;
 #pragma unroll
         for (int s = 0; s < kMSub; ++s) {
             const float gate = fminf(round_bf16(acc[s][i]), clamp);
@@ -213,6 +329,113 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
     }
     named_barrier(1 + cw, 128);  // `red` is rewritten by the next task
 }
+
+#if GC_OPERATOR
+// ============================================================================================ role2 (operator mode)
+// The FP8xFP4 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_kernel.cuh's). Its tasks are
+// 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage), so W2 keeps per-K32 accumulators
+// for two slabs: kGroups<2> batches them (BM = 64: one group per batch, four WGMMA waits per stage).
+constexpr u32 kConsumerBarrier = 3;  // ids 1 and 2 are the W1 epilogue's per-warpgroup barriers
+
+// The consumer warpgroups' K loop of one task for epilogue Epi into `acc` (zeroed here), then the window factor:
+// per stage, decode the A fragments, the WGMMA batches, free the stage after the last batch's wait, promote each
+// batch. The standalone kernel's loop (one batch per stage there), made a template because one operator grid runs
+// both GEMMs; the standalone kernel keeps its inline copy of the loop skeleton and shares the pieces (calling
+// consume<kEpi> from it changes its machine code, and its recorded cubins must stay byte-identical).
+// `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
+// (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when a wait gives up.
+template <int Epi, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
+                                       const float* factor, int cw, int warp, int lane, int local_tid,
+                                       float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    constexpr int kG = kGroups<Epi>;
+    const int n8 = (min(t.valid, kBM) + 7) / 8;
+    if (!kProducerWG && local_tid == 0) {
+        for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
+            if (!load(it + kb, kb)) return false;
+        }
+    }
+    __syncwarp();
+    zero(acc);
+    for (int kb = 0; kb < kb_count; ++kb, ++it) {
+        const u32 stage = it % kStages;
+        if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
+        u32 xsr[kAcc / 2];
+        token_scales(smem, stage, lane, xsr);
+#pragma unroll
+        for (int q0 = 0; q0 < 4; q0 += kG) {
+            u32 a[kMSub][kG][4];
+            decode_batch<kG>(smem, stage, cw, warp, lane, q0, a);
+            float tmp[kTmp<Epi>][kMSub][kAcc];
+            mma_batch<Epi>(n8, tmp, a, pipe.base + stage * kXBytes, q0);
+            if (q0 + kG == 4) {  // the stage's last batch: its shared memory is read
+                __syncwarp();
+                if (lane == 0) mbar_arrive(pipe.empty(stage));
+                if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+                    if (!load(it + kStages, kb + kStages)) return false;
+                }
+                __syncwarp();
+            }
+            promote<Epi>(acc, tmp, xsr, q0);
+        }
+    }
+    apply_factor(acc, factor, t.expert);
+    return true;
+}
+
+// role2_kernel.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
+// FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0 words.
+__device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
+                                         const Task& t, int kb, const OpMaps& maps) {
+    const int hidden = static_cast<int>(a.p.hidden), inter = static_cast<int>(a.p.inter);
+    if (ot.w1) {
+        issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const u32>(a.off.l1_acts_sf),
+              a.off.ring_rows, maps.policy_w, maps.policy_x);
+    } else {
+        issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const u32>(a.off.l2_acts_sf),
+              a.off.ring_rows, maps.policy_w, maps.policy_x);
+    }
+}
+
+// Role2Params.w1_sf / w2_sf carry the per-expert window factors 2^base (FP32 [E]) on this path.
+template <int Epi, typename WaitFull, typename Load>
+__device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
+                                           const Task& t, int cw, int warp, int lane, int local_tid,
+                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    const int k = static_cast<int>(Epi == 1 ? a.p.hidden : a.p.inter);
+    const float* factor = reinterpret_cast<const float*>(Epi == 1 ? a.p.w1_sf : a.p.w2_sf);
+    return consume<Epi>(pipe, smem, it, t, k / kBK, factor, cw, warp, lane, local_tid, acc, wait_full, load);
+}
+
+__device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t, int cw,
+                                               int warp, int lane, float* red) {
+    epilogue_w1(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights), a.at<u8>(a.off.l2_acts),
+                a.at<u8>(a.off.l2_acts_sf), static_cast<int>(a.p.inter), static_cast<int>(a.off.ring_rows),
+                a.p.clamp, a.p.alpha);
+}
+
+#include "sm90/role2_kernel.cuh"
+
+}  // namespace sm90
+}  // namespace gc_moe
+
+using namespace gc_moe;
+using namespace gc_moe::sm90;
+
+// tm_w1 / tm_w2: the prepared W1 / W2 weight units as [E * (K/128) * (N/64) * 34, 128] bytes (box 128 x 136: one
+// task's four units of a K step, no swizzle; gc_moe_compat/sm90/role2.py builds them); tm_l1 / tm_l2: the
+// workspace's l1_acts / l2_acts (box 128 x GC_BM, 128-byte swizzle); the rest: role2_kernel.cuh.
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    gc_sm90_fp8_fp4_role2(const __grid_constant__ TensorMap tm_w1, const __grid_constant__ TensorMap tm_w2,
+                          const __grid_constant__ TensorMap tm_l1, const __grid_constant__ TensorMap tm_l2,
+                          const __grid_constant__ PeerTable peers, const __grid_constant__ WorkspaceOffsets off,
+                          const __grid_constant__ Role2Params params) {
+    role2_body(&tm_w1, &tm_w2, &tm_l1, &tm_l2, peers, off, params);
+}
+
+#else  // the standalone kernel
+
+static_assert(kGroups<kEpi> == 4, "standalone kernels: one WGMMA batch per stage");
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -282,22 +505,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
             const u32 stage = it % kStages;
             if (!mbar_wait(pipe.full(stage), (it / kStages) & 1, timeout_ns, status, kSiteFull)) return;
-            u32 a[kMSub][4][4];
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s)
-                decode_slab(smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes, warp, lane, a[s]);
-            const u32* xs = reinterpret_cast<const u32*>(smem + kOffS + stage * kSBytes);
-            u32 xsr[kAcc / 2];
-#pragma unroll
-            for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
-            float tmp[kSplit][kMSub][kAcc];
-            fence_operands(tmp);
-            wgmma_fence();  // the decoded A registers were written by this thread
-            mma_stage_n(n8, tmp, a, pipe.base + stage * kXBytes);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_operands(tmp);
-            fence_operands(a);  // A stays live until the wait above
+            u32 a[kMSub][4][4], xsr[kAcc / 2];
+            decode_batch<4>(smem, stage, cw, warp, lane, 0, a);
+            token_scales(smem, stage, lane, xsr);
+            float tmp[kTmp<kEpi>][kMSub][kAcc];
+            mma_batch<kEpi>(n8, tmp, a, pipe.base + stage * kXBytes, 0);  // all four K32 groups (kGroups == 4)
             __syncwarp();
             if (lane == 0) mbar_arrive(pipe.empty(stage));
             if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
@@ -306,26 +518,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                     return;
             }
             __syncwarp();
-#pragma unroll
-            for (int q = 0; q < kSplit; ++q) {
-#pragma unroll
-                for (int c = 0; c < kAcc / 2; ++c) {
-                    // W1: the token's FP32 scale; W2: 2^(code - 127) of K32 group q (UE8M0 codes are >= 1 here).
-                    const float sc = kEpi == 1 ? __uint_as_float(xsr[c]) : __uint_as_float(((xsr[c] >> (8 * q)) & 0xFFu) << 23);
-                    const int i = 4 * (c / 2) + (c & 1);
-#pragma unroll
-                    for (int s = 0; s < kMSub; ++s) {
-                        acc[s][i] = fmaf(tmp[q][s][i], sc, acc[s][i]);
-                        acc[s][i + 2] = fmaf(tmp[q][s][i + 2], sc, acc[s][i + 2]);
-                    }
-                }
-            }
+            promote<kEpi>(acc, tmp, xsr, 0);
         }
-        const float f64 = __ldg(factor + t.expert) * 64.0f;  // window factor 2^base and the decoder's x64 headroom
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s)
-#pragma unroll
-            for (int i = 0; i < kAcc; ++i) acc[s][i] *= f64;
+        apply_factor(acc, factor, t.expert);
         if constexpr (kEpi == 1) {
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf, n_w / 2, rows_total,
                         clamp, alpha);
@@ -334,3 +529,5 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
     }
 }
+
+#endif  // GC_OPERATOR

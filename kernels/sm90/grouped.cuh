@@ -1,4 +1,4 @@
-// Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu, and its operator mode):
+// Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu, and their operator mode):
 // the stage ring's barriers and the kernels' common start, the task table read, the WGMMA accumulator's column map,
 // the register fences around WGMMA and the epilogue arithmetic whose rounding the references model. Everything is
 // __forceinline__: the standalone kernels' cubins are byte-identical to their records (tests/test_role2_operator_host.py).
@@ -8,8 +8,24 @@
 
 #include "sm90/ptx.cuh"
 
+// GC_OPERATOR=1 builds role2 of the GC-MoE operator from a grouped-GEMM source (sm90/role2_kernel.cuh); 0 (default)
+// the standalone kernel.
+#ifndef GC_OPERATOR
+#define GC_OPERATOR 0
+#endif
+// Loads of ring rows (routing weights): role1 rewrites them while the operator's role2 runs, so never the
+// non-coherent read-only path there; the standalone kernels' inputs are read-only for the launch.
+#if GC_OPERATOR
+#define GC_RING_LOAD(p) __ldcg(p)
+#else
+#define GC_RING_LOAD(p) __ldg(p)
+#endif
+
 namespace gc_moe {
 namespace sm90 {
+
+// Status sites of both kernels (role2 in operator mode adds 4-8: sm90/role2_params.cuh).
+constexpr int kSiteSmem = 1, kSiteEmpty = 2, kSiteFull = 3;
 
 // The stage ring's mbarriers, 8 bytes each from kOffBar of the 1024-aligned tile area: full[kStages], then
 // empty[kStages].
