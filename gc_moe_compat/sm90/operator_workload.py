@@ -1,12 +1,12 @@
 """Seeded operator workloads shared by the operator's GPU tests and its benchmark (bench/operator_sm90.py).
 
 One rank's routed experts of a BENCH_PROTOCOL.md preset (random ``randn / sqrt(K)`` weights, seeded by rank,
-quantized to ``fp8_block128`` expert by expert and transformed for the operator), seeded per-rank inputs (E4M3 tokens
-with FP32 1x128 scales, global top-k ids, softmax routing weights), staging into a :class:`~gc_moe_compat.native.
-GcMoeBuffer`, and every rank's ``y`` from the P-rank quantization-faithful reference
-(:func:`gc_moe_compat.reference.expert_parallel_reference` with the intermediate requantized as the SM90 FP8xFP8
-path does, ``"fp32_128"``). Every rank rebuilds every other rank's weights and inputs from the same seeds, so the
-reference needs no communication.
+quantized expert by expert to ``fp8_block128`` for FP8xFP8 or ``mxfp4`` for FP8xFP4, and transformed for the
+operator), seeded per-rank inputs (E4M3 tokens with FP32 1x128 scales, global top-k ids, softmax routing weights),
+staging into a :class:`~gc_moe_compat.native.GcMoeBuffer`, and every rank's ``y`` from the P-rank
+quantization-faithful reference (:func:`gc_moe_compat.reference.expert_parallel_reference` with the intermediate
+requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_32"`` for FP8xFP4). Every rank
+rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from gc_moe_compat import native
 from gc_moe_compat.config import PRESETS
+from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.native_weights import GcMoeWeights
 from gc_moe_compat.reference import ExpertWeights, expert_parallel_reference, quantize_activations
 
@@ -25,7 +26,9 @@ from .workload import CLAMP
 __all__ = [
     "CAPACITY",
     "CLAMP",
+    "INTERMEDIATE_QUANT",
     "ROUTINGS",
+    "WEIGHT_FORMATS",
     "RankInputs",
     "RankWeights",
     "make_expert_weights",
@@ -38,11 +41,16 @@ __all__ = [
 
 CAPACITY = 256  # BENCH_PROTOCOL.md: per-rank capacity
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
+WEIGHT_FORMATS = {"fp8xfp8": "fp8_block128", "fp8xfp4": "mxfp4"}
+"""The canonical weight format of each compute path (what its faithful reference dequantizes)."""
+INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_32", "bf16": None}
+"""The W1 epilogue's requantization of each weight format's SM90 path (reference.py, semantics 5); none for the
+BF16 model (BENCH_PROTOCOL.md reference 2)."""
 
 
 @dataclass(frozen=True)
 class RankWeights:
-    """One rank's routed experts: the canonical FP8 weights (the reference's) and the operator's transformed pair."""
+    """One rank's routed experts: the canonical weights (the reference's) and the operator's transformed pair."""
 
     l1: ExpertWeights
     l2: ExpertWeights
@@ -56,27 +64,45 @@ def preset_dims(preset: str) -> tuple[int, int, int, int]:
     return p.local_experts, p.topk, p.hidden, p.intermediate
 
 
-def make_expert_weights(preset: str, rank: int, device: torch.device | str = "cuda") -> tuple[ExpertWeights,
-                                                                                               ExpertWeights]:
-    """Rank ``rank``'s canonical ``fp8_block128`` weights ``(l1 [e, 2I, H], l2 [e, H, I])``: ``randn / sqrt(K)``
-    from a generator seeded ``100 + rank`` on ``device``, quantized expert by expert (bounded temporaries)."""
+def _window(w: ExpertWeights) -> ExpertWeights:
+    """MXFP4 expert ``w`` as the SM90 FP8xFP4 kernel computes with it: after the window repack, as plain mxfp4
+    (identical wherever a K32 group lies inside its expert's 11-exponent window)."""
+    return ExpertWeights("mxfp4", *window_unrepack_mxfp4(window_repack_mxfp4(w.payload, w.scales)))
+
+
+def make_expert_weights(preset: str, rank: int, device: torch.device | str = "cuda",
+                        fmt: str = "fp8_block128") -> tuple[ExpertWeights, ExpertWeights]:
+    """Rank ``rank``'s canonical weights ``(l1 [e, 2I, H], l2 [e, H, I])``: ``randn / sqrt(K)`` in BF16 from a
+    generator seeded ``100 + rank`` on ``device``, stored expert by expert (bounded temporaries) in ``fmt``:
+    ``"fp8_block128"``, ``"mxfp4"`` (window-repacked, :func:`_window`) or ``"bf16"`` (the draws themselves: the BF16
+    model both quantized forms approximate)."""
+    if fmt not in INTERMEDIATE_QUANT:
+        raise ValueError(f"fmt: must be one of {tuple(INTERMEDIATE_QUANT)}, got {fmt!r}")
     e, _, h, inter = preset_dims(preset)
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     parts1, parts2 = [], []
     for _ in range(e):
         w1 = (torch.randn(1, 2 * inter, h, generator=gen, device=device) / h**0.5).to(torch.bfloat16)
         w2 = (torch.randn(1, h, inter, generator=gen, device=device) / inter**0.5).to(torch.bfloat16)
-        parts1.append(ExpertWeights.quantize(w1, "fp8_block128"))
-        parts2.append(ExpertWeights.quantize(w2, "fp8_block128"))
-    l1 = ExpertWeights("fp8_block128", torch.cat([p.payload for p in parts1]), torch.cat([p.scales for p in parts1]))
-    l2 = ExpertWeights("fp8_block128", torch.cat([p.payload for p in parts2]), torch.cat([p.scales for p in parts2]))
-    return l1, l2
+        for parts, w in ((parts1, w1), (parts2, w2)):
+            q = ExpertWeights.quantize(w, fmt)
+            parts.append(_window(q) if fmt == "mxfp4" else q)
+
+    def stacked(parts: list[ExpertWeights]) -> ExpertWeights:
+        scales = None if fmt == "bf16" else torch.cat([p.scales for p in parts])
+        return ExpertWeights(fmt, torch.cat([p.payload for p in parts]), scales)
+
+    return stacked(parts1), stacked(parts2)
 
 
-def make_weights(preset: str, rank: int, device: torch.device | str = "cuda") -> RankWeights:
-    """:func:`make_expert_weights` plus the operator's transformed pair (``transform_weights_for_gc_moe``)."""
-    l1, l2 = make_expert_weights(preset, rank, device)
-    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp8")
+def make_weights(preset: str, rank: int, device: torch.device | str = "cuda", mma_type: str = "fp8xfp8"
+                 ) -> RankWeights:
+    """:func:`make_expert_weights` in ``mma_type``'s format plus the operator's transformed pair
+    (``transform_weights_for_gc_moe``)."""
+    if mma_type not in WEIGHT_FORMATS:
+        raise ValueError(f"mma_type: must be one of {tuple(WEIGHT_FORMATS)}, got {mma_type!r}")
+    l1, l2 = make_expert_weights(preset, rank, device, WEIGHT_FORMATS[mma_type])
+    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), mma_type)
     return RankWeights(l1, l2, w1, w2)
 
 
@@ -132,12 +158,15 @@ def stage(buffer: native.GcMoeBuffer, inputs: RankInputs) -> None:
 
 def reference_ys(inputs: list[RankInputs], weights: list[RankWeights] | list[tuple[ExpertWeights, ExpertWeights]]
                  ) -> list[torch.Tensor]:
-    """Every rank's ``y`` from the P-rank quantization-faithful reference (slot-order FP32 combine, BF16).
+    """Every rank's ``y`` from the P-rank quantization-faithful reference (slot-order FP32 combine, BF16), the
+    intermediate requantized as the weights' path does (:data:`INTERMEDIATE_QUANT`); with ``"bf16"`` pairs the BF16
+    model reference on the staged activations.
 
     ``weights[r]`` is rank r's :class:`RankWeights` or its canonical ``(l1, l2)`` pair (:func:`make_expert_weights`).
     """
     pairs = [(w.l1, w.l2) if isinstance(w, RankWeights) else w for w in weights]
     results = expert_parallel_reference(
         [(i.x, i.x_sf) for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
-        [p[0] for p in pairs], [p[1] for p in pairs], activation_clamp=CLAMP, intermediate_quant="fp32_128")
+        [p[0] for p in pairs], [p[1] for p in pairs], activation_clamp=CLAMP,
+        intermediate_quant=INTERMEDIATE_QUANT[pairs[0][0].fmt])
     return [r.y for r in results]

@@ -1,8 +1,11 @@
-"""Shared helpers of the operator's GPU tests (one and two ranks): preset weights, routings, staging, poisoning,
-the P-rank quantization-faithful reference and the BENCH_PROTOCOL.md accuracy check.
+"""Shared helpers of the operator's GPU tests (one and two ranks): preset weights of either compute path, routings,
+staging, poisoning, the P-rank quantization-faithful reference and the BENCH_PROTOCOL.md accuracy check.
 
-The oracle is :func:`gc_moe_compat.reference.expert_parallel_reference` on the exact FP8 weights and activations
-the kernels read, with the intermediate requantized as the SM90 FP8xFP8 path does (``"fp32_128"``).
+The oracle is :func:`gc_moe_compat.reference.expert_parallel_reference` on the exact weights and activations the
+kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
+with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_32"``, chosen by
+``reference_ys`` from the weights' format); ``make_expert_weights(..., fmt="bf16")`` gives the BF16 model both
+approximate.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from gc_moe_compat.sm90.operator_workload import (  # noqa: F401 - re-exported f
     ROUTINGS,
     RankInputs,
     RankWeights,
+    make_expert_weights,
     make_inputs,
     make_weights,
     preset_dims,

@@ -1,7 +1,8 @@
 """One rank of the operator's two-rank test (started by test_operator_two_rank.py through torchrun).
 
-Both ranks build every rank's weights and inputs from the same seeds, stage their own and call
-``fp8_fp8_gc_moe`` on a two-rank symmetric buffer (partition on, then off): each rank's ``y`` must meet the
+The compute path comes from ``GC_MOE_TEST_MMA_TYPE`` (``fp8xfp8``, the default, or ``fp8xfp4``). Both ranks build
+every rank's weights and inputs from the same seeds, stage their own and call ``fp8_fp8_gc_moe`` /
+``fp8_fp4_gc_moe`` on a two-rank symmetric buffer (partition on, then off): each rank's ``y`` must meet the
 quantization-faithful targets against the 2-rank reference (expert_parallel_reference), for the T sweep, T = 0 on one
 or both ranks, Zipf, one-expert and -1-slot routing, and different T per rank; ring payloads, combine and ``y`` are
 poisoned before every call. Then rank 1 stays away from one call: rank 0 must get DeviceTimeoutError naming role1's
@@ -32,6 +33,8 @@ from gc_moe_compat import native
 from gc_moe_compat.runtime.status import DeviceTimeoutError
 
 WORLD = 2
+MMA_TYPE = os.environ.get("GC_MOE_TEST_MMA_TYPE", "fp8xfp8")
+CALL = {"fp8xfp8": native.fp8_fp8_gc_moe, "fp8xfp4": native.fp8_fp4_gc_moe}[MMA_TYPE]
 CASES = [("uniform", (t, t)) for t in SWEEP] + [
     ("uniform", (0, 5)), ("uniform", (37, 0)), ("uniform", (0, 0)), ("zipf", (CAPACITY, 64)),
     ("one_expert", (CAPACITY, CAPACITY)), ("holes", (1, 200)), ("zipf", (3, CAPACITY)),
@@ -41,7 +44,7 @@ MISSING_PEER_TIMEOUT_MS = 300
 
 def _buffer(preset: str, partition: str) -> native.GcMoeBuffer:
     e, k, h, inter = preset_dims(preset)
-    return native.get_symm_buffer_for_gc_moe(dist.group.WORLD, e * WORLD, CAPACITY, k, h, inter, "fp8xfp8",
+    return native.get_symm_buffer_for_gc_moe(dist.group.WORLD, e * WORLD, CAPACITY, k, h, inter, MMA_TYPE,
                                              partition=partition)
 
 
@@ -54,11 +57,12 @@ def _round(buf: native.GcMoeBuffer, weights: list, preset: str, kind: str, token
     y = poisoned_y(tokens[rank], h)
     torch.cuda.synchronize()
     dist.barrier()  # no peer scatters into this rank's combine buffer before it is poisoned
-    native.fp8_fp8_gc_moe(y, weights[rank].w1, weights[rank].w2, buf)
+    CALL(y, weights[rank].w1, weights[rank].w2, buf)
     torch.cuda.synchronize()
     if tokens[rank]:
-        m = check_accuracy(y, reference_ys(inputs, weights)[rank], f"rank {rank} {kind} T={tokens}", preset)
-        print(f"rank {rank}: {preset} {buf.partition} {kind} T={tokens}: cosine {m['cosine']:.7f} processed "
+        m = check_accuracy(y, reference_ys(inputs, weights)[rank], f"rank {rank} {MMA_TYPE} {kind} T={tokens}",
+                           preset)
+        print(f"rank {rank}: {MMA_TYPE} {preset} {buf.partition} {kind} T={tokens}: cosine {m['cosine']:.7f} processed "
               f"{m['processed_diff']:.2e}", flush=True)
     dist.barrier()  # every rank finished reading its combine buffer before peers write the next round
 
@@ -74,7 +78,7 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank = dist.get_rank()
     for preset in ("tiny", "dsv41-flash", "glm52"):
-        weights = [make_weights(preset, r) for r in range(WORLD)]  # every rank's, for the reference
+        weights = [make_weights(preset, r, mma_type=MMA_TYPE) for r in range(WORLD)]  # every rank's, for the reference
         for partition in ("on", "off"):
             buf = _buffer(preset, partition)
             for i, (kind, tokens) in enumerate(CASES):
@@ -84,7 +88,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     preset = "tiny"
-    weights = [make_weights(preset, r) for r in range(WORLD)]
+    weights = [make_weights(preset, r, mma_type=MMA_TYPE) for r in range(WORLD)]
     os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = str(MISSING_PEER_TIMEOUT_MS)  # read when the call's graph is built
     buf = _buffer(preset, "on")
     if rank == 0:
@@ -93,7 +97,7 @@ def main() -> None:
         y = poisoned_y(16, h)
         start = time.monotonic()
         try:
-            native.fp8_fp8_gc_moe(y, weights[0].w1, weights[0].w2, buf)
+            CALL(y, weights[0].w1, weights[0].w2, buf)
         except DeviceTimeoutError as err:
             elapsed = time.monotonic() - start
             assert "role1" in str(err) and "tag-1 barrier" in str(err), err

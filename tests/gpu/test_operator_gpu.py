@@ -1,8 +1,14 @@
-"""The FP8xFP8 operator (role1 -> role2 -> role3 graph, native ``fp8_fp8_gc_moe``) on one H200: the accuracy suite of
-BENCH_PROTOCOL.md against the quantization-faithful reference, eager vs graph bit-identity, 1000 replays with fresh
-inputs, partition on and off. Every checked call starts from poisoned ring payloads, combine buffer and ``y``."""
+"""The operator (role1 -> role2 -> role3 graph) on one H200, for both compute paths: native ``fp8_fp8_gc_moe``
+(FP8xFP8) and ``fp8_fp4_gc_moe`` (FP8xFP4, the register-decoding role2 kernel). The accuracy suite of BENCH_PROTOCOL.md
+against the quantization-faithful reference of each path (FP32 1x128 / UE8M0 1x32 intermediate requant), the BF16
+model reference on one case, eager vs graph bit-identity, 10 000 replays with fresh inputs, partition on and off.
+Every checked call starts from poisoned ring payloads, combine buffer and ``y``.
+
+Tests are parametrized by ``mma_type`` (ids ``fp8xfp8`` / ``fp8xfp4``): ``-k fp8xfp4`` runs the FP4 path alone."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ from operator_kit import (
     RankWeights,
     assert_bits_equal,
     check_accuracy,
+    make_expert_weights,
     make_inputs,
     make_weights,
     poison,
@@ -24,30 +31,46 @@ from operator_kit import (
 )
 
 from gc_moe_compat import native
+from gc_moe_compat.reference import accuracy_metrics
 from gc_moe_compat.sm90 import layer
 
 pytestmark = pytest.mark.gpu
 
 PRESETS = ("tiny", "dsv41-flash", "glm52")
+MMA_TYPES = ("fp8xfp8", "fp8xfp4")
+CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": native.fp8_fp8_gc_moe, "fp8xfp4": native.fp8_fp4_gc_moe}
+MODEL_COSINE_MIN = {"fp8xfp8": 0.99, "fp8xfp4": 0.97}
+"""BENCH_PROTOCOL.md reference 2 (BF16 model): the paper's thresholds for FP8 and FP4 routed weights."""
 REPLAYS, FRESH_EVERY = 10_000, 1000
 
 
+@pytest.fixture(scope="module", params=MMA_TYPES)
+def mma_type(request: pytest.FixtureRequest) -> str:
+    """The compute path (module scope: pytest runs one path's tests, then the other's)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def weights() -> dict[str, RankWeights]:
-    return {p: make_weights(p, 0) for p in PRESETS}
+def weights(mma_type: str) -> dict[str, RankWeights]:
+    return {p: make_weights(p, 0, mma_type=mma_type) for p in PRESETS}
 
 
-_buffers: dict[tuple[str, str], native.GcMoeBuffer] = {}
+_buffers: dict[tuple[str, str, str], native.GcMoeBuffer] = {}
 
 
-def _buffer(group: dist.ProcessGroup, preset: str, partition: str = "on") -> native.GcMoeBuffer:
-    """One buffer per (preset, partition) for the module: calls on it also exercise the per-replay state."""
-    key = (preset, partition)
+def _buffer(group: dist.ProcessGroup, preset: str, mma_type: str, partition: str = "on") -> native.GcMoeBuffer:
+    """One buffer per (preset, path, partition) for the module: calls on it also exercise the per-replay state."""
+    key = (preset, mma_type, partition)
     if key not in _buffers:
         e, k, h, inter = preset_dims(preset)
-        _buffers[key] = native.get_symm_buffer_for_gc_moe(group, e, CAPACITY, k, h, inter, "fp8xfp8",
+        _buffers[key] = native.get_symm_buffer_for_gc_moe(group, e, CAPACITY, k, h, inter, mma_type,
                                                           partition=partition)
     return _buffers[key]
+
+
+def _run(buf: native.GcMoeBuffer, w: RankWeights, y: torch.Tensor, **kw: object) -> None:
+    """The native call of the buffer's compute path."""
+    CALLS[buf.shape.mma_type](y, w.w1, w.w2, buf, **kw)
 
 
 def _checked_call(buf: native.GcMoeBuffer, w: RankWeights, preset: str, kind: str, tokens: int,
@@ -58,10 +81,10 @@ def _checked_call(buf: native.GcMoeBuffer, w: RankWeights, preset: str, kind: st
     stage(buf, inputs)
     poison(buf)
     y = poisoned_y(tokens, h)
-    native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf)
+    _run(buf, w, y)
     torch.cuda.synchronize()
     if tokens:
-        check_accuracy(y, reference_ys([inputs], [w])[0], f"{kind} T={tokens}", preset)
+        check_accuracy(y, reference_ys([inputs], [w])[0], f"{buf.shape.mma_type} {kind} T={tokens}", preset)
     return y
 
 
@@ -72,44 +95,61 @@ def preset_dims_of(buf: native.GcMoeBuffer) -> tuple[int, int, int, int]:
 
 @pytest.mark.parametrize("tokens", (0, *SWEEP))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_accuracy_t_sweep(group: dist.ProcessGroup, weights: dict[str, RankWeights], preset: str,
+def test_accuracy_t_sweep(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str, preset: str,
                           tokens: int) -> None:
     """The 9 default points (uniform routing) and T = 0 (role3 still publishes and resets; y is empty)."""
-    _checked_call(_buffer(group, preset), weights[preset], preset, "uniform", tokens, seed=tokens)
+    _checked_call(_buffer(group, preset, mma_type), weights[preset], preset, "uniform", tokens, seed=tokens)
 
 
 @pytest.mark.parametrize("tokens", (1, 37, CAPACITY))
 @pytest.mark.parametrize("kind", ROUTINGS[1:])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_accuracy_boundary_routings(group: dist.ProcessGroup, weights: dict[str, RankWeights], preset: str,
-                                    kind: str, tokens: int) -> None:
+def test_accuracy_boundary_routings(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
+                                    preset: str, kind: str, tokens: int) -> None:
     """Zipf-skewed routing, every token's slot 0 on one expert (many ring blocks of one expert, ring refills),
     -1 slots (and a token with none)."""
-    _checked_call(_buffer(group, preset), weights[preset], preset, kind, tokens, seed=1000 + tokens)
+    _checked_call(_buffer(group, preset, mma_type), weights[preset], preset, kind, tokens, seed=1000 + tokens)
 
 
-def test_experts_with_exactly_one_block_and_many(group: dist.ProcessGroup, weights: dict[str, RankWeights]) -> None:
+def test_experts_with_exactly_one_block_and_many(group: dist.ProcessGroup, weights: dict[str, RankWeights],
+                                                 mma_type: str) -> None:
     """Block boundaries: T such that experts get exactly BM rows, BM + 1 rows, one row."""
-    buf, w = _buffer(group, "tiny"), weights["tiny"]
+    buf, w = _buffer(group, "tiny", mma_type), weights["tiny"]
     for tokens in (4, 8, 16, 17, 33, 64, 65, 255):
         _checked_call(buf, w, "tiny", "one_expert", tokens, seed=2000 + tokens)
 
 
+@pytest.mark.parametrize("tokens", (1, 32))
+def test_model_reference(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
+                         tokens: int) -> None:
+    """BENCH_PROTOCOL.md reference 2: y against the BF16 layer (the BF16 draws the quantized weights come from,
+    the staged E4M3 activations, no requantization) meets the paper's cosine (>= 0.97 FP4, >= 0.99 FP8)."""
+    preset = "dsv41-flash"
+    y = _checked_call(_buffer(group, preset, mma_type), weights[preset], preset, "uniform", tokens, seed=4000 + tokens)
+    e, k, h, _ = preset_dims(preset)
+    inputs = make_inputs("uniform", tokens, e, k, h, seed=4000 + tokens)
+    model = reference_ys([inputs], [make_expert_weights(preset, 0, fmt="bf16")])[0]
+    m = accuracy_metrics(y.float(), model.float())
+    print(f"{mma_type} {preset} T={tokens} vs BF16 model: {m}")
+    assert m["nonfinite"] == 0 and m["cosine"] >= MODEL_COSINE_MIN[mma_type], m
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_eager_and_graph_bit_identical(group: dist.ProcessGroup, weights: dict[str, RankWeights], preset: str) -> None:
+def test_eager_and_graph_bit_identical(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
+                                       preset: str) -> None:
     """The same inputs eagerly and through a torch.cuda.graph capture of the call: bit-identical y (and both twice)."""
-    buf, w = _buffer(group, preset), weights[preset]
+    buf, w = _buffer(group, preset, mma_type), weights[preset]
     e, k, h, _ = preset_dims(preset)
     inputs = make_inputs("uniform", 64, e, k, h, seed=7)
     stage(buf, inputs)
     y = poisoned_y(64, h)
-    native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf)
+    _run(buf, w, y)
     eager = y.clone()
-    native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf)
+    _run(buf, w, y)
     assert_bits_equal(y, eager, "second eager call")
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
-        native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf)
+        _run(buf, w, y)
     for i in range(2):
         poison(buf)
         y.fill_(float("nan"))
@@ -117,21 +157,22 @@ def test_eager_and_graph_bit_identical(group: dist.ProcessGroup, weights: dict[s
         torch.cuda.synchronize()
         layer.raise_for_layer_status(buf, f"graph replay {i}")
         assert_bits_equal(y, eager, f"graph replay {i}")
-    check_accuracy(eager, reference_ys([inputs], [w])[0], "eager", preset)
+    check_accuracy(eager, reference_ys([inputs], [w])[0], f"{mma_type} eager", preset)
 
 
-def test_1000_replays_with_fresh_inputs(group: dist.ProcessGroup, weights: dict[str, RankWeights]) -> None:
-    """One captured call replayed 1000 times without host reset; every 100 replays fresh inputs (new routing and
+def test_replays_with_fresh_inputs(group: dist.ProcessGroup, weights: dict[str, RankWeights],
+                                         mma_type: str) -> None:
+    """One captured call replayed 10 000 times without host reset; every 1 000 replays fresh inputs (new routing and
     tokens, same T) are staged, and the last replay of each block (y poisoned first) is checked."""
-    buf, w = _buffer(group, "dsv41-flash"), weights["dsv41-flash"]
+    buf, w = _buffer(group, "dsv41-flash", mma_type), weights["dsv41-flash"]
     e, k, h, _ = preset_dims("dsv41-flash")
     tokens = 32
     stage(buf, make_inputs("uniform", tokens, e, k, h, seed=0))
     y = poisoned_y(tokens, h)
-    native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf)  # builds and warms the graph before capture
+    _run(buf, w, y)  # builds and warms the graph before capture
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
-        native.fp8_fp8_gc_moe(y, w.w1, w.w2, buf, check_values=False)
+        _run(buf, w, y, check_values=False)
     for block in range(REPLAYS // FRESH_EVERY):
         kind = ROUTINGS[block % len(ROUTINGS)]
         inputs = make_inputs(kind, tokens, e, k, h, seed=5000 + block)
@@ -142,15 +183,17 @@ def test_1000_replays_with_fresh_inputs(group: dist.ProcessGroup, weights: dict[
         outer.replay()
         torch.cuda.synchronize()
         layer.raise_for_layer_status(buf, f"replay block {block}")
-        check_accuracy(y, reference_ys([inputs], [w])[0], f"replay block {block} ({kind})", "dsv41-flash")
+        check_accuracy(y, reference_ys([inputs], [w])[0], f"{mma_type} replay block {block} ({kind})", "dsv41-flash")
 
 
 @pytest.mark.parametrize("tokens", (1, 37, CAPACITY))
-def test_partition_off_matches_partition_on(group: dist.ProcessGroup, weights: dict[str, RankWeights],
+def test_partition_off_matches_partition_on(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
                                             tokens: int) -> None:
     """GC_MOE_PARTITION=off (the same kernels in sequence on the whole device, ring holding the whole pool): the
     same y bit for bit as the partitioned graph (every output element's arithmetic is the same)."""
     w = weights["dsv41-flash"]
-    on = _checked_call(_buffer(group, "dsv41-flash", "on"), w, "dsv41-flash", "zipf", tokens, seed=3000 + tokens)
-    off = _checked_call(_buffer(group, "dsv41-flash", "off"), w, "dsv41-flash", "zipf", tokens, seed=3000 + tokens)
-    assert_bits_equal(off, on, f"partition off vs on, T={tokens}")
+    on = _checked_call(_buffer(group, "dsv41-flash", mma_type, "on"), w, "dsv41-flash", "zipf", tokens,
+                       seed=3000 + tokens)
+    off = _checked_call(_buffer(group, "dsv41-flash", mma_type, "off"), w, "dsv41-flash", "zipf", tokens,
+                        seed=3000 + tokens)
+    assert_bits_equal(off, on, f"{mma_type} partition off vs on, T={tokens}")
