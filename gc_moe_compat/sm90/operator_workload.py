@@ -11,12 +11,15 @@ rebuilds every other rank's weights and inputs from the same seeds, so the refer
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from gc_moe_compat import native
-from gc_moe_compat.config import PRESETS
+from gc_moe_compat.config import MAX_INTERMEDIATE, PRESETS, MoEPreset
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.native_weights import GcMoeWeights
 from gc_moe_compat.reference import ExpertWeights, expert_parallel_reference, quantize_activations
@@ -29,6 +32,7 @@ __all__ = [
     "INTERMEDIATE_QUANT",
     "ROUTINGS",
     "WEIGHT_FORMATS",
+    "WORKLOADS",
     "RankInputs",
     "RankWeights",
     "make_expert_weights",
@@ -58,9 +62,17 @@ class RankWeights:
     w2: GcMoeWeights
 
 
+WORKLOADS: Mapping[str, MoEPreset] = MappingProxyType({
+    **PRESETS,
+    "tiny-max-i": dataclasses.replace(PRESETS["tiny"], name="tiny-max-i", intermediate=MAX_INTERMEDIATE),
+})
+"""The BENCH_PROTOCOL.md presets plus the accuracy suite's "I at its maximum" boundary case (``tiny`` with
+``I = config.MAX_INTERMEDIATE``)."""
+
+
 def preset_dims(preset: str) -> tuple[int, int, int, int]:
-    """``(e, k, H, I)`` of a BENCH_PROTOCOL.md preset (routed experts only; the shared expert needs role4)."""
-    p = PRESETS[preset]
+    """``(e, k, H, I)`` of a :data:`WORKLOADS` entry (routed experts only; the shared expert needs role4)."""
+    p = WORKLOADS[preset]
     return p.local_experts, p.topk, p.hidden, p.intermediate
 
 

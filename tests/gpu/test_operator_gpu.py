@@ -119,6 +119,21 @@ def test_experts_with_exactly_one_block_and_many(group: dist.ProcessGroup, weigh
         _checked_call(buf, w, "tiny", "one_expert", tokens, seed=2000 + tokens)
 
 
+_max_i_weights: dict[tuple[str, str], RankWeights] = {}
+
+
+@pytest.mark.parametrize(("kind", "tokens"), [("uniform", 1), ("uniform", 37), ("holes", 64),
+                                               ("one_expert", CAPACITY)])
+def test_intermediate_at_its_maximum(group: dist.ProcessGroup, mma_type: str, kind: str, tokens: int) -> None:
+    """BENCH_PROTOCOL.md boundary case "I at its maximum": ``tiny`` with ``I = config.MAX_INTERMEDIATE`` (32 W1 and
+    16 W2 weight tiles per expert, the widest L2 activation rows and scale columns the workspace holds)."""
+    preset = "tiny-max-i"
+    if (preset, mma_type) not in _max_i_weights:
+        _max_i_weights[(preset, mma_type)] = make_weights(preset, 0, mma_type=mma_type)
+    w = _max_i_weights[(preset, mma_type)]
+    _checked_call(_buffer(group, preset, mma_type), w, preset, kind, tokens, seed=4000 + tokens)
+
+
 @pytest.mark.parametrize("tokens", (1, 32))
 def test_model_reference(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
                          tokens: int) -> None:
