@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
+    parser.add_argument("--block-m", type=int, default=None,
+                        help="force this BM for both formats instead of the heuristic's choice (probes of the rule)")
     args = parser.parse_args()
     if os.environ.get("GC_MOE_BENCH_WINDOWS"):  # "WARMUP,WINDOWS": a shorter run inside a device lease
         args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
@@ -209,7 +211,7 @@ def main() -> None:
             tok = make_tokens(layer, t, seed=t)
             tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
             counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms)
+            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m)
             used_bm.add(cfg.bm)
             used_pipe.add(cfg.pipelined)
             grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
@@ -224,7 +226,8 @@ def main() -> None:
                 "faithful": accuracy_metrics(ours[valid], ref[valid]),
                 "model": accuracy_metrics(ours[valid], model[valid]),
             }
-            cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4")
+            cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4",
+                                 block_m=args.block_m)
             gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
             ws4 = gemm4.workspace(grouped)
             latency["gc_fp4"] = time_graph(lambda g=gemm4, gr=grouped, w=ws4: g.run(gr, w), args.warmup, args.windows)

@@ -183,3 +183,19 @@ def test_every_variant_compiles_without_spills(mma_type: str, defines: dict[str,
     res = jit.compile_cubin(source, defines).resources[kernel]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
     assert res.registers <= (168 if defines["GC_PRODUCER_WG"] else 255)
+
+
+@pytest.mark.parametrize("block_m", BLOCK_M_CANDIDATES)
+def test_select_config_block_m_override_keeps_the_other_rules(block_m: int) -> None:
+    """A forced BM replaces only the heuristic's BM: stages follow that BM, pipelining still counts its blocks."""
+    for mma_type in ("fp8xfp8", "fp8xfp4"):
+        cfg = select_config(65.0, 32, 16, 132, mma_type, block_m=block_m)
+        assert cfg.bm == block_m
+        assert (cfg.stages_w1, cfg.stages_w2) == (max_stages(block_m, 2, mma_type), max_stages(block_m, 1, mma_type))
+        assert cfg.pipelined == (32 * math.ceil(65.0 / block_m) * 16 > 132)
+
+
+@pytest.mark.parametrize("bad", (0, 12, 128, -8))
+def test_select_config_rejects_a_block_m_outside_the_candidates(bad: int) -> None:
+    with pytest.raises(ValueError, match="block_m"):
+        select_config(10.0, 4, 16, 132, block_m=bad)

@@ -87,20 +87,24 @@ def select_block_m(expected_rows: float) -> int:
 
 
 def select_config(
-    expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8"
+    expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8",
+    *, block_m: int | None = None,
 ) -> KernelConfig:
     """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
 
     ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
-    picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both).
+    picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both);
+    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself).
     """
     _check_mma_type(mma_type)
+    if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
+        raise ValueError(f"block_m: one of {BLOCK_M_CANDIDATES} or None, got {block_m!r}")
     if active_experts < 0 or tiles_per_block < 1 or num_sms < 1:
         raise ValueError(
             f"active_experts >= 0, tiles_per_block >= 1, num_sms >= 1 required, got "
             f"{active_experts}, {tiles_per_block}, {num_sms}"
         )
-    bm = select_block_m(expected_rows)
+    bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
     pipelined = blocks * tiles_per_block > num_sms
     return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, W2_SLABS, mma_type))
