@@ -43,6 +43,17 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     return v;
 }
 
+// 32-bit ring counters (l1_full_count, l1_empty_count, l2_empty_count): gpu scope, the partitions of one device.
+__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add_u32(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

@@ -46,6 +46,8 @@ using gc_moe::PeerTable;
 using gc_moe::u32;
 using gc_moe::u64;
 using gc_moe::WorkspaceOffsets;
+using gc_moe::ld_acquire_gpu_u32;
+using gc_moe::red_release_gpu_add_u32;
 
 constexpr u32 kThreads = 512;
 constexpr u32 kWarps = kThreads / 32;
@@ -53,16 +55,6 @@ constexpr u32 kMaxExperts = 2048;          // config: E <= 2048
 constexpr u32 kMaxLocal = kThreads;        // config: e <= 512, one scan thread per local expert
 constexpr u32 kCopyUnroll = 8;             // 16-byte vectors in flight per lane
 constexpr u32 kScratch = 2 * kMaxExperts;  // phase A: two histograms; phase D: [e][P+1] prefixes (E + e words)
-
-__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void red_release_gpu_add_u32(u32* p, u32 v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 
 __device__ __forceinline__ void red_release_sys_add_u64(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common/peer_table.cuh"
+#include "common/sync.cuh"
 #include "sm90/grouped.cuh"
 #include "sm90/role2_params.cuh"
 
@@ -13,16 +14,6 @@ namespace gc_moe {
 namespace sm90 {
 
 constexpr u32 kRole1Record = 0, kRole2Record = 1;
-
-__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void red_release_gpu_add_u32(u32* p, u32 v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 
 __device__ __forceinline__ void red_release_gpu_xor_u64(u64* p, u64 v) {
     asm volatile("red.release.gpu.global.xor.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
