@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from nvcc_mark import needs_nvcc
 
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
@@ -161,15 +162,7 @@ def test_prepare_fp4_weights_round_trips_to_mxfp4_inside_the_window() -> None:
         assert bool(((got - want).abs()[~inside] <= bound[~inside]).all())
 
 
-def _has_nvcc() -> bool:
-    try:
-        jit.find_nvcc()
-    except jit.JitError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
+@needs_nvcc
 @pytest.mark.parametrize(
     ("mma_type", "defines"),
     [(m, d) for m in MMA_TYPES for d in all_variants(m)],

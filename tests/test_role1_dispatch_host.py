@@ -4,7 +4,6 @@ against the ring model (:func:`gc_moe_compat.ring.pool_table` / :func:`~gc_moe_c
 from __future__ import annotations
 
 import ctypes
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nvcc_mark import needs_nvcc
 
 from gc_moe_compat import native, ring
 from gc_moe_compat.operator_layout import WorkspaceOffsets
@@ -24,15 +24,7 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 STANDINS = "dispatch_test/dispatch_test.cu"
 
 
-def _has_nvcc() -> bool:
-    try:
-        jit.find_nvcc()
-    except jit.JitError:
-        return shutil.which("nvcc") is not None
-    return True
-
-
-@pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
+@needs_nvcc
 def test_role1_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dispatch kernel and the test stand-ins build for sm_90a: no stack frame, no spills, and role1 fits 512
     threads on one SM (<= 128 registers) with its static shared memory under the 48 KiB static limit."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from nvcc_mark import needs_nvcc
 
 from gc_moe_compat import native, ring
 from gc_moe_compat.config import MMA_TYPES, MoEShape
@@ -38,17 +39,6 @@ from gc_moe_compat.sm90.tensormap import TensorMapArg
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
-
-
-def _has_nvcc() -> bool:
-    try:
-        jit.find_nvcc()
-    except jit.JitError:
-        return False
-    return True
-
-
-needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from nvcc_mark import needs_nvcc
 
 from gc_moe_compat import config, native
 from gc_moe_compat.native_buffer import get_symm_buffer_for_gc_moe
@@ -21,17 +22,6 @@ from gc_moe_compat.sm90.finalize import BOOK_WARPS, CHUNK, THREADS, FinalizePara
 
 TEST_SOURCE = "runtime_test/finalize_test.cu"
 E, K, H, TMAX = 8, 2, 512, 16
-
-
-def _has_nvcc() -> bool:
-    try:
-        jit.find_nvcc()
-    except jit.JitError:
-        return False
-    return True
-
-
-needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc (CI has nvcc 13.0)")
 
 
 def _buffer(group: dist.ProcessGroup, **kw: object) -> native.GcMoeBuffer:

@@ -1,15 +1,14 @@
 """JIT cache keys, option whitelist, resource report, and nvcc compiling the runtime's kernels for sm_90a."""
 
-import shutil
 import threading
 from pathlib import Path
 
 import pytest
+from nvcc_mark import needs_nvcc
 
 from gc_moe_compat.runtime import jit
 
 IDENTITY = jit.CompilerIdentity("/opt/nvcc", "release 13.0", "a" * 64, "/opt/ptxas", "b" * 64)
-NVCC_MISSING = shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").is_file()
 
 
 @pytest.fixture
@@ -107,7 +106,7 @@ RUNTIME_TEST_KERNELS = {
 }
 
 
-@pytest.mark.skipif(NVCC_MISSING, reason="nvcc not installed on this machine (CI images carry CUDA 13.0's nvcc)")
+@needs_nvcc
 def test_nvcc_compiles_runtime_kernels_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     cubin = jit.compile_cubin("runtime_test/runtime_test.cu")
@@ -123,7 +122,7 @@ def test_nvcc_compiles_runtime_kernels_for_sm90a(tmp_path, monkeypatch):
     assert tuned.key != cubin.key
 
 
-@pytest.mark.skipif(NVCC_MISSING, reason="nvcc not installed on this machine (CI images carry CUDA 13.0's nvcc)")
+@needs_nvcc
 def test_concurrent_compiles_share_one_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     results: list[jit.Cubin] = []
