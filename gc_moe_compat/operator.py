@@ -13,15 +13,12 @@ hold and runs the native operator (:mod:`gc_moe_compat.native`):
   already the operator's layout and are wrapped without a copy; FP8xFP4 pairs are de-interleaved and go through
   :func:`gc_moe_compat.native.transform_weights_for_gc_moe` (the window repack makes new tensors).
 * **Options.** ``activation_clamp`` and ``fast_math`` are the operator's; ``cumulative_local_expert_recv_stats`` is
-  incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). Paths whose role kernels do not exist (role4 for a
-  fused shared expert; the FP8xFP4 role2 until it lands) raise ``NotImplementedError`` from the native API, naming
-  them.
+  incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert (role4, not built) raises
+  ``NotImplementedError`` from the native API, naming it.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -148,29 +145,15 @@ def mega_moe(
     """Run one layer on ``buffer``'s staged tokens: dispatch, both grouped GEMMs, combine into ``y`` in place.
 
     ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight pairs are in DeepGEMM's layout (module
-    docstring); ``recipe`` picks the compute path. ``fast_math=False`` and ``cumulative_local_expert_recv_stats``
-    are handed to the path's native call; where that call does not take them yet they raise ``NotImplementedError``
-    naming the argument (never ignored).
+    docstring); ``recipe`` picks the compute path, whose native call gets ``fast_math`` and
+    ``cumulative_local_expert_recv_stats``.
     """
     if tuple(recipe) not in _MMA_OF_RECIPE:
         raise ValueError(f"recipe: must be one of {tuple(_MMA_OF_RECIPE)}, got {recipe!r}")
     mma_type = _MMA_OF_RECIPE[tuple(recipe)]
     workspace = workspace_of(buffer).retyped(mma_type)
     call = native.fp8_fp8_gc_moe if mma_type == "fp8xfp8" else native.fp8_fp4_gc_moe
-    options = {}
-    for arg, value, default in (("fast_math", fast_math, True),
-                                ("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, None)):
-        if value is not default:
-            if arg not in _parameters(call):
-                raise NotImplementedError(f"{arg}={value!r:.60}: the {mma_type} operator call {call.__name__} does "
-                                          "not take it yet")
-            options[arg] = value
     w1, w2 = operator_weights(workspace, mma_type, l1_weights, l2_weights)
     call(y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp, shared_l1_weights=shared_l1_weights,
-         shared_l2_weights=shared_l2_weights, check_values=False, **options)
-
-
-@functools.cache
-def _parameters(fn: Any) -> frozenset[str]:
-    """The parameter names of a native call (an option is passed only where the call has it)."""
-    return frozenset(inspect.signature(fn).parameters)
+         shared_l2_weights=shared_l2_weights, check_values=False, fast_math=fast_math,
+         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)

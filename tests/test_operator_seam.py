@@ -4,9 +4,6 @@ handed to the native call, and the guard shared by a workspace and its alias. Th
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -216,28 +213,16 @@ def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> Non
                               cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32))
 
 
-def _fp4_call_outcome() -> contextlib.AbstractContextManager:
-    """Where a valid FP8xFP4 call stops on CPU: the missing role2 kernel while it is missing, else the launch."""
-    if native.missing_role_kernels(0, "fp8xfp4"):
-        return pytest.raises(NotImplementedError, match="fp8_fp4_gc_moe: running the layer: .*missing role kernels: "
-                                                        "role2 SM90 FP8xFP4 grouped GEMM in operator mode.*nothing ran")
-    return pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory")
-
-
 @pytest.mark.parametrize("kw", [{}, {"fast_math": False},
                                 {"cumulative_local_expert_recv_stats": torch.zeros(E, dtype=torch.int32)}],
                          ids=["defaults", "fast_math", "stats"])
 def test_fp8_fp4_mega_moe_reaches_the_operator(group: dist.ProcessGroup, kw: dict) -> None:
+    """Every option reaches the native FP8xFP4 call, which stops on CPU at the launch."""
     sym = _sym(group)
     l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
     y = torch.empty(3, H, dtype=torch.bfloat16)
-    arg = next(iter(kw), None)
-    if arg is None or arg in inspect.signature(native.fp8_fp4_gc_moe).parameters:
-        with _fp4_call_outcome():
-            dg.fp8_fp4_mega_moe(y, l1, l2, sym, **kw)
-    else:  # the native FP8xFP4 call does not take the option yet: refused, never ignored
-        with pytest.raises(NotImplementedError, match=f"{arg}=.*fp8_fp4_gc_moe does not take it yet"):
-            dg.fp8_fp4_mega_moe(y, l1, l2, sym, **kw)
+    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+        dg.fp8_fp4_mega_moe(y, l1, l2, sym, **kw)
 
 
 def test_fp8_fp4_mega_moe_with_a_shared_expert_needs_role4(group: dist.ProcessGroup) -> None:
