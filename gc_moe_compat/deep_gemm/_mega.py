@@ -10,8 +10,8 @@ Weights are DeepGEMM's layout: L1 rows interleaved gate/up by 8 (``transform_wei
 scales in the natural ``[E/P, N/128, K/128]`` layout; FP4 per-row scales interleaved like their rows. They are
 converted for the operator once per weight tensor (see :func:`gc_moe_compat.operator.operator_weights`).
 
-Today ``fp8_mega_moe`` runs (FP8xFP8, no shared expert); ``fp8_fp4_mega_moe`` raises NotImplementedError from the
-operator naming its missing role kernels (the FP8xFP4 role2, role4 for shared experts). DeepGEMM options GC-MoE
+Both run the operator without a shared expert; with shared-expert weights ``fp8_fp4_mega_moe`` raises
+NotImplementedError from the operator naming the missing role4 kernel. DeepGEMM options GC-MoE
 lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming the argument;
 ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 """
