@@ -12,9 +12,11 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
-__all__ = ["ALIAS_PREFIX", "NAMES", "alias", "load", "location"]
+__all__ = ["ALIAS_PREFIX", "NAMES", "MissingOriginalError", "alias", "forwarder", "load", "location"]
 
 NAMES = ("deep_gemm", "deep_ep")
 ALIAS_PREFIX = "gc_moe_compat.originals."
@@ -85,3 +87,31 @@ def load(name: str) -> ModuleType:
         _failures[name] = error
         raise error from exc
     return module
+
+
+class MissingOriginalError(AttributeError):
+    """A facade name outside the facade's surface was touched and no original package could be loaded.
+
+    An ``AttributeError`` on purpose: callers probe these modules with ``hasattr`` / ``getattr(..., None)`` and must
+    see "absent", not crash.
+    """
+
+
+def forwarder(name: str, surface: str, providers: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for facade ``name``: names outside the facade come from the original, loaded on first
+    use; without one, :class:`MissingOriginalError` names the symbol, the ``surface`` it is not part of and the
+    ``providers`` (packages) that have it."""
+    _check(name)
+
+    def forward(attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(f"module 'gc_moe_compat.{name}' has no attribute {attr!r}")
+        try:
+            original = load(name)
+        except ImportError as exc:
+            raise MissingOriginalError(
+                f"{name}.{attr} is not part of gc-moe-compat's {surface} facade and no original {name} could be "
+                f"loaded to forward it to ({exc}); it is provided by {providers}", name=attr, obj=None) from exc
+        return getattr(original, attr)
+
+    return forward

@@ -13,8 +13,6 @@ a name raises :class:`MissingOriginalError`, which names the symbol and the pack
 
 from __future__ import annotations
 
-from typing import Any
-
 from gc_moe_compat import originals
 from gc_moe_compat.deep_gemm import mega
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer, get_symm_buffer_for_mega_moe, get_symm_buffer_for_sm90_mega_moe
@@ -27,6 +25,7 @@ from gc_moe_compat.deep_gemm._weights import (
     transform_weights_for_mega_moe,
     transform_weights_for_mega_moe_sm90,
 )
+from gc_moe_compat.originals import MissingOriginalError
 
 __all__ = [
     "MissingOriginalError",
@@ -56,18 +55,5 @@ SM90SymmBuffer = SymmBuffer
 PROVIDERS = "sgl-deep-gemm==0.2.3.post2 (SGLang's pin) or deepinfer-gemm==2.8.2 (DeepGEMM)"
 
 
-class MissingOriginalError(AttributeError):
-    """A ``deep_gemm`` name outside the facade was touched and no real ``deep_gemm`` could be loaded."""
-
-
-def __getattr__(name: str) -> Any:
-    """Forward names outside the facade to the real ``deep_gemm``, loaded on first use."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        original = originals.load("deep_gemm")
-    except ImportError as exc:
-        raise MissingOriginalError(
-            f"deep_gemm.{name} is not part of gc-moe-compat's Mega MoE facade and no original deep_gemm could be "
-            f"loaded to forward it to ({exc}); it is provided by {PROVIDERS}", name=name, obj=None) from exc
-    return getattr(original, name)
+__getattr__ = originals.forwarder("deep_gemm", "Mega MoE", PROVIDERS)
+"""Forward names outside the facade to the real ``deep_gemm``, loaded on first use."""

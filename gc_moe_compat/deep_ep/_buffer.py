@@ -1,0 +1,220 @@
+"""``deep_ep.Buffer`` (DeepEP's legacy buffer, as SGLang's pin ``sgl-deep-ep==0.1.2.post1`` declares it), with its
+low-latency mode on gc-moe-compat's kernels.
+
+A Buffer created with ``low_latency_mode=True`` owns one symmetric workspace of ``num_rdma_bytes`` (torch symmetric
+memory across ``group``; size it with :meth:`Buffer.get_low_latency_rdma_size_hint`). ``low_latency_dispatch`` /
+``low_latency_combine`` keep DeepEP's arguments, outputs (shapes, dtypes, column-major scales), handle and hook
+semantics. What is not implemented raises ``NotImplementedError`` saying so: the normal (high-throughput) mode, NVFP4
+dispatch, LogFMT and zero-copy combine, the receive-cost statistics, rank masking, and SGLang's single-batch-overlap
+signals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gc_moe_compat.deep_ep import _low_latency
+from gc_moe_compat.deep_ep._config import NORMAL_MODE_MISSING, Config
+from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.ep_ll import HEADER_BYTES, HINT_TOPK, LlShape, check_rank_count, required_bytes
+from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
+
+__all__ = ["Buffer"]
+
+_Hook = Callable[[], None] | None
+
+
+def _missing(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not implemented by gc-moe-compat's deep_ep facade")
+
+
+def _event(async_finish: bool) -> EventOverlap:
+    return EventOverlap(EventHandle() if async_finish else None)
+
+
+class Buffer:
+    """DeepEP's expert-parallel communication buffer; the low-latency mode runs gc-moe-compat's kernels."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool | None = None, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None) -> None:
+        if group is None:
+            if comm is not None:
+                raise _missing("an mpi4py communicator (comm=...); pass a torch.distributed group")
+            raise ValueError("group: either 'group' or 'comm' must be provided")
+        if enable_shrink:
+            raise _missing("enable_shrink (rank masking)")
+        if not allow_nvlink_for_low_latency_mode and low_latency_mode:
+            raise _missing("allow_nvlink_for_low_latency_mode=False (the low-latency kernels use NVLink peer stores)")
+        self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
+        check_rank_count(self.group_size)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.workspace: SymmetricWorkspace | None = None
+        if low_latency_mode:
+            if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes < HEADER_BYTES:
+                raise ValueError(f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES} (see "
+                                 f"Buffer.get_low_latency_rdma_size_hint), got {num_rdma_bytes!r}")
+            layout = LayoutPlanner()
+            layout.add("low_latency", num_rdma_bytes)
+            self.workspace = SymmetricWorkspace(layout, group)
+
+    def destroy(self) -> None:
+        """Releases the workspace (only for a Buffer created with ``explicitly_destroy=True``, as with DeepEP)."""
+        if not self.explicitly_destroy:
+            raise ValueError("destroy: the Buffer was created with explicitly_destroy=False")
+        self.workspace = None
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the low-latency kernels are built for SM90 (at first use)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SM count of the normal-mode kernels (kept for callers; the low-latency grids size themselves)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms: the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage)."""
+        check_rank_count(num_ranks)
+        return required_bytes(LlShape(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, HINT_TOPK))
+
+    def get_comm_stream(self) -> torch.Stream:
+        """Not implemented: the facade runs on the caller's stream and has no communication stream."""
+        raise _missing("get_comm_stream (the kernels run on the caller's current stream)")
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """Not implemented: the workspace layout is internal."""
+        raise _missing("get_local_buffer_tensor")
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
+
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> tuple:
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple:
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
+
+    def _low_latency_workspace(self, fn: str) -> SymmetricWorkspace:
+        if not self.low_latency_mode:
+            raise ValueError(f"{fn}: the Buffer was created with low_latency_mode=False")
+        if self.workspace is None:
+            raise ValueError(f"{fn}: the Buffer was destroyed")
+        return self.workspace
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Checks the sizes against the workspace. Nothing needs zeroing: every synchronization word of the
+        low-latency kernels is generation-tagged, so switching modes or sizes leaves no stale state to clean."""
+        workspace = self._low_latency_workspace("clean_low_latency_buffer")
+        _low_latency.check_sizes(workspace, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+                             x_global_scale: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, use_nvfp4: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False
+                             ) -> tuple[Any, torch.Tensor, tuple, EventOverlap, _Hook]:
+        """Sends this rank's tokens to their experts' ranks: ``(recv_x, recv_count, handle, event, hook)`` with
+        DeepEP's layout (``recv_x [E/P, P*Tmax, H]`` FP8 with column-major FP32 1x128 scales, or BF16 when
+        ``use_fp8=False``; rows ``[0, recv_count[e])`` of expert ``e`` are valid, ordered by source rank, then
+        token, then slot)."""
+        workspace = self._low_latency_workspace("low_latency_dispatch")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _missing("dispatch_wait_recv_cost_stats")
+        if use_nvfp4 or x_global_scale is not None:
+            raise _missing("NVFP4 dispatch (use_nvfp4, x_global_scale)")
+        recv_x, recv_count, handle, hook = _low_latency.dispatch(
+            workspace, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            recv_stats=cumulative_local_expert_recv_stats, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        return recv_x, recv_count, handle, _event(async_finish), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None,
+                            overlap: bool = False, src_signals: torch.Tensor | None = None,
+                            src_signal_expect_value: int = 0, *, packed_recv_count: torch.Tensor | None = None,
+                            comp_signal: torch.Tensor | None = None, block_m: int | None = None,
+                            threshold: int | None = None, num_sms: int | None = None
+                            ) -> tuple[torch.Tensor, EventOverlap, _Hook]:
+        """Sums every token's expert outputs back on its rank: ``combined_x [T, H] = BF16(sum over valid slots, in
+        slot order, of topk_weights * row)`` in FP32, as ``(combined_x, event, hook)``.
+
+        ``packed_recv_count``, ``comp_signal``, ``block_m``, ``threshold`` and ``num_sms`` are the keyword names of
+        SGLang's Hopper single-batch overlap; they are accepted so the call binds, and ``overlap=True`` raises
+        ``NotImplementedError`` (the operator's green-context overlap replaces that scheme)."""
+        workspace = self._low_latency_workspace("low_latency_combine")
+        if use_logfmt:
+            raise _missing("use_logfmt (LogFMT combine)")
+        if zero_copy:
+            raise _missing("zero_copy combine (get_next_low_latency_combine_buffer)")
+        if combine_wait_recv_cost_stats is not None:
+            raise _missing("combine_wait_recv_cost_stats")
+        if overlap or src_signals is not None or comp_signal is not None:
+            raise _missing("single-batch overlap (overlap, src_signals, comp_signal); run SGLang without "
+                           "--enable-single-batch-overlap")
+        combined, hook = _low_latency.combine(workspace, x, topk_idx, topk_weights, handle, out=out,
+                                              async_finish=async_finish, return_recv_hook=return_recv_hook)
+        return combined, _event(async_finish), hook
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Not implemented (rank masking)."""
+        raise _missing("low_latency_update_mask_buffer (rank masking)")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Not implemented (rank masking)."""
+        raise _missing("low_latency_query_mask_buffer (rank masking)")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Not implemented (rank masking)."""
+        raise _missing("low_latency_clean_mask_buffer (rank masking)")
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """Not implemented (zero-copy combine)."""
+        raise _missing("get_next_low_latency_combine_buffer (zero-copy combine)")

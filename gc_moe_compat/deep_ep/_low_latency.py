@@ -1,0 +1,224 @@
+"""DeepEP's low-latency dispatch and combine on the facade's symmetric workspace: argument checks, DeepEP-layout
+outputs, the launches of :mod:`gc_moe_compat.ep_ll`, the receive hooks and the error surfacing.
+
+Errors on the device (a peer that never arrives, a protocol mismatch) land in the workspace's status records. A call
+that is fully synchronous in DeepEP's sense (``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA
+graph capture waits for its kernels and raises them (``DeviceTimeoutError`` / ``DeviceCheckError``); asynchronous,
+hooked and captured calls leave them for the next synchronous call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gc_moe_compat.ep_ll import (
+    FLAG_FP8,
+    FLAG_ROUND_SCALE,
+    FLAG_UE8M0,
+    MAX_EXPERTS,
+    Kernel,
+    LlShape,
+    launch_ll,
+    make_params,
+    raise_for_ll_status,
+    required_bytes,
+)
+from gc_moe_compat.runtime.workspace import SymmetricWorkspace
+
+__all__ = ["LowLatencyHandle", "combine", "dispatch"]
+
+Hook = Callable[[], None]
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus the
+    dispatch's top-k and token count that the combine needs (``src_info`` holds ``token * k + slot``)."""
+
+    topk: int
+    num_tokens: int
+
+    def __new__(cls, items: tuple, topk: int, num_tokens: int) -> LowLatencyHandle:
+        handle = super().__new__(cls, items)
+        handle.topk, handle.num_tokens = topk, num_tokens
+        return handle
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a launch needs besides the kernel: workspace, shape, this call's parameters, and the tensors they point
+    at (held until the receive half has been launched)."""
+
+    workspace: SymmetricWorkspace
+    shape: LlShape
+    num_tokens: int
+    params: object
+    tensors: tuple[torch.Tensor | None, ...]
+
+    def launch(self, kernel: Kernel) -> None:
+        launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens,
+                  torch.cuda.current_stream(self.workspace.device).cuda_stream)
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes or t.dim() != ndim:
+        raise ValueError(f"{name}: must be a {ndim}-D tensor of {' or '.join(map(str, dtypes))}, got "
+                         f"{tuple(t.shape)} {t.dtype}")
+    if t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous on {device} (the buffer's device), got {t.device}, "
+                         f"contiguous={t.is_contiguous()}")
+    if t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name}: must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
+    return t
+
+
+def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_experts: object,
+           topk: int) -> LlShape:
+    ranks = workspace.world_size
+    max_tokens = _int("num_max_dispatch_tokens_per_rank", max_tokens, 1)
+    experts = _int("num_experts", num_experts, 1)
+    if experts % ranks or experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: must be a multiple of the group size {ranks} and <= {MAX_EXPERTS}, got "
+                         f"{experts}")
+    shape = LlShape(ranks, experts, max_tokens, hidden, topk)
+    need, have = required_bytes(shape), workspace.buffer.numel()
+    if need > have:
+        raise ValueError(f"num_rdma_bytes: this call (Tmax={max_tokens}, hidden={hidden}, num_experts={experts}, "
+                         f"topk={topk}, {ranks} ranks) needs {need} bytes, the Buffer has {have}; size it with "
+                         f"Buffer.get_low_latency_rdma_size_hint (which provisions top-k <= 16)")
+    return shape
+
+
+def _finish(call: _Call, synchronous: bool) -> None:
+    if synchronous and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(call.workspace.device).synchronize()
+        raise_for_ll_status(call.workspace.buffer, call.shape.num_ranks)
+
+
+def _receive_half(call: _Call, kernel: Kernel, synchronous: bool) -> Hook:
+    """The receive kernel's launch (DeepEP's hook when ``return_recv_hook``), then the error check of
+    synchronous calls."""
+
+    def receive() -> None:
+        call.launch(kernel)
+        _finish(call, synchronous)
+
+    return receive
+
+
+def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
+             num_experts: int, *, recv_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
+             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool
+             ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor, LowLatencyHandle, Hook | None]:
+    """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``."""
+    device = workspace.device
+    x = _tensor("x", x, (torch.bfloat16,), 2, device)
+    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    num_tokens, hidden = x.shape
+    if topk_idx.shape[0] != num_tokens or topk_idx.shape[1] < 1:
+        raise ValueError(f"topk_idx: must be [num_tokens={num_tokens}, k >= 1], got {tuple(topk_idx.shape)}")
+    group = 512 if use_ue8m0 else 128
+    if hidden % group or hidden == 0:
+        raise ValueError(f"x.shape[1] (hidden): must be a positive multiple of {group}, got {hidden}")
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError("use_ue8m0: needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales), "
+                         f"got use_fp8={use_fp8}, round_scale={round_scale}")
+    shape = _shape(workspace, max_tokens, hidden, num_experts, topk_idx.shape[1])
+    if num_tokens > shape.max_tokens:
+        raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}, "
+                         f"got {num_tokens}")
+    local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
+    if recv_stats is not None:
+        recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (torch.int32,), 1, device)
+        if recv_stats.shape[0] != local:
+            raise ValueError(f"cumulative_local_expert_recv_stats: must have num_experts / group size = {local} "
+                             f"entries, got {recv_stats.shape[0]}")
+    recv_x = torch.empty((local, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                         device=device)
+    scales = None
+    if use_fp8:
+        # Column-major in the last two dimensions (what TMA and DeepGEMM's masked GEMM read), as DeepEP returns them.
+        scales = (torch.empty((local, hidden // 512, slots), dtype=torch.int32, device=device) if use_ue8m0 else
+                  torch.empty((local, hidden // 128, slots), dtype=torch.float32, device=device)).transpose(1, 2)
+    recv_count = torch.empty(local, dtype=torch.int32, device=device)
+    src_info = torch.empty((local, slots), dtype=torch.int32, device=device)
+    layout_range = torch.empty((local, shape.num_ranks), dtype=torch.int64, device=device)
+    call_gen = torch.empty(1, dtype=torch.int64, device=device)
+    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | (FLAG_UE8M0 if use_ue8m0 else 0)
+    params = make_params(
+        shape, num_tokens=num_tokens, idx_bytes=topk_idx.element_size(), flags=flags, x=x.data_ptr(),
+        topk_idx=topk_idx.data_ptr(), recv_x=recv_x.data_ptr(), recv_scales=0 if scales is None else scales.data_ptr(),
+        recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
+        recv_stats=0 if recv_stats is None else recv_stats.data_ptr(), call_gen=call_gen.data_ptr())
+    call = _Call(workspace, shape, num_tokens, params,
+                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, recv_stats, call_gen))
+    call.launch(Kernel.DISPATCH_SEND)
+    receive = _receive_half(call, Kernel.DISPATCH_RECV, synchronous=not (async_finish or return_recv_hook))
+    handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
+                              topk=shape.topk, num_tokens=num_tokens)
+    out = recv_x if scales is None else (recv_x, scales)
+    if return_recv_hook:
+        return out, recv_count, handle, receive
+    receive()
+    return out, recv_count, handle, None
+
+
+def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            handle: object, *, out: torch.Tensor | None, async_finish: bool, return_recv_hook: bool
+            ) -> tuple[torch.Tensor, Hook | None]:
+    """DeepEP ``low_latency_combine`` on ``workspace``: returns ``(combined_x, hook)``."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle: must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
+    src_info, layout_range, max_tokens, hidden, num_experts = handle
+    device = workspace.device
+    shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk)
+    local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
+    x = _tensor("x", x, (torch.bfloat16,), 3, device)
+    if tuple(x.shape) != (local, slots, hidden):
+        raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
+                         f"dispatch's layout), got {tuple(x.shape)}")
+    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    expected = (handle.num_tokens, handle.topk)
+    if tuple(topk_idx.shape) != expected:
+        raise ValueError(f"topk_idx: must be the dispatch's [num_tokens, k] = {list(expected)}, got "
+                         f"{list(topk_idx.shape)}")
+    topk_weights = _tensor("topk_weights", topk_weights, (torch.float32,), 2, device)
+    if tuple(topk_weights.shape) != expected:
+        raise ValueError(f"topk_weights: must be float32 {list(expected)} like topk_idx, got "
+                         f"{list(topk_weights.shape)}")
+    if out is None:
+        out = torch.empty((handle.num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    else:
+        out = _tensor("out", out, (torch.bfloat16,), 2, device)
+        if tuple(out.shape) != (handle.num_tokens, hidden):
+            raise ValueError(f"out: must be [{handle.num_tokens}, {hidden}], got {list(out.shape)}")
+    call_gen = torch.empty(1, dtype=torch.int64, device=device)
+    params = make_params(
+        shape, num_tokens=handle.num_tokens, idx_bytes=topk_idx.element_size(), x=x.data_ptr(),
+        topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), src_info=src_info.data_ptr(),
+        layout_range=layout_range.data_ptr(), out=out.data_ptr(), call_gen=call_gen.data_ptr())
+    call = _Call(workspace, shape, handle.num_tokens, params,
+                 (x, topk_idx, topk_weights, src_info, layout_range, out, call_gen))
+    call.launch(Kernel.COMBINE_SEND)
+    receive = _receive_half(call, Kernel.COMBINE_RECV, synchronous=not (async_finish or return_recv_hook))
+    if return_recv_hook:
+        return out, receive
+    receive()
+    return out, None
+
+
+def check_sizes(workspace: SymmetricWorkspace, max_tokens: int, hidden: int, num_experts: int) -> None:
+    """Raises ``ValueError`` when low-latency calls of these sizes (top-k 1) cannot run on ``workspace``."""
+    if _int("hidden", hidden, 1) % 128:
+        raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
+    _shape(workspace, max_tokens, hidden, num_experts, 1)

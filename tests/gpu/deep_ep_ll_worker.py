@@ -1,0 +1,242 @@
+"""Worker of tests/gpu/test_deep_ep_ll.py: the ``deep_ep`` facade's low-latency dispatch and combine on 1 or 2 ranks
+against the torch references of :mod:`gc_moe_compat.ep_reference`, bit for bit.
+
+Every rank draws every rank's inputs from one seed (so each can build the reference of the whole group) and checks
+its own outputs: ``recv_count``, every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the
+cumulative statistics, and the combine (outputs poisoned with NaN first, expert-output rows past ``recv_count``
+poisoned with NaN so a read of them shows). Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64
+and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, 200 calls with
+fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
+``timeout`` (rank 1 stays away; rank 0 gets DeviceTimeoutError; a new Buffer then works on both ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from two_rank import join, report_pass
+
+import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.ep_reference import combine_reference, ll_quantize, receive_plan
+from gc_moe_compat.runtime.status import DeviceTimeoutError
+
+TMAX, HIDDEN, TOPK = 24, 1024, 4
+
+
+def experts_for(ranks: int) -> int:
+    return 8 * ranks
+
+
+class Inputs:
+    """Every rank's tokens, routing (with -1 holes and repeated experts across tokens) and weights from one seed."""
+
+    def __init__(self, seed: int, ranks: int, tokens: list[int], idx_dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        experts = experts_for(ranks)
+        self.x, self.idx, self.w = [], [], []
+        for t in tokens:
+            self.x.append((torch.randn(t, HIDDEN, generator=gen) * 3).to(torch.bfloat16))
+            idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(t)]) if t else \
+                torch.zeros(0, TOPK, dtype=torch.int64)
+            holes = torch.rand(t, TOPK, generator=gen) < 0.15
+            self.idx.append(torch.where(holes, -1, idx).to(idx_dtype))
+            self.w.append(torch.rand(t, TOPK, generator=gen))
+        self.plan = receive_plan([i.long() for i in self.idx], experts)
+
+
+def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str) -> None:
+    local = count.shape[0]
+    rows = inp.plan.rows[rank]
+    assert count.tolist() == [len(r) for r in rows], (count.tolist(), [len(r) for r in rows])
+    round_scale = mode in ("round", "ue8m0")
+    quant = [ll_quantize(x, round_scale) for x in inp.x]
+    for le in range(local):
+        if not rows[le]:
+            continue
+        src = [s for s, _, _ in rows[le]]
+        tok = [t for _, t, _ in rows[le]]
+        n = len(rows[le])
+        if mode == "bf16":
+            want = torch.stack([inp.x[s][t] for s, t in zip(src, tok, strict=True)])
+            got = recv[le, :n].cpu()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"bf16 rows of expert {le}"
+            continue
+        payload, scales = recv
+        want_q = torch.stack([quant[s][0][t] for s, t in zip(src, tok, strict=True)])
+        want_s = torch.stack([quant[s][1][t] for s, t in zip(src, tok, strict=True)])
+        got_q = payload[le, :n].cpu()
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), f"fp8 rows of expert {le}"
+        if mode == "ue8m0":
+            assert scales.dtype == torch.int32 and scales.shape[-1] == HIDDEN // 512
+            got_bytes = scales[le, :n].cpu().contiguous().view(torch.uint8).view(n, HIDDEN // 128)
+            want_bytes = ((want_s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+            assert torch.equal(got_bytes, want_bytes), f"ue8m0 scales of expert {le}"
+        else:
+            assert scales.stride()[-2:] == (1, scales.shape[1]), f"scales must be column-major, got {scales.stride()}"
+            assert torch.equal(scales[le, :n].cpu(), want_s), f"scales of expert {le}"
+
+
+def expert_outputs(ranks: int, count_lists: list[list[int]], seed: int) -> list[torch.Tensor]:
+    """Every rank's stand-in expert output: random BF16 valid rows, NaN past recv_count."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for counts in count_lists:
+        y = torch.full((len(counts), ranks * TMAX, HIDDEN), float("nan"), dtype=torch.bfloat16)
+        for le, n in enumerate(counts):
+            y[le, :n] = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+        outs.append(y)
+    return outs
+
+
+def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], mode: str,
+             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None) -> None:
+    inp = Inputs(seed, ranks, tokens, idx_dtype)
+    x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
+    hooked, async_ = variant == "hook", variant == "async"
+    recv, count, handle, event, hook = buf.low_latency_dispatch(
+        x, idx, TMAX, experts_for(ranks), cumulative_local_expert_recv_stats=stats, use_fp8=mode != "bf16",
+        round_scale=mode in ("round", "ue8m0"), use_ue8m0=mode == "ue8m0", async_finish=async_,
+        return_recv_hook=hooked)
+    if hooked:
+        assert event.event is None and hook is not None
+        hook()
+    elif async_:
+        event.current_stream_wait()
+    torch.cuda.synchronize()
+    check_dispatch(rank, inp, recv, count, mode)
+    counts = [[len(r) for r in inp.plan.rows[q]] for q in range(ranks)]
+    outs = expert_outputs(ranks, counts, seed + 1)
+    out = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    combined, event, hook = buf.low_latency_combine(outs[rank].cuda(), idx, w, handle, out=out,
+                                                    async_finish=async_, return_recv_hook=hooked)
+    assert combined.data_ptr() == out.data_ptr()
+    if hooked:
+        hook()
+    elif async_:
+        event.current_stream_wait()
+    torch.cuda.synchronize()
+    want = combine_reference(rank, inp.idx[rank].long(), inp.w[rank], outs, inp.plan)
+    assert not combined.isnan().any(), "combine left an element unwritten or read a poisoned row"
+    assert torch.equal(combined.cpu().view(torch.int16), want.view(torch.int16)), (
+        f"combine differs in {(combined.cpu() != want).sum().item()} elements")
+
+
+def suite_modes(rank: int, ranks: int) -> None:
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_for(ranks) // ranks)
+    full = [TMAX] * ranks
+    uneven = [TMAX, 7][:ranks]
+    idle = [0, 11][:ranks] if ranks > 1 else [0]
+    stats = torch.zeros(experts_for(ranks) // ranks, dtype=torch.int32, device="cuda")
+    case = 0
+    for mode in ("plain", "round", "ue8m0", "bf16"):
+        for idx_dtype in (torch.int64, torch.int32):
+            for variant in ("sync", "hook", "async"):
+                for tokens in (full, uneven, idle):
+                    case += 1
+                    run_once(buf, rank, ranks, 1000 + case, tokens, mode, idx_dtype, variant)
+    print(f"rank {rank}: {case} mode cases bit-exact", flush=True)
+
+    # Cumulative statistics over calls.
+    expected = torch.zeros_like(stats)
+    for i in range(3):
+        run_once(buf, rank, ranks, 50 + i, full, "plain", torch.int64, "sync", stats=stats)
+        inp = Inputs(50 + i, ranks, full, torch.int64)
+        expected += torch.tensor([len(r) for r in inp.plan.rows[rank]], dtype=torch.int32, device="cuda")
+    assert torch.equal(stats, expected), (stats.tolist(), expected.tolist())
+    print(f"rank {rank}: cumulative_local_expert_recv_stats = reference", flush=True)
+
+    # Two dispatches in flight (hooks received in call order, after both sends), then both combines.
+    a, b = Inputs(71, ranks, full, torch.int64), Inputs(72, ranks, uneven, torch.int64)
+    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, experts_for(ranks),
+                                  return_recv_hook=True)
+    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, experts_for(ranks),
+                                  return_recv_hook=True)
+    ra[4]()
+    rb[4]()
+    torch.cuda.synchronize()
+    check_dispatch(rank, a, ra[0], ra[1], "plain")
+    check_dispatch(rank, b, rb[0], rb[1], "plain")
+    print(f"rank {rank}: two dispatches in flight bit-exact", flush=True)
+
+    # Many calls with fresh inputs: the generation-tagged, parity-buffered words need no reset.
+    for i in range(200):
+        run_once(buf, rank, ranks, 5000 + i, [TMAX - (i + q) % 5 for q in range(ranks)], "plain", torch.int64,
+                 ("sync", "hook", "async")[i % 3])
+    print(f"rank {rank}: 200 consecutive calls bit-exact", flush=True)
+
+
+def suite_graph(rank: int, ranks: int) -> None:
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    tokens = [TMAX - 3 * q for q in range(ranks)]
+    static = Inputs(1, ranks, tokens, torch.int64)
+    x, idx, w = static.x[rank].cuda(), static.idx[rank].cuda(), static.w[rank].cuda()
+
+    def layer() -> torch.Tensor:
+        recv, _, handle, _, hook = buf.low_latency_dispatch(x, idx, TMAX, experts_for(ranks), use_fp8=False,
+                                                            return_recv_hook=True)
+        hook()
+        combined, _, _ = buf.low_latency_combine(recv * 2, idx, w, handle)
+        return combined
+
+    layer()  # eager warm-up (kernel loads)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for replay in range(100):
+        fresh = Inputs(100 + replay, ranks, tokens, torch.int64)
+        x.copy_(fresh.x[rank])
+        idx.copy_(fresh.idx[rank])
+        w.copy_(fresh.w[rank])
+        graph.replay()
+        if replay % 10 == 0:
+            torch.cuda.synchronize()
+            outs = []
+            for q in range(ranks):
+                y = torch.zeros(experts_for(ranks) // ranks, ranks * TMAX, HIDDEN, dtype=torch.bfloat16)
+                for le, rows in enumerate(fresh.plan.rows[q]):
+                    for i, (s, t, _) in enumerate(rows):
+                        y[le, i] = fresh.x[s][t].float() * 2
+                outs.append(y)
+            want = combine_reference(rank, fresh.idx[rank], fresh.w[rank], outs, fresh.plan)
+            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"graph replay {replay}"
+    print(f"rank {rank}: 100 graph replays with fresh inputs bit-exact", flush=True)
+
+
+def suite_timeout(rank: int, ranks: int) -> None:
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    inp = Inputs(9, ranks, [TMAX] * ranks, torch.int64)
+    if rank == 0:
+        os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = "300"
+        try:
+            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
+        except DeviceTimeoutError as exc:
+            assert "rank 1's token counts" in str(exc), exc
+            print(f"rank 0: missing peer -> DeviceTimeoutError: {exc}", flush=True)
+        else:
+            raise AssertionError("dispatch without the peer did not time out")
+        del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
+    dist.barrier()
+    fresh = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    run_once(fresh, rank, ranks, 10, [TMAX] * ranks, "plain", torch.int64, "sync")
+    print(f"rank {rank}: a new Buffer after the timeout works", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", choices=("modes", "graph", "timeout"), required=True)
+    suite = parser.parse_args().suite
+    rank = join()
+    ranks = dist.get_world_size()
+    {"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout}[suite](rank, ranks)
+    report_pass(rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The ``deep_ep`` facade's low-latency dispatch and combine on H200s, bit for bit against the torch references
+(:mod:`gc_moe_compat.ep_reference`), on one rank and on two (issue 6's ``deep_ep`` swap target).
+
+Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8, power-of-two scales, UE8M0, BF16),
+int64/int32 routing with holes, a rank without tokens, hook and async variants, two dispatches in flight, 200
+consecutive calls, cumulative statistics, a captured CUDA graph replayed with fresh inputs, and (two ranks) a missing
+peer ending in ``DeviceTimeoutError`` followed by a working new Buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+from two_rank import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+WORKER = "deep_ep_ll_worker.py"
+TIMEOUT_S = 400
+
+
+def run_suite(suite: str, nproc: int, *expected: str) -> str:
+    return run_ranks(WORKER, nproc, TIMEOUT_S, *expected, args=("--suite", suite))
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_deep_ep_low_latency_modes(nproc: int) -> None:
+    out = run_suite("modes", nproc, "mode cases bit-exact", "two dispatches in flight bit-exact",
+                    "200 consecutive calls bit-exact", "cumulative_local_expert_recv_stats = reference")
+    assert out.count("200 consecutive calls bit-exact") == nproc
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_deep_ep_low_latency_cuda_graph(nproc: int) -> None:
+    out = run_suite("graph", nproc, "100 graph replays with fresh inputs bit-exact")
+    assert out.count("100 graph replays") == nproc
+
+
+@pytest.mark.multigpu
+def test_deep_ep_low_latency_missing_peer_times_out() -> None:
+    run_suite("timeout", 2, "missing peer -> DeviceTimeoutError", "a new Buffer after the timeout works")
