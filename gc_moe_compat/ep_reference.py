@@ -31,7 +31,8 @@ def ll_quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tenso
     groups = x.float().view(t, h // 128, 128)
     amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
     scale_inv = amax * (1.0 / _E4M3_MAX)
-    scale = _E4M3_MAX / amax
+    # A true FP32 division (``scalar / tensor`` would be torch's reciprocal-then-multiply, rounded twice).
+    scale = torch.full_like(amax, _E4M3_MAX) / amax
     if round_scale:
         bits = scale_inv.view(torch.int32)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)

@@ -68,7 +68,9 @@ def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str)
         want_q = torch.stack([quant[s][0][t] for s, t in zip(src, tok, strict=True)])
         want_s = torch.stack([quant[s][1][t] for s, t in zip(src, tok, strict=True)])
         got_q = payload[le, :n].cpu()
-        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), f"fp8 rows of expert {le}"
+        bad = got_q.view(torch.uint8) != want_q.view(torch.uint8)
+        assert not bad.any(), (f"fp8 rows of expert {le}: {int(bad.sum())} of {bad.numel()} bytes differ, max |diff| "
+                               f"{(got_q.float() - want_q.float()).abs().max().item()}")
         if mode == "ue8m0":
             assert scales.dtype == torch.int32 and scales.shape[-1] == HIDDEN // 512
             got_bytes = scales[le, :n].cpu().contiguous().view(torch.uint8).view(n, HIDDEN // 128)
