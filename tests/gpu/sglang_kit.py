@@ -44,13 +44,13 @@ def source_dir() -> Path:
     return Path(os.environ.get(SOURCE_ENV) or DEFAULT_SOURCE)
 
 
-def missing_sources(root: Path) -> list[str]:
-    """The files of :data:`REAL_MODULES` absent under ``root``."""
-    return [str(root / (m.replace(".", "/") + ".py")) for m in REAL_MODULES
+def missing_sources(root: Path, modules: tuple[str, ...] = REAL_MODULES) -> list[str]:
+    """The files of ``modules`` (default :data:`REAL_MODULES`) absent under ``root``."""
+    return [str(root / (m.replace(".", "/") + ".py")) for m in modules
             if not (root / (m.replace(".", "/") + ".py")).is_file()]
 
 
-class _Env:
+class Env:
     """One ``envs.NAME`` of SGLang: ``.get()`` returns its value."""
 
     def __init__(self, value: object) -> None:
@@ -60,7 +60,7 @@ class _Env:
         return self.value
 
 
-def _never(what: str) -> Callable[..., object]:
+def never(what: str) -> Callable[..., object]:
     def call(*args: object, **kwargs: object) -> object:
         raise AssertionError(f"stub {what} was called: it is not on SGLang's SM90 routed Mega MoE path")
     return call
@@ -68,29 +68,29 @@ def _never(what: str) -> Callable[..., object]:
 
 def stubs(group: dist.ProcessGroup, num_max_tokens_per_rank: int, device_sm: int) -> dict[str, dict[str, object]]:
     """The stand-ins, by module: ``{module: {attribute: value}}``; every one is listed with its reason."""
-    envs = types.SimpleNamespace(**{name: _Env(v) for name, v in DEFAULT_ENVS.items()})
-    envs.SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK = _Env(num_max_tokens_per_rank)
+    envs = types.SimpleNamespace(**{name: Env(v) for name, v in DEFAULT_ENVS.items()})
+    envs.SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK = Env(num_max_tokens_per_rank)
     megamoe_backend = types.SimpleNamespace(is_megamoe=lambda: True)  # the deployment's --moe-a2a-backend megamoe
     parallel = types.SimpleNamespace(moe_ep_group=types.SimpleNamespace(device_group=group))
     return {
         # _device_sm: SGLang computes major*10+minor of the current GPU; the Hopper branch needs 90.
         "sglang.srt.models.deepseek_common.utils": {"_device_sm": device_sm},
         # The SM100 JIT pre-dispatch kernel; the SM90 branch calls deep_gemm.mega_moe_pre_dispatch_sm90 instead.
-        "sglang.kernels.ops.moe.dsv4": {"mega_moe_pre_dispatch": _never("sglang.kernels.ops.moe.dsv4 pre-dispatch")},
+        "sglang.kernels.ops.moe.dsv4": {"mega_moe_pre_dispatch": never("sglang.kernels.ops.moe.dsv4 pre-dispatch")},
         # Environment knobs: SGLang's defaults, the per-rank capacity as the test deploys it.
         "sglang.srt.environ": {"envs": envs},
         # Context-parallel prefill and DP-attention token counts: only should_use_mega_moe reads them (not called).
         "sglang.srt.layers.attention.dsa.utils": {"is_dsa_enable_prefill_cp": lambda: False},
         "sglang.srt.layers.dp_attention": {"get_dp_global_num_tokens": lambda: None},
         # The fused gate (top-k inside the Mega MoE buffer) is an SM100 fp8xfp4 feature; the test routes itself.
-        "sglang.srt.layers.moe.mega_gate": {"run_mega_gate": _never("run_mega_gate"),
+        "sglang.srt.layers.moe.mega_gate": {"run_mega_gate": never("run_mega_gate"),
                                             "should_use_mega_gate": lambda *args, **kwargs: False},
         # --moe-a2a-backend megamoe.
         "sglang.srt.layers.moe.utils": {"get_moe_a2a_backend": lambda: megamoe_backend},
         # CUDA graph capture mode flag: only should_use_mega_moe / forward_mega_moe read it (not called).
         "sglang.srt.model_executor.runner": {"get_is_capture_mode": lambda: False},
         # Vision-token routing of DeepSeek V4.1 VL: part of the gate, not of the routed experts.
-        "sglang.srt.multimodal.dsv41.vl_routing": {"vision_topk": _never("vision_topk")},
+        "sglang.srt.multimodal.dsv41.vl_routing": {"vision_topk": never("vision_topk")},
         # Platform probes: CUDA, Hopper.
         "sglang.srt.utils": {"is_hip": lambda: False, "is_sm100_supported": lambda: False},
         # The process groups: the expert-parallel group is the test's group.
@@ -116,24 +116,32 @@ def _register(name: str, module: types.ModuleType) -> None:
     setattr(_package(parent), child, module)
 
 
-def load(root: Path, group: dist.ProcessGroup, num_max_tokens_per_rank: int,
-         device_sm: int) -> types.SimpleNamespace:
-    """Installs :func:`stubs` and executes the real files under ``root``; returns ``(sm90=..., mega_moe=...)``."""
-    missing = missing_sources(root)
+def exec_real(root: Path, stub_map: dict[str, dict[str, object]], real_modules: tuple[str, ...]
+              ) -> list[types.ModuleType]:
+    """Registers ``stub_map`` (``{module: {attribute: value}}``) as modules, then executes the real files of
+    ``real_modules`` under ``root`` in order; returns the executed modules."""
+    missing = missing_sources(root, real_modules)
     if missing:
         raise FileNotFoundError(f"SGLang {VERSION} sources missing: {missing}")
-    for name, attrs in stubs(group, num_max_tokens_per_rank, device_sm).items():
+    for name, attrs in stub_map.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
         _register(name, module)
     loaded = []
-    for name in REAL_MODULES:
+    for name in real_modules:
         spec = importlib.util.spec_from_file_location(name, root / (name.replace(".", "/") + ".py"))
         module = importlib.util.module_from_spec(spec)
         _register(name, module)
         spec.loader.exec_module(module)
         loaded.append(module)
-    return types.SimpleNamespace(sm90=loaded[0], mega_moe=loaded[1])
+    return loaded
+
+
+def load(root: Path, group: dist.ProcessGroup, num_max_tokens_per_rank: int,
+         device_sm: int) -> types.SimpleNamespace:
+    """Installs :func:`stubs` and executes the real files under ``root``; returns ``(sm90=..., mega_moe=...)``."""
+    sm90, mega_moe = exec_real(root, stubs(group, num_max_tokens_per_rank, device_sm), REAL_MODULES)
+    return types.SimpleNamespace(sm90=sm90, mega_moe=mega_moe)
 
 
 def device_sm() -> int:
