@@ -1,9 +1,10 @@
-"""SGLang 0.5.23's Mega MoE sources from the registry wheel: the call-site test reads them, the SGLang tests run them.
+"""SGLang 0.5.23's sources from the registry wheel: the call-site tests read them, the SGLang tests run them.
 
-The wheel (``sglang==0.5.23``, 38 MB) is downloaded once into ``~/.cache/gc_moe_compat/registry``; only the two
-files of the Mega MoE path are ever read out of it. Nothing from it is committed. ``python tests/sglang_wheel.py
-DEST`` extracts those files under ``DEST/sglang/...`` (``scripts/fetch_device_deps.sh --sglang`` does this into the
-git-ignored ``.carry/``, which the device machine, having no network, gets carried).
+The wheel (``sglang==0.5.23``, 38 MB) is downloaded once into ``~/.cache/gc_moe_compat/registry``; single files are
+read out of it (:func:`read_sources`: the two files of the Mega MoE path by default, any member by its path inside
+the wheel). Nothing from it is committed. ``python tests/sglang_wheel.py DEST`` extracts the :data:`FILES` under
+``DEST/sglang/...`` (``scripts/fetch_device_deps.sh --sglang`` does this into the git-ignored ``.carry/``, which the
+device machine, having no network, gets carried).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 NAME, VERSION = "sglang", "0.5.23"
@@ -55,14 +57,16 @@ def wheel() -> Path:
     return path
 
 
-def read_sources() -> dict[str, str]:
-    """The text of each file of :data:`FILES`, by its path inside the wheel."""
+def read_sources(paths: Iterable[str] = FILES) -> dict[str, str]:
+    """The text of each file of ``paths`` (default :data:`FILES`), by its path inside the wheel
+    (``sglang/srt/...``); ``KeyError`` naming a path the wheel lacks."""
     with zipfile.ZipFile(wheel()) as zf:
-        names = zf.namelist()
+        names = set(zf.namelist())
         found = {}
-        for path in FILES:
-            (member,) = [n for n in names if n.endswith(path)]
-            found[path] = zf.read(member).decode()
+        for path in paths:
+            if path not in names:
+                raise KeyError(f"{path} is not in {NAME}=={VERSION}'s wheel")
+            found[path] = zf.read(path).decode()
     return found
 
 

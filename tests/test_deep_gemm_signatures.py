@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import sglang_wheel
+from signature_kit import KwargsResolver, as_records, bind_error, expected_records, positional_count
 
 import gc_moe_compat.deep_gemm as facade
 
@@ -27,15 +28,6 @@ def _ours(name: str) -> inspect.Signature:
     for part in name.split("."):
         obj = getattr(obj, part)
     return inspect.signature(obj)
-
-
-def _as_records(sig: inspect.Signature) -> list[tuple[str, str, object]]:
-    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
-
-
-def _expected(params: list[dict]) -> list[tuple[str, str, object]]:
-    empty = inspect.Parameter.empty
-    return [(p["name"], p["kind"], empty if p["default"] is None else ast.literal_eval(p["default"])) for p in params]
 
 
 def _python_entries(name: str) -> dict[str, list[dict]]:
@@ -53,16 +45,16 @@ def test_name_exists_in_facade(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(n for n in SIGNATURES["names"] if _python_entries(n)))
 def test_signature_equals_sglang_pin_and_extends_upstream(name: str) -> None:
     entries = _python_entries(name)
-    ours = _as_records(_ours(name))
+    ours = as_records(_ours(name))
     if "." in name:  # a method: drop ``self``
         entries = {pin: params[1:] for pin, params in entries.items()}
         ours = ours[1:] if ours and ours[0][0] == "self" else ours
     # The union of both packages is SGLang's pin where it has the name (a superset of upstream), else upstream.
     reference = entries.get(SGL_PIN, entries.get(UPSTREAM))
-    assert ours == _expected(reference)
+    assert ours == expected_records(reference)
     for params in entries.values():  # every package's parameters are a prefix of ours (same names, order, defaults)
-        assert ours[: len(params)] == _expected(params)
-    for (_, _, default), (_, _, want) in zip(ours, _expected(reference), strict=True):
+        assert ours[: len(params)] == expected_records(params)
+    for (_, _, default), (_, _, want) in zip(ours, expected_records(reference), strict=True):
         assert type(default) is type(want)
 
 
@@ -89,26 +81,13 @@ def sglang_sources() -> dict[str, str]:
         pytest.skip(str(exc))
 
 
-def _kwarg_keys(func: ast.AST, name: str) -> set[str]:
-    """String keys ever put into the dict ``name`` inside ``func`` (literal or ``name["k"] = ...``)."""
-    keys: set[str] = set()
-    for node in ast.walk(func):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
-                    keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
-                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
-                        and target.value.id == name and isinstance(target.slice, ast.Constant)):
-                    keys.add(target.slice.value)
-    return keys
-
-
-def _deep_gemm_calls(source: str) -> list[tuple[str, int, int, set[str]]]:
-    """Every call of a ``deep_gemm`` function: (name, line, positional count, keyword names).
+def _deep_gemm_calls(source: str) -> list[tuple[str, int, int, frozenset[str]]]:
+    """Every call of a ``deep_gemm`` function: (name, line, positional count, keyword names), one entry per set of
+    keyword names the call can pass.
 
     Names come from ``import deep_gemm [as m]`` (``m.name(...)``), ``from deep_gemm import name [as n]`` and a
-    parameter named ``deep_gemm``, scoped to the function they appear in; ``**d`` is resolved to the keys ``d`` is
-    built with.
+    parameter named ``deep_gemm``, scoped to the function they appear in; ``**d`` is resolved to the keys ``d`` can
+    hold (:class:`signature_kit.KwargsResolver`).
     """
     tree = ast.parse(source)
     calls = []
@@ -125,6 +104,7 @@ def _deep_gemm_calls(source: str) -> list[tuple[str, int, int, set[str]]]:
             module_aliases |= {a.arg for a in scope.args.args if a.arg == "deep_gemm"}
         if scope is tree or not (module_aliases or direct):
             continue
+        resolver = KwargsResolver(scope)
         for node in ast.walk(scope):
             if not isinstance(node, ast.Call):
                 continue
@@ -135,12 +115,9 @@ def _deep_gemm_calls(source: str) -> list[tuple[str, int, int, set[str]]]:
                 name = direct[f.id]
             else:
                 continue
-            keywords = {k.arg for k in node.keywords if k.arg is not None}
-            for k in node.keywords:
-                if k.arg is None and isinstance(k.value, ast.Name):
-                    keywords |= _kwarg_keys(scope, k.value.id)
-            calls.append((name, node.lineno, len(node.args), keywords))
-    return sorted(set((n, line, pos, frozenset(kw)) for n, line, pos, kw in calls))
+            npos = positional_count(node)
+            calls += [(name, node.lineno, npos, keywords) for keywords in resolver.call_keywords(node)]
+    return sorted(set(calls), key=lambda c: (c[0], c[1], c[2], sorted(c[3])))
 
 
 def test_sglang_call_sites_bind(sglang_sources: dict[str, str]) -> None:
@@ -148,12 +125,10 @@ def test_sglang_call_sites_bind(sglang_sources: dict[str, str]) -> None:
     for path, source in sglang_sources.items():
         for name, line, npos, keywords in _deep_gemm_calls(source):
             seen.add(name)
-            fn = getattr(facade, name)
-            try:
-                inspect.signature(fn).bind(*[object()] * npos, **dict.fromkeys(keywords, object()))
-            except TypeError as exc:
+            error = bind_error(inspect.signature(getattr(facade, name)), npos, keywords)
+            if error is not None:
                 pytest.fail(f"{path}:{line}: deep_gemm.{name}({npos} positional, {sorted(keywords)}) does not bind: "
-                            f"{exc}")
+                            f"{error}")
     assert {"fp8_mega_moe", "mega_moe_pre_dispatch_sm90", "fp8_fp4_mega_moe", "get_symm_buffer_for_mega_moe",
             "get_block_m_for_mega_moe", "transform_sf_into_required_layout", "transform_weights_for_mega_moe",
             "get_num_sms", "set_num_sms", "mega_moe_pre_dispatch"} <= seen
