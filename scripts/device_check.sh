@@ -17,9 +17,9 @@ PY="${PYTHON:-python3}"
 # Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
 BENCHES=(runtime_sm90 gemm_sm90)
 # Benchmarks that need two GPUs: run by default only where there are two.
-BENCHES_X2=(operator_sm90)
+BENCHES_X2=(operator_sm90 deep_ep_ll)
 # Result names that are not the script name (two-rank benchmarks name their world size).
-declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2)
+declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
 run_tests=1 run_bench=1 picked=() pytest_k=()
 while (($#)); do
