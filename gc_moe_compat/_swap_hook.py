@@ -88,13 +88,11 @@ def _facade_exists(name: str) -> bool:
 
 
 def _resolve(fullname: str) -> ModuleType:
-    """The module a swapped ``fullname`` stands for: the facade's, else the original's submodule."""
+    """The module a swapped ``fullname`` stands for: the facade's (every name of :data:`MODULES` has one), else the
+    original's submodule."""
     from gc_moe_compat import originals
 
     top, _, rest = fullname.partition(".")
-    if not _facade_exists(top):
-        raise ImportError(f"{ENV}={os.environ.get(ENV, '')} swaps {top}, but its facade {FACADE_PREFIX}{top} is not "
-                          f"implemented yet; use {ENV}=deep_gemm to swap deep_gemm only", name=fullname)
     if not rest or _facade_exists(fullname):
         return importlib.import_module(FACADE_PREFIX + fullname)
     try:

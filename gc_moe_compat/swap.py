@@ -8,11 +8,11 @@ is covered.
 
 Behaviour:
 
-* Swapped ``deep_gemm`` and its submodules come from :mod:`gc_moe_compat.deep_gemm` where the facade has them
-  (``deep_gemm``, ``deep_gemm.mega``); other submodules are the real package's, loaded by
-  :mod:`gc_moe_compat.originals`, which also keeps the originals importable for A/B.
-* Swapped ``deep_ep`` needs ``gc_moe_compat.deep_ep``, which does not exist yet: importing it raises ImportError
-  saying so (use ``GC_MOE_SWAP=deep_gemm`` meanwhile). The check is live, so the facade works once it lands.
+* A swapped module and its submodules come from its facade where the facade has them (:mod:`gc_moe_compat.deep_gemm`:
+  ``deep_gemm``, ``deep_gemm.mega``; :mod:`gc_moe_compat.deep_ep`: ``deep_ep``); other submodules are the real
+  package's, loaded by :mod:`gc_moe_compat.originals`, which also keeps the originals importable for A/B. Names
+  outside a facade are forwarded to the original; without one they raise ``MissingOriginalError`` (an
+  ``AttributeError``) naming the package that provides them.
 * A bad value does not break interpreters that never touch the two packages (pip, tools): importing ``deep_gemm``
   or ``deep_ep`` then raises :class:`SwapConfigError` (a RuntimeError, so an ``except ImportError`` probe cannot
   silently fall back to the original), and ``--check`` reports it with exit status 2.

@@ -7,6 +7,7 @@ variable at interpreter start exactly as a serving process does. A tiny stand-in
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from gc_moe_compat.swap import MODULES
+
 FACADE = "gc_moe_compat.deep_gemm"
+EP_FACADE = "gc_moe_compat.deep_ep"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,8 @@ def originals_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (pkg / "_impl.py").write_text("def fp8_gemm_nt(a, b, d):\n    return 'original fp8_gemm_nt'\n")
     (pkg / "utils.py").write_text("from . import _impl\nWHO = 'original utils'\n")
     (root / "deep_ep").mkdir()
-    (root / "deep_ep" / "__init__.py").write_text("ORIGINAL = True\n")
+    (root / "deep_ep" / "__init__.py").write_text(
+        "ORIGINAL = True\nclass ElasticBuffer:\n    WHO = 'original ElasticBuffer'\n")
     return root
 
 
@@ -86,19 +91,52 @@ def test_swap_one_deep_gemm_leaves_deep_ep(originals_dir: Path) -> None:
     assert out.split() == [FACADE, "True"]
 
 
-def test_swap_deep_ep_has_no_facade_yet(originals_dir: Path) -> None:
+def test_every_swappable_module_has_a_facade() -> None:
+    """The hook maps each name of MODULES to ``gc_moe_compat.<name>`` unconditionally (no "missing facade" path)."""
+    assert all(importlib.util.find_spec(f"gc_moe_compat.{name}") is not None for name in MODULES)
+
+
+@pytest.mark.parametrize("swap", ["1", "deep_ep"])
+def test_deep_ep_swapped_with_original_beside(originals_dir: Path, swap: str) -> None:
     out = _ok("""
-        import deep_gemm
-        print(deep_gemm.ORIGINAL)
+        import sys
+        import deep_ep
+        from deep_ep import Buffer, Config
+        import gc_moe_compat.deep_ep as facade
+        from gc_moe_compat import originals
+        print(deep_ep.__name__, deep_ep is facade, Buffer is facade.Buffer, Config is facade.Config)
+        print(Buffer.__module__, Config.__module__)
+        original = originals.load('deep_ep')
+        print(deep_ep.ElasticBuffer.WHO.replace(' ', '_'), deep_ep.ElasticBuffer is original.ElasticBuffer)
+        print(original.ORIGINAL, sys.modules['deep_ep'] is deep_ep)
+    """, swap, originals_dir)
+    assert out.split() == [
+        EP_FACADE, "True", "True", "True",
+        f"{EP_FACADE}._buffer", f"{EP_FACADE}._config",
+        "original_ElasticBuffer", "True",
+        "True", "True",
+    ]
+
+
+def test_swap_one_deep_ep_leaves_deep_gemm(originals_dir: Path) -> None:
+    out = _ok("import deep_gemm, deep_ep; print(deep_ep.__name__, deep_gemm.ORIGINAL)", "deep_ep", originals_dir)
+    assert out.split() == [EP_FACADE, "True"]
+
+
+def test_deep_ep_forwarding_without_original() -> None:
+    out = _ok("""
+        import deep_ep
+        from deep_ep import Buffer, MissingOriginalError
+        print(deep_ep.__name__, Buffer.__module__, hasattr(deep_ep, 'ElasticBuffer'))
         try:
-            import deep_ep
-        except ImportError as exc:
-            print(type(exc).__name__, '|', exc)
-    """, "deep_ep", originals_dir)
-    assert out.startswith("True\nImportError | GC_MOE_SWAP=deep_ep swaps deep_ep, but its facade gc_moe_compat.deep_ep "
-                          "is not implemented yet")
-    proc = _run("import deep_ep", "1", originals_dir)
-    assert proc.returncode == 1 and "gc_moe_compat.deep_ep is not implemented yet" in proc.stderr
+            deep_ep.ElasticBuffer
+        except MissingOriginalError as exc:
+            print(type(exc).__name__, isinstance(exc, AttributeError), '|', exc)
+    """, "deep_ep")
+    lines = out.splitlines()
+    assert lines[0] == f"{EP_FACADE} {EP_FACADE}._buffer False"
+    assert lines[1].startswith("MissingOriginalError True | deep_ep.ElasticBuffer is not part of gc-moe-compat's ")
+    assert "no original deep_ep could be loaded" in lines[1] and "sgl-deep-ep==0.1.2.post1" in lines[1]
 
 
 def test_forwarding_without_original() -> None:
@@ -163,3 +201,14 @@ def test_check_command(originals_dir: Path) -> None:
     assert lines[2].startswith(f"deep_gemm: GC-MoE facade {FACADE} (")
     assert lines[2].endswith(f"original: {originals_dir / 'deep_gemm' / '__init__.py'}")
     assert lines[3] == f"deep_ep: original ({originals_dir / 'deep_ep' / '__init__.py'})"
+
+
+def test_check_command_both(originals_dir: Path) -> None:
+    env = {**os.environ, "GC_MOE_SWAP": "1", "PYTHONPATH": str(originals_dir)}
+    proc = subprocess.run([sys.executable, "-m", "gc_moe_compat.swap", "--check"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "hook: installed, swapping deep_gemm, deep_ep"
+    assert lines[3].startswith(f"deep_ep: GC-MoE facade {EP_FACADE} (")
+    assert lines[3].endswith(f"original: {originals_dir / 'deep_ep' / '__init__.py'}")
