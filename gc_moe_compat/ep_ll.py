@@ -3,10 +3,11 @@
 DeepEP's low-latency mode moves decode tokens in two halves per direction, each its own kernel so that a caller can
 split them with ``return_recv_hook`` exactly as with DeepEP:
 
-* dispatch send: one warp per global expert walks this rank's ``topk_idx`` in (token, slot) order, quantizes each
-  routed token to FP8 E4M3 with FP32 1x128 scales (DeepEP's rule, optional power-of-two scales) or keeps it BF16,
-  and stores it into the owner rank's receive stage ``[parity][local expert][source rank][slot]`` (a peer store
-  over NVLink), then publishes ``(generation << 32) | count`` for that (expert, source) pair;
+* dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
+  rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
+  owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
+  earlier (token, slot) entries with that expert; the grid's last CTA then publishes ``(generation << 32) | rows``
+  for every (expert, source) pair;
 * dispatch receive: waits for the counts of every source, packs the stage rows into DeepEP's layout
   (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` / ``layout_range``);
 * combine send: stores every received row of the expert output ``x`` into its source rank's combine stage
@@ -39,6 +40,7 @@ __all__ = [
     "HEADER_BYTES",
     "HINT_TOPK",
     "MAX_EXPERTS",
+    "MAX_TOPK",
     "SOURCE",
     "THREADS",
     "UNIT_ROWS",
@@ -60,6 +62,8 @@ UNIT_ROWS = 4
 """Rows one warp moves per work unit in the receive and combine-send kernels."""
 MAX_EXPERTS = 1024
 """Global experts the fixed count table holds (per parity)."""
+MAX_TOPK = 32
+"""Routing slots per token the dispatch send kernel holds."""
 HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
@@ -194,10 +198,10 @@ def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: i
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int) -> int:
-    """CTAs of one launch: a warp per global expert (dispatch send), per (local expert, source, row unit) (dispatch
+    """CTAs of one launch: a CTA per token (dispatch send), a warp per (local expert, source, row unit) (dispatch
     receive, combine send) or per (token, 256 columns) (combine receive); at least one, at most :data:`MAX_SMS`."""
     if kernel is Kernel.DISPATCH_SEND:
-        warps = shape.num_experts
+        return max(1, min(MAX_SMS, num_tokens))
     elif kernel is Kernel.COMBINE_RECV:
         warps = num_tokens * -(-shape.hidden // 256)
     else:

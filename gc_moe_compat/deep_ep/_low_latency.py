@@ -19,6 +19,7 @@ from gc_moe_compat.ep_ll import (
     FLAG_ROUND_SCALE,
     FLAG_UE8M0,
     MAX_EXPERTS,
+    MAX_TOPK,
     Kernel,
     LlShape,
     launch_ll,
@@ -125,8 +126,9 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
     num_tokens, hidden = x.shape
-    if topk_idx.shape[0] != num_tokens or topk_idx.shape[1] < 1:
-        raise ValueError(f"topk_idx: must be [num_tokens={num_tokens}, k >= 1], got {tuple(topk_idx.shape)}")
+    if topk_idx.shape[0] != num_tokens or not 1 <= topk_idx.shape[1] <= MAX_TOPK:
+        raise ValueError(f"topk_idx: must be [num_tokens={num_tokens}, k] with 1 <= k <= {MAX_TOPK}, got "
+                         f"{tuple(topk_idx.shape)}")
     group = 512 if use_ue8m0 else 128
     if hidden % group or hidden == 0:
         raise ValueError(f"x.shape[1] (hidden): must be a positive multiple of {group}, got {hidden}")

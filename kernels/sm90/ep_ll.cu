@@ -12,9 +12,10 @@
 //   combine stage [2][Tmax][k] BF16 rows, on the tokens' source rank
 //
 // Ordering (n = the call's generation, p = n & 1):
-//  * dispatch send, warp per global expert e (owner rank r): waits (bounded) until consumed[0][p] on r >= n - 2, so
-//    the stage it overwrites was read; stores the rows (peer stores), fence.sys, __syncwarp, then lane 0 stores
-//    counts[le*P + own][p] = (n << 32) | rows on r with st.release.sys.
+//  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
+//    overwrites were read; stores the token's row for each slot into the slot owner's stage (peer stores) at the row
+//    given by the earlier entries with that expert. The grid's last CTA (fences around the arrival atomic: every
+//    CTA's rows precede it) stores counts[le*P + own][p] = (n << 32) | rows on every owner with st.release.sys.
 //  * dispatch receive: a warp acquires the counts of every source of its local expert (ld.acquire.sys, wait until
 //    the tag reaches n; a later tag is a protocol error) and __syncwarp()s before any lane reads the stage. The grid's
 //    last CTA (fence.sys before and after the arrival atomic) stores consumed[0][p] = n with st.release.sys.
@@ -47,6 +48,10 @@ typedef unsigned char u8;
 constexpr u32 kThreads = 256;
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kCombineColumns = 256;  // combine receive: one warp, 8 BF16 columns (16 bytes) per lane
+constexpr u32 kCombineUnroll = 4;     // combine receive: slots' loads in flight per lane
+constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
+constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
+constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
 enum LlKernel : u32 { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 
@@ -134,43 +139,33 @@ __device__ __forceinline__ u32 fp8x4(float a, float b, float c, float d) {
     return q0 | q1 << 8 | q2 << 16 | q3 << 24;
 }
 
-// One warp stores token t (slot k) into a receive-stage row: (t, k), then the BF16 row or its FP8 quantization.
-// FP8: each lane holds 8 columns per step, so a 128-column scale group is a half warp (shuffles within 16 lanes).
-__device__ __forceinline__ void stage_row(const EpLlParams& p, u8* row, u32 t, u32 k, u32 lane) {
-    if (lane == 0) *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(k), 0, 0);
-    const u32 vecs = p.hidden / 8;
-    const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
-    if (!(p.flags & gc_moe::kLlFp8)) {
-        uint4* dst = reinterpret_cast<uint4*>(row + 16);
-        for (u32 v = lane; v < vecs; v += 32) dst[v] = __ldg(src + v);
-        return;
-    }
-    u8* payload = row + 16;
-    float* scales = reinterpret_cast<float*>(row + 16 + p.hidden);
-    for (u32 v0 = 0; v0 < vecs; v0 += 32) {
-        const u32 v = v0 + lane;
-        const bool valid = v < vecs;  // vecs is a multiple of 16: a half warp is all valid or all not
-        const uint4 raw = valid ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
-        const float f[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                            bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
-        float amax = 1e-4f;
+// The E4M3 quantization of one 16-byte vector (8 BF16 columns) of a row, DeepEP's rule. Each lane holds 8 columns,
+// so a 128-column scale group is a half warp: the amax is reduced over 16 lanes (every lane must call this).
+__device__ __forceinline__ uint2 quantize_vector(const uint4 raw, bool round_scale, float& scale_inv) {
+    const float f[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
+                        bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+    float amax = 1e-4f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
 #pragma unroll
-        for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-        float scale, scale_inv;
-        fp8_scales(amax, p.flags & gc_moe::kLlRoundScale, scale, scale_inv);
-        if (valid) {
-            *reinterpret_cast<uint2*>(payload + static_cast<u64>(v) * 8) =
-                make_uint2(fp8x4(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale),
-                           fp8x4(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale));
-            if (v % 16 == 0) scales[v / 16] = scale_inv;
-        }
-    }
+    for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
+    float scale;
+    fp8_scales(amax, round_scale, scale, scale_inv);
+    return make_uint2(fp8x4(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale),
+                      fp8x4(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale));
 }
 
+// A warp copies `count` 16-byte vectors with kCopyUnroll loads in flight per lane (all loads, then all stores).
 __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, u32 count, u32 lane) {
-    for (u32 v = lane; v < count; v += 32) dst[v] = src[v];
+    for (u32 v0 = lane; v0 < count; v0 += 32 * kCopyUnroll) {
+        uint4 r[kCopyUnroll];
+#pragma unroll
+        for (u32 i = 0; i < kCopyUnroll; ++i)
+            if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
+#pragma unroll
+        for (u32 i = 0; i < kCopyUnroll; ++i)
+            if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
+    }
 }
 
 __device__ __forceinline__ u32 warp_sum(u32 v) {
@@ -183,38 +178,92 @@ __device__ __forceinline__ u32 warp_sum(u32 v) {
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send(const PeerTable pt,
                                                                              const EpLlParams p) {
+    __shared__ int slot_expert[kMaxTopk];  // the current token's experts
+    __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
+    __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null for an unused slot)
+    __shared__ u32 rows_of[kMaxExperts];   // last CTA: rows per global expert
     KernelStatus* status = status_of(pt, p, kDispatchSend);
     u64* seq = word(pt, p.off_seq);
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
-    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
+    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
-    const u32 entries = p.num_tokens * p.topk;
-    for (u32 e = blockIdx.x * kWarps + threadIdx.x / 32; e < p.num_experts; e += gridDim.x * kWarps) {
-        const u32 owner = e / p.local_experts, le = e % p.local_experts;
-        if (!wait_consumed(pt, p, owner, 0, gen, status)) continue;  // count left unpublished: the owner reports
-        const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
-        u8* stage = peer_ptr<u8>(pt, owner, p.off_recv_stage + list * p.row_stride);
-        u32 rows = 0;
-        for (u32 f0 = 0; f0 < entries; f0 += 32) {
-            const u32 f = f0 + lane;
-            u32 hits = __ballot_sync(~0u, f < entries && routed_expert(p, f) == static_cast<long long>(e));
-            while (hits) {
-                const u32 entry = f0 + __ffs(hits) - 1;
-                hits &= hits - 1;
-                stage_row(p, stage + static_cast<u64>(rows) * p.row_stride, entry / p.topk, entry % p.topk, lane);
-                ++rows;
+    const u32 k_slots = p.topk, entries = p.num_tokens * p.topk, vecs = p.hidden / 8;
+    const bool fp8 = p.flags & gc_moe::kLlFp8, round_scale = p.flags & gc_moe::kLlRoundScale;
+    // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied).
+    bool ok = true;
+    for (u32 q = threadIdx.x; q < ranks && gen > 2; q += kThreads) {
+        const u64* flag = peer_ptr<u64>(pt, q, p.off_consumed + (0 * 2 + parity) * 8);
+        ok = wait_flag(flag, gen - 2, p, status, gc_moe::kLlSiteConsumed << 16 | q) && ok;
+    }
+    ok = __syncthreads_and(ok);
+    for (u32 t = blockIdx.x; ok && t < p.num_tokens; t += gridDim.x) {
+        if (threadIdx.x < k_slots) {
+            slot_expert[threadIdx.x] = static_cast<int>(routed_expert(p, t * k_slots + threadIdx.x));
+            slot_row[threadIdx.x] = 0;
+        }
+        __syncthreads();
+        // Entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot) order.
+        for (u32 f = threadIdx.x; f < (t + 1) * k_slots; f += kThreads) {
+            const long long e = routed_expert(p, f);
+            for (u32 k = 0; k < k_slots; ++k)
+                if (e >= 0 && e == slot_expert[k] && f < t * k_slots + k) atomicAdd(&slot_row[k], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < k_slots) {
+            const int e = slot_expert[threadIdx.x];
+            u8* row = nullptr;
+            if (e >= 0) {
+                const u32 owner = static_cast<u32>(e) / p.local_experts, le = static_cast<u32>(e) % p.local_experts;
+                const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
+                row = peer_ptr<u8>(pt, owner, p.off_recv_stage + (list + slot_row[threadIdx.x]) * p.row_stride);
+                *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x), 0, 0);
+            }
+            slot_dst[threadIdx.x] = row;
+        }
+        __syncthreads();
+        // The row, read once: a warp per 32-vector block (two scale groups), each vector stored to every slot's row.
+        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
+        for (u32 v0 = warp * 32; v0 < vecs; v0 += kThreads) {
+            const u32 v = v0 + lane;
+            const bool valid = v < vecs;  // vecs is a multiple of 16: a half warp is all valid or all not
+            const uint4 raw = valid ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
+            if (!fp8) {
+                for (u32 k = 0; k < k_slots; ++k)
+                    if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k] + 16)[v] = raw;
+                continue;
+            }
+            float scale_inv;
+            const uint2 q = quantize_vector(raw, round_scale, scale_inv);
+            for (u32 k = 0; k < k_slots; ++k) {
+                u8* row = slot_dst[k];
+                if (!valid || row == nullptr) continue;
+                reinterpret_cast<uint2*>(row + 16)[v] = q;
+                if (v % 16 == 0) reinterpret_cast<float*>(row + 16 + p.hidden)[v / 16] = scale_inv;
             }
         }
-        __threadfence_system();
-        __syncwarp();
-        if (lane == 0) {
-            u64* count = peer_ptr<u64>(pt, owner, p.off_counts + ((le * ranks + own) * 2 + parity) * 8);
-            gc_moe::st_release_sys(count, gen << 32 | rows);
-        }
+        __syncthreads();  // slot_* are rewritten for the next token
     }
-    if (last_cta(word(pt, p.off_arrive + (kDispatchSend * 2 + parity) * 8)) && threadIdx.x == 0) {
-        *seq = gen;
-        *reinterpret_cast<u64*>(p.call_gen) = gen;
+    // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows).
+    if (last_cta(word(pt, p.off_arrive + (kDispatchSend * 2 + parity) * 8))) {
+        for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
+        __syncthreads();
+        for (u32 f = threadIdx.x; f < entries; f += kThreads) {
+            const long long e = routed_expert(p, f);
+            if (e >= 0 && e < p.num_experts) atomicAdd(&rows_of[e], 1u);
+        }
+        __syncthreads();
+        // A CTA that failed its wait wrote no rows: leave the counts unpublished so that the owners report it too.
+        if (*reinterpret_cast<volatile u32*>(&status->code) == gc_moe::kStatusOk) {
+            for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) {
+                const u32 owner = e / p.local_experts, le = e % p.local_experts;
+                u64* count = peer_ptr<u64>(pt, owner, p.off_counts + ((le * ranks + own) * 2 + parity) * 8);
+                gc_moe::st_release_sys(count, gen << 32 | rows_of[e]);
+            }
+        }
+        if (threadIdx.x == 0) {
+            *seq = gen;
+            *reinterpret_cast<u64*>(p.call_gen) = gen;
+        }
     }
 }
 
@@ -317,9 +366,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(
             const u64 slot = static_cast<u64>(le) * slots + before + j;
             const u32 origin = static_cast<u32>(reinterpret_cast<const int*>(p.src_info)[slot]);
             const u64 dst_row = (static_cast<u64>(parity) * p.max_tokens + origin / p.topk) * p.topk + origin % p.topk;
-            uint4* dst = peer_ptr<uint4>(pt, src, p.off_combine_stage + dst_row * 2 * p.hidden);
-            const uint4* from = reinterpret_cast<const uint4*>(p.x) + slot * row_vecs;
-            for (u32 v = lane; v < row_vecs; v += 32) dst[v] = __ldg(from + v);
+            copy_vectors(peer_ptr<uint4>(pt, src, p.off_combine_stage + dst_row * 2 * p.hidden),
+                         reinterpret_cast<const uint4*>(p.x) + slot * row_vecs, row_vecs, lane);
         }
     }
     if (last_cta(word(pt, p.off_arrive + (kCombineSend * 2 + parity) * 8))) {
@@ -356,16 +404,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
         if (col >= p.hidden) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (u32 k = 0; k < p.topk; ++k) {
-            if (routed_expert(p, t * p.topk + k) < 0) continue;
-            const float w = reinterpret_cast<const float*>(p.topk_weights)[t * p.topk + k];
-            const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
-            const uint4 v = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
-            const float f[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
-                                bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
-            // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it bit for bit.
+        for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
+            uint4 v[kCombineUnroll];
+            float w[kCombineUnroll];
+            bool used[kCombineUnroll];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, f[j]));
+            for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
+                const u32 k = k0 + i;
+                used[i] = k < p.topk && routed_expert(p, t * p.topk + k) >= 0;
+                if (used[i]) {
+                    w[i] = reinterpret_cast<const float*>(p.topk_weights)[t * p.topk + k];
+                    const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
+                    v[i] = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
+                }
+            }
+#pragma unroll
+            for (u32 i = 0; i < kCombineUnroll; ++i) {
+                if (!used[i]) continue;
+                const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
+                                    bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
+                // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it.
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w[i], f[j]));
+            }
         }
         __nv_bfloat162 out[4];
 #pragma unroll
