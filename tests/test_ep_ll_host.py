@@ -1,0 +1,190 @@
+"""The low-latency EP kernels (kernels/sm90/ep_ll.cu) on the host: nvcc builds, the generated parameter struct, the
+workspace arithmetic the kernels index with, the launch grids and the status records."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nvcc_mark import needs_nvcc
+
+from gc_moe_compat import ep_ll
+from gc_moe_compat.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
+from gc_moe_compat.runtime.workspace import MAX_RANKS
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
+
+
+@needs_nvcc
+def test_ep_ll_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All four kernels build for sm_90a: no stack frame, no spills, one 256-thread CTA fits an SM's registers, and
+    the static shared memory (the grid-arrival flag) stays far under the 48 KiB static limit."""
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    resources = jit.compile_cubin(ep_ll.SOURCE).resources
+    assert set(resources) == set(ep_ll._NAMES.values())
+    for name, res in resources.items():
+        assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
+        assert res.registers * THREADS <= 65536, name
+        assert res.shared_bytes < 48 * 1024, name
+
+
+def test_params_header_is_generated_from_the_ctypes_struct() -> None:
+    """The block between the markers is :func:`ep_ll.params_header` (up to blank lines before the end marker)."""
+    text = HEADER.read_text()
+    assert text.count("// BEGIN GENERATED\n") == 1 and text.count("// END GENERATED") == 1
+    block = text.split("// BEGIN GENERATED\n")[1].split("// END GENERATED")[0]
+    assert block.rstrip("\n") == ep_ll.params_header().rstrip("\n")
+
+
+def test_params_struct_layout() -> None:
+    """Every field at its natural C offset, no hidden padding (the static_assert in the header pins the size)."""
+    offset = 0
+    for name, kind in ep_ll.EpLlParams._fields_:
+        size = ctypes.sizeof(kind)
+        offset = -(-offset // size) * size
+        assert getattr(ep_ll.EpLlParams, name).offset == offset, name
+        offset += size
+    assert ctypes.sizeof(ep_ll.EpLlParams) == -(-offset // 8) * 8 == 200
+    assert f"sizeof(EpLlParams) == {ctypes.sizeof(ep_ll.EpLlParams)}" in HEADER.read_text()
+
+
+def _constants(pattern: str) -> dict[str, int]:
+    return {m[0]: int(m[1]) for m in re.findall(pattern, HEADER.read_text())}
+
+
+def test_header_flags_and_sites_equal_the_host() -> None:
+    """The hand-written constants: the header's flag bits and status sites, the kernel file's CTA size, table
+    bounds and kernel indices (status record / arrival counter), as the host packs and names them."""
+    flags = _constants(r"constexpr unsigned int (kLl\w+) = (\d+)u;")
+    assert flags == {"kLlFp8": ep_ll.FLAG_FP8, "kLlRoundScale": ep_ll.FLAG_ROUND_SCALE, "kLlUe8m0": ep_ll.FLAG_UE8M0}
+    sites = _constants(r"(kLlSite\w+) = (\d+),")
+    assert sites == {"kLlSiteConsumed": ep_ll._SITE_CONSUMED, "kLlSiteCount": ep_ll._SITE_COUNT,
+                     "kLlSiteCountAhead": ep_ll._SITE_COUNT_AHEAD, "kLlSiteReady": ep_ll._SITE_READY,
+                     "kLlSiteReadyAhead": ep_ll._SITE_READY_AHEAD}
+    source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
+    assert f"constexpr u32 kThreads = {THREADS};" in source
+    assert f"constexpr u32 kMaxTopk = {ep_ll.MAX_TOPK};" in source
+    assert f"constexpr u32 kMaxExperts = {MAX_EXPERTS};" in source
+    for kernel, name in ep_ll._NAMES.items():  # the status record / arrival index of each kernel
+        assert f"void __launch_bounds__(kThreads, 1) {name}(" in source
+        camel = "k" + "".join(part.title() for part in kernel.name.split("_"))
+        assert f"{camel} = {int(kernel)}" in source, camel
+
+
+def test_header_regions_do_not_overlap() -> None:
+    """The fixed header: seq u64[2], arrive u64[4][2], consumed u64[2][2], ready u64[MAX_RANKS][2], four status
+    records, counts u64[MAX_EXPERTS][2], in this order without overlap."""
+    regions = [(ep_ll._SEQ, 2 * 8), (ep_ll._ARRIVE, 4 * 2 * 8), (ep_ll._CONSUMED, 2 * 2 * 8),
+               (ep_ll._READY, MAX_RANKS * 2 * 8), (ep_ll._STATUS, 4 * ctypes.sizeof(KernelStatus)),
+               (ep_ll._COUNTS, MAX_EXPERTS * 2 * 8)]
+    for (start, size), (next_start, _) in zip(regions, regions[1:], strict=False):
+        assert start % 8 == 0 and start + size <= next_start
+    assert regions[-1][0] + regions[-1][1] == HEADER_BYTES == 18432
+
+
+shapes = st.builds(
+    lambda ranks, local, tmax, groups, k: LlShape(ranks, ranks * local, tmax, 128 * groups, k),
+    st.integers(1, 8), st.integers(1, 32), st.integers(1, 512), st.integers(1, 64), st.integers(1, 16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes)
+def test_shape_arithmetic(shape: LlShape) -> None:
+    """Receive stage ``[2][E][Tmax]`` rows of ``16 + 2H`` bytes (an FP8 row and its FP32 1x128 scales fit in the
+    BF16 row's bytes), then the combine stage ``[2][Tmax][k]`` BF16 rows; every row 16-byte aligned."""
+    e, t, h, k = shape.num_experts, shape.max_tokens, shape.hidden, shape.topk
+    assert shape.local_experts * shape.num_ranks == e
+    assert shape.row_stride == 16 + 2 * h and h + 4 * (h // 128) <= 2 * h
+    assert shape.recv_stage_offset == HEADER_BYTES
+    assert shape.recv_stage_bytes == 2 * e * t * shape.row_stride
+    assert shape.combine_stage_offset == HEADER_BYTES + shape.recv_stage_bytes
+    assert shape.combine_stage_bytes == 2 * t * k * 2 * h
+    assert ep_ll.required_bytes(shape) == HEADER_BYTES + 2 * e * t * (16 + 2 * h) + 4 * t * k * h
+    for offset in (shape.recv_stage_offset, shape.combine_stage_offset, shape.row_stride, 2 * h):
+        assert offset % 16 == 0
+
+
+def test_required_bytes_example() -> None:
+    """DeepSeek-V3 decode on 8 ranks: 256 experts, Tmax 128, H 7168, top-8."""
+    shape = LlShape(8, 256, 128, 7168, 8)
+    assert ep_ll.required_bytes(shape) == 18432 + 2 * 256 * 128 * 14352 + 2 * 128 * 8 * 14336 == 969_951_232
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes, st.integers(0, 512))
+def test_ll_grid_bounds(shape: LlShape, num_tokens: int) -> None:
+    """At least one CTA, at most MAX_SMS; dispatch send has a CTA per token, the others a warp per work unit (8 per
+    CTA), up to the cap, and no CTA without work below it."""
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens) == max(1, min(MAX_SMS, num_tokens))
+    warps = {Kernel.DISPATCH_RECV: shape.num_experts * -(-shape.max_tokens // UNIT_ROWS),
+             Kernel.COMBINE_SEND: shape.num_experts * -(-shape.max_tokens // UNIT_ROWS),
+             Kernel.COMBINE_RECV: num_tokens * -(-shape.hidden // 256)}
+    for kernel, units in warps.items():
+        grid = ep_ll.ll_grid(kernel, shape, num_tokens)
+        assert 1 <= grid <= MAX_SMS
+        assert grid == MAX_SMS or grid * (THREADS // 32) >= units, kernel
+        assert grid == 1 or (grid - 1) * (THREADS // 32) < units, kernel  # no CTA without work below the cap
+
+
+def test_ll_grid_examples() -> None:
+    shape = LlShape(2, 256, 128, 7168, 8)
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == 128
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 0) == 1
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 0) == 1
+    assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 3) == 11  # 3 tokens * 28 column chunks = 84 warps
+
+
+def test_make_params() -> None:
+    shape = LlShape(4, 64, 32, 1024, 6)
+    p = ep_ll.make_params(shape, num_tokens=17, idx_bytes=4, flags=ep_ll.FLAG_FP8 | ep_ll.FLAG_UE8M0,
+                          timeout_ms=250, x=0x1000, call_gen=0x2000)
+    assert (p.x, p.call_gen, p.topk_weights, p.out) == (0x1000, 0x2000, 0, 0)
+    assert p.timeout_ns == 250_000_000
+    assert (p.off_seq, p.off_arrive, p.off_consumed, p.off_ready, p.off_status, p.off_counts) == (
+        ep_ll._SEQ, ep_ll._ARRIVE, ep_ll._CONSUMED, ep_ll._READY, ep_ll._STATUS, ep_ll._COUNTS)
+    assert (p.off_recv_stage, p.off_combine_stage) == (shape.recv_stage_offset, shape.combine_stage_offset)
+    assert (p.num_tokens, p.topk, p.hidden, p.num_experts, p.local_experts, p.max_tokens) == (17, 6, 1024, 64, 16, 32)
+    assert (p.idx_bytes, p.flags, p.row_stride, p.unit_rows) == (4, 5, 16 + 2048, UNIT_ROWS)
+
+
+def test_check_rank_count() -> None:
+    ep_ll.check_rank_count(1)
+    ep_ll.check_rank_count(MAX_RANKS)
+    for bad in (0, MAX_RANKS + 1):
+        with pytest.raises(ValueError, match=f"group: the low-latency kernels support 1 to {MAX_RANKS} ranks"):
+            ep_ll.check_rank_count(bad)
+
+
+def _workspace_with(kernel: Kernel, code: int, site: int, observed: int, expected: int) -> torch.Tensor:
+    workspace = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    record = KernelStatus(code=code, site=site, observed=observed, expected=expected)
+    ep_ll.status_records(workspace)[kernel] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
+    return workspace
+
+
+def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
+    clean = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    ep_ll.raise_for_ll_status(clean, 2)
+    ws = _workspace_with(Kernel.DISPATCH_RECV, 1, ep_ll._SITE_COUNT << 16 | 1, 0, 7 << 32)
+    with pytest.raises(DeviceTimeoutError, match="gc_ep_ll_dispatch_recv: dispatch receive waiting for rank 1's "
+                                                 "token counts"):
+        ep_ll.raise_for_ll_status(ws, 2)
+    assert not ws.any()  # cleared, so the next synchronous call starts clean
+    ws = _workspace_with(Kernel.COMBINE_RECV, 2, ep_ll._SITE_READY_AHEAD << 16 | 0, 9, 8)
+    with pytest.raises(DeviceCheckError, match="gc_ep_ll_combine_recv: rank 0's combine readiness is past"):
+        ep_ll.raise_for_ll_status(ws, 2)
+
+
+def test_sites_name_every_rank() -> None:
+    sites = ep_ll.ll_sites(3)
+    assert len(sites) == 5 * 3
+    assert sites[ep_ll._SITE_CONSUMED << 16 | 2].endswith("rank 2 has read the stage two generations back")
