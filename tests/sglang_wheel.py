@@ -21,6 +21,10 @@ CACHE = Path.home() / ".cache" / "gc_moe_compat" / "registry"
 FILES = ("sglang/srt/layers/moe/mega_moe_sm90.py", "sglang/srt/layers/moe/mega_moe.py")
 """The Hopper Mega MoE path (``build_sm90_mega_moe_experts_weights``, ``run_sm90_mega_routed``) and the shared
 entry that calls it (``run_mega_routed_experts``, the buffer cache), in import order."""
+DEEPEP_FILES = ("sglang/srt/layers/moe/token_dispatcher/base.py", "sglang/srt/layers/moe/token_dispatcher/deepep.py")
+"""SGLang's DeepEP token dispatcher and the base classes it imports (tests/gpu/test_sglang_deepep.py runs them)."""
+CARRIED = FILES + DEEPEP_FILES
+"""What :func:`extract` writes for the device (which has no network)."""
 
 
 class RegistryUnreachableError(RuntimeError):
@@ -71,9 +75,9 @@ def read_sources(paths: Iterable[str] = FILES) -> dict[str, str]:
 
 
 def extract(dest: Path) -> list[Path]:
-    """Writes :data:`FILES` under ``dest`` (``dest/sglang/srt/layers/moe/...``); returns the written paths."""
+    """Writes :data:`CARRIED` under ``dest`` (``dest/sglang/srt/layers/moe/...``); returns the written paths."""
     written = []
-    for path, text in read_sources().items():
+    for path, text in read_sources(CARRIED).items():
         target = Path(dest) / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
@@ -83,6 +87,6 @@ def extract(dest: Path) -> list[Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} DEST  (writes {', '.join(FILES)} under DEST)")
+        sys.exit(f"usage: {sys.argv[0]} DEST  (writes {', '.join(CARRIED)} under DEST)")
     for p in extract(Path(sys.argv[1])):
         print(p)

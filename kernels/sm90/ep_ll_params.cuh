@@ -39,7 +39,6 @@ struct EpLlParams {
     unsigned int unit_rows;
 };
 static_assert(sizeof(EpLlParams) == 200, "EpLlParams must match gc_moe_compat/ep_ll.py");
-
 // END GENERATED
 
 // EpLlParams.flags
