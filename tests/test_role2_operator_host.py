@@ -2,8 +2,9 @@
 
 * the operator-mode kernels (``GC_OPERATOR=1``, FP8xFP8 and FP8xFP4) build for sm_90a without spills in every
   variant, and their shared-memory size equals the host formula (the build asserts it);
-* every standalone FP8xFP8 / FP8xFP4 variant's cubin is byte-identical to its record (FP8: built before operator
-  mode existed; FP4: built before the kernels' shared code moved into grouped.cuh);
+* every standalone FP8xFP8 / FP8xFP4 variant's cubin is byte-identical to its record (a refactor or an operator-mode
+  change must not move the standalone kernels; a deliberate kernel change rewrites the records with
+  scripts/record_sm90_cubins.py);
 * :class:`Role2Params` is the generated C declaration;
 * the FP8xFP4 kernel's weight units are exactly the standalone FP4 kernel's (the GPU-verified layout);
 * the task sequence is ring.py's live-block order, and a simulation of the persistent grid with role1's refill
@@ -32,7 +33,7 @@ from gc_moe_compat.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.sm90 import dispatch, finalize, layer, role2
-from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, all_variants, prepare_fp4_weights
+from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
 from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.sm90.tensormap import TensorMapArg
 
@@ -94,14 +95,9 @@ def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, t
     assert res.registers <= (168 if variant.pipelined else 255)
 
 
-def _standalone_variants(mma_type: str) -> list[dict[str, int]]:
-    """The variants a hash record holds: every heuristic variant, plus the first two without fast math."""
-    variants = all_variants(mma_type)
-    return variants + [{**d, "GC_FAST_MATH": 0} for d in variants[:2]]
-
-
-# (source, mma type, record): FP8xFP8 recorded before operator mode existed (commit fb7c8b1); FP8xFP4 recorded at
-# commit 1447f6d, before the twins of the two kernels moved into grouped.cuh.
+# (source, record) per mma type: both rewritten by scripts/record_sm90_cubins.py after the WGMMA serialization fix
+# and the FP8xFP4 software pipeline (each record's note says which change; before it, FP8xFP8 was recorded before
+# operator mode existed, commit fb7c8b1, and FP8xFP4 at commit 1447f6d).
 STANDALONE_RECORDS = {
     "fp8xfp8": (SOURCE, DATA_DIR / "sm90_fp8_standalone_cubins.json"),
     "fp8xfp4": (FP4_SOURCE, DATA_DIR / "sm90_fp4_standalone_cubins.json"),
@@ -111,16 +107,16 @@ STANDALONE_RECORDS = {
 @needs_nvcc
 @pytest.mark.parametrize("mma_type", sorted(STANDALONE_RECORDS))
 def test_standalone_cubins_are_byte_identical(mma_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Operator mode is a compile-time switch and shared device code is a refactor: every standalone cubin (the
-    GPU-verified FP8xFP8 and FP8xFP4 kernels) is the same bytes as in its record (tests/data/sm90_*_standalone_cubins
-    .json, same nvcc)."""
+    """Operator mode is a compile-time switch and shared device code is a refactor: every standalone cubin is the
+    same bytes as in its record (tests/data/sm90_*_standalone_cubins.json, same nvcc; the record's note says which
+    kernel change wrote it and whether that build was GPU-verified)."""
     source, data = STANDALONE_RECORDS[mma_type]
     record = json.loads(data.read_text())
     version = subprocess.run([str(jit.find_nvcc()), "--version"], capture_output=True, text=True).stdout
     if record["nvcc"] not in version:
         pytest.skip(f"hashes recorded with {record['nvcc']}, this nvcc differs")
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    variants = _standalone_variants(mma_type)
+    variants = recorded_variants(mma_type)
     assert len(variants) == len(record["cubins"])
     for defines in variants:
         cubin = jit.compile_cubin(source, defines)

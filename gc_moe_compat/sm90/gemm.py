@@ -69,6 +69,14 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     return out
 
 
+def recorded_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
+    """The standalone variants whose cubin hashes tests/data/sm90_*_standalone_cubins.json records (every
+    :func:`all_variants` one, plus the first two without fast math): tests/test_role2_operator_host.py checks them,
+    scripts/record_sm90_cubins.py rewrites them after a deliberate kernel change."""
+    variants = all_variants(mma_type)
+    return variants + [{**d, "GC_FAST_MATH": 0} for d in variants[:2]]
+
+
 @dataclass(frozen=True)
 class Fp8Weights:
     """FP8 expert weights as the kernels read them.

@@ -29,8 +29,9 @@
 //
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 pieces at the
 // end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_kernel.cuh, shared with the FP8xFP8
-// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. The
-// standalone cubins (GC_OPERATOR=0) are byte-identical to their record (tests/test_role2_operator_host.py).
+// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. Both modes
+// run the same consumer K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
+// (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
@@ -107,6 +108,7 @@ static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 r
 static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
+static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgroup (two A register sets)");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
@@ -185,36 +187,26 @@ __device__ __forceinline__ void decode_groups(const u8* unit, int warp, int lane
     }
 }
 
-// The MMAs of K32 groups [q0, q0 + kGroups<Epi>) of a stage for every slab with N columns: W1 accumulates the
-// four groups into tmp[0], W2 keeps one accumulator per group (its token scales differ per group).
+// The MMAs of K32 groups [q0, q0 + kGroups<Epi>) of a stage for slab s with N columns: W1 accumulates the four
+// groups into tmp[0][s], W2 keeps one accumulator per group (its token scales differ per group).
 template <int Epi, int N>
-__device__ __forceinline__ void mma_groups(float (&tmp)[kTmp<Epi>][kMSub][kAcc],
-                                           const u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
+__device__ __forceinline__ void mma_slab(float (&tmp)[kTmp<Epi>][kMSub][N / 2], int s,
+                                         const u32 (&a)[kGroups<Epi>][4], u32 b_base, int q0) {
 #pragma unroll
     for (int q = 0; q < kGroups<Epi>; ++q) {
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s) {
-            WgmmaRegA<N>::mma(tmp[Epi == 1 ? 0 : q][s], a[s][q], smem_desc_sw128(b_base + (q0 + q) * 32),
-                              Epi == 1 && q > 0);
-        }
+        WgmmaRegA<N>::mma(tmp[Epi == 1 ? 0 : q][s], a[q], smem_desc_sw128(b_base + (q0 + q) * 32), Epi == 1 && q > 0);
     }
 }
 
-template <int Epi>
-__device__ __forceinline__ void mma_groups_n(int n8, float (&tmp)[kTmp<Epi>][kMSub][kAcc],
-                                             const u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
-    with_wgmma_n<kBM>(n8, [&](auto n) { mma_groups<Epi, decltype(n)::value>(tmp, a, b_base, q0); });
-}
-
-// Promotes a batch into the main accumulator: W1 with the token's FP32 1x128 scale, W2 with 2^(code - 127) of each
-// group's UE8M0 token scale (codes are >= 1 here).
-template <int Epi>
-__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kTmp<Epi>][kMSub][kAcc],
-                                        const u32 (&xsr)[kAcc / 2], int q0) {
+// Promotes a batch of N columns into the main accumulator (columns from N on stay): W1 with the token's FP32 1x128
+// scale, W2 with 2^(code - 127) of each group's UE8M0 token scale (codes are >= 1 here).
+template <int Epi, int N>
+__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kTmp<Epi>][kMSub][N / 2],
+                                        const u32 (&xsr)[N / 4], int q0) {
 #pragma unroll
     for (int q = 0; q < kTmp<Epi>; ++q) {
 #pragma unroll
-        for (int c = 0; c < kAcc / 2; ++c) {
+        for (int c = 0; c < N / 4; ++c) {
             const float sc = Epi == 1 ? __uint_as_float(xsr[c])
                                       : __uint_as_float(((xsr[c] >> (8 * (q0 + q))) & 0xFFu) << 23);
             const int i = 4 * (c / 2) + (c & 1);
@@ -227,39 +219,25 @@ __device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (
     }
 }
 
-// The A fragments of this warpgroup's slabs for K32 groups [q0, q0 + G) of a full stage.
+// The A fragments of slab s of this warpgroup for K32 groups [q0, q0 + G) of a full stage.
 template <int G>
-__device__ __forceinline__ void decode_batch(const u8* smem, u32 stage, int cw, int warp, int lane, int q0,
-                                             u32 (&a)[kMSub][G][4]) {
-#pragma unroll
-    for (int s = 0; s < kMSub; ++s) {
-        const u8* unit = smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes;
-        if constexpr (G == 4) {
-            decode_slab(unit, warp, lane, a[s]);
-        } else {
-            decode_groups<G>(unit, warp, lane, q0, a[s]);
-        }
+__device__ __forceinline__ void decode_unit(const u8* smem, u32 stage, int cw, int s, int warp, int lane, int q0,
+                                            u32 (&a)[G][4]) {
+    const u8* unit = smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes;
+    if constexpr (G == 4) {
+        decode_slab(unit, warp, lane, a);
+    } else {
+        decode_groups<G>(unit, warp, lane, q0, a);
     }
 }
 
-// The token scales of this thread's accumulator columns in a full stage (W1: FP32 bits; W2: four UE8M0 codes).
-__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int lane, u32 (&xsr)[kAcc / 2]) {
+// The token scales of this thread's first N accumulator columns in a full stage (W1: FP32 bits; W2: four UE8M0
+// codes).
+template <int N>
+__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int lane, u32 (&xsr)[N / 4]) {
     const u32* xs = reinterpret_cast<const u32*>(smem + kOffS + stage * kSBytes);
 #pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
-}
-
-// One WGMMA batch (K32 groups [q0, q0 + kGroups<Epi>)) of a stage whose token tile starts at b_base, waited for.
-template <int Epi>
-__device__ __forceinline__ void mma_batch(int n8, float (&tmp)[kTmp<Epi>][kMSub][kAcc],
-                                          u32 (&a)[kMSub][kGroups<Epi>][4], u32 b_base, int q0) {
-    fence_operands(tmp);
-    wgmma_fence();  // the decoded A registers were written by this thread
-    mma_groups_n<Epi>(n8, tmp, a, b_base, q0);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(tmp);
-    fence_operands(a);  // A stays live until the wait above
+    for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
 }
 
 // The window factor 2^base of the task's expert and the decoder's x64 headroom, once per task.
@@ -269,6 +247,125 @@ __device__ __forceinline__ void apply_factor(float (&acc)[kMSub][kAcc], const fl
     for (int s = 0; s < kMSub; ++s)
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) acc[s][i] *= f64;
+}
+
+// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh),
+// software-pipelined. The promotion granularity is a batch (kGroups<Epi> K32 groups of one stage, all slabs: one
+// batch per stage in the standalone kernels), the MMA granularity a unit (one slab of a batch): a unit's MMAs are
+// issued asynchronously from one of two A register sets while the next unit's A fragments are decoded into the
+// other set (after wait_group 1 has retired the unit before, which read that set; the next unit may be the first
+// of the next stage, waited for first). A batch's accumulators are fresh (zeroed) and promoted after wait_group 0.
+// A stage is freed after the wait of its last batch: every WGMMA reading its token tile has retired and its codes,
+// d bytes and token scales have been read.
+// `it` is the pipeline slot being waited for (the operator's wait_full reads it); on return it is the task's first
+// slot + kb_count. Returns false when a wait gives up (no WGMMA is left in flight then).
+template <int Epi, int N, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, u32& it, int kb_count, int cw,
+                                         int warp, int lane, int local_tid, float (&acc)[kMSub][kAcc],
+                                         WaitFull& wait_full, Load& load) {
+    constexpr int kG = kGroups<Epi>;
+    constexpr int kBatches = 4 / kG;  // batches per stage
+    // Units alternate between the A sets; a batch of an odd number of units (one slab) starts on the other set than
+    // the batch before, so an iteration covers an even number of batches.
+    constexpr int kIterBatches = kMSub % 2 == 0 || kBatches % 2 == 0 ? kBatches : 2 * kBatches;
+    const u32 first = it;
+    u32 a0[kG][4], a1[kG][4];
+    if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) return false;
+    decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, a0);
+    // Batch j of the iteration at K step kb (stage kb + j / kBatches, K32 groups from q0); its first unit's A
+    // fragments are in `x`, its second's (two slabs) go to `y`, and the next batch's first unit's to y (one slab)
+    // or x (two slabs).
+    const auto batch = [&](int kb, int j, u32 (&x)[kG][4], u32 (&y)[kG][4]) {
+        const int step = kb + j / kBatches, q0 = (j % kBatches) * kG;
+        if (step >= kb_count) return true;  // the last iteration of an odd kb_count (one batch per stage, one slab)
+        const u32 slot = first + step, stage = slot % kStages;
+        const bool last_of_stage = q0 + kG == 4;
+        const u32 b_base = pipe.base + stage * kXBytes;
+        float tmp[kTmp<Epi>][kMSub][N / 2];
+        zero(tmp);
+        fence_operands(tmp);
+        // The next unit after this batch's last: decoded into `next` while the last unit's MMAs run.
+        const auto decode_next = [&](u32 (&next)[kG][4]) {
+            if (!last_of_stage) {
+                decode_unit<kG>(smem, stage, cw, 0, warp, lane, q0 + kG, next);
+            } else if (step + 1 < kb_count) {
+                it = slot + 1;
+                if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) {
+                    wgmma_wait<0>();
+                    return false;
+                }
+                decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, next);
+            }
+            return true;
+        };
+        wgmma_fence();  // the A registers and the zeroed accumulators were written by this thread
+        mma_slab<Epi, N>(tmp, 0, x, b_base, q0);
+        wgmma_commit();
+        if constexpr (kMSub == 1) {
+            if (!decode_next(y)) return false;
+        } else {
+            decode_unit<kG>(smem, stage, cw, 1, warp, lane, q0, y);
+            wgmma_fence();
+            mma_slab<Epi, N>(tmp, 1, y, b_base, q0);
+            wgmma_commit();
+            wgmma_wait<1>();  // slab 0's MMAs have retired: x is free
+            fence_operands(x);
+            if (!decode_next(x)) return false;
+        }
+        wgmma_wait<0>();
+        fence_operands(tmp);
+        fence_operands(x);  // the A sets stay live until the waits above
+        fence_operands(y);
+        u32 xsr[N / 4];
+        token_scales<N>(smem, stage, lane, xsr);
+        if (last_of_stage) {  // every WGMMA reading this stage has retired, its shared memory is read
+            __syncwarp();
+            if (lane == 0) mbar_arrive(pipe.empty(stage));
+            if (!kProducerWG && local_tid == 0 && step + kStages < kb_count) {
+                if (!load(slot + kStages, step + kStages)) return false;
+            }
+            __syncwarp();
+        }
+        promote<Epi, N>(acc, tmp, xsr, q0);
+        return true;
+    };
+    for (int kb = 0; kb < kb_count; kb += kIterBatches / kBatches) {
+#pragma unroll
+        for (int j = 0; j < kIterBatches; ++j) {
+            if (kMSub == 2 || j % 2 == 0) {
+                if (!batch(kb, j, a0, a1)) return false;
+            } else {
+                if (!batch(kb, j, a1, a0)) return false;
+            }
+        }
+    }
+    it = first + kb_count;
+    return true;
+}
+
+// The consumer warpgroups' K loop of one task for epilogue Epi into `acc` (zeroed here), then the window factor;
+// the standalone kernel and role2 (operator mode: one grid runs both GEMMs) share it.
+// `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
+// (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when a wait gives up.
+template <int Epi, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
+                                       const float* factor, int cw, int warp, int lane, int local_tid,
+                                       float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    if (!kProducerWG && local_tid == 0) {
+        for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
+            if (!load(it + kb, kb)) return false;
+        }
+    }
+    __syncwarp();
+    zero(acc);
+    bool ok = true;
+    with_wgmma_n<kBM>(wgmma_n8<kBM>(t.valid), [&](auto n) {
+        ok = consume_n<Epi, decltype(n)::value>(pipe, smem, it, kb_count, cw, warp, lane, local_tid, acc, wait_full,
+                                                load);
+    });
+    if (!ok) return false;
+    apply_factor(acc, factor, t.expert);
+    return true;
 }
 
 // UE8M0 scale of a 32-value group (quant.ue8m0_scale(amax, 448)): the smallest 2^k with max(amax, 1e-10) <= 448 * 2^k,
@@ -336,52 +433,6 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
 // 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage), so W2 keeps per-K32 accumulators
 // for two slabs: kGroups<2> batches them (BM = 64: one group per batch, four WGMMA waits per stage).
 constexpr u32 kConsumerBarrier = 3;  // ids 1 and 2 are the W1 epilogue's per-warpgroup barriers
-
-// The consumer warpgroups' K loop of one task for epilogue Epi into `acc` (zeroed here), then the window factor:
-// per stage, decode the A fragments, the WGMMA batches, free the stage after the last batch's wait, promote each
-// batch. The standalone kernel's loop (one batch per stage there), made a template because one operator grid runs
-// both GEMMs; the standalone kernel keeps its inline copy of the loop skeleton and shares the pieces (calling
-// consume<kEpi> from it changes its machine code, and its recorded cubins must stay byte-identical).
-// `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
-// (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when a wait gives up.
-template <int Epi, typename WaitFull, typename Load>
-__device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
-                                       const float* factor, int cw, int warp, int lane, int local_tid,
-                                       float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    constexpr int kG = kGroups<Epi>;
-    const int n8 = (min(t.valid, kBM) + 7) / 8;
-    if (!kProducerWG && local_tid == 0) {
-        for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
-            if (!load(it + kb, kb)) return false;
-        }
-    }
-    __syncwarp();
-    zero(acc);
-    for (int kb = 0; kb < kb_count; ++kb, ++it) {
-        const u32 stage = it % kStages;
-        if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
-        u32 xsr[kAcc / 2];
-        token_scales(smem, stage, lane, xsr);
-#pragma unroll
-        for (int q0 = 0; q0 < 4; q0 += kG) {
-            u32 a[kMSub][kG][4];
-            decode_batch<kG>(smem, stage, cw, warp, lane, q0, a);
-            float tmp[kTmp<Epi>][kMSub][kAcc];
-            mma_batch<Epi>(n8, tmp, a, pipe.base + stage * kXBytes, q0);
-            if (q0 + kG == 4) {  // the stage's last batch: its shared memory is read
-                __syncwarp();
-                if (lane == 0) mbar_arrive(pipe.empty(stage));
-                if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                    if (!load(it + kStages, kb + kStages)) return false;
-                }
-                __syncwarp();
-            }
-            promote<Epi>(acc, tmp, xsr, q0);
-        }
-    }
-    apply_factor(acc, factor, t.expert);
-    return true;
-}
 
 // role2_kernel.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
 // FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0 words.
@@ -491,36 +542,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     u32 it = 0;
     for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
         const Task t = load_task(blocks, task, nb);
-        const int n8 = (min(t.valid, kBM) + 7) / 8;
-        if (!kProducerWG && local_tid == 0) {
-            for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
-                if (!produce(pipe, it + kb, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w,
-                             policy_x, status, timeout_ns))
-                    return;
-            }
-        }
-        __syncwarp();
         float acc[kMSub][kAcc];
-        zero(acc);
-        for (int kb = 0; kb < kb_count; ++kb, ++it) {
-            const u32 stage = it % kStages;
-            if (!mbar_wait(pipe.full(stage), (it / kStages) & 1, timeout_ns, status, kSiteFull)) return;
-            u32 a[kMSub][4][4], xsr[kAcc / 2];
-            decode_batch<4>(smem, stage, cw, warp, lane, 0, a);
-            token_scales(smem, stage, lane, xsr);
-            float tmp[kTmp<kEpi>][kMSub][kAcc];
-            mma_batch<kEpi>(n8, tmp, a, pipe.base + stage * kXBytes, 0);  // all four K32 groups (kGroups == 4)
-            __syncwarp();
-            if (lane == 0) mbar_arrive(pipe.empty(stage));
-            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                if (!produce(pipe, it + kStages, t, kb + kStages, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total,
-                             policy_w, policy_x, status, timeout_ns))
-                    return;
-            }
-            __syncwarp();
-            promote<kEpi>(acc, tmp, xsr, 0);
-        }
-        apply_factor(acc, factor, t.expert);
+        const auto wait_full = [&](u32 bar, u32 parity) {
+            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
+        };
+        const auto load = [&](u32 slot, int kb) {
+            return produce(pipe, slot, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
+                           status, timeout_ns);
+        };
+        if (!consume<kEpi>(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
+            return;
         if constexpr (kEpi == 1) {
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf, n_w / 2, rows_total,
                         clamp, alpha);

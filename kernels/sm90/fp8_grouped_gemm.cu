@@ -19,9 +19,9 @@
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_role2: the FP8 pieces at the end
 // of this file, the grid body in sm90/role2_kernel.cuh shared with the FP8xFP4 kernel): one persistent grid running
 // both GEMMs over the token ring of the operator workspace, reading the block table role1 publishes and handshaking
-// with role1 and with itself through the ring signals. GC_OPERATOR=0
-// (default) is the standalone kernel above, unchanged: its cubins are byte-identical to those before operator mode
-// existed (tests/test_role2_operator_host.py keeps the hashes).
+// with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the standalone kernel; both run
+// the same consumer K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
+// (tests/data/sm90_fp8_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
@@ -108,9 +108,10 @@ __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task
     return true;
 }
 
-// The K128 step's four K32 WGMMAs for every slab, with N = n8 * 8 columns (the block's valid rows rounded up).
+// The K128 step's four K32 WGMMAs for every slab, with N columns (the block's valid rows rounded up to 8): tmp is
+// overwritten (the first MMA of each slab does not accumulate).
 template <int N>
-__device__ __forceinline__ void mma_k128(float (&tmp)[kMSub][kAcc], u32 a_base, u32 b_base) {
+__device__ __forceinline__ void mma_k128(float (&tmp)[kMSub][N / 2], u32 a_base, u32 b_base) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -119,10 +120,6 @@ __device__ __forceinline__ void mma_k128(float (&tmp)[kMSub][kAcc], u32 a_base, 
                           k > 0);
         }
     }
-}
-
-__device__ __forceinline__ void mma_k128_n(int n8, float (&tmp)[kMSub][kAcc], u32 a_base, u32 b_base) {
-    with_wgmma_n<kBM>(n8, [&](auto n) { mma_k128<decltype(n)::value>(tmp, a_base, b_base); });
 }
 
 // Scale rows of this thread's slabs for epilogue Epi: W1 tiles hold gate block `tile` and up block I/128 + tile;
@@ -138,19 +135,78 @@ __device__ __forceinline__ void scale_rows(const Task& t, int cw, int row_blocks
     }
 }
 
-// Promotes one K128 step into the main accumulator with w_scale * x_scale.
-template <int Epi>
-__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kMSub][kAcc], float ws0,
-                                        float ws1, const float (&xsr)[kAcc / 2]) {
+// Promotes one K128 step of N columns into the main accumulator with w_scale * x_scale (columns from N on stay).
+template <int Epi, int N>
+__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kMSub][N / 2], float ws0,
+                                        float ws1, const float (&xsr)[N / 4]) {
 #pragma unroll
     for (int s = 0; s < kMSub; ++s) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
+        for (int i = 0; i < N / 2; ++i) {
             // W1: registers i%4 in {0,1} are gate rows (scale ws0), {2,3} up rows (ws1); W2: slab s's block.
             const float ws = Epi == 1 ? ((i & 2) ? ws1 : ws0) : (s == 0 ? ws0 : ws1);
             acc[s][i] = fmaf(tmp[s][i], ws * xsr[2 * (i / 4) + (i & 1)], acc[s][i]);
         }
     }
+}
+
+// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). Per
+// K128 step: wait for the stage, its four K32 WGMMAs per slab into a fresh (zeroed) accumulator set, wait for
+// them, free the stage, promote. Returns false when a wait gives up.
+template <int Epi, int N, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, u32& it, int kb_count,
+                                         const float* const (&ws_row)[2], int cw, int lane, int local_tid,
+                                         float (&acc)[kMSub][kAcc], WaitFull& wait_full, Load& load) {
+    for (int kb = 0; kb < kb_count; ++kb, ++it) {
+        const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
+        const u32 stage = it % kStages;
+        if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
+        const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
+        float xsr[N / 4];
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+        float tmp[kMSub][N / 2];
+        zero(tmp);
+        fence_operands(tmp);
+        wgmma_fence();
+        mma_k128<N>(tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(tmp);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(pipe.empty(stage));
+        if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+            if (!load(it + kStages, kb + kStages)) return false;
+        }
+        __syncwarp();
+        promote<Epi, N>(acc, tmp, ws0, ws1, xsr);
+    }
+    return true;
+}
+
+// The consumer warpgroups' K loop of one task for epilogue Epi, accumulating into `acc` (zeroed here); the
+// standalone kernel and role2 (operator mode: one grid runs both GEMMs) share it.
+// `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
+// (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when a wait gives up.
+template <int Epi, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
+                                       int row_blocks, const float* w_sf, int cw, int lane, int local_tid,
+                                       float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    if (!kProducerWG && local_tid == 0) {
+        for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
+            if (!load(it + kb, kb)) return false;
+        }
+    }
+    __syncwarp();
+    zero(acc);
+    const float* ws_row[2];
+    scale_rows<Epi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
+    bool ok = true;
+    with_wgmma_n<kBM>(wgmma_n8<kBM>(t.valid), [&](auto n) {
+        ok = consume_n<Epi, decltype(n)::value>(pipe, smem, it, kb_count, ws_row, cw, lane, local_tid, acc, wait_full,
+                                                load);
+    });
+    return ok;
 }
 
 // W1: SwiGLU(gate, up) * routing weight, amax over the task's 128 intermediate columns per token, FP32 scale
@@ -207,52 +263,6 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
 // ============================================================================================ role2 (operator mode)
 // The FP8xFP8 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_kernel.cuh's).
 constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
-
-// The consumer warpgroups' K loop of one task for epilogue Epi, accumulating into `acc` (zeroed here): the standalone
-// kernel's loop, made a template because one operator grid runs both GEMMs (the standalone kernel keeps its inline
-// copy of the loop, sharing its pieces: calling consume<kEpi> from it changes its machine code, all 18 recorded
-// cubins, and those must stay byte-identical).
-// `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
-// (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when the wait gives up.
-template <int Epi, typename WaitFull, typename Load>
-__device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
-                                       int row_blocks, const float* w_sf, int cw, int lane, int local_tid,
-                                       float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    const int n8 = (min(t.valid, kBM) + 7) / 8;
-    if (!kProducerWG && local_tid == 0) {
-        for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
-            if (!load(it + kb, kb)) return false;
-        }
-    }
-    __syncwarp();
-    zero(acc);
-    const float* ws_row[2];
-    scale_rows<Epi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
-    for (int kb = 0; kb < kb_count; ++kb, ++it) {
-        const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
-        const u32 stage = it % kStages;
-        if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
-        const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
-        float xsr[kAcc / 2];
-#pragma unroll
-        for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
-        float tmp[kMSub][kAcc];
-        fence_operands(tmp);
-        wgmma_fence();
-        mma_k128_n(n8, tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_operands(tmp);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(pipe.empty(stage));
-        if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-            if (!load(it + kStages, kb + kStages)) return false;
-        }
-        __syncwarp();
-        promote<Epi>(acc, tmp, ws0, ws1, xsr);
-    }
-    return true;
-}
 
 // role2_kernel.cuh's hooks. W1 of a ring block: weights [E * 2I, H] against l1_acts with role1's FP32 1x128 token
 // scales; W2: weights [E * H, I] against l2_acts with the W1 epilogue's FP32 1x128 scales.
@@ -358,44 +368,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     u32 it = 0;
     for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
         const Task t = load_task(blocks, task, nb);
-        const int n8 = (min(t.valid, kBM) + 7) / 8;
-        if (!kProducerWG && local_tid == 0) {
-            for (int kb = 0; kb < min(kStages, kb_count); ++kb) {
-                if (!produce(pipe, it + kb, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
-                             timeout_ns))
-                    return;
-            }
-        }
-        __syncwarp();
         float acc[kMSub][kAcc];
-        zero(acc);
-        const float* ws_row[2];
-        scale_rows<kEpi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
-        for (int kb = 0; kb < kb_count; ++kb, ++it) {
-            const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
-            const u32 stage = it % kStages;
-            if (!mbar_wait(pipe.full(stage), (it / kStages) & 1, timeout_ns, status, kSiteFull)) return;
-            const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
-            float xsr[kAcc / 2];
-#pragma unroll
-            for (int c = 0; c < kAcc / 2; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
-            float tmp[kMSub][kAcc];
-            fence_operands(tmp);
-            wgmma_fence();
-            mma_k128_n(n8, tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_operands(tmp);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(pipe.empty(stage));
-            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                if (!produce(pipe, it + kStages, t, kb + kStages, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w,
-                             policy_x, status, timeout_ns))
-                    return;
-            }
-            __syncwarp();
-            promote<kEpi>(acc, tmp, ws0, ws1, xsr);
-        }
+        const auto wait_full = [&](u32 bar, u32 parity) {
+            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
+        };
+        const auto load = [&](u32 slot, int kb) {
+            return produce(pipe, slot, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                           timeout_ns);
+        };
+        if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full, load))
+            return;
         if constexpr (kEpi == 1) {
             epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total,
                         clamp, alpha);

@@ -86,6 +86,19 @@ __device__ __forceinline__ void zero(float (&x)[A][B]) {
         for (int b = 0; b < B; ++b) x[a][b] = 0.0f;
 }
 
+template <int A, int B, int C>
+__device__ __forceinline__ void zero(float (&x)[A][B][C]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a) zero(x[a]);
+}
+
+// The per-task WGMMA N switch's argument: the block's valid rows rounded up to 8, at least 8 (a block without rows
+// still runs its K loop, so that every stage it was given is consumed and released).
+template <int kBM>
+__device__ __forceinline__ int wgmma_n8(int valid) {
+    return max(1, (min(valid, kBM) + 7) / 8);
+}
+
 // WGMMA N as a type, for with_wgmma_n's callback.
 template <int N>
 struct WgmmaN {
@@ -94,6 +107,10 @@ struct WgmmaN {
 
 // Calls f(WgmmaN<n8 * 8>{}) for n8 * 8 <= kBM (WGMMA N, the block's valid rows rounded up to 8, is an immediate of
 // the instruction); any other n8 does nothing.
+// Call it once per task around the whole K loop, never around the MMAs of one stage: with a switch inside the loop
+// the accumulators of the eight N cases merge at every stage and ptxas serializes every WGMMA (C7511, "insufficient
+// register resources": each QGMMA waits for the previous one). The same happens when an accumulator's first WGMMA
+// (scale-d 0) reads registers that were never written, so the kernels zero a fresh accumulator set before its MMAs.
 template <int kBM, typename F>
 __device__ __forceinline__ void with_wgmma_n(int n8, F&& f) {
     switch (n8) {

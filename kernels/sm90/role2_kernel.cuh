@@ -143,7 +143,9 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     // The task count n * (t1 + t2), re-read from shared memory at every step instead of held in a register across
     // the loops (the FP8xFP4 consumers at BM = 64 run at their 232-register limit; ptxas would spill it).
     const auto num_tasks = [&] { return static_cast<int>(words[0]) * (t1 + t2); };
-    const int* table = a.at<const int>(off.pool_table);
+    // The block table's address, recomputed from the parameters at each task (one 64-bit value fewer held across
+    // the consumers' K loops, which run at the register limit in the FP8xFP4 W1 + W2 grid).
+    const auto table = [&] { return a.at<const int>(off.pool_table); };
     const OpMaps maps{tm_w1, tm_w2, tm_l1, tm_l2, evict_first_policy(), evict_last_policy()};
     const int wg = tid / 128;
 
@@ -154,7 +156,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
             u64 mask_seen = 0;
             for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
                 const OpTask ot = role2_task(s, n, w, t1, t2);
-                const Task t = ring_task(table, ot);
+                const Task t = ring_task(table(), ot);
                 const int kb_count = static_cast<int>(ot.w1 ? params.hidden : params.inter) / kBK;
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
                     if (!op_produce(a, pipe, it, ot, t, kb, maps, mask_seen)) {
@@ -175,7 +177,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
     for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
         const OpTask ot = role2_task(s, n, w, t1, t2);
-        const Task t = ring_task(table, ot);
+        const Task t = ring_task(table(), ot);
         const u32 b = static_cast<u32>(ot.block) % params.ring_blocks;
         const auto wait_full = [&](u32 bar, u32 parity) { return op_wait_full(a, bar, parity, it, words + 1); };
         const auto load = [&](u32 slot, int kb) {
