@@ -51,7 +51,9 @@ __all__ = [
     "ll_grid",
     "ll_sites",
     "params_header",
+    "new_status_mirror",
     "raise_for_ll_status",
+    "raise_for_mirrored_status",
     "required_bytes",
 ]
 
@@ -142,8 +144,9 @@ def required_bytes(shape: LlShape) -> int:
 class EpLlParams(ctypes.Structure):
     """By-value kernel argument after the peer table (``gc_moe::EpLlParams``, kernels/sm90/ep_ll_params.cuh).
 
-    Pointers are device addresses (0 where a kernel does not use one); ``off_*`` are byte offsets into every
-    rank's workspace. ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales.
+    Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
+    receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
+    ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales.
     """
 
     _fields_ = [
@@ -158,6 +161,7 @@ class EpLlParams(ctypes.Structure):
         ("recv_stats", ctypes.c_uint64),
         ("out", ctypes.c_uint64),
         ("call_gen", ctypes.c_uint64),
+        ("status_mirror", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
         ("off_seq", ctypes.c_uint64),
         ("off_arrive", ctypes.c_uint64),
@@ -220,12 +224,12 @@ def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlSha
     launch(_kernel(kernel), ll_grid(kernel, shape, num_tokens), THREADS, args, stream)
 
 
-_SITE_CONSUMED, _SITE_COUNT, _SITE_COUNT_AHEAD, _SITE_READY, _SITE_READY_AHEAD = 1, 2, 3, 4, 5
+_SITE_CONSUMED, _SITE_COUNT, _SITE_COUNT_AHEAD, _SITE_READY, _SITE_READY_AHEAD, _SITE_EXPERT_RANGE = 1, 2, 3, 4, 5, 6
 
 
 def ll_sites(num_ranks: int) -> dict[int, str]:
     """Names of the kernels' status sites (``kind << 16 | rank``)."""
-    sites: dict[int, str] = {}
+    sites = {_SITE_EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped"}
     for r in range(num_ranks):
         sites[_SITE_CONSUMED << 16 | r] = f"waiting until rank {r} has read the stage two generations back"
         sites[_SITE_COUNT << 16 | r] = f"dispatch receive waiting for rank {r}'s token counts"
@@ -241,17 +245,41 @@ def status_records(workspace: torch.Tensor) -> torch.Tensor:
     return workspace[_STATUS:_STATUS + 4 * size].view(4, size)
 
 
-def raise_for_ll_status(workspace: torch.Tensor, num_ranks: int) -> None:
-    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error of any of the four kernels
-    (naming kernel and site), clearing the records; call after the launching stream has finished."""
-    records = status_records(workspace)
-    saved = records.clone()
-    codes = saved[:, :4].contiguous().view(torch.int32).flatten().tolist()
-    if any(codes):
-        records.zero_()
+def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
+    codes = records[:, :4].contiguous().view(torch.int32).flatten().tolist()
     for kernel in Kernel:
         if codes[kernel]:
-            raise_for_status(saved[kernel], f"deep_ep low-latency {_NAMES[kernel]}", ll_sites(num_ranks))
+            raise_for_status(records[kernel].clone(), f"deep_ep low-latency {_NAMES[kernel]}{when}",
+                             ll_sites(num_ranks))
+
+
+def raise_for_ll_status(workspace: torch.Tensor, num_ranks: int, mirror: torch.Tensor | None = None) -> None:
+    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error of any of the four kernels
+    (naming kernel and site), clearing the records (and ``mirror``); call after the launching stream has finished."""
+    records = status_records(workspace)
+    saved = records.clone()
+    if saved.any():
+        records.zero_()
+        if mirror is not None:
+            mirror.zero_()
+    _raise_first(saved, num_ranks, "")
+
+
+def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
+    """Raises for an error an earlier call recorded, as the receive kernels last copied the records into the pinned
+    host ``mirror`` (``[4, 32]`` uint8): no synchronization, so it may lag the device by the calls still in flight.
+    Clears the records and the mirror before raising."""
+    saved = mirror.clone()
+    if saved.any():
+        status_records(workspace).zero_()
+        mirror.zero_()
+        _raise_first(saved, num_ranks, " (recorded by an earlier asynchronous, hooked or graph-replayed call)")
+
+
+def new_status_mirror(device: torch.device) -> torch.Tensor:
+    """The zeroed ``[4, 32]`` uint8 mirror of the status records: pinned host memory for a CUDA workspace (the
+    kernels store into it through its unified address), plain memory otherwise."""
+    return torch.zeros(4, ctypes.sizeof(KernelStatus), dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
 def check_rank_count(num_ranks: int) -> None:

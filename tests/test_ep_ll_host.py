@@ -52,7 +52,7 @@ def test_params_struct_layout() -> None:
         offset = -(-offset // size) * size
         assert getattr(ep_ll.EpLlParams, name).offset == offset, name
         offset += size
-    assert ctypes.sizeof(ep_ll.EpLlParams) == -(-offset // 8) * 8 == 200
+    assert ctypes.sizeof(ep_ll.EpLlParams) == -(-offset // 8) * 8 == 208
     assert f"sizeof(EpLlParams) == {ctypes.sizeof(ep_ll.EpLlParams)}" in HEADER.read_text()
 
 
@@ -68,7 +68,7 @@ def test_header_flags_and_sites_equal_the_host() -> None:
     sites = _constants(r"(kLlSite\w+) = (\d+),")
     assert sites == {"kLlSiteConsumed": ep_ll._SITE_CONSUMED, "kLlSiteCount": ep_ll._SITE_COUNT,
                      "kLlSiteCountAhead": ep_ll._SITE_COUNT_AHEAD, "kLlSiteReady": ep_ll._SITE_READY,
-                     "kLlSiteReadyAhead": ep_ll._SITE_READY_AHEAD}
+                     "kLlSiteReadyAhead": ep_ll._SITE_READY_AHEAD, "kLlSiteExpertRange": ep_ll._SITE_EXPERT_RANGE}
     source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
     assert f"constexpr u32 kThreads = {THREADS};" in source
     assert f"constexpr u32 kMaxTopk = {ep_ll.MAX_TOPK};" in source
@@ -186,5 +186,19 @@ def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
 
 def test_sites_name_every_rank() -> None:
     sites = ep_ll.ll_sites(3)
-    assert len(sites) == 5 * 3
+    assert len(sites) == 5 * 3 + 1  # five per rank, and the expert-range check
+    assert "num_experts" in sites[ep_ll._SITE_EXPERT_RANGE << 16]
     assert sites[ep_ll._SITE_CONSUMED << 16 | 2].endswith("rank 2 has read the stage two generations back")
+
+
+def test_mirrored_status_raises_once_and_clears_records_and_mirror() -> None:
+    """An error the receive kernels copied into the host mirror is raised by the next call, naming the kernel, the
+    site and that an earlier call recorded it; records and mirror are cleared, so the call after that is clean."""
+    ws = _workspace_with(Kernel.DISPATCH_SEND, 2, ep_ll._SITE_EXPERT_RANGE << 16, 300, 16)
+    mirror = ep_ll.new_status_mirror(torch.device("cpu"))
+    mirror.copy_(ep_ll.status_records(ws))
+    with pytest.raises(DeviceCheckError, match=r"gc_ep_ll_dispatch_send \(recorded by an earlier .*\): a topk_idx "
+                                               r"entry .* >= num_experts .*observed 300, expected 16"):
+        ep_ll.raise_for_mirrored_status(ws, mirror, 2)
+    assert not ws.any() and not mirror.any()
+    ep_ll.raise_for_mirrored_status(ws, mirror, 2)  # nothing left: no error

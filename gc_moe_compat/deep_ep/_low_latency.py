@@ -1,14 +1,17 @@
 """DeepEP's low-latency dispatch and combine on the facade's symmetric workspace: argument checks, DeepEP-layout
 outputs, the launches of :mod:`gc_moe_compat.ep_ll`, the receive hooks and the error surfacing.
 
-Errors on the device (a peer that never arrives, a protocol mismatch) land in the workspace's status records. A call
-that is fully synchronous in DeepEP's sense (``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA
-graph capture waits for its kernels and raises them (``DeviceTimeoutError`` / ``DeviceCheckError``); asynchronous,
-hooked and captured calls leave them for the next synchronous call.
+Errors on the device (a peer that never arrives, a protocol mismatch, an expert id >= num_experts) land in the
+workspace's status records, which the receive kernels also copy into a pinned host mirror. A call that is fully
+synchronous in DeepEP's sense (``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA graph capture
+waits for its kernels and raises them (``DeviceTimeoutError`` / ``DeviceCheckError``). Every call outside capture
+first reads the mirror (host memory: no synchronization) and raises what earlier asynchronous, hooked or
+graph-replayed calls recorded, so an error surfaces at the latest a few calls after it happened.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +27,9 @@ from gc_moe_compat.ep_ll import (
     LlShape,
     launch_ll,
     make_params,
+    new_status_mirror,
     raise_for_ll_status,
+    raise_for_mirrored_status,
     required_bytes,
 )
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
@@ -32,6 +37,19 @@ from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 __all__ = ["LowLatencyHandle", "combine", "dispatch"]
 
 Hook = Callable[[], None]
+
+_mirrors: weakref.WeakKeyDictionary[SymmetricWorkspace, torch.Tensor] = weakref.WeakKeyDictionary()
+"""The pinned status mirror of each workspace (created with its first call)."""
+
+
+def _mirror(workspace: SymmetricWorkspace) -> torch.Tensor:
+    """The workspace's status mirror; outside capture, first raises what earlier calls recorded."""
+    mirror = _mirrors.get(workspace)
+    if mirror is None:
+        mirror = _mirrors[workspace] = new_status_mirror(workspace.device)
+    if not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        raise_for_mirrored_status(workspace.buffer, mirror, workspace.world_size)
+    return mirror
 
 
 class LowLatencyHandle(tuple):
@@ -57,6 +75,7 @@ class _Call:
     num_tokens: int
     params: object
     tensors: tuple[torch.Tensor | None, ...]
+    mirror: torch.Tensor
 
     def launch(self, kernel: Kernel) -> None:
         launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens,
@@ -103,7 +122,7 @@ def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_e
 def _finish(call: _Call, synchronous: bool) -> None:
     if synchronous and not torch.cuda.is_current_stream_capturing():
         torch.cuda.current_stream(call.workspace.device).synchronize()
-        raise_for_ll_status(call.workspace.buffer, call.shape.num_ranks)
+        raise_for_ll_status(call.workspace.buffer, call.shape.num_ranks, call.mirror)
 
 
 def _receive_half(call: _Call, kernel: Kernel, synchronous: bool) -> Hook:
@@ -123,6 +142,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
              ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor, LowLatencyHandle, Hook | None]:
     """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``."""
     device = workspace.device
+    mirror = _mirror(workspace)
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
     num_tokens, hidden = x.shape
@@ -161,9 +181,10 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
         shape, num_tokens=num_tokens, idx_bytes=topk_idx.element_size(), flags=flags, x=x.data_ptr(),
         topk_idx=topk_idx.data_ptr(), recv_x=recv_x.data_ptr(), recv_scales=0 if scales is None else scales.data_ptr(),
         recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
-        recv_stats=0 if recv_stats is None else recv_stats.data_ptr(), call_gen=call_gen.data_ptr())
+        recv_stats=0 if recv_stats is None else recv_stats.data_ptr(), call_gen=call_gen.data_ptr(),
+        status_mirror=mirror.data_ptr())
     call = _Call(workspace, shape, num_tokens, params,
-                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, recv_stats, call_gen))
+                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, recv_stats, call_gen), mirror)
     call.launch(Kernel.DISPATCH_SEND)
     receive = _receive_half(call, Kernel.DISPATCH_RECV, synchronous=not (async_finish or return_recv_hook))
     handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
@@ -183,6 +204,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         raise TypeError(f"handle: must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     device = workspace.device
+    mirror = _mirror(workspace)
     shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk)
     local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
     x = _tensor("x", x, (torch.bfloat16,), 3, device)
@@ -208,9 +230,10 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     params = make_params(
         shape, num_tokens=handle.num_tokens, idx_bytes=topk_idx.element_size(), x=x.data_ptr(),
         topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), src_info=src_info.data_ptr(),
-        layout_range=layout_range.data_ptr(), out=out.data_ptr(), call_gen=call_gen.data_ptr())
+        layout_range=layout_range.data_ptr(), out=out.data_ptr(), call_gen=call_gen.data_ptr(),
+        status_mirror=mirror.data_ptr())
     call = _Call(workspace, shape, handle.num_tokens, params,
-                 (x, topk_idx, topk_weights, src_info, layout_range, out, call_gen))
+                 (x, topk_idx, topk_weights, src_info, layout_range, out, call_gen), mirror)
     call.launch(Kernel.COMBINE_SEND)
     receive = _receive_half(call, Kernel.COMBINE_RECV, synchronous=not (async_finish or return_recv_hook))
     if return_recv_hook:

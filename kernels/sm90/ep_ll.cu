@@ -110,9 +110,28 @@ __device__ __forceinline__ bool last_cta(u64* counter) {
     return is_last != 0;
 }
 
-__device__ __forceinline__ long long routed_expert(const EpLlParams& p, u32 f) {
-    return p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
-                            : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
+// The global expert of routing entry f, or -1 for an unused slot. An id >= num_experts is recorded as a protocol
+// error in `status` (when given) and treated as unused: it is never used as an address.
+__device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
+    const long long e = p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
+                                         : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
+    if (e >= static_cast<long long>(p.num_experts)) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRange << 16,
+                                          static_cast<u64>(e), p.num_experts);
+        return -1;
+    }
+    return e < 0 ? -1 : static_cast<int>(e);
+}
+
+// Copies the four status records into the pinned host mirror (the last CTA of each receive kernel), so that the
+// host sees errors of asynchronous, hooked and graph-replayed calls without synchronizing.
+__device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
+    constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
+    if (p.status_mirror && threadIdx.x < kWords) {
+        const volatile u32* src = reinterpret_cast<const volatile u32*>(pt.base + p.off_status);
+        reinterpret_cast<volatile u32*>(p.status_mirror)[threadIdx.x] = src[threadIdx.x];
+    }
+    __threadfence_system();
 }
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
@@ -178,7 +197,7 @@ __device__ __forceinline__ u32 warp_sum(u32 v) {
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send(const PeerTable pt,
                                                                              const EpLlParams p) {
-    __shared__ int slot_expert[kMaxTopk];  // the current token's experts
+    __shared__ int slot_of[kMaxTopk];      // the current token's experts (-1: unused)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null for an unused slot)
     __shared__ u32 rows_of[kMaxExperts];   // last CTA: rows per global expert
@@ -198,19 +217,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
     ok = __syncthreads_and(ok);
     for (u32 t = blockIdx.x; ok && t < p.num_tokens; t += gridDim.x) {
         if (threadIdx.x < k_slots) {
-            slot_expert[threadIdx.x] = static_cast<int>(routed_expert(p, t * k_slots + threadIdx.x));
+            slot_of[threadIdx.x] = slot_expert(p, t * k_slots + threadIdx.x, status);
             slot_row[threadIdx.x] = 0;
         }
         __syncthreads();
         // Entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot) order.
         for (u32 f = threadIdx.x; f < (t + 1) * k_slots; f += kThreads) {
-            const long long e = routed_expert(p, f);
+            const int e = slot_expert(p, f);
             for (u32 k = 0; k < k_slots; ++k)
-                if (e >= 0 && e == slot_expert[k] && f < t * k_slots + k) atomicAdd(&slot_row[k], 1u);
+                if (e >= 0 && e == slot_of[k] && f < t * k_slots + k) atomicAdd(&slot_row[k], 1u);
         }
         __syncthreads();
         if (threadIdx.x < k_slots) {
-            const int e = slot_expert[threadIdx.x];
+            const int e = slot_of[threadIdx.x];
             u8* row = nullptr;
             if (e >= 0) {
                 const u32 owner = static_cast<u32>(e) / p.local_experts, le = static_cast<u32>(e) % p.local_experts;
@@ -248,12 +267,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         for (u32 f = threadIdx.x; f < entries; f += kThreads) {
-            const long long e = routed_expert(p, f);
-            if (e >= 0 && e < p.num_experts) atomicAdd(&rows_of[e], 1u);
+            const int e = slot_expert(p, f);
+            if (e >= 0) atomicAdd(&rows_of[e], 1u);
         }
         __syncthreads();
-        // A CTA that failed its wait wrote no rows: leave the counts unpublished so that the owners report it too.
-        if (*reinterpret_cast<volatile u32*>(&status->code) == gc_moe::kStatusOk) {
+        // A CTA whose wait timed out wrote no rows: leave the counts unpublished so that the owners report it too
+        // (a dropped out-of-range slot is reported, but the other rows are complete and published).
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
             for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) {
                 const u32 owner = e / p.local_experts, le = e % p.local_experts;
                 u64* count = peer_ptr<u64>(pt, owner, p.off_counts + ((le * ranks + own) * 2 + parity) * 8);
@@ -340,8 +360,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
             }
         }
     }
-    if (last_cta(word(pt, p.off_arrive + (kDispatchRecv * 2 + parity) * 8)) && threadIdx.x == 0)
-        gc_moe::st_release_sys(word(pt, p.off_consumed + (0 * 2 + parity) * 8), gen);
+    if (last_cta(word(pt, p.off_arrive + (kDispatchRecv * 2 + parity) * 8))) {
+        if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (0 * 2 + parity) * 8), gen);
+        mirror_status(pt, p);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(const PeerTable pt,
@@ -411,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
 #pragma unroll
             for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
                 const u32 k = k0 + i;
-                used[i] = k < p.topk && routed_expert(p, t * p.topk + k) >= 0;
+                used[i] = k < p.topk && slot_expert(p, t * p.topk + k) >= 0;
                 if (used[i]) {
                     w[i] = reinterpret_cast<const float*>(p.topk_weights)[t * p.topk + k];
                     const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
@@ -434,6 +456,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
         *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * p.hidden + col) =
             *reinterpret_cast<const uint4*>(out);
     }
-    if (last_cta(word(pt, p.off_arrive + (kCombineRecv * 2 + parity) * 8)) && threadIdx.x == 0)
-        gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
+    if (last_cta(word(pt, p.off_arrive + (kCombineRecv * 2 + parity) * 8))) {
+        if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
+        mirror_status(pt, p);
+    }
 }

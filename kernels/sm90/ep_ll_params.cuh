@@ -18,6 +18,7 @@ struct EpLlParams {
     unsigned long long recv_stats;
     unsigned long long out;
     unsigned long long call_gen;
+    unsigned long long status_mirror;
     unsigned long long timeout_ns;
     unsigned long long off_seq;
     unsigned long long off_arrive;
@@ -38,7 +39,7 @@ struct EpLlParams {
     unsigned int row_stride;
     unsigned int unit_rows;
 };
-static_assert(sizeof(EpLlParams) == 200, "EpLlParams must match gc_moe_compat/ep_ll.py");
+static_assert(sizeof(EpLlParams) == 208, "EpLlParams must match gc_moe_compat/ep_ll.py");
 // END GENERATED
 
 // EpLlParams.flags
@@ -53,6 +54,7 @@ enum LlSite : unsigned int {
     kLlSiteCountAhead = 3,   // a count carries a later generation than this call's
     kLlSiteReady = 4,        // combine receive waiting for a rank's readiness
     kLlSiteReadyAhead = 5,   // a readiness word carries a later generation than this call's
+    kLlSiteExpertRange = 6,  // a topk_idx entry >= num_experts (treated as an unused slot)
 };
 
 }  // namespace gc_moe

@@ -7,7 +7,9 @@ cumulative statistics, and the combine (outputs poisoned with NaN first, expert-
 poisoned with NaN so a read of them shows). Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64
 and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, 200 calls with
 fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
-``timeout`` (rank 1 stays away; rank 0 gets DeviceTimeoutError; a new Buffer then works on both ranks).
+``timeout`` (rank 1 stays away; rank 0 gets DeviceTimeoutError; a new Buffer then works on both ranks), ``bad_ids``
+(an expert id >= num_experts: DeviceCheckError from the synchronous call, and from the call after an asynchronous
+one).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from two_rank import join, report_pass
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ep_reference import combine_reference, ll_quantize, receive_plan
-from gc_moe_compat.runtime.status import DeviceTimeoutError
+from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 
 TMAX, HIDDEN, TOPK = 24, 1024, 4
 
@@ -230,13 +232,43 @@ def suite_timeout(rank: int, ranks: int) -> None:
     print(f"rank {rank}: a new Buffer after the timeout works", flush=True)
 
 
+def suite_bad_ids(rank: int, ranks: int) -> None:
+    """An expert id >= num_experts: the synchronous call raises DeviceCheckError naming it; an asynchronous call's
+    error is raised by the next call (from the pinned mirror, no synchronization); then calls are clean again."""
+    experts = experts_for(ranks)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    inp = Inputs(21, ranks, [TMAX] * ranks, torch.int64)
+    bad = inp.idx[rank].clone()
+    bad[3, 1] = experts + 5
+    try:
+        buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts)
+    except DeviceCheckError as exc:
+        assert "num_experts" in str(exc) and f"observed {experts + 5}" in str(exc), exc
+        print(f"rank {rank}: expert id >= E (synchronous) -> DeviceCheckError: {exc}", flush=True)
+    else:
+        raise AssertionError("an expert id >= num_experts was not reported")
+    buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts, async_finish=True)
+    torch.cuda.synchronize()
+    try:
+        buf.low_latency_dispatch(inp.x[rank].cuda(), inp.idx[rank].cuda(), TMAX, experts)
+    except DeviceCheckError as exc:
+        assert "recorded by an earlier" in str(exc), exc
+        print(f"rank {rank}: expert id >= E (async) -> next call raises: {exc}", flush=True)
+    else:
+        raise AssertionError("the asynchronous call's error was not raised by the next call")
+    run_once(buf, rank, ranks, 22, [TMAX] * ranks, "plain", torch.int64, "sync")
+    print(f"rank {rank}: clean calls after the reported errors bit-exact", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("modes", "graph", "timeout"), required=True)
+    parser.add_argument("--suite", choices=("modes", "graph", "timeout", "bad_ids"), required=True)
     suite = parser.parse_args().suite
     rank = join()
     ranks = dist.get_world_size()
-    {"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout}[suite](rank, ranks)
+    suites = {"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids}
+    suites[suite](rank, ranks)
     report_pass(rank)
 
 
