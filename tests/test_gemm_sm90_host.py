@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from nvcc_mark import needs_nvcc
+from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
@@ -169,12 +169,14 @@ def test_prepare_fp4_weights_round_trips_to_mxfp4_inside_the_window() -> None:
     ids=lambda v: v if isinstance(v, str) else "bm{GC_BM}-epi{GC_EPI}-prod{GC_PRODUCER_WG}".format(**v),
 )
 def test_every_variant_compiles_without_spills(mma_type: str, defines: dict[str, int], tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """CI builds every variant of both kernels for sm_90a: no stack frame, no spills, the register cap of the thread
-    layout held."""
+    """CI builds every variant of both kernels for sm_90a: no stack frame, no spills, no serialized WGMMAs, the
+    register cap of the thread layout held."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     source, kernel = KERNELS[mma_type]
-    res = jit.compile_cubin(source, defines).resources[kernel]
+    cubin = jit.compile_cubin(source, defines)
+    res = cubin.resources[kernel]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
+    assert not serialized_wgmma(cubin.warnings)
     assert res.registers <= (168 if defines["GC_PRODUCER_WG"] else 255)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from nvcc_mark import needs_nvcc
+from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import native, ring
 from gc_moe_compat.config import MMA_TYPES, MoEShape
@@ -88,10 +88,13 @@ def test_variant_picks_the_kernel_of_its_weight_format() -> None:
 def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every operator-mode variant of both kernels builds for sm_90a (which also asserts kSmemBytes ==
-    operator_smem_bytes): no stack frame, no spills, the 168-register cap of the producer layout."""
+    operator_smem_bytes): no stack frame, no spills, no serialized WGMMAs, the 168-register cap of the producer
+    layout."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    res = jit.compile_cubin(variant.source, variant.defines).resources[variant.kernel_name]
+    cubin = jit.compile_cubin(variant.source, variant.defines)
+    res = cubin.resources[variant.kernel_name]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
+    assert not serialized_wgmma(cubin.warnings)
     assert res.registers <= (168 if variant.pipelined else 255)
 
 

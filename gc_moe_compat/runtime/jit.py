@@ -30,7 +30,7 @@ from .cuda import call, init_driver
 
 ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
 _BASE_FLAGS = ("-cubin", ARCH_FLAG, "-std=c++17", "-O3", "-Xptxas", "-v")
-_KEY_SCHEMA = 1
+_KEY_SCHEMA = 2  # 2: the report keeps the compiler's warnings and coded ptxas notes
 
 #: User options nvcc may receive; anything else (e.g. ``-rdc``, ``-G``, another ``-arch``) is rejected.
 ALLOWED_OPTIONS: tuple[re.Pattern[str], ...] = tuple(
@@ -44,6 +44,7 @@ ALLOWED_OPTIONS: tuple[re.Pattern[str], ...] = tuple(
         r"-Xptxas=--warn-on-spills",
     )
 )
+_DIAGNOSTIC = re.compile(r"\(C\d{4}\)")  # ptxas's coded performance notes, e.g. "(C7511) ... wgmma ... serialized"
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFINE_VALUE = re.compile(r"-?[A-Za-z0-9_.]+")
@@ -234,12 +235,14 @@ def parse_ptxas_report(text: str) -> dict[str, KernelResources]:
 
 @dataclass(frozen=True)
 class Cubin:
-    """A compiled (or cached) cubin: its key, file, and ptxas resource report."""
+    """A compiled (or cached) cubin: its key, file, ptxas resource report, and the compiler's warning lines and
+    coded ptxas notes (for example C7511 / C7519: WGMMAs serialized or a warpgroup.arrive injected)."""
 
     key: str
     path: Path
     resources: dict[str, KernelResources]
     from_cache: bool
+    warnings: tuple[str, ...] = ()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -278,7 +281,8 @@ def compile_cubin(
     stem = f"{path.stem}-{key[:40]}"
     cubin_path, report_path = directory / f"{stem}.cubin", directory / f"{stem}.json"
     if cubin_path.is_file() and report_path.is_file():
-        return Cubin(key, cubin_path, _load_report(report_path), from_cache=True)
+        report = json.loads(report_path.read_text())
+        return Cubin(key, cubin_path, _resources(report), from_cache=True, warnings=tuple(report["warnings"]))
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         out = Path(tmp) / "out.cubin"
         cmd = [
@@ -295,14 +299,17 @@ def compile_cubin(
         if proc.returncode != 0:
             raise JitError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
         resources = parse_ptxas_report(proc.stdout + proc.stderr)
-        report = {name: dataclasses.asdict(r) for name, r in resources.items()}
-        _atomic_write(report_path, json.dumps({"key": key, "command": cmd, "kernels": report}, indent=1).encode())
+        warnings = tuple(line.strip() for line in (proc.stdout + proc.stderr).splitlines()
+                         if "warning" in line.lower() or _DIAGNOSTIC.search(line))
+        report = {"key": key, "command": cmd, "warnings": list(warnings),
+                  "kernels": {name: dataclasses.asdict(r) for name, r in resources.items()}}
+        _atomic_write(report_path, json.dumps(report, indent=1).encode())
         _atomic_write(cubin_path, out.read_bytes())
-    return Cubin(key, cubin_path, resources, from_cache=False)
+    return Cubin(key, cubin_path, resources, from_cache=False, warnings=warnings)
 
 
-def _load_report(path: Path) -> dict[str, KernelResources]:
-    return {name: KernelResources(**r) for name, r in json.loads(path.read_text())["kernels"].items()}
+def _resources(report: dict) -> dict[str, KernelResources]:
+    return {name: KernelResources(**r) for name, r in report["kernels"].items()}
 
 
 @dataclass(frozen=True)
