@@ -391,33 +391,61 @@ class DeepGemmMasked:
 
 
 # ------------------------------------------------------------------------------------------- composed EP baseline
+class AllToAllExchange:
+    """The composed layer's exchange for one rank's fixed routing (``plan``): :meth:`dispatch` packs the (token, slot)
+    rows, sends them with ``all_to_all_single`` and unpacks them into a masked layout; :meth:`combine` gathers the
+    experts' BF16 rows back in arrival order, returns them with ``all_to_all_single`` and sums each token's slots.
+    Static buffers, so a CUDA graph may capture both."""
+
+    def __init__(self, group: object, plan: A2APlan, hidden: int, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group, self.plan, self.hidden = dist, group, plan, hidden
+        words = row_words(hidden)
+        self.send = torch.zeros(plan.rows_sent, words, dtype=torch.int32, device=device)
+        self.recv = torch.zeros(plan.rows_received, words, dtype=torch.int32, device=device)
+        self.back_send = torch.zeros(plan.rows_received, hidden, dtype=torch.bfloat16, device=device)
+        self.back_recv = torch.zeros(plan.rows_sent, hidden, dtype=torch.bfloat16, device=device)
+        self.y = torch.zeros(plan.combine_index.shape[0], hidden, dtype=torch.bfloat16, device=device)
+        self.send_token = plan.send_token.to(device)
+        self.send_slot = plan.send_slot.to(device)
+        self.recv_dest = plan.recv_dest.to(device)
+        self.combine_index = plan.combine_index.to(device)
+
+    def dispatch(self, x: torch.Tensor, x_sf: torch.Tensor, topk_weights: torch.Tensor, masked_x: torch.Tensor,
+                 masked_sf_t: torch.Tensor, masked_rw: torch.Tensor) -> None:
+        """This rank's rows into every destination's masked layout (``[e, max_m, H]`` E4M3, MN-major scales
+        ``[e, H/128, max_m]``, routing weights ``[e, max_m]``)."""
+        p = self.plan
+        pack_rows(x, x_sf, topk_weights, self.send_token, self.send_slot, self.send)
+        self.dist.all_to_all_single(self.recv, self.send, p.output_splits, p.input_splits, group=self.group)
+        unpack_rows(self.recv, self.recv_dest, masked_x, masked_sf_t, masked_rw)
+
+    def combine(self, expert_rows: torch.Tensor) -> torch.Tensor:
+        """``y [T, H]`` BF16 from the experts' rows ``[e * max_m, H]`` BF16 of the masked layout."""
+        p = self.plan
+        gather_rows(expert_rows, self.recv_dest, self.back_send)
+        self.dist.all_to_all_single(self.back_recv, self.back_send, p.input_splits, p.output_splits,
+                                    group=self.group)
+        combine_slots(self.back_recv, self.combine_index, self.y)
+        return self.y
+
+
 class ComposedBaseline:
     """One rank of the composed expert-parallel layer (module docstring): stage inputs with :meth:`stage`, then
     :meth:`run` (capturable after one eager run) writes ``y [T, H]`` BF16."""
 
     def __init__(self, dg: object, group: object, plan: A2APlan, l1: ExpertWeights, l2: ExpertWeights,
                  clamp: float, alpha: float = 1.0) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.group, self.plan = dist, group, plan
         dev = l1.payload.device
         h = l1.payload.shape[2]
         t, k = plan.combine_index.shape
         self.hidden, self.tokens, self.topk = h, t, k
         self.pipe = DeepGemmMasked(dg, l1, l2, plan.masked_m, plan.max_m, plan.expected_m, clamp, alpha)
-        words = row_words(h)
+        self.exchange = AllToAllExchange(group, plan, h, dev)
         self.x = torch.zeros(t, h, dtype=torch.float8_e4m3fn, device=dev)
         self.x_sf = torch.zeros(t, h // 128, dtype=torch.float32, device=dev)
         self.topk_weights = torch.zeros(t, k, dtype=torch.float32, device=dev)
-        self.send = torch.zeros(plan.rows_sent, words, dtype=torch.int32, device=dev)
-        self.recv = torch.zeros(plan.rows_received, words, dtype=torch.int32, device=dev)
-        self.back_send = torch.zeros(plan.rows_received, h, dtype=torch.bfloat16, device=dev)
-        self.back_recv = torch.zeros(plan.rows_sent, h, dtype=torch.bfloat16, device=dev)
-        self.y = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
-        self.send_token = plan.send_token.to(dev)
-        self.send_slot = plan.send_slot.to(dev)
-        self.recv_dest = plan.recv_dest.to(dev)
-        self.combine_index = plan.combine_index.to(dev)
 
     def stage(self, x: torch.Tensor, x_sf: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Copy this rank's inputs (the routing is the plan's) into the static staging tensors."""
@@ -427,13 +455,6 @@ class ComposedBaseline:
 
     def run(self) -> torch.Tensor:
         """Dispatch, the masked pipeline, combine; returns the static ``y``."""
-        p = self.plan
-        pack_rows(self.x, self.x_sf, self.topk_weights, self.send_token, self.send_slot, self.send)
-        self.dist.all_to_all_single(self.recv, self.send, p.output_splits, p.input_splits, group=self.group)
-        unpack_rows(self.recv, self.recv_dest, self.pipe.x, self.pipe.x_sf_t, self.pipe.rw)
+        self.exchange.dispatch(self.x, self.x_sf, self.topk_weights, self.pipe.x, self.pipe.x_sf_t, self.pipe.rw)
         self.pipe.pipeline()
-        gather_rows(self.pipe.d2.view(-1, self.hidden), self.recv_dest, self.back_send)
-        self.dist.all_to_all_single(self.back_recv, self.back_send, p.input_splits, p.output_splits,
-                                    group=self.group)
-        combine_slots(self.back_recv, self.combine_index, self.y)
-        return self.y
+        return self.exchange.combine(self.pipe.d2.view(-1, self.hidden))

@@ -31,14 +31,14 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import _baseline_sm90 as base
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, pyplot, result_meta
+from operator_sm90 import WORLD, Ranks, capture, time_replays
 
-WORLD = 2
 TMAX = 128
 TOKENS = (1, 4, 16, 32, 64, 128)
 PRESETS = ("dsv41-flash", "glm52")
@@ -93,15 +93,6 @@ class ExpertRows:
         return out
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def facade_layer(buffer: object, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_out: torch.Tensor,
                  out: torch.Tensor, experts: int) -> torch.Tensor:
     """The facade's dispatch then combine of ``expert_out`` into ``out`` (what one op replays)."""
@@ -110,63 +101,34 @@ def facade_layer(buffer: object, x: torch.Tensor, idx: torch.Tensor, weights: to
     return out
 
 
-class Exchange:
-    """The baseline's exchange around a fixed expert output (bench/_baseline_sm90.py's kernels)."""
+class NcclExchange:
+    """The composed baseline's exchange (:class:`_baseline_sm90.AllToAllExchange`) around a fixed expert output: what
+    the ``nccl_all_to_all`` op replays."""
 
-    def __init__(self, plan: base.A2APlan, x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor,
-                 hidden: int, group: object) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.group, self.plan = dist, group, plan
-        dev = x.device
-        self.x, self.x_sf, self.weights = x, x_sf, weights
-        self.send = torch.zeros(plan.rows_sent, base.row_words(hidden), dtype=torch.int32, device=dev)
-        self.recv = torch.zeros(plan.rows_received, base.row_words(hidden), dtype=torch.int32, device=dev)
-        e = plan.num_local_experts
-        self.masked_x = torch.zeros(e, plan.max_m, hidden, dtype=torch.float8_e4m3fn, device=dev)
-        self.masked_sf = torch.zeros(e, hidden // 128, plan.max_m, dtype=torch.float32, device=dev)
-        self.masked_rw = torch.zeros(e, plan.max_m, dtype=torch.float32, device=dev)
-        self.expert_out = torch.randn(e * plan.max_m, hidden, device=dev).to(torch.bfloat16)
-        self.back_send = torch.zeros(plan.rows_received, hidden, dtype=torch.bfloat16, device=dev)
-        self.back_recv = torch.zeros(plan.rows_sent, hidden, dtype=torch.bfloat16, device=dev)
-        self.y = torch.zeros(weights.shape[0], hidden, dtype=torch.bfloat16, device=dev)
-        self.token, self.slot = plan.send_token.to(dev), plan.send_slot.to(dev)
-        self.dest, self.combine_index = plan.recv_dest.to(dev), plan.combine_index.to(dev)
+    def __init__(self, group: object, plan: base.A2APlan, inputs: object, hidden: int) -> None:
+        dev = inputs.x.device
+        e, max_m = plan.num_local_experts, plan.max_m
+        self.exchange = base.AllToAllExchange(group, plan, hidden, dev)
+        self.inputs = inputs
+        self.masked_x = torch.zeros(e, max_m, hidden, dtype=torch.float8_e4m3fn, device=dev)
+        self.masked_sf_t = torch.zeros(e, hidden // 128, max_m, dtype=torch.float32, device=dev)
+        self.masked_rw = torch.zeros(e, max_m, dtype=torch.float32, device=dev)
+        self.expert_rows = torch.randn(e * max_m, hidden, device=dev).to(torch.bfloat16)
 
     def run(self) -> torch.Tensor:
-        p = self.plan
-        base.pack_rows(self.x, self.x_sf, self.weights, self.token, self.slot, self.send)
-        self.dist.all_to_all_single(self.recv, self.send, p.output_splits, p.input_splits, group=self.group)
-        base.unpack_rows(self.recv, self.dest, self.masked_x, self.masked_sf, self.masked_rw)
-        base.gather_rows(self.expert_out, self.dest, self.back_send)
-        self.dist.all_to_all_single(self.back_recv, self.back_send, p.input_splits, p.output_splits, group=self.group)
-        base.combine_slots(self.back_recv, self.combine_index, self.y)
-        return self.y
+        i = self.inputs
+        self.exchange.dispatch(i.x, i.x_sf, i.topk_weights, self.masked_x, self.masked_sf_t, self.masked_rw)
+        return self.exchange.combine(self.expert_rows)
 
 
 def run_ranks(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     import gc_moe_compat.deep_ep as deep_ep
     from gc_moe_compat.ep_reference import combine_reference, receive_plan
     from gc_moe_compat.sm90.operator_workload import make_inputs, preset_dims
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, group = dist.get_rank(), dist.group.WORLD
-    one = torch.zeros(1, device="cuda")
-
-    def align() -> None:
-        dist.all_reduce(one, group=group)
-
-    def gather(obj: object) -> list[object]:
-        out: list[object] = [None] * WORLD
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    bandwidth = peer_bandwidth() if rank == 0 else None
-    bandwidth = gather(bandwidth)[0]
+    ranks = Ranks()
+    rank, group, gather = ranks.rank, ranks.group, ranks.gather
+    bandwidth = gather(peer_bandwidth() if rank == 0 else None)[0]
     points = []
     for preset in args.presets:
         e, k, h, _ = preset_dims(preset)
@@ -191,18 +153,16 @@ def run_ranks(args: argparse.Namespace) -> None:
             want = combine_reference(rank, mine.topk_idx.cpu(), mine.topk_weights.cpu(), stand_ins, plan)
             record["facade_bit_exact"] = torch.equal(eager.cpu().view(torch.int16), want.view(torch.int16))
             graph = capture(facade)
-            record["latency_us"]["deep_ep_facade"] = statistics.median(timed_windows(
-                lambda g=graph: [g.replay() for _ in range(PER_WINDOW)], args.warmup, args.windows, align)[0])
+            record["latency_us"]["deep_ep_facade"] = time_replays(graph, ranks, args.warmup, args.windows)
             record["replay_bit_exact"] = torch.equal(out.view(torch.int16), eager.view(torch.int16))
             del graph
 
             plans = [base.plan_all_to_all([i.topk_idx for i in inputs], experts, r) for r in range(WORLD)]
-            exchange = Exchange(plans[rank], mine.x, mine.x_sf, mine.topk_weights, h, group)
-            exchange.run()
-            graph = capture(exchange.run)
-            record["latency_us"]["nccl_all_to_all"] = statistics.median(timed_windows(
-                lambda g=graph: [g.replay() for _ in range(PER_WINDOW)], args.warmup, args.windows, align)[0])
-            del graph, exchange
+            nccl = NcclExchange(group, plans[rank], mine, h)
+            nccl.run()
+            graph = capture(nccl.run)
+            record["latency_us"]["nccl_all_to_all"] = time_replays(graph, ranks, args.warmup, args.windows)
+            del graph, nccl
             record["received_rows"] = sum(counts)
             records = gather(record)
             floor_us = nvlink_bytes(plans, h) / bandwidth * 1e6
@@ -221,7 +181,7 @@ def run_ranks(args: argparse.Namespace) -> None:
                       f"{latency['nccl_all_to_all']:.1f} µs, floor {floor_us:.1f} µs", flush=True)
     if rank == 0:
         write_result(args, points, bandwidth)
-    dist.barrier()
+    ranks.dist.barrier()
 
 
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], bandwidth: float) -> None:
