@@ -249,12 +249,25 @@ __device__ __forceinline__ void apply_factor(float (&acc)[kMSub][kAcc], const fl
         for (int i = 0; i < kAcc; ++i) acc[s][i] *= f64;
 }
 
-// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh),
-// software-pipelined. The promotion granularity is a batch (kGroups<Epi> K32 groups of one stage, all slabs: one
-// batch per stage in the standalone kernels), the MMA granularity a unit (one slab of a batch): a unit's MMAs are
-// issued asynchronously from one of two A register sets while the next unit's A fragments are decoded into the
-// other set (after wait_group 1 has retired the unit before, which read that set; the next unit may be the first
-// of the next stage, waited for first). A batch's accumulators are fresh (zeroed) and promoted after wait_group 0.
+// Whether consume_n overlaps the decode with the WGMMAs (software pipeline) or decodes and issues in sequence. At
+// BM = 8 a unit's MMAs (four m64n8k32) are too short to hide a decode, so the pipeline's second A set and extra
+// wait_group per unit cost more than the overlap hides: on an H200 (bench/NOTES_gemm_sm90.md, session 3) the
+// pipelined FP8xFP4 kernels at BM = 8 were 8-11 % slower than the sequential loop before d988dbb, while at BM >= 16
+// the pipeline made them 5-21 % faster. The sequential choice at BM = 8 is a prediction until measured.
+constexpr bool kPipelinedConsume = kBM >= 16;
+
+// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). The
+// promotion granularity is a batch (kGroups<Epi> K32 groups of one stage, all slabs: one batch per stage in the
+// standalone kernels), and a batch's accumulators are fresh (zeroed) and promoted after wait_group 0. The order of
+// decodes and MMAs within it depends on kPipelinedConsume:
+// - pipelined: the MMA granularity is a unit (one slab of a batch): a unit's MMAs are issued asynchronously from one
+//   of two A register sets while the next unit's A fragments are decoded into the other set (after wait_group 1 has
+//   retired the unit before, which read that set; the next unit may be the first of the next stage, waited for
+//   first);
+// - sequential: the batch's first waits for its stage, every slab of the batch is decoded (first A set: slab 0,
+//   second: slab 1), then all its MMAs go out as one commit group (the order before d988dbb, without its per-stage N
+//   switch and unzeroed accumulators).
+// Both issue the same MMAs on the same A fragments per K32 group and promote in the same order: the same math.
 // A stage is freed after the wait of its last batch: every WGMMA reading its token tile has retired and its codes,
 // d bytes and token scales have been read.
 // `it` is the pipeline slot being waited for (the operator's wait_full reads it); on return it is the task's first
@@ -265,16 +278,19 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
                                          WaitFull& wait_full, Load& load) {
     constexpr int kG = kGroups<Epi>;
     constexpr int kBatches = 4 / kG;  // batches per stage
-    // Units alternate between the A sets; a batch of an odd number of units (one slab) starts on the other set than
-    // the batch before, so an iteration covers an even number of batches.
-    constexpr int kIterBatches = kMSub % 2 == 0 || kBatches % 2 == 0 ? kBatches : 2 * kBatches;
+    // Pipelined: units alternate between the A sets; a batch of an odd number of units (one slab) starts on the other
+    // set than the batch before, so an iteration covers an even number of batches. Sequential: x is a0, y is a1.
+    constexpr bool kSwapSets = kPipelinedConsume && kMSub % 2 == 1;
+    constexpr int kIterBatches = kSwapSets && kBatches % 2 == 1 ? 2 * kBatches : kBatches;
     const u32 first = it;
     u32 a0[kG][4], a1[kG][4];
-    if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) return false;
-    decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, a0);
-    // Batch j of the iteration at K step kb (stage kb + j / kBatches, K32 groups from q0); its first unit's A
-    // fragments are in `x`, its second's (two slabs) go to `y`, and the next batch's first unit's to y (one slab)
-    // or x (two slabs).
+    if constexpr (kPipelinedConsume) {
+        if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) return false;
+        decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, a0);
+    }
+    // Batch j of the iteration at K step kb (stage kb + j / kBatches, K32 groups from q0). Pipelined: its first
+    // unit's A fragments are in `x`, its second's (two slabs) go to `y`, and the next batch's first unit's to y (one
+    // slab) or x (two slabs). Sequential: slab 0's go to x, slab 1's to y.
     const auto batch = [&](int kb, int j, u32 (&x)[kG][4], u32 (&y)[kG][4]) {
         const int step = kb + j / kBatches, q0 = (j % kBatches) * kG;
         if (step >= kb_count) return true;  // the last iteration of an odd kb_count (one batch per stage, one slab)
@@ -298,12 +314,24 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
             }
             return true;
         };
+        if constexpr (!kPipelinedConsume) {
+            if (q0 == 0) {
+                it = slot;
+                if (!wait_full(pipe.full(stage), (slot / kStages) & 1)) return false;
+            }
+            decode_unit<kG>(smem, stage, cw, 0, warp, lane, q0, x);
+            if constexpr (kMSub == 2) decode_unit<kG>(smem, stage, cw, 1, warp, lane, q0, y);
+        }
         wgmma_fence();  // the A registers and the zeroed accumulators were written by this thread
         mma_slab<Epi, N>(tmp, 0, x, b_base, q0);
-        wgmma_commit();
-        if constexpr (kMSub == 1) {
+        if constexpr (!kPipelinedConsume) {
+            if constexpr (kMSub == 2) mma_slab<Epi, N>(tmp, 1, y, b_base, q0);
+            wgmma_commit();  // the batch's MMAs, one commit group
+        } else if constexpr (kMSub == 1) {
+            wgmma_commit();
             if (!decode_next(y)) return false;
         } else {
+            wgmma_commit();
             decode_unit<kG>(smem, stage, cw, 1, warp, lane, q0, y);
             wgmma_fence();
             mma_slab<Epi, N>(tmp, 1, y, b_base, q0);
@@ -315,7 +343,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         wgmma_wait<0>();
         fence_operands(tmp);
         fence_operands(x);  // the A sets stay live until the waits above
-        fence_operands(y);
+        if constexpr (kPipelinedConsume || kMSub == 2) fence_operands(y);
         u32 xsr[N / 4];
         token_scales<N>(smem, stage, lane, xsr);
         if (last_of_stage) {  // every WGMMA reading this stage has retired, its shared memory is read
@@ -332,7 +360,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
     for (int kb = 0; kb < kb_count; kb += kIterBatches / kBatches) {
 #pragma unroll
         for (int j = 0; j < kIterBatches; ++j) {
-            if (kMSub == 2 || j % 2 == 0) {
+            if (!kSwapSets || j % 2 == 0) {
                 if (!batch(kb, j, a0, a1)) return false;
             } else {
                 if (!batch(kb, j, a1, a0)) return false;
