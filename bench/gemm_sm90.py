@@ -18,6 +18,7 @@ weight and scale bytes plus the rows' token payload in (FP8 + scales) and out (B
 ``1.5 H I`` FP4 bytes + one scale byte per 32 values, plus the same payload. Efficiency = floor / latency (gc_fp4
 against the FP4 floor, everything else against the FP8 floor); speedups are DeepGEMM's latency over ours.
 Accuracy per point: our partials against the quantization-faithful and BF16 model references.
+W1 and W2 are also timed apart (``latency_split_us``: where each family's time goes).
 ``GC_MOE_BENCH_TOKENS`` ("64,128,256") restricts the sweep, ``GC_MOE_BENCH_WINDOWS`` the windows (short leases).
 
 Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
@@ -44,7 +45,8 @@ from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, variant_defines
+from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
+from gc_moe_compat.sm90.grouping import GroupedTokens
 from gc_moe_compat.sm90.heuristics import MMA_TYPES, W1_SLABS, W2_SLABS, max_stages, tile_rows
 from gc_moe_compat.sm90.workload import (
     CLAMP,
@@ -73,6 +75,14 @@ def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
             graph.replay()
 
     return statistics.median(timed_windows(window, warmup, windows)[0])
+
+
+def split_latency(gemm: ExpertGemmSM90, grouped: GroupedTokens, ws: Workspace, warmup: int, windows: int) -> dict:
+    """W1 and W2 timed apart (each its own graph, the same protocol): where a kernel family's time goes."""
+    return {
+        "w1": time_graph(lambda: gemm.run_w1(grouped, ws), warmup, windows),
+        "w2": time_graph(lambda: gemm.run_w2(grouped, ws), warmup, windows),
+    }
 
 
 def floor_bytes(layer: Layer, counts: torch.Tensor, mma_type: str = "fp8xfp8") -> int:
@@ -218,6 +228,7 @@ def main() -> None:
             gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
             ws = gemm.workspace(grouped)
             latency = {"gc_fp8": time_graph(lambda g=gemm, gr=grouped, w=ws: g.run(gr, w), args.warmup, args.windows)}
+            split = {"gc_fp8": split_latency(gemm, grouped, ws, args.warmup, args.windows)}
             gemm.check()
             ours = scatter_partials(gemm.run(grouped, ws).out, grouped, tok.x.shape[0], layer.topk)
             ref, valid = reference_partials(layer, tok, faithful=True)
@@ -231,6 +242,7 @@ def main() -> None:
             gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
             ws4 = gemm4.workspace(grouped)
             latency["gc_fp4"] = time_graph(lambda g=gemm4, gr=grouped, w=ws4: g.run(gr, w), args.warmup, args.windows)
+            split["gc_fp4"] = split_latency(gemm4, grouped, ws4, args.warmup, args.windows)
             gemm4.check()
             ours4 = scatter_partials(gemm4.run(grouped, ws4).out, grouped, tok.x.shape[0], layer.topk)
             ref4, _ = reference_partials_fp4(layer, fp4, tok, faithful=True)
@@ -256,6 +268,7 @@ def main() -> None:
                     "stages_fp4": [cfg4.stages_w1, cfg4.stages_w2],
                 },
                 "latency_us": latency,
+                "latency_split_us": split,
                 "per_rank_us": {op: [v] for op, v in latency.items()},
                 "floor_us": floor_us,
                 "floor_fp4_us": floor_fp4_us,
@@ -268,7 +281,7 @@ def main() -> None:
             }
             points.append(point)
             args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
-            keys = ("preset", "tokens_per_rank", "config", "latency_us", "floor_us", "floor_fp4_us")
+            keys = ("preset", "tokens_per_rank", "config", "latency_us", "latency_split_us", "floor_us", "floor_fp4_us")
             print(json.dumps({k: point[k] for k in keys}))
             del gemm, ws, gemm4, ws4, grouped
         del layer, fp4

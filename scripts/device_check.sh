@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the lent GPU machine (device tool `run`, from the repository root):
 #   bash scripts/device_check.sh [--tests-only | --bench-only] [--bench NAME]... [-k PYTEST_EXPR]
+#                                [--profile PRESET:T:FORMAT]...
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
 # prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
@@ -18,16 +19,19 @@ PY="${PYTHON:-python3}"
 BENCHES=(runtime_sm90 gemm_sm90)
 # Benchmarks that need two GPUs: run by default only where there are two.
 BENCHES_X2=(operator_sm90 deep_ep_ll)
+# Nsight Compute sections of a --profile run (clocks left alone: --clock-control none).
+NCU_SECTIONS=(SpeedOfLight ComputeWorkloadAnalysis SchedulerStats WarpStateStats MemoryWorkloadAnalysis)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=()
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=()
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
     --bench-only) run_tests=0 ;;
     --bench) picked+=("$2"); shift ;;
     -k) pytest_k=(-k "$2"); shift ;;
+    --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -115,6 +119,16 @@ if ((run_bench)); then
     fi
   done
 fi
+
+for spec in "${profiles[@]}"; do
+  IFS=: read -r preset tokens format <<<"$spec"
+  log="$OUT/profile_${preset}_${tokens}_${format}.txt"
+  sections=()
+  for section in "${NCU_SECTIONS[@]}"; do sections+=(--section "$section"); done
+  ncu --clock-control none --kernel-name regex:gc_sm90 --launch-skip 2 --launch-count 2 "${sections[@]}" \
+    "$PY" bench/profile_gemm_sm90.py --preset "$preset" --tokens "$tokens" --format "$format" >"$log" 2>&1 ||
+    echo "profile $spec FAILED ($log)" >>"$OUT/bench.log"
+done
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
 exit $((test_rc || bench_rc))

@@ -263,37 +263,31 @@ class ExpertGemmSM90:
 
     def run(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
         """Launches W1 then W2 on ``stream`` (default: torch's current stream); returns the workspace (``ws.out``)."""
+        ws = self.run_w1(grouped, ws, stream)
+        return self.run_w2(grouped, ws, stream)
+
+    def _prepare(self, grouped: GroupedTokens, ws: Workspace | None, stream: int | None) -> tuple[Workspace, int]:
         if grouped.bm != self.config.bm:
             raise ValueError(f"grouped: built with bm={grouped.bm}, this runner's variant has bm={self.config.bm}")
         if grouped.x.shape[1] != self.weights.hidden:
             raise ValueError(f"grouped: hidden size {grouped.x.shape[1]} != weights' {self.weights.hidden}")
         ws = ws or self.workspace(grouped)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if stream is None else stream
+        return ws, torch.cuda.current_stream(self.device).cuda_stream if stream is None else stream
+
+    def run_w1(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
+        """Launches W1 alone (``ws.inter`` and its scales): :meth:`run`'s first half, timed apart by the benchmark."""
+        ws, stream = self._prepare(grouped, ws, stream)
         w = self.weights
-        self._launch(
-            EPI_W1,
-            encode_2d(grouped.x.view(torch.uint8), grouped.bm),
-            self._w_sf[0],
-            grouped.x_sf_t,
-            grouped,
-            ws.inter,
-            ws.inter_sf_t,
-            2 * w.inter,
-            w.hidden,
-            stream,
-        )
-        self._launch(
-            EPI_W2,
-            encode_2d(ws.inter.view(torch.uint8), grouped.bm),
-            self._w_sf[1],
-            ws.inter_sf_t,
-            grouped,
-            ws.out,
-            ws.inter_sf_t,
-            w.hidden,
-            w.inter,
-            stream,
-        )
+        self._launch(EPI_W1, encode_2d(grouped.x.view(torch.uint8), grouped.bm), self._w_sf[0], grouped.x_sf_t,
+                     grouped, ws.inter, ws.inter_sf_t, 2 * w.inter, w.hidden, stream)
+        return ws
+
+    def run_w2(self, grouped: GroupedTokens, ws: Workspace, stream: int | None = None) -> Workspace:
+        """Launches W2 alone on the intermediate that :meth:`run_w1` left in ``ws``; returns ``ws`` (``ws.out``)."""
+        ws, stream = self._prepare(grouped, ws, stream)
+        w = self.weights
+        self._launch(EPI_W2, encode_2d(ws.inter.view(torch.uint8), grouped.bm), self._w_sf[1], ws.inter_sf_t,
+                     grouped, ws.out, ws.inter_sf_t, w.hidden, w.inter, stream)
         return ws
 
     def check(self) -> None:

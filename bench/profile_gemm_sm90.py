@@ -1,0 +1,53 @@
+"""One point of bench/gemm_sm90.py (preset, tokens per rank, weight format), launched for a profiler.
+
+Builds the same layer, tokens and heuristic config as the benchmark, then runs W1 -> W2 ``--repeats`` times eagerly
+(the first run loads the modules). Meant to run under Nsight Compute, which the device script starts with the
+clocks left alone, e.g.
+
+``ncu --clock-control none --kernel-name regex:gc_sm90 --launch-skip 2 --launch-count 2 --section SpeedOfLight
+python bench/profile_gemm_sm90.py --preset dsv41-flash --tokens 256 --format fp8xfp4``
+
+It times nothing itself: the profiler's counters are the output (issue-slot, tensor-pipe and DRAM utilization per
+kernel), read next to the benchmark's W1/W2 split latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from gc_moe_compat.sm90 import group_tokens, select_config
+from gc_moe_compat.sm90.gemm import ExpertGemmSM90
+from gc_moe_compat.sm90.heuristics import MMA_TYPES, W1_SLABS, tile_rows
+from gc_moe_compat.sm90.workload import CLAMP, make_fp4_layer, make_layer, make_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="dsv41-flash")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--format", choices=MMA_TYPES, default="fp8xfp4")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    layer = make_layer(args.preset, torch.device("cuda"), seed=1)
+    weights = make_fp4_layer(layer.l1_bf16, layer.l2_bf16).prepared if args.format == "fp8xfp4" else layer.prepared
+    tok = make_tokens(layer, args.tokens, seed=args.tokens)
+    e = layer.l1.num_experts
+    counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
+    tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
+    cfg = select_config(args.tokens * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, args.format)
+    grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
+    gemm = ExpertGemmSM90(weights, cfg, activation_clamp=CLAMP)
+    ws = gemm.workspace(grouped)
+    for _ in range(args.repeats):
+        gemm.run(grouped, ws)
+    torch.cuda.synchronize()
+    gemm.check()
+    print(f"{args.preset} T={args.tokens} {args.format}: {cfg}, {int(counts.sum())} rows, "
+          f"{int((counts > 0).sum())} active experts")
+
+
+if __name__ == "__main__":
+    main()
