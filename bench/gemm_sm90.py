@@ -11,7 +11,7 @@ median window):
   W2 (what SGLang's DeepEP low-latency path runs on Hopper); activation scales MN-major (no transpose kernel).
 * ``deepgemm_gemms``: the two masked GEMMs alone.
 * ``gc_fp4``: this library's FP8xFP4 kernels on MXFP4 weights of the same BF16 layer (window-repacked,
-  lane-permuted; FP4 decoded to E4M3 in registers; UE8M0 1x32 intermediate).
+  lane-permuted; FP4 decoded to E4M3 in registers; UE8M0 1x128 intermediate).
 
 Floors per point, over the device-to-device copy bandwidth measured in the same run: FP8 = the active experts' FP8
 weight and scale bytes plus the rows' token payload in (FP8 + scales) and out (BF16); FP4 = the active experts'

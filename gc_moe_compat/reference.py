@@ -27,8 +27,9 @@ Semantics modelled (API_SURFACE.md, "Semantics the numbers depend on"; DeepGEMM 
    kernel uses fast math). Then ``out *= routing_weight`` (FP32) BEFORE requantization, so W2 needs no per-token
    scaling.
 5. **Intermediate requantization** (faithful reference only), per token per group along I: ``"ue8m0_32"``
-   (scale ``2**ceil(log2(amax/448))``, E4M3 payload; the FP8xFP4 path, recipe ``(1, 1, 32)``) or ``"fp32_128"``
-   (scale ``amax/448``; the SM90 FP8xFP8 path), immediately dequantized: exactly the values the W2 stage reads.
+   (scale ``2**ceil(log2(amax/448))``, E4M3 payload; recipe ``(1, 1, 32)``, DeepGEMM's SM100 FP8xFP4 path),
+   ``"ue8m0_128"`` (the same power-of-two scale per 128 values; the SM90 FP8xFP4 path) or ``"fp32_128"`` (scale
+   ``amax/448``; the SM90 FP8xFP8 path), immediately dequantized: exactly the values the W2 stage reads.
 6. **W2 epilogue**: ``partial = act @ W2^T`` rounded to BF16: one BF16 partial per (token, slot).
 7. **Combine**: per token, the valid partials are added in FP32 in slot order (slot 0 first, starting from +0.0),
    then the optional shared expert as slot ``k`` (routing weight 1.0, its own weights in ``"fp8_k32"``,
@@ -80,14 +81,18 @@ __all__ = [
 WeightFormat = Literal["mxfp4", "fp8_block128", "fp8_k32", "bf16", "fp32"]
 """Weight storage formats: routed FP8xFP4 (mxfp4), SM90 FP8 (fp8_block128), shared (1,1,32) (fp8_k32), unquantized."""
 
-ActivationQuant = Literal["ue8m0_32", "fp32_128"]
-"""Per-token group quantization of activations/intermediates: UE8M0 scales per 32, or FP32 scales per 128."""
+ActivationQuant = Literal["ue8m0_32", "ue8m0_128", "fp32_128"]
+"""Per-token group quantization of activations/intermediates: UE8M0 scales per 32 or 128, or FP32 scales per 128."""
 
 Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A float ``[T, H]`` tensor, or ``(float8_e4m3fn [T, H], float32 scales [T, H/g])``."""
 
 _WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
-_ACT_RECIPES: dict[str, tuple[int, str]] = {"ue8m0_32": (32, "ue8m0"), "fp32_128": (128, "fp32")}
+_ACT_RECIPES: dict[str, tuple[int, str]] = {
+    "ue8m0_32": (32, "ue8m0"),
+    "ue8m0_128": (128, "ue8m0"),
+    "fp32_128": (128, "fp32"),
+}
 _FP8 = torch.float8_e4m3fn
 
 
@@ -220,7 +225,8 @@ def _group_recipe(mode: str, name: str) -> tuple[int, str]:
 def quantize_activations(x: torch.Tensor, mode: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize float activations ``[T, H]`` per token group as the pre-dispatch kernels do.
 
-    ``"ue8m0_32"``: UE8M0 scale per 32 values (SM100, recipe (1, 1, 32)); ``"fp32_128"``: FP32 scale per 128 (SM90).
+    ``"ue8m0_32"``: UE8M0 scale per 32 values (SM100, recipe (1, 1, 32)); ``"ue8m0_128"``: UE8M0 per 128;
+    ``"fp32_128"``: FP32 scale per 128 (SM90).
     Returns ``(float8_e4m3fn [T, H], float32 scales [T, H/g])``.
     """
     group, fmt = _group_recipe(mode, "mode")
@@ -533,8 +539,9 @@ def quantization_faithful_reference(
     activation_alpha: float = 1.0,
     intermediate_quant: ActivationQuant = "ue8m0_32",
 ) -> MoEResult:
-    """Reference 1: the kernel's exact inputs dequantized, intermediate requantized (``"ue8m0_32"``: FP8xFP4 path;
-    ``"fp32_128"``: SM90 FP8xFP8 path). Target for kernels: cosine >= 0.9999, processed diff <= 1e-4."""
+    """Reference 1: the kernel's exact inputs dequantized, intermediate requantized (``"ue8m0_32"``: SM100 FP8xFP4
+    path; ``"ue8m0_128"``: SM90 FP8xFP4 path; ``"fp32_128"``: SM90 FP8xFP8 path). Target for kernels: cosine >=
+    0.9999, processed diff <= 1e-4."""
     return moe_reference(
         x,
         topk_idx,

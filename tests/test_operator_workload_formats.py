@@ -52,7 +52,7 @@ def test_reference_requantizes_as_the_path_does(mma_type: str) -> None:
     got = ow.reference_ys(inputs, [w])[0]
     want = expert_parallel_reference([(inputs[0].x, inputs[0].x_sf)], [inputs[0].topk_idx], [inputs[0].topk_weights],
                                      [w.l1], [w.l2], activation_clamp=ow.CLAMP,
-                                     intermediate_quant={"fp8xfp8": "fp32_128", "fp8xfp4": "ue8m0_32"}[mma_type])
+                                     intermediate_quant={"fp8xfp8": "fp32_128", "fp8xfp4": "ue8m0_128"}[mma_type])
     assert torch.equal(got, want[0].y)
 
 

@@ -105,16 +105,16 @@ def test_weights_validation() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- activations
-@pytest.mark.parametrize(("mode", "group"), [("ue8m0_32", 32), ("fp32_128", 128)])
+@pytest.mark.parametrize(("mode", "group"), [("ue8m0_32", 32), ("ue8m0_128", 128), ("fp32_128", 128)])
 def test_activations_roundtrip_matches_quant(mode: str, group: int) -> None:
     x = torch.randn(5, 256)
     q, s = ref.quantize_activations(x, mode)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 256 // group)
-    fmt = "ue8m0" if mode == "ue8m0_32" else "fp32"
+    fmt = "fp32" if mode == "fp32_128" else "ue8m0"
     q2, s2 = quant.quantize_fp8_groups(x, group, fmt)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     assert torch.equal(ref.dequantize_activations((q, s)), quant.dequantize_fp8_groups(q2, s2))
-    if mode == "ue8m0_32":
+    if fmt == "ue8m0":
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
 
 
@@ -194,12 +194,12 @@ def _requant_layer(mode: str, i: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return x, w1[0], w2[0], rw
 
 
-@pytest.mark.parametrize(("mode", "i"), [("ue8m0_32", 32), ("fp32_128", 128)])
+@pytest.mark.parametrize(("mode", "i"), [("ue8m0_32", 32), ("ue8m0_128", 128), ("fp32_128", 128)])
 def test_requantized_intermediate_is_quant_roundtrip(mode: str, i: int) -> None:
     x, w1, w2, rw = _requant_layer(mode, i)
     plain = ref.l1_intermediate(x, w1, rw, activation_clamp=10.0)
     requant = ref.l1_intermediate(x, w1, rw, activation_clamp=10.0, intermediate_quant=mode)
-    group, fmt = (32, "ue8m0") if mode == "ue8m0_32" else (128, "fp32")
+    group, fmt = {"ue8m0_32": (32, "ue8m0"), "ue8m0_128": (128, "ue8m0"), "fp32_128": (128, "fp32")}[mode]
     assert torch.equal(requant, quant.dequantize_fp8_groups(*quant.quantize_fp8_groups(plain, group, fmt)))
     assert not torch.equal(requant, plain)
     # hand-built W1 stage: BF16 accumulator, SwiGLU, routing weight

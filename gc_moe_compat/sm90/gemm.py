@@ -8,7 +8,8 @@ for both weight formats:
   scales, FP32 1x128 intermediate requant.
 * ``fp8xfp4`` (:func:`prepare_fp4_weights`, kernels/sm90/fp8_fp4_grouped_gemm.cu): MXFP4 weights window-repacked
   and lane-permuted (:mod:`gc_moe_compat.sm90.fp4_layout`), decoded to E4M3 in registers for register-A WGMMA;
-  UE8M0 1x32 intermediate requant.
+  UE8M0 1x128 intermediate requant (a power-of-two scale per token and 128 columns, so that W2 promotes once per
+  K128 step as W1 does; per-32 groups cost W2 a promotion per K32 MMA).
 
 Activations are E4M3 with FP32 1x128 scales in both (the Hopper path's input format).
 """
@@ -156,9 +157,8 @@ def prepare_fp4_weights(l1: ExpertWeights, l2: ExpertWeights) -> Fp4Weights:
 
 @dataclass
 class Workspace:
-    """The intermediate between W1 and W2 and the partial rows: FP8 ``[R, I]``, its scales ``[I/128, R]`` (FP32
-    1x128 for fp8xfp8; for fp8xfp4 int32 words of four UE8M0 K32 codes, group ``4i + j`` in byte ``j``), BF16
-    ``[R, H]``."""
+    """The intermediate between W1 and W2 and the partial rows: FP8 ``[R, I]``, its FP32 scales ``[I/128, R]``
+    (1x128 groups: any FP32 value for fp8xfp8, a power of two, UE8M0, for fp8xfp4), BF16 ``[R, H]``."""
 
     inter: torch.Tensor
     inter_sf_t: torch.Tensor
@@ -166,10 +166,9 @@ class Workspace:
 
     @classmethod
     def empty(cls, rows: int, weights: Fp8Weights | Fp4Weights, dev: torch.device) -> Workspace:
-        sf_dtype = torch.int32 if isinstance(weights, Fp4Weights) else torch.float32
         return cls(
             torch.empty(rows, weights.inter, dtype=torch.float8_e4m3fn, device=dev),
-            torch.empty(weights.inter // 128, rows, dtype=sf_dtype, device=dev),
+            torch.empty(weights.inter // 128, rows, dtype=torch.float32, device=dev),
             torch.empty(rows, weights.hidden, dtype=torch.bfloat16, device=dev),
         )
 

@@ -62,10 +62,8 @@ def _check_mma_type(mma_type: str) -> None:
 def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of a variant (``kSmemBytes`` of the ``mma_type`` kernel)."""
     _check_mma_type(mma_type)
-    if mma_type == "fp8xfp8":
-        weights, reduction = tile_rows(slabs) * BK, CONSUMER_WARPGROUPS * 4 * bm * 4
-    else:  # amax per (warpgroup, slab, warp, column): the UE8M0 groups are 32 columns = one warpgroup's slab
-        weights, reduction = CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES, CONSUMER_WARPGROUPS * slabs * 4 * bm * 4
+    weights = tile_rows(slabs) * BK if mma_type == "fp8xfp8" else CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES
+    reduction = CONSUMER_WARPGROUPS * 4 * bm * 4  # the W1 epilogue's amax per (consumer warp, column)
     stage = weights + bm * BK + bm * 4
     return stages * stage + reduction + 2 * stages * 8 + 1024
 

@@ -5,7 +5,7 @@ quantized expert by expert to ``fp8_block128`` for FP8xFP8 or ``mxfp4`` for FP8x
 operator), seeded per-rank inputs (E4M3 tokens with FP32 1x128 scales, global top-k ids, softmax routing weights),
 staging into a :class:`~gc_moe_compat.native.GcMoeBuffer`, and every rank's ``y`` from the P-rank
 quantization-faithful reference (:func:`gc_moe_compat.reference.expert_parallel_reference` with the intermediate
-requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_32"`` for FP8xFP4). Every rank
+requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4). Every rank
 rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
 """
 
@@ -47,7 +47,7 @@ CAPACITY = 256  # BENCH_PROTOCOL.md: per-rank capacity
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
 WEIGHT_FORMATS = {"fp8xfp8": "fp8_block128", "fp8xfp4": "mxfp4"}
 """The canonical weight format of each compute path (what its faithful reference dequantizes)."""
-INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_32", "bf16": None}
+INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_128", "bf16": None}
 """The W1 epilogue's requantization of each weight format's SM90 path (reference.py, semantics 5); none for the
 BF16 model (BENCH_PROTOCOL.md reference 2)."""
 

@@ -3,8 +3,8 @@
 The kernel is a grouped-GEMM source compiled with ``GC_OPERATOR=1``, one per weight format (:data:`KERNELS`):
 ``kernels/sm90/fp8_grouped_gemm.cu`` (entry ``gc_sm90_fp8_role2``, ``fp8xfp8``: FP8 weights with FP32 128x128 block
 scales, FP32 1x128 intermediate requant) and ``kernels/sm90/fp8_fp4_grouped_gemm.cu`` (``gc_sm90_fp8_fp4_role2``,
-``fp8xfp4``: window-repacked MXFP4 weights decoded to E4M3 in registers, UE8M0 1x32 intermediate requant, packed four
-codes per 32-bit word of ``l2_acts_sf`` exactly as the standalone FP4 kernel writes them). Their standalone variants
+``fp8xfp4``: window-repacked MXFP4 weights decoded to E4M3 in registers, UE8M0 1x128 intermediate requant, its
+power-of-two scales stored as FP32 in ``l2_acts_sf`` like the FP8 path's). Their standalone variants
 (``GC_OPERATOR`` unset) are unchanged byte for byte. Both share the grid body, ring handshake and W2 scatter
 (``kernels/sm90/role2_kernel.cuh``, ``role2_ring.cuh``). One persistent grid of one CTA per compute SM acquires
 ``pool_header`` (role1), reads the block table from ``pool_table`` and walks the task sequence of

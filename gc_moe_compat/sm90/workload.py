@@ -134,12 +134,12 @@ def reference_partials_fp4(
     layer: Layer, fp4: Fp4Layer, tok: Tokens, faithful: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials [N, k, H] BF16, valid [N, k])`` of the FP8xFP4 quantization-faithful reference (window-repacked
-    MXFP4 weights, E4M3 activations with FP32 1x128 scales, UE8M0 1x32 intermediate requant) or the BF16 model
+    MXFP4 weights, E4M3 activations with FP32 1x128 scales, UE8M0 1x128 intermediate requant) or the BF16 model
     reference."""
     if not faithful:
         return reference_partials(layer, tok, faithful=False)
     res = moe_reference(
         (tok.x_fp8, tok.x_sf), tok.topk_idx, tok.topk_weights, fp4.l1_window, fp4.l2_window,
-        activation_clamp=CLAMP, intermediate_quant="ue8m0_32",
+        activation_clamp=CLAMP, intermediate_quant="ue8m0_128",
     )  # fmt: skip
     return res.partials, res.valid

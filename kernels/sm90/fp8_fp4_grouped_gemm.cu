@@ -1,5 +1,5 @@
 // SM90 FP8xFP4 grouped expert GEMM over ring blocks (paper §4.4, Hopper path): MXFP4 weights streamed packed by TMA,
-// decoded to E4M3 in registers and fed to register-A WGMMA (m64nNk32.e4m3.e4m3), fused W1 (SwiGLU + UE8M0 1x32
+// decoded to E4M3 in registers and fed to register-A WGMMA (m64nNk32.e4m3.e4m3), fused W1 (SwiGLU + UE8M0 1x128
 // requant) or W2 (BF16) epilogue.
 //
 // Operand swap as in fp8_grouped_gemm.cu: weight rows are the WGMMA M operand (each consumer warpgroup owns GC_M_SUB
@@ -17,15 +17,17 @@
 //   r0 = PRMT(table, mag & 0xFFFF) | (w & 0x80808080),  r1 = PRMT(table, mag >> 16) | ((w << 4) & 0x80808080).
 // The 8-entry byte table is E4M3(e2m1(c) * 2^d / 64) for the row's K32 group: the weight scale 2^d is folded into
 // the E4M3 exponent, exact for d <= 10 (layouts.window_repack_mxfp4 proves it), including the FP4 subnormal 0.5 and
-// zero, which is why a table and not an exponent add. So one K128 step of W1 is four MMAs into one accumulator,
-// promoted with the token's FP32 1x128 scale; the per-expert factor 2^base and the x64 headroom are applied once per
-// task. W2's activations (the W1 epilogue's E4M3 payload) carry a UE8M0 scale per token and K32 group: there each
-// K32 MMA has its own accumulator, promoted with that power of two.
+// zero, which is why a table and not an exponent add. So one K128 step is four MMAs into one accumulator per slab,
+// promoted with the token's scale of that step (W1: the caller's FP32 1x128 scale; W2: the W1 epilogue's UE8M0
+// 1x128 scale, stored as its FP32 value); the per-expert factor 2^base and the x64 headroom are applied once per
+// task. (A UE8M0 scale per K32 group of the intermediate, as in DeepGEMM's SM100 recipe, would need one accumulator
+// and one promotion per K32 MMA in W2: on an H200 that W2 ran at 30 % of the DRAM bandwidth, issue-bound on the
+// promotions and the scale decode; bench/NOTES_gemm_sm90.md, session 4.)
 //
-// GC_EPI=1: W1, L1 rows interleaved by 8 (thread-local SwiGLU as in the FP8 kernel); a task's 256 rows are 128
-// intermediate columns = four UE8M0 requant groups of 32, one per (consumer warpgroup, slab): amax across that
-// warpgroup's 4 warps. Payload E4M3 [rows, I], scales as packed UE8M0 words [I/128, rows] (group 4*kb + j in byte j:
-// exactly what the W2 producer bulk-copies per K128 step). GC_EPI=2: W2, BF16 partial rows.
+// GC_EPI=1: W1, L1 rows interleaved by 8 (thread-local SwiGLU as in the FP8 kernel); a task's 256 rows are the 128
+// intermediate columns of one UE8M0 requant group (sm90/epilogue_w1.cuh, shared with the FP8 kernel). Payload E4M3
+// [rows, I], scales as FP32 values [I/128, rows] (what the W2 producer bulk-copies per K128 step). GC_EPI=2: W2,
+// BF16 partial rows.
 //
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 pieces at the
 // end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_kernel.cuh, shared with the FP8xFP8
@@ -67,35 +69,23 @@ constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
 constexpr int kConsumerWGs = 2;
-constexpr int kConsumerThreads = kConsumerWGs * 128;
+[[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
 constexpr int kSlabs = kConsumerWGs * kMSub;  // 64-row slabs per task
 constexpr int kRows = kSlabs * 64;
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;               // accumulator registers per 64-row slab and thread (m64nBMk32)
-// K32 groups per WGMMA batch of epilogue Epi. W1 accumulates a stage's four K32 groups in one accumulator (the token
-// scale is per K128); W2 keeps one accumulator per group (its token scales change every K32), as many groups per
-// batch as keep these within 128 / kMSub registers (the decoded A fragments grow with the slabs): all four in the
-// standalone kernels (one slab per warpgroup), for the operator's two-slab W2 tasks four up to BM = 16, two at 32,
-// one at 64.
-template <int Epi>
-constexpr int kGroups = Epi == 1                            ? 4
-                        : 4 * kMSub * kMSub * kAcc <= 128 ? 4
-                        : 2 * kMSub * kMSub * kAcc <= 128 ? 2
-                                                          : 1;
-template <int Epi>
-constexpr int kTmp = Epi == 1 ? 1 : kGroups<Epi>;  // accumulators of one batch
 constexpr u32 kCodeBytes = 64 * kBK / 2;    // FP4 codes of one slab and K128 step
 constexpr u32 kUnitBytes = kCodeBytes + 64 * kBK / 32;  // + one d byte per row and K32 group
 constexpr int kUnitRows = kUnitBytes / 128;  // rows of the 128-byte tensor-map view per unit
 constexpr u32 kWBytes = kSlabs * kUnitBytes;
 constexpr u32 kXBytes = kBM * kBK;
-constexpr u32 kSBytes = kBM * 4;  // W1: FP32 1x128 scale per token; W2: four UE8M0 codes per token
+constexpr u32 kSBytes = kBM * 4;  // one FP32 scale per token and K128 step (W2: a UE8M0 value)
 constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffW = kStages * kXBytes;  // token tiles first: 128-byte swizzle wants 1024-byte alignment
 constexpr u32 kOffS = kOffW + kStages * kWBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
-constexpr u32 kOffOut = kOffRed + kConsumerWGs * kMSub * 4 * kBM * 4;  // amax per (warpgroup, slab, warp, column)
+constexpr u32 kOffOut = kOffRed + kConsumerWGs * 4 * kBM * 4;  // W1 amax per (consumer warp, column)
 // Operator mode: the W2 epilogue's BF16 tile [kBM tokens][kRows] (rows padded by 16 bytes against bank conflicts)
 // for 16-byte scatter stores, and 16 bytes holding the pool block count and the producer's stop slot.
 constexpr u32 kOutPitch = kRows * 2 + 16;
@@ -115,7 +105,7 @@ using Pipeline = StagePipeline<kOffBar, kStages>;
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
 // is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
-                                      const TensorMap* tm_w, const TensorMap* tm_x, const u32* x_sf_t, int rows_total,
+                                      const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
                                       u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
@@ -130,7 +120,7 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
 // Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
 // abort rule to the same loads).
 __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count,
-                                        int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const u32* x_sf_t,
+                                        int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t,
                                         int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
                                         u64 timeout_ns) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
@@ -154,8 +144,11 @@ __device__ __forceinline__ void decode_word(u32 w, u32 lo, u32 hi, u32& r0, u32&
     r1 = __byte_perm(lo, hi, mag >> 16) | ((w << 4) & 0x80808080u);
 }
 
-// The A fragments of one slab for the four K32 groups of a stage: a[k][j] is A register j of K32 group k.
-__device__ __forceinline__ void decode_slab(const u8* unit, int warp, int lane, u32 (&a)[4][4]) {
+// The A fragments of slab s of this warpgroup for the four K32 groups of a full stage: a[k][j] is A register j of
+// K32 group k.
+__device__ __forceinline__ void decode_slab(const u8* smem, u32 stage, int cw, int s, int warp, int lane,
+                                            u32 (&a)[4][4]) {
+    const u8* unit = smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes;
     const uint4 q0 = *reinterpret_cast<const uint4*>(unit + (warp * 2 + 0) * 512 + lane * 16);
     const uint4 q1 = *reinterpret_cast<const uint4*>(unit + (warp * 2 + 1) * 512 + lane * 16);
     const uint2 d = *reinterpret_cast<const uint2*>(unit + kCodeBytes + (warp * 8 + lane / 4) * 8);
@@ -170,72 +163,33 @@ __device__ __forceinline__ void decode_slab(const u8* unit, int warp, int lane, 
     }
 }
 
-// The A fragments of K32 groups [q0, q0 + G) of one slab, reading only those groups' words and d bytes (the
-// operator's W2 batches at large BM keep fewer A registers live than decode_slab's 16).
-template <int G>
-__device__ __forceinline__ void decode_groups(const u8* unit, int warp, int lane, int q0, u32 (&a)[G][4]) {
-    const u8* d = unit + kCodeBytes + (warp * 8 + lane / 4) * 8;  // [row +0, row +8][K32 group]
+// The four K32 MMAs of a stage for one slab with N columns, accumulated into `tmp` (the first one overwrites it).
+template <int N>
+__device__ __forceinline__ void mma_slab(float (&tmp)[N / 2], const u32 (&a)[4][4], u32 b_base) {
 #pragma unroll
-    for (int q = 0; q < G; ++q) {
-        const int k = q0 + q;
-        const uint2 w = *reinterpret_cast<const uint2*>(unit + (warp * 2 + k / 2) * 512 + lane * 16 + (k & 1) * 8);
-        u32 lo0, hi0, lo1, hi1;
-        fp4_table(d[k], lo0, hi0);
-        fp4_table(d[4 + k], lo1, hi1);
-        decode_word(w.x, lo0, hi0, a[q][0], a[q][2]);
-        decode_word(w.y, lo1, hi1, a[q][1], a[q][3]);
-    }
+    for (int k = 0; k < 4; ++k) WgmmaRegA<N>::mma(tmp, a[k], smem_desc_sw128(b_base + k * 32), k > 0);
 }
 
-// The MMAs of K32 groups [q0, q0 + kGroups<Epi>) of a stage for slab s with N columns: W1 accumulates the four
-// groups into tmp[0][s], W2 keeps one accumulator per group (its token scales differ per group).
-template <int Epi, int N>
-__device__ __forceinline__ void mma_slab(float (&tmp)[kTmp<Epi>][kMSub][N / 2], int s,
-                                         const u32 (&a)[kGroups<Epi>][4], u32 b_base, int q0) {
+// Promotes a stage's N columns into the main accumulator (columns from N on stay) with each token's FP32 scale of
+// the stage's K128 step.
+template <int N>
+__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kMSub][N / 2],
+                                        const float (&xsr)[N / 4]) {
 #pragma unroll
-    for (int q = 0; q < kGroups<Epi>; ++q) {
-        WgmmaRegA<N>::mma(tmp[Epi == 1 ? 0 : q][s], a[q], smem_desc_sw128(b_base + (q0 + q) * 32), Epi == 1 && q > 0);
-    }
-}
-
-// Promotes a batch of N columns into the main accumulator (columns from N on stay): W1 with the token's FP32 1x128
-// scale, W2 with 2^(code - 127) of each group's UE8M0 token scale (codes are >= 1 here).
-template <int Epi, int N>
-__device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (&tmp)[kTmp<Epi>][kMSub][N / 2],
-                                        const u32 (&xsr)[N / 4], int q0) {
+    for (int c = 0; c < N / 4; ++c) {
+        const int i = 4 * (c / 2) + (c & 1);
 #pragma unroll
-    for (int q = 0; q < kTmp<Epi>; ++q) {
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) {
-            const float sc = Epi == 1 ? __uint_as_float(xsr[c])
-                                      : __uint_as_float(((xsr[c] >> (8 * (q0 + q))) & 0xFFu) << 23);
-            const int i = 4 * (c / 2) + (c & 1);
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s) {
-                acc[s][i] = fmaf(tmp[q][s][i], sc, acc[s][i]);
-                acc[s][i + 2] = fmaf(tmp[q][s][i + 2], sc, acc[s][i + 2]);
-            }
+        for (int s = 0; s < kMSub; ++s) {
+            acc[s][i] = fmaf(tmp[s][i], xsr[c], acc[s][i]);
+            acc[s][i + 2] = fmaf(tmp[s][i + 2], xsr[c], acc[s][i + 2]);
         }
     }
 }
 
-// The A fragments of slab s of this warpgroup for K32 groups [q0, q0 + G) of a full stage.
-template <int G>
-__device__ __forceinline__ void decode_unit(const u8* smem, u32 stage, int cw, int s, int warp, int lane, int q0,
-                                            u32 (&a)[G][4]) {
-    const u8* unit = smem + kOffW + stage * kWBytes + (cw * kMSub + s) * kUnitBytes;
-    if constexpr (G == 4) {
-        decode_slab(unit, warp, lane, a);
-    } else {
-        decode_groups<G>(unit, warp, lane, q0, a);
-    }
-}
-
-// The token scales of this thread's first N accumulator columns in a full stage (W1: FP32 bits; W2: four UE8M0
-// codes).
+// The token scales of this thread's first N accumulator columns in a full stage.
 template <int N>
-__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int lane, u32 (&xsr)[N / 4]) {
-    const u32* xs = reinterpret_cast<const u32*>(smem + kOffS + stage * kSBytes);
+__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int lane, float (&xsr)[N / 4]) {
+    const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
 #pragma unroll
     for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
 }
@@ -250,91 +204,80 @@ __device__ __forceinline__ void apply_factor(float (&acc)[kMSub][kAcc], const fl
 }
 
 // Whether consume_n overlaps the decode with the WGMMAs (software pipeline) or decodes and issues in sequence. At
-// BM = 8 a unit's MMAs (four m64n8k32) are too short to hide a decode, so the pipeline's second A set and extra
-// wait_group per unit cost more than the overlap hides: on an H200 (bench/NOTES_gemm_sm90.md, session 3) the
+// BM = 8 a slab's MMAs (four m64n8k32) are too short to hide a decode, so the pipeline's second A set and extra
+// wait_group per slab cost more than the overlap hides: on an H200 (bench/NOTES_gemm_sm90.md, session 3) the
 // pipelined FP8xFP4 kernels at BM = 8 were 8-11 % slower than the sequential loop before d988dbb, while at BM >= 16
-// the pipeline made them 5-21 % faster. The sequential choice at BM = 8 is a prediction until measured.
+// the pipeline made them 5-21 % faster.
 constexpr bool kPipelinedConsume = kBM >= 16;
 
-// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). The
-// promotion granularity is a batch (kGroups<Epi> K32 groups of one stage, all slabs: one batch per stage in the
-// standalone kernels), and a batch's accumulators are fresh (zeroed) and promoted after wait_group 0. The order of
-// decodes and MMAs within it depends on kPipelinedConsume:
-// - pipelined: the MMA granularity is a unit (one slab of a batch): a unit's MMAs are issued asynchronously from one
-//   of two A register sets while the next unit's A fragments are decoded into the other set (after wait_group 1 has
-//   retired the unit before, which read that set; the next unit may be the first of the next stage, waited for
-//   first);
-// - sequential: the batch's first waits for its stage, every slab of the batch is decoded (first A set: slab 0,
-//   second: slab 1), then all its MMAs go out as one commit group (the order before d988dbb, without its per-stage N
-//   switch and unzeroed accumulators).
-// Both issue the same MMAs on the same A fragments per K32 group and promote in the same order: the same math.
-// A stage is freed after the wait of its last batch: every WGMMA reading its token tile has retired and its codes,
-// d bytes and token scales have been read.
+// The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). Per
+// K128 stage every slab's four K32 MMAs accumulate into a fresh (zeroed) accumulator, promoted after wait_group 0
+// with the tokens' scales of that step (W1: the caller's FP32 1x128 scales; W2: the W1 epilogue's UE8M0 ones). The
+// order of decodes and MMAs depends on kPipelinedConsume:
+// - pipelined: a slab's MMAs are issued asynchronously from one of two A register sets while the next slab's A
+//   fragments are decoded into the other set (after wait_group 1 has retired the slab before, which read that set;
+//   the next slab may be the first of the next stage, waited for first);
+// - sequential: the stage is waited for, every slab is decoded (first A set: slab 0, second: slab 1), then all its
+//   MMAs go out as one commit group.
+// Both issue the same MMAs on the same A fragments and promote in the same order: the same math. A stage is freed
+// after its wait_group 0: every WGMMA reading its token tile has retired and its codes, d bytes and token scales
+// have been read.
 // `it` is the pipeline slot being waited for (the operator's wait_full reads it); on return it is the task's first
 // slot + kb_count. Returns false when a wait gives up (no WGMMA is left in flight then).
-template <int Epi, int N, typename WaitFull, typename Load>
+template <int N, typename WaitFull, typename Load>
 __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, u32& it, int kb_count, int cw,
                                          int warp, int lane, int local_tid, float (&acc)[kMSub][kAcc],
                                          WaitFull& wait_full, Load& load) {
-    constexpr int kG = kGroups<Epi>;
-    constexpr int kBatches = 4 / kG;  // batches per stage
-    // Pipelined: units alternate between the A sets; a batch of an odd number of units (one slab) starts on the other
-    // set than the batch before, so an iteration covers an even number of batches. Sequential: x is a0, y is a1.
-    constexpr bool kSwapSets = kPipelinedConsume && kMSub % 2 == 1;
-    constexpr int kIterBatches = kSwapSets && kBatches % 2 == 1 ? 2 * kBatches : kBatches;
+    // Pipelined with one slab: the slabs alternate between the A sets, so a loop iteration covers two stages.
+    // Otherwise slab 0 always uses a0 (x) and slab 1 a1 (y).
+    constexpr bool kSwapSets = kPipelinedConsume && kMSub == 1;
+    constexpr int kIterStages = kSwapSets ? 2 : 1;
     const u32 first = it;
-    u32 a0[kG][4], a1[kG][4];
+    u32 a0[4][4], a1[4][4];
     if constexpr (kPipelinedConsume) {
         if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) return false;
-        decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, a0);
+        decode_slab(smem, it % kStages, cw, 0, warp, lane, a0);
     }
-    // Batch j of the iteration at K step kb (stage kb + j / kBatches, K32 groups from q0). Pipelined: its first
-    // unit's A fragments are in `x`, its second's (two slabs) go to `y`, and the next batch's first unit's to y (one
-    // slab) or x (two slabs). Sequential: slab 0's go to x, slab 1's to y.
-    const auto batch = [&](int kb, int j, u32 (&x)[kG][4], u32 (&y)[kG][4]) {
-        const int step = kb + j / kBatches, q0 = (j % kBatches) * kG;
-        if (step >= kb_count) return true;  // the last iteration of an odd kb_count (one batch per stage, one slab)
+    // K step `step`. Pipelined: its slab 0's A fragments are in `x`, its slab 1's (two slabs) go to `y`, and the next
+    // stage's slab 0's to y (one slab) or x (two slabs). Sequential: slab 0's go to x, slab 1's to y.
+    const auto stage_step = [&](int step, u32 (&x)[4][4], u32 (&y)[4][4]) {
+        if (step >= kb_count) return true;  // the second half of the last iteration (odd kb_count, swapped sets)
         const u32 slot = first + step, stage = slot % kStages;
-        const bool last_of_stage = q0 + kG == 4;
         const u32 b_base = pipe.base + stage * kXBytes;
-        float tmp[kTmp<Epi>][kMSub][N / 2];
+        float tmp[kMSub][N / 2];
         zero(tmp);
         fence_operands(tmp);
-        // The next unit after this batch's last: decoded into `next` while the last unit's MMAs run.
-        const auto decode_next = [&](u32 (&next)[kG][4]) {
-            if (!last_of_stage) {
-                decode_unit<kG>(smem, stage, cw, 0, warp, lane, q0 + kG, next);
-            } else if (step + 1 < kb_count) {
+        // The next stage's slab 0, decoded into `next` while this stage's last MMAs run.
+        const auto decode_next = [&](u32 (&next)[4][4]) {
+            if (step + 1 < kb_count) {
                 it = slot + 1;
                 if (!wait_full(pipe.full(it % kStages), (it / kStages) & 1)) {
                     wgmma_wait<0>();
                     return false;
                 }
-                decode_unit<kG>(smem, it % kStages, cw, 0, warp, lane, 0, next);
+                decode_slab(smem, it % kStages, cw, 0, warp, lane, next);
             }
             return true;
         };
         if constexpr (!kPipelinedConsume) {
-            if (q0 == 0) {
-                it = slot;
-                if (!wait_full(pipe.full(stage), (slot / kStages) & 1)) return false;
-            }
-            decode_unit<kG>(smem, stage, cw, 0, warp, lane, q0, x);
-            if constexpr (kMSub == 2) decode_unit<kG>(smem, stage, cw, 1, warp, lane, q0, y);
+            it = slot;
+            if (!wait_full(pipe.full(stage), (slot / kStages) & 1)) return false;
+            decode_slab(smem, stage, cw, 0, warp, lane, x);
+            if constexpr (kMSub == 2) decode_slab(smem, stage, cw, 1, warp, lane, y);
         }
         wgmma_fence();  // the A registers and the zeroed accumulators were written by this thread
-        mma_slab<Epi, N>(tmp, 0, x, b_base, q0);
+        mma_slab<N>(tmp[0], x, b_base);
         if constexpr (!kPipelinedConsume) {
-            if constexpr (kMSub == 2) mma_slab<Epi, N>(tmp, 1, y, b_base, q0);
-            wgmma_commit();  // the batch's MMAs, one commit group
+            if constexpr (kMSub == 2) mma_slab<N>(tmp[1], y, b_base);
+            wgmma_commit();  // the stage's MMAs, one commit group
         } else if constexpr (kMSub == 1) {
             wgmma_commit();
             if (!decode_next(y)) return false;
         } else {
             wgmma_commit();
-            decode_unit<kG>(smem, stage, cw, 1, warp, lane, q0, y);
+            decode_slab(smem, stage, cw, 1, warp, lane, y);
             wgmma_fence();
-            mma_slab<Epi, N>(tmp, 1, y, b_base, q0);
+            mma_slab<N>(tmp[1], y, b_base);
             wgmma_commit();
             wgmma_wait<1>();  // slab 0's MMAs have retired: x is free
             fence_operands(x);
@@ -344,26 +287,24 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         fence_operands(tmp);
         fence_operands(x);  // the A sets stay live until the waits above
         if constexpr (kPipelinedConsume || kMSub == 2) fence_operands(y);
-        u32 xsr[N / 4];
+        float xsr[N / 4];
         token_scales<N>(smem, stage, lane, xsr);
-        if (last_of_stage) {  // every WGMMA reading this stage has retired, its shared memory is read
-            __syncwarp();
-            if (lane == 0) mbar_arrive(pipe.empty(stage));
-            if (!kProducerWG && local_tid == 0 && step + kStages < kb_count) {
-                if (!load(slot + kStages, step + kStages)) return false;
-            }
-            __syncwarp();
+        __syncwarp();  // every WGMMA reading this stage has retired, its shared memory is read
+        if (lane == 0) mbar_arrive(pipe.empty(stage));
+        if (!kProducerWG && local_tid == 0 && step + kStages < kb_count) {
+            if (!load(slot + kStages, step + kStages)) return false;
         }
-        promote<Epi, N>(acc, tmp, xsr, q0);
+        __syncwarp();
+        promote<N>(acc, tmp, xsr);
         return true;
     };
-    for (int kb = 0; kb < kb_count; kb += kIterBatches / kBatches) {
+    for (int kb = 0; kb < kb_count; kb += kIterStages) {
 #pragma unroll
-        for (int j = 0; j < kIterBatches; ++j) {
+        for (int j = 0; j < kIterStages; ++j) {
             if (!kSwapSets || j % 2 == 0) {
-                if (!batch(kb, j, a0, a1)) return false;
+                if (!stage_step(kb + j, a0, a1)) return false;
             } else {
-                if (!batch(kb, j, a1, a0)) return false;
+                if (!stage_step(kb + j, a1, a0)) return false;
             }
         }
     }
@@ -371,11 +312,11 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
     return true;
 }
 
-// The consumer warpgroups' K loop of one task for epilogue Epi into `acc` (zeroed here), then the window factor;
-// the standalone kernel and role2 (operator mode: one grid runs both GEMMs) share it.
+// The consumer warpgroups' K loop of one task into `acc` (zeroed here), then the window factor; the standalone
+// kernel and role2 (operator mode: one grid runs both GEMMs) share it, for both GEMMs.
 // `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
 // (non-pipelined variant only: consumer thread 0 loads its own task). Returns false when a wait gives up.
-template <int Epi, typename WaitFull, typename Load>
+template <typename WaitFull, typename Load>
 __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u32& it, const Task& t, int kb_count,
                                        const float* factor, int cw, int warp, int lane, int local_tid,
                                        float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
@@ -388,79 +329,20 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     zero(acc);
     bool ok = true;
     with_wgmma_n<kBM>(wgmma_n8<kBM>(t.valid), [&](auto n) {
-        ok = consume_n<Epi, decltype(n)::value>(pipe, smem, it, kb_count, cw, warp, lane, local_tid, acc, wait_full,
-                                                load);
+        ok = consume_n<decltype(n)::value>(pipe, smem, it, kb_count, cw, warp, lane, local_tid, acc, wait_full, load);
     });
     if (!ok) return false;
     apply_factor(acc, factor, t.expert);
     return true;
 }
 
-// UE8M0 scale of a 32-value group (quant.ue8m0_scale(amax, 448)): the smallest 2^k with max(amax, 1e-10) <= 448 * 2^k,
-// returned as its biased exponent k + 127. frexp: a = m * 2^e, m in [0.5, 1), and 448 = 0.875 * 2^9, so k is e - 9
-// or e - 8, settled by one exact comparison. a >= 1e-10 keeps k in [-42, 120]: normal floats throughout.
-__device__ __forceinline__ int ue8m0_code_448(float amax) {
-    const float a = fmaxf(amax, 1e-10f);
-    int k = static_cast<int>((__float_as_uint(a) >> 23) & 0xFFu) - 126 - 9;
-    if (a > 448.0f * __uint_as_float(static_cast<u32>(k + 127) << 23)) ++k;
-    return k + 127;
-}
-
-// W1: SwiGLU(gate, up) * routing weight; amax per token over each 32-column group (one per warpgroup and slab:
-// 4 warps x 8 columns), UE8M0 scale, E4M3 payload [rows, I] and packed codes [I/128, rows] (byte cw * kMSub + s).
-__device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
-                                            float* red, const float* routing_w, u8* out, u8* out_sf, int inter,
-                                            int rows_total, float clamp, float alpha) {
-    float* red_wg = red + cw * kMSub * 4 * kBM;
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        const float rw = col < t.valid ? GC_RING_LOAD(routing_w + t.row_off + col) : 0.0f;
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s) {
-            const float gate = fminf(round_bf16(acc[s][i]), clamp);
-            const float up = fminf(fmaxf(round_bf16(acc[s][i + 2]), -clamp), clamp);
-            const float act = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
-            acc[s][i] = act;
-            float m = fabsf(act);
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            if (lane < 4) red_wg[(s * 4 + warp) * kBM + col] = m;
-        }
-    }
-    named_barrier(1 + cw, 128);  // the warpgroup's 4 warps hold its 32-column groups
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        if (col < t.valid) {
-            const size_t row = static_cast<size_t>(t.row_off + col);
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s) {
-                float m = red_wg[s * 4 * kBM + col];
-#pragma unroll
-                for (int w = 1; w < 4; ++w) m = fmaxf(m, red_wg[(s * 4 + w) * kBM + col]);
-                const int code = ue8m0_code_448(m);
-                const float inv = __uint_as_float(static_cast<u32>(254 - code) << 23);  // 2^-k, exact
-                const int icol = (t.tile * 16 + (cw * kMSub + s) * 4 + warp) * 8 + lane / 4;
-                const __nv_fp8_e4m3 q(acc[s][i] * inv);
-                out[row * inter + icol] = q.__x;
-                if (warp == 0 && lane < 4) {
-                    out_sf[(static_cast<size_t>(t.tile) * rows_total + row) * 4 + cw * kMSub + s] =
-                        static_cast<u8>(code);
-                }
-            }
-        }
-    }
-    named_barrier(1 + cw, 128);  // `red` is rewritten by the next task
-}
+#include "sm90/epilogue_w1.cuh"
 
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
 // The FP8xFP4 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_kernel.cuh's). Its tasks are
-// 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage), so W2 keeps per-K32 accumulators
-// for two slabs: kGroups<2> batches them (BM = 64: one group per batch, four WGMMA waits per stage).
-constexpr u32 kConsumerBarrier = 3;  // ids 1 and 2 are the W1 epilogue's per-warpgroup barriers
+// 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage).
+constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
 
 // role2_kernel.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
 // FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0 words.
@@ -468,10 +350,10 @@ __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, 
                                          const Task& t, int kb, const OpMaps& maps) {
     const int hidden = static_cast<int>(a.p.hidden), inter = static_cast<int>(a.p.inter);
     if (ot.w1) {
-        issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const u32>(a.off.l1_acts_sf),
+        issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const float>(a.off.l1_acts_sf),
               a.off.ring_rows, maps.policy_w, maps.policy_x);
     } else {
-        issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const u32>(a.off.l2_acts_sf),
+        issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const float>(a.off.l2_acts_sf),
               a.off.ring_rows, maps.policy_w, maps.policy_x);
     }
 }
@@ -483,14 +365,14 @@ __device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe
                                            float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
     const int k = static_cast<int>(Epi == 1 ? a.p.hidden : a.p.inter);
     const float* factor = reinterpret_cast<const float*>(Epi == 1 ? a.p.w1_sf : a.p.w2_sf);
-    return consume<Epi>(pipe, smem, it, t, k / kBK, factor, cw, warp, lane, local_tid, acc, wait_full, load);
+    return consume(pipe, smem, it, t, k / kBK, factor, cw, warp, lane, local_tid, acc, wait_full, load);
 }
 
 __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t, int cw,
                                                int warp, int lane, float* red) {
-    epilogue_w1(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights), a.at<u8>(a.off.l2_acts),
-                a.at<u8>(a.off.l2_acts_sf), static_cast<int>(a.p.inter), static_cast<int>(a.off.ring_rows),
-                a.p.clamp, a.p.alpha);
+    epilogue_w1<true>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                      a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), static_cast<int>(a.p.inter),
+                      static_cast<int>(a.off.ring_rows), a.p.clamp, a.p.alpha);
 }
 
 #include "sm90/role2_kernel.cuh"
@@ -514,8 +396,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
-static_assert(kGroups<kEpi> == 4, "standalone kernels: one WGMMA batch per stage");
-
 }  // namespace sm90
 }  // namespace gc_moe
 
@@ -524,15 +404,16 @@ using namespace gc_moe::sm90;
 
 // tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle);
 // tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); factor: FP32 [E] (2^base of the window repack);
-// x_sf_t: [k/128, rows_total] 32-bit words (W1: FP32 1x128 token scales; W2: packed UE8M0 codes of the four K32
-// groups); blocks: int32 [*, 3]; *num_blocks blocks are live.
-// W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf = packed UE8M0 [I/128, rows_total, 4].
-// W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H]; out_sf and routing_w unused. clamp = +inf for none.
+// x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32 [*, 3];
+// *num_blocks blocks are live.
+// W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf_t = FP32 UE8M0 values [I/128, rows_total].
+// W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H]; out_sf_t and routing_w unused. clamp = +inf for none.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     gc_sm90_fp8_fp4_grouped_gemm(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
-                                 const float* __restrict__ factor, const u32* __restrict__ x_sf_t,
+                                 const float* __restrict__ factor, const float* __restrict__ x_sf_t,
                                  const int* __restrict__ blocks, const int* __restrict__ num_blocks,
-                                 const float* __restrict__ routing_w, void* __restrict__ out, u8* __restrict__ out_sf,
+                                 const float* __restrict__ routing_w, void* __restrict__ out,
+                                 float* __restrict__ out_sf_t,
                                  int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
                                  u64 timeout_ns) {
     extern __shared__ u8 smem_raw[];
@@ -578,11 +459,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             return produce(pipe, slot, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
                            status, timeout_ns);
         };
-        if (!consume<kEpi>(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
+        if (!consume(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
             return;
         if constexpr (kEpi == 1) {
-            epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf, n_w / 2, rows_total,
-                        clamp, alpha);
+            epilogue_w1<true>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
+                              rows_total, clamp, alpha);
         } else {
             epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }

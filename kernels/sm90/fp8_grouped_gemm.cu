@@ -57,7 +57,7 @@ constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
 constexpr int kConsumerWGs = 2;
-constexpr int kConsumerThreads = kConsumerWGs * 128;
+[[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
 constexpr int kRows = kConsumerWGs * kMSub * 64;
 constexpr int kBK = 128;
@@ -209,55 +209,7 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     return ok;
 }
 
-// W1: SwiGLU(gate, up) * routing weight, amax over the task's 128 intermediate columns per token, FP32 scale
-// (amax / 448, stored transposed [I/128, rows] where the W2 producer bulk-copies it) and E4M3 payload [rows, I].
-__device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
-                                            float* red, const float* routing_w, u8* out, float* out_sf_t,
-                                            int inter, int rows_total, float clamp, float alpha) {
-    float amax[kAcc / 2];
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        const float rw = col < t.valid ? GC_RING_LOAD(routing_w + t.row_off + col) : 0.0f;
-        float m = 0.0f;
-#pragma unroll
-        for (int s = 0; s < kMSub; ++s) {
-            const float gate = fminf(round_bf16(acc[s][i]), clamp);
-            const float up = fminf(fmaxf(round_bf16(acc[s][i + 2]), -clamp), clamp);
-            const float act = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
-            acc[s][i] = act;
-            m = fmaxf(m, fabsf(act));
-        }
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-        amax[c] = m;
-    }
-    if (lane < 4) {
-#pragma unroll
-        for (int c = 0; c < kAcc / 2; ++c) red[(cw * 4 + warp) * kBM + acc_col(4 * (c / 2) + (c & 1), lane)] = amax[c];
-    }
-    named_barrier(1, kConsumerThreads);
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        float m = red[col];
-#pragma unroll
-        for (int w = 1; w < kConsumerWGs * 4; ++w) m = fmaxf(m, red[w * kBM + col]);
-        const float scale = fmaxf(m, 1e-10f) / 448.0f;
-        if (col < t.valid) {
-            const size_t row = static_cast<size_t>(t.row_off + col);
-#pragma unroll
-            for (int s = 0; s < kMSub; ++s) {
-                const int icol = (t.tile * 16 + cw * 8 + s * 4 + warp) * 8 + lane / 4;
-                const __nv_fp8_e4m3 q(acc[s][i] / scale);
-                out[row * inter + icol] = q.__x;
-            }
-            if (cw == 0 && warp == 0 && lane < 4) out_sf_t[static_cast<size_t>(t.tile) * rows_total + row] = scale;
-        }
-    }
-    named_barrier(1, kConsumerThreads);  // `red` is rewritten by the next task
-}
+#include "sm90/epilogue_w1.cuh"
 
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
@@ -292,8 +244,9 @@ __device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe
 
 __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t, int cw,
                                                int warp, int lane, float* red) {
-    epilogue_w1(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights), a.at<u8>(a.off.l2_acts),
-                a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows, a.p.clamp, a.p.alpha);
+    epilogue_w1<false>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                       a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows, a.p.clamp,
+                       a.p.alpha);
 }
 
 #include "sm90/role2_kernel.cuh"
@@ -379,8 +332,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full, load))
             return;
         if constexpr (kEpi == 1) {
-            epilogue_w1(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total,
-                        clamp, alpha);
+            epilogue_w1<false>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
+                               rows_total, clamp, alpha);
         } else {
             epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }

@@ -46,9 +46,11 @@ struct StagePipeline {
 };
 
 // The 1024-aligned tile area in dynamic shared memory (128-byte swizzled tiles want 1024-byte alignment; every
-// kernel's kSmemBytes holds 1024 bytes of slack for it).
+// kernel's kSmemBytes holds 1024 bytes of slack for it). An offset from `raw`, not an integer round trip: the
+// compiler then still knows the result points into shared memory and reads through it with LDS (a pointer rebuilt
+// from an integer is generic: 64-bit address arithmetic and generic loads in every consumer loop).
 __device__ __forceinline__ u8* align_smem_1024(u8* raw) {
-    return reinterpret_cast<u8*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~static_cast<uintptr_t>(1023));
+    return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
 }
 
 // False when the launch gave less dynamic shared memory than `need` (thread `tid` == 0 records kStatusMismatch at

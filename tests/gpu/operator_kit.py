@@ -3,7 +3,7 @@ staging, poisoning, the P-rank quantization-faithful reference and the BENCH_PRO
 
 The oracle is :func:`gc_moe_compat.reference.expert_parallel_reference` on the exact weights and activations the
 kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
-with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_32"``, chosen by
+with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
 ``reference_ys`` from the weights' format); ``make_expert_weights(..., fmt="bf16")`` gives the BF16 model both
 approximate.
 """

@@ -1,7 +1,7 @@
 """SM90 FP8xFP4 expert GEMMs on the H200: accuracy against both references, boundary expert sizes, SASS.
 
 The faithful reference computes with the window-repacked MXFP4 weights (``Fp4Layer.l1_window``: what the kernel's
-units encode), E4M3 activations with FP32 1x128 scales and the UE8M0 1x32 intermediate requant. Every run: fresh
+units encode), E4M3 activations with FP32 1x128 scales and the UE8M0 1x128 intermediate requant. Every run: fresh
 seeded inputs, the intermediate, its scales and the partial rows poisoned (0xFF bytes: NaN in FP8 and BF16) before
 the launch, so an unwritten element shows up as NaN; only rows of real (token, slot) pairs are outputs.
 """
@@ -24,10 +24,12 @@ DEV = torch.device("cuda")
 
 
 def _intermediate(ws: Workspace, rows: torch.Tensor) -> torch.Tensor:
-    """The W2 input of ``rows`` in FP32: E4M3 payload times 2^(code - 127) of its UE8M0 K32 group."""
-    codes = ws.inter_sf_t.view(torch.uint8).reshape(ws.inter_sf_t.shape[0], -1, 4)[:, rows]  # [I/128, n, 4]
-    scales = torch.exp2(codes.permute(1, 0, 2).reshape(codes.shape[1], -1).float() - 127)
-    return ws.inter[rows].float() * scales.repeat_interleave(32, dim=1)
+    """The W2 input of ``rows`` in FP32: E4M3 payload times the FP32 value of its UE8M0 1x128 group scale (checked
+    to be a power of two: the W2 kernel relies on an exact scale)."""
+    scales = ws.inter_sf_t[:, rows].t()  # [n, I/128]
+    mantissa, _ = torch.frexp(scales)
+    assert torch.all(mantissa == 0.5), "intermediate scales must be powers of two (UE8M0)"
+    return ws.inter[rows].float() * scales.repeat_interleave(128, dim=1)
 
 
 @pytest.fixture(scope="module", params=["dsv41-flash", "glm52"])
@@ -79,7 +81,7 @@ def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     for e in (1, 2, 3):
         rows, tokens = tok.rows_of(e)
         w1, w2 = fp4.l1_window.dequantize(e), fp4.l2_window.dequantize(e)
-        kw = dict(activation_clamp=CLAMP, intermediate_quant="ue8m0_32")
+        kw = dict(activation_clamp=CLAMP, intermediate_quant="ue8m0_128")
         ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
         ref_inter = l1_intermediate(xq[tokens], w1, weights[tokens, 0], **kw)
         mi, mo = accuracy_metrics(_intermediate(ws, rows), ref_inter), accuracy_metrics(ws.out[rows], ref)

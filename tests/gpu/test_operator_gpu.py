@@ -1,6 +1,6 @@
 """The operator (role1 -> role2 -> role3 graph) on one H200, for both compute paths: native ``fp8_fp8_gc_moe``
 (FP8xFP8) and ``fp8_fp4_gc_moe`` (FP8xFP4, the register-decoding role2 kernel). The accuracy suite of BENCH_PROTOCOL.md
-against the quantization-faithful reference of each path (FP32 1x128 / UE8M0 1x32 intermediate requant), the BF16
+against the quantization-faithful reference of each path (FP32 1x128 / UE8M0 1x128 intermediate requant), the BF16
 model reference on one case, eager vs graph bit-identity, 10 000 replays with fresh inputs, partition on and off.
 Every checked call starts from poisoned ring payloads, combine buffer and ``y``.
 
