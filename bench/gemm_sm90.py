@@ -47,7 +47,7 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
 from gc_moe_compat.sm90.grouping import GroupedTokens
-from gc_moe_compat.sm90.heuristics import MMA_TYPES, W1_SLABS, W2_SLABS, max_stages, tile_rows
+from gc_moe_compat.sm90.heuristics import W1_SLABS, KernelConfig, tile_rows
 from gc_moe_compat.sm90.workload import (
     CLAMP,
     Layer,
@@ -116,28 +116,24 @@ class DeepGemmPipeline:
         self.masked.gemms()
 
 
-def sass_record(bms: set[int], pipelined: set[bool]) -> dict[str, object]:
+def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
     """QGMMA / UTMALDG / local-memory counts and ptxas resources of the variants the benchmark ran."""
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     record = {}
-    for mma_type in MMA_TYPES:
+    for mma_type, cfg in sorted(used, key=lambda u: (u[0], u[1].bm, u[1].pipelined, u[1].w2_slabs)):
         source, kernel = KERNELS[mma_type]
-        for bm in sorted(bms):
-            for pipe in sorted(pipelined):
-                for epi, slabs in ((1, W1_SLABS), (2, W2_SLABS)):
-                    defines = variant_defines(bm, epi, pipe, max_stages(bm, slabs, mma_type))
-                    cubin = jit.compile_cubin(source, defines)
-                    try:
-                        text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True,
-                                              text=True, check=True).stdout  # fmt: skip
-                        ops = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL")}
-                    except (OSError, subprocess.CalledProcessError) as err:
-                        ops = {"error": str(err)}
-                    res = cubin.resources.get(kernel)
-                    record[f"{mma_type}_bm{bm}_{'pipelined' if pipe else 'plain'}_w{epi}"] = {
-                        "sass": ops,
-                        "resources": None if res is None else res.__dict__,
-                    }
+        for epi, stages in ((1, cfg.stages_w1), (2, cfg.stages_w2)):
+            cubin = jit.compile_cubin(source, variant_defines(cfg.bm, epi, cfg.pipelined, stages, slabs=cfg.w2_slabs))
+            try:
+                text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True, text=True,
+                                      check=True).stdout  # fmt: skip
+                ops = {op: text.count(op) for op in ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL")}
+            except (OSError, subprocess.CalledProcessError) as err:
+                ops = {"error": str(err)}
+            res = cubin.resources.get(kernel)
+            slabs = W1_SLABS if epi == 1 else cfg.w2_slabs
+            name = f"{mma_type}_bm{cfg.bm}_{'pipelined' if cfg.pipelined else 'plain'}_w{epi}_slabs{slabs}"
+            record[name] = {"sass": ops, "resources": None if res is None else res.__dict__}
     return record
 
 
@@ -199,7 +195,7 @@ def main() -> None:
     except Exception as err:  # noqa: BLE001 - any import failure is recorded, the rest still runs
         dg, dg_error = None, f"{type(err).__name__}: {err}"
     bandwidth = copy_bandwidth()
-    points, used_bm, used_pipe = [], set(), set()
+    points, used = [], set()
     meta = result_meta(
         "bench/gemm_sm90.py",
         sys.argv[1:],
@@ -221,9 +217,10 @@ def main() -> None:
             tok = make_tokens(layer, t, seed=t)
             tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
             counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m)
-            used_bm.add(cfg.bm)
-            used_pipe.add(cfg.pipelined)
+            hidden = layer.prepared.hidden
+            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m,
+                                hidden=hidden)  # fmt: skip
+            used.add(("fp8xfp8", cfg))
             grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
             gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
             ws = gemm.workspace(grouped)
@@ -238,7 +235,8 @@ def main() -> None:
                 "model": accuracy_metrics(ours[valid], model[valid]),
             }
             cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4",
-                                 block_m=args.block_m)
+                                 block_m=args.block_m, hidden=hidden)
+            used.add(("fp8xfp4", cfg4))
             gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
             ws4 = gemm4.workspace(grouped)
             latency["gc_fp4"] = time_graph(lambda g=gemm4, gr=grouped, w=ws4: g.run(gr, w), args.warmup, args.windows)
@@ -266,6 +264,7 @@ def main() -> None:
                     "pipelined": cfg.pipelined,
                     "stages": [cfg.stages_w1, cfg.stages_w2],
                     "stages_fp4": [cfg4.stages_w1, cfg4.stages_w2],
+                    "w2_slabs": [cfg.w2_slabs, cfg4.w2_slabs],
                 },
                 "latency_us": latency,
                 "latency_split_us": split,
@@ -286,7 +285,7 @@ def main() -> None:
             del gemm, ws, gemm4, ws4, grouped
         del layer, fp4
         torch.cuda.empty_cache()
-    meta["sass"] = sass_record(used_bm, used_pipe)
+    meta["sass"] = sass_record(used)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
     plot(points, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")

@@ -13,7 +13,7 @@ from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activ
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
-from gc_moe_compat.sm90.gemm import KERNELS, all_variants, prepare_fp4_weights, prepare_fp8_weights
+from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, all_variants, prepare_fp4_weights, prepare_fp8_weights
 from gc_moe_compat.sm90.heuristics import (
     BLOCK_M_CANDIDATES,
     MAX_STAGES,
@@ -21,9 +21,11 @@ from gc_moe_compat.sm90.heuristics import (
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
+    KernelConfig,
     max_stages,
     select_block_m,
     smem_bytes,
+    w2_slabs,
 )
 
 
@@ -115,6 +117,16 @@ def test_prepare_fp8_weights_interleaves_and_checks() -> None:
         prepare_fp4_weights(l1, l2)
 
 
+def test_runner_rejects_w2_tasks_that_do_not_tile_hidden() -> None:
+    """256-row W2 tasks on H = 384 would leave rows unwritten: refused before any CUDA call."""
+    gen = torch.Generator().manual_seed(0)
+    l1 = ExpertWeights.quantize(torch.randn(1, 256, 384, generator=gen), "fp8_block128")
+    l2 = ExpertWeights.quantize(torch.randn(1, 384, 128, generator=gen), "fp8_block128")
+    cfg = KernelConfig(16, True, max_stages(16, 2), max_stages(16, 2), w2_slabs=2)
+    with pytest.raises(ValueError, match="w2_slabs=2 needs a hidden size that is a multiple of 256, got 384"):
+        ExpertGemmSM90(prepare_fp8_weights(l1, l2), cfg)
+
+
 def _spread_mxfp4(e: int, n: int, k: int, seed: int, steps: int = 16) -> ExpertWeights:
     """MXFP4 weights whose K32 scales span ``steps`` exponents: beyond the 11-step window, so some groups clip."""
     gen = torch.Generator().manual_seed(seed)
@@ -188,6 +200,21 @@ def test_select_config_block_m_override_keeps_the_other_rules(block_m: int) -> N
         assert cfg.bm == block_m
         assert (cfg.stages_w1, cfg.stages_w2) == (max_stages(block_m, 2, mma_type), max_stages(block_m, 1, mma_type))
         assert cfg.pipelined == (32 * math.ceil(65.0 / block_m) * 16 > 132)
+
+
+@pytest.mark.parametrize("mma_type", MMA_TYPES)
+@pytest.mark.parametrize("block_m", BLOCK_M_CANDIDATES)
+@pytest.mark.parametrize("hidden", (None, 384, 4096, 6144))
+def test_w2_task_rows_follow_format_block_and_hidden(mma_type: str, block_m: int, hidden: int | None) -> None:
+    """256-row W2 tasks only for FP8xFP4 from BM = 16 with H a multiple of 256; the config's W2 stages follow them."""
+    two = mma_type == "fp8xfp4" and block_m >= 16 and hidden is not None and hidden % 256 == 0
+    assert w2_slabs(block_m, mma_type, hidden) == (2 if two else 1)
+    cfg = select_config(65.0, 32, 16, 132, mma_type, block_m=block_m, hidden=hidden)
+    assert cfg.w2_slabs == (2 if two else 1)
+    assert cfg.stages_w2 == max_stages(block_m, cfg.w2_slabs, mma_type)
+    variants = all_variants(mma_type)
+    assert {"GC_BM": block_m, "GC_EPI": 2, "GC_M_SUB": cfg.w2_slabs, "GC_PRODUCER_WG": int(cfg.pipelined),
+            "GC_STAGES": cfg.stages_w2, "GC_FAST_MATH": 1} in variants  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", (0, 12, 128, -8))

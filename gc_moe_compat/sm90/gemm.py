@@ -34,7 +34,16 @@ from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_time
 
 from .fp4_layout import UNIT_ROWS, permute_units
 from .grouping import GroupedTokens
-from .heuristics import BLOCK_M_CANDIDATES, W1_SLABS, W2_SLABS, KernelConfig, max_stages, smem_bytes, tile_rows
+from .heuristics import (
+    BLOCK_M_CANDIDATES,
+    W1_SLABS,
+    W2_SLABS,
+    KernelConfig,
+    max_stages,
+    smem_bytes,
+    tile_rows,
+    w2_slabs,
+)
 from .tensormap import encode_2d
 
 SOURCE = "sm90/fp8_grouped_gemm.cu"
@@ -47,12 +56,15 @@ _PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_
 SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
 
 
-def variant_defines(bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True) -> dict[str, int]:
-    """Compile-time parameters of one kernel variant."""
+def variant_defines(
+    bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True, slabs: int = W2_SLABS
+) -> dict[str, int]:
+    """Compile-time parameters of one kernel variant (``slabs``: 64-row slabs per consumer warpgroup of a W2 task;
+    W1 tasks always have :data:`W1_SLABS`)."""
     return {
         "GC_BM": bm,
         "GC_EPI": epi,
-        "GC_M_SUB": W1_SLABS if epi == EPI_W1 else W2_SLABS,
+        "GC_M_SUB": W1_SLABS if epi == EPI_W1 else slabs,
         "GC_PRODUCER_WG": int(pipelined),
         "GC_STAGES": stages,
         "GC_FAST_MATH": int(fast_math),
@@ -61,12 +73,14 @@ def variant_defines(bm: int, epi: int, pipelined: bool, stages: int, fast_math: 
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
-    layouts, default stages)."""
+    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them for a hidden size that is a
+    multiple of 256, plus 128-row W2 tasks, which any other hidden size gets)."""
     out = []
     for bm in BLOCK_M_CANDIDATES:
         for pipelined in (True, False):
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
-            out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, W2_SLABS, mma_type)))
+            for slabs in sorted({1, w2_slabs(bm, mma_type, tile_rows(2))}):
+                out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
     return out
 
 
@@ -191,6 +205,9 @@ class ExpertGemmSM90:
         fast_math: bool = True,
         num_sms: int | None = None,
     ) -> None:
+        if weights.hidden % tile_rows(config.w2_slabs):
+            raise ValueError(f"config: w2_slabs={config.w2_slabs} needs a hidden size that is a multiple of "
+                             f"{tile_rows(config.w2_slabs)}, got {weights.hidden}")
         self.weights, self.config = weights, config
         self.device = weights.w1.device
         ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -202,25 +219,26 @@ class ExpertGemmSM90:
         self.mma_type = "fp8xfp4" if isinstance(weights, Fp4Weights) else "fp8xfp8"
         source, name = KERNELS[self.mma_type]
         self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
+        self._slabs = {EPI_W1: W1_SLABS, EPI_W2: config.w2_slabs}
         self._kernels = {}
         for epi in (EPI_W1, EPI_W2):
-            defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math)
+            defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math,
+                                      slabs=config.w2_slabs)
             kernel = jit.load_module(source, defines).kernel(name)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
             self._kernels[epi] = kernel
         if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
             self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
-            self._tm_w2 = encode_2d(weights.w2, 2 * W2_SLABS * UNIT_ROWS, swizzle=False)
+            self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS, swizzle=False)
             self._w_sf = (weights.w1_factor, weights.w2_factor)
         else:
             self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
-            self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(W2_SLABS))
+            self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(config.w2_slabs))
             self._w_sf = (weights.w1_sf, weights.w2_sf)
 
     def _smem(self, epi: int) -> int:
-        slabs = W1_SLABS if epi == EPI_W1 else W2_SLABS
-        return smem_bytes(self.config.bm, slabs, self._stages[epi], self.mma_type)
+        return smem_bytes(self.config.bm, self._slabs[epi], self._stages[epi], self.mma_type)
 
     def workspace(self, grouped: GroupedTokens) -> Workspace:
         """Buffers for :meth:`run` on ``grouped`` (allocate once to replay the launches in a graph)."""
@@ -239,7 +257,7 @@ class ExpertGemmSM90:
         k: int,
         stream: int,
     ) -> None:
-        tasks = grouped.blocks.shape[0] * (n_w // tile_rows(W1_SLABS if epi == EPI_W1 else W2_SLABS))
+        tasks = grouped.blocks.shape[0] * (n_w // tile_rows(self._slabs[epi]))
         args = [
             self._tm_w1 if epi == EPI_W1 else self._tm_w2,
             tm_x,

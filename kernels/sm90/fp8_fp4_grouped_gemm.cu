@@ -164,10 +164,13 @@ __device__ __forceinline__ void decode_slab(const u8* smem, u32 stage, int cw, i
 }
 
 // The four K32 MMAs of a stage for one slab with N columns, accumulated into `tmp` (the first one overwrites it).
+// `desc_b`: the stage's token-tile descriptor; K32 slice k starts 32 bytes further, 2 in the descriptor's address
+// field (in 16-byte units; the tile is 1024-byte aligned, so the field cannot carry), built once per stage because
+// this loop is issue-bound.
 template <int N>
-__device__ __forceinline__ void mma_slab(float (&tmp)[N / 2], const u32 (&a)[4][4], u32 b_base) {
+__device__ __forceinline__ void mma_slab(float (&tmp)[N / 2], const u32 (&a)[4][4], u64 desc_b) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) WgmmaRegA<N>::mma(tmp, a[k], smem_desc_sw128(b_base + k * 32), k > 0);
+    for (int k = 0; k < 4; ++k) WgmmaRegA<N>::mma(tmp, a[k], desc_b + 2 * k, k > 0);
 }
 
 // Promotes a stage's N columns into the main accumulator (columns from N on stay) with each token's FP32 scale of
@@ -243,7 +246,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
     const auto stage_step = [&](int step, u32 (&x)[4][4], u32 (&y)[4][4]) {
         if (step >= kb_count) return true;  // the second half of the last iteration (odd kb_count, swapped sets)
         const u32 slot = first + step, stage = slot % kStages;
-        const u32 b_base = pipe.base + stage * kXBytes;
+        const u64 b_desc = smem_desc_sw128(pipe.base + stage * kXBytes);
         float tmp[kMSub][N / 2];
         zero(tmp);
         fence_operands(tmp);
@@ -266,9 +269,9 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
             if constexpr (kMSub == 2) decode_slab(smem, stage, cw, 1, warp, lane, y);
         }
         wgmma_fence();  // the A registers and the zeroed accumulators were written by this thread
-        mma_slab<N>(tmp[0], x, b_base);
+        mma_slab<N>(tmp[0], x, b_desc);
         if constexpr (!kPipelinedConsume) {
-            if constexpr (kMSub == 2) mma_slab<N>(tmp[1], y, b_base);
+            if constexpr (kMSub == 2) mma_slab<N>(tmp[1], y, b_desc);
             wgmma_commit();  // the stage's MMAs, one commit group
         } else if constexpr (kMSub == 1) {
             wgmma_commit();
@@ -277,7 +280,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
             wgmma_commit();
             decode_slab(smem, stage, cw, 1, warp, lane, y);
             wgmma_fence();
-            mma_slab<N>(tmp[1], y, b_base);
+            mma_slab<N>(tmp[1], y, b_desc);
             wgmma_commit();
             wgmma_wait<1>();  // slab 0's MMAs have retired: x is free
             fence_operands(x);

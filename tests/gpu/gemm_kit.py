@@ -14,14 +14,16 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import KernelConfig, group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
 from gc_moe_compat.sm90.grouping import GroupedTokens
-from gc_moe_compat.sm90.heuristics import W1_SLABS, W2_SLABS, max_stages
+from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
 
 BOUNDARY_EXPERTS = 4
 
 
-def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8") -> KernelConfig:
-    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds."""
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, W2_SLABS, mma_type))
+def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8", hidden: int | None = None) -> KernelConfig:
+    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the W2 task size the heuristic
+    picks for ``hidden``."""
+    slabs = w2_slabs(bm, mma_type, hidden)
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)
 
 
 def run_poisoned(gemm: ExpertGemmSM90, grouped: GroupedTokens) -> Workspace:
