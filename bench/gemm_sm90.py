@@ -217,9 +217,7 @@ def main() -> None:
             tok = make_tokens(layer, t, seed=t)
             tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
             counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-            hidden = layer.prepared.hidden
-            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m,
-                                hidden=hidden)  # fmt: skip
+            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m)
             used.add(("fp8xfp8", cfg))
             grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
             gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
@@ -235,7 +233,7 @@ def main() -> None:
                 "model": accuracy_metrics(ours[valid], model[valid]),
             }
             cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4",
-                                 block_m=args.block_m, hidden=hidden)
+                                 block_m=args.block_m)
             used.add(("fp8xfp4", cfg4))
             gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
             ws4 = gemm4.workspace(grouped)

@@ -73,14 +73,13 @@ def variant_defines(
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
-    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them for a hidden size that is a
-    multiple of 256, plus 128-row W2 tasks, which any other hidden size gets)."""
+    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them)."""
     out = []
     for bm in BLOCK_M_CANDIDATES:
         for pipelined in (True, False):
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
-            for slabs in sorted({1, w2_slabs(bm, mma_type, tile_rows(2))}):
-                out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
+            slabs = w2_slabs(bm, mma_type)
+            out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
     return out
 
 

@@ -86,30 +86,29 @@ def select_block_m(expected_rows: float) -> int:
     return next((bm for bm in BLOCK_M_CANDIDATES if bm >= need), BLOCK_M_CANDIDATES[-1])
 
 
-def w2_slabs(bm: int, mma_type: str, hidden: int | None) -> int:
-    """Slabs per consumer warpgroup of a W2 task: 2 (256-row tasks) for FP8xFP4 from BM = 16 when ``hidden`` is a
-    multiple of 256, else :data:`W2_SLABS` (128-row tasks).
+def w2_slabs(bm: int, mma_type: str) -> int:
+    """Slabs per consumer warpgroup of a W2 task: 2 (256-row tasks) for FP8xFP4 from BM = 16, else :data:`W2_SLABS`
+    (128-row tasks). FP8xFP4 weights always have H a multiple of 256 (the operator shape rule of
+    :mod:`gc_moe_compat.config` that their transform enforces), so 256-row tasks tile H.
 
     FP8xFP4 decodes its weights in the MMA warps: with one slab per warpgroup the only work to overlap a slab's MMAs
     with is the next stage's decode, and on an H200 its W2 cost 13-18 % more per weight byte than its two-slab W1
     (bench/NOTES_gemm_sm90.md, session 4). At BM = 8 the decode and MMAs run in sequence anyway and the smaller tasks
-    keep the SMs busy at small T. ``hidden`` None (unknown): 128-row tasks.
+    keep the SMs busy at small T.
     """
     _check_mma_type(mma_type)
-    two = mma_type == "fp8xfp4" and bm >= 16 and hidden is not None and hidden % tile_rows(2) == 0
-    return 2 if two else W2_SLABS
+    return 2 if mma_type == "fp8xfp4" and bm >= 16 else W2_SLABS
 
 
 def select_config(
     expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8",
-    *, block_m: int | None = None, hidden: int | None = None,
+    *, block_m: int | None = None,
 ) -> KernelConfig:
     """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
 
     ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
     picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both);
-    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself); ``hidden`` (H) lets
-    :func:`w2_slabs` pick 256-row W2 tasks.
+    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself).
     """
     _check_mma_type(mma_type)
     if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
@@ -122,5 +121,5 @@ def select_config(
     bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
     pipelined = blocks * tiles_per_block > num_sms
-    slabs = w2_slabs(bm, mma_type, hidden)
+    slabs = w2_slabs(bm, mma_type)
     return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)

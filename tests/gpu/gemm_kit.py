@@ -19,10 +19,9 @@ from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
 BOUNDARY_EXPERTS = 4
 
 
-def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8", hidden: int | None = None) -> KernelConfig:
-    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the W2 task size the heuristic
-    picks for ``hidden``."""
-    slabs = w2_slabs(bm, mma_type, hidden)
+def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8") -> KernelConfig:
+    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the heuristic's W2 task size."""
+    slabs = w2_slabs(bm, mma_type)
     return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)
 
 
