@@ -131,7 +131,7 @@ def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
             except (OSError, subprocess.CalledProcessError) as err:
                 ops = {"error": str(err)}
             res = cubin.resources.get(kernel)
-            slabs = cfg.w1_slabs if epi == 1 else cfg.w2_slabs
+            slabs = W1_SLABS if epi == 1 else cfg.w2_slabs
             name = f"{mma_type}_bm{cfg.bm}_{'pipelined' if cfg.pipelined else 'plain'}_w{epi}_slabs{slabs}"
             record[name] = {"sass": ops, "resources": None if res is None else res.__dict__}
     return record

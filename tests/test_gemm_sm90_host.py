@@ -16,18 +16,15 @@ from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, p
 from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, all_variants, prepare_fp4_weights, prepare_fp8_weights
 from gc_moe_compat.sm90.heuristics import (
     BLOCK_M_CANDIDATES,
-    GEMM_BLOCK_M_CANDIDATES,
     MAX_STAGES,
     MMA_TYPES,
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
-    WIDE_BLOCK_M,
     KernelConfig,
     max_stages,
     select_block_m,
     smem_bytes,
-    w1_slabs,
     w2_slabs,
 )
 
@@ -58,15 +55,12 @@ def test_variant_pipelined_only_with_more_tasks_than_sms() -> None:
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
-@pytest.mark.parametrize("bm", GEMM_BLOCK_M_CANDIDATES)
+@pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
 def test_stages_fill_but_fit_shared_memory(bm: int, mma_type: str) -> None:
-    for slabs, w1 in ((w1_slabs(bm), True), (W2_SLABS, False), (W1_SLABS, False)):
-        stages = max_stages(bm, slabs, mma_type, w1=w1)
-        assert 2 <= stages <= MAX_STAGES and smem_bytes(bm, slabs, stages, mma_type, w1=w1) <= SMEM_LIMIT
-        assert stages == MAX_STAGES or smem_bytes(bm, slabs, stages + 1, mma_type, w1=w1) > SMEM_LIMIT
-    # the two-pass W1 (BM = 128) keeps pass 0's activations: BM / 4 floats per consumer thread
-    stash = smem_bytes(bm, 1, 1, mma_type, w1=True) - smem_bytes(bm, 1, 1, mma_type)
-    assert stash == 256 * bm
+    for slabs in (W1_SLABS, W2_SLABS):
+        stages = max_stages(bm, slabs, mma_type)
+        assert 2 <= stages <= MAX_STAGES and smem_bytes(bm, slabs, stages, mma_type) <= SMEM_LIMIT
+        assert stages == MAX_STAGES or smem_bytes(bm, slabs, stages + 1, mma_type) > SMEM_LIMIT
     # an FP4 stage streams half the weight bytes of an FP8 one (+ 1/32 for the relative exponents)
     assert smem_bytes(bm, W1_SLABS, 1, "fp8xfp4") < smem_bytes(bm, W1_SLABS, 1, "fp8xfp8")
     with pytest.raises(ValueError, match="mma_type"):
@@ -198,46 +192,23 @@ def test_every_variant_compiles_without_spills(mma_type: str, defines: dict[str,
     assert res.registers <= (168 if defines["GC_PRODUCER_WG"] else 255)
 
 
-@pytest.mark.parametrize("block_m", GEMM_BLOCK_M_CANDIDATES)
+@pytest.mark.parametrize("block_m", BLOCK_M_CANDIDATES)
 def test_select_config_block_m_override_keeps_the_other_rules(block_m: int) -> None:
-    """A forced BM replaces only the heuristic's BM: stages follow that BM, pipelining still counts its blocks (BM =
-    128 is always pipelined)."""
+    """A forced BM replaces only the heuristic's BM: stages follow that BM, pipelining still counts its blocks."""
     for mma_type in ("fp8xfp8", "fp8xfp4"):
-        cfg = select_config(10.0, 4, 16, 132, mma_type, block_m=block_m)
-        assert cfg.bm == block_m and cfg.w1_slabs == w1_slabs(block_m)
+        cfg = select_config(65.0, 32, 16, 132, mma_type, block_m=block_m)
+        assert cfg.bm == block_m
         w2_stages = max_stages(block_m, w2_slabs(block_m, mma_type), mma_type)
-        assert (cfg.stages_w1, cfg.stages_w2) == (max_stages(block_m, w1_slabs(block_m), mma_type, w1=True), w2_stages)
-        assert cfg.pipelined == (block_m == WIDE_BLOCK_M or 4 * math.ceil(10.0 / block_m) * 16 > 132)
-
-
-@pytest.mark.parametrize(
-    ("rows", "experts", "bm"),
-    [(32.3, 32, 64), (57.0, 32, 128), (65.0, 32, 128), (130.0, 32, 128), (65.0, 9, 128), (65.0, 8, 64)],
-)
-def test_wide_block_only_past_64_rows_and_with_more_tasks_than_sms(rows: float, experts: int, bm: int) -> None:
-    """BM = 128 where m + sqrt(m) > 64 and its W1 tasks (experts x blocks x 16 tiles) outnumber 132 SMs; its W1 runs
-    in two passes of one slab per warpgroup; the ring's rule (select_block_m) never leaves 8..64."""
-    cfg = select_config(rows, experts, 16, 132)
-    assert cfg.bm == bm and select_block_m(rows) in BLOCK_M_CANDIDATES
-    assert cfg.w1_slabs == (1 if bm == WIDE_BLOCK_M else W1_SLABS)
-
-
-def test_runner_rejects_a_plain_wide_block_variant() -> None:
-    """BM = 128 runs pipelined only (its 256-thread FP8 W1 build spills): refused before any CUDA call."""
-    gen = torch.Generator().manual_seed(0)
-    l1 = ExpertWeights.quantize(torch.randn(1, 256, 256, generator=gen), "fp8_block128")
-    l2 = ExpertWeights.quantize(torch.randn(1, 256, 128, generator=gen), "fp8_block128")
-    cfg = KernelConfig(WIDE_BLOCK_M, False, max_stages(WIDE_BLOCK_M, 1, w1=True), max_stages(WIDE_BLOCK_M, 1))
-    with pytest.raises(ValueError, match="bm=128 runs only pipelined"):
-        ExpertGemmSM90(prepare_fp8_weights(l1, l2), cfg)
+        assert (cfg.stages_w1, cfg.stages_w2) == (max_stages(block_m, 2, mma_type), w2_stages)
+        assert cfg.pipelined == (32 * math.ceil(65.0 / block_m) * 16 > 132)
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
-@pytest.mark.parametrize("block_m", GEMM_BLOCK_M_CANDIDATES)
+@pytest.mark.parametrize("block_m", BLOCK_M_CANDIDATES)
 def test_w2_task_rows_follow_format_and_block(mma_type: str, block_m: int) -> None:
-    """256-row W2 tasks only for FP8xFP4 at BM = 16-64; the config's W2 stages follow them, and the variant is one of
+    """256-row W2 tasks only for FP8xFP4 from BM = 16; the config's W2 stages follow them, and the variant is one of
     the compiled (recorded) ones."""
-    two = mma_type == "fp8xfp4" and 16 <= block_m < WIDE_BLOCK_M
+    two = mma_type == "fp8xfp4" and block_m >= 16
     assert w2_slabs(block_m, mma_type) == (2 if two else 1)
     cfg = select_config(65.0, 32, 16, 132, mma_type, block_m=block_m)
     assert cfg.w2_slabs == (2 if two else 1)
@@ -247,7 +218,7 @@ def test_w2_task_rows_follow_format_and_block(mma_type: str, block_m: int) -> No
             "GC_STAGES": cfg.stages_w2, "GC_FAST_MATH": 1} in variants  # fmt: skip
 
 
-@pytest.mark.parametrize("bad", (0, 12, 96, 256, -8))
+@pytest.mark.parametrize("bad", (0, 12, 128, -8))
 def test_select_config_rejects_a_block_m_outside_the_candidates(bad: int) -> None:
     with pytest.raises(ValueError, match="block_m"):
         select_config(10.0, 4, 16, 132, block_m=bad)

@@ -35,16 +35,13 @@ from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_time
 from .fp4_layout import UNIT_ROWS, permute_units
 from .grouping import GroupedTokens
 from .heuristics import (
-    GEMM_BLOCK_M_CANDIDATES,
+    BLOCK_M_CANDIDATES,
     W1_SLABS,
-    W1_TASK_ROWS,
     W2_SLABS,
-    WIDE_BLOCK_M,
     KernelConfig,
     max_stages,
     smem_bytes,
     tile_rows,
-    w1_slabs,
     w2_slabs,
 )
 from .tensormap import encode_2d
@@ -63,11 +60,11 @@ def variant_defines(
     bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True, slabs: int = W2_SLABS
 ) -> dict[str, int]:
     """Compile-time parameters of one kernel variant (``slabs``: 64-row slabs per consumer warpgroup of a W2 task;
-    a W1 pass has :func:`~.heuristics.w1_slabs` of ``bm``)."""
+    W1 tasks always have :data:`W1_SLABS`)."""
     return {
         "GC_BM": bm,
         "GC_EPI": epi,
-        "GC_M_SUB": w1_slabs(bm) if epi == EPI_W1 else slabs,
+        "GC_M_SUB": W1_SLABS if epi == EPI_W1 else slabs,
         "GC_PRODUCER_WG": int(pipelined),
         "GC_STAGES": stages,
         "GC_FAST_MATH": int(fast_math),
@@ -76,12 +73,11 @@ def variant_defines(
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
-    layouts below :data:`~.heuristics.WIDE_BLOCK_M`, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks
-    them)."""
+    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them)."""
     out = []
-    for bm in GEMM_BLOCK_M_CANDIDATES:
-        for pipelined in (True, False) if bm < WIDE_BLOCK_M else (True,):
-            out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, w1_slabs(bm), mma_type, w1=True)))
+    for bm in BLOCK_M_CANDIDATES:
+        for pipelined in (True, False):
+            out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
             slabs = w2_slabs(bm, mma_type)
             out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
     return out
@@ -211,8 +207,6 @@ class ExpertGemmSM90:
         if weights.hidden % tile_rows(config.w2_slabs):
             raise ValueError(f"config: w2_slabs={config.w2_slabs} needs a hidden size that is a multiple of "
                              f"{tile_rows(config.w2_slabs)}, got {weights.hidden}")
-        if config.bm == WIDE_BLOCK_M and not config.pipelined:
-            raise ValueError(f"config: bm={WIDE_BLOCK_M} runs only pipelined (its 256-thread FP8 W1 build spills)")
         self.weights, self.config = weights, config
         self.device = weights.w1.device
         ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -224,7 +218,7 @@ class ExpertGemmSM90:
         self.mma_type = "fp8xfp4" if isinstance(weights, Fp4Weights) else "fp8xfp8"
         source, name = KERNELS[self.mma_type]
         self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
-        self._slabs = {EPI_W1: config.w1_slabs, EPI_W2: config.w2_slabs}
+        self._slabs = {EPI_W1: W1_SLABS, EPI_W2: config.w2_slabs}
         self._kernels = {}
         for epi in (EPI_W1, EPI_W2):
             defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math,
@@ -233,20 +227,17 @@ class ExpertGemmSM90:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
             self._kernels[epi] = kernel
-        # Weight boxes: a task's slabs of one K step (FP8xFP4: UNIT_ROWS rows per slab's unit); a two-pass W1 loads
-        # one slab per consumer warpgroup and box.
-        w1_box_slabs = 2 * W1_SLABS if config.w1_slabs == W1_SLABS else 1
-        if isinstance(weights, Fp4Weights):
-            self._tm_w1 = encode_2d(weights.w1, w1_box_slabs * UNIT_ROWS, swizzle=False)
+        if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
+            self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
             self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS, swizzle=False)
             self._w_sf = (weights.w1_factor, weights.w2_factor)
         else:
-            self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), 64 * w1_box_slabs)
+            self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
             self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(config.w2_slabs))
             self._w_sf = (weights.w1_sf, weights.w2_sf)
 
     def _smem(self, epi: int) -> int:
-        return smem_bytes(self.config.bm, self._slabs[epi], self._stages[epi], self.mma_type, w1=epi == EPI_W1)
+        return smem_bytes(self.config.bm, self._slabs[epi], self._stages[epi], self.mma_type)
 
     def workspace(self, grouped: GroupedTokens) -> Workspace:
         """Buffers for :meth:`run` on ``grouped`` (allocate once to replay the launches in a graph)."""
@@ -265,7 +256,7 @@ class ExpertGemmSM90:
         k: int,
         stream: int,
     ) -> None:
-        tasks = grouped.blocks.shape[0] * (n_w // (W1_TASK_ROWS if epi == EPI_W1 else tile_rows(self._slabs[epi])))
+        tasks = grouped.blocks.shape[0] * (n_w // tile_rows(self._slabs[epi]))
         args = [
             self._tm_w1 if epi == EPI_W1 else self._tm_w2,
             tm_x,

@@ -7,13 +7,6 @@ consumer thread, only within its own task). Why these rules:
 * BM covers the expected rows of one expert plus one standard deviation of a balanced multinomial routing
   (``m + sqrt(m)``), so most experts fill one block; a larger BM would only stream padded token rows, a smaller one
   would re-stream the expert's weights once per extra block (each block reads every weight tile).
-* Beyond 64 rows the ring blocks stay at 64 (:data:`BLOCK_M_CANDIDATES`, the operator's set), but the standalone
-  GEMMs take blocks of :data:`WIDE_BLOCK_M` = 128 rows (WGMMA N up to 128 as two MMAs), so that an expert with
-  65-128 rows streams its weights once and not once per 64-row block (glm52 at T=256: 65 rows per expert ran 1.4x
-  the weight bytes from DRAM, bench/NOTES_gemm_sm90.md). Its W1 task runs as two passes of one slab per consumer
-  warpgroup (two slabs of 128 columns would need 256 accumulator registers per thread, :func:`w1_slabs`), and only
-  with the producer warpgroup: it is chosen only where the tasks outnumber the SMs (with fewer, the 64-row blocks
-  spread the same rows over more SMs), and the 256-thread build of its FP8 W1 spills.
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
@@ -31,14 +24,11 @@ import math
 from dataclasses import dataclass
 
 BLOCK_M_CANDIDATES = (8, 16, 32, 64)
-WIDE_BLOCK_M = 128
-GEMM_BLOCK_M_CANDIDATES = (*BLOCK_M_CANDIDATES, WIDE_BLOCK_M)
 MAX_STAGES = 8
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one H200 CTA may opt into
 BK = 128
 CONSUMER_WARPGROUPS = 2
 W1_SLABS = 2  # 64-row slabs per consumer warpgroup in W1: 256 rows = one 128-column requant group per task
-W1_TASK_ROWS = 256  # a W1 task's rows whatever its passes (:func:`w1_slabs`)
 W2_SLABS = 1  # W2 tiles of 128 rows: twice the tasks, for balance at small T (FP8xFP4 from BM = 16: w2_slabs)
 MMA_TYPES = ("fp8xfp8", "fp8xfp4")
 FP4_UNIT_BYTES = 64 * BK // 2 + 64 * BK // 32  # one slab and K128 step: FP4 codes + one d byte per K32 group
@@ -60,11 +50,6 @@ class KernelConfig:
         """Threads per CTA: 384 pipelined (producer + 2 consumer warpgroups), 256 otherwise."""
         return 128 * (CONSUMER_WARPGROUPS + int(self.pipelined))
 
-    @property
-    def w1_slabs(self) -> int:
-        """Slabs per consumer warpgroup of one W1 pass (:func:`w1_slabs`)."""
-        return w1_slabs(self.bm)
-
 
 def tile_rows(slabs: int) -> int:
     """Weight rows of one task: 64 per slab per consumer warpgroup."""
@@ -76,28 +61,19 @@ def _check_mma_type(mma_type: str) -> None:
         raise ValueError(f"mma_type: one of {MMA_TYPES}, got {mma_type!r}")
 
 
-def w1_slabs(bm: int) -> int:
-    """Slabs per consumer warpgroup of one W1 pass: :data:`W1_SLABS` (one pass of 256 rows), or 1 at
-    :data:`WIDE_BLOCK_M` (two passes of 128 rows: accumulator and per-K128 partial of 128 token columns for one slab
-    are 128 registers per thread, for two 256)."""
-    return 1 if bm == WIDE_BLOCK_M else W1_SLABS
-
-
-def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8", *, w1: bool = False) -> int:
-    """Dynamic shared memory of a variant (``kSmemBytes`` of the ``mma_type`` kernel); ``w1`` with one slab per
-    warpgroup adds the two-pass W1's stash of pass 0's activations (``bm / 4`` floats per consumer thread)."""
+def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8") -> int:
+    """Dynamic shared memory of a variant (``kSmemBytes`` of the ``mma_type`` kernel)."""
     _check_mma_type(mma_type)
     weights = tile_rows(slabs) * BK if mma_type == "fp8xfp8" else CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES
     reduction = CONSUMER_WARPGROUPS * 4 * bm * 4  # the W1 epilogue's amax per (consumer warp, column)
-    stash = CONSUMER_WARPGROUPS * 128 * (bm // 4) * 4 if w1 and slabs == 1 else 0
     stage = weights + bm * BK + bm * 4
-    return stages * stage + reduction + stash + 2 * stages * 8 + 1024
+    return stages * stage + reduction + 2 * stages * 8 + 1024
 
 
-def max_stages(bm: int, slabs: int, mma_type: str = "fp8xfp8", *, w1: bool = False) -> int:
+def max_stages(bm: int, slabs: int, mma_type: str = "fp8xfp8") -> int:
     """The most stages (<= MAX_STAGES) whose shared memory fits one CTA."""
     stages = MAX_STAGES
-    while stages > 2 and smem_bytes(bm, slabs, stages, mma_type, w1=w1) > SMEM_LIMIT:
+    while stages > 2 and smem_bytes(bm, slabs, stages, mma_type) > SMEM_LIMIT:
         stages -= 1
     return stages
 
@@ -111,10 +87,9 @@ def select_block_m(expected_rows: float) -> int:
 
 
 def w2_slabs(bm: int, mma_type: str) -> int:
-    """Slabs per consumer warpgroup of a W2 task: 2 (256-row tasks) for FP8xFP4 at BM = 16-64, else :data:`W2_SLABS`
-    (128-row tasks; at :data:`WIDE_BLOCK_M` two slabs would need 256 accumulator registers per thread). FP8xFP4
-    weights always have H a multiple of 256 (the operator shape rule of :mod:`gc_moe_compat.config` that their
-    transform enforces), so 256-row tasks tile H.
+    """Slabs per consumer warpgroup of a W2 task: 2 (256-row tasks) for FP8xFP4 from BM = 16, else :data:`W2_SLABS`
+    (128-row tasks). FP8xFP4 weights always have H a multiple of 256 (the operator shape rule of
+    :mod:`gc_moe_compat.config` that their transform enforces), so 256-row tasks tile H.
 
     FP8xFP4 decodes its weights in the MMA warps: with one slab per warpgroup the only work to overlap a slab's MMAs
     with is the next stage's decode, and on an H200 its W2 cost 13-18 % more per weight byte than its two-slab W1
@@ -122,7 +97,7 @@ def w2_slabs(bm: int, mma_type: str) -> int:
     keep the SMs busy at small T.
     """
     _check_mma_type(mma_type)
-    return 2 if mma_type == "fp8xfp4" and 16 <= bm < WIDE_BLOCK_M else W2_SLABS
+    return 2 if mma_type == "fp8xfp4" and bm >= 16 else W2_SLABS
 
 
 def select_config(
@@ -133,27 +108,18 @@ def select_config(
 
     ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
     picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both);
-    ``block_m`` replaces the rule's choice (benchmark probes of the rule itself; :data:`WIDE_BLOCK_M` is always
-    pipelined). BM is :func:`select_block_m`'s, or :data:`WIDE_BLOCK_M` where ``m + sqrt(m)`` exceeds 64 rows and
-    its tasks outnumber the SMs (the module docstring says why).
+    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself).
     """
     _check_mma_type(mma_type)
-    if block_m is not None and block_m not in GEMM_BLOCK_M_CANDIDATES:
-        raise ValueError(f"block_m: one of {GEMM_BLOCK_M_CANDIDATES} or None, got {block_m!r}")
+    if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
+        raise ValueError(f"block_m: one of {BLOCK_M_CANDIDATES} or None, got {block_m!r}")
     if active_experts < 0 or tiles_per_block < 1 or num_sms < 1:
         raise ValueError(
             f"active_experts >= 0, tiles_per_block >= 1, num_sms >= 1 required, got "
             f"{active_experts}, {tiles_per_block}, {num_sms}"
         )
-
-    def tasks(bm: int) -> int:
-        return active_experts * max(1, math.ceil(expected_rows / bm)) * tiles_per_block
-
     bm = block_m or select_block_m(expected_rows)
-    wide_need = expected_rows + math.sqrt(expected_rows) > BLOCK_M_CANDIDATES[-1]
-    if block_m is None and wide_need and tasks(WIDE_BLOCK_M) > num_sms:
-        bm = WIDE_BLOCK_M
-    pipelined = bm == WIDE_BLOCK_M or tasks(bm) > num_sms
+    blocks = active_experts * max(1, math.ceil(expected_rows / bm))
+    pipelined = blocks * tiles_per_block > num_sms
     slabs = w2_slabs(bm, mma_type)
-    return KernelConfig(bm, pipelined, max_stages(bm, w1_slabs(bm), mma_type, w1=True),
-                        max_stages(bm, slabs, mma_type), slabs)
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)

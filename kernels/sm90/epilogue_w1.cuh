@@ -2,9 +2,8 @@
 // interleaved gate/up accumulators, routing weight, one requant group per token over the task's 128 intermediate
 // columns, E4M3 payload and the group's scale where the W2 stage reads them.
 //
-// A source fragment: a kernel includes it inside namespace gc_moe::sm90 after defining kBM, kMSub (a W1 task is 256
-// interleaved rows = 128 intermediate columns: two slabs per consumer warpgroup in one pass, or one per pass in two
-// passes), kAcc, kConsumerWGs and kConsumerThreads, and after grouped.cuh
+// A source fragment: a kernel includes it inside namespace gc_moe::sm90 after defining kBM, kMSub (= 2: a W1 task is
+// 256 interleaved rows = 128 intermediate columns), kAcc, kConsumerWGs and kConsumerThreads, and after grouped.cuh
 // (acc_col, round_bf16, sigmoid, named_barrier, GC_RING_LOAD). Only the scale rule differs between the formats:
 // FP32 amax / 448 (the FP8xFP8 path, SGLang's and DeepGEMM's SM90 recipe) or UE8M0, the smallest power of two 2^k
 // with amax <= 448 * 2^k (the FP8xFP4 path: a power of two scales the payload exactly, and the W2 kernel promotes
@@ -20,35 +19,28 @@ __device__ __forceinline__ int ue8m0_code_448(float amax) {
     return k + 127;
 }
 
-// SwiGLU(gate, up) * routing weight of kS slabs of accumulators (gate row r and up row r + 8 are registers i and
-// i + 2 of one thread): act[s][c] is the activation of slab s for token column acc_col(4 * (c / 2) + (c & 1), lane).
-template <int kS>
-__device__ __forceinline__ void swiglu(const float (&acc)[kS][kAcc], const Task& t, int lane, const float* routing_w,
-                                       float clamp, float alpha, float (&act)[kS][kAcc / 2]) {
+// W1 of one task: SwiGLU(gate, up) * routing weight, amax per token over the task's 128 intermediate columns
+// (reduced across the 8 consumer warps through `red`, kConsumerWGs * 4 * kBM floats), the scale (kUe8m0: UE8M0,
+// else FP32 amax / 448), the E4M3 payload into out [rows, I] and the scale into out_sf_t [I/128, rows]. Rows past
+// the block's valid count are not written.
+template <bool kUe8m0>
+__device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
+                                            float* red, const float* routing_w, u8* out, float* out_sf_t, int inter,
+                                            int rows_total, float clamp, float alpha) {
+    float amax[kAcc / 2];
 #pragma unroll
     for (int c = 0; c < kAcc / 2; ++c) {
         const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
         const float rw = col < t.valid ? GC_RING_LOAD(routing_w + t.row_off + col) : 0.0f;
+        float m = 0.0f;
 #pragma unroll
-        for (int s = 0; s < kS; ++s) {
+        for (int s = 0; s < kMSub; ++s) {
             const float gate = fminf(round_bf16(acc[s][i]), clamp);
             const float up = fminf(fmaxf(round_bf16(acc[s][i + 2]), -clamp), clamp);
-            act[s][c] = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
+            const float act = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
+            acc[s][i] = act;
+            m = fmaxf(m, fabsf(act));
         }
-    }
-}
-
-// The requant of a task's activations (its two slabs per consumer warpgroup: 256 rows = 128 intermediate columns):
-// amax per token over the 128 columns (reduced across the 8 consumer warps through `red`, kConsumerWGs * 4 * kBM
-// floats), the scale (kUe8m0: UE8M0, else FP32 amax / 448), the E4M3 payload into out [rows, I] and the scale into
-// out_sf_t [I/128, rows]. Rows past the block's valid count are not written.
-template <bool kUe8m0>
-__device__ __forceinline__ void requant_w1(const float (&act)[2][kAcc / 2], const Task& t, int cw, int warp, int lane,
-                                           float* red, u8* out, float* out_sf_t, int inter, int rows_total) {
-    float amax[kAcc / 2];
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        float m = fmaxf(fabsf(act[0][c]), fabsf(act[1][c]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
@@ -61,7 +53,7 @@ __device__ __forceinline__ void requant_w1(const float (&act)[2][kAcc / 2], cons
     named_barrier(1, kConsumerThreads);
 #pragma unroll
     for (int c = 0; c < kAcc / 2; ++c) {
-        const int col = acc_col(4 * (c / 2) + (c & 1), lane);
+        const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
         float m = red[col];
 #pragma unroll
         for (int w = 1; w < kConsumerWGs * 4; ++w) m = fmaxf(m, red[w * kBM + col]);
@@ -76,50 +68,13 @@ __device__ __forceinline__ void requant_w1(const float (&act)[2][kAcc / 2], cons
         if (col < t.valid) {
             const size_t row = static_cast<size_t>(t.row_off + col);
 #pragma unroll
-            for (int s = 0; s < 2; ++s) {
+            for (int s = 0; s < kMSub; ++s) {
                 const int icol = (t.tile * 16 + cw * 8 + s * 4 + warp) * 8 + lane / 4;
-                const __nv_fp8_e4m3 q(kUe8m0 ? act[s][c] * inv : act[s][c] / scale);
+                const __nv_fp8_e4m3 q(kUe8m0 ? acc[s][i] * inv : acc[s][i] / scale);
                 out[row * inter + icol] = q.__x;
             }
             if (cw == 0 && warp == 0 && lane < 4) out_sf_t[static_cast<size_t>(t.tile) * rows_total + row] = scale;
         }
     }
     named_barrier(1, kConsumerThreads);  // `red` is rewritten by the next task
-}
-
-// W1 of a task whose consumer warpgroups hold both of their slabs (kMSub == 2): SwiGLU, then the requant.
-template <bool kUe8m0, int kS>
-__device__ __forceinline__ void epilogue_w1(const float (&acc)[kS][kAcc], const Task& t, int cw, int warp, int lane,
-                                            float* red, const float* routing_w, u8* out, float* out_sf_t, int inter,
-                                            int rows_total, float clamp, float alpha) {
-    static_assert(kS == 2, "epilogue_w1: both slabs of a warpgroup in one pass (else epilogue_w1_pass)");
-    float act[2][kAcc / 2];
-    swiglu<2>(acc, t, lane, routing_w, clamp, alpha, act);
-    requant_w1<kUe8m0>(act, t, cw, warp, lane, red, out, out_sf_t, inter, rows_total);
-}
-
-// W1 of a task that runs as two passes of one slab per warpgroup (kMSub == 1, the BM = 128 kernels: two slabs of
-// 128 token columns would need 256 accumulator registers per thread). After pass 0 its activations wait in `stash`
-// (kAcc / 2 floats per consumer thread, [c][thread]); after pass 1 both slabs are requantized together, so the
-// requant group and the result are those of a one-pass task.
-template <bool kUe8m0, int kS>
-__device__ __forceinline__ void epilogue_w1_pass(const float (&acc)[kS][kAcc], int pass, const Task& t, int cw,
-                                                 int warp, int lane, int local_tid, float* red, float* stash,
-                                                 const float* routing_w, u8* out, float* out_sf_t, int inter,
-                                                 int rows_total, float clamp, float alpha) {
-    static_assert(kS == 1, "epilogue_w1_pass: one slab per warpgroup and pass");
-    float slab[1][kAcc / 2];
-    swiglu<1>(acc, t, lane, routing_w, clamp, alpha, slab);
-    if (pass == 0) {
-#pragma unroll
-        for (int c = 0; c < kAcc / 2; ++c) stash[c * kConsumerThreads + local_tid] = slab[0][c];
-        return;
-    }
-    float act[2][kAcc / 2];
-#pragma unroll
-    for (int c = 0; c < kAcc / 2; ++c) {
-        act[0][c] = stash[c * kConsumerThreads + local_tid];
-        act[1][c] = slab[0][c];
-    }
-    requant_w1<kUe8m0>(act, t, cw, warp, lane, red, out, out_sf_t, inter, rows_total);
 }

@@ -25,8 +25,7 @@
 // promotions and the scale decode; bench/NOTES_gemm_sm90.md, session 4.)
 //
 // GC_EPI=1: W1, L1 rows interleaved by 8 (thread-local SwiGLU as in the FP8 kernel); a task's 256 rows are the 128
-// intermediate columns of one UE8M0 requant group (sm90/epilogue_w1.cuh, shared with the FP8 kernel); at GC_BM=128
-// in two passes of 128 rows (kSplitW1, as in fp8_grouped_gemm.cu). Payload E4M3
+// intermediate columns of one UE8M0 requant group (sm90/epilogue_w1.cuh, shared with the FP8 kernel). Payload E4M3
 // [rows, I], scales as FP32 values [I/128, rows] (what the W2 producer bulk-copies per K128 step). GC_EPI=2: W2,
 // BF16 partial rows.
 //
@@ -72,13 +71,8 @@ constexpr int kEpi = GC_EPI;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
-constexpr int kSlabs = kConsumerWGs * kMSub;  // 64-row slabs per task and pass
+constexpr int kSlabs = kConsumerWGs * kMSub;  // 64-row slabs per task
 constexpr int kRows = kSlabs * 64;
-// BM = 128 (standalone): a W1 task's 256 rows run as two passes of one slab per consumer warpgroup, as in
-// fp8_grouped_gemm.cu (pass p: slab 2 * cw + p of the task, so that the requant sees the slabs of a one-pass task).
-constexpr bool kSplitW1 = !GC_OPERATOR && kEpi == 1 && kMSub == 1;
-constexpr int kPasses = kSplitW1 ? 2 : 1;
-constexpr int kTaskSlabs = kSlabs * kPasses;
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;               // accumulator registers per 64-row slab and thread (m64nBMk32)
 constexpr u32 kCodeBytes = 64 * kBK / 2;    // FP4 codes of one slab and K128 step
@@ -91,9 +85,7 @@ constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffW = kStages * kXBytes;  // token tiles first: 128-byte swizzle wants 1024-byte alignment
 constexpr u32 kOffS = kOffW + kStages * kWBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
-constexpr u32 kOffStash = kOffRed + kConsumerWGs * 4 * kBM * 4;  // after the W1 amax per (consumer warp, column)
-constexpr u32 kStashBytes = kSplitW1 ? kConsumerThreads * (kAcc / 2) * 4 : 0;  // pass 0's activations
-constexpr u32 kOffOut = kOffStash + kStashBytes;
+constexpr u32 kOffOut = kOffRed + kConsumerWGs * 4 * kBM * 4;  // W1 amax per (consumer warp, column)
 // Operator mode: the W2 epilogue's BF16 tile [kBM tokens][kRows] (rows padded by 16 bytes against bank conflicts)
 // for 16-byte scatter stores, and 16 bytes holding the pool block count and the producer's stop slot.
 constexpr u32 kOutPitch = kRows * 2 + 16;
@@ -101,9 +93,8 @@ constexpr u32 kOutBytes = GC_OPERATOR ? kBM * kOutPitch + 16 : 0;
 constexpr u32 kOffBar = kOffOut + kOutBytes;
 constexpr u32 kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
 
-static_assert(kBM % 8 == 0 && kBM >= 8 && (kBM <= 64 || kBM == 128), "GC_BM: 8, 16, ..., 64 or 128");
-static_assert(GC_OPERATOR || kEpi != 1 || (kMSub == 1) == (kBM == 128),
-              "W1: a task covers the 256 rows of one 128-column requant group, in two passes exactly at BM = 128");
+static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a multiple of 8 up to 64");
+static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of 128 intermediate columns");
 static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
@@ -111,40 +102,30 @@ static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgro
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Issues the weight units (codes + d), token tile and token scales of K step kb of pass `pass` into stage
-// `it % kStages` (which is free). Weight units of expert e, step kb, slab j: view row
-// ((e * kb_count + kb) * slabs_w + j) * kUnitRows; one box of the pass's kSlabs units, or one unit per consumer
-// warpgroup in a two-pass W1 task.
-__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int pass, int kb_count,
-                                      int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t,
-                                      int rows_total, u64 policy_w, u64 policy_x) {
+// Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
+// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
+                                      const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
+                                      u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
-    const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kTaskSlabs;
-    if constexpr (kSplitW1) {
-#pragma unroll
-        for (int cw = 0; cw < kConsumerWGs; ++cw) {
-            tma_load_2d(pipe.base + kOffW + stage * kWBytes + cw * kUnitBytes, tm_w, 0,
-                        (unit + 2 * cw + pass) * kUnitRows, full, policy_w);
-        }
-    } else {
-        tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
-    }
+    const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
+    tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
     tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
 }
 
-// Waits for stage `it % kStages` to be free and issues K step kb of pass `pass` (the operator's op_produce adds its
-// ring waits and abort rule to the same loads).
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int pass, int kb_count,
+// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
+// abort rule to the same loads).
+__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count,
                                         int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t,
                                         int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
                                         u64 timeout_ns) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
     if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
-    issue(pipe, it, t, kb, pass, kb_count, slabs_w, tm_w, tm_x, x_sf_t, rows_total, policy_w, policy_x);
+    issue(pipe, it, t, kb, kb_count, slabs_w, tm_w, tm_x, x_sf_t, rows_total, policy_w, policy_x);
     return true;
 }
 
@@ -372,10 +353,10 @@ __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, 
                                          const Task& t, int kb, const OpMaps& maps) {
     const int hidden = static_cast<int>(a.p.hidden), inter = static_cast<int>(a.p.inter);
     if (ot.w1) {
-        issue(pipe, it, t, kb, 0, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const float>(a.off.l1_acts_sf),
+        issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const float>(a.off.l1_acts_sf),
               a.off.ring_rows, maps.policy_w, maps.policy_x);
     } else {
-        issue(pipe, it, t, kb, 0, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const float>(a.off.l2_acts_sf),
+        issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const float>(a.off.l2_acts_sf),
               a.off.ring_rows, maps.policy_w, maps.policy_x);
     }
 }
@@ -424,8 +405,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle;
-// 128 x 34, one unit, for a two-pass W1);
+// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle);
 // tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); factor: FP32 [E] (2^base of the window repack);
 // x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32 [*, 3];
 // *num_blocks blocks are live.
@@ -454,16 +434,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
     const int slabs_w = n_w / 64;
-    const int num_tasks = nb * (n_w / (kRows * kPasses));
+    const int num_tasks = nb * (n_w / kRows);
     const u64 policy_w = evict_first_policy();
     const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        produce_tasks(tid, blocks, nb, num_tasks, kPasses * kb_count, [&](u32 it, const Task& t, int step) {
-            const int pass = step / kb_count;
-            return produce(pipe, it, t, step - pass * kb_count, pass, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t,
-                           rows_total, policy_w, policy_x, status, timeout_ns);
+        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
+            return produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
+                           status, timeout_ns);
         });
         return;
     }
@@ -472,28 +451,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
     const int local_tid = tid - kProducerWG * 128;
     float* red = reinterpret_cast<float*>(smem + kOffRed);
-    float* stash = reinterpret_cast<float*>(smem + kOffStash);
-    const auto wait_full = [&](u32 bar, u32 parity) { return mbar_wait(bar, parity, timeout_ns, status, kSiteFull); };
     u32 it = 0;
     for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
         const Task t = load_task(blocks, task, nb);
-        for (int pass = 0; pass < kPasses; ++pass) {
-            float acc[kMSub][kAcc];
-            const auto load = [&](u32 slot, int kb) {
-                return produce(pipe, slot, t, kb, pass, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w,
-                               policy_x, status, timeout_ns);
-            };
-            if (!consume(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
-                return;
-            if constexpr (kSplitW1) {
-                epilogue_w1_pass<true>(acc, pass, t, cw, warp, lane, local_tid, red, stash, routing_w,
-                                       static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total, clamp, alpha);
-            } else if constexpr (kEpi == 1) {
-                epilogue_w1<true>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
-                                  rows_total, clamp, alpha);
-            } else {
-                epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
-            }
+        float acc[kMSub][kAcc];
+        const auto wait_full = [&](u32 bar, u32 parity) {
+            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
+        };
+        const auto load = [&](u32 slot, int kb) {
+            return produce(pipe, slot, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
+                           status, timeout_ns);
+        };
+        if (!consume(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
+            return;
+        if constexpr (kEpi == 1) {
+            epilogue_w1<true>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
+                              rows_total, clamp, alpha);
+        } else {
+            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }
     }
 }

@@ -12,10 +12,8 @@
 // runs ahead across tasks); GC_PRODUCER_WG=0 the 256-thread non-pipelined one (consumer thread 0 issues the loads of
 // its own task only). GC_EPI=1: W1 epilogue, L1 rows interleaved by 8 (layouts.interleave_gate_up), so the thread
 // holding gate row r of a 16-row slab holds up row r+8 and SwiGLU is thread-local; the 256 rows of a task are the
-// 128 intermediate columns of one FP32 requant group (amax reduced across the 8 consumer warps); at GC_BM=128 they
-// run as two passes of 128 rows (GC_M_SUB=1, kSplitW1), so that an expert's 65-128 rows share one weight stream
-// instead of two ring blocks each streaming every tile. GC_EPI=2: W2 epilogue, BF16 partial rows. WGMMA N above 64
-// is two MMAs (ptx.cuh, Wgmma). Block table rows: (local expert, valid rows, first row); rows live in the same
+// 128 intermediate columns of one FP32 requant group (amax reduced across the 8 consumer warps). GC_EPI=2: W2
+// epilogue, BF16 partial rows. Block table rows: (local expert, valid rows, first row); rows live in the same
 // grouped order in every row-indexed array (x, routing weights, intermediate, outputs).
 //
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_role2: the FP8 pieces at the end
@@ -61,13 +59,7 @@ constexpr int kEpi = GC_EPI;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
-constexpr int kRows = kConsumerWGs * kMSub * 64;  // weight rows of one pass
-// BM = 128 (standalone): a W1 task's 256 rows run as two passes of one 64-row slab per consumer warpgroup (two slabs
-// of 128 token columns would need 256 accumulator registers per thread); pass p covers rows cw * 128 + p * 64 of
-// warpgroup cw, so that the requant sees the slabs of a one-pass task (sm90/epilogue_w1.cuh, epilogue_w1_pass).
-constexpr bool kSplitW1 = !GC_OPERATOR && kEpi == 1 && kMSub == 1;
-constexpr int kPasses = kSplitW1 ? 2 : 1;
-constexpr int kTaskRows = kRows * kPasses;
+constexpr int kRows = kConsumerWGs * kMSub * 64;
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thread (m64nBMk32)
 constexpr u32 kWBytes = kRows * kBK;
@@ -77,9 +69,7 @@ constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffX = kStages * kWBytes;
 constexpr u32 kOffS = kOffX + kStages * kXBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
-constexpr u32 kOffStash = kOffRed + kConsumerWGs * 4 * kBM * 4;  // after the amax of each consumer warp per column
-constexpr u32 kStashBytes = kSplitW1 ? kConsumerThreads * (kAcc / 2) * 4 : 0;  // pass 0's activations
-constexpr u32 kOffOut = kOffStash + kStashBytes;
+constexpr u32 kOffOut = kOffRed + kConsumerWGs * 4 * kBM * 4;  // after the amax of each consumer warp per column
 // Operator mode: the W2 epilogue's BF16 tile [kBM tokens][kRows] (rows padded by 16 bytes against bank conflicts)
 // for 16-byte scatter stores, and 16 bytes holding the pool block count and the producer's stop slot.
 constexpr u32 kOutPitch = kRows * 2 + 16;
@@ -87,46 +77,34 @@ constexpr u32 kOutBytes = GC_OPERATOR ? kBM * kOutPitch + 16 : 0;
 constexpr u32 kOffBar = kOffOut + kOutBytes;
 constexpr u32 kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
 
-static_assert(kBM % 8 == 0 && kBM >= 8 && (kBM <= 64 || kBM == 128), "GC_BM: 8, 16, ..., 64 or 128");
-static_assert(GC_OPERATOR || kEpi != 1 || (kMSub == 1) == (kBM == 128),
-              "W1: a task covers the 256 rows of one 128-column requant group, in two passes exactly at BM = 128");
+static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a multiple of 8 up to 64");
+static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");
 static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Issues the weight tile, token tile and token scales of K step kb of pass `pass` into stage `it % kStages` (which is
-// free). Weight box: kRows rows (one pass), or 64 rows per consumer warpgroup in a two-pass W1 task.
-__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int pass,
-                                      const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int n_w,
-                                      int rows_total, u64 policy_w, u64 policy_x) {
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free).
+__device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
+                                      const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
+                                      u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
-    const int row = t.expert * n_w + t.tile * kTaskRows;
-    if constexpr (kSplitW1) {
-#pragma unroll
-        for (int cw = 0; cw < kConsumerWGs; ++cw) {
-            tma_load_2d(pipe.base + stage * kWBytes + cw * 64 * kBK, tm_w, kb * kBK, row + cw * 128 + pass * 64, full,
-                        policy_w);
-        }
-    } else {
-        tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, row, full, policy_w);
-    }
+    tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
     tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
 }
 
-// Waits for stage `it % kStages` to be free and issues K step kb of pass `pass` (the operator's op_produce adds its
-// ring waits and abort rule to the same loads).
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int pass,
-                                        const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int n_w,
-                                        int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
-                                        u64 timeout_ns) {
+// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
+// abort rule to the same loads).
+__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
+                                        const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
+                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
     if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
-    issue(pipe, it, t, kb, pass, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x);
+    issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x);
     return true;
 }
 
@@ -243,10 +221,10 @@ constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 25
 __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
                                          const Task& t, int kb, const OpMaps& maps) {
     if (ot.w1) {
-        issue(pipe, it, t, kb, 0, maps.w1, maps.l1, a.at<float>(a.off.l1_acts_sf), 2 * a.p.inter, a.off.ring_rows,
+        issue(pipe, it, t, kb, maps.w1, maps.l1, a.at<float>(a.off.l1_acts_sf), 2 * a.p.inter, a.off.ring_rows,
               maps.policy_w, maps.policy_x);
     } else {
-        issue(pipe, it, t, kb, 0, maps.w2, maps.l2, a.at<float>(a.off.l2_acts_sf), a.p.hidden, a.off.ring_rows,
+        issue(pipe, it, t, kb, maps.w2, maps.l2, a.at<float>(a.off.l2_acts_sf), a.p.hidden, a.off.ring_rows,
               maps.policy_w, maps.policy_x);
     }
 }
@@ -297,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: [E * n_w, k] FP8 (box 128 x kRows, or 128 x 64 for a two-pass W1); tm_x: [rows_total, k] FP8 (box 128 x GC_BM); w_sf: FP32
+// tm_w: [E * n_w, k] FP8 (box 128 x kRows); tm_x: [rows_total, k] FP8 (box 128 x GC_BM); w_sf: FP32
 // [E, n_w/128, k/128]; x_sf_t: FP32 [k/128, rows_total]; blocks: int32 [*, 3]; *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = FP8 [rows_total, I], out_sf_t = FP32 [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H], out_sf_t and routing_w unused. clamp = +inf for none.
@@ -322,16 +300,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
-    const int num_tasks = nb * (n_w / kTaskRows);
+    const int num_tasks = nb * (n_w / kRows);
     const u64 policy_w = evict_first_policy();
     const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        produce_tasks(tid, blocks, nb, num_tasks, kPasses * kb_count, [&](u32 it, const Task& t, int step) {
-            const int pass = step / kb_count;
-            return produce(pipe, it, t, step - pass * kb_count, pass, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w,
-                           policy_x, status, timeout_ns);
+        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
+            return produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                           timeout_ns);
         });
         return;
     }
@@ -340,30 +317,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
     const int local_tid = tid - kProducerWG * 128;
     float* red = reinterpret_cast<float*>(smem + kOffRed);
-    float* stash = reinterpret_cast<float*>(smem + kOffStash);
     const int row_blocks = n_w / 128;
-    const auto wait_full = [&](u32 bar, u32 parity) { return mbar_wait(bar, parity, timeout_ns, status, kSiteFull); };
     u32 it = 0;
     for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
         const Task t = load_task(blocks, task, nb);
-        for (int pass = 0; pass < kPasses; ++pass) {
-            float acc[kMSub][kAcc];
-            const auto load = [&](u32 slot, int kb) {
-                return produce(pipe, slot, t, kb, pass, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x,
-                               status, timeout_ns);
-            };
-            if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full,
-                               load))
-                return;
-            if constexpr (kSplitW1) {
-                epilogue_w1_pass<false>(acc, pass, t, cw, warp, lane, local_tid, red, stash, routing_w,
-                                        static_cast<u8*>(out), out_sf_t, n_w / 2, rows_total, clamp, alpha);
-            } else if constexpr (kEpi == 1) {
-                epilogue_w1<false>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
-                                   rows_total, clamp, alpha);
-            } else {
-                epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
-            }
+        float acc[kMSub][kAcc];
+        const auto wait_full = [&](u32 bar, u32 parity) {
+            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
+        };
+        const auto load = [&](u32 slot, int kb) {
+            return produce(pipe, slot, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                           timeout_ns);
+        };
+        if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full, load))
+            return;
+        if constexpr (kEpi == 1) {
+            epilogue_w1<false>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
+                               rows_total, clamp, alpha);
+        } else {
+            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }
     }
 }

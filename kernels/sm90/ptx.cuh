@@ -119,15 +119,8 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-// The token tile's descriptor advanced by 64 rows (64 * 128 bytes, in the descriptor's 16-byte address units): a
-// 128-byte-swizzled tile is a stack of 1024-byte 8-row atoms, so rows 64.. form a tile of their own.
-constexpr u64 kDescRows64 = 64 * 128 / 16;
-
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, E4M3 inputs from shared memory, FP32 accumulators
-// (`accumulate` = 0 overwrites D). One specialisation per token tile width N up to 64; a wider N (up to 128) is an
-// m64n64k32 over the first 64 token rows and an m64n(N-64)k32 over the rest, whose registers follow in d (register
-// 32 + j holds column 64 + the column of register j): the register layout of one m64nNk32, without a second set of
-// hand-written operand lists.
+// (`accumulate` = 0 overwrites D). One specialisation per token tile width N.
 template <int N>
 struct Wgmma;
 
@@ -222,8 +215,7 @@ struct Wgmma<64> {
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T with A from REGISTERS: four 32-bit registers of four E4M3 values each,
 // the m64nNk32 8-bit A fragment (register j: row 16*warp + lane/4 + 8*(j%2), columns 4*(lane%4) + 16*(j/2) + byte;
 // the lowest byte holds the lowest column), B from shared memory through its descriptor. The A registers must not
-// be rewritten before the wgmma.wait_group that retires this instruction (wgmma_fence before the first use). N above
-// 64: two MMAs on the same A registers, as for Wgmma.
+// be rewritten before the wgmma.wait_group that retires this instruction (wgmma_fence before the first use).
 template <int N>
 struct WgmmaRegA;
 
@@ -312,25 +304,6 @@ struct WgmmaRegA<64> {
             "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-// The wide shapes (N = 72..128), defined after every specialisation they call.
-template <int N>
-struct Wgmma {
-    static_assert(N > 64 && N <= 128 && N % 8 == 0, "Wgmma: N a multiple of 8 up to 128");
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        Wgmma<64>::mma(d, desc_a, desc_b, accumulate);
-        Wgmma<N - 64>::mma(d + 32, desc_a, desc_b + kDescRows64, accumulate);
-    }
-};
-
-template <int N>
-struct WgmmaRegA {
-    static_assert(N > 64 && N <= 128 && N % 8 == 0, "WgmmaRegA: N a multiple of 8 up to 128");
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        WgmmaRegA<64>::mma(d, a, desc_b, accumulate);
-        WgmmaRegA<N - 64>::mma(d + 32, a, desc_b + kDescRows64, accumulate);
     }
 };
 

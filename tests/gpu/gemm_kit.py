@@ -14,18 +14,15 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.sm90 import KernelConfig, group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
 from gc_moe_compat.sm90.grouping import GroupedTokens
-from gc_moe_compat.sm90.heuristics import GEMM_BLOCK_M_CANDIDATES, WIDE_BLOCK_M, max_stages, w1_slabs, w2_slabs
+from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
 
-BOUNDARY_EXPERTS = 5
-#: Every (BM, pipelined) variant the heuristic can pick (BM = 128 runs pipelined only).
-VARIANTS = [(bm, p) for bm in GEMM_BLOCK_M_CANDIDATES for p in ((True, False) if bm < WIDE_BLOCK_M else (True,))]
+BOUNDARY_EXPERTS = 4
 
 
 def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8") -> KernelConfig:
     """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the heuristic's W2 task size."""
     slabs = w2_slabs(bm, mma_type)
-    w1_stages = max_stages(bm, w1_slabs(bm), mma_type, w1=True)
-    return KernelConfig(bm, pipelined, w1_stages, max_stages(bm, slabs, mma_type), slabs)
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)
 
 
 def run_poisoned(gemm: ExpertGemmSM90, grouped: GroupedTokens) -> Workspace:
@@ -41,8 +38,7 @@ def run_poisoned(gemm: ExpertGemmSM90, grouped: GroupedTokens) -> Workspace:
 
 @dataclass(frozen=True)
 class BoundaryTokens:
-    """Tokens routed one slot each to experts holding 0, 1, BM/2 + 1, BM and BM+1 rows, grouped into ring blocks of
-    BM (BM/2 + 1 rows: at BM = 128 an N above 64 that is not 128, two MMAs of different widths)."""
+    """Tokens routed one slot each to experts holding 0, 1, BM and BM+1 rows, grouped into ring blocks of BM."""
 
     x_dequant: torch.Tensor  # [n, H] FP32 values of the E4M3 activations the kernel reads
     topk_weights: torch.Tensor  # [n, 1]
@@ -59,7 +55,7 @@ class BoundaryTokens:
 def boundary_tokens(bm: int, hidden: int, gen: torch.Generator) -> BoundaryTokens:
     """Fresh activations (FP8, FP32 1x128 scales) for the boundary experts, drawn from ``gen``."""
     device = gen.device
-    counts = [0, 1, bm // 2 + 1, bm, bm + 1]
+    counts = [0, 1, bm, bm + 1]
     n = sum(counts)
     x = torch.randn(n, hidden, generator=gen, device=device) * 2
     idx = torch.repeat_interleave(torch.arange(BOUNDARY_EXPERTS, device=device), torch.tensor(counts, device=device))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_kit import BOUNDARY_EXPERTS, VARIANTS, boundary_tokens, config, run_poisoned, sass_report
+from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
@@ -46,14 +46,15 @@ def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
     assert mm["cosine"] >= 0.99
 
 
-@pytest.mark.parametrize(("bm", "pipelined"), VARIANTS)
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("bm", [8, 16, 32, 64])
 def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
-    """Experts with 0, 1, BM/2 + 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included."""
-    layer = make_layer("tiny", DEV, seed=bm + pipelined, experts=BOUNDARY_EXPERTS, shape=(512, 256))
+    """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included."""
+    layer = make_layer("tiny", DEV, seed=bm + pipelined, experts=4, shape=(512, 256))
     tok = boundary_tokens(bm, 512, torch.Generator(device=DEV).manual_seed(7 * bm))
     ws = run_poisoned(ExpertGemmSM90(layer.prepared, config(bm, pipelined), activation_clamp=CLAMP), tok.grouped)
     xq, weights = tok.x_dequant, tok.topk_weights
-    for e in range(1, BOUNDARY_EXPERTS):
+    for e in (1, 2, 3):
         rows, tokens = tok.rows_of(e)
         w1, w2 = layer.l1.dequantize(e), layer.l2.dequantize(e)
         kw = dict(activation_clamp=CLAMP, intermediate_quant="fp32_128")
