@@ -52,9 +52,6 @@ FP4_SOURCE = "sm90/fp8_fp4_grouped_gemm.cu"
 FP4_KERNEL = "gc_sm90_fp8_fp4_grouped_gemm"
 KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": (FP4_SOURCE, FP4_KERNEL)}
 EPI_W1, EPI_W2 = 1, 2
-#: Rows per TMA box of the token tiles: the kernels load a block's valid rows rounded up to 8 (TokenLoads in
-#: kernels/sm90/grouped.cuh), not its padding.
-TOKEN_BOX_ROWS = 8
 _PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_weights
 SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
 
@@ -297,7 +294,7 @@ class ExpertGemmSM90:
         """Launches W1 alone (``ws.inter`` and its scales): :meth:`run`'s first half, timed apart by the benchmark."""
         ws, stream = self._prepare(grouped, ws, stream)
         w = self.weights
-        self._launch(EPI_W1, encode_2d(grouped.x.view(torch.uint8), TOKEN_BOX_ROWS), self._w_sf[0], grouped.x_sf_t,
+        self._launch(EPI_W1, encode_2d(grouped.x.view(torch.uint8), grouped.bm), self._w_sf[0], grouped.x_sf_t,
                      grouped, ws.inter, ws.inter_sf_t, 2 * w.inter, w.hidden, stream)
         return ws
 
@@ -305,7 +302,7 @@ class ExpertGemmSM90:
         """Launches W2 alone on the intermediate that :meth:`run_w1` left in ``ws``; returns ``ws`` (``ws.out``)."""
         ws, stream = self._prepare(grouped, ws, stream)
         w = self.weights
-        self._launch(EPI_W2, encode_2d(ws.inter.view(torch.uint8), TOKEN_BOX_ROWS), self._w_sf[1], ws.inter_sf_t,
+        self._launch(EPI_W2, encode_2d(ws.inter.view(torch.uint8), grouped.bm), self._w_sf[1], ws.inter_sf_t,
                      grouped, ws.out, ws.inter_sf_t, w.hidden, w.inter, stream)
         return ws
 

@@ -81,6 +81,7 @@ constexpr int kUnitRows = kUnitBytes / 128;  // rows of the 128-byte tensor-map 
 constexpr u32 kWBytes = kSlabs * kUnitBytes;
 constexpr u32 kXBytes = kBM * kBK;
 constexpr u32 kSBytes = kBM * 4;  // one FP32 scale per token and K128 step (W2: a UE8M0 value)
+constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffW = kStages * kXBytes;  // token tiles first: 128-byte swizzle wants 1024-byte alignment
 constexpr u32 kOffS = kOffW + kStages * kWBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
@@ -108,12 +109,12 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
                                       u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    const TokenLoads<kBM> tokens(t);
-    mbar_arrive_expect_tx(full, kWBytes + tokens.bytes());
+    mbar_arrive_expect_tx(full, kStageTx);
     const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
     tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
-    tokens.issue(pipe.base + stage * kXBytes, pipe.base + kOffS + stage * kSBytes, tm_x, x_sf_t, kb, rows_total,
-                 t.row_off, full, policy_x);
+    tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
+              full);
 }
 
 // Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
@@ -405,7 +406,7 @@ using namespace gc_moe;
 using namespace gc_moe::sm90;
 
 // tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle);
-// tm_x: [rows_total, k] E4M3 (box 128 x 8, 128-byte swizzle: TokenLoads); factor: FP32 [E] (2^base of the window repack);
+// tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); factor: FP32 [E] (2^base of the window repack);
 // x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32 [*, 3];
 // *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf_t = FP32 UE8M0 values [I/128, rows_total].

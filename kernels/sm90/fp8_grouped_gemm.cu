@@ -65,6 +65,7 @@ constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thre
 constexpr u32 kWBytes = kRows * kBK;
 constexpr u32 kXBytes = kBM * kBK;
 constexpr u32 kSBytes = kBM * 4;
+constexpr u32 kStageTx = kWBytes + kXBytes + kSBytes;
 constexpr u32 kOffX = kStages * kWBytes;
 constexpr u32 kOffS = kOffX + kStages * kXBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
@@ -89,11 +90,11 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
                                       u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    const TokenLoads<kBM> tokens(t);
-    mbar_arrive_expect_tx(full, kWBytes + tokens.bytes());
+    mbar_arrive_expect_tx(full, kStageTx);
     tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
-    tokens.issue(pipe.base + kOffX + stage * kXBytes, pipe.base + kOffS + stage * kSBytes, tm_x, x_sf_t, kb,
-                 rows_total, t.row_off, full, policy_x);
+    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
+              full);
 }
 
 // Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
@@ -274,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: [E * n_w, k] FP8 (box 128 x kRows); tm_x: [rows_total, k] FP8 (box 128 x 8: TokenLoads); w_sf: FP32
+// tm_w: [E * n_w, k] FP8 (box 128 x kRows); tm_x: [rows_total, k] FP8 (box 128 x GC_BM); w_sf: FP32
 // [E, n_w/128, k/128]; x_sf_t: FP32 [k/128, rows_total]; blocks: int32 [*, 3]; *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = FP8 [rows_total, I], out_sf_t = FP32 [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H], out_sf_t and routing_w unused. clamp = +inf for none.

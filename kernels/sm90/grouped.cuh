@@ -139,29 +139,6 @@ struct Task {
     int expert, valid, row_off, tile;
 };
 
-// The token rows of a task's K step and their FP32 scales (the transposed [K/128, rows] array). The standalone
-// kernels load only the rows their WGMMAs read, the block's valid rows rounded up to 8, in 8-row TMA boxes (the
-// token maps of gemm.py): a decode block is often half empty, and every weight tile of the block re-reads its token
-// tile, so padding rows cost TMA bytes at every step. Role2 loads whole blocks with one kBM-row box (role2.py's
-// maps).
-template <int kBM>
-struct TokenLoads {
-    static constexpr int kBox = GC_OPERATOR ? kBM : 8;
-    int boxes;
-    __device__ __forceinline__ explicit TokenLoads(const Task& t)
-        : boxes((wgmma_n8<kBM>(t.valid) * 8 + kBox - 1) / kBox) {}
-    // Bytes the loads deliver: 128-byte payload rows and one 4-byte scale per row.
-    __device__ __forceinline__ u32 bytes() const { return static_cast<u32>(boxes) * kBox * (128 + 4); }
-    // Issues them for K step kb into the tile at shared address x_dst and the scales at s_dst, completing on `full`.
-    __device__ __forceinline__ void issue(u32 x_dst, u32 s_dst, const TensorMap* tm_x, const float* x_sf_t, int kb,
-                                          int rows_total, int row_off, u32 full, u64 policy) const {
-        for (int b = 0; b < boxes; ++b) {
-            tma_load_2d(x_dst + b * kBox * 128, tm_x, kb * 128, row_off + b * kBox, full, policy);
-        }
-        bulk_load(s_dst, x_sf_t + static_cast<size_t>(kb) * rows_total + row_off, boxes * kBox * 4, full);
-    }
-};
-
 // Task `task` of a persistent grid over `num_blocks` ring blocks; consecutive tasks share a weight tile across an
 // expert's blocks (L2 reuse).
 __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_blocks) {
