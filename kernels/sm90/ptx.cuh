@@ -119,193 +119,83 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 
+// The accumulator operands of an m64nNk32 WGMMA: N/2 FP32 registers d[0..N/2) ("+f": read and written), and the
+// text of their register list, built in steps of 8 (the shapes below use N = 8, 16, ..., 64).
+#define GC_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define GC_ACC8(i) GC_ACC4(i), GC_ACC4(i + 4)
+#define GC_ACC_N8 GC_ACC4(0)
+#define GC_ACC_N16 GC_ACC8(0)
+#define GC_ACC_N24 GC_ACC_N16, GC_ACC4(8)
+#define GC_ACC_N32 GC_ACC_N16, GC_ACC8(8)
+#define GC_ACC_N40 GC_ACC_N32, GC_ACC4(16)
+#define GC_ACC_N48 GC_ACC_N32, GC_ACC8(16)
+#define GC_ACC_N56 GC_ACC_N48, GC_ACC4(24)
+#define GC_ACC_N64 GC_ACC_N48, GC_ACC8(24)
+#define GC_REGS_N8 "%0, %1, %2, %3"
+#define GC_REGS_N16 GC_REGS_N8 ", %4, %5, %6, %7"
+#define GC_REGS_N24 GC_REGS_N16 ", %8, %9, %10, %11"
+#define GC_REGS_N32 GC_REGS_N24 ", %12, %13, %14, %15"
+#define GC_REGS_N40 GC_REGS_N32 ", %16, %17, %18, %19"
+#define GC_REGS_N48 GC_REGS_N40 ", %20, %21, %22, %23"
+#define GC_REGS_N56 GC_REGS_N48 ", %24, %25, %26, %27"
+#define GC_REGS_N64 GC_REGS_N56 ", %28, %29, %30, %31"
+
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, E4M3 inputs from shared memory, FP32 accumulators
-// (`accumulate` = 0 overwrites D). One specialisation per token tile width N.
+// (`accumulate` = 0 overwrites D). One specialisation per token tile width N; `a`, `b`, `p`: the operand numbers
+// of desc_a, desc_b and the accumulate flag, after the N/2 accumulators.
 template <int N>
 struct Wgmma;
 
-template <>
-struct Wgmma<8> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<16> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<24> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<32> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<40> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n40k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<48> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<56> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %30, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n56k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, %28, %29, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct Wgmma<64> {
-    __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }
-};
+#define GC_WGMMA_SS(N, a, b, p)                                                                                    \
+    template <>                                                                                                    \
+    struct Wgmma<N> {                                                                                              \
+        __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {             \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" GC_REGS_N##N "}, %" #a      \
+                         ", %" #b ", p, 1, 1;\n}\n"                                                                 \
+                         : GC_ACC_N##N                                                                             \
+                         : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
+        }                                                                                                          \
+    };
+GC_WGMMA_SS(8, 4, 5, 6)
+GC_WGMMA_SS(16, 8, 9, 10)
+GC_WGMMA_SS(24, 12, 13, 14)
+GC_WGMMA_SS(32, 16, 17, 18)
+GC_WGMMA_SS(40, 20, 21, 22)
+GC_WGMMA_SS(48, 24, 25, 26)
+GC_WGMMA_SS(56, 28, 29, 30)
+GC_WGMMA_SS(64, 32, 33, 34)
+#undef GC_WGMMA_SS
 
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T with A from REGISTERS: four 32-bit registers of four E4M3 values each,
 // the m64nNk32 8-bit A fragment (register j: row 16*warp + lane/4 + 8*(j%2), columns 4*(lane%4) + 16*(j/2) + byte;
 // the lowest byte holds the lowest column), B from shared memory through its descriptor. The A registers must not
 // be rewritten before the wgmma.wait_group that retires this instruction (wgmma_fence before the first use).
+// `a0`..`a3`, `b`, `p`: the operand numbers of the A registers, desc_b and the accumulate flag.
 template <int N>
 struct WgmmaRegA;
 
-template <>
-struct WgmmaRegA<8> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
+#define GC_WGMMA_RS(N, a0, a1, a2, a3, b, p)                                                                       \
+    template <>                                                                                                    \
+    struct WgmmaRegA<N> {                                                                                          \
+        __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {           \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" GC_REGS_N##N "}, {%" #a0    \
+                         ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #b ", p, 1, 1;\n}\n"                                  \
+                         : GC_ACC_N##N                                                                             \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));              \
+        }                                                                                                          \
+    };
+GC_WGMMA_RS(8, 4, 5, 6, 7, 8, 9)
+GC_WGMMA_RS(16, 8, 9, 10, 11, 12, 13)
+GC_WGMMA_RS(24, 12, 13, 14, 15, 16, 17)
+GC_WGMMA_RS(32, 16, 17, 18, 19, 20, 21)
+GC_WGMMA_RS(40, 20, 21, 22, 23, 24, 25)
+GC_WGMMA_RS(48, 24, 25, 26, 27, 28, 29)
+GC_WGMMA_RS(56, 28, 29, 30, 31, 32, 33)
+GC_WGMMA_RS(64, 32, 33, 34, 35, 36, 37)
+#undef GC_WGMMA_RS
 
-template <>
-struct WgmmaRegA<16> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<24> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<32> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<40> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n40k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, {%20, %21, %22, %23}, %24, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<48> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<56> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n56k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, {%28, %29, %30, %31}, %32, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
-
-template <>
-struct WgmmaRegA<64> {
-    __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-    }
-};
 
 // ----------------------------------------------------------------------------------------------------- registers
 template <u32 N>
