@@ -139,6 +139,10 @@ __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r
 #define GC_REGS_N48 GC_REGS_N40 ", %20, %21, %22, %23"
 #define GC_REGS_N56 GC_REGS_N48 ", %24, %25, %26, %27"
 #define GC_REGS_N64 GC_REGS_N56 ", %28, %29, %30, %31"
+// The instruction text up to its A operand: `p` is the operand number of the accumulate flag.
+#define GC_WGMMA_HEAD(N, p)                                                                                        \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                                               \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" GC_REGS_N##N "}, "
 
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, E4M3 inputs from shared memory, FP32 accumulators
 // (`accumulate` = 0 overwrites D). One specialisation per token tile width N; `a`, `b`, `p`: the operand numbers
@@ -150,9 +154,7 @@ struct Wgmma;
     template <>                                                                                                    \
     struct Wgmma<N> {                                                                                              \
         __device__ __forceinline__ static void mma(float* d, u64 desc_a, u64 desc_b, u32 accumulate) {             \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                          \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" GC_REGS_N##N "}, %" #a      \
-                         ", %" #b ", p, 1, 1;\n}\n"                                                                 \
+            asm volatile(GC_WGMMA_HEAD(N, p) "%" #a ", %" #b ", p, 1, 1;\n}\n"                                     \
                          : GC_ACC_N##N                                                                             \
                          : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
         }                                                                                                          \
@@ -179,9 +181,7 @@ struct WgmmaRegA;
     template <>                                                                                                    \
     struct WgmmaRegA<N> {                                                                                          \
         __device__ __forceinline__ static void mma(float* d, const u32* a, u64 desc_b, u32 accumulate) {           \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                          \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" GC_REGS_N##N "}, {%" #a0    \
-                         ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #b ", p, 1, 1;\n}\n"                                  \
+            asm volatile(GC_WGMMA_HEAD(N, p) "{%" #a0 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #b ", p, 1, 1;\n}\n"    \
                          : GC_ACC_N##N                                                                             \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));              \
         }                                                                                                          \
@@ -195,7 +195,6 @@ GC_WGMMA_RS(48, 24, 25, 26, 27, 28, 29)
 GC_WGMMA_RS(56, 28, 29, 30, 31, 32, 33)
 GC_WGMMA_RS(64, 32, 33, 34, 35, 36, 37)
 #undef GC_WGMMA_RS
-
 
 // ----------------------------------------------------------------------------------------------------- registers
 template <u32 N>
