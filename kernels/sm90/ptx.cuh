@@ -13,6 +13,7 @@ namespace gc_moe {
 namespace sm90 {
 
 typedef unsigned char u8;
+typedef unsigned short u16;
 
 // A CUtensorMap as the kernel receives it: 128 opaque bytes, 64-byte aligned, passed by value (__grid_constant__).
 struct alignas(64) TensorMap {
@@ -49,11 +50,26 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     return done != 0;
 }
 
+// try_wait acquiring at cluster scope: the phase's arrivals may come from another CTA of the cluster.
+__device__ __forceinline__ bool mbar_try_wait_cluster(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
 // Waits until the phase of parity `parity` of `bar` has completed, or records a timeout (site) and returns false.
+// kCluster: acquire at cluster scope (arrivals from the other CTA of a cluster pair).
+template <bool kCluster = false>
 __device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, u64 timeout_ns, KernelStatus* status, u32 site) {
-    if (mbar_try_wait(bar, parity)) return true;
+    const auto try_wait = [&] { return kCluster ? mbar_try_wait_cluster(bar, parity) : mbar_try_wait(bar, parity); };
+    if (try_wait()) return true;
     const u64 start = globaltimer_ns();
-    while (!mbar_try_wait(bar, parity)) {
+    while (!try_wait()) {
         if (globaltimer_ns() - start > timeout_ns) {
             report_status(status, kStatusTimeout, site, parity, bar);
             return false;
@@ -95,6 +111,53 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+}
+
+// 2D tile load multicast to the CTAs of the cluster in `cta_mask`: in each, the tile lands at `dst` and completes its
+// bytes on `bar` (the same shared offsets in every CTA).
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
+                                                      u16 cta_mask, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask), "l"(policy)
+        : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------------- cluster
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_id_x() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_count_x() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+
+// Every non-exited thread of the cluster arrives (releasing its prior memory operations) and waits for the others.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// The shared::cluster address of this CTA's shared address `addr` in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 map_shared_rank(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+
+// One arrival on the mbarrier at shared::cluster address `bar` (another CTA's), releasing at cluster scope.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // --------------------------------------------------------------------------------------------------------- WGMMA
