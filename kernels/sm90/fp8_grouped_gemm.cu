@@ -134,7 +134,7 @@ __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task
                                         u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns,
                                         bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
-    if (!mbar_wait<kCluster>(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
+    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
     issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, multicast, rank);
     return true;
 }

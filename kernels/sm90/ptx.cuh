@@ -50,26 +50,11 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     return done != 0;
 }
 
-// try_wait acquiring at cluster scope: the phase's arrivals may come from another CTA of the cluster.
-__device__ __forceinline__ bool mbar_try_wait_cluster(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
 // Waits until the phase of parity `parity` of `bar` has completed, or records a timeout (site) and returns false.
-// kCluster: acquire at cluster scope (arrivals from the other CTA of a cluster pair).
-template <bool kCluster = false>
 __device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, u64 timeout_ns, KernelStatus* status, u32 site) {
-    const auto try_wait = [&] { return kCluster ? mbar_try_wait_cluster(bar, parity) : mbar_try_wait(bar, parity); };
-    if (try_wait()) return true;
+    if (mbar_try_wait(bar, parity)) return true;
     const u64 start = globaltimer_ns();
-    while (!try_wait()) {
+    while (!mbar_try_wait(bar, parity)) {
         if (globaltimer_ns() - start > timeout_ns) {
             report_status(status, kStatusTimeout, site, parity, bar);
             return false;
@@ -155,9 +140,12 @@ __device__ __forceinline__ u32 map_shared_rank(u32 addr, u32 rank) {
     return r;
 }
 
-// One arrival on the mbarrier at shared::cluster address `bar` (another CTA's), releasing at cluster scope.
+// One arrival on the mbarrier at shared::cluster address `bar` (another CTA's). Default semantics (release at CTA
+// scope): it orders this warp's retired WGMMA reads of its own stage before the other CTA's producer refills it, as
+// the multicast pipelines of CUTLASS do; `.release.cluster` costs a cluster-scope fence per arrival (Nsight Compute:
+// 40 % of the warps' stall cycles on the memory barrier, 1.5-2.3x slower GEMMs).
 __device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // --------------------------------------------------------------------------------------------------------- WGMMA
