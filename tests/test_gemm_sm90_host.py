@@ -117,6 +117,10 @@ def test_cluster_pairs_only_for_fp8_pipelined_past_the_block() -> None:
     assert not select_config(32.3, 32, 16, 132).cluster
     assert not select_config(65.0, 32, 16, 132, "fp8xfp4").cluster
     assert not select_config(65.0, 2, 1, 132).cluster  # two tasks: not pipelined
+    # W2 as 256-row tasks in cluster pairs, where H is known and 256 divides it
+    assert select_config(65.0, 32, 16, 132, hidden=5120).w2_slabs == 2
+    assert select_config(65.0, 32, 16, 132).w2_slabs == select_config(65.0, 32, 16, 132, hidden=384).w2_slabs == 1
+    assert select_config(32.3, 32, 16, 132, hidden=5120).w2_slabs == 1
     gen = torch.Generator().manual_seed(0)
     l1 = ExpertWeights.quantize(torch.randn(1, 512, 256, generator=gen).to(torch.bfloat16), "mxfp4")
     l2 = ExpertWeights.quantize(torch.randn(1, 256, 256, generator=gen).to(torch.bfloat16), "mxfp4")

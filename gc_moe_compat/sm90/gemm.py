@@ -86,7 +86,8 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     if mma_type == "fp8xfp8":  # cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined
         bm = BLOCK_M_CANDIDATES[-1]
         out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
-        out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, W2_SLABS, mma_type), cluster=True))
+        for slabs in (W2_SLABS, 2):  # 256-row W2 tasks where 256 divides H (heuristics.select_config)
+            out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
     return out
 
 

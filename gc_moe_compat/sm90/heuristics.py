@@ -115,13 +115,14 @@ def cluster_pairs(expected_rows: float, bm: int, pipelined: bool, mma_type: str)
 
 def select_config(
     expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8",
-    *, block_m: int | None = None,
+    *, block_m: int | None = None, hidden: int | None = None,
 ) -> KernelConfig:
     """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
 
     ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
     picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both);
-    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself).
+    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself); ``hidden``: the
+    layer's H, which lets cluster pairs run W2 as 256-row tasks where 256 divides it (unknown: 128-row tasks).
     """
     _check_mma_type(mma_type)
     if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
@@ -134,7 +135,9 @@ def select_config(
     bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
     pipelined = blocks * tiles_per_block > num_sms
-    slabs = w2_slabs(bm, mma_type)
     cluster = cluster_pairs(expected_rows, bm, pipelined, mma_type)
+    # Cluster pairs stream each W2 tile once for two blocks; with 128-row tasks that W2 was no faster on an H200 (its
+    # steps, not its bytes, bound it), so it takes 256-row tasks like W1 (bench/NOTES_gemm_sm90.md, session 6).
+    slabs = 2 if cluster and hidden is not None and hidden % tile_rows(2) == 0 else w2_slabs(bm, mma_type)
     return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs,
                         cluster)

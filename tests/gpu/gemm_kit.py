@@ -17,10 +17,12 @@ from gc_moe_compat.sm90.grouping import GroupedTokens
 from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
 
 
-def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8", cluster: bool = False) -> KernelConfig:
+def config(
+    bm: int, pipelined: bool, mma_type: str = "fp8xfp8", cluster: bool = False, slabs: int | None = None
+) -> KernelConfig:
     """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the heuristic's W2 task size
-    (``cluster``: in cluster pairs)."""
-    slabs = w2_slabs(bm, mma_type)
+    unless ``slabs`` names one (``cluster``: in cluster pairs)."""
+    slabs = slabs or w2_slabs(bm, mma_type)
     stages = max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type)
     return KernelConfig(bm, pipelined, *stages, slabs, cluster)
 

@@ -30,7 +30,8 @@ def layer(request: pytest.FixtureRequest):  # noqa: ANN201
 def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
     tok = make_tokens(layer, tokens_per_rank, seed=tokens_per_rank)
     e = layer.l1.num_experts
-    cfg = select_config(tokens_per_rank * layer.topk / e, e, 2 * layer.prepared.inter // tile_rows(W1_SLABS), 132)
+    cfg = select_config(tokens_per_rank * layer.topk / e, e, 2 * layer.prepared.inter // tile_rows(W1_SLABS), 132,
+                        hidden=layer.prepared.hidden)
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
     gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
     ws = run_poisoned(gemm, grouped)
@@ -53,11 +54,13 @@ def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     check_expert_rows(config(bm, pipelined), None, seed=bm + pipelined)
 
 
-def test_cluster_pairs_multicast_split_and_mirror() -> None:
-    """The cluster-pair variant (BM = 64): experts of 1, 65, 129 and 1 rows give seven blocks, so the pair table holds
-    two multicast pairs (one expert's blocks), a pair of two experts (each CTA its own weights) and a last block
-    whose partner runs as a mirror that stores nothing; checked row by row, intermediate included."""
-    check_expert_rows(config(64, True, cluster=True), [1, 65, 129, 1], seed=11)
+@pytest.mark.parametrize("w2_slabs", [1, 2])
+def test_cluster_pairs_multicast_split_and_mirror(w2_slabs: int) -> None:
+    """The cluster-pair variants (BM = 64, W2 tasks of 128 and 256 rows): experts of 1, 65, 129 and 1 rows give seven
+    blocks, so the pair table holds two multicast pairs (one expert's blocks), a pair of two experts (each CTA its own
+    weights) and a last block whose partner runs as a mirror that stores nothing; checked row by row, intermediate
+    included."""
+    check_expert_rows(config(64, True, cluster=True, slabs=w2_slabs), [1, 65, 129, 1], seed=11)
 
 
 def check_expert_rows(cfg: KernelConfig, counts: list[int] | None, seed: int) -> None:
