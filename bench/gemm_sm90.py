@@ -217,7 +217,8 @@ def main() -> None:
             tok = make_tokens(layer, t, seed=t)
             tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
             counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m)
+            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m,
+                                hidden=layer.prepared.hidden)
             used.add(("fp8xfp8", cfg))
             grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
             gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)

@@ -37,7 +37,8 @@ def main() -> None:
     e = layer.l1.num_experts
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
     tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
-    cfg = select_config(args.tokens * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, args.format)
+    cfg = select_config(args.tokens * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, args.format,
+                        hidden=layer.prepared.hidden)
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
     gemm = ExpertGemmSM90(weights, cfg, activation_clamp=CLAMP)
     ws = gemm.workspace(grouped)

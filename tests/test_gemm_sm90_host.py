@@ -11,6 +11,7 @@ from nvcc_mark import needs_nvcc, serialized_wgmma
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import cluster_config
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
 from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, all_variants, prepare_fp4_weights, prepare_fp8_weights
@@ -95,6 +96,44 @@ def test_group_tokens_layout_and_scatter() -> None:
     back = scatter_partials(rows_out, g, t, k)
     assert torch.equal(back[g.row_token[live], g.row_slot[live]], rows_out[live])
     assert float(back[2, 1].abs().sum()) == 0.0
+
+
+def test_group_tokens_pair_table_puts_each_experts_blocks_in_aligned_pairs() -> None:
+    """pair_blocks: the same table rows; rows 2p and 2p + 1 share an expert for every full pair of its blocks."""
+    gen = torch.Generator().manual_seed(5)
+    counts, bm = [1, 9, 0, 17, 3, 8], 8  # blocks: 1, 2, 0, 3, 1, 1
+    idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).unsqueeze(1)
+    x_fp8, x_sf = quantize_activations(torch.randn(idx.shape[0], 128, generator=gen), "fp32_128")
+    g = group_tokens(x_fp8, x_sf, idx, torch.ones(idx.shape), len(counts), bm)
+    table, pairs = g.blocks.tolist(), g.pair_blocks.tolist()
+    assert sorted(pairs) == sorted(table)
+    assert [row[0] for row in pairs] == [1, 1, 3, 3, 0, 3, 4, 5]  # full pairs first, then the rest in table order
+
+
+def test_cluster_pairs_only_for_fp8_pipelined_past_the_block() -> None:
+    """Cluster pairs where m + sqrt(m) rows exceed BM = 64 (glm52 T=256: 65 rows per expert), pipelined FP8xFP8 only;
+    the runner refuses them for FP8xFP4 weights before any CUDA call."""
+    assert select_config(65.0, 32, 16, 132).cluster
+    assert not select_config(32.3, 32, 16, 132).cluster
+    assert not select_config(65.0, 32, 16, 132, "fp8xfp4").cluster
+    assert not select_config(65.0, 2, 1, 132).cluster  # two tasks: not pipelined
+    # W2 as 256-row tasks in cluster pairs, where H is known and 256 divides it
+    assert select_config(65.0, 32, 16, 132, hidden=5120).w2_slabs == 2
+    assert select_config(65.0, 32, 16, 132).w2_slabs == select_config(65.0, 32, 16, 132, hidden=384).w2_slabs == 1
+    assert select_config(32.3, 32, 16, 132, hidden=5120).w2_slabs == 1
+    gen = torch.Generator().manual_seed(0)
+    l1 = ExpertWeights.quantize(torch.randn(1, 512, 256, generator=gen).to(torch.bfloat16), "mxfp4")
+    l2 = ExpertWeights.quantize(torch.randn(1, 256, 256, generator=gen).to(torch.bfloat16), "mxfp4")
+    cfg = KernelConfig(64, True, max_stages(64, 2), max_stages(64, 1), cluster=True)
+    with pytest.raises(NotImplementedError, match="cluster pairs"):
+        ExpertGemmSM90(prepare_fp4_weights(l1, l2), cfg)
+
+
+def test_cluster_launch_config_needs_whole_clusters() -> None:
+    config = cluster_config(132, 384, 2, 0, 1024)
+    assert (config.gridDimX, config.blockDimX, config.numAttrs, config.sharedMemBytes) == (132, 384, 1, 1024)
+    with pytest.raises(ValueError, match="cluster"):
+        cluster_config(131, 384, 2, 0)
 
 
 def test_group_tokens_no_rows() -> None:

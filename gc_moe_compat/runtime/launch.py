@@ -21,6 +21,35 @@ def dim3(value: int | Sequence[int]) -> Dim3:
     return (int(dims[0]), int(dims[1]), int(dims[2]))
 
 
+def cluster_config(
+    grid: int | Sequence[int], block: int | Sequence[int], cluster: int, stream: int | driver.CUstream,
+    shared_bytes: int = 0,
+) -> driver.CUlaunchConfig:
+    """The ``cuLaunchKernelEx`` configuration of a launch in clusters of ``cluster`` CTAs along x (the grid's x
+    extent must be a multiple of it); also what :func:`max_active_clusters` asks about."""
+    g, b = dim3(grid), dim3(block)
+    if cluster < 1 or g[0] % cluster:
+        raise ValueError(f"cluster: a positive divisor of the grid's x extent {g[0]}, got {cluster}")
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = g
+    config.blockDimX, config.blockDimY, config.blockDimZ = b
+    config.sharedMemBytes = shared_bytes
+    config.hStream = as_stream(stream)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
+
+
+def max_active_clusters(kernel: Kernel, block: int, cluster: int, shared_bytes: int) -> int:
+    """How many clusters of ``cluster`` CTAs of ``kernel`` the device (or the current green context) can hold at
+    once: the persistent grid of a cluster kernel, whose SM pairs depend on the GPC layout."""
+    config = cluster_config(cluster, block, cluster, 0, shared_bytes)
+    return int(call(driver.cuOccupancyMaxActiveClusters, kernel.handle, config))
+
+
 def launch(
     kernel: Kernel,
     grid: int | Sequence[int],
@@ -28,7 +57,14 @@ def launch(
     args: KernelArgs | Sequence[Arg],
     stream: int | driver.CUstream,
     shared_bytes: int = 0,
+    cluster: int = 1,
 ) -> None:
-    """Launches ``kernel`` on ``stream``; a green context's stream runs it in that context (on its SMs)."""
-    g, b, packed = dim3(grid), dim3(block), as_args(args)
+    """Launches ``kernel`` on ``stream``, in clusters of ``cluster`` CTAs along x when above 1; a green context's
+    stream runs it in that context (on its SMs)."""
+    packed = as_args(args)
+    if cluster > 1:
+        config = cluster_config(grid, block, cluster, stream, shared_bytes)
+        call(driver.cuLaunchKernelEx, config, kernel.handle, packed.address, 0)
+        return
+    g, b = dim3(grid), dim3(block)
     call(driver.cuLaunchKernel, kernel.handle, *g, *b, shared_bytes, as_stream(stream), packed.address, 0)

@@ -28,7 +28,7 @@ from gc_moe_compat.native_weights import transform_weights_for_gc_moe
 from gc_moe_compat.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call, device
-from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.launch import launch, max_active_clusters
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
 
@@ -57,11 +57,13 @@ SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait 
 
 
 def variant_defines(
-    bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True, slabs: int = W2_SLABS
+    bm: int, epi: int, pipelined: bool, stages: int, fast_math: bool = True, slabs: int = W2_SLABS,
+    cluster: bool = False,
 ) -> dict[str, int]:
     """Compile-time parameters of one kernel variant (``slabs``: 64-row slabs per consumer warpgroup of a W2 task;
-    W1 tasks always have :data:`W1_SLABS`)."""
-    return {
+    W1 tasks always have :data:`W1_SLABS`; ``cluster``: cluster pairs, GC_CLUSTER, named only where set so that the
+    other variants keep their defines)."""
+    defines = {
         "GC_BM": bm,
         "GC_EPI": epi,
         "GC_M_SUB": W1_SLABS if epi == EPI_W1 else slabs,
@@ -69,6 +71,7 @@ def variant_defines(
         "GC_STAGES": stages,
         "GC_FAST_MATH": int(fast_math),
     }
+    return defines | ({"GC_CLUSTER": 1} if cluster else {})
 
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
@@ -80,6 +83,11 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
             slabs = w2_slabs(bm, mma_type)
             out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
+    if mma_type == "fp8xfp8":  # cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined
+        bm = BLOCK_M_CANDIDATES[-1]
+        out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
+        for slabs in (W2_SLABS, 2):  # 256-row W2 tasks where 256 divides H (heuristics.select_config)
+            out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
     return out
 
 
@@ -204,6 +212,8 @@ class ExpertGemmSM90:
         fast_math: bool = True,
         num_sms: int | None = None,
     ) -> None:
+        if config.cluster and (isinstance(weights, Fp4Weights) or not config.pipelined):
+            raise NotImplementedError("cluster pairs: only the pipelined FP8xFP8 kernels have a cluster variant")
         if weights.hidden % tile_rows(config.w2_slabs):
             raise ValueError(f"config: w2_slabs={config.w2_slabs} needs a hidden size that is a multiple of "
                              f"{tile_rows(config.w2_slabs)}, got {weights.hidden}")
@@ -222,18 +232,23 @@ class ExpertGemmSM90:
         self._kernels = {}
         for epi in (EPI_W1, EPI_W2):
             defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math,
-                                      slabs=config.w2_slabs)
+                                      slabs=config.w2_slabs, cluster=config.cluster)
             kernel = jit.load_module(source, defines).kernel(name)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
             self._kernels[epi] = kernel
+        # Cluster pairs: the persistent grid is what the SMs' pairing (GPC layout, partition) holds at once.
+        self._clusters = {
+            epi: max_active_clusters(k, config.threads, 2, self._smem(epi)) for epi, k in self._kernels.items()
+        } if config.cluster else {}
         if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
             self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
             self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS, swizzle=False)
             self._w_sf = (weights.w1_factor, weights.w2_factor)
         else:
-            self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS))
-            self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(config.w2_slabs))
+            halves = 2 if config.cluster else 1  # a cluster pair's CTA loads half a tile per box (multicast)
+            self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS) // halves)
+            self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(config.w2_slabs) // halves)
             self._w_sf = (weights.w1_sf, weights.w2_sf)
 
     def _smem(self, epi: int) -> int:
@@ -256,13 +271,13 @@ class ExpertGemmSM90:
         k: int,
         stream: int,
     ) -> None:
-        tasks = grouped.blocks.shape[0] * (n_w // tile_rows(self._slabs[epi]))
+        tiles = n_w // tile_rows(self._slabs[epi])
         args = [
             self._tm_w1 if epi == EPI_W1 else self._tm_w2,
             tm_x,
             ptr(w_sf),
             ptr(x_sf_t),
-            ptr(grouped.blocks),
+            ptr(grouped.pair_blocks if self.config.cluster else grouped.blocks),
             ptr(grouped.num_blocks),
             ptr(grouped.routing_w),
             ptr(out),
@@ -275,7 +290,13 @@ class ExpertGemmSM90:
             ptr(self.status),
             ctypes.c_uint64(self.timeout_ns),
         ]
-        launch(self._kernels[epi], min(tasks, self.num_sms), self.config.threads, args, stream, self._smem(epi))
+        if self.config.cluster:  # one pair task per (tile, two table rows), two CTAs each
+            kernel, smem = self._kernels[epi], self._smem(epi)
+            clusters = min(tiles * -(-grouped.blocks.shape[0] // 2), self._clusters[epi], self.num_sms // 2)
+            launch(kernel, 2 * clusters, self.config.threads, args, stream, smem, cluster=2)
+        else:
+            tasks = grouped.blocks.shape[0] * tiles
+            launch(self._kernels[epi], min(tasks, self.num_sms), self.config.threads, args, stream, self._smem(epi))
 
     def run(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
         """Launches W1 then W2 on ``stream`` (default: torch's current stream); returns the workspace (``ws.out``)."""

@@ -21,12 +21,15 @@ SCALE_GROUP = 128  # FP32 1x128 activation scales of the SM90 recipe
 class GroupedTokens:
     """Grouped rows: ``x`` FP8 ``[R, H]``, ``x_sf_t`` FP32 ``[H/128, R]`` (transposed), ``routing_w`` FP32 ``[R]``,
     ``blocks`` int32 ``[B, 3]``, ``num_blocks`` int32 ``[1]``, ``row_token``/``row_slot`` int64 ``[R]`` (-1: padding),
-    ``counts`` int64 ``[E]`` rows per expert; ``R = B * bm``."""
+    ``counts`` int64 ``[E]`` rows per expert; ``R = B * bm``. ``pair_blocks``: the same table rows, each expert's
+    blocks in pairs first (an odd one left for the rest, which follow), so that table rows ``2p`` and ``2p + 1`` of
+    an expert with several blocks share its weights: the order the cluster-pair GEMM variants read."""
 
     x: torch.Tensor
     x_sf_t: torch.Tensor
     routing_w: torch.Tensor
     blocks: torch.Tensor
+    pair_blocks: torch.Tensor
     num_blocks: torch.Tensor
     row_token: torch.Tensor
     row_slot: torch.Tensor
@@ -68,10 +71,13 @@ def group_tokens(
     used, experts = used[order], experts[order]
     counts = torch.bincount(experts, minlength=num_experts)
     counts_host = counts.tolist()
-    table, first_block = [], []
+    table, first_block, paired, unpaired = [], [], [], []
     for e, n in enumerate(counts_host):
         first_block.append(len(table))
-        table += [(e, min(bm, n - j * bm), (len(table) + j) * bm) for j in range((n + bm - 1) // bm)]
+        own = [(e, min(bm, n - j * bm), (len(table) + j) * bm) for j in range((n + bm - 1) // bm)]
+        table += own
+        cut = len(own) - len(own) % 2
+        paired, unpaired = paired + own[:cut], unpaired + own[cut:]
     num_blocks, rows = len(table), len(table) * bm
     expert_start = torch.tensor(first_block, dtype=torch.int64, device=device) * bm
     rank_in_expert = torch.arange(used.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[experts]
@@ -88,11 +94,13 @@ def group_tokens(
     rw[dest] = topk_weights.reshape(-1).float()[used]
     # With no rows the table keeps one placeholder row (never read: the kernels see num_blocks = 0).
     blocks = torch.tensor(table or [(0, 0, 0)], dtype=torch.int32, device=device)
+    pair_blocks = torch.tensor(paired + unpaired or [(0, 0, 0)], dtype=torch.int32, device=device)
     return GroupedTokens(
         x=gx.view(torch.float8_e4m3fn),
         x_sf_t=gsf.t().contiguous(),
         routing_w=rw,
         blocks=blocks,
+        pair_blocks=pair_blocks,
         num_blocks=torch.tensor([num_blocks], dtype=torch.int32, device=device),
         row_token=row_token,
         row_slot=row_slot,

@@ -9,6 +9,10 @@ consumer thread, only within its own task). Why these rules:
   would re-stream the expert's weights once per extra block (each block reads every weight tile).
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
+* Past 64 expected rows (BM capped at 64, so most experts are two or more ring blocks), the FP8xFP8 kernels run in
+  clusters of two CTAs that take the same weight tile against two blocks of one expert and stream it once, each
+  loading half by TMA multicast (:func:`cluster_pairs`; glm52 at T=256 otherwise moved 1.4x the W1 weight bytes
+  from DRAM, bench/NOTES_gemm_sm90.md).
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
   bytes in flight per SM are what hide the DRAM latency.
 
@@ -36,14 +40,16 @@ FP4_UNIT_BYTES = 64 * BK // 2 + 64 * BK // 32  # one slab and K128 step: FP4 cod
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One compiled variant: block rows ``bm``, stages per GEMM, whether the producer warpgroup exists, and the
-    64-row slabs per consumer warpgroup of a W2 task (:func:`w2_slabs`)."""
+    """One compiled variant: block rows ``bm``, stages per GEMM, whether the producer warpgroup exists, the 64-row
+    slabs per consumer warpgroup of a W2 task (:func:`w2_slabs`) and whether CTAs run in cluster pairs
+    (:func:`cluster_pairs`)."""
 
     bm: int
     pipelined: bool
     stages_w1: int
     stages_w2: int
     w2_slabs: int = W2_SLABS
+    cluster: bool = False
 
     @property
     def threads(self) -> int:
@@ -100,15 +106,23 @@ def w2_slabs(bm: int, mma_type: str) -> int:
     return 2 if mma_type == "fp8xfp4" and bm >= 16 else W2_SLABS
 
 
+def cluster_pairs(expected_rows: float, bm: int, pipelined: bool, mma_type: str) -> bool:
+    """Whether the GEMMs run in cluster pairs sharing each weight tile between two ring blocks of one expert: FP8xFP8,
+    pipelined, where ``m + sqrt(m)`` expected rows exceed the block (most experts then have two or more blocks). The
+    FP8xFP4 kernel has no cluster variant yet."""
+    return mma_type == "fp8xfp8" and pipelined and expected_rows + math.sqrt(expected_rows) > bm
+
+
 def select_config(
     expected_rows: float, active_experts: int, tiles_per_block: int, num_sms: int, mma_type: str = "fp8xfp8",
-    *, block_m: int | None = None,
+    *, block_m: int | None = None, hidden: int | None = None,
 ) -> KernelConfig:
     """The variant for ``expected_rows`` tokens per expert over ``active_experts`` experts.
 
     ``tiles_per_block``: W1 tasks per ring block (``2I / 256``); ``num_sms``: SMs the GEMM runs on; ``mma_type``
     picks the kernel whose shared memory bounds the stages (the BM / variant rules are the same for both);
-    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself).
+    ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself); ``hidden``: the
+    layer's H, which lets cluster pairs run W2 as 256-row tasks where 256 divides it (unknown: 128-row tasks).
     """
     _check_mma_type(mma_type)
     if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
@@ -121,5 +135,9 @@ def select_config(
     bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
     pipelined = blocks * tiles_per_block > num_sms
-    slabs = w2_slabs(bm, mma_type)
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)
+    cluster = cluster_pairs(expected_rows, bm, pipelined, mma_type)
+    # Cluster pairs stream each W2 tile once for two blocks; with 128-row tasks that W2 was no faster on an H200 (its
+    # steps, not its bytes, bound it), so it takes 256-row tasks like W1 (bench/NOTES_gemm_sm90.md, session 6).
+    slabs = 2 if cluster and hidden is not None and hidden % tile_rows(2) == 0 else w2_slabs(bm, mma_type)
+    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs,
+                        cluster)

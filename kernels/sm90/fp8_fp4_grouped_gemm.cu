@@ -440,7 +440,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
+        const auto task_at = [&](int task) { return load_task(blocks, task, nb); };
+        produce_tasks(tid, blockIdx.x, gridDim.x, num_tasks, kb_count, task_at, [&](u32 it, const Task& t, int kb) {
             return produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
                            status, timeout_ns);
         });

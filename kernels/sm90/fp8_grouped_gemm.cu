@@ -47,6 +47,9 @@
 #ifndef GC_FAST_MATH
 #define GC_FAST_MATH 1
 #endif
+#ifndef GC_CLUSTER
+#define GC_CLUSTER 0
+#endif
 
 namespace gc_moe {
 namespace sm90 {
@@ -56,6 +59,10 @@ constexpr int kMSub = GC_M_SUB;
 constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
+// Cluster pairs (standalone, pipelined): the two CTAs of a cluster run the same weight tile against an expert's two
+// ring blocks and stream it once (PairTask in grouped.cuh; each CTA's producer loads half the tile, multicast to
+// both), so each stage is written by both producers and freed by both CTAs' consumers.
+constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
@@ -81,17 +88,40 @@ static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a m
 static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");
 static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
+static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free).
+// Frees a stage (one arrival per consumer warp); in a cluster pair on both CTAs' barriers, since both producers
+// write into both CTAs' stage.
+__device__ __forceinline__ void release_stage(u32 empty_bar) {
+    mbar_arrive(empty_bar);
+    if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
+}
+
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free). In a
+// cluster pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or
+// both halves of its own.
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                       const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                      u64 policy_w, u64 policy_x) {
+                                      u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
-    tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);
+    const u32 w_dst = pipe.base + stage * kWBytes;
+    const int w_row = t.expert * n_w + t.tile * kRows;
+    if constexpr (kCluster) {
+        constexpr u32 kHalf = kWBytes / 2;
+        if (multicast) {
+            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
+                                  policy_w);
+        } else {
+            tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
+            tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
+        }
+    } else {
+        tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
+    }
     tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
@@ -101,10 +131,11 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
 // abort rule to the same loads).
 __device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                         const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns) {
+                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns,
+                                        bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
     if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
-    issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x);
+    issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, multicast, rank);
     return true;
 }
 
@@ -174,7 +205,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         wgmma_wait<0>();
         fence_operands(tmp);
         __syncwarp();
-        if (lane == 0) mbar_arrive(pipe.empty(stage));
+        if (lane == 0) release_stage(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
             if (!load(it + kStages, kb + kStages)) return false;
         }
@@ -292,23 +323,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int tid = threadIdx.x;
     if (!has_dyn_smem(kSmemBytes, tid, status, kSiteSmem)) return;
     if (tid == 0) {
-        pipe.init(kConsumerWGs * 4);
+        pipe.init(kConsumerWGs * 4 * (kCluster ? 2 : 1));
         prefetch_tensormap(&tm_w);
         prefetch_tensormap(&tm_x);
     }
-    __syncthreads();
+    if constexpr (kCluster) {
+        cluster_sync();  // both CTAs' barriers exist before either producer or consumer touches the other's
+    } else {
+        __syncthreads();
+    }
 
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
-    const int num_tasks = nb * (n_w / kRows);
+    const u32 rank = kCluster ? cluster_ctarank() : 0;
+    const int first = kCluster ? static_cast<int>(cluster_id_x()) : static_cast<int>(blockIdx.x);
+    const int stride = kCluster ? static_cast<int>(cluster_count_x()) : static_cast<int>(gridDim.x);
+    const int num_tasks = (kCluster ? pair_count(nb) : nb) * (n_w / kRows);
+    const auto task_at = [&](int i) {
+        return kCluster ? load_pair_task(blocks, i, nb, rank) : PairTask{load_task(blocks, i, nb), false, false};
+    };
     const u64 policy_w = evict_first_policy();
     const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        produce_tasks(tid, blocks, nb, num_tasks, kb_count, [&](u32 it, const Task& t, int kb) {
-            return produce(pipe, it, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
-                           timeout_ns);
+        produce_tasks(tid, first, stride, num_tasks, kb_count, task_at, [&](u32 it, const PairTask& pt, int kb) {
+            return produce(pipe, it, pt.t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
+                           timeout_ns, pt.multicast, rank);
         });
         return;
     }
@@ -319,8 +360,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     float* red = reinterpret_cast<float*>(smem + kOffRed);
     const int row_blocks = n_w / 128;
     u32 it = 0;
-    for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-        const Task t = load_task(blocks, task, nb);
+    for (int i = first; i < num_tasks; i += stride) {
+        const PairTask pt = task_at(i);
+        const Task& t = pt.t;
         float acc[kMSub][kAcc];
         const auto wait_full = [&](u32 bar, u32 parity) {
             return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
@@ -331,13 +373,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         };
         if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full, load))
             return;
+        const Task stored{t.expert, pt.mirror ? 0 : t.valid, t.row_off, t.tile};  // a mirror stores nothing
         if constexpr (kEpi == 1) {
-            epilogue_w1<false>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
+            epilogue_w1<false>(acc, stored, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
                                rows_total, clamp, alpha);
         } else {
-            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
+            epilogue_w2<kRows>(acc, stored, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
         }
     }
+    if constexpr (kCluster) cluster_sync();  // the other CTA arrives on this one's barriers until it is done
 }
 
 #endif  // GC_OPERATOR

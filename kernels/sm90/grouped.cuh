@@ -146,19 +146,41 @@ __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_b
     return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
 }
 
+// Cluster pairs (the GC_CLUSTER standalone variants): the two CTAs of a cluster take pair task j = (tile j / pairs,
+// pair j % pairs) of the block table, rank r block 2 * pair + r. Where both blocks belong to one expert (the host
+// orders each expert's blocks in aligned pairs first: grouping.py), the CTAs stream the weight tile once, each
+// loading half and multicasting it to both. A last pair without a second block gives rank 1 a mirror of rank 0's
+// task: it runs the same K loop (the pair's barriers count both CTAs) and stores nothing.
+struct PairTask {
+    Task t;
+    bool multicast;  // both CTAs hold the same expert and tile
+    bool mirror;     // rank 1 without a block: no stores
+};
+
+__device__ __forceinline__ int pair_count(int num_blocks) { return (num_blocks + 1) / 2; }
+
+__device__ __forceinline__ PairTask load_pair_task(const int* blocks, int j, int num_blocks, u32 rank) {
+    const int pairs = pair_count(num_blocks), b0 = 2 * (j % pairs);
+    const bool second = b0 + 1 < num_blocks;
+    const int b = rank == 1 && second ? b0 + 1 : b0;
+    const Task t{__ldg(blocks + 3 * b), __ldg(blocks + 3 * b + 1), __ldg(blocks + 3 * b + 2), j / pairs};
+    const bool same = !second || __ldg(blocks + 3 * b0) == __ldg(blocks + 3 * b0 + 3);
+    return PairTask{t, same, rank == 1 && !second};
+}
+
 // The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
-// (blockIdx.x, + gridDim.x, ...) and issues each one's kb_count K steps in order into pipeline slot `it`;
-// produce(it, t, kb) false gives up.
-template <typename Produce>
-__device__ __forceinline__ void produce_tasks(int tid, const int* blocks, int nb, int num_tasks, int kb_count,
-                                              Produce&& produce) {
+// (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order into
+// pipeline slot `it`; produce(it, task, kb) false gives up.
+template <typename TaskAt, typename Produce>
+__device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count,
+                                              TaskAt&& task_at, Produce&& produce) {
     setmaxnreg_dec<40>();
     if (tid == 0) {
         u32 it = 0;
-        for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-            const Task t = load_task(blocks, task, nb);
+        for (int i = first; i < num_tasks; i += stride) {
+            const auto task = task_at(i);
             for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                if (!produce(it, t, kb)) return;
+                if (!produce(it, task, kb)) return;
             }
         }
     }

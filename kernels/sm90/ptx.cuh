@@ -13,6 +13,7 @@ namespace gc_moe {
 namespace sm90 {
 
 typedef unsigned char u8;
+typedef unsigned short u16;
 
 // A CUtensorMap as the kernel receives it: 128 opaque bytes, 64-byte aligned, passed by value (__grid_constant__).
 struct alignas(64) TensorMap {
@@ -95,6 +96,56 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+}
+
+// 2D tile load multicast to the CTAs of the cluster in `cta_mask`: in each, the tile lands at `dst` and completes its
+// bytes on `bar` (the same shared offsets in every CTA).
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
+                                                      u16 cta_mask, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask), "l"(policy)
+        : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------------- cluster
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_id_x() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_count_x() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+
+// Every non-exited thread of the cluster arrives (releasing its prior memory operations) and waits for the others.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// The shared::cluster address of this CTA's shared address `addr` in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 map_shared_rank(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+
+// One arrival on the mbarrier at shared::cluster address `bar` (another CTA's). Default semantics (release at CTA
+// scope): it orders this warp's retired WGMMA reads of its own stage before the other CTA's producer refills it, as
+// the multicast pipelines of CUTLASS do; `.release.cluster` costs a cluster-scope fence per arrival (Nsight Compute:
+// 40 % of the warps' stall cycles on the memory barrier, 1.5-2.3x slower GEMMs).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // --------------------------------------------------------------------------------------------------------- WGMMA

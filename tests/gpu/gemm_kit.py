@@ -16,13 +16,15 @@ from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
 from gc_moe_compat.sm90.grouping import GroupedTokens
 from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
 
-BOUNDARY_EXPERTS = 4
 
-
-def config(bm: int, pipelined: bool, mma_type: str = "fp8xfp8") -> KernelConfig:
-    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the heuristic's W2 task size."""
-    slabs = w2_slabs(bm, mma_type)
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs)
+def config(
+    bm: int, pipelined: bool, mma_type: str = "fp8xfp8", cluster: bool = False, slabs: int | None = None
+) -> KernelConfig:
+    """The variant ``(bm, pipelined)`` with as many stages as shared memory holds and the heuristic's W2 task size
+    unless ``slabs`` names one (``cluster``: in cluster pairs)."""
+    slabs = slabs or w2_slabs(bm, mma_type)
+    stages = max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type)
+    return KernelConfig(bm, pipelined, *stages, slabs, cluster)
 
 
 def run_poisoned(gemm: ExpertGemmSM90, grouped: GroupedTokens) -> Workspace:
@@ -52,17 +54,18 @@ class BoundaryTokens:
         return rows, g.row_token[rows]
 
 
-def boundary_tokens(bm: int, hidden: int, gen: torch.Generator) -> BoundaryTokens:
-    """Fresh activations (FP8, FP32 1x128 scales) for the boundary experts, drawn from ``gen``."""
+def boundary_tokens(bm: int, hidden: int, gen: torch.Generator, counts: list[int] | None = None) -> BoundaryTokens:
+    """Fresh activations (FP8, FP32 1x128 scales) for experts with ``counts`` rows (default: the boundary experts
+    0, 1, BM, BM+1), drawn from ``gen``."""
     device = gen.device
-    counts = [0, 1, bm, bm + 1]
+    counts = counts or [0, 1, bm, bm + 1]
     n = sum(counts)
     x = torch.randn(n, hidden, generator=gen, device=device) * 2
-    idx = torch.repeat_interleave(torch.arange(BOUNDARY_EXPERTS, device=device), torch.tensor(counts, device=device))
+    idx = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
     idx = idx[torch.randperm(n, generator=gen, device=device)].unsqueeze(1)
     weights = torch.rand(n, 1, generator=gen, device=device) + 0.5
     x_fp8, x_sf = quantize_activations(x, "fp32_128")
-    grouped = group_tokens(x_fp8, x_sf, idx, weights, BOUNDARY_EXPERTS, bm)
+    grouped = group_tokens(x_fp8, x_sf, idx, weights, len(counts), bm)
     return BoundaryTokens(x_fp8.float() * x_sf.repeat_interleave(128, dim=1), weights, grouped, bm)
 
 

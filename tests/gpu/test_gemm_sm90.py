@@ -12,7 +12,7 @@ from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
+from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, ExpertGemmSM90, all_variants
 from gc_moe_compat.sm90.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens, reference_partials
@@ -30,7 +30,8 @@ def layer(request: pytest.FixtureRequest):  # noqa: ANN201
 def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
     tok = make_tokens(layer, tokens_per_rank, seed=tokens_per_rank)
     e = layer.l1.num_experts
-    cfg = select_config(tokens_per_rank * layer.topk / e, e, 2 * layer.prepared.inter // tile_rows(W1_SLABS), 132)
+    cfg = select_config(tokens_per_rank * layer.topk / e, e, 2 * layer.prepared.inter // tile_rows(W1_SLABS), 132,
+                        hidden=layer.prepared.hidden)
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
     gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
     ws = run_poisoned(gemm, grouped)
@@ -50,12 +51,31 @@ def test_presets_sweep(layer, tokens_per_rank: int) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("bm", [8, 16, 32, 64])
 def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included."""
-    layer = make_layer("tiny", DEV, seed=bm + pipelined, experts=4, shape=(512, 256))
-    tok = boundary_tokens(bm, 512, torch.Generator(device=DEV).manual_seed(7 * bm))
-    ws = run_poisoned(ExpertGemmSM90(layer.prepared, config(bm, pipelined), activation_clamp=CLAMP), tok.grouped)
+    check_expert_rows(config(bm, pipelined), None, seed=bm + pipelined)
+
+
+@pytest.mark.parametrize("w2_slabs", [1, 2])
+def test_cluster_pairs_multicast_split_and_mirror(w2_slabs: int) -> None:
+    """The cluster-pair variants (BM = 64, W2 tasks of 128 and 256 rows): experts of 1, 65, 129 and 1 rows give seven
+    blocks, so the pair table holds two multicast pairs (one expert's blocks), a pair of two experts (each CTA its own
+    weights) and a last block whose partner runs as a mirror that stores nothing; checked row by row, intermediate
+    included."""
+    check_expert_rows(config(64, True, cluster=True, slabs=w2_slabs), [1, 65, 129, 1], seed=11)
+
+
+def check_expert_rows(cfg: KernelConfig, counts: list[int] | None, seed: int) -> None:
+    """One slot per token for experts with ``counts`` rows (default: 0, 1, BM, BM+1) through the ``cfg`` variant:
+    every expert's partial rows and intermediate against the faithful reference."""
+    bm = cfg.bm
+    tok = boundary_tokens(bm, 512, torch.Generator(device=DEV).manual_seed(7 * bm + seed), counts)
+    experts = int(tok.grouped.counts.shape[0])
+    layer = make_layer("tiny", DEV, seed=seed, experts=experts, shape=(512, 256))
+    ws = run_poisoned(ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP), tok.grouped)
     xq, weights = tok.x_dequant, tok.topk_weights
-    for e in (1, 2, 3):
+    for e in range(experts):
         rows, tokens = tok.rows_of(e)
+        if not bool(rows.any()):
+            continue
         w1, w2 = layer.l1.dequantize(e), layer.l2.dequantize(e)
         kw = dict(activation_clamp=CLAMP, intermediate_quant="fp32_128")
         ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
@@ -64,7 +84,7 @@ def test_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
 
         ref_inter = l1_intermediate(xq[tokens], w1, weights[tokens, 0], **kw)
         mi, mo = accuracy_metrics(inter, ref_inter), accuracy_metrics(got, ref)
-        print(f"bm={bm} pipelined={pipelined} expert {e} rows {int(rows.sum())}: inter {mi} out {mo}")
+        print(f"{cfg} expert {e} rows {int(rows.sum())}: inter {mi} out {mo}")
         assert mo["nonfinite"] == 0 and mi["nonfinite"] == 0
         assert mo["cosine"] >= 0.9999 and mo["processed_diff"] <= 1e-4 and mi["cosine"] >= 0.9999
 
