@@ -120,10 +120,11 @@ def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
     """QGMMA / UTMALDG / local-memory counts and ptxas resources of the variants the benchmark ran."""
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     record = {}
-    for mma_type, cfg in sorted(used, key=lambda u: (u[0], u[1].bm, u[1].pipelined, u[1].w2_slabs)):
+    for mma_type, cfg in sorted(used, key=lambda u: (u[0], u[1].bm, u[1].pipelined, u[1].w2_slabs, u[1].cluster)):
         source, kernel = KERNELS[mma_type]
         for epi, stages in ((1, cfg.stages_w1), (2, cfg.stages_w2)):
-            cubin = jit.compile_cubin(source, variant_defines(cfg.bm, epi, cfg.pipelined, stages, slabs=cfg.w2_slabs))
+            defines = variant_defines(cfg.bm, epi, cfg.pipelined, stages, slabs=cfg.w2_slabs, cluster=cfg.cluster)
+            cubin = jit.compile_cubin(source, defines)
             try:
                 text = subprocess.run([cuobjdump, "--dump-sass", str(cubin.path)], capture_output=True, text=True,
                                       check=True).stdout  # fmt: skip
@@ -133,6 +134,7 @@ def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
             res = cubin.resources.get(kernel)
             slabs = W1_SLABS if epi == 1 else cfg.w2_slabs
             name = f"{mma_type}_bm{cfg.bm}_{'pipelined' if cfg.pipelined else 'plain'}_w{epi}_slabs{slabs}"
+            name += "_cluster" if cfg.cluster else ""
             record[name] = {"sass": ops, "resources": None if res is None else res.__dict__}
     return record
 
@@ -264,6 +266,7 @@ def main() -> None:
                     "stages": [cfg.stages_w1, cfg.stages_w2],
                     "stages_fp4": [cfg4.stages_w1, cfg4.stages_w2],
                     "w2_slabs": [cfg.w2_slabs, cfg4.w2_slabs],
+                    "cluster": [cfg.cluster, cfg4.cluster],
                 },
                 "latency_us": latency,
                 "latency_split_us": split,
