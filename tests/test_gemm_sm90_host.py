@@ -117,6 +117,7 @@ def test_cluster_pairs_only_for_fp8_pipelined_past_the_block() -> None:
     assert not select_config(32.3, 32, 16, 132).cluster
     assert not select_config(65.0, 32, 16, 132, "fp8xfp4").cluster
     assert not select_config(65.0, 2, 1, 132).cluster  # two tasks: not pipelined
+    assert not select_config(65.0, 32, 16, 132, block_m=32).cluster  # a probe's smaller BM: no cluster variant
     # W2 as 256-row tasks in cluster pairs, where H is known and 256 divides it
     assert select_config(65.0, 32, 16, 132, hidden=5120).w2_slabs == 2
     assert select_config(65.0, 32, 16, 132).w2_slabs == select_config(65.0, 32, 16, 132, hidden=384).w2_slabs == 1

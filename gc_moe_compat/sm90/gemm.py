@@ -241,6 +241,9 @@ class ExpertGemmSM90:
         self._clusters = {
             epi: max_active_clusters(k, config.threads, 2, self._smem(epi)) for epi, k in self._kernels.items()
         } if config.cluster else {}
+        if config.cluster and min(self._clusters.values()) < 1:
+            raise RuntimeError(f"config: cluster pairs, but this device or partition holds no cluster of two CTAs of "
+                               f"the variant ({self._clusters}); pick a config with cluster=False")
         if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
             self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
             self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS, swizzle=False)

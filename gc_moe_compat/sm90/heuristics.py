@@ -108,9 +108,10 @@ def w2_slabs(bm: int, mma_type: str) -> int:
 
 def cluster_pairs(expected_rows: float, bm: int, pipelined: bool, mma_type: str) -> bool:
     """Whether the GEMMs run in cluster pairs sharing each weight tile between two ring blocks of one expert: FP8xFP8,
-    pipelined, where ``m + sqrt(m)`` expected rows exceed the block (most experts then have two or more blocks). The
-    FP8xFP4 kernel has no cluster variant yet."""
-    return mma_type == "fp8xfp8" and pipelined and expected_rows + math.sqrt(expected_rows) > bm
+    pipelined, at the largest BM where ``m + sqrt(m)`` expected rows exceed it (most experts then have two or more
+    blocks; the variants that exist and are tested). The FP8xFP4 kernel has no cluster variant yet."""
+    return (mma_type == "fp8xfp8" and pipelined and bm == BLOCK_M_CANDIDATES[-1]
+            and expected_rows + math.sqrt(expected_rows) > bm)
 
 
 def select_config(
