@@ -17,19 +17,19 @@ namespace gc_moe {
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-// Physical SM index the calling thread runs on (used to prove green-context confinement).
-__device__ __forceinline__ u32 smid() {
-    u32 id;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-    return id;
-}
+// Defines `name()`, returning the one output of the PTX instruction `text` (a `type` register, constraint `c`):
+// special registers, L2 policies.
+#define GC_PTX_VALUE(type, c, name, text)            \
+    __device__ __forceinline__ type name() {         \
+        type value;                                  \
+        asm volatile(text : "=" c(value));           \
+        return value;                                \
+    }
 
+// Physical SM index the calling thread runs on (used to prove green-context confinement).
+GC_PTX_VALUE(u32, "r", smid, "mov.u32 %0, %%smid;")
 // Device-wide nanosecond clock; coarse (about 1 us ticks on Hopper) but monotonic and shared by all SMs.
-__device__ __forceinline__ u64 globaltimer_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+GC_PTX_VALUE(u64, "l", globaltimer_ns, "mov.u64 %0, %%globaltimer;")
 
 __device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
     u64 v;

@@ -53,11 +53,12 @@ __device__ __forceinline__ u8* align_smem_1024(u8* raw) {
     return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
 }
 
+GC_PTX_VALUE(u32, "r", dynamic_smem_bytes, "mov.u32 %0, %%dynamic_smem_size;")
+
 // False when the launch gave less dynamic shared memory than `need` (thread `tid` == 0 records kStatusMismatch at
 // `site` with what it got and the need).
 __device__ __forceinline__ bool has_dyn_smem(u32 need, int tid, KernelStatus* status, u32 site) {
-    u32 dyn_smem;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    const u32 dyn_smem = dynamic_smem_bytes();
     if (dyn_smem < need) {
         if (tid == 0) report_status(status, kStatusMismatch, site, dyn_smem, need);
         return false;

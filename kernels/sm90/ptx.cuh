@@ -65,18 +65,9 @@ __device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, u64 timeout_ns, K
 
 // ----------------------------------------------------------------------------------------------------------- TMA
 // An L2 policy that evicts the streamed weights first: each weight tile is read once per layer call.
-__device__ __forceinline__ u64 evict_first_policy() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
+GC_PTX_VALUE(u64, "l", evict_first_policy, "createpolicy.fractional.L2::evict_first.b64 %0, 1.0;")
 // An L2 policy that keeps the token tiles: every weight tile of a block re-reads them.
-__device__ __forceinline__ u64 evict_last_policy() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
+GC_PTX_VALUE(u64, "l", evict_last_policy, "createpolicy.fractional.L2::evict_last.b64 %0, 1.0;")
 
 __device__ __forceinline__ void prefetch_tensormap(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
@@ -110,23 +101,10 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* 
 }
 
 // ------------------------------------------------------------------------------------------------------- cluster
-__device__ __forceinline__ u32 cluster_ctarank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ u32 cluster_id_x() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ u32 cluster_count_x() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-    return r;
-}
+// This CTA's rank in its cluster, the cluster's index along x and the clusters along x.
+GC_PTX_VALUE(u32, "r", cluster_ctarank, "mov.u32 %0, %%cluster_ctarank;")
+GC_PTX_VALUE(u32, "r", cluster_id_x, "mov.u32 %0, %%clusterid.x;")
+GC_PTX_VALUE(u32, "r", cluster_count_x, "mov.u32 %0, %%nclusterid.x;")
 
 // Every non-exited thread of the cluster arrives (releasing its prior memory operations) and waits for the others.
 __device__ __forceinline__ void cluster_sync() {
