@@ -77,7 +77,8 @@ def group_tokens(
         own = [(e, min(bm, n - j * bm), (len(table) + j) * bm) for j in range((n + bm - 1) // bm)]
         table += own
         cut = len(own) - len(own) % 2
-        paired, unpaired = paired + own[:cut], unpaired + own[cut:]
+        paired += own[:cut]
+        unpaired += own[cut:]
     num_blocks, rows = len(table), len(table) * bm
     expert_start = torch.tensor(first_block, dtype=torch.int64, device=device) * bm
     rank_in_expert = torch.arange(used.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[experts]
