@@ -294,12 +294,11 @@ class ExpertGemmSM90:
             ctypes.c_uint64(self.timeout_ns),
         ]
         if self.config.cluster:  # one pair task per (tile, two table rows), two CTAs each
-            kernel, smem = self._kernels[epi], self._smem(epi)
             clusters = min(tiles * -(-grouped.blocks.shape[0] // 2), self._clusters[epi], self.num_sms // 2)
-            launch(kernel, 2 * clusters, self.config.threads, args, stream, smem, cluster=2)
+            grid, cluster = 2 * clusters, 2
         else:
-            tasks = grouped.blocks.shape[0] * tiles
-            launch(self._kernels[epi], min(tasks, self.num_sms), self.config.threads, args, stream, self._smem(epi))
+            grid, cluster = min(grouped.blocks.shape[0] * tiles, self.num_sms), 1
+        launch(self._kernels[epi], grid, self.config.threads, args, stream, self._smem(epi), cluster=cluster)
 
     def run(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
         """Launches W1 then W2 on ``stream`` (default: torch's current stream); returns the workspace (``ws.out``)."""
