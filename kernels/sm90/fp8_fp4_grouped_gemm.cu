@@ -103,18 +103,24 @@ static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgro
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
-// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+// is free): all of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later.
+// Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+template <int kPart = kIssueAll>
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
                                       const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
                                       u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    mbar_arrive_expect_tx(full, kStageTx);
-    const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
-    tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
-    tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
-    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
-              full);
+    if constexpr ((kPart & kIssueWeights) != 0) {
+        mbar_arrive_expect_tx(full, kStageTx);
+        const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
+        tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
+    }
+    if constexpr ((kPart & kIssueTokens) != 0) {
+        tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+        bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off,
+                  kSBytes, full);
+    }
 }
 
 // Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
@@ -431,6 +437,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
+    if constexpr (kEpi == 1) griddep_launch_dependents();  // W2 may start on the SMs this grid leaves idle
+    if constexpr (kEpi == 2 && !kProducerWG) griddep_wait();  // every load of this variant reads W1's output
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
     const int slabs_w = n_w / 64;
@@ -441,10 +449,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
     if (kProducerWG && wg == 0) {
         const auto task_at = [&](int task) { return load_task(blocks, task, nb); };
-        produce_tasks(tid, blockIdx.x, gridDim.x, num_tasks, kb_count, task_at, [&](u32 it, const Task& t, int kb) {
+        const auto produce_step = [&](u32 it, const Task& t, int kb) {
             return produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
                            status, timeout_ns);
-        });
+        };
+        const auto issue_part = [&](int part, u32 it, const Task& t, int kb) {
+            if (part == kIssueWeights) {
+                issue<kIssueWeights>(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w,
+                                     policy_x);
+            } else {
+                issue<kIssueTokens>(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w,
+                                    policy_x);
+            }
+            return true;
+        };
+        produce_tasks(tid, blockIdx.x, gridDim.x, num_tasks, kb_count, kEpi == 2 ? kStages : 0, task_at, produce_step,
+                      issue_part);
         return;
     }
     if (kProducerWG) setmaxnreg_inc<232>();

@@ -99,32 +99,38 @@ __device__ __forceinline__ void release_stage(u32 empty_bar) {
     if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
 }
 
-// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free). In a
-// cluster pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or
-// both halves of its own.
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free): all
+// of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later. In a cluster
+// pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or both halves
+// of its own.
+template <int kPart = kIssueAll>
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                       const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
                                       u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    mbar_arrive_expect_tx(full, kStageTx);
-    const u32 w_dst = pipe.base + stage * kWBytes;
-    const int w_row = t.expert * n_w + t.tile * kRows;
-    if constexpr (kCluster) {
-        constexpr u32 kHalf = kWBytes / 2;
-        if (multicast) {
-            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
-                                  policy_w);
+    if constexpr ((kPart & kIssueWeights) != 0) {
+        mbar_arrive_expect_tx(full, kStageTx);
+        const u32 w_dst = pipe.base + stage * kWBytes;
+        const int w_row = t.expert * n_w + t.tile * kRows;
+        if constexpr (kCluster) {
+            constexpr u32 kHalf = kWBytes / 2;
+            if (multicast) {
+                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
+                                      policy_w);
+            } else {
+                tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
+                tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
+            }
         } else {
             tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
-            tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
         }
-    } else {
-        tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
     }
-    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
-    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
-              full);
+    if constexpr ((kPart & kIssueTokens) != 0) {
+        tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+        bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off,
+                  kSBytes, full);
+    }
 }
 
 // Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
@@ -333,6 +339,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
     }
 
+    if constexpr (kEpi == 1) griddep_launch_dependents();  // W2 may start on the SMs this grid leaves idle
+    if constexpr (kEpi == 2 && !kProducerWG) griddep_wait();  // every load of this variant reads W1's output
     const int nb = __ldg(num_blocks);
     const int kb_count = k / kBK;
     const u32 rank = kCluster ? cluster_ctarank() : 0;
@@ -347,10 +355,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int wg = tid / 128;
 
     if (kProducerWG && wg == 0) {
-        produce_tasks(tid, first, stride, num_tasks, kb_count, task_at, [&](u32 it, const PairTask& pt, int kb) {
+        const auto produce_step = [&](u32 it, const PairTask& pt, int kb) {
             return produce(pipe, it, pt.t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
                            timeout_ns, pt.multicast, rank);
-        });
+        };
+        const auto issue_part = [&](int part, u32 it, const PairTask& pt, int kb) {
+            if (part == kIssueWeights) {
+                issue<kIssueWeights>(pipe, it, pt.t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x,
+                                     pt.multicast, rank);
+            } else {
+                issue<kIssueTokens>(pipe, it, pt.t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x,
+                                    pt.multicast, rank);
+            }
+            return true;
+        };
+        produce_tasks(tid, first, stride, num_tasks, kb_count, kEpi == 2 ? kStages : 0, task_at, produce_step,
+                      issue_part);
         return;
     }
     if (kProducerWG) setmaxnreg_inc<232>();

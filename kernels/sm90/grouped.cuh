@@ -169,21 +169,36 @@ __device__ __forceinline__ PairTask load_pair_task(const int* blocks, int j, int
     return PairTask{t, same, rank == 1 && !second};
 }
 
-// The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
-// (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order into
-// pipeline slot `it`; produce(it, task, kb) false gives up.
-template <typename TaskAt, typename Produce>
-__device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count,
-                                              TaskAt&& task_at, Produce&& produce) {
-    setmaxnreg_dec<40>();
-    if (tid == 0) {
-        u32 it = 0;
-        for (int i = first; i < num_tasks; i += stride) {
-            const auto task = task_at(i);
-            for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                if (!produce(it, task, kb)) return;
-            }
+// What an issue of one K step loads (the kernels' issue<kPart>): everything, or, for the first stages of a
+// programmatic dependent (produce_tasks), the weights before griddep_wait and the tokens after it.
+enum IssuePart : int { kIssueWeights = 1, kIssueTokens = 2, kIssueAll = 3 };
+
+// The producer warpgroup of the pipelined standalone kernels, at kRegs registers: thread `tid` == 0 walks this CTA's
+// tasks (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order
+// into pipeline slot `it`; produce(it, task, kb) false gives up. The first `early` steps (W2, launched as W1's
+// programmatic dependent) are issued in two parts around griddep_wait, issue_part(part, it, task, kb): the weights
+// into the still free stages first (they do not depend on W1), the tokens once W1's output is visible.
+template <u32 kRegs = 40, typename TaskAt, typename Produce, typename IssuePartFn>
+__device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count, int early,
+                                              TaskAt&& task_at, Produce&& produce, IssuePartFn&& issue_part) {
+    setmaxnreg_dec<kRegs>();
+    if (tid != 0) return;
+    const int steps = first < num_tasks ? ((num_tasks - 1 - first) / stride + 1) * kb_count : 0;
+    const auto step = [&](int s, auto&& f) {
+        const int i = s / kb_count;
+        return f(static_cast<u32>(s), task_at(first + i * stride), s - i * kb_count);
+    };
+    early = min(early, steps);
+    const auto issue_early = [&](int part) {
+        for (int s = 0; s < early; ++s) {
+            step(s, [&](u32 it, const auto& task, int kb) { return issue_part(part, it, task, kb); });
         }
+    };
+    issue_early(kIssueWeights);
+    griddep_wait();
+    issue_early(kIssueTokens);
+    for (int s = early; s < steps; ++s) {
+        if (!step(s, produce)) return;
     }
 }
 
