@@ -169,6 +169,24 @@ __device__ __forceinline__ PairTask load_pair_task(const int* blocks, int j, int
     return PairTask{t, same, rank == 1 && !second};
 }
 
+// The standalone kernels' parameters, as both entries receive them (sm90/standalone_kernel.cuh; their sources'
+// comments say what each holds).
+struct StandaloneArgs {
+    const TensorMap* tm_w;
+    const TensorMap* tm_x;
+    const float* w_sf;  // FP8xFP8: FP32 block scales [E, n_w/128, k/128]; FP8xFP4: the window factors [E]
+    const float* x_sf_t;
+    const int* blocks;
+    const int* num_blocks;
+    const float* routing_w;
+    void* out;
+    float* out_sf_t;
+    int n_w, k, rows_total;
+    float clamp, alpha;
+    KernelStatus* status;
+    u64 timeout_ns;
+};
+
 // What an issue of one K step loads (the kernels' issue<kPart>): everything, or, for the first stages of a
 // programmatic dependent (produce_tasks), the weights before griddep_wait and the tokens after it.
 enum IssuePart : int { kIssueWeights = 1, kIssueTokens = 2, kIssueAll = 3 };
