@@ -60,6 +60,9 @@
 #ifndef GC_FAST_MATH
 #define GC_FAST_MATH 1
 #endif
+#ifndef GC_CLUSTER
+#define GC_CLUSTER 0
+#endif
 
 namespace gc_moe {
 namespace sm90 {
@@ -69,6 +72,10 @@ constexpr int kMSub = GC_M_SUB;
 constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
+// Cluster pairs (standalone, pipelined), as in fp8_grouped_gemm.cu: the two CTAs of a cluster run the same weight
+// units against an expert's two ring blocks and stream them once (each producer loads half the task's slabs,
+// multicast to both), and each CTA decodes the whole stage for its own block.
+constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
@@ -100,22 +107,37 @@ static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgroup (two A register sets)");
+static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
 // is free): all of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later.
-// Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+// Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows. In a cluster
+// pair (weight box: half the task's units) CTA `rank` loads half `rank` of `multicast` units into both CTAs, or both
+// halves of its own.
 template <int kPart = kIssueAll>
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
                                       const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
-                                      u64 policy_w, u64 policy_x) {
+                                      u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     if constexpr ((kPart & kIssueWeights) != 0) {
         mbar_arrive_expect_tx(full, kStageTx);
-        const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
-        tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
+        const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
+        const int w_row = ((t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs) * kUnitRows;
+        if constexpr (kCluster) {
+            constexpr u32 kHalf = kWBytes / 2;
+            constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
+            if (multicast) {
+                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, w_row + rank * kHalfRows, full, 0x3, policy_w);
+            } else {
+                tma_load_2d(w_dst, tm_w, 0, w_row, full, policy_w);
+                tma_load_2d(w_dst + kHalf, tm_w, 0, w_row + kHalfRows, full, policy_w);
+            }
+        } else {
+            tma_load_2d(w_dst, tm_w, 0, w_row, full, policy_w);
+        }
     }
     if constexpr ((kPart & kIssueTokens) != 0) {
         tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
@@ -288,7 +310,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         float xsr[N / 4];
         token_scales<N>(smem, stage, lane, xsr);
         __syncwarp();  // every WGMMA reading this stage has retired, its shared memory is read
-        if (lane == 0) mbar_arrive(pipe.empty(stage));
+        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && step + kStages < kb_count) {
             if (!load(slot + kStages, step + kStages)) return false;
         }
@@ -394,13 +416,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
-constexpr bool kUe8m0 = true;     // the W1 epilogue's UE8M0 1x128 scales
-constexpr bool kCluster = false;  // no cluster-pair variant of this kernel (heuristics.cluster_pairs)
+constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
 
 template <int kPart>
 __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
-                                         u64 policy_w, u64 policy_x, bool /*multicast*/, u32 /*rank*/) {
-    issue<kPart>(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x);
+                                         u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
+    issue<kPart>(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x,
+                 multicast, rank);
 }
 
 template <typename WaitFull, typename Load>
@@ -418,10 +440,11 @@ __device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeli
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle);
+// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, half of it per
+// CTA in cluster pairs; no swizzle);
 // tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); w_sf: the window factors, FP32 [E] (2^base of the
 // window repack); x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32
-// [*, 3]; *num_blocks blocks are live.
+// [*, 3] (cluster pairs: grouping's pair table); *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf_t = FP32 UE8M0 values [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H]; out_sf_t and routing_w unused. clamp = +inf for none.
 GC_STANDALONE_ENTRY(gc_sm90_fp8_fp4_grouped_gemm)

@@ -93,13 +93,6 @@ static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only"
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Frees a stage (one arrival per consumer warp); in a cluster pair on both CTAs' barriers, since both producers
-// write into both CTAs' stage.
-__device__ __forceinline__ void release_stage(u32 empty_bar) {
-    mbar_arrive(empty_bar);
-    if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
-}
-
 // Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free): all
 // of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later. In a cluster
 // pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or both halves
@@ -200,7 +193,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         wgmma_wait<0>();
         fence_operands(tmp);
         __syncwarp();
-        if (lane == 0) release_stage(pipe.empty(stage));
+        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
             if (!load(it + kStages, kb + kStages)) return false;
         }

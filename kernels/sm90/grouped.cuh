@@ -147,6 +147,14 @@ __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_b
     return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
 }
 
+// Frees a stage (one arrival per consumer warp); in a cluster pair on both CTAs' barriers, since both producers
+// write into both CTAs' stage.
+template <bool kCluster>
+__device__ __forceinline__ void release_stage(u32 empty_bar) {
+    mbar_arrive(empty_bar);
+    if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
+}
+
 // Cluster pairs (the GC_CLUSTER standalone variants): the two CTAs of a cluster take pair task j = (tile j / pairs,
 // pair j % pairs) of the block table, rank r block 2 * pair + r. Where both blocks belong to one expert (the host
 // orders each expert's blocks in aligned pairs first: grouping.py), the CTAs stream the weight tile once, each
