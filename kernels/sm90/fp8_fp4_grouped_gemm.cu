@@ -124,19 +124,20 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
     const u32 full = pipe.full(stage);
     if constexpr ((kPart & kIssueWeights) != 0) {
         mbar_arrive_expect_tx(full, kStageTx);
+        const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
         const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
-        const int w_row = ((t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs) * kUnitRows;
         if constexpr (kCluster) {
             constexpr u32 kHalf = kWBytes / 2;
             constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
             if (multicast) {
-                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, w_row + rank * kHalfRows, full, 0x3, policy_w);
+                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, unit * kUnitRows + rank * kHalfRows, full, 0x3,
+                                      policy_w);
             } else {
-                tma_load_2d(w_dst, tm_w, 0, w_row, full, policy_w);
-                tma_load_2d(w_dst + kHalf, tm_w, 0, w_row + kHalfRows, full, policy_w);
+                tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
+                tma_load_2d(w_dst + kHalf, tm_w, 0, unit * kUnitRows + kHalfRows, full, policy_w);
             }
         } else {
-            tma_load_2d(w_dst, tm_w, 0, w_row, full, policy_w);
+            tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
         }
     }
     if constexpr ((kPart & kIssueTokens) != 0) {
