@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
-from cuda.bindings import driver
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import launch_config
+from gc_moe_compat.runtime.launch import cluster_config
 from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
 from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, all_variants, prepare_fp4_weights, prepare_fp8_weights
@@ -131,17 +130,11 @@ def test_cluster_pairs_only_pipelined_past_the_block() -> None:
         ExpertGemmSM90(prepare_fp4_weights(l1, l2), cfg)
 
 
-def test_launch_config_attributes() -> None:
-    """Clusters need whole clusters along x; the cluster and PDL attributes are set as asked, alone or together."""
-    config = launch_config(132, 384, 0, 1024, cluster=2)
+def test_cluster_launch_config_needs_whole_clusters() -> None:
+    config = cluster_config(132, 384, 2, 0, 1024)
     assert (config.gridDimX, config.blockDimX, config.numAttrs, config.sharedMemBytes) == (132, 384, 1, 1024)
-    assert config.attrs[0].value.clusterDim.x == 2
     with pytest.raises(ValueError, match="cluster"):
-        launch_config(131, 384, 0, cluster=2)
-    pdl = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    both = launch_config(132, 384, 0, cluster=2, programmatic=True)
-    assert both.numAttrs == 2 and both.attrs[1].id == pdl and both.attrs[1].value.programmaticStreamSerializationAllowed
-    assert launch_config(131, 384, 0).numAttrs == 0
+        cluster_config(131, 384, 2, 0)
 
 
 def test_group_tokens_no_rows() -> None:

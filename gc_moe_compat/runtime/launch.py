@@ -21,43 +21,32 @@ def dim3(value: int | Sequence[int]) -> Dim3:
     return (int(dims[0]), int(dims[1]), int(dims[2]))
 
 
-def launch_config(
-    grid: int | Sequence[int], block: int | Sequence[int], stream: int | driver.CUstream, shared_bytes: int = 0,
-    *, cluster: int = 1, programmatic: bool = False,
+def cluster_config(
+    grid: int | Sequence[int], block: int | Sequence[int], cluster: int, stream: int | driver.CUstream,
+    shared_bytes: int = 0,
 ) -> driver.CUlaunchConfig:
     """The ``cuLaunchKernelEx`` configuration of a launch in clusters of ``cluster`` CTAs along x (the grid's x
-    extent must be a multiple of it), and, with ``programmatic``, as a programmatic dependent of the stream's
-    previous kernel (PDL: it may start once that kernel's CTAs have all executed ``griddepcontrol.launch_dependents``
-    and must run ``griddepcontrol.wait`` before it touches that kernel's outputs); also what
-    :func:`max_active_clusters` asks about."""
+    extent must be a multiple of it); also what :func:`max_active_clusters` asks about."""
     g, b = dim3(grid), dim3(block)
     if cluster < 1 or g[0] % cluster:
         raise ValueError(f"cluster: a positive divisor of the grid's x extent {g[0]}, got {cluster}")
-    attrs = []
-    if cluster > 1:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-        attrs.append(attr)
-    if programmatic:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        attrs.append(attr)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = g
     config.blockDimX, config.blockDimY, config.blockDimZ = b
     config.sharedMemBytes = shared_bytes
     config.hStream = as_stream(stream)
-    config.attrs = attrs
-    config.numAttrs = len(attrs)
+    config.attrs = [attr]
+    config.numAttrs = 1
     return config
 
 
 def max_active_clusters(kernel: Kernel, block: int, cluster: int, shared_bytes: int) -> int:
     """How many clusters of ``cluster`` CTAs of ``kernel`` the device (or the current green context) can hold at
     once: the persistent grid of a cluster kernel, whose SM pairs depend on the GPC layout."""
-    config = launch_config(cluster, block, 0, shared_bytes, cluster=cluster)
+    config = cluster_config(cluster, block, cluster, 0, shared_bytes)
     return int(call(driver.cuOccupancyMaxActiveClusters, kernel.handle, config))
 
 
@@ -68,16 +57,13 @@ def launch(
     args: KernelArgs | Sequence[Arg],
     stream: int | driver.CUstream,
     shared_bytes: int = 0,
-    *,
     cluster: int = 1,
-    programmatic: bool = False,
 ) -> None:
-    """Launches ``kernel`` on ``stream``, in clusters of ``cluster`` CTAs along x when above 1 and as a programmatic
-    dependent of the stream's previous kernel with ``programmatic`` (:func:`launch_config`); a green context's
+    """Launches ``kernel`` on ``stream``, in clusters of ``cluster`` CTAs along x when above 1; a green context's
     stream runs it in that context (on its SMs)."""
     packed = as_args(args)
-    if cluster > 1 or programmatic:
-        config = launch_config(grid, block, stream, shared_bytes, cluster=cluster, programmatic=programmatic)
+    if cluster > 1:
+        config = cluster_config(grid, block, cluster, stream, shared_bytes)
         call(driver.cuLaunchKernelEx, config, kernel.handle, packed.address, 0)
         return
     g, b = dim3(grid), dim3(block)

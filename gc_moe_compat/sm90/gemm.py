@@ -294,15 +294,12 @@ class ExpertGemmSM90:
             ptr(self.status),
             ctypes.c_uint64(self.timeout_ns),
         ]
-        # W2 is a programmatic dependent of W1 (PDL): its CTAs start on the SMs that W1's last tasks leave idle and
-        # load their first weight stages before they wait for W1's output (the kernels' griddepcontrol).
         if self.config.cluster:  # one pair task per (tile, two table rows), two CTAs each
             clusters = min(tiles * -(-grouped.blocks.shape[0] // 2), self._clusters[epi], self.num_sms // 2)
             grid, cluster = 2 * clusters, 2
         else:
             grid, cluster = min(grouped.blocks.shape[0] * tiles, self.num_sms), 1
-        launch(self._kernels[epi], grid, self.config.threads, args, stream, self._smem(epi), cluster=cluster,
-               programmatic=epi == EPI_W2)
+        launch(self._kernels[epi], grid, self.config.threads, args, stream, self._smem(epi), cluster=cluster)
 
     def run(self, grouped: GroupedTokens, ws: Workspace | None = None, stream: int | None = None) -> Workspace:
         """Launches W1 then W2 on ``stream`` (default: torch's current stream); returns the workspace (``ws.out``)."""

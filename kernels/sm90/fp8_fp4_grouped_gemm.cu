@@ -112,39 +112,33 @@ static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only"
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
-// is free): all of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later.
-// Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows. In a cluster
-// pair (weight box: half the task's units) CTA `rank` loads half `rank` of `multicast` units into both CTAs, or both
-// halves of its own.
-template <int kPart = kIssueAll>
+// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows. In a
+// cluster pair (weight box: half the task's units) CTA `rank` loads half `rank` of `multicast` units into both CTAs,
+// or both halves of its own.
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
                                       const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
                                       u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    if constexpr ((kPart & kIssueWeights) != 0) {
-        mbar_arrive_expect_tx(full, kStageTx);
-        const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
-        const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
-        if constexpr (kCluster) {
-            constexpr u32 kHalf = kWBytes / 2;
-            constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
-            if (multicast) {
-                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, unit * kUnitRows + rank * kHalfRows, full, 0x3,
-                                      policy_w);
-            } else {
-                tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
-                tma_load_2d(w_dst + kHalf, tm_w, 0, unit * kUnitRows + kHalfRows, full, policy_w);
-            }
+    mbar_arrive_expect_tx(full, kStageTx);
+    const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
+    const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
+    if constexpr (kCluster) {
+        constexpr u32 kHalf = kWBytes / 2;
+        constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
+        if (multicast) {
+            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, unit * kUnitRows + rank * kHalfRows, full, 0x3,
+                                  policy_w);
         } else {
             tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
+            tma_load_2d(w_dst + kHalf, tm_w, 0, unit * kUnitRows + kHalfRows, full, policy_w);
         }
+    } else {
+        tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
     }
-    if constexpr ((kPart & kIssueTokens) != 0) {
-        tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
-        bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off,
-                  kSBytes, full);
-    }
+    tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
+              full);
 }
 
 // The 8-entry byte table E4M3(e2m1(c) * 2^d / 64), c = 0..7, as two words (c 0..3 in `lo`, 4..7 in `hi`). Normal
@@ -419,11 +413,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
 
-template <int kPart>
 __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
                                          u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
-    issue<kPart>(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x,
-                 multicast, rank);
+    issue(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x, multicast,
+          rank);
 }
 
 template <typename WaitFull, typename Load>

@@ -93,38 +93,32 @@ static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only"
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free): all
-// of them, or (kPart, grouped.cuh) the weights with the stage's byte count first and the tokens later. In a cluster
-// pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or both halves
-// of its own.
-template <int kPart = kIssueAll>
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free). In a
+// cluster pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or
+// both halves of its own.
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                       const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
                                       u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    if constexpr ((kPart & kIssueWeights) != 0) {
-        mbar_arrive_expect_tx(full, kStageTx);
-        const u32 w_dst = pipe.base + stage * kWBytes;
-        const int w_row = t.expert * n_w + t.tile * kRows;
-        if constexpr (kCluster) {
-            constexpr u32 kHalf = kWBytes / 2;
-            if (multicast) {
-                tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
-                                      policy_w);
-            } else {
-                tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
-                tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
-            }
+    mbar_arrive_expect_tx(full, kStageTx);
+    const u32 w_dst = pipe.base + stage * kWBytes;
+    const int w_row = t.expert * n_w + t.tile * kRows;
+    if constexpr (kCluster) {
+        constexpr u32 kHalf = kWBytes / 2;
+        if (multicast) {
+            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
+                                  policy_w);
         } else {
             tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
+            tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
         }
+    } else {
+        tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
     }
-    if constexpr ((kPart & kIssueTokens) != 0) {
-        tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
-        bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off,
-                  kSBytes, full);
-    }
+    tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
+    bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
+              full);
 }
 
 // The K128 step's four K32 WGMMAs for every slab, with N columns (the block's valid rows rounded up to 8): tmp is
@@ -290,10 +284,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr bool kUe8m0 = false;  // the W1 epilogue's FP32 1x128 scales
 
-template <int kPart>
 __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
                                          u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
-    issue<kPart>(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
+    issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
 }
 
 template <typename WaitFull, typename Load>

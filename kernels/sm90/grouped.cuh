@@ -195,38 +195,22 @@ struct StandaloneArgs {
     u64 timeout_ns;
 };
 
-// What an issue of one K step loads (the kernels' issue<kPart>): everything, or, for the first stages of a
-// programmatic dependent (produce_tasks), the weights before griddep_wait and the tokens after it.
-enum IssuePart : int { kIssueWeights = 1, kIssueTokens = 2, kIssueAll = 3 };
-
-// The producer warpgroup of the pipelined standalone kernels, at kRegs registers: thread `tid` == 0 walks this CTA's
-// tasks (first, + stride, ... below num_tasks; task_at(i) reads one, once per walk) and issues each one's kb_count K
-// steps in order into pipeline slot `it`; produce(it, task, kb) false gives up. The first `early` steps (W2, launched
-// as W1's programmatic dependent) are issued in two parts around griddep_wait, issue_part(part, it, task, kb): the
-// weights into the still free stages first (they do not depend on W1), the tokens once W1's output is visible.
-template <u32 kRegs = 40, typename TaskAt, typename Produce, typename IssuePartFn>
-__device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count, int early,
-                                              TaskAt&& task_at, Produce&& produce, IssuePartFn&& issue_part) {
-    setmaxnreg_dec<kRegs>();
-    if (tid != 0) return;
-    // Steps [from, to) of the walk: f(it, task, kb), false stops it.
-    const auto walk = [&](int from, int to, auto&& f) {
-        int it = from;
-        int kb = from % kb_count;
-        for (int i = first + (from / kb_count) * stride; i < num_tasks && it < to; i += stride, kb = 0) {
+// The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
+// (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order into
+// pipeline slot `it`; produce(it, task, kb) false gives up.
+template <typename TaskAt, typename Produce>
+__device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count,
+                                              TaskAt&& task_at, Produce&& produce) {
+    setmaxnreg_dec<40>();
+    if (tid == 0) {
+        u32 it = 0;
+        for (int i = first; i < num_tasks; i += stride) {
             const auto task = task_at(i);
-            for (; kb < kb_count && it < to; ++kb, ++it) {
-                if (!f(static_cast<u32>(it), task, kb)) return;
+            for (int kb = 0; kb < kb_count; ++kb, ++it) {
+                if (!produce(it, task, kb)) return;
             }
         }
-    };
-    const auto issue_early = [&](int part) {
-        walk(0, early, [&](u32 it, const auto& task, int kb) { return issue_part(part, it, task, kb); });
-    };
-    issue_early(kIssueWeights);
-    griddep_wait();
-    issue_early(kIssueTokens);
-    walk(early, num_tasks * kb_count, produce);
+    }
 }
 
 // The W1 epilogue rounds the GEMM result to BF16 before SwiGLU (reference.py, semantics 4).

@@ -100,16 +100,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* 
         : "memory");
 }
 
-// ------------------------------------------------------------------------------------------ programmatic launch
-// The standalone W2 runs as a programmatic dependent of W1 (PDL, gemm.py). launch_dependents lets the dependent grid
-// start once every CTA of this one has executed it; wait blocks until the grid this one depends on has completed and
-// its memory is visible. Both are no-ops where there is no dependent / no dependency.
-__device__ __forceinline__ void griddep_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // ------------------------------------------------------------------------------------------------------- cluster
 // This CTA's rank in its cluster, the cluster's index along x and the clusters along x.
 GC_PTX_VALUE(u32, "r", cluster_ctarank, "mov.u32 %0, %%cluster_ctarank;")

@@ -7,30 +7,28 @@
 //   constants  kThreads, kSmemBytes, kStages, kConsumerWGs, kProducerWG, kEpi, kMSub, kAcc, kRows, kBK, kOffRed,
 //              kCluster (cluster pairs, PairTask in grouped.cuh) and kUe8m0 (the W1 epilogue's scale rule);
 //   Pipeline   its StagePipeline;
-//   sa_issue<kPart>(a, pipe, it, t, kb, policy_w, policy_x, multicast, rank)
-//              issues part kPart (grouped.cuh, IssuePart) of K step kb of task t into the free slot `it`;
+//   sa_issue(a, pipe, it, t, kb, policy_w, policy_x, multicast, rank)
+//              issues K step kb of task t into the free slot `it`;
 //   sa_consume(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)
 //              the consumer K loop of task t into acc[kMSub][kAcc], weight scales included.
-// What is specific to a weight format stays in its source; the task walk, the warpgroup roles, the PDL handshake
-// between W1 and W2 and the epilogue calls are written once, here.
+// What is specific to a weight format stays in its source; the task walk, the warpgroup roles, the cluster pairs and
+// the epilogue calls are written once, here.
 //
 // A persistent grid walks the tasks (ring block, or a cluster's pair of blocks, x tile of kRows weight rows) with
 // the grid's stride: the pipelined variant's producer warpgroup runs ahead across them (produce_tasks), the consumer
 // warpgroups run each task's K loop and its epilogue (GC_EPI=1: W1, sm90/epilogue_w1.cuh; 2: W2, BF16 partial rows).
-// The standalone W2 is W1's programmatic dependent (gemm.py): W1 lets it launch at once, and W2 loads nothing of
-// W1's output before griddep_wait (its producer issues the first stages' weights before it).
 #pragma once
 
 #if GC_OPERATOR
 #error "sm90/standalone_kernel.cuh is the standalone body (GC_OPERATOR=0)"
 #endif
 
-// Waits for slot `it` to be free and issues all of K step kb of pair task pt into it.
+// Waits for slot `it` to be free and issues K step kb of pair task pt into it.
 __device__ __forceinline__ bool sa_produce(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const PairTask& pt,
                                            int kb, u64 policy_w, u64 policy_x, u32 rank) {
     const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
     if (!mbar_wait(pipe.empty(stage), parity, a.timeout_ns, a.status, kSiteEmpty)) return false;
-    sa_issue<kIssueAll>(a, pipe, it, pt.t, kb, policy_w, policy_x, pt.multicast, rank);
+    sa_issue(a, pipe, it, pt.t, kb, policy_w, policy_x, pt.multicast, rank);
     return true;
 }
 
@@ -51,8 +49,6 @@ __device__ __forceinline__ void standalone_body(const StandaloneArgs& a) {
         __syncthreads();
     }
 
-    if constexpr (kEpi == 1) griddep_launch_dependents();  // W2 may start on the SMs this grid leaves idle
-    if constexpr (kEpi == 2 && !kProducerWG) griddep_wait();  // every load of this variant reads W1's output
     const int nb = __ldg(a.num_blocks);
     const int kb_count = a.k / kBK;
     const u32 rank = kCluster ? cluster_ctarank() : 0;
@@ -70,16 +66,7 @@ __device__ __forceinline__ void standalone_body(const StandaloneArgs& a) {
         const auto produce_step = [&](u32 it, const PairTask& pt, int kb) {
             return sa_produce(a, pipe, it, pt, kb, policy_w, policy_x, rank);
         };
-        const auto issue_part = [&](int part, u32 it, const PairTask& pt, int kb) {
-            if (part == kIssueWeights) {
-                sa_issue<kIssueWeights>(a, pipe, it, pt.t, kb, policy_w, policy_x, pt.multicast, rank);
-            } else {
-                sa_issue<kIssueTokens>(a, pipe, it, pt.t, kb, policy_w, policy_x, pt.multicast, rank);
-            }
-            return true;
-        };
-        produce_tasks(tid, first, stride, num_tasks, kb_count, kEpi == 2 ? kStages : 0, task_at, produce_step,
-                      issue_part);
+        produce_tasks(tid, first, stride, num_tasks, kb_count, task_at, produce_step);
         return;
     }
     if (kProducerWG) setmaxnreg_inc<232>();
