@@ -110,12 +110,12 @@ def test_group_tokens_pair_table_puts_each_experts_blocks_in_aligned_pairs() -> 
     assert [row[0] for row in pairs] == [1, 1, 3, 3, 0, 3, 4, 5]  # full pairs first, then the rest in table order
 
 
-def test_cluster_pairs_only_for_fp8_pipelined_past_the_block() -> None:
-    """Cluster pairs where m + sqrt(m) rows exceed BM = 64 (glm52 T=256: 65 rows per expert), pipelined FP8xFP8 only;
-    the runner refuses them for FP8xFP4 weights before any CUDA call."""
+def test_cluster_pairs_only_pipelined_past_the_block() -> None:
+    """Cluster pairs where m + sqrt(m) rows exceed BM = 64 (glm52 T=256: 65 rows per expert), pipelined only, for
+    both weight formats; the runner refuses a non-pipelined cluster config before any CUDA call."""
     assert select_config(65.0, 32, 16, 132).cluster
+    assert select_config(65.0, 32, 16, 132, "fp8xfp4").cluster
     assert not select_config(32.3, 32, 16, 132).cluster
-    assert not select_config(65.0, 32, 16, 132, "fp8xfp4").cluster
     assert not select_config(65.0, 2, 1, 132).cluster  # two tasks: not pipelined
     assert not select_config(65.0, 32, 16, 132, block_m=32).cluster  # a probe's smaller BM: no cluster variant
     # W2 as 256-row tasks in cluster pairs, where H is known and 256 divides it
@@ -125,7 +125,7 @@ def test_cluster_pairs_only_for_fp8_pipelined_past_the_block() -> None:
     gen = torch.Generator().manual_seed(0)
     l1 = ExpertWeights.quantize(torch.randn(1, 512, 256, generator=gen).to(torch.bfloat16), "mxfp4")
     l2 = ExpertWeights.quantize(torch.randn(1, 256, 256, generator=gen).to(torch.bfloat16), "mxfp4")
-    cfg = KernelConfig(64, True, max_stages(64, 2), max_stages(64, 1), cluster=True)
+    cfg = KernelConfig(64, False, max_stages(64, 2), max_stages(64, 1), cluster=True)
     with pytest.raises(NotImplementedError, match="cluster pairs"):
         ExpertGemmSM90(prepare_fp4_weights(l1, l2), cfg)
 

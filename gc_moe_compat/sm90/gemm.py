@@ -83,11 +83,12 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
             slabs = w2_slabs(bm, mma_type)
             out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
-    if mma_type == "fp8xfp8":  # cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined
-        bm = BLOCK_M_CANDIDATES[-1]
-        out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
-        for slabs in (W2_SLABS, 2):  # 256-row W2 tasks where 256 divides H (heuristics.select_config)
-            out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
+    # Cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined; FP8xFP8 W2 in 128- or 256-row tasks
+    # (256 where 256 divides H: heuristics.select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
+    bm = BLOCK_M_CANDIDATES[-1]
+    out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
+    for slabs in (W2_SLABS, 2) if mma_type == "fp8xfp8" else (w2_slabs(bm, mma_type),):
+        out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
     return out
 
 
@@ -212,8 +213,8 @@ class ExpertGemmSM90:
         fast_math: bool = True,
         num_sms: int | None = None,
     ) -> None:
-        if config.cluster and (isinstance(weights, Fp4Weights) or not config.pipelined):
-            raise NotImplementedError("cluster pairs: only the pipelined FP8xFP8 kernels have a cluster variant")
+        if config.cluster and not config.pipelined:
+            raise NotImplementedError("cluster pairs: only the pipelined kernels have a cluster variant")
         if weights.hidden % tile_rows(config.w2_slabs):
             raise ValueError(f"config: w2_slabs={config.w2_slabs} needs a hidden size that is a multiple of "
                              f"{tile_rows(config.w2_slabs)}, got {weights.hidden}")
@@ -244,12 +245,12 @@ class ExpertGemmSM90:
         if config.cluster and min(self._clusters.values()) < 1:
             raise RuntimeError(f"config: cluster pairs, but this device or partition holds no cluster of two CTAs of "
                                f"the variant ({self._clusters}); pick a config with cluster=False")
+        halves = 2 if config.cluster else 1  # a cluster pair's CTA loads half a task's weights per box (multicast)
         if isinstance(weights, Fp4Weights):  # a task's slabs of one K step: one box of UNIT_ROWS rows per slab
-            self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS, swizzle=False)
-            self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS, swizzle=False)
+            self._tm_w1 = encode_2d(weights.w1, 2 * W1_SLABS * UNIT_ROWS // halves, swizzle=False)
+            self._tm_w2 = encode_2d(weights.w2, 2 * config.w2_slabs * UNIT_ROWS // halves, swizzle=False)
             self._w_sf = (weights.w1_factor, weights.w2_factor)
         else:
-            halves = 2 if config.cluster else 1  # a cluster pair's CTA loads half a tile per box (multicast)
             self._tm_w1 = encode_2d(weights.w1.view(torch.uint8), tile_rows(W1_SLABS) // halves)
             self._tm_w2 = encode_2d(weights.w2.view(torch.uint8), tile_rows(config.w2_slabs) // halves)
             self._w_sf = (weights.w1_sf, weights.w2_sf)

@@ -9,7 +9,7 @@ consumer thread, only within its own task). Why these rules:
   would re-stream the expert's weights once per extra block (each block reads every weight tile).
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
-* Past 64 expected rows (BM capped at 64, so most experts are two or more ring blocks), the FP8xFP8 kernels run in
+* Past 64 expected rows (BM capped at 64, so most experts are two or more ring blocks), the kernels run in
   clusters of two CTAs that take the same weight tile against two blocks of one expert and stream it once, each
   loading half by TMA multicast (:func:`cluster_pairs`; glm52 at T=256 otherwise moved 1.4x the W1 weight bytes
   from DRAM, bench/NOTES_gemm_sm90.md).
@@ -107,11 +107,11 @@ def w2_slabs(bm: int, mma_type: str) -> int:
 
 
 def cluster_pairs(expected_rows: float, bm: int, pipelined: bool, mma_type: str) -> bool:
-    """Whether the GEMMs run in cluster pairs sharing each weight tile between two ring blocks of one expert: FP8xFP8,
+    """Whether the GEMMs run in cluster pairs sharing each weight tile between two ring blocks of one expert:
     pipelined, at the largest BM where ``m + sqrt(m)`` expected rows exceed it (most experts then have two or more
-    blocks; the variants that exist and are tested). The FP8xFP4 kernel has no cluster variant yet."""
-    return (mma_type == "fp8xfp8" and pipelined and bm == BLOCK_M_CANDIDATES[-1]
-            and expected_rows + math.sqrt(expected_rows) > bm)
+    blocks; the variants that exist and are tested), for both weight formats."""
+    _check_mma_type(mma_type)
+    return pipelined and bm == BLOCK_M_CANDIDATES[-1] and expected_rows + math.sqrt(expected_rows) > bm
 
 
 def select_config(

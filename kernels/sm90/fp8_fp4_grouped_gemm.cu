@@ -31,8 +31,9 @@
 //
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 pieces at the
 // end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_kernel.cuh, shared with the FP8xFP8
-// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. Both modes
-// run the same consumer K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
+// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. The
+// standalone grid body is sm90/standalone_kernel.cuh, shared with the FP8xFP8 kernel. Both modes run the same consumer
+// K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
 // (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
@@ -59,6 +60,9 @@
 #ifndef GC_FAST_MATH
 #define GC_FAST_MATH 1
 #endif
+#ifndef GC_CLUSTER
+#define GC_CLUSTER 0
+#endif
 
 namespace gc_moe {
 namespace sm90 {
@@ -68,6 +72,10 @@ constexpr int kMSub = GC_M_SUB;
 constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
+// Cluster pairs (standalone, pipelined), as in fp8_grouped_gemm.cu: the two CTAs of a cluster run the same weight
+// units against an expert's two ring blocks and stream them once (each producer loads half the task's slabs,
+// multicast to both), and each CTA decodes the whole stage for its own block.
+constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
@@ -99,34 +107,38 @@ static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgroup (two A register sets)");
+static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
-// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows.
+// is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows. In a
+// cluster pair (weight box: half the task's units) CTA `rank` loads half `rank` of `multicast` units into both CTAs,
+// or both halves of its own.
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
                                       const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
-                                      u64 policy_w, u64 policy_x) {
+                                      u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
     mbar_arrive_expect_tx(full, kStageTx);
     const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
-    tma_load_2d(pipe.base + kOffW + stage * kWBytes, tm_w, 0, unit * kUnitRows, full, policy_w);
+    const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
+    if constexpr (kCluster) {
+        constexpr u32 kHalf = kWBytes / 2;
+        constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
+        if (multicast) {
+            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, unit * kUnitRows + rank * kHalfRows, full, 0x3,
+                                  policy_w);
+        } else {
+            tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
+            tma_load_2d(w_dst + kHalf, tm_w, 0, unit * kUnitRows + kHalfRows, full, policy_w);
+        }
+    } else {
+        tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
+    }
     tma_load_2d(pipe.base + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
-}
-
-// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
-// abort rule to the same loads).
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count,
-                                        int slabs_w, const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t,
-                                        int rows_total, u64 policy_w, u64 policy_x, KernelStatus* status,
-                                        u64 timeout_ns) {
-    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
-    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
-    issue(pipe, it, t, kb, kb_count, slabs_w, tm_w, tm_x, x_sf_t, rows_total, policy_w, policy_x);
-    return true;
 }
 
 // The 8-entry byte table E4M3(e2m1(c) * 2^d / 64), c = 0..7, as two words (c 0..3 in `lo`, 4..7 in `hi`). Normal
@@ -293,7 +305,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         float xsr[N / 4];
         token_scales<N>(smem, stage, lane, xsr);
         __syncwarp();  // every WGMMA reading this stage has retired, its shared memory is read
-        if (lane == 0) mbar_arrive(pipe.empty(stage));
+        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && step + kStages < kb_count) {
             if (!load(slot + kStages, step + kStages)) return false;
         }
@@ -399,79 +411,36 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
+constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
+
+__device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
+                                         u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
+    issue(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x, multicast,
+          rank);
+}
+
+template <typename WaitFull, typename Load>
+__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
+                                           const Task& t, int cw, int warp, int lane, int local_tid,
+                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    return consume(pipe, smem, it, t, a.k / kBK, a.w_sf, cw, warp, lane, local_tid, acc, wait_full, load);
+}
+
+#include "sm90/standalone_kernel.cuh"
+
 }  // namespace sm90
 }  // namespace gc_moe
 
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, no swizzle);
-// tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); factor: FP32 [E] (2^base of the window repack);
-// x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32 [*, 3];
-// *num_blocks blocks are live.
+// tm_w: the prepared weight units as [E * (k/128) * (n_w/64) * 34, 128] bytes (box 128 x kSlabs * 34, half of it per
+// CTA in cluster pairs; no swizzle);
+// tm_x: [rows_total, k] E4M3 (box 128 x GC_BM, 128-byte swizzle); w_sf: the window factors, FP32 [E] (2^base of the
+// window repack); x_sf_t: FP32 [k/128, rows_total] token scales (W2: the W1 epilogue's UE8M0 values); blocks: int32
+// [*, 3] (cluster pairs: grouping's pair table); *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf_t = FP32 UE8M0 values [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H]; out_sf_t and routing_w unused. clamp = +inf for none.
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    gc_sm90_fp8_fp4_grouped_gemm(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
-                                 const float* __restrict__ factor, const float* __restrict__ x_sf_t,
-                                 const int* __restrict__ blocks, const int* __restrict__ num_blocks,
-                                 const float* __restrict__ routing_w, void* __restrict__ out,
-                                 float* __restrict__ out_sf_t,
-                                 int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
-                                 u64 timeout_ns) {
-    extern __shared__ u8 smem_raw[];
-    u8* smem = align_smem_1024(smem_raw);
-    const Pipeline pipe{smem_addr(smem)};
-    const int tid = threadIdx.x;
-    if (!has_dyn_smem(kSmemBytes, tid, status, kSiteSmem)) return;
-    if (tid == 0) {
-        pipe.init(kConsumerWGs * 4);
-        prefetch_tensormap(&tm_w);
-        prefetch_tensormap(&tm_x);
-    }
-    __syncthreads();
-
-    const int nb = __ldg(num_blocks);
-    const int kb_count = k / kBK;
-    const int slabs_w = n_w / 64;
-    const int num_tasks = nb * (n_w / kRows);
-    const u64 policy_w = evict_first_policy();
-    const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
-    const int wg = tid / 128;
-
-    if (kProducerWG && wg == 0) {
-        const auto task_at = [&](int task) { return load_task(blocks, task, nb); };
-        produce_tasks(tid, blockIdx.x, gridDim.x, num_tasks, kb_count, task_at, [&](u32 it, const Task& t, int kb) {
-            return produce(pipe, it, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
-                           status, timeout_ns);
-        });
-        return;
-    }
-    if (kProducerWG) setmaxnreg_inc<232>();
-
-    const int cw = wg - kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
-    const int local_tid = tid - kProducerWG * 128;
-    float* red = reinterpret_cast<float*>(smem + kOffRed);
-    u32 it = 0;
-    for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
-        const Task t = load_task(blocks, task, nb);
-        float acc[kMSub][kAcc];
-        const auto wait_full = [&](u32 bar, u32 parity) {
-            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
-        };
-        const auto load = [&](u32 slot, int kb) {
-            return produce(pipe, slot, t, kb, kb_count, slabs_w, &tm_w, &tm_x, x_sf_t, rows_total, policy_w, policy_x,
-                           status, timeout_ns);
-        };
-        if (!consume(pipe, smem, it, t, kb_count, factor, cw, warp, lane, local_tid, acc, wait_full, load))
-            return;
-        if constexpr (kEpi == 1) {
-            epilogue_w1<true>(acc, t, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
-                              rows_total, clamp, alpha);
-        } else {
-            epilogue_w2<kRows>(acc, t, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
-        }
-    }
-}
+GC_STANDALONE_ENTRY(gc_sm90_fp8_fp4_grouped_gemm)
 
 #endif  // GC_OPERATOR

@@ -19,9 +19,10 @@
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_role2: the FP8 pieces at the end
 // of this file, the grid body in sm90/role2_kernel.cuh shared with the FP8xFP4 kernel): one persistent grid running
 // both GEMMs over the token ring of the operator workspace, reading the block table role1 publishes and handshaking
-// with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the standalone kernel; both run
-// the same consumer K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
-// (tests/data/sm90_fp8_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
+// with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the standalone kernel (its grid
+// body in sm90/standalone_kernel.cuh, shared with the FP8xFP4 kernel); both run the same consumer K loop (consume).
+// tests/test_role2_operator_host.py keeps the standalone cubins' hashes (tests/data/sm90_fp8_standalone_cubins.json,
+// rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
@@ -92,13 +93,6 @@ static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only"
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Frees a stage (one arrival per consumer warp); in a cluster pair on both CTAs' barriers, since both producers
-// write into both CTAs' stage.
-__device__ __forceinline__ void release_stage(u32 empty_bar) {
-    mbar_arrive(empty_bar);
-    if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
-}
-
 // Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free). In a
 // cluster pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or
 // both halves of its own.
@@ -125,18 +119,6 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
     tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
     bulk_load(pipe.base + kOffS + stage * kSBytes, x_sf_t + static_cast<size_t>(kb) * rows_total + t.row_off, kSBytes,
               full);
-}
-
-// Waits for stage `it % kStages` to be free and issues K step kb (the operator's op_produce adds its ring waits and
-// abort rule to the same loads).
-__device__ __forceinline__ bool produce(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
-                                        const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
-                                        u64 policy_w, u64 policy_x, KernelStatus* status, u64 timeout_ns,
-                                        bool multicast = false, u32 rank = 0) {
-    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
-    if (!mbar_wait(pipe.empty(stage), parity, timeout_ns, status, kSiteEmpty)) return false;
-    issue(pipe, it, t, kb, tm_w, tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, multicast, rank);
-    return true;
 }
 
 // The K128 step's four K32 WGMMAs for every slab, with N columns (the block's valid rows rounded up to 8): tmp is
@@ -205,7 +187,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         wgmma_wait<0>();
         fence_operands(tmp);
         __syncwarp();
-        if (lane == 0) release_stage(pipe.empty(stage));
+        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
         if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
             if (!load(it + kStages, kb + kStages)) return false;
         }
@@ -300,88 +282,34 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
+constexpr bool kUe8m0 = false;  // the W1 epilogue's FP32 1x128 scales
+
+__device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
+                                         u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
+    issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
+}
+
+template <typename WaitFull, typename Load>
+__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
+                                           const Task& t, int cw, int /*warp*/, int lane, int local_tid,
+                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
+                         load);
+}
+
+#include "sm90/standalone_kernel.cuh"
+
 }  // namespace sm90
 }  // namespace gc_moe
 
 using namespace gc_moe;
 using namespace gc_moe::sm90;
 
-// tm_w: [E * n_w, k] FP8 (box 128 x kRows); tm_x: [rows_total, k] FP8 (box 128 x GC_BM); w_sf: FP32
-// [E, n_w/128, k/128]; x_sf_t: FP32 [k/128, rows_total]; blocks: int32 [*, 3]; *num_blocks blocks are live.
+// tm_w: [E * n_w, k] FP8 (box 128 x kRows; half of it per CTA in cluster pairs); tm_x: [rows_total, k] FP8 (box
+// 128 x GC_BM); w_sf: FP32 [E, n_w/128, k/128]; x_sf_t: FP32 [k/128, rows_total]; blocks: int32 [*, 3] (cluster
+// pairs: grouping's pair table); *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = FP8 [rows_total, I], out_sf_t = FP32 [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H], out_sf_t and routing_w unused. clamp = +inf for none.
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    gc_sm90_fp8_grouped_gemm(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
-                             const float* __restrict__ w_sf, const float* __restrict__ x_sf_t,
-                             const int* __restrict__ blocks, const int* __restrict__ num_blocks,
-                             const float* __restrict__ routing_w, void* __restrict__ out, float* __restrict__ out_sf_t,
-                             int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
-                             u64 timeout_ns) {
-    extern __shared__ u8 smem_raw[];
-    u8* smem = align_smem_1024(smem_raw);
-    const Pipeline pipe{smem_addr(smem)};
-    const int tid = threadIdx.x;
-    if (!has_dyn_smem(kSmemBytes, tid, status, kSiteSmem)) return;
-    if (tid == 0) {
-        pipe.init(kConsumerWGs * 4 * (kCluster ? 2 : 1));
-        prefetch_tensormap(&tm_w);
-        prefetch_tensormap(&tm_x);
-    }
-    if constexpr (kCluster) {
-        cluster_sync();  // both CTAs' barriers exist before either producer or consumer touches the other's
-    } else {
-        __syncthreads();
-    }
-
-    const int nb = __ldg(num_blocks);
-    const int kb_count = k / kBK;
-    const u32 rank = kCluster ? cluster_ctarank() : 0;
-    const int first = kCluster ? static_cast<int>(cluster_id_x()) : static_cast<int>(blockIdx.x);
-    const int stride = kCluster ? static_cast<int>(cluster_count_x()) : static_cast<int>(gridDim.x);
-    const int num_tasks = (kCluster ? pair_count(nb) : nb) * (n_w / kRows);
-    const auto task_at = [&](int i) {
-        return kCluster ? load_pair_task(blocks, i, nb, rank) : PairTask{load_task(blocks, i, nb), false, false};
-    };
-    const u64 policy_w = evict_first_policy();
-    const u64 policy_x = evict_last_policy();  // token tiles are re-read by every weight tile of their block
-    const int wg = tid / 128;
-
-    if (kProducerWG && wg == 0) {
-        produce_tasks(tid, first, stride, num_tasks, kb_count, task_at, [&](u32 it, const PairTask& pt, int kb) {
-            return produce(pipe, it, pt.t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
-                           timeout_ns, pt.multicast, rank);
-        });
-        return;
-    }
-    if (kProducerWG) setmaxnreg_inc<232>();
-
-    const int cw = wg - kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
-    const int local_tid = tid - kProducerWG * 128;
-    float* red = reinterpret_cast<float*>(smem + kOffRed);
-    const int row_blocks = n_w / 128;
-    u32 it = 0;
-    for (int i = first; i < num_tasks; i += stride) {
-        const PairTask pt = task_at(i);
-        const Task& t = pt.t;
-        float acc[kMSub][kAcc];
-        const auto wait_full = [&](u32 bar, u32 parity) {
-            return mbar_wait(bar, parity, timeout_ns, status, kSiteFull);
-        };
-        const auto load = [&](u32 slot, int kb) {
-            return produce(pipe, slot, t, kb, &tm_w, &tm_x, x_sf_t, n_w, rows_total, policy_w, policy_x, status,
-                           timeout_ns);
-        };
-        if (!consume<kEpi>(pipe, smem, it, t, kb_count, row_blocks, w_sf, cw, lane, local_tid, acc, wait_full, load))
-            return;
-        const Task stored{t.expert, pt.mirror ? 0 : t.valid, t.row_off, t.tile};  // a mirror stores nothing
-        if constexpr (kEpi == 1) {
-            epilogue_w1<false>(acc, stored, cw, warp, lane, red, routing_w, static_cast<u8*>(out), out_sf_t, n_w / 2,
-                               rows_total, clamp, alpha);
-        } else {
-            epilogue_w2<kRows>(acc, stored, cw, warp, lane, static_cast<__nv_bfloat16*>(out), n_w);
-        }
-    }
-    if constexpr (kCluster) cluster_sync();  // the other CTA arrives on this one's barriers until it is done
-}
+GC_STANDALONE_ENTRY(gc_sm90_fp8_grouped_gemm)
 
 #endif  // GC_OPERATOR

@@ -147,6 +147,14 @@ __device__ __forceinline__ Task load_task(const int* blocks, int task, int num_b
     return Task{__ldg(blocks + 3 * blk), __ldg(blocks + 3 * blk + 1), __ldg(blocks + 3 * blk + 2), task / num_blocks};
 }
 
+// Frees a stage (one arrival per consumer warp); in a cluster pair on both CTAs' barriers, since both producers
+// write into both CTAs' stage.
+template <bool kCluster>
+__device__ __forceinline__ void release_stage(u32 empty_bar) {
+    mbar_arrive(empty_bar);
+    if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
+}
+
 // Cluster pairs (the GC_CLUSTER standalone variants): the two CTAs of a cluster take pair task j = (tile j / pairs,
 // pair j % pairs) of the block table, rank r block 2 * pair + r. Where both blocks belong to one expert (the host
 // orders each expert's blocks in aligned pairs first: grouping.py), the CTAs stream the weight tile once, each
@@ -168,6 +176,24 @@ __device__ __forceinline__ PairTask load_pair_task(const int* blocks, int j, int
     const bool same = !second || __ldg(blocks + 3 * b0) == __ldg(blocks + 3 * b0 + 3);
     return PairTask{t, same, rank == 1 && !second};
 }
+
+// The standalone kernels' parameters, as both entries receive them (sm90/standalone_kernel.cuh; their sources'
+// comments say what each holds).
+struct StandaloneArgs {
+    const TensorMap* tm_w;
+    const TensorMap* tm_x;
+    const float* w_sf;  // FP8xFP8: FP32 block scales [E, n_w/128, k/128]; FP8xFP4: the window factors [E]
+    const float* x_sf_t;
+    const int* blocks;
+    const int* num_blocks;
+    const float* routing_w;
+    void* out;
+    float* out_sf_t;
+    int n_w, k, rows_total;
+    float clamp, alpha;
+    KernelStatus* status;
+    u64 timeout_ns;
+};
 
 // The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
 // (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order into

@@ -14,7 +14,7 @@ from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
+from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
 from gc_moe_compat.sm90.gemm import FP4_KERNEL, FP4_SOURCE, ExpertGemmSM90, Workspace, all_variants
 from gc_moe_compat.sm90.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.sm90.workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
@@ -65,7 +65,20 @@ def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included. The
     weights' K32 scales span 16 exponents, so the window clips groups and the decoder folds d up to 10. W2 runs as
     256-row tasks from BM = 16 (heuristics.w2_slabs), 128-row ones at BM = 8."""
-    gen = torch.Generator(device=DEV).manual_seed(100 + bm + pipelined)
+    check_fp4_expert_rows(config(bm, pipelined, "fp8xfp4"), None, seed=100 + bm + pipelined)
+
+
+def test_fp4_cluster_pairs_multicast_split_and_mirror() -> None:
+    """The FP8xFP4 cluster-pair variants (BM = 64): experts of 1, 65, 129 and 1 rows give multicast pairs, a pair of
+    two experts and a mirror, as in the FP8xFP8 test."""
+    check_fp4_expert_rows(config(64, True, "fp8xfp4", cluster=True), [1, 65, 129, 1], seed=211)
+
+
+def check_fp4_expert_rows(cfg: KernelConfig, counts: list[int] | None, seed: int) -> None:
+    """One slot per token for four experts with ``counts`` rows (default: 0, 1, BM, BM+1) through the ``cfg``
+    variant, on FP4 weights whose K32 scales span 16 exponents: every expert's partial rows and intermediate against
+    the faithful reference."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     h, inter = 512, 256
     spread = [
         (torch.randn(4, n, k, generator=gen, device=DEV) / k**0.5)
@@ -75,19 +88,19 @@ def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
         for n, k in ((2 * inter, h), (h, inter))
     ]
     fp4 = make_fp4_layer(*(w.to(torch.bfloat16) for w in spread))
-    tok = boundary_tokens(bm, h, gen)
-    cfg = config(bm, pipelined, "fp8xfp4")
+    tok = boundary_tokens(cfg.bm, h, gen, counts)
     ws = run_poisoned(ExpertGemmSM90(fp4.prepared, cfg, activation_clamp=CLAMP), tok.grouped)
     xq, weights = tok.x_dequant, tok.topk_weights
-    for e in (1, 2, 3):
+    for e in range(4):
         rows, tokens = tok.rows_of(e)
+        if not bool(rows.any()):
+            continue
         w1, w2 = fp4.l1_window.dequantize(e), fp4.l2_window.dequantize(e)
         kw = dict(activation_clamp=CLAMP, intermediate_quant="ue8m0_128")
         ref = expert_rows(xq[tokens], w1, w2, weights[tokens, 0], **kw)
         ref_inter = l1_intermediate(xq[tokens], w1, weights[tokens, 0], **kw)
         mi, mo = accuracy_metrics(_intermediate(ws, rows), ref_inter), accuracy_metrics(ws.out[rows], ref)
-        print(f"fp4 bm={bm} pipelined={pipelined} w2_slabs={cfg.w2_slabs} expert {e} rows {int(rows.sum())}: "
-              f"inter {mi} out {mo}")
+        print(f"fp4 {cfg} expert {e} rows {int(rows.sum())}: inter {mi} out {mo}")
         assert mo["nonfinite"] == 0 and mi["nonfinite"] == 0
         assert mo["cosine"] >= 0.9999 and mo["processed_diff"] <= 1e-4 and mi["cosine"] >= 0.9999
 
