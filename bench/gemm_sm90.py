@@ -85,6 +85,15 @@ def split_latency(gemm: ExpertGemmSM90, grouped: GroupedTokens, ws: Workspace, w
     }
 
 
+def point_config(layer: Layer, tokens_per_rank: int, counts: torch.Tensor, num_sms: int, mma_type: str = "fp8xfp8",
+                 block_m: int | None = None) -> KernelConfig:
+    """The config :func:`select_config` picks for a point with ``counts`` rows per expert: what this benchmark runs
+    (bench/profile_gemm_sm90.py and bench/graph_gap_sm90.py run the same)."""
+    tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
+    return select_config(tokens_per_rank * layer.topk / layer.l1.num_experts, int((counts > 0).sum()), tiles, num_sms,
+                         mma_type, block_m=block_m, hidden=layer.prepared.hidden)
+
+
 def floor_bytes(layer: Layer, counts: torch.Tensor, mma_type: str = "fp8xfp8") -> int:
     """:func:`_common.expert_floor_bytes` of this point: the active experts and the rows of ``counts``."""
     h, inter = layer.l1.in_features, layer.l1.out_features // 2
@@ -217,10 +226,8 @@ def main() -> None:
         e = layer.l1.num_experts
         for t in args.tokens:
             tok = make_tokens(layer, t, seed=t)
-            tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
             counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-            cfg = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, block_m=args.block_m,
-                                hidden=layer.prepared.hidden)
+            cfg = point_config(layer, t, counts, num_sms, block_m=args.block_m)
             used.add(("fp8xfp8", cfg))
             grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
             gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
@@ -235,8 +242,7 @@ def main() -> None:
                 "faithful": accuracy_metrics(ours[valid], ref[valid]),
                 "model": accuracy_metrics(ours[valid], model[valid]),
             }
-            cfg4 = select_config(t * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, "fp8xfp4",
-                                 block_m=args.block_m)
+            cfg4 = point_config(layer, t, counts, num_sms, "fp8xfp4", block_m=args.block_m)
             used.add(("fp8xfp4", cfg4))
             gemm4 = ExpertGemmSM90(fp4.prepared, cfg4, activation_clamp=CLAMP)  # same BM rules: same grouping
             ws4 = gemm4.workspace(grouped)

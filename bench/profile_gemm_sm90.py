@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from gemm_sm90 import point_config
 
-from gc_moe_compat.sm90 import group_tokens, select_config
+from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
-from gc_moe_compat.sm90.heuristics import MMA_TYPES, W1_SLABS, tile_rows
+from gc_moe_compat.sm90.heuristics import MMA_TYPES
 from gc_moe_compat.sm90.workload import CLAMP, make_fp4_layer, make_layer, make_tokens
 
 
@@ -36,9 +37,7 @@ def main() -> None:
     tok = make_tokens(layer, args.tokens, seed=args.tokens)
     e = layer.l1.num_experts
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=e)
-    tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
-    cfg = select_config(args.tokens * layer.topk / e, int((counts > 0).sum()), tiles, num_sms, args.format,
-                        hidden=layer.prepared.hidden)
+    cfg = point_config(layer, args.tokens, counts, num_sms, args.format)
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, e, cfg.bm)
     gemm = ExpertGemmSM90(weights, cfg, activation_clamp=CLAMP)
     ws = gemm.workspace(grouped)
