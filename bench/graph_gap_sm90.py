@@ -10,6 +10,8 @@ glm52 T=64, where the excess is ~0), FP8xFP8 with the benchmark's config (:func:
   benchmark (:func:`gemm_sm90.time_graph`: windows of 100 replays, L2 flushed between windows, median window);
 * per two-kernel sequence, ``excess_us`` = its time minus the sum of its kernels alone: an excess only in [W1, W2]
   points at that boundary, one in every pair at any two kernels in one graph;
+* the same for DeepGEMM 2.8.2's two masked GEMMs on the same FP8 weights (``dg_w1``, ``dg_w2``, where DeepGEMM
+  loads): does the baseline's graph show an excess at the same points?
 * during each sequence's windows, ``nvidia-smi`` samples the SM clock and the power draw every 20 ms (clocks are
   only read, never set): a lower clock in the longer graphs would point at power.
 
@@ -29,14 +31,16 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from _baseline_sm90 import import_deep_gemm
 from _common import PER_WINDOW, REPO, result_meta
-from gemm_sm90 import point_config, time_graph
+from gemm_sm90 import DeepGemmPipeline, point_config, time_graph
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
 from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
+DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
 DEFAULT_POINTS = ("glm52:128", "dsv41-flash:256", "glm52:64")
 SAMPLE_MS = 20
 
@@ -98,8 +102,10 @@ def visible_gpu() -> str:
     return visible or "0"
 
 
-def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int) -> dict[str, object]:
-    """Every sequence of one point, timed, with its GPU samples and the two-kernel excesses."""
+def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int,
+                  dg: object | None) -> dict[str, object]:
+    """Every sequence of one point (DeepGEMM's too where ``dg`` is the loaded module), timed, with its GPU samples
+    and the two-kernel excesses."""
     layer = make_layer(preset, torch.device("cuda"), seed=1)
     tok = make_tokens(layer, t, seed=t)
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=layer.l1.num_experts)
@@ -108,8 +114,14 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
     gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
     ws = gemm.run(grouped)  # W2 of every sequence reads a written intermediate
     kernels = {"w1": lambda: gemm.run_w1(grouped, ws), "w2": lambda: gemm.run_w2(grouped, ws)}
+    sequences = SEQUENCES
+    if dg is not None:
+        base = DeepGemmPipeline(dg, layer, tok).masked
+        base.pipeline()  # its W2 reads a written activation, as ours does
+        kernels |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
+        sequences += DG_SEQUENCES
     latency, samples = {}, {}
-    for seq in SEQUENCES:
+    for seq in sequences:
         steps = [kernels[k] for k in seq.split("+")]
         with GpuSampler(gpu) as sampler:
             latency[seq] = time_graph(lambda s=steps: [step() for step in s], warmup, windows)
@@ -131,15 +143,21 @@ def main() -> None:
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gpu = visible_gpu()
+    try:
+        dg = import_deep_gemm()
+        dg_status = "deepinfer-gemm 2.8.2 (built on the device)"
+    except Exception as err:  # noqa: BLE001 - any import failure is recorded, our sequences still run
+        dg, dg_status = None, f"unavailable: {type(err).__name__}: {err}"
     partition = {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"}
     meta = result_meta("bench/graph_gap_sm90.py", sys.argv[1:], partition)
     meta["timing"] = {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW,
                       "sampler_ms": SAMPLE_MS}
+    meta["deepgemm"] = dg_status
     args.out.parent.mkdir(parents=True, exist_ok=True)
     points = []
     for spec in args.points:
         preset, tokens = spec.split(":")
-        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows)
+        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg)
         points.append(point)
         args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
         print(f"{spec} bm={point['config']['bm']}: "

@@ -23,6 +23,7 @@ def test_excess_is_each_pair_minus_its_kernels_alone() -> None:
     latency = {"w1": 200.0, "w2": 100.0, "w1+w2": 314.0, "w1+w1": 401.0, "w2+w2": 199.5, "w2+w1": 300.0}
     assert gap.excess(latency) == {"w1+w2": 14.0, "w1+w1": 1.0, "w2+w2": -0.5, "w2+w1": 0.0}
     assert set(gap.excess(latency)) == {s for s in gap.SEQUENCES if "+" in s}
+    assert gap.excess({"dg_w1": 150.0, "dg_w2": 80.0, "dg_w1+dg_w2": 236.5}) == {"dg_w1+dg_w2": 6.5}
 
 
 def test_parse_samples_medians_and_skips_unreadable_lines() -> None:
