@@ -113,8 +113,7 @@ using Pipeline = StagePipeline<kOffBar, kStages>;
 
 // Issues the weight units (codes + d), token tile and token scales of K step kb into stage `it % kStages` (which
 // is free). Weight units of expert e, step kb, slab j: view row ((e * kb_count + kb) * slabs_w + j) * kUnitRows. In a
-// cluster pair (weight box: half the task's units) CTA `rank` loads half `rank` of `multicast` units into both CTAs,
-// or both halves of its own.
+// cluster pair, half the task's units per CTA (load_weights_pair, grouped.cuh).
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, int kb_count, int slabs_w,
                                       const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf_t, int rows_total,
                                       u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
@@ -124,15 +123,8 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
     const int unit = (t.expert * kb_count + kb) * slabs_w + t.tile * kSlabs;
     const u32 w_dst = pipe.base + kOffW + stage * kWBytes;
     if constexpr (kCluster) {
-        constexpr u32 kHalf = kWBytes / 2;
-        constexpr int kHalfRows = kSlabs / 2 * kUnitRows;
-        if (multicast) {
-            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, 0, unit * kUnitRows + rank * kHalfRows, full, 0x3,
-                                  policy_w);
-        } else {
-            tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
-            tma_load_2d(w_dst + kHalf, tm_w, 0, unit * kUnitRows + kHalfRows, full, policy_w);
-        }
+        load_weights_pair<kWBytes>(w_dst, tm_w, 0, unit * kUnitRows, kSlabs / 2 * kUnitRows, full, policy_w, multicast,
+                                   rank);
     } else {
         tma_load_2d(w_dst, tm_w, 0, unit * kUnitRows, full, policy_w);
     }

@@ -93,9 +93,8 @@ static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only"
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 
-// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free). In a
-// cluster pair (weight box: half the tile) CTA `rank` loads half `rank` of a `multicast` tile into both CTAs, or
-// both halves of its own.
+// Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free); in a
+// cluster pair, half the weight tile per CTA (load_weights_pair, grouped.cuh).
 __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& t, int kb, const TensorMap* tm_w,
                                       const TensorMap* tm_x, const float* x_sf_t, int n_w, int rows_total,
                                       u64 policy_w, u64 policy_x, bool multicast = false, u32 rank = 0) {
@@ -105,14 +104,7 @@ __device__ __forceinline__ void issue(const Pipeline& pipe, u32 it, const Task& 
     const u32 w_dst = pipe.base + stage * kWBytes;
     const int w_row = t.expert * n_w + t.tile * kRows;
     if constexpr (kCluster) {
-        constexpr u32 kHalf = kWBytes / 2;
-        if (multicast) {
-            tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, kb * kBK, w_row + rank * (kRows / 2), full, 0x3,
-                                  policy_w);
-        } else {
-            tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
-            tma_load_2d(w_dst + kHalf, tm_w, kb * kBK, w_row + kRows / 2, full, policy_w);
-        }
+        load_weights_pair<kWBytes>(w_dst, tm_w, kb * kBK, w_row, kRows / 2, full, policy_w, multicast, rank);
     } else {
         tma_load_2d(w_dst, tm_w, kb * kBK, w_row, full, policy_w);
     }

@@ -155,6 +155,21 @@ __device__ __forceinline__ void release_stage(u32 empty_bar) {
     if constexpr (kCluster) mbar_arrive_cluster(map_shared_rank(empty_bar, cluster_ctarank() ^ 1));
 }
 
+// A cluster pair's load of a task's weight box of one K step (`bytes` at w_dst, TMA coordinates c0, row; the tensor
+// map's box is half of it, `half_rows` rows) onto barrier `full`: CTA `rank` loads half `rank` of a `multicast` box
+// into both CTAs, or both halves of its own.
+template <u32 kBytes>
+__device__ __forceinline__ void load_weights_pair(u32 w_dst, const TensorMap* tm_w, int c0, int row, int half_rows,
+                                                  u32 full, u64 policy, bool multicast, u32 rank) {
+    constexpr u32 kHalf = kBytes / 2;
+    if (multicast) {
+        tma_load_2d_multicast(w_dst + rank * kHalf, tm_w, c0, row + rank * half_rows, full, 0x3, policy);
+    } else {
+        tma_load_2d(w_dst, tm_w, c0, row, full, policy);
+        tma_load_2d(w_dst + kHalf, tm_w, c0, row + half_rows, full, policy);
+    }
+}
+
 // Cluster pairs (the GC_CLUSTER standalone variants): the two CTAs of a cluster take pair task j = (tile j / pairs,
 // pair j % pairs) of the block table, rank r block 2 * pair + r. Where both blocks belong to one expert (the host
 // orders each expert's blocks in aligned pairs first: grouping.py), the CTAs stream the weight tile once, each
