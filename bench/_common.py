@@ -23,8 +23,9 @@ L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
 
 
 def timed_windows(window: Callable[[], None], warmup: int, windows: int,
-                  before_window: Callable[[], None] | None = None) -> tuple[list[float], float]:
-    """Run ``window`` (which issues PER_WINDOW launches) ``warmup + windows`` times, L2 flushed and the device
+                  before_window: Callable[[], None] | None = None,
+                  launches: int = PER_WINDOW) -> tuple[list[float], float]:
+    """Run ``window`` (which issues ``launches`` launches) ``warmup + windows`` times, L2 flushed and the device
     synchronized before each; return the per-launch device microseconds of each measured window (CUDA events) and
     the median host microseconds per launch spent issuing them (above the device time, launches are host-bound).
 
@@ -45,8 +46,8 @@ def timed_windows(window: Callable[[], None], warmup: int, windows: int,
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
-            device_us.append(start.elapsed_time(end) * 1e3 / PER_WINDOW)
-            host_us.append((t1 - t0) * 1e6 / PER_WINDOW)
+            device_us.append(start.elapsed_time(end) * 1e3 / launches)
+            host_us.append((t1 - t0) * 1e6 / launches)
     return device_us, statistics.median(host_us)
 
 

@@ -62,19 +62,25 @@ from gc_moe_compat.sm90.workload import (
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 
 
-def time_graph(fn: Callable[[], None], warmup: int, windows: int) -> float:
-    """Median over windows of (CUDA-event time of PER_WINDOW replays of a graph of ``fn``) / PER_WINDOW, in µs."""
-    fn()  # JIT / module load outside the capture
+def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn``'s launches (``fn`` runs once first, so that JIT and module load stay out of it)."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], None], warmup: int, windows: int, replays: int = PER_WINDOW) -> float:
+    """Median over windows of (CUDA-event time of ``replays`` replays of a graph of ``fn``) / ``replays``, in µs."""
+    graph = capture(fn)
 
     def window() -> None:
-        for _ in range(PER_WINDOW):
+        for _ in range(replays):
             graph.replay()
 
-    return statistics.median(timed_windows(window, warmup, windows)[0])
+    return statistics.median(timed_windows(window, warmup, windows, launches=replays)[0])
 
 
 def split_latency(gemm: ExpertGemmSM90, grouped: GroupedTokens, ws: Workspace, warmup: int, windows: int) -> dict:

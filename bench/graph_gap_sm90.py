@@ -3,17 +3,21 @@
 At glm52 T=128 and dsv41-flash T=256 the graph of W1 -> W2 (bench/gemm_sm90.py's ``gc_fp8``) takes 10-14 µs more
 than W1 and W2 each replayed alone (``latency_split_us``); with the sum of the two, both points would beat DeepGEMM's
 pipeline. Launch latency (PDL, session 7) and L2 left warm by the split timing (Nsight Compute's cold durations) were
-ruled out. This script separates the candidates that remain. Per point (preset, T; default: the two misses and
-glm52 T=64, where the excess is ~0), FP8xFP8 with the benchmark's config (:func:`gemm_sm90.point_config`):
+ruled out. The first run of this script (bench/results/graph_gap_sm90.v1_fixed_windows.json) found the excess in
+every two-kernel graph, [W1, W1] and [W2, W2] too, none in DeepGEMM's, and the card drawing ~695 W with the SM clock
+at 1470-1640 MHz during the longer graphs. This run tests whether the excess is the window's length: per point
+(preset, T; default: the two misses and glm52 T=64, where the excess is small), FP8xFP8 with the benchmark's config
+(:func:`gemm_sm90.point_config`):
 
-* CUDA graphs of the kernel sequences [W1], [W2], [W1, W2], [W1, W1], [W2, W2] and [W2, W1], each timed like the
-  benchmark (:func:`gemm_sm90.time_graph`: windows of 100 replays, L2 flushed between windows, median window);
-* per two-kernel sequence, ``excess_us`` = its time minus the sum of its kernels alone: an excess only in [W1, W2]
-  points at that boundary, one in every pair at any two kernels in one graph;
-* the same for DeepGEMM 2.8.2's two masked GEMMs on the same FP8 weights (``dg_w1``, ``dg_w2``, where DeepGEMM
-  loads): does the baseline's graph show an excess at the same points?
-* during each sequence's windows, ``nvidia-smi`` samples the SM clock and the power draw every 20 ms (clocks are
-  only read, never set): a lower clock in the longer graphs would point at power.
+* ``latency_us``: graphs of the kernel sequences [W1], [W2], [W1, W2], [W1, W1], [W2, W2], [W2, W1] (and DeepGEMM
+  2.8.2's two masked GEMMs on the same FP8 weights, ``dg_w1``, ``dg_w2``, where DeepGEMM loads), each timed like the
+  benchmark (:func:`gemm_sm90.time_graph`, L2 flushed between windows, median window) at several replays per window;
+* ``excess_us``: each two-kernel sequence minus the sum of its kernels alone at the same replays per window (the
+  benchmark's split comparison), and ``matched_excess_us``: the same against its kernels alone at twice the replays,
+  so that both sides launch as many kernels per window. An excess that vanishes when matched is the window length;
+* ``series``: after half a second idle, one window of ~600 ms of one sequence with an event every SERIES_CHUNK
+  replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
+  over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
 
 Run on the lent H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
 (``python bench/graph_gap_sm90.py --out bench/results/graph_gap_sm90.json``).
@@ -22,18 +26,24 @@ Run on the lent H200: ``bash scripts/device_check.sh --bench-only --bench graph_
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 import torch
 from _baseline_sm90 import import_deep_gemm
-from _common import PER_WINDOW, REPO, result_meta
-from gemm_sm90 import DeepGemmPipeline, point_config, time_graph
+from _common import REPO, result_meta
+from gemm_sm90 import DeepGemmPipeline, capture, point_config, time_graph
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
@@ -41,13 +51,44 @@ from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
+SERIES_SEQUENCES = ("w1", "w1+w2", "dg_w1", "dg_w1+dg_w2")
 DEFAULT_POINTS = ("glm52:128", "dsv41-flash:256", "glm52:64")
-SAMPLE_MS = 20
+REPLAYS = (50, 100, 200, 400)  # per window; the benchmark's is 100
+SAMPLE_MS = 10
+SERIES_MS = 600
+SERIES_CHUNK = 25  # replays per event of a series
+IDLE_S = 0.5  # before a series, so that it starts from the clock an idle card ramps to
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # new and old nvidia-smi names
+SW_POWER_CAP = 0x4  # NVML's clocks event reason bit: the SM clock is lowered to hold the power limit
+
+
+class Sample(NamedTuple):
+    """One ``nvidia-smi`` reading: host time (s since the epoch), SM clock (MHz), power draw (W), whether the SW
+    power cap was holding the clock down (None where the driver does not report the reasons)."""
+
+    t: float
+    clock_mhz: float
+    power_w: float
+    power_capped: bool | None
+
+
+@functools.cache
+def reason_field(gpu: str) -> str | None:
+    """The clock-event-reason field this driver's ``nvidia-smi`` accepts, or None."""
+    for field in REASON_FIELDS:
+        try:
+            probe = subprocess.run(["nvidia-smi", f"--id={gpu}", f"--query-gpu={field}", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+        except OSError:
+            return None
+        if probe.returncode == 0 and probe.stdout.strip().startswith("0x"):
+            return field
+    return None
 
 
 class GpuSampler:
-    """``nvidia-smi`` reading one GPU's SM clock (MHz) and power draw (W) every SAMPLE_MS while the block runs;
-    ``summary()`` gives their medians and the lowest clock, or why there are none."""
+    """``nvidia-smi`` reading one GPU's SM clock, power draw and power-cap reason every SAMPLE_MS while the block
+    runs; ``samples()`` parses what it read, ``error`` says why there is nothing."""
 
     def __init__(self, gpu: str) -> None:
         self.gpu = gpu
@@ -56,9 +97,10 @@ class GpuSampler:
         self.error: str | None = None
 
     def __enter__(self) -> GpuSampler:
+        fields = ",".join(["timestamp", "clocks.sm", "power.draw"] + [f for f in [reason_field(self.gpu)] if f])
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", f"--id={self.gpu}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                ["nvidia-smi", f"--id={self.gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
                  f"--loop-ms={SAMPLE_MS}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError as err:
             self.error = f"nvidia-smi: {err}"
@@ -70,30 +112,93 @@ class GpuSampler:
             self.proc.terminate()
             self.out = self.proc.communicate(timeout=10)[0]
 
-    def summary(self) -> dict[str, object]:
-        return parse_samples(self.out) if self.error is None else {"unavailable": self.error}
+    def samples(self) -> list[Sample]:
+        return parse_samples(self.out)
 
 
-def parse_samples(text: str) -> dict[str, object]:
-    """Medians of ``nvidia-smi``'s "clock, power" CSV lines (lines that are not two numbers are skipped)."""
-    clocks, powers = [], []
+def parse_samples(text: str) -> list[Sample]:
+    """``nvidia-smi``'s "timestamp, clock, power[, reasons]" CSV lines (lines that do not parse are skipped)."""
+    samples = []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]
         try:
-            clock, power = float(fields[0]), float(fields[1])
+            t = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            clock, power = float(fields[1]), float(fields[2])
+            capped = bool(int(fields[3], 16) & SW_POWER_CAP) if len(fields) > 3 else None
         except (IndexError, ValueError):
             continue
-        clocks.append(clock)
-        powers.append(power)
-    if not clocks:
+        samples.append(Sample(t, clock, power, capped))
+    return samples
+
+
+def summarize(samples: list[Sample]) -> dict[str, object]:
+    """Medians of the clock and power, the lowest clock, and the share of samples under the SW power cap."""
+    if not samples:
         return {"unavailable": "no samples"}
-    return {"samples": len(clocks), "sm_clock_mhz_median": statistics.median(clocks),
-            "sm_clock_mhz_min": min(clocks), "power_w_median": statistics.median(powers)}
+    capped = [s.power_capped for s in samples if s.power_capped is not None]
+    return {"samples": len(samples), "sm_clock_mhz_median": statistics.median(s.clock_mhz for s in samples),
+            "sm_clock_mhz_min": min(s.clock_mhz for s in samples),
+            "power_w_median": statistics.median(s.power_w for s in samples),
+            "power_capped_share": sum(capped) / len(capped) if capped else None}
 
 
-def excess(latency: dict[str, float]) -> dict[str, float]:
-    """Each two-kernel sequence's time minus the sum of its kernels alone (µs)."""
-    return {seq: latency[seq] - sum(latency[k] for k in seq.split("+")) for seq in latency if "+" in seq}
+def excess(latency: dict[str, float], alone: dict[str, float] | None = None) -> dict[str, float]:
+    """Each two-kernel sequence's time minus the sum of its kernels alone (from ``alone``, default ``latency``)."""
+    alone = latency if alone is None else alone
+    return {seq: latency[seq] - sum(alone[k] for k in seq.split("+")) for seq in latency if "+" in seq}
+
+
+def window_excess(latency: dict[str, dict[int, float]]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Per replays-per-window ``n``: :func:`excess` against the kernels alone at ``n`` (the benchmark's split
+    comparison) and, where measured, at ``2 n`` (as many kernel launches per window on both sides)."""
+    counts = sorted({n for per_n in latency.values() for n in per_n})
+    at = {n: {seq: latency[seq][n] for seq in latency} for n in counts}
+    same = {n: excess(at[n]) for n in counts}
+    matched = {n: excess(at[n], at[2 * n]) for n in counts if 2 * n in at}
+    return same, matched
+
+
+def series_summary(chunks: list[tuple[float, float]], samples: list[tuple[float, float, float, bool | None]]
+                   ) -> dict[str, object]:
+    """A series' first chunk against its last quarter: µs per replay, SM clock and power-cap share (samples before
+    the series, the idle second, are left out)."""
+    end = chunks[-1][0]
+    tail = [us for t, us in chunks if t >= 0.75 * end]
+    running = [s for s in samples if 0.0 <= s[0] <= end]
+    tail_samples = [s for s in running if s[0] >= 0.75 * end]
+    first = [s for s in running if s[0] <= 50.0]
+    capped = [s[3] for s in tail_samples if s[3] is not None]
+    return {"first_chunk_us": chunks[0][1], "last_quarter_us": statistics.mean(tail),
+            "sm_clock_mhz_first_50ms": statistics.median(s[1] for s in first) if first else None,
+            "sm_clock_mhz_last_quarter": statistics.median(s[1] for s in tail_samples) if tail_samples else None,
+            "power_w_last_quarter": statistics.median(s[2] for s in tail_samples) if tail_samples else None,
+            "power_capped_share_last_quarter": sum(capped) / len(capped) if capped else None}
+
+
+def replay_series(fn: Callable[[], None], latency_us: float, gpu: str) -> dict[str, object]:
+    """One ~SERIES_MS window of graph replays of ``fn`` after IDLE_S idle: ``chunks`` as (ms since the window's
+    start at the chunk's end, µs per replay), ``samples`` as (ms since the start, MHz, W, power-capped)."""
+    graph = capture(fn)
+    num_chunks = math.ceil(SERIES_MS * 1e3 / latency_us / SERIES_CHUNK)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(num_chunks + 1)]
+    with GpuSampler(gpu) as sampler:
+        torch.cuda.synchronize()
+        time.sleep(IDLE_S)
+        t0 = time.time()
+        events[0].record()
+        for event in events[1:]:
+            for _ in range(SERIES_CHUNK):
+                graph.replay()
+            event.record()
+        torch.cuda.synchronize()
+        time.sleep(2 * SAMPLE_MS / 1e3)
+    ends = [events[0].elapsed_time(e) for e in events[1:]]
+    chunks = [(b, (b - a) * 1e3 / SERIES_CHUNK) for a, b in zip([0.0, *ends[:-1]], ends, strict=True)]
+    samples = [((s.t - t0) * 1e3, s.clock_mhz, s.power_w, s.power_capped) for s in sampler.samples()]
+    result: dict[str, object] = {"chunks": chunks, "samples": samples, "replays": num_chunks * SERIES_CHUNK}
+    if sampler.error:
+        result["sampler"] = sampler.error
+    return result | {"summary": series_summary(chunks, samples)}
 
 
 def visible_gpu() -> str:
@@ -104,8 +209,8 @@ def visible_gpu() -> str:
 
 def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int,
                   dg: object | None) -> dict[str, object]:
-    """Every sequence of one point (DeepGEMM's too where ``dg`` is the loaded module), timed, with its GPU samples
-    and the two-kernel excesses."""
+    """Every sequence of one point (DeepGEMM's too where ``dg`` is the loaded module) at each of REPLAYS per
+    window, with its GPU samples, the two-kernel excesses and the series."""
     layer = make_layer(preset, torch.device("cuda"), seed=1)
     tok = make_tokens(layer, t, seed=t)
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=layer.l1.num_experts)
@@ -120,25 +225,51 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
         base.pipeline()  # its W2 reads a written activation, as ours does
         kernels |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
         sequences += DG_SEQUENCES
-    latency, samples = {}, {}
-    for seq in sequences:
+
+    def run_sequence(seq: str) -> Callable[[], None]:
         steps = [kernels[k] for k in seq.split("+")]
+        return lambda: [step() for step in steps]
+
+    latency: dict[str, dict[int, float]] = {}
+    samples = {}
+    for seq in sequences:
         with GpuSampler(gpu) as sampler:
-            latency[seq] = time_graph(lambda s=steps: [step() for step in s], warmup, windows)
-        samples[seq] = sampler.summary()
+            latency[seq] = {n: time_graph(run_sequence(seq), warmup, windows, replays=n) for n in REPLAYS}
+        samples[seq] = summarize(sampler.samples()) if sampler.error is None else {"unavailable": sampler.error}
+    series = {seq: replay_series(run_sequence(seq), latency[seq][REPLAYS[0]], gpu)
+              for seq in SERIES_SEQUENCES if seq in latency}
     gemm.check()
+    same, matched = window_excess(latency)
     return {"preset": preset, "tokens_per_rank": t, "mma_type": "fp8xfp8",
             "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "cluster": cfg.cluster,
                        "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs},
-            "latency_us": latency, "excess_us": excess(latency), "gpu_samples": samples}
+            "latency_us": latency, "excess_us": same, "matched_excess_us": matched, "gpu_samples": samples,
+            "series": series}
+
+
+def report(spec: str, point: dict) -> str:
+    """The point's lines of the printed table: excess per replays per window, split and matched, and each series'
+    first chunk against its last quarter."""
+    lines = [f"{spec} bm={point['config']['bm']}"]
+    for n, row in point["excess_us"].items():
+        matched = point["matched_excess_us"].get(n, {})
+        lines.append(f"  {n:>3} replays: " + ", ".join(
+            f"{seq} {v:+.1f}" + (f" (matched {matched[seq]:+.1f})" if seq in matched else "")
+            for seq, v in row.items()))
+    for seq, s in point["series"].items():
+        m = s["summary"]
+        lines.append(f"  series {seq}: {m['first_chunk_us']:.1f} -> {m['last_quarter_us']:.1f} us, "
+                     f"SM {m['sm_clock_mhz_first_50ms']} -> {m['sm_clock_mhz_last_quarter']} MHz, "
+                     f"{m['power_w_last_quarter']} W, capped {m['power_capped_share_last_quarter']}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/graph_gap_sm90.json")
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="PRESET:T, FP8xFP8")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--windows", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--windows", type=int, default=10)
     args = parser.parse_args()
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -150,8 +281,9 @@ def main() -> None:
         dg, dg_status = None, f"unavailable: {type(err).__name__}: {err}"
     partition = {"dispatch_sms": 0, "compute_sms": num_sms, "workqueue": "none (whole device, no green context)"}
     meta = result_meta("bench/graph_gap_sm90.py", sys.argv[1:], partition)
-    meta["timing"] = {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": PER_WINDOW,
-                      "sampler_ms": SAMPLE_MS}
+    meta["timing"] = {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": list(REPLAYS),
+                      "sampler_ms": SAMPLE_MS, "series_ms": SERIES_MS, "series_chunk": SERIES_CHUNK,
+                      "idle_before_series_s": IDLE_S, "clock_reason_field": reason_field(gpu)}
     meta["deepgemm"] = dg_status
     args.out.parent.mkdir(parents=True, exist_ok=True)
     points = []
@@ -160,11 +292,7 @@ def main() -> None:
         point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg)
         points.append(point)
         args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
-        print(f"{spec} bm={point['config']['bm']}: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in point["latency_us"].items())
-              + " | excess " + ", ".join(f"{k} {v:+.1f}" for k, v in point["excess_us"].items())
-              + " | SM MHz " + ", ".join(f"{k} {c.get('sm_clock_mhz_median', '-')}"
-                                         for k, c in point["gpu_samples"].items()))
+        print(report(spec, point))
         torch.cuda.empty_cache()
     print(f"wrote {args.out}")
 
