@@ -15,6 +15,9 @@ at 1470-1640 MHz during the longer graphs. This run tests whether the excess is 
 * ``excess_us``: each two-kernel sequence minus the sum of its kernels alone at the same replays per window (the
   benchmark's split comparison), and ``matched_excess_us``: the same against its kernels alone at twice the replays,
   so that both sides launch as many kernels per window. An excess that vanishes when matched is the window length;
+* ``trace``: TRACE_REPLAYS back-to-back replays of each sequence under the PyTorch profiler (CUPTI kernel records,
+  no L2 flush): per kernel of the sequence its median duration and the median gap from the kernel before it, so
+  that an excess shows as a longer kernel (which one) or a longer gap;
 * ``series``: after half a second idle, one window of ~600 ms of one sequence with an event every SERIES_CHUNK
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
@@ -44,6 +47,7 @@ import torch
 from _baseline_sm90 import import_deep_gemm
 from _common import REPO, result_meta
 from gemm_sm90 import DeepGemmPipeline, capture, point_config, time_graph
+from torch.profiler import ProfilerActivity, profile
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
@@ -58,6 +62,7 @@ SAMPLE_MS = 10
 SERIES_MS = 600
 SERIES_CHUNK = 25  # replays per event of a series
 IDLE_S = 0.5  # before a series, so that it starts from the clock an idle card ramps to
+TRACE_REPLAYS = 50
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # new and old nvidia-smi names
 SW_POWER_CAP = 0x4  # NVML's clocks event reason bit: the SM clock is lowered to hold the power limit
 
@@ -201,6 +206,39 @@ def replay_series(fn: Callable[[], None], latency_us: float, gpu: str) -> dict[s
     return result | {"summary": series_summary(chunks, samples)}
 
 
+def kernel_trace(fn: Callable[[], None], trace_file: Path) -> list[tuple[float, float, str]]:
+    """(start µs, duration µs, name) of every kernel of TRACE_REPLAYS replays of a graph of ``fn``, in start order,
+    from the PyTorch profiler's trace (written to ``trace_file``)."""
+    graph = capture(fn)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(TRACE_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_file))
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    return sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+
+
+def trace_summary(kernels: list[tuple[float, float, str]], replays: int) -> dict[str, object]:
+    """Per kernel position of one replay: its median duration and the median gap from the end of the kernel before
+    it (the previous replay's last for the first); and the median replay period."""
+    per_replay, left = divmod(len(kernels), replays)
+    if left or not per_replay:
+        return {"unavailable": f"{len(kernels)} kernel records for {replays} replays"}
+    positions = []
+    for i in range(per_replay):
+        at = range(i, len(kernels), per_replay)
+        gaps = [kernels[j][0] - kernels[j - 1][0] - kernels[j - 1][1] for j in at if j > 0]
+        positions.append({"name": kernels[i][2][:80], "dur_us": statistics.median(kernels[j][1] for j in at),
+                          "gap_before_us": statistics.median(gaps)})
+    starts = [kernels[j][0] for j in range(0, len(kernels), per_replay)]
+    period = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return {"kernels_per_replay": per_replay, "positions": positions, "replay_us": statistics.median(period)}
+
+
 def visible_gpu() -> str:
     """The ``nvidia-smi`` id of torch's device 0: the first entry of CUDA_VISIBLE_DEVICES, else 0."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
@@ -208,9 +246,10 @@ def visible_gpu() -> str:
 
 
 def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int,
-                  dg: object | None) -> dict[str, object]:
+                  dg: object | None, trace_dir: Path) -> dict[str, object]:
     """Every sequence of one point (DeepGEMM's too where ``dg`` is the loaded module) at each of REPLAYS per
-    window, with its GPU samples, the two-kernel excesses and the series."""
+    window, with its GPU samples, the two-kernel excesses, the kernel traces (files under ``trace_dir``) and the
+    series."""
     layer = make_layer(preset, torch.device("cuda"), seed=1)
     tok = make_tokens(layer, t, seed=t)
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=layer.l1.num_experts)
@@ -236,6 +275,8 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
         with GpuSampler(gpu) as sampler:
             latency[seq] = {n: time_graph(run_sequence(seq), warmup, windows, replays=n) for n in REPLAYS}
         samples[seq] = summarize(sampler.samples()) if sampler.error is None else {"unavailable": sampler.error}
+    trace = {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
+                                TRACE_REPLAYS) for seq in sequences}
     series = {seq: replay_series(run_sequence(seq), latency[seq][REPLAYS[0]], gpu)
               for seq in SERIES_SEQUENCES if seq in latency}
     gemm.check()
@@ -244,7 +285,7 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
             "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "cluster": cfg.cluster,
                        "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs},
             "latency_us": latency, "excess_us": same, "matched_excess_us": matched, "gpu_samples": samples,
-            "series": series}
+            "trace": trace, "series": series}
 
 
 def report(spec: str, point: dict) -> str:
@@ -256,6 +297,9 @@ def report(spec: str, point: dict) -> str:
         lines.append(f"  {n:>3} replays: " + ", ".join(
             f"{seq} {v:+.1f}" + (f" (matched {matched[seq]:+.1f})" if seq in matched else "")
             for seq, v in row.items()))
+    for seq, tr in point["trace"].items():
+        lines.append(f"  trace {seq}: " + (", ".join(f"{p['dur_us']:.1f} (gap {p['gap_before_us']:.1f})"
+                                                     for p in tr["positions"]) if "positions" in tr else str(tr)))
     for seq, s in point["series"].items():
         m = s["summary"]
         lines.append(f"  series {seq}: {m['first_chunk_us']:.1f} -> {m['last_quarter_us']:.1f} us, "
@@ -268,6 +312,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/graph_gap_sm90.json")
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="PRESET:T, FP8xFP8")
+    parser.add_argument("--trace-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "graph_gap_traces",
+                        help="where the profiler's kernel traces go (not the repository: they are large)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10)
     args = parser.parse_args()
@@ -284,12 +330,14 @@ def main() -> None:
     meta["timing"] = {"warmup_windows": args.warmup, "windows": args.windows, "replays_per_window": list(REPLAYS),
                       "sampler_ms": SAMPLE_MS, "series_ms": SERIES_MS, "series_chunk": SERIES_CHUNK,
                       "idle_before_series_s": IDLE_S, "clock_reason_field": reason_field(gpu)}
+    meta["timing"]["trace_replays"] = TRACE_REPLAYS
     meta["deepgemm"] = dg_status
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.trace_dir.mkdir(parents=True, exist_ok=True)
     points = []
     for spec in args.points:
         preset, tokens = spec.split(":")
-        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg)
+        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg, args.trace_dir)
         points.append(point)
         args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
         print(report(spec, point))

@@ -86,3 +86,16 @@ def test_point_config_is_the_heuristics_choice(tokens: int, mma_type: str) -> No
     active = int((counts > 0).sum())
     assert cfg == select_config(tokens * 8 / 32, active, 2 * 2048 // 256, 132, mma_type, hidden=6144)
     assert cfg.cluster == (tokens == 256)  # past 64 expected rows per expert, both formats
+
+
+def test_trace_summary_gives_each_kernel_of_a_replay_its_duration_and_gap() -> None:
+    kernels = []
+    for r in range(4):  # replays of [W1 (200 µs), W2 (100 µs)], 3 µs between them, 5 µs between replays
+        start = 308.0 * r
+        kernels += [(start, 200.0, "w1_kernel"), (start + 203.0, 100.0, "w2_kernel")]
+    summary = gap.trace_summary(kernels, 4)
+    assert summary["kernels_per_replay"] == 2
+    assert summary["positions"] == [{"name": "w1_kernel", "dur_us": 200.0, "gap_before_us": 5.0},
+                                    {"name": "w2_kernel", "dur_us": 100.0, "gap_before_us": 3.0}]
+    assert summary["replay_us"] == 308.0
+    assert "7 kernel records" in gap.trace_summary(kernels[:7], 4)["unavailable"]
