@@ -18,6 +18,10 @@ at 1470-1640 MHz during the longer graphs. This run tests whether the excess is 
 * ``trace``: TRACE_REPLAYS back-to-back replays of each sequence under the PyTorch profiler (CUPTI kernel records,
   no L2 flush): per kernel of the sequence its median duration and the median gap from the kernel before it, so
   that an excess shows as a longer kernel (which one) or a longer gap;
+* ``probes``: traces of W1 after other kernels than W2 (the traces show W1 ~16 µs longer after W2 than after W1
+  at glm52 T=128): after zeroing W2's output buffer (dirty lines of the same size in L2), after filling the L2
+  with dirty lines, after reading 1 GiB (L2 and TLB turned over with clean lines), after DeepGEMM's W2; and
+  DeepGEMM's W1 after our W2;
 * ``series``: after half a second idle, one window of ~600 ms of one sequence with an event every SERIES_CHUNK
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
@@ -55,6 +59,8 @@ from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
+PROBE_SEQUENCES = ("w1+w1", "w2+w1", "zero_out+w1", "fill_l2+w1", "read_big+w1", "dg_w2+w1", "w2+dg_w1")
+PARTS = ("sweep", "trace", "probes", "series")
 SERIES_SEQUENCES = ("w1", "w1+w2", "dg_w1", "dg_w1+dg_w2")
 DEFAULT_POINTS = ("glm52:128", "dsv41-flash:256", "glm52:64")
 REPLAYS = (50, 100, 200, 400)  # per window; the benchmark's is 100
@@ -246,10 +252,10 @@ def visible_gpu() -> str:
 
 
 def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int,
-                  dg: object | None, trace_dir: Path) -> dict[str, object]:
-    """Every sequence of one point (DeepGEMM's too where ``dg`` is the loaded module) at each of REPLAYS per
-    window, with its GPU samples, the two-kernel excesses, the kernel traces (files under ``trace_dir``) and the
-    series."""
+                  dg: object | None, trace_dir: Path, parts: list[str]) -> dict[str, object]:
+    """The ``parts`` (of PARTS) of one point, DeepGEMM's sequences too where ``dg`` is the loaded module: each
+    sequence at each of REPLAYS per window with its GPU samples and the two-kernel excesses, the kernel traces
+    (files under ``trace_dir``), the probes and the series."""
     layer = make_layer(preset, torch.device("cuda"), seed=1)
     tok = make_tokens(layer, t, seed=t)
     counts = torch.bincount(tok.topk_idx[tok.topk_idx >= 0], minlength=layer.l1.num_experts)
@@ -269,38 +275,52 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
         steps = [kernels[k] for k in seq.split("+")]
         return lambda: [step() for step in steps]
 
-    latency: dict[str, dict[int, float]] = {}
-    samples = {}
-    for seq in sequences:
-        with GpuSampler(gpu) as sampler:
-            latency[seq] = {n: time_graph(run_sequence(seq), warmup, windows, replays=n) for n in REPLAYS}
-        samples[seq] = summarize(sampler.samples()) if sampler.error is None else {"unavailable": sampler.error}
-    trace = {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
-                                TRACE_REPLAYS) for seq in sequences}
-    series = {seq: replay_series(run_sequence(seq), latency[seq][REPLAYS[0]], gpu)
-              for seq in SERIES_SEQUENCES if seq in latency}
+    fill = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.zeros(1 << 29, dtype=torch.float16, device="cuda")
+    kernels |= {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max}
+
+    def traces(seqs: tuple[str, ...]) -> dict[str, object]:
+        return {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
+                                   TRACE_REPLAYS) for seq in seqs if all(k in kernels for k in seq.split("+"))}
+
+    point: dict[str, object] = {
+        "preset": preset, "tokens_per_rank": t, "mma_type": "fp8xfp8",
+        "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "cluster": cfg.cluster,
+                   "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs}}
+    if "sweep" in parts:
+        latency: dict[str, dict[int, float]] = {}
+        samples = {}
+        for seq in sequences:
+            with GpuSampler(gpu) as sampler:
+                latency[seq] = {n: time_graph(run_sequence(seq), warmup, windows, replays=n) for n in REPLAYS}
+            samples[seq] = summarize(sampler.samples()) if sampler.error is None else {"unavailable": sampler.error}
+        same, matched = window_excess(latency)
+        point |= {"latency_us": latency, "excess_us": same, "matched_excess_us": matched, "gpu_samples": samples}
+    if "trace" in parts:
+        point["trace"] = traces(sequences)
+    if "probes" in parts:
+        point["probes"] = traces(PROBE_SEQUENCES)
+    if "series" in parts:
+        point["series"] = {seq: replay_series(run_sequence(seq), time_graph(run_sequence(seq), 1, 3), gpu)
+                           for seq in SERIES_SEQUENCES if seq in sequences}
     gemm.check()
-    same, matched = window_excess(latency)
-    return {"preset": preset, "tokens_per_rank": t, "mma_type": "fp8xfp8",
-            "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "cluster": cfg.cluster,
-                       "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs},
-            "latency_us": latency, "excess_us": same, "matched_excess_us": matched, "gpu_samples": samples,
-            "trace": trace, "series": series}
+    return point
 
 
 def report(spec: str, point: dict) -> str:
     """The point's lines of the printed table: excess per replays per window, split and matched, and each series'
     first chunk against its last quarter."""
     lines = [f"{spec} bm={point['config']['bm']}"]
-    for n, row in point["excess_us"].items():
+    for n, row in point.get("excess_us", {}).items():
         matched = point["matched_excess_us"].get(n, {})
         lines.append(f"  {n:>3} replays: " + ", ".join(
             f"{seq} {v:+.1f}" + (f" (matched {matched[seq]:+.1f})" if seq in matched else "")
             for seq, v in row.items()))
-    for seq, tr in point["trace"].items():
-        lines.append(f"  trace {seq}: " + (", ".join(f"{p['dur_us']:.1f} (gap {p['gap_before_us']:.1f})"
-                                                     for p in tr["positions"]) if "positions" in tr else str(tr)))
-    for seq, s in point["series"].items():
+    for part in ("trace", "probes"):
+        for seq, tr in point.get(part, {}).items():
+            lines.append(f"  {part} {seq}: " + (", ".join(f"{p['dur_us']:.1f} (gap {p['gap_before_us']:.1f})"
+                                                          for p in tr["positions"]) if "positions" in tr else str(tr)))
+    for seq, s in point.get("series", {}).items():
         m = s["summary"]
         lines.append(f"  series {seq}: {m['first_chunk_us']:.1f} -> {m['last_quarter_us']:.1f} us, "
                      f"SM {m['sm_clock_mhz_first_50ms']} -> {m['sm_clock_mhz_last_quarter']} MHz, "
@@ -314,6 +334,7 @@ def main() -> None:
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="PRESET:T, FP8xFP8")
     parser.add_argument("--trace-dir", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "graph_gap_traces",
                         help="where the profiler's kernel traces go (not the repository: they are large)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10)
     args = parser.parse_args()
@@ -337,7 +358,8 @@ def main() -> None:
     points = []
     for spec in args.points:
         preset, tokens = spec.split(":")
-        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg, args.trace_dir)
+        point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg, args.trace_dir,
+                              args.parts)
         points.append(point)
         args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
         print(report(spec, point))
