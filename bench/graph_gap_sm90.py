@@ -20,8 +20,9 @@ at 1470-1640 MHz during the longer graphs. This run tests whether the excess is 
   that an excess shows as a longer kernel (which one) or a longer gap;
 * ``probes``: traces of W1 after other kernels than W2 (the traces show W1 ~16 µs longer after W2 than after W1
   at glm52 T=128): after zeroing W2's output buffer (dirty lines of the same size in L2), after filling the L2
-  with dirty lines, after reading 1 GiB (L2 and TLB turned over with clean lines), after DeepGEMM's W2; and
-  DeepGEMM's W1 after our W2;
+  with dirty lines, after reading 1 GiB (L2 and TLB turned over with clean lines), after a spin kernel that
+  touches no memory (only the multiprocessors' own state changes), after W1 itself on one token per rank (same
+  code and shared-memory size, little traffic), after DeepGEMM's W2; and DeepGEMM's W1 after our W2;
 * ``series``: after half a second idle, one window of ~600 ms of one sequence with an event every SERIES_CHUNK
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
@@ -55,11 +56,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
+from gc_moe_compat.sm90.heuristics import W1_SLABS, smem_bytes
 from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
-PROBE_SEQUENCES = ("w1+w1", "w2+w1", "zero_out+w1", "fill_l2+w1", "read_big+w1", "dg_w2+w1", "w2+dg_w1")
+PROBE_SEQUENCES = ("w1+w1", "w2+w1", "zero_out+w1", "fill_l2+w1", "read_big+w1", "spin+w1", "w1_tiny+w1",
+                   "dg_w2+w1", "w2+dg_w1")
+SPIN_CYCLES = 20_000  # ~10 µs of torch.cuda._sleep
 PARTS = ("sweep", "trace", "probes", "series")
 SERIES_SEQUENCES = ("w1", "w1+w2", "dg_w1", "dg_w1+dg_w2")
 DEFAULT_POINTS = ("glm52:128", "dsv41-flash:256", "glm52:64")
@@ -277,7 +281,11 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
 
     fill = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     big = torch.zeros(1 << 29, dtype=torch.float16, device="cuda")
-    kernels |= {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max}
+    tiny = make_tokens(layer, 1, seed=1)
+    grouped_tiny = group_tokens(tiny.x_fp8, tiny.x_sf, tiny.topk_idx, tiny.topk_weights, layer.l1.num_experts, cfg.bm)
+    ws_tiny = gemm.run(grouped_tiny)
+    kernels |= {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max,
+                "spin": lambda: torch.cuda._sleep(SPIN_CYCLES), "w1_tiny": lambda: gemm.run_w1(grouped_tiny, ws_tiny)}
 
     def traces(seqs: tuple[str, ...]) -> dict[str, object]:
         return {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
@@ -286,7 +294,9 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
     point: dict[str, object] = {
         "preset": preset, "tokens_per_rank": t, "mma_type": "fp8xfp8",
         "config": {"bm": cfg.bm, "pipelined": cfg.pipelined, "cluster": cfg.cluster,
-                   "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs}}
+                   "stages": [cfg.stages_w1, cfg.stages_w2], "w2_slabs": cfg.w2_slabs,
+                   "smem_bytes": [smem_bytes(cfg.bm, W1_SLABS, cfg.stages_w1),
+                                  smem_bytes(cfg.bm, cfg.w2_slabs, cfg.stages_w2)]}}
     if "sweep" in parts:
         latency: dict[str, dict[int, float]] = {}
         samples = {}
