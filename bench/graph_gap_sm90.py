@@ -22,7 +22,9 @@ at 1470-1640 MHz during the longer graphs. This run tests whether the excess is 
   at glm52 T=128): after zeroing W2's output buffer (dirty lines of the same size in L2), after filling the L2
   with dirty lines, after reading 1 GiB (L2 and TLB turned over with clean lines), after a spin kernel that
   touches no memory (only the multiprocessors' own state changes), after W1 itself on one token per rank (same
-  code and shared-memory size, little traffic), after DeepGEMM's W2; and DeepGEMM's W1 after our W2;
+  code and shared-memory size, little traffic), after DeepGEMM's W2; and DeepGEMM's W1 after our W2; then whether
+  re-reading W1's token rows (``read_x``) or its weight and token scales (``read_sf``) into L2 after the dirty
+  lines or the 1 GiB read gives W1 back the time it has after itself;
 * ``series``: after half a second idle, one window of ~600 ms of one sequence with an event every SERIES_CHUNK
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
@@ -62,7 +64,8 @@ from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
 PROBE_SEQUENCES = ("w1+w1", "w2+w1", "zero_out+w1", "fill_l2+w1", "read_big+w1", "spin+w1", "w1_tiny+w1",
-                   "dg_w2+w1", "w2+dg_w1")
+                   "dg_w2+w1", "w2+dg_w1", "zero_out+read_x+w1", "zero_out+read_sf+w1", "read_big+read_x+w1",
+                   "read_big+read_sf+w1")
 SPIN_CYCLES = 20_000  # ~10 µs of torch.cuda._sleep
 PARTS = ("sweep", "trace", "probes", "series")
 SERIES_SEQUENCES = ("w1", "w1+w2", "dg_w1", "dg_w1+dg_w2")
@@ -285,7 +288,9 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
     grouped_tiny = group_tokens(tiny.x_fp8, tiny.x_sf, tiny.topk_idx, tiny.topk_weights, layer.l1.num_experts, cfg.bm)
     ws_tiny = gemm.run(grouped_tiny)
     kernels |= {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max,
-                "spin": lambda: torch.cuda._sleep(SPIN_CYCLES), "w1_tiny": lambda: gemm.run_w1(grouped_tiny, ws_tiny)}
+                "spin": lambda: torch.cuda._sleep(SPIN_CYCLES), "w1_tiny": lambda: gemm.run_w1(grouped_tiny, ws_tiny),
+                "read_x": grouped.x.view(torch.uint8).max,
+                "read_sf": lambda: (layer.prepared.w1_sf.max(), grouped.x_sf_t.max())}
 
     def traces(seqs: tuple[str, ...]) -> dict[str, object]:
         return {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
