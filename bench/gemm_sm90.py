@@ -18,7 +18,9 @@ weight and scale bytes plus the rows' token payload in (FP8 + scales) and out (B
 ``1.5 H I`` FP4 bytes + one scale byte per 32 values, plus the same payload. Efficiency = floor / latency (gc_fp4
 against the FP4 floor, everything else against the FP8 floor); speedups are DeepGEMM's latency over ours.
 Accuracy per point: our partials against the quantization-faithful and BF16 model references.
-W1 and W2 are also timed apart (``latency_split_us``: where each family's time goes).
+W1 and W2 are also timed apart (``latency_split_us``: where each family's time goes). Apart, each kernel follows
+itself, which flatters W1 where its token tiles are large (up to 17 µs at glm52 T=128: bench/graph_gap_sm90.py,
+NOTES session 8); the graph's time is what a model sees.
 ``GC_MOE_BENCH_TOKENS`` ("64,128,256") restricts the sweep, ``GC_MOE_BENCH_WINDOWS`` the windows (short leases).
 
 Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
@@ -84,7 +86,8 @@ def time_graph(fn: Callable[[], None], warmup: int, windows: int, replays: int =
 
 
 def split_latency(gemm: ExpertGemmSM90, grouped: GroupedTokens, ws: Workspace, warmup: int, windows: int) -> dict:
-    """W1 and W2 timed apart (each its own graph, the same protocol): where a kernel family's time goes."""
+    """W1 and W2 timed apart (each its own graph, the same protocol): where a kernel family's time goes. Each
+    follows itself here, so W1 finds its own lines in L2 rather than W2's (see the module docstring)."""
     return {
         "w1": time_graph(lambda: gemm.run_w1(grouped, ws), warmup, windows),
         "w2": time_graph(lambda: gemm.run_w2(grouped, ws), warmup, windows),
