@@ -30,7 +30,8 @@ at 1470-1640 MHz during the longer graphs. This run tests whether the excess is 
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
 
 Run on the lent H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
-(``python bench/graph_gap_sm90.py --out bench/results/graph_gap_sm90.json``).
+(``python bench/graph_gap_sm90.py --out bench/results/graph_gap_sm90.json``); one part, e.g. the probes:
+``--bench 'graph_gap_sm90 --parts probes'``.
 """
 
 from __future__ import annotations

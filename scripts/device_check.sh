@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the lent GPU machine (device tool `run`, from the repository root):
-#   bash scripts/device_check.sh [--tests-only | --bench-only] [--bench NAME]... [--bench-args ARGS] [-k PYTEST_EXPR]
+#   bash scripts/device_check.sh [--tests-only | --bench-only] [--bench 'NAME [ARGS]']... [-k PYTEST_EXPR]
 #                                [--profile PRESET:T:FORMAT]...
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
@@ -24,13 +24,12 @@ NCU_SECTIONS=(SpeedOfLight ComputeWorkloadAnalysis SchedulerStats WarpStateStats
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() bench_args=() pytest_k=() profiles=()
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=()
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
     --bench-only) run_tests=0 ;;
-    --bench) picked+=("$2"); shift ;;
-    --bench-args) read -ra bench_args <<<"$2"; shift ;;  # passed to every benchmark (e.g. a part of one)
+    --bench) picked+=("$2"); shift ;;  # a benchmark's name, then any arguments of its own (e.g. a part of it)
     -k) pytest_k=(-k "$2"); shift ;;
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -43,7 +42,7 @@ elif (($(nvidia-smi -L 2>/dev/null | grep -c '^GPU') >= 2)); then
   BENCHES+=("${BENCHES_X2[@]}")
 fi
 RESULTS=()
-for name in "${BENCHES[@]}"; do RESULTS+=("${RESULT_NAME[$name]:-$name}"); done
+for spec in "${BENCHES[@]}"; do name="${spec%% *}"; RESULTS+=("${RESULT_NAME[$name]:-$name}"); done
 mkdir -p "$OUT"
 
 (
@@ -108,10 +107,12 @@ if [[ -n "$dg_pid" ]]; then
   fi
 fi
 if ((run_bench)); then
-  for name in "${BENCHES[@]}"; do
+  for spec in "${BENCHES[@]}"; do
+    read -ra words <<<"$spec"
+    name="${words[0]}"
     result="${RESULT_NAME[$name]:-$name}"
     echo "== bench $name -> $result" >>"$OUT/bench.log"
-    if "$PY" "bench/$name.py" --out "bench/results/$result.json" "${bench_args[@]}" >>"$OUT/bench.log" 2>&1; then
+    if "$PY" "bench/$name.py" --out "bench/results/$result.json" "${words[@]:1}" >>"$OUT/bench.log" 2>&1; then
       cp "bench/results/$result.json" "$OUT/"
       [[ -f "bench/results/$result.png" ]] && cp "bench/results/$result.png" "$OUT/"
     else
