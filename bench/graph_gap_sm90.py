@@ -1,18 +1,16 @@
 """Where a graph of the standalone SM90 GEMMs loses time against its kernels timed apart (issue 4's FP8 misses).
 
-At glm52 T=128 and dsv41-flash T=256 the graph of W1 -> W2 (bench/gemm_sm90.py's ``gc_fp8``) takes 10-14 µs more
+At glm52 T=128 and dsv41-flash T=256 the graph of W1 -> W2 (bench/gemm_sm90.py's ``gc_fp8``) takes 10-25 µs more
 than W1 and W2 each replayed alone (``latency_split_us``); with the sum of the two, both points would beat DeepGEMM's
-pipeline. Launch latency (PDL, session 7) and L2 left warm by the split timing (Nsight Compute's cold durations) were
-ruled out. The first run of this script (bench/results/graph_gap_sm90.v1_fixed_windows.json) found the excess in
-every two-kernel graph, [W1, W1] and [W2, W2] too, none in DeepGEMM's, and the card drawing ~695 W with the SM clock
-at 1470-1640 MHz during the longer graphs. This run tests whether the excess is the window's length: per point
-(preset, T; default: the two misses and glm52 T=64, where the excess is small), FP8xFP8 with the benchmark's config
-(:func:`gemm_sm90.point_config`):
+pipeline. This script separates the candidate causes (what each run found: bench/NOTES_gemm_sm90.md, session 8).
+Per point (preset, T; default: the two misses and glm52 T=64, where the excess is small), FP8xFP8 with the
+benchmark's config (:func:`gemm_sm90.point_config`), the parts (``--parts``, default all):
 
-* ``latency_us``: graphs of the kernel sequences [W1], [W2], [W1, W2], [W1, W1], [W2, W2], [W2, W1] (and DeepGEMM
-  2.8.2's two masked GEMMs on the same FP8 weights, ``dg_w1``, ``dg_w2``, where DeepGEMM loads), each timed like the
-  benchmark (:func:`gemm_sm90.time_graph`, L2 flushed between windows, median window) at several replays per window;
-* ``excess_us``: each two-kernel sequence minus the sum of its kernels alone at the same replays per window (the
+* ``sweep`` -> ``latency_us``: graphs of the kernel sequences [W1], [W2], [W1, W2], [W1, W1], [W2, W2], [W2, W1]
+  (and DeepGEMM 2.8.2's two masked GEMMs on the same FP8 weights, ``dg_w1``, ``dg_w2``, where DeepGEMM loads), each
+  timed like the benchmark (:func:`gemm_sm90.time_graph`, L2 flushed between windows, median window) at several
+  replays per window;
+  ``excess_us``: each two-kernel sequence minus the sum of its kernels alone at the same replays per window (the
   benchmark's split comparison), and ``matched_excess_us``: the same against its kernels alone at twice the replays,
   so that both sides launch as many kernels per window. An excess that vanishes when matched is the window length;
 * ``trace``: TRACE_REPLAYS back-to-back replays of each sequence under the PyTorch profiler (CUPTI kernel records,
