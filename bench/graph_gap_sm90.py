@@ -55,10 +55,10 @@ from _common import REPO, result_meta
 from gemm_sm90 import DeepGemmPipeline, capture, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
-from gc_moe_compat.sm90 import group_tokens
-from gc_moe_compat.sm90.gemm import ExpertGemmSM90
+from gc_moe_compat.sm90 import GroupedTokens, group_tokens
+from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
 from gc_moe_compat.sm90.heuristics import W1_SLABS, smem_bytes
-from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens
+from gc_moe_compat.sm90.workload import CLAMP, Layer, make_layer, make_tokens
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")
@@ -257,6 +257,21 @@ def visible_gpu() -> str:
     return visible or "0"
 
 
+def probe_kernels(layer: Layer, grouped: GroupedTokens, gemm: ExpertGemmSM90, ws: Workspace
+                  ) -> dict[str, Callable[[], object]]:
+    """The kernels that the probes put before W1 (module docstring), by name."""
+    fill = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.zeros(1 << 29, dtype=torch.float16, device="cuda")
+    tiny = make_tokens(layer, 1, seed=1)
+    grouped_tiny = group_tokens(tiny.x_fp8, tiny.x_sf, tiny.topk_idx, tiny.topk_weights, layer.l1.num_experts,
+                                grouped.bm)
+    ws_tiny = gemm.run(grouped_tiny)
+    return {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max,
+            "spin": lambda: torch.cuda._sleep(SPIN_CYCLES), "w1_tiny": lambda: gemm.run_w1(grouped_tiny, ws_tiny),
+            "read_x": grouped.x.view(torch.uint8).max,
+            "read_sf": lambda: (layer.prepared.w1_sf.max(), grouped.x_sf_t.max())}
+
+
 def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, windows: int,
                   dg: object | None, trace_dir: Path, parts: list[str]) -> dict[str, object]:
     """The ``parts`` (of PARTS) of one point, DeepGEMM's sequences too where ``dg`` is the loaded module: each
@@ -281,16 +296,6 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
         steps = [kernels[k] for k in seq.split("+")]
         return lambda: [step() for step in steps]
 
-    fill = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    big = torch.zeros(1 << 29, dtype=torch.float16, device="cuda")
-    tiny = make_tokens(layer, 1, seed=1)
-    grouped_tiny = group_tokens(tiny.x_fp8, tiny.x_sf, tiny.topk_idx, tiny.topk_weights, layer.l1.num_experts, cfg.bm)
-    ws_tiny = gemm.run(grouped_tiny)
-    kernels |= {"zero_out": ws.out.zero_, "fill_l2": fill.zero_, "read_big": big.max,
-                "spin": lambda: torch.cuda._sleep(SPIN_CYCLES), "w1_tiny": lambda: gemm.run_w1(grouped_tiny, ws_tiny),
-                "read_x": grouped.x.view(torch.uint8).max,
-                "read_sf": lambda: (layer.prepared.w1_sf.max(), grouped.x_sf_t.max())}
-
     def traces(seqs: tuple[str, ...]) -> dict[str, object]:
         return {seq: trace_summary(kernel_trace(run_sequence(seq), trace_dir / f"{preset}_{t}_{seq}.json"),
                                    TRACE_REPLAYS) for seq in seqs if all(k in kernels for k in seq.split("+"))}
@@ -313,6 +318,7 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
     if "trace" in parts:
         point["trace"] = traces(sequences)
     if "probes" in parts:
+        kernels |= probe_kernels(layer, grouped, gemm, ws)
         point["probes"] = traces(PROBE_SEQUENCES)
     if "series" in parts:
         point["series"] = {seq: replay_series(run_sequence(seq), time_graph(run_sequence(seq), 1, 3), gpu)
