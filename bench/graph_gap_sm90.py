@@ -181,15 +181,14 @@ def series_summary(chunks: list[tuple[float, float]], samples: list[tuple[float,
     the series, the idle second, are left out)."""
     end = chunks[-1][0]
     tail = [us for t, us in chunks if t >= 0.75 * end]
-    running = [s for s in samples if 0.0 <= s[0] <= end]
-    tail_samples = [s for s in running if s[0] >= 0.75 * end]
-    first = [s for s in running if s[0] <= 50.0]
-    capped = [s[3] for s in tail_samples if s[3] is not None]
+    running = [Sample(*s) for s in samples if 0.0 <= s[0] <= end]
+    first = summarize([s for s in running if s.t <= 50.0])
+    last = summarize([s for s in running if s.t >= 0.75 * end])
     return {"first_chunk_us": chunks[0][1], "last_quarter_us": statistics.mean(tail),
-            "sm_clock_mhz_first_50ms": statistics.median(s[1] for s in first) if first else None,
-            "sm_clock_mhz_last_quarter": statistics.median(s[1] for s in tail_samples) if tail_samples else None,
-            "power_w_last_quarter": statistics.median(s[2] for s in tail_samples) if tail_samples else None,
-            "power_capped_share_last_quarter": sum(capped) / len(capped) if capped else None}
+            "sm_clock_mhz_first_50ms": first.get("sm_clock_mhz_median"),
+            "sm_clock_mhz_last_quarter": last.get("sm_clock_mhz_median"),
+            "power_w_last_quarter": last.get("power_w_median"),
+            "power_capped_share_last_quarter": last.get("power_capped_share")}
 
 
 def replay_series(fn: Callable[[], None], latency_us: float, gpu: str) -> dict[str, object]:
