@@ -8,7 +8,9 @@ clocks left alone, e.g.
 python bench/profile_gemm_sm90.py --preset dsv41-flash --tokens 256 --format fp8xfp4``
 
 It times nothing itself: the profiler's counters are the output (issue-slot, tensor-pipe and DRAM utilization per
-kernel), read next to the benchmark's W1/W2 split latencies.
+kernel), read next to the benchmark's W1/W2 split latencies. ``--sequence`` then launches W1 and W2 in a given order,
+for counters that depend on what ran before (with ``--cache-control none``: e.g. ``w1 w1 w2 w1`` gives W1 after
+itself and W1 after W2).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--format", choices=MMA_TYPES, default="fp8xfp4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sequence", nargs="*", choices=("w1", "w2"), default=[],
+                        help="kernels launched one by one after the repeats, in this order")
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     layer = make_layer(args.preset, torch.device("cuda"), seed=1)
@@ -43,6 +47,8 @@ def main() -> None:
     ws = gemm.workspace(grouped)
     for _ in range(args.repeats):
         gemm.run(grouped, ws)
+    for kernel in args.sequence:
+        (gemm.run_w1 if kernel == "w1" else gemm.run_w2)(grouped, ws)
     torch.cuda.synchronize()
     gemm.check()
     print(f"{args.preset} T={args.tokens} {args.format}: {cfg}, {int(counts.sum())} rows, "

@@ -40,8 +40,18 @@ def bench(out: Path, name: str) -> None:
     print(f"bench {name}: partition {data['meta']['partition']}")
     for point in data["points"]:
         label = " ".join(str(point.get(k)) for k in ("case", "launch", "preset", "tokens_per_rank") if k in point)
-        latency = ", ".join(f"{op} {us:.2f} us" for op, us in point["latency_us"].items())
-        print(f"  {label:<40} {latency}")
+        print(f"  {label:<40} {latencies(point)}")
+
+
+def latencies(point: dict) -> str:
+    """A point's latencies: one per operation, or (bench/graph_gap_sm90.py) each kernel's duration in each traced
+    sequence, or (its sweep) each sequence's latency at the most replays per window."""
+    traced = point.get("trace", {}) | point.get("probes", {})
+    if traced:
+        return ", ".join(f"{seq} " + "/".join(f"{k['dur_us']:.1f}" for k in t["positions"]) + " us"
+                         for seq, t in traced.items())
+    return ", ".join(f"{op} {us if isinstance(us, float) else list(us.values())[-1]:.2f} us"
+                     for op, us in point["latency_us"].items())
 
 
 def main() -> None:
