@@ -10,7 +10,9 @@ python bench/profile_gemm_sm90.py --preset dsv41-flash --tokens 256 --format fp8
 It times nothing itself: the profiler's counters are the output (issue-slot, tensor-pipe and DRAM utilization per
 kernel), read next to the benchmark's W1/W2 split latencies. ``--sequence`` then launches W1 and W2 in a given order,
 for counters that depend on what ran before (with ``--cache-control none``: e.g. ``w1 w1 w2 w1`` gives W1 after
-itself and W1 after W2).
+itself and W1 after W2). With ``--graph N`` the sequence is one CUDA graph instead, replayed N times between
+cudaProfilerStart and cudaProfilerStop (for ``ncu --profile-from-start off --graph-profiling graph``): the kernels run
+back to back as in the benchmark, and the counters cover the whole sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gemm_sm90 import point_config
+from gemm_sm90 import capture, point_config
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequence", nargs="*", choices=("w1", "w2"), default=[],
                         help="kernels launched one by one after the repeats, in this order")
+    parser.add_argument("--graph", type=int, default=0, metavar="N",
+                        help="capture the sequence as one graph and replay it N times, profiled alone")
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     layer = make_layer(args.preset, torch.device("cuda"), seed=1)
@@ -47,8 +51,21 @@ def main() -> None:
     ws = gemm.workspace(grouped)
     for _ in range(args.repeats):
         gemm.run(grouped, ws)
-    for kernel in args.sequence:
-        (gemm.run_w1 if kernel == "w1" else gemm.run_w2)(grouped, ws)
+    steps = [gemm.run_w1 if kernel == "w1" else gemm.run_w2 for kernel in args.sequence]
+
+    def sequence() -> None:
+        for step in steps:
+            step(grouped, ws)
+
+    if args.graph:
+        graph = capture(sequence)
+        torch.cuda.profiler.start()
+        for _ in range(args.graph):
+            graph.replay()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    else:
+        sequence()
     torch.cuda.synchronize()
     gemm.check()
     print(f"{args.preset} T={args.tokens} {args.format}: {cfg}, {int(counts.sum())} rows, "
