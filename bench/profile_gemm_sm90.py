@@ -10,7 +10,7 @@ python bench/profile_gemm_sm90.py --preset dsv41-flash --tokens 256 --format fp8
 It times nothing itself: the profiler's counters are the output (issue-slot, tensor-pipe and DRAM utilization per
 kernel), read next to the benchmark's W1/W2 split latencies. ``--sequence`` then launches W1 and W2 in a given order,
 for counters that depend on what ran before (with ``--cache-control none``: e.g. ``w1 w1 w2 w1`` gives W1 after
-itself and W1 after W2). With ``--graph N`` the sequence is one CUDA graph instead, replayed N times between
+itself and W1 after W2; ``dg_w1`` / ``dg_w2`` are DeepGEMM's kernels). With ``--graph N`` the sequence is one CUDA graph instead, replayed N times between
 cudaProfilerStart and cudaProfilerStop (for ``ncu --profile-from-start off --graph-profiling graph``): the kernels run
 back to back as in the benchmark, and the counters cover the whole sequence.
 """
@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gemm_sm90 import capture, point_config
+from _baseline_sm90 import import_deep_gemm
+from gemm_sm90 import DeepGemmPipeline, capture, point_config
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
@@ -34,8 +35,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--format", choices=MMA_TYPES, default="fp8xfp4")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sequence", nargs="*", choices=("w1", "w2"), default=[],
-                        help="kernels launched one by one after the repeats, in this order")
+    parser.add_argument("--sequence", nargs="*", choices=("w1", "w2", "dg_w1", "dg_w2"), default=[],
+                        help="kernels launched one by one after the repeats, in this order (dg_*: DeepGEMM's "
+                             "masked W1 / W2 on the point's FP8 weights, as in bench/gemm_sm90.py)")
     parser.add_argument("--graph", type=int, default=0, metavar="N",
                         help="capture the sequence as one graph and replay it N times, profiled alone")
     args = parser.parse_args()
@@ -51,11 +53,16 @@ def main() -> None:
     ws = gemm.workspace(grouped)
     for _ in range(args.repeats):
         gemm.run(grouped, ws)
-    steps = [gemm.run_w1 if kernel == "w1" else gemm.run_w2 for kernel in args.sequence]
+    kernels = {"w1": lambda: gemm.run_w1(grouped, ws), "w2": lambda: gemm.run_w2(grouped, ws)}
+    if any(kernel.startswith("dg_") for kernel in args.sequence):
+        base = DeepGemmPipeline(import_deep_gemm(), layer, tok).masked
+        base.pipeline()  # its W2 reads a written activation, as ours does
+        kernels |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
+    steps = [kernels[kernel] for kernel in args.sequence]
 
     def sequence() -> None:
         for step in steps:
-            step(grouped, ws)
+            step()
 
     if args.graph:
         graph = capture(sequence)
