@@ -10,9 +10,10 @@ python bench/profile_gemm_sm90.py --preset dsv41-flash --tokens 256 --format fp8
 It times nothing itself: the profiler's counters are the output (issue-slot, tensor-pipe and DRAM utilization per
 kernel), read next to the benchmark's W1/W2 split latencies. ``--sequence`` then launches W1 and W2 in a given order,
 for counters that depend on what ran before (with ``--cache-control none``: e.g. ``w1 w1 w2 w1`` gives W1 after
-itself and W1 after W2; ``dg_w1`` / ``dg_w2`` are DeepGEMM's kernels). With ``--graph N`` the sequence is one CUDA graph instead, replayed N times between
-cudaProfilerStart and cudaProfilerStop (for ``ncu --profile-from-start off --graph-profiling graph``): the kernels run
-back to back as in the benchmark, and the counters cover the whole sequence.
+itself and W1 after W2; ``dg_w1`` / ``dg_w2`` are DeepGEMM's kernels). With ``--graph N`` the sequence is one CUDA
+graph instead, replayed N times between cudaProfilerStart and cudaProfilerStop (for ``ncu --profile-from-start off
+--graph-profiling graph``): the kernels run back to back as in the benchmark, and the counters cover the whole
+sequence.
 """
 
 from __future__ import annotations
