@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the lent GPU machine (device tool `run`, from the repository root):
-#   bash scripts/device_check.sh [--tests-only | --bench-only] [--bench 'NAME [ARGS]']... [-k PYTEST_EXPR]
-#                                [--profile PRESET:T:FORMAT]...
+#   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
+#                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
 # prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
@@ -21,22 +21,30 @@ BENCHES=(runtime_sm90 gemm_sm90)
 BENCHES_X2=(operator_sm90 deep_ep_ll)
 # Nsight Compute sections of a --profile run (clocks left alone: --clock-control none).
 NCU_SECTIONS=(SpeedOfLight ComputeWorkloadAnalysis SchedulerStats WarpStateStats MemoryWorkloadAnalysis)
+# Nsight Compute metrics of a --counters run: DRAM and L2 traffic of whole CUDA-graph replays.
+NCU_COUNTERS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=()
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=()
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
     --bench-only) run_tests=0 ;;
+    --profiles-only) run_tests=0 run_bench=0 ;;  # only the --profile and --counters runs
     --bench) picked+=("$2"); shift ;;  # a benchmark's name, then any arguments of its own (e.g. a part of it)
     -k) pytest_k=(-k "$2"); shift ;;
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
+    # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
+    --counters) counters+=("$2"); shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
-if ((${#picked[@]})); then
+if ((!run_bench)); then
+  BENCHES=()
+elif ((${#picked[@]})); then
   BENCHES=("${picked[@]}")
 elif (($(nvidia-smi -L 2>/dev/null | grep -c '^GPU') >= 2)); then
   BENCHES+=("${BENCHES_X2[@]}")
@@ -71,11 +79,12 @@ grep "^wheel ok" "$OUT/setup.log"
 # DeepGEMM 2.8.2 (the SM90 GEMM baseline, FACTS.md): built from the carried sdist in the background while the tests
 # run; the benchmarks import it from /tmp/deepgemm with libstdc++ preloaded (its JIT crashes otherwise).
 dg_pid=
+need_dg=$((run_bench || ${#counters[@]}))
 # A warm machine keeps /tmp between calls: a DeepGEMM already built there is reused.
-if ((run_bench)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null && [[ -d /tmp/deepgemm/deep_gemm ]]; then
+if ((need_dg)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null && [[ -d /tmp/deepgemm/deep_gemm ]]; then
   (echo "DeepGEMM already built in /tmp/deepgemm (warm machine): reused") >"$OUT/deepgemm_build.log" &
   dg_pid=$!
-elif ((run_bench)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null; then
+elif ((need_dg)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null; then
   (
     set -e
     mkdir -p /tmp/elfutils
@@ -130,6 +139,16 @@ for spec in "${profiles[@]}"; do
   ncu --clock-control none --kernel-name regex:gc_sm90 --launch-skip 2 --launch-count 2 "${sections[@]}" \
     "$PY" bench/profile_gemm_sm90.py --preset "$preset" --tokens "$tokens" --format "$format" >"$log" 2>&1 ||
     echo "profile $spec FAILED ($log)" >>"$OUT/bench.log"
+done
+
+for spec in "${counters[@]}"; do
+  IFS=: read -r preset tokens steps format <<<"$spec"
+  csv="$OUT/counters_${preset}_${tokens}_${steps//,/+}${format:+_$format}.csv"
+  # shellcheck disable=SC2086  # the steps are separate arguments
+  ncu --profile-from-start off --graph-profiling graph --cache-control none --clock-control none \
+    --metrics "$NCU_COUNTERS" --csv --page raw "$PY" bench/profile_gemm_sm90.py --preset "$preset" --tokens "$tokens" \
+    --format "${format:-fp8xfp8}" --repeats 1 --sequence ${steps//,/ } --graph 2 >"$csv" 2>&1 ||
+    echo "counters $spec FAILED ($csv)" >>"$OUT/bench.log"
 done
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"

@@ -5,6 +5,7 @@ Usage: python scripts/device_summary.py OUT_DIR [BENCH_NAME...]
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 import xml.etree.ElementTree as ET
@@ -54,11 +55,33 @@ def latencies(point: dict) -> str:
                      for op, us in point["latency_us"].items())
 
 
+# The --counters metrics printed, in MB (L2 sectors are 32 bytes).
+COUNTER_MB = {"dram__bytes_read.sum": "DRAM read", "dram__bytes_write.sum": "DRAM write",
+              "lts__t_sectors_op_read.sum": "L2 reads", "lts__t_sectors_op_read_lookup_miss.sum": "L2 read misses"}
+
+
+def counters(out: Path) -> None:
+    """Each --counters CSV (Nsight Compute, one row per graph replay): DRAM and L2 read traffic in MB."""
+    for path in sorted(out.glob("counters_*.csv")):
+        rows = [r for r in csv.reader(path.open()) if r]
+        header = next((r for r in rows if r[0] == "ID"), None)
+        if header is None:
+            print(f"counters {path.stem}: no profile (see the file)")
+            continue
+        print(f"counters {path.stem}")
+        for row in (r for r in rows if r[0].isdigit()):
+            mb = {name: int(row[i].replace(",", "")) * (32 if "sectors" in name else 1) / 1e6
+                  for i, name in enumerate(header) if name in COUNTER_MB}
+            text = ", ".join(f"{label} {mb[name]:.1f} MB" for name, label in COUNTER_MB.items())
+            print(f"  replay {row[0]}: {text}")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     tests(out)
     for name in sys.argv[2:]:
         bench(out, name)
+    counters(out)
 
 
 if __name__ == "__main__":
