@@ -79,7 +79,8 @@ grep "^wheel ok" "$OUT/setup.log"
 # DeepGEMM 2.8.2 (the SM90 GEMM baseline, FACTS.md): built from the carried sdist in the background while the tests
 # run; the benchmarks import it from /tmp/deepgemm with libstdc++ preloaded (its JIT crashes otherwise).
 dg_pid=
-need_dg=$((run_bench || ${#counters[@]}))
+need_dg=$run_bench
+[[ " ${counters[*]} " == *dg_* ]] && need_dg=1  # a --counters step of DeepGEMM's
 # A warm machine keeps /tmp between calls: a DeepGEMM already built there is reused.
 if ((need_dg)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null && [[ -d /tmp/deepgemm/deep_gemm ]]; then
   (echo "DeepGEMM already built in /tmp/deepgemm (warm machine): reused") >"$OUT/deepgemm_build.log" &
