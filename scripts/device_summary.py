@@ -51,7 +51,7 @@ def latencies(point: dict) -> str:
     if traced:
         return ", ".join(f"{seq} " + "/".join(f"{k['dur_us']:.1f}" for k in t["positions"]) + " us"
                          for seq, t in traced.items())
-    return ", ".join(f"{op} {us if isinstance(us, float) else list(us.values())[-1]:.2f} us"
+    return ", ".join(f"{op} {list(us.values())[-1] if isinstance(us, dict) else us:.2f} us"
                      for op, us in point["latency_us"].items())
 
 
@@ -63,7 +63,7 @@ COUNTER_MB = {"dram__bytes_read.sum": "DRAM read", "dram__bytes_write.sum": "DRA
 def counters(out: Path) -> None:
     """Each --counters CSV (Nsight Compute, one row per graph replay): DRAM and L2 read traffic in MB."""
     for path in sorted(out.glob("counters_*.csv")):
-        rows = [r for r in csv.reader(path.open()) if r]
+        rows = [r for r in csv.reader(path.read_text().splitlines()) if r]
         header = next((r for r in rows if r[0] == "ID"), None)
         if header is None:
             print(f"counters {path.stem}: no profile (see the file)")

@@ -19,8 +19,8 @@ NCU_UNITS = '"","","byte","byte","ns","sector","sector"'
 
 
 def test_latencies_of_a_plain_point_a_sweep_and_traced_sequences() -> None:
-    plain = {"latency_us": {"gc_fp8": 61.604, "deepgemm": 72.9}}
-    assert summary.latencies(plain) == "gc_fp8 61.60 us, deepgemm 72.90 us"
+    plain = {"latency_us": {"gc_fp8": 61.604, "deepgemm": 73}}
+    assert summary.latencies(plain) == "gc_fp8 61.60 us, deepgemm 73.00 us"
     sweep = {"latency_us": {"w1": {"50": 209.8, "400": 215.4}, "w1+w2": {"50": 330.0, "400": 331.5}}}
     assert summary.latencies(sweep) == "w1 215.40 us, w1+w2 331.50 us"
     traced = {"trace": {"w1+w2": {"positions": [{"dur_us": 227.55}, {"dur_us": 105.04}]}},
