@@ -134,6 +134,19 @@ class DeepGemmPipeline:
         self.masked.gemms()
 
 
+def gemm_steps(gemm: ExpertGemmSM90, grouped: GroupedTokens, ws: Workspace, layer: Layer, tok: Tokens,
+               dg=None) -> dict[str, Callable[[], object]]:  # noqa: ANN001 - the deep_gemm module
+    """Our W1 and W2 of a point as launchable steps (``w1``, ``w2``, on ``ws``) and, with DeepGEMM's module ``dg``,
+    its masked W1 and W2 on the same FP8 weights (``dg_w1``, ``dg_w2``; its W2 reads a written activation, as ours
+    does): the kernel sequences of bench/graph_gap_sm90.py and bench/profile_gemm_sm90.py."""
+    steps = {"w1": lambda: gemm.run_w1(grouped, ws), "w2": lambda: gemm.run_w2(grouped, ws)}
+    if dg is not None:
+        base = DeepGemmPipeline(dg, layer, tok).masked
+        base.pipeline()
+        steps |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
+    return steps
+
+
 def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
     """QGMMA / UTMALDG / local-memory counts and ptxas resources of the variants the benchmark ran."""
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"

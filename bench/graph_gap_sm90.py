@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 from _baseline_sm90 import import_deep_gemm
 from _common import REPO, result_meta
-from gemm_sm90 import DeepGemmPipeline, capture, point_config, time_graph
+from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
 from gc_moe_compat.sm90 import GroupedTokens, group_tokens
@@ -283,13 +283,8 @@ def measure_point(preset: str, t: int, num_sms: int, gpu: str, warmup: int, wind
     grouped = group_tokens(tok.x_fp8, tok.x_sf, tok.topk_idx, tok.topk_weights, layer.l1.num_experts, cfg.bm)
     gemm = ExpertGemmSM90(layer.prepared, cfg, activation_clamp=CLAMP)
     ws = gemm.run(grouped)  # W2 of every sequence reads a written intermediate
-    kernels = {"w1": lambda: gemm.run_w1(grouped, ws), "w2": lambda: gemm.run_w2(grouped, ws)}
-    sequences = SEQUENCES
-    if dg is not None:
-        base = DeepGemmPipeline(dg, layer, tok).masked
-        base.pipeline()  # its W2 reads a written activation, as ours does
-        kernels |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
-        sequences += DG_SEQUENCES
+    kernels = gemm_steps(gemm, grouped, ws, layer, tok, dg)
+    sequences = SEQUENCES + (DG_SEQUENCES if dg is not None else ())
 
     def run_sequence(seq: str) -> Callable[[], None]:
         steps = [kernels[k] for k in seq.split("+")]

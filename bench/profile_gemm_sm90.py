@@ -22,7 +22,7 @@ import argparse
 
 import torch
 from _baseline_sm90 import import_deep_gemm
-from gemm_sm90 import DeepGemmPipeline, capture, point_config
+from gemm_sm90 import capture, gemm_steps, point_config
 
 from gc_moe_compat.sm90 import group_tokens
 from gc_moe_compat.sm90.gemm import ExpertGemmSM90
@@ -54,11 +54,8 @@ def main() -> None:
     ws = gemm.workspace(grouped)
     for _ in range(args.repeats):
         gemm.run(grouped, ws)
-    kernels = {"w1": lambda: gemm.run_w1(grouped, ws), "w2": lambda: gemm.run_w2(grouped, ws)}
-    if any(kernel.startswith("dg_") for kernel in args.sequence):
-        base = DeepGemmPipeline(import_deep_gemm(), layer, tok).masked
-        base.pipeline()  # its W2 reads a written activation, as ours does
-        kernels |= {"dg_w1": base.gemm1, "dg_w2": base.gemm2}
+    dg = import_deep_gemm() if any(kernel.startswith("dg_") for kernel in args.sequence) else None
+    kernels = gemm_steps(gemm, grouped, ws, layer, tok, dg)
     steps = [kernels[kernel] for kernel in args.sequence]
 
     def sequence() -> None:

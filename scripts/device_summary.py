@@ -50,7 +50,7 @@ def latencies(point: dict) -> str:
     traced = point.get("trace", {}) | point.get("probes", {})
     if traced:
         return ", ".join(f"{seq} " + "/".join(f"{k['dur_us']:.1f}" for k in t["positions"]) + " us"
-                         for seq, t in traced.items())
+                         if "positions" in t else f"{seq} {t}" for seq, t in traced.items())
     return ", ".join(f"{op} {list(us.values())[-1] if isinstance(us, dict) else us:.2f} us"
                      for op, us in point["latency_us"].items())
 
