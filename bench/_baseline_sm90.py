@@ -31,7 +31,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from gc_moe_compat.reference import ExpertWeights
+from gc_moe_compat.testing.reference import ExpertWeights
 
 MASKED_ROW_ALIGN = 128
 """DeepGEMM masked layout: rows per expert (``max_m``) rounded up to this (and at least this)."""
@@ -86,7 +86,7 @@ class A2APlan:
     then slot; ``input_splits[d]`` of them go to rank ``d``. Received rows arrive source rank by source rank
     (``output_splits[s]`` from rank ``s``), each block in its sender's order; ``recv_dest[i]`` is the flat row
     ``local_expert * max_m + position`` of received row ``i`` in the masked layout, positions following (source
-    rank, token, slot) order (:func:`gc_moe_compat.reference.dispatch_plan`'s). The combine exchange sends the
+    rank, token, slot) order (:func:`gc_moe_compat.testing.reference.dispatch_plan`'s). The combine exchange sends the
     partials back with the splits swapped, so they return in send order: ``combine_index[t, s]`` is the send row
     of (token t, slot s), -1 for an unused slot.
     """

@@ -1,7 +1,8 @@
 """SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
 
 Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep): the rank-0 share of
-``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.sm90.workload). Operators, each captured in
+``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.testing.gemm_workload). Operators, each
+captured in
 a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
 median window):
 
@@ -44,13 +45,9 @@ from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.reference import accuracy_metrics
+from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
-from gc_moe_compat.sm90.grouping import GroupedTokens
-from gc_moe_compat.sm90.heuristics import W1_SLABS, KernelConfig, tile_rows
-from gc_moe_compat.sm90.workload import (
+from gc_moe_compat.testing.gemm_workload import (
     CLAMP,
     Layer,
     Tokens,
@@ -60,6 +57,9 @@ from gc_moe_compat.sm90.workload import (
     reference_partials,
     reference_partials_fp4,
 )
+from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens, scatter_partials
+from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.testing.standalone_gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
 
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 

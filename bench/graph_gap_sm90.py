@@ -2,7 +2,7 @@
 
 At glm52 T=128 and dsv41-flash T=256 the graph of W1 -> W2 (bench/gemm_sm90.py's ``gc_fp8``) takes 10-25 µs more
 than W1 and W2 each replayed alone (``latency_split_us``); with the sum of the two, both points would beat DeepGEMM's
-pipeline. This script separates the candidate causes (what each run found: bench/NOTES_gemm_sm90.md, session 8).
+pipeline. This script separates the candidate causes (what each run found: bench/README.md, session 8).
 Per point (preset, T; default: the two misses and glm52 T=64, where the excess is small), FP8xFP8 with the
 benchmark's config (:func:`gemm_sm90.point_config`), the parts (``--parts``, default all):
 
@@ -55,10 +55,10 @@ from _common import REPO, result_meta
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
-from gc_moe_compat.sm90 import GroupedTokens, group_tokens
-from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
-from gc_moe_compat.sm90.heuristics import W1_SLABS, smem_bytes
-from gc_moe_compat.sm90.workload import CLAMP, Layer, make_layer, make_tokens
+from gc_moe_compat.operator.heuristics import W1_SLABS, smem_bytes
+from gc_moe_compat.testing.gemm_workload import CLAMP, Layer, make_layer, make_tokens
+from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens
+from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")

@@ -5,7 +5,7 @@ Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCO
 uniform top-k routing without repetition (seeded per rank and T), every rank's inputs identical for all three
 operators, each captured in a CUDA graph and timed by replay:
 
-* ``gc_moe``: ``native.fp8_fp8_gc_moe`` on a ``partition="on"`` buffer (role1 on the communication green context,
+* ``gc_moe``: ``api.fp8_fp8_gc_moe`` on a ``partition="on"`` buffer (role1 on the communication green context,
   role2/role3 on the compute one, concurrently).
 * ``gc_moe_no_partition``: the same kernels on a ``partition="off"`` buffer (in sequence on the whole device:
   the ``GC_MOE_PARTITION=off`` overlap ablation).
@@ -19,7 +19,7 @@ and the device synchronized between windows, a device-side all-reduce aligning b
 rank's median window, a point's latency the slowest rank's. Floor per point: per rank, its unique active experts'
 FP8 weights + block scales plus its received rows in (FP8 + FP32 scales) and out (BF16 partials), over the copy
 bandwidth that rank measured in this run; the point's floor is the largest. Accuracy per point and rank: ``y``
-of each operator against the 2-rank quantization-faithful reference (``gc_moe_compat.reference``), and every
+of each operator against the 2-rank quantization-faithful reference (``gc_moe_compat.testing.reference``), and every
 graph's replayed ``y`` bit-identical to its eager run.
 
 The script starts its own two ranks: run as ``python bench/operator_sm90.py`` it compiles the operator's kernel
@@ -54,8 +54,8 @@ from _baseline_sm90 import A2APlan, plan_all_to_all
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.sm90.heuristics import select_block_m
-from gc_moe_compat.sm90.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
+from gc_moe_compat.operator.heuristics import select_block_m
+from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
 
 WORLD = 2
 OPS = ("gc_moe", "gc_moe_no_partition", "composed_baseline")
@@ -240,15 +240,16 @@ def validate_result(data: dict[str, object]) -> None:
 def _prebuild_operator_kernels(presets: Sequence[str], tokens: Sequence[int]) -> list[str]:
     """nvcc builds (into the shared cubin cache) of role1, role3 and the role2 variants the sweep can pick, in
     threads; returns one line per build."""
+    from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize
     from gc_moe_compat.runtime import jit
-    from gc_moe_compat.sm90 import dispatch, finalize, role2
 
     bms = set()
     for preset in presets:
         e, k, _, _ = preset_dims(preset)
         bms |= {select_block_m(t * WORLD * k / (e * WORLD)) for t in tokens}
-    jobs = [(dispatch.SOURCE, {}), (finalize.SOURCE, {})]
-    jobs += [(role2.SOURCE, role2.Role2Variant(bm, pipe).defines) for bm in sorted(bms) for pipe in (False, True)]
+    jobs = [(role1_dispatch.SOURCE, {}), (role3_finalize.SOURCE, {})]
+    jobs += [(role2_gemm.SOURCE, role2_gemm.Role2Variant(bm, pipe).defines)
+             for bm in sorted(bms) for pipe in (False, True)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         cubins = list(pool.map(lambda job: jit.compile_cubin(*job), jobs))
     return [f"{src} {defs}: {'cached' if c.from_cache else 'built'}"
@@ -261,7 +262,7 @@ def _warm_deepgemm(device: int, calls: Sequence[tuple[str, int, int]]) -> str:
     torch.cuda.set_device(device)
     dg = base.import_deep_gemm()
 
-    from gc_moe_compat.reference import ExpertWeights
+    from gc_moe_compat.testing.reference import ExpertWeights
 
     t0 = time.monotonic()
     weights: dict[str, tuple[ExpertWeights, ExpertWeights]] = {}
@@ -382,7 +383,7 @@ def measure_op(name: str, run: Callable[[], torch.Tensor], y_ref: torch.Tensor, 
                args: argparse.Namespace, check: Callable[[], None] | None = None) -> None:
     """Eager run (builds and JITs) -> accuracy; capture; timed replays; replayed y bit-identical to the eager one.
     Every rank calls it for the same op; a failure on any rank marks the op unavailable on all of them."""
-    from gc_moe_compat.reference import accuracy_metrics
+    from gc_moe_compat.testing.reference import accuracy_metrics
 
     error, graph, eager = None, None, None
     try:
@@ -417,9 +418,9 @@ def measure_op(name: str, run: Callable[[], torch.Tensor], y_ref: torch.Tensor, 
 def measure_gc_moe(ranks: Ranks, bufs: dict[str, object], w1: object, w2: object, inputs: object,
                    y_ref: torch.Tensor, record: dict, args: argparse.Namespace) -> None:
     """``gc_moe`` (partition on) and ``gc_moe_no_partition`` (off) on this rank's staged inputs."""
-    from gc_moe_compat import native
-    from gc_moe_compat.sm90 import layer
-    from gc_moe_compat.sm90.operator_workload import stage
+    from gc_moe_compat.operator import api
+    from gc_moe_compat.operator.sm90 import layer
+    from gc_moe_compat.testing.operator_workload import stage
 
     for op, mode in (("gc_moe", "on"), ("gc_moe_no_partition", "off")):
         buf = bufs[mode]
@@ -428,8 +429,8 @@ def measure_gc_moe(ranks: Ranks, bufs: dict[str, object], w1: object, w2: object
         torch.cuda.synchronize()
         ranks.dist.barrier()  # both ranks staged before either dispatches
 
-        def run(y: torch.Tensor = y, buf: native.GcMoeBuffer = buf) -> torch.Tensor:
-            native.fp8_fp8_gc_moe(y, w1, w2, buf, check_values=not torch.cuda.is_current_stream_capturing())
+        def run(y: torch.Tensor = y, buf: api.GcMoeBuffer = buf) -> torch.Tensor:
+            api.fp8_fp8_gc_moe(y, w1, w2, buf, check_values=not torch.cuda.is_current_stream_capturing())
             return y
 
         measure_op(op, run, y_ref, ranks, record, args,
@@ -457,9 +458,9 @@ def measure_baseline(ranks: Ranks, dg: object, plan: A2APlan, weights: tuple, in
 
 def run_ranks(args: argparse.Namespace) -> None:
     """Every rank: weights, buffers, the three operators per point; rank 0 assembles and writes the result."""
-    from gc_moe_compat import native
+    from gc_moe_compat.operator import api
     from gc_moe_compat.runtime.green import get_partition
-    from gc_moe_compat.sm90.operator_workload import make_expert_weights, reference_ys
+    from gc_moe_compat.testing.operator_workload import make_expert_weights, reference_ys
 
     ranks = Ranks()
     rank = ranks.rank
@@ -483,8 +484,8 @@ def run_ranks(args: argparse.Namespace) -> None:
         num_experts = e * WORLD
         canon = [make_expert_weights(preset, r) for r in range(WORLD)]  # every rank's: the reference needs them
         l1, l2 = canon[rank]
-        w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp8")
-        bufs = {mode: native.get_symm_buffer_for_gc_moe(ranks.group, num_experts, CAPACITY, k, h, inter, "fp8xfp8",
+        w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp8")
+        bufs = {mode: api.get_symm_buffer_for_gc_moe(ranks.group, num_experts, CAPACITY, k, h, inter, "fp8xfp8",
                                                         partition=mode) for mode in ("on", "off")}
         if not partitions:
             partitions = {**get_partition(bufs["on"].dispatch_sms).describe(), "buffer": bufs["on"].describe(),

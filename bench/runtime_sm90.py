@@ -31,7 +31,7 @@ from gc_moe_compat.runtime.params import KernelArgs
 
 def graphs(part: Partition) -> dict[str, GreenGraph]:
     """The benchmarked graphs, built (and their kernels warmed up in each context) before any timing."""
-    noop = jit.load_module("runtime_test/runtime_test.cu").kernel("rt_noop")
+    noop = jit.load_module("testing/runtime_test.cu").kernel("rt_noop")
     none = KernelArgs()
     return {
         "three_node_green": get_graph(

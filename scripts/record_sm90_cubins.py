@@ -2,7 +2,8 @@
 """Rewrite the standalone SM90 GEMM cubin records (tests/data/sm90_fp8_standalone_cubins.json and
 sm90_fp4_standalone_cubins.json) after a deliberate change of the standalone kernels.
 
-What: builds every recorded variant (:func:`gc_moe_compat.sm90.gemm.recorded_variants`) of each kernel for sm_90a
+What: builds every recorded variant (:func:`gc_moe_compat.testing.standalone_gemm.recorded_variants`) of each kernel
+for sm_90a
 with this machine's nvcc, in a fresh cache directory, and writes the sha256 of each cubin, the nvcc build line and
 ``--note`` (which change wrote the record, and whether that build has been verified on a GPU yet).
 
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.sm90.gemm import KERNELS, recorded_variants
+from gc_moe_compat.testing.standalone_gemm import KERNELS, recorded_variants
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 RECORDS = {

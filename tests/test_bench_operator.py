@@ -23,10 +23,10 @@ import _common  # noqa: E402
 import gemm_sm90  # noqa: E402
 import operator_sm90 as bench  # noqa: E402
 
-from gc_moe_compat import native  # noqa: E402
 from gc_moe_compat.config import SWEEP_TOKENS  # noqa: E402
-from gc_moe_compat.reference import dispatch_plan  # noqa: E402
-from gc_moe_compat.sm90 import operator_workload as ow  # noqa: E402
+from gc_moe_compat.operator import api  # noqa: E402
+from gc_moe_compat.testing import operator_workload as ow  # noqa: E402
+from gc_moe_compat.testing.reference import dispatch_plan  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ plan vs oracle
@@ -355,7 +355,7 @@ def test_operator_workload_on_the_host(group: object) -> None:
     l1, l2 = ow.make_expert_weights("tiny", 1, "cpu")
     assert torch.equal(w.l1.payload.view(torch.uint8), l1.payload.view(torch.uint8))
     assert torch.equal(w.l2.scales, l2.scales)
-    w1, _ = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp8")
+    w1, _ = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp8")
     assert torch.equal(w.w1.payload.view(torch.uint8), w1.payload.view(torch.uint8))
     a = ow.make_inputs("uniform", 6, 2 * e, k, h, seed=3, device="cpu")
     b = ow.make_inputs("uniform", 6, 2 * e, k, h, seed=3, device="cpu")
@@ -369,7 +369,7 @@ def test_operator_workload_on_the_host(group: object) -> None:
     ys_pairs = ow.reference_ys([a, other], [(x.l1, x.l2) for x in weights])
     assert [y.shape for y in ys] == [(6, h), (3, h)]
     assert all(torch.equal(p, q) for p, q in zip(ys, ys_pairs, strict=True))
-    buf = native.get_symm_buffer_for_gc_moe(group, e, ow.CAPACITY, k, h, inter, "fp8xfp8", compute_sms=112)
+    buf = api.get_symm_buffer_for_gc_moe(group, e, ow.CAPACITY, k, h, inter, "fp8xfp8", compute_sms=112)
     ow.stage(buf, ow.make_inputs("uniform", 5, e, k, h, seed=1, device="cpu"))
     assert (buf.topk_idx[5:] == -1).all() and (buf.topk_idx[:5] >= 0).all()
 
@@ -504,8 +504,8 @@ def interpreter_checks() -> None:
 def _gemm_sm90_pipeline() -> None:
     """bench/gemm_sm90.py's DeepGEMM pipeline (tokens staged into the masked layout, the shared fused activation)
     with :class:`FakeDeepGemm`: every valid (token, slot) partial equals the faithful reference's (tiny preset)."""
-    from gc_moe_compat.reference import accuracy_metrics
-    from gc_moe_compat.sm90.workload import make_layer, make_tokens, reference_partials
+    from gc_moe_compat.testing.gemm_workload import make_layer, make_tokens, reference_partials
+    from gc_moe_compat.testing.reference import accuracy_metrics
 
     layer = make_layer("tiny", torch.device("cpu"), seed=1)
     tok = make_tokens(layer, 4, seed=4)
@@ -546,7 +546,7 @@ def _composed_rank(rank: int, port: int, tokens: list[int]) -> None:
     """One gloo rank of :func:`_composed_two_ranks`: the composed baseline's run() against the faithful reference."""
     import torch.distributed as dist
 
-    from gc_moe_compat.reference import accuracy_metrics
+    from gc_moe_compat.testing.reference import accuracy_metrics
 
     _numpy2_scalar_index()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat import ep_ll
+from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
-from gc_moe_compat.ep_ll import HEADER_BYTES, HINT_TOPK, Kernel, LlShape, required_bytes
 
 NORMAL_MODE = "--deepep-mode low_latency"
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import layouts, native, quant
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.deep_gemm import _runtime
+from gc_moe_compat.operator import api
 
 H, N_I, E, K = 512, 256, 16, 4
 
@@ -47,7 +48,7 @@ def test_buffer_views(group: dist.ProcessGroup, mma_type: str, num_shared_expert
     assert buf.shared_l1_acts is buf.x
     assert (buf.shared_l1_acts_sf is buf.x_sf) == bool(num_shared_experts)
     assert buf.x_scales.numel() == 0 and buf.x_scales.dtype == torch.int8
-    assert isinstance(buf.workspace, native.GcMoeBuffer) and buf.workspace.shape == buf.shape
+    assert isinstance(buf.workspace, api.GcMoeBuffer) and buf.workspace.shape == buf.shape
     assert buf.buffer.data_ptr() == buf.workspace.storage.data_ptr() and buf.buffer.dtype == torch.int8
     assert buf.buffer.nbytes == buf.workspace.layout.total_bytes
     assert buf.handle.buffer_ptrs == [buf.buffer.data_ptr()]

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvcc_mark import needs_nvcc
 
-from gc_moe_compat import ep_ll
-from gc_moe_compat.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
+from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
 from gc_moe_compat.runtime.workspace import MAX_RANKS

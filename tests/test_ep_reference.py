@@ -1,4 +1,5 @@
-"""The torch references of the deep_ep facade (gc_moe_compat.ep_reference) against independent float32 arithmetic."""
+"""The torch references of the deep_ep facade (gc_moe_compat.testing.ep_reference) against independent float32
+arithmetic."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gc_moe_compat.ep_reference import combine_reference, ll_quantize, receive_plan
+from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
 
 def _numpy_rule(x: torch.Tensor, round_scale: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -9,13 +9,7 @@ import torch
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import layouts, quant
-from gc_moe_compat.reference import ExpertWeights, dispatch_plan, quantize_activations
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import cluster_config
-from gc_moe_compat.sm90 import group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
-from gc_moe_compat.sm90.gemm import KERNELS, ExpertGemmSM90, all_variants, prepare_fp4_weights, prepare_fp8_weights
-from gc_moe_compat.sm90.heuristics import (
+from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     MAX_STAGES,
     MMA_TYPES,
@@ -25,8 +19,21 @@ from gc_moe_compat.sm90.heuristics import (
     KernelConfig,
     max_stages,
     select_block_m,
+    select_config,
     smem_bytes,
     w2_slabs,
+)
+from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import cluster_config
+from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
+from gc_moe_compat.testing.reference import ExpertWeights, dispatch_plan, quantize_activations
+from gc_moe_compat.testing.standalone_gemm import (
+    KERNELS,
+    ExpertGemmSM90,
+    all_variants,
+    prepare_fp4_weights,
+    prepare_fp8_weights,
 )
 
 

@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import layouts, native, operator, quant, ring
-from gc_moe_compat.native_buffer import exclusive, partition_mode
-from gc_moe_compat.operator_layout import REGION_NAMES
+from gc_moe_compat import layouts, quant
+from gc_moe_compat.deep_gemm import _seam as seam
+from gc_moe_compat.operator import api, ring
+from gc_moe_compat.operator.buffer import exclusive, partition_mode
+from gc_moe_compat.operator.workspace import REGION_NAMES
 from gc_moe_compat.runtime.split import PartitionError
 from gc_moe_compat.runtime.workspace import WorkspaceBusyError
 
@@ -24,10 +26,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def _buffer(group: dist.ProcessGroup, **kw: object) -> native.GcMoeBuffer:
+def _buffer(group: dist.ProcessGroup, **kw: object) -> api.GcMoeBuffer:
     args = dict(num_experts=E, capacity=TMAX, topk=K, hidden=H, intermediate=N_I, compute_sms=64)
     args.update(kw)
-    return native.get_symm_buffer_for_gc_moe(group, **args)
+    return api.get_symm_buffer_for_gc_moe(group, **args)
 
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
@@ -46,7 +48,7 @@ def _fp8_pairs(e: int = E) -> tuple[_Pair, _Pair]:
             quant.quantize_fp8_blocks(torch.randn(e, H, N_I, generator=g)))
 
 
-def _stage(buf: native.GcMoeBuffer, t: int) -> None:
+def _stage(buf: api.GcMoeBuffer, t: int) -> None:
     buf.x[:t] = torch.randn(t, H).to(torch.float8_e4m3fn)
     buf.x_sf[:t] = 1.0
     buf.topk_idx[:t] = torch.stack([torch.randperm(E)[:K] for _ in range(t)])
@@ -95,7 +97,7 @@ def test_buffer_views_and_plan(group: dist.ProcessGroup) -> None:
         assert (tuple(view.shape), view.dtype) == (shape, dtype), name
         assert view.data_ptr() - buf.storage.data_ptr() == buf.layout.regions[name].offset
     assert buf.view("l2_full_mask") is buf.l2_full_mask
-    assert operator.workspace_view(buf, "l1_acts") is buf.l1_acts
+    assert seam.workspace_view(buf, "l1_acts") is buf.l1_acts
     assert buf.storage.numel() == buf.layout.total_bytes and int(buf.storage.sum()) == 0
     assert buf.peer_table.base == buf.storage.data_ptr() and buf.peer_table.world_size == 1
     assert buf.offsets.combine == buf.layout.regions["combine"].offset
@@ -139,7 +141,7 @@ def test_buffer_argument_errors(group: dist.ProcessGroup, kw: dict, exc: type, m
 
 def test_buffer_group_type() -> None:
     with pytest.raises(TypeError, match="group: must be a torch.distributed ProcessGroup"):
-        native.get_symm_buffer_for_gc_moe(None, E, TMAX, K, H, N_I, compute_sms=64)
+        api.get_symm_buffer_for_gc_moe(None, E, TMAX, K, H, N_I, compute_sms=64)
 
 
 def test_exclusive_rejects_overlap(group: dist.ProcessGroup) -> None:
@@ -160,7 +162,7 @@ def test_exclusive_rejects_overlap(group: dist.ProcessGroup) -> None:
 
 def test_transform_fp8xfp4_interleaves_and_window_repacks() -> None:
     (w1, s1), (w2, s2) = _fp4_pairs()
-    t1, t2 = native.transform_weights_for_gc_moe((w1, s1), (w2, s2), mma_type="fp8xfp4")
+    t1, t2 = api.transform_weights_for_gc_moe((w1, s1), (w2, s2), mma_type="fp8xfp4")
     assert (t1.gemm, t2.gemm, t1.mma_type) == ("l1", "l2", "fp8xfp4")
     assert t1.payload.shape == w1.shape and t1.scales.shape == s1.shape and t1.factor.shape == (E,)
     # exact: the transformed weights stand for the interleaved originals wherever the window did not clip
@@ -173,7 +175,7 @@ def test_transform_fp8xfp4_interleaves_and_window_repacks() -> None:
     assert torch.equal(got[inside], want[inside])
     assert torch.equal(t2.payload, layouts.window_repack_mxfp4(w2, s2).packed)
     # the packed-int32 scale form gives the same result
-    p1 = native.transform_weights_for_gc_moe((w1, quant.pack_ue8m0_k32(s1)), (w2, quant.pack_ue8m0_k32(s2)))
+    p1 = api.transform_weights_for_gc_moe((w1, quant.pack_ue8m0_k32(s1)), (w2, quant.pack_ue8m0_k32(s2)))
     assert torch.equal(p1[0].payload, t1.payload) and torch.equal(p1[1].scales, t2.scales)
 
 
@@ -184,7 +186,7 @@ def test_transform_fp8xfp4_in_expert_chunks_equals_one_repack() -> None:
     spread = torch.exp2(-torch.randint(0, 16, (19, 2 * N_I, H // 32), generator=g).float())
     w = torch.randn(19, 2 * N_I, H, generator=g) * spread.repeat_interleave(32, -1)
     (p1, s1), (p2, s2) = quant.quantize_mxfp4(w, 32), quant.quantize_mxfp4(w[:, :H, :N_I], 32)
-    t1, t2 = native.transform_weights_for_gc_moe((p1, s1), (p2, s2), mma_type="fp8xfp4")
+    t1, t2 = api.transform_weights_for_gc_moe((p1, s1), (p2, s2), mma_type="fp8xfp4")
     whole = layouts.window_repack_mxfp4(layouts.interleave_gate_up(p1), layouts.interleave_gate_up(s1))
     assert bool(whole.clipped.any())
     assert torch.equal(t1.payload, whole.packed) and torch.equal(t1.scales, whole.rel_exp)
@@ -193,7 +195,7 @@ def test_transform_fp8xfp4_in_expert_chunks_equals_one_repack() -> None:
 
 def test_transform_fp8xfp8_interleaves_l1_payload_only() -> None:
     (w1, s1), (w2, s2) = _fp8_pairs()
-    t1, t2 = native.transform_weights_for_gc_moe((w1, s1), (w2, s2), mma_type="fp8xfp8")
+    t1, t2 = api.transform_weights_for_gc_moe((w1, s1), (w2, s2), mma_type="fp8xfp8")
     assert torch.equal(t1.payload.view(torch.uint8), layouts.interleave_gate_up(w1).view(torch.uint8))
     assert torch.equal(t1.scales, s1) and t1.factor is None
     assert torch.equal(t2.payload.view(torch.uint8), w2.view(torch.uint8)) and torch.equal(t2.scales, s2)
@@ -202,17 +204,17 @@ def test_transform_fp8xfp8_interleaves_l1_payload_only() -> None:
 def test_transform_errors() -> None:
     l1, l2 = _fp4_pairs()
     with pytest.raises(ValueError, match="mma_type: must be one of"):
-        native.transform_weights_for_gc_moe(l1, l2, mma_type="bf16")
+        api.transform_weights_for_gc_moe(l1, l2, mma_type="bf16")
     with pytest.raises(TypeError, match="l2_weights: must be a \\(weights, scales\\) pair"):
-        native.transform_weights_for_gc_moe(l1, l2[0])
+        api.transform_weights_for_gc_moe(l1, l2[0])
     with pytest.raises(ValueError, match="l1_weights\\[0\\]: must be \\[e, 2I, K'\\]"):
-        native.transform_weights_for_gc_moe((l1[0][0], l1[1]), l2)
+        api.transform_weights_for_gc_moe((l1[0][0], l1[1]), l2)
     with pytest.raises(ValueError, match="l2_weights\\[0\\]: must be of shape"):
-        native.transform_weights_for_gc_moe(l1, (l2[0][:, :, :-1], l2[1]))
+        api.transform_weights_for_gc_moe(l1, (l2[0][:, :, :-1], l2[1]))
     with pytest.raises(TypeError, match="l1_weights\\[1\\]: must be of dtype"):
-        native.transform_weights_for_gc_moe((l1[0], l1[1].float()), l2)
+        api.transform_weights_for_gc_moe((l1[0], l1[1].float()), l2)
     with pytest.raises(ValueError, match="intermediate: must be a multiple of 128"):
-        native.transform_weights_for_gc_moe((l1[0][:, :64], l1[1][:, :64]), l2)
+        api.transform_weights_for_gc_moe((l1[0][:, :64], l1[1][:, :64]), l2)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -225,8 +227,8 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
     buf = _buffer(group, mma_type=mma_type, num_shared_experts=shared)
     _stage(buf, 5)
     pairs = _fp4_pairs() if mma_type == "fp8xfp4" else _fp8_pairs()
-    w1, w2 = native.transform_weights_for_gc_moe(*pairs, mma_type=mma_type)
-    call = native.fp8_fp4_gc_moe if mma_type == "fp8xfp4" else native.fp8_fp8_gc_moe
+    w1, w2 = api.transform_weights_for_gc_moe(*pairs, mma_type=mma_type)
+    call = api.fp8_fp4_gc_moe if mma_type == "fp8xfp4" else api.fp8_fp8_gc_moe
     kw = {}
     if shared:
         g = torch.Generator().manual_seed(2)
@@ -234,9 +236,9 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
                   shared_l2_weights=quant.quantize_fp8_blocks(torch.randn(1, H, N_I, generator=g)))
     y = torch.empty(5, H, dtype=torch.bfloat16)
     if not shared:  # every role exists for both weight formats: past the role check, to the launch
-        assert native.missing_role_kernels(0, mma_type) == ()
+        assert api.missing_role_kernels(0, mma_type) == ()
         with pytest.raises(ValueError, match="mma_type: must be one of"):
-            native.missing_role_kernels(0, "fp8xbf16")
+            api.missing_role_kernels(0, "fp8xbf16")
         with pytest.raises(RuntimeError, match=f"{call.__name__}: buffer: lives in host memory.*needs the GPU"):
             call(y, w1, w2, buf, **kw)
         return
@@ -254,7 +256,7 @@ def test_call_validates_then_names_missing_roles(group: dist.ProcessGroup, mma_t
 def _call_args(group: dist.ProcessGroup, compute_sms: int = 64) -> dict:
     buf = _buffer(group, compute_sms=compute_sms)
     _stage(buf, 4)
-    w1, w2 = native.transform_weights_for_gc_moe(*_fp4_pairs())
+    w1, w2 = api.transform_weights_for_gc_moe(*_fp4_pairs())
     return dict(y=torch.empty(4, H, dtype=torch.bfloat16), w1=w1, w2=w2, buffer=buf)
 
 
@@ -277,29 +279,29 @@ def test_call_argument_errors(group: dist.ProcessGroup, kw: dict, exc: type, mat
     args = _call_args(group)
     args.update(kw)
     with pytest.raises(exc, match=f"fp8_fp4_gc_moe: {match}"):
-        native.fp8_fp4_gc_moe(**args)
+        api.fp8_fp4_gc_moe(**args)
 
 
 def test_call_weight_and_buffer_mismatches(group: dist.ProcessGroup) -> None:
     args = _call_args(group)
-    w8 = native.transform_weights_for_gc_moe(*_fp8_pairs(), mma_type="fp8xfp8")
+    w8 = api.transform_weights_for_gc_moe(*_fp8_pairs(), mma_type="fp8xfp8")
     with pytest.raises(ValueError, match="w1: must be the 'l1' weights of mma_type='fp8xfp4'"):
-        native.fp8_fp4_gc_moe(**{**args, "w1": w8[0]})
+        api.fp8_fp4_gc_moe(**{**args, "w1": w8[0]})
     with pytest.raises(ValueError, match="w2: must be the 'l2' weights .* got the 'l1'"):
-        native.fp8_fp4_gc_moe(**{**args, "w2": args["w1"]})
+        api.fp8_fp4_gc_moe(**{**args, "w2": args["w1"]})
     with pytest.raises(ValueError, match="fp8_fp8_gc_moe: buffer: must be created with mma_type='fp8xfp8'"):
-        native.fp8_fp8_gc_moe(args["y"], *w8, args["buffer"])
-    other = native.transform_weights_for_gc_moe(*_fp4_pairs(e=E // 2))
+        api.fp8_fp8_gc_moe(args["y"], *w8, args["buffer"])
+    other = api.transform_weights_for_gc_moe(*_fp4_pairs(e=E // 2))
     with pytest.raises(ValueError, match="w1.factor: must be float32 \\[8\\]"):
-        native.fp8_fp4_gc_moe(**{**args, "w1": other[0]})
+        api.fp8_fp4_gc_moe(**{**args, "w1": other[0]})
     args["buffer"].topk_idx[0, 0] = E
     with pytest.raises(ValueError, match="fp8_fp4_gc_moe: topk_idx: must be in \\[-1, 8\\)"):
-        native.fp8_fp4_gc_moe(**args)
+        api.fp8_fp4_gc_moe(**args)
     with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):  # past the checks
-        native.fp8_fp4_gc_moe(**args, check_values=False)
+        api.fp8_fp4_gc_moe(**args, check_values=False)
     args["buffer"].destroy()
     with pytest.raises(ValueError, match="fp8_fp4_gc_moe: buffer: was destroyed"):
-        native.fp8_fp4_gc_moe(**args)
+        api.fp8_fp4_gc_moe(**args)
 
 
 def test_call_raises_on_undersized_ring(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,7 +309,7 @@ def test_call_raises_on_undersized_ring(group: dist.ProcessGroup, monkeypatch: p
     buf = args["buffer"]
     monkeypatch.setattr(type(buf), "current_compute_sms", lambda self: 1024)  # the launch would get more SMs
     with pytest.raises(ring.RingCapacityError, match="1024-SM compute partition"):
-        native.fp8_fp4_gc_moe(**args)
+        api.fp8_fp4_gc_moe(**args)
     with exclusive(buf):  # the guard was released by the failed call
         pass
 
@@ -315,7 +317,7 @@ def test_call_raises_on_undersized_ring(group: dist.ProcessGroup, monkeypatch: p
 def test_ring_plan_uses_block_m_heuristic(group: dist.ProcessGroup) -> None:
     buf = _buffer(group)
     for t, want_bm in ((1, 8), (TMAX, 16)):
-        plan = native.ring_plan(buf, t)
+        plan = api.ring_plan(buf, t)
         assert plan.block_m == want_bm == dg.get_block_m_for_mega_moe(1, E, TMAX, t, K)
         assert plan.ring_blocks >= ring.RingModel(buf.shape, want_bm, 64).required_ring_blocks
 
@@ -335,9 +337,9 @@ def test_concurrent_calls_serialize(group: dist.ProcessGroup) -> None:
     try:
         assert holding.wait(10)
         with pytest.raises(WorkspaceBusyError):
-            native.fp8_fp4_gc_moe(**args)
+            api.fp8_fp4_gc_moe(**args)
     finally:
         release.set()
         th.join()
     with pytest.raises(RuntimeError, match="lives in host memory"):  # released: the call reaches the launch
-        native.fp8_fp4_gc_moe(**args)
+        api.fp8_fp4_gc_moe(**args)

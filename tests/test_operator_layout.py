@@ -7,8 +7,9 @@ import ctypes
 import pytest
 import torch
 
-from gc_moe_compat import config, operator_layout, ring
-from gc_moe_compat.operator_layout import NO_REGION, REGION_NAMES, OperatorLayout, WorkspaceOffsets
+from gc_moe_compat import config
+from gc_moe_compat.operator import ring, workspace
+from gc_moe_compat.operator.workspace import NO_REGION, REGION_NAMES, OperatorLayout, WorkspaceOffsets
 
 CASES = [(name, p, shared, mma) for name in config.PRESETS for p in (1, 2, 8) for shared in (True, False)
          for mma in config.MMA_TYPES]
@@ -100,4 +101,4 @@ def test_build_argument_errors() -> None:
         OperatorLayout.build("tiny", 64)
     with pytest.raises(ValueError, match="compute_sms: must be >= 1"):
         OperatorLayout.build(shape, 0)
-    assert REGION_NAMES[:4] == operator_layout.INPUT_VIEWS
+    assert REGION_NAMES[:4] == workspace.INPUT_VIEWS

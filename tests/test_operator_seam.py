@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import layouts, native, operator, quant
-from gc_moe_compat.native_buffer import exclusive
+from gc_moe_compat import layouts, quant
+from gc_moe_compat.deep_gemm import _seam as seam
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.buffer import exclusive
 from gc_moe_compat.runtime.workspace import WorkspaceBusyError
 
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
@@ -51,18 +53,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _same_weights(a: native.GcMoeWeights, b: native.GcMoeWeights) -> bool:
+def _same_weights(a: api.GcMoeWeights, b: api.GcMoeWeights) -> bool:
     factors = (a.factor is None and b.factor is None) or torch.equal(a.factor, b.factor)
     return ((a.mma_type, a.gemm) == (b.mma_type, b.gemm) and factors and torch.equal(_bits(a.payload), _bits(b.payload))
             and torch.equal(a.scales, b.scales))
 
 
 class _Launches:
-    """Records the native launches (``native._launch``) instead of running them (no GPU here)."""
+    """Records the native launches (``api._launch``) instead of running them (no GPU here)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[dict] = []
-        monkeypatch.setattr(native, "_launch", self._record)
+        monkeypatch.setattr(api, "_launch", self._record)
 
     def _record(self, fn, buffer, y, w1, w2, t, model, plan, alpha, clamp, *, fast_math=True, recv_stats=None):
         self.calls.append(dict(fn=fn, buffer=buffer, y=y, w1=w1, w2=w2, t=t, alpha=alpha, clamp=clamp,
@@ -82,9 +84,9 @@ def test_retyped_alias_shares_the_workspace(group: dist.ProcessGroup) -> None:
     assert alias.layout.regions == primary.layout.regions and alias.offsets is primary.offsets
     assert primary.retyped("fp8xfp8") is alias and alias.retyped("fp8xfp4") is primary and alias.retyped(
         "fp8xfp8") is alias
-    assert operator.workspace_of(sym) is primary and operator.workspace_view(sym, "l2_acts") is primary.l2_acts
+    assert seam.workspace_of(sym) is primary and seam.workspace_view(sym, "l2_acts") is primary.l2_acts
     with pytest.raises(KeyError, match="no workspace region 'nope'"):
-        operator.workspace_view(sym, "nope")
+        seam.workspace_view(sym, "nope")
     with pytest.raises(ValueError, match="mma_type: must be one of"):
         primary.retyped("nvfp4xnvfp4")
     with exclusive(primary), pytest.raises(WorkspaceBusyError), exclusive(alias):
@@ -99,11 +101,11 @@ def test_retyped_alias_shares_the_workspace(group: dist.ProcessGroup) -> None:
 
 def test_seam_refuses_other_buffers(group: dist.ProcessGroup) -> None:
     with pytest.raises(TypeError, match="buffer: must be a facade SymmBuffer or a GcMoeBuffer, got object"):
-        operator.workspace_of(object())
+        seam.workspace_of(object())
     sym = _sym(group)
     sym.destroy()
     with pytest.raises(TypeError, match="got SymmBuffer"):  # its workspace reference is gone
-        operator.workspace_of(sym)
+        seam.workspace_of(sym)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -114,25 +116,25 @@ def test_fp8_weights_are_wrapped_without_copy_and_equal_the_native_transform(gro
     sym = _sym(group)
     canonical = _fp8_canonical()
     l1, l2 = dg.transform_weights_for_mega_moe_sm90(*canonical)
-    w1, w2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    w1, w2 = seam.operator_weights(sym, "fp8xfp8", l1, l2)
     assert w1.payload is l1[0] and w1.scales is l1[1] and w2.payload is l2[0] and w2.scales is l2[1]
-    ref1, ref2 = native.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp8")
+    ref1, ref2 = api.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp8")
     assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
-    assert operator.operator_weights(sym, "fp8xfp8", l1, l2) == (w1, w2)
-    assert operator.operator_weights(sym.workspace.retyped("fp8xfp8"), "fp8xfp8", l1, l2)[0] is w1  # one cache
+    assert seam.operator_weights(sym, "fp8xfp8", l1, l2) == (w1, w2)
+    assert seam.operator_weights(sym.workspace.retyped("fp8xfp8"), "fp8xfp8", l1, l2)[0] is w1  # one cache
 
 
 def test_weights_are_reconverted_after_an_in_place_update(group: dist.ProcessGroup) -> None:
     sym = _sym(group)
     l1, l2 = _fp8_deepgemm()
-    w1, w2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    w1, w2 = seam.operator_weights(sym, "fp8xfp8", l1, l2)
     l2[1].mul_(2)  # bumps that tensor's version counter
-    v1, v2 = operator.operator_weights(sym, "fp8xfp8", l1, l2)
+    v1, v2 = seam.operator_weights(sym, "fp8xfp8", l1, l2)
     assert v1 is w1 and v2 is not w2 and torch.equal(v2.scales, l2[1])
     copy_l1 = (l1[0].clone(), l1[1].clone())  # same values, other tensors: another entry
-    assert operator.operator_weights(sym, "fp8xfp8", copy_l1, l2)[0] is not w1
+    assert seam.operator_weights(sym, "fp8xfp8", copy_l1, l2)[0] is not w1
     other = _sym(group)  # another workspace converts for itself
-    assert operator.operator_weights(other, "fp8xfp8", l1, l2)[0] is not w1
+    assert seam.operator_weights(other, "fp8xfp8", l1, l2)[0] is not w1
 
 
 def test_non_contiguous_fp8_weights_are_copied_once(group: dist.ProcessGroup) -> None:
@@ -140,9 +142,9 @@ def test_non_contiguous_fp8_weights_are_copied_once(group: dist.ProcessGroup) ->
     l1, l2 = _fp8_deepgemm()
     strided = torch.empty(E, 2 * N_I, 2 * H, dtype=l1[0].dtype)[..., ::2]
     strided.view(torch.uint8).copy_(l1[0].view(torch.uint8))
-    w1, _ = operator.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)
+    w1, _ = seam.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)
     assert w1.payload.is_contiguous() and torch.equal(_bits(w1.payload), _bits(l1[0]))
-    assert operator.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)[0] is w1
+    assert seam.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)[0] is w1
 
 
 def test_fp4_weights_are_deinterleaved_and_repacked_once(group: dist.ProcessGroup) -> None:
@@ -151,10 +153,10 @@ def test_fp4_weights_are_deinterleaved_and_repacked_once(group: dist.ProcessGrou
     for packed in (False, True):  # UE8M0 codes or DeepGEMM's packed int32 form
         form = quant.pack_ue8m0_k32 if packed else (lambda codes: codes)
         l1, l2 = dg.transform_weights_for_mega_moe(*[(w, form(sf)) for w, sf in canonical])
-        w1, w2 = operator.operator_weights(sym, "fp8xfp4", l1, l2)
-        ref1, ref2 = native.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp4")
+        w1, w2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
+        ref1, ref2 = api.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp4")
         assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
-        assert operator.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
+        assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
         assert torch.equal(layouts.deinterleave_gate_up(l1[0]), canonical[0][0])
 
 
@@ -185,31 +187,31 @@ def test_fp8_mega_moe_hands_the_operator_its_options(group: dist.ProcessGroup, m
 
 def test_operator_seam_runs_on_a_native_buffer(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
     launches = _Launches(monkeypatch)
-    buf = native.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
+    buf = api.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
     buf.topk_idx.fill_(-1)
     l1, l2 = _fp8_deepgemm()
     kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
               recipe=(128, 128, 128), activation_clamp=None, fast_math=True)
-    operator.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
+    seam.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
     assert launches.calls[0]["buffer"] is buf and launches.calls[0]["t"] == 2
     with pytest.raises(ValueError, match="recipe: must be one of"):
-        operator.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **{**kw, "recipe": (1, 1, 16)})
+        seam.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **{**kw, "recipe": (1, 1, 16)})
 
 
 def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> None:
-    buf = native.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
+    buf = api.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
     buf.topk_idx.fill_(-1)
-    w1, w2 = native.transform_weights_for_gc_moe(*_fp8_canonical(), mma_type="fp8xfp8")
+    w1, w2 = api.transform_weights_for_gc_moe(*_fp8_canonical(), mma_type="fp8xfp8")
     y = torch.empty(2, H, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="fp8_fp8_gc_moe: fast_math: must be a bool"):
-        native.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=1)
+        api.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=1)
     with pytest.raises(TypeError, match="fp8_fp8_gc_moe: cumulative_local_expert_recv_stats: must be an int32"):
-        native.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(E))
+        api.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(E))
     with pytest.raises(ValueError, match="fp8_fp8_gc_moe: cumulative_local_expert_recv_stats: must be a contiguous "
                                          "int32 tensor \\[8\\]"):
-        native.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(2 * E, dtype=torch.int32))
+        api.fp8_fp8_gc_moe(y, w1, w2, buf, cumulative_local_expert_recv_stats=torch.zeros(2 * E, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="lives in host memory"):  # valid options reach the launch
-        native.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=False,
+        api.fp8_fp8_gc_moe(y, w1, w2, buf, fast_math=False,
                               cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32))
 
 

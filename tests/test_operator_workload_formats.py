@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gc_moe_compat import native
-from gc_moe_compat.reference import ExpertWeights, accuracy_metrics, expert_parallel_reference
-from gc_moe_compat.sm90 import operator_workload as ow
+from gc_moe_compat.operator import api
+from gc_moe_compat.testing import operator_workload as ow
+from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics, expert_parallel_reference
 
 PRESET, E, K, H = "tiny", 4, 2, 512
 
@@ -28,7 +28,7 @@ def test_fp4_weights_are_the_window_repacked_mxfp4_of_the_same_draws() -> None:
         assert torch.equal(quantized.payload, plain.payload) and torch.equal(quantized.scales, plain.scales), gemm
         fp8_again = ExpertWeights.quantize(model.payload, "fp8_block128")
         assert torch.equal((fp8.l1, fp8.l2)[gemm].scales, fp8_again.scales)
-    w1, w2 = native.transform_weights_for_gc_moe((fp4.l1.payload, fp4.l1.scales), (fp4.l2.payload, fp4.l2.scales),
+    w1, w2 = api.transform_weights_for_gc_moe((fp4.l1.payload, fp4.l1.scales), (fp4.l2.payload, fp4.l2.scales),
                                                  "fp8xfp4")
     assert torch.equal(fp4.w1.payload, w1.payload) and torch.equal(fp4.w2.factor, w2.factor)
 

@@ -7,8 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gc_moe_compat import config, reference, ring
+from gc_moe_compat import config
 from gc_moe_compat.deep_gemm import _runtime
+from gc_moe_compat.operator import ring
+from gc_moe_compat.testing import reference
 
 
 def _shape(**kw: object) -> config.MoEShape:

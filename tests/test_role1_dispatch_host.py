@@ -1,5 +1,6 @@
 """Role1 (SM90 dispatch) on the host: nvcc builds, by-value parameter packing, and the kernel's row arithmetic
-against the ring model (:func:`gc_moe_compat.ring.pool_table` / :func:`~gc_moe_compat.ring.pool_rows`)."""
+against the ring model (:func:`gc_moe_compat.operator.ring.pool_table` /
+:func:`~gc_moe_compat.operator.ring.pool_rows`)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvcc_mark import needs_nvcc
 
-from gc_moe_compat import native, ring
-from gc_moe_compat.operator_layout import WorkspaceOffsets
-from gc_moe_compat.reference import dispatch_plan
+from gc_moe_compat.operator import api, ring
+from gc_moe_compat.operator.sm90 import role1_dispatch
+from gc_moe_compat.operator.workspace import WorkspaceOffsets
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.workspace import PeerTable
-from gc_moe_compat.sm90 import dispatch
+from gc_moe_compat.testing.reference import dispatch_plan
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
-STANDINS = "dispatch_test/dispatch_test.cu"
+STANDINS = "testing/dispatch_test.cu"
 
 
 @needs_nvcc
@@ -30,9 +31,9 @@ def test_role1_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: py
     """The dispatch kernel and the test stand-ins build for sm_90a: no stack frame, no spills, and role1 fits 512
     threads on one SM (<= 128 registers) with its static shared memory under the 48 KiB static limit."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    res = jit.compile_cubin(dispatch.SOURCE).resources[dispatch.KERNEL]
+    res = jit.compile_cubin(role1_dispatch.SOURCE).resources[role1_dispatch.KERNEL]
     assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0)
-    assert res.registers <= 65536 // dispatch.THREADS
+    assert res.registers <= 65536 // role1_dispatch.THREADS
     assert res.shared_bytes < 48 * 1024
     for name, r in jit.compile_cubin(STANDINS).resources.items():
         assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), name
@@ -40,55 +41,56 @@ def test_role1_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: py
 
 def test_role1_params_header_is_generated_from_the_ctypes_structs() -> None:
     """The kernel's headers hold exactly the C declarations of the two structs the host packs by value."""
-    header = (KERNELS_DIR / "sm90" / "dispatch_params.cuh").read_text()
-    assert "// BEGIN GENERATED\n" + dispatch.params_header() + "// END GENERATED" in header
+    header = (KERNELS_DIR / "sm90" / "role1_dispatch_params.cuh").read_text()
+    assert "// BEGIN GENERATED\n" + role1_dispatch.params_header() + "// END GENERATED" in header
     assert '#include "common/workspace_offsets.cuh"' in header
     assert WorkspaceOffsets.c_declaration() in (KERNELS_DIR / "common" / "workspace_offsets.cuh").read_text()
 
 
 def test_role1_params_struct_layout() -> None:
     """Every field at its natural C offset, no hidden padding beyond the 8-byte tail alignment."""
-    assert ctypes.sizeof(dispatch.DispatchParams) == natural_layout_size(dispatch.DispatchParams) == 56
+    assert ctypes.sizeof(role1_dispatch.DispatchParams) == natural_layout_size(role1_dispatch.DispatchParams) == 56
 
 
-def _buffer(group: dist.ProcessGroup, **kw: object) -> native.GcMoeBuffer:
+def _buffer(group: dist.ProcessGroup, **kw: object) -> api.GcMoeBuffer:
     args = dict(num_experts=16, capacity=64, topk=4, hidden=512, intermediate=256, compute_sms=64)
     args.update(kw)
-    return native.get_symm_buffer_for_gc_moe(group, **args)
+    return api.get_symm_buffer_for_gc_moe(group, **args)
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 def test_role1_args_pack_the_buffer(group: dist.ProcessGroup, idx_dtype: torch.dtype) -> None:
     """The three by-value arguments: the buffer's peer table and offsets byte for byte, then the call's params."""
     buf = _buffer(group, topk_idx_dtype=idx_dtype)
-    plan = native.ring_plan(buf, 40)
-    args = dispatch.dispatch_args(buf, plan, 40, timeout_ms=250)
+    plan = api.ring_plan(buf, 40)
+    args = role1_dispatch.dispatch_args(buf, plan, 40, timeout_ms=250)
     (t_name, t_bytes), (o_name, o_bytes), (p_name, p_bytes) = args.signature
     assert (t_name, o_name, p_name) == ("PeerTable", "WorkspaceOffsets", "DispatchParams")
     assert t_bytes == bytes(buf.peer_table) and len(t_bytes) == ctypes.sizeof(PeerTable) == 592
     assert o_bytes == bytes(buf.offsets) and len(o_bytes) == ctypes.sizeof(WorkspaceOffsets)
-    p = dispatch.DispatchParams.from_buffer_copy(p_bytes)
+    p = role1_dispatch.DispatchParams.from_buffer_copy(p_bytes)
     s = buf.shape
     assert (p.num_tokens, p.topk, p.num_experts, p.local_experts, p.hidden) == (40, 4, 16, 16, 512)
     assert (p.block_m, p.ring_blocks, p.w1_tasks, p.w2_tasks) == (
         plan.block_m, plan.ring_blocks, plan.w1_tasks_per_block, plan.w2_tasks_per_block)
     assert p.w1_tasks == 2 * s.intermediate // 256 and p.w2_tasks == s.hidden // 256
     assert p.idx_bytes == idx_dtype.itemsize and p.timeout_ns == 250_000_000 and p.flags == 0
-    warm = dispatch.DispatchParams.from_buffer_copy(dispatch.dispatch_args(buf, plan, 40, warmup=True).signature[2][1])
-    assert warm.flags == dispatch.WARMUP
+    warm_args = role1_dispatch.dispatch_args(buf, plan, 40, warmup=True)
+    warm = role1_dispatch.DispatchParams.from_buffer_copy(warm_args.signature[2][1])
+    assert warm.flags == role1_dispatch.WARMUP
 
 
 def test_role1_params_reject_what_the_kernel_cannot_hold(group: dist.ProcessGroup) -> None:
     buf = _buffer(group)
-    plan = native.ring_plan(buf, 8)
+    plan = api.ring_plan(buf, 8)
     with pytest.raises(ValueError, match="num_tokens: must be an int in \\[0, capacity=64\\]"):
-        dispatch.dispatch_params(buf, plan, 65)
+        role1_dispatch.dispatch_params(buf, plan, 65)
     with pytest.raises(ValueError, match="num_tokens"):
-        dispatch.dispatch_params(buf, plan, True)
+        role1_dispatch.dispatch_params(buf, plan, True)
     big = ring.RingPlan(64, buf.layout.ring.blocks + 1, 2, 2, 4)
     with pytest.raises(ValueError, match="plan: .* do not fit the buffer's ring"):
-        dispatch.dispatch_params(buf, big, 8)
-    assert dispatch.dispatch_params(buf, plan, 0).num_tokens == 0
+        role1_dispatch.dispatch_params(buf, big, 8)
+    assert role1_dispatch.dispatch_params(buf, plan, 0).num_tokens == 0
 
 
 def _received(topk: list[torch.Tensor], num_experts: int, dst: int) -> list[torch.Tensor]:
@@ -117,14 +119,15 @@ def _routings(draw: st.DrawFn) -> tuple[list[torch.Tensor], int, int, ring.RingP
 @settings(max_examples=300, deadline=None)
 @given(_routings())
 def test_role1_row_assignment_equals_the_ring_model(case: tuple[list[torch.Tensor], int, int, ring.RingPlan]) -> None:
-    """The kernel's arithmetic (:func:`dispatch.assign_rows`, from the [P, e] counts alone) puts every received row
+    """The kernel's arithmetic (:func:`role1_dispatch.assign_rows`, from the [P, e] counts alone) puts every received
+    row
     where :func:`ring.pool_rows` says, publishes :func:`ring.pool_table`, and its ``l1_full_count`` increments bring
     every block generation to exactly ``BM·(g+1)``."""
     topk, experts, dst, plan = case
     ranks = len(topk)
     received = _received(topk, experts, dst)
     counts = torch.tensor([[int((rows[:, 0] == src).sum()) for rows in received] for src in range(ranks)])
-    table, rows = dispatch.assign_rows(counts, plan)
+    table, rows = role1_dispatch.assign_rows(counts, plan)
     per_expert = torch.tensor([r.shape[0] for r in received], dtype=torch.int32)
     assert torch.equal(table, ring.pool_table(per_expert, plan))
     want = ring.pool_rows(received, plan)

@@ -1,5 +1,6 @@
 """The role1 GPU tests' oracle on the host (no GPU): a step-by-step simulation of role1's writes, driven by the
-kernel's own arithmetic (:func:`gc_moe_compat.sm90.dispatch.assign_rows` and the src_index lists), passes every
+kernel's own arithmetic (:func:`gc_moe_compat.operator.sm90.role1_dispatch.assign_rows` and the src_index lists),
+passes every
 check of role1_kit, and a single misplaced row fails them. So the GPU tests can pass, and they can fail."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat import native
-from gc_moe_compat.ring import RingPlan
-from gc_moe_compat.sm90.dispatch import assign_rows
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.ring import RingPlan
+from gc_moe_compat.operator.sm90.role1_dispatch import assign_rows
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))  # role1_kit lives beside the GPU tests that use it
 from role1_kit import (  # noqa: E402
@@ -28,7 +29,7 @@ from role1_kit import (  # noqa: E402
 )
 
 
-def _simulate(buffer: native.GcMoeBuffer, inputs: list, rank: int, plan: RingPlan, cap: CaptureBuffers) -> None:
+def _simulate(buffer: api.GcMoeBuffer, inputs: list, rank: int, plan: RingPlan, cap: CaptureBuffers) -> None:
     """Role1 of ``rank`` plus the stand-in consumer's capture, in program order, on host tensors."""
     s, d = buffer.shape, buffer.dispatch_sms
     k, e, ranks = s.topk, s.num_local_experts, len(inputs)
@@ -69,7 +70,7 @@ def _simulate(buffer: native.GcMoeBuffer, inputs: list, rank: int, plan: RingPla
                           ("uniform", 0, 16, 2)])
 def test_role1_oracle_accepts_the_simulation_and_rejects_one_swap(group: dist.ProcessGroup, kind: str, tokens: int,
                                                                    bm: int, ring_blocks: int) -> None:
-    buf = native.get_symm_buffer_for_gc_moe(group, num_experts=16, capacity=64, topk=4, hidden=512,
+    buf = api.get_symm_buffer_for_gc_moe(group, num_experts=16, capacity=64, topk=4, hidden=512,
                                             intermediate=256, compute_sms=64)
     gen = torch.Generator().manual_seed(tokens + bm)
     inputs = [make_inputs(kind, tokens, buf, gen)]

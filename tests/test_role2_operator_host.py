@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
-from gc_moe_compat import native, ring
 from gc_moe_compat.config import MMA_TYPES, MoEShape
-from gc_moe_compat.reference import ExpertWeights
+from gc_moe_compat.operator import api, ring
+from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
+from gc_moe_compat.operator.sm90 import layer, role1_dispatch, role2_gemm, role3_finalize
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
-from gc_moe_compat.sm90 import dispatch, finalize, layer, role2
-from gc_moe_compat.sm90.gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
-from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
-from gc_moe_compat.sm90.tensormap import TensorMapArg
+from gc_moe_compat.runtime.tensormap import TensorMapArg
+from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.testing.standalone_gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -53,39 +53,40 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_role2_params_header_is_generated_from_the_ctypes_struct() -> None:
-    header = (KERNELS_DIR / "sm90" / "role2_params.cuh").read_text()
-    assert "// BEGIN GENERATED\n" + role2.params_header() + "// END GENERATED" in header
-    assert ctypes.sizeof(role2.Role2Params) == 64
+    header = (KERNELS_DIR / "sm90" / "role2_gemm_params.cuh").read_text()
+    assert "// BEGIN GENERATED\n" + role2_gemm.params_header() + "// END GENERATED" in header
+    assert ctypes.sizeof(role2_gemm.Role2Params) == 64
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
 def test_operator_smem_fits_and_stages_are_maximal(bm: int, mma_type: str) -> None:
-    stages = role2.operator_stages(bm, mma_type)
-    assert stages >= 2 and role2.operator_smem_bytes(bm, stages, mma_type) <= SMEM_LIMIT
-    assert stages == 8 or role2.operator_smem_bytes(bm, stages + 1, mma_type) > SMEM_LIMIT
-    assert role2.Role2Variant(bm, True, mma_type=mma_type).smem == role2.operator_smem_bytes(bm, stages, mma_type)
+    stages = role2_gemm.operator_stages(bm, mma_type)
+    assert stages >= 2 and role2_gemm.operator_smem_bytes(bm, stages, mma_type) <= SMEM_LIMIT
+    assert stages == 8 or role2_gemm.operator_smem_bytes(bm, stages + 1, mma_type) > SMEM_LIMIT
+    variant = role2_gemm.Role2Variant(bm, True, mma_type=mma_type)
+    assert variant.smem == role2_gemm.operator_smem_bytes(bm, stages, mma_type)
 
 
 def test_variant_picks_the_kernel_of_its_weight_format() -> None:
-    fp8, fp4 = role2.Role2Variant(16, True), role2.Role2Variant(16, True, mma_type="fp8xfp4")
-    assert (fp8.source, fp8.kernel_name) == (role2.SOURCE, role2.KERNEL) == role2.KERNELS["fp8xfp8"]
-    assert (fp4.source, fp4.kernel_name) == ("sm90/fp8_fp4_grouped_gemm.cu", "gc_sm90_fp8_fp4_role2")
+    fp8, fp4 = role2_gemm.Role2Variant(16, True), role2_gemm.Role2Variant(16, True, mma_type="fp8xfp4")
+    assert (fp8.source, fp8.kernel_name) == (role2_gemm.SOURCE, role2_gemm.KERNEL) == role2_gemm.KERNELS["fp8xfp8"]
+    assert (fp4.source, fp4.kernel_name) == ("sm90/role2_gemm_fp8xfp4.cu", "gc_sm90_fp8_fp4_role2")
     assert fp4.defines["GC_OP_SMEM_BYTES"] == fp4.smem != fp8.smem
-    assert role2.role2_defines(16, True) == fp8.defines  # the FP8xFP8 default (bench/operator_sm90.py's call)
+    assert role2_gemm.role2_defines(16, True) == fp8.defines  # the FP8xFP8 default (bench/operator_sm90.py's call)
     with pytest.raises(ValueError, match="mma_type: must be one of"):
-        role2.Role2Variant(16, True, mma_type="fp8xbf16")
+        role2_gemm.Role2Variant(16, True, mma_type="fp8xbf16")
     for mma_type in MMA_TYPES:
         shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64,
                          mma_type=mma_type)
-        assert role2.role2_variant(ring.RingModel(shape, 8, 16), 4).mma_type == mma_type
+        assert role2_gemm.role2_variant(ring.RingModel(shape, 8, 16), 4).mma_type == mma_type
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", [role2.Role2Variant(bm, p, mma_type=m) for m in MMA_TYPES
+@pytest.mark.parametrize("variant", [role2_gemm.Role2Variant(bm, p, mma_type=m) for m in MMA_TYPES
                                      for bm in BLOCK_M_CANDIDATES for p in (True, False)],
                          ids=lambda v: f"{v.mma_type}-bm{v.bm}-prod{int(v.pipelined)}")
-def test_operator_variants_compile_without_spills(variant: role2.Role2Variant, tmp_path: Path,
+def test_operator_variants_compile_without_spills(variant: role2_gemm.Role2Variant, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every operator-mode variant of both kernels builds for sm_90a (which also asserts kSmemBytes ==
     operator_smem_bytes): no stack frame, no spills, no serialized WGMMAs, the 168-register cap of the producer
@@ -128,7 +129,8 @@ def test_standalone_cubins_are_byte_identical(mma_type: str, tmp_path: Path, mon
 
 
 def test_fp4_units_are_the_standalone_kernels_units() -> None:
-    """The operator's FP8xFP4 weight view (native transform, then role2.fp4_units, chunked) is byte for byte what the
+    """The operator's FP8xFP4 weight view (native transform, then role2_gemm.fp4_units, chunked) is byte for byte what
+    the
     GPU-verified standalone FP4 kernel reads (gemm.prepare_fp4_weights), factors included; K32 scales spread over 16
     exponents so the window clips groups and the units carry d up to 10; 11 experts cross a permutation chunk."""
     g = torch.Generator().manual_seed(5)
@@ -137,13 +139,13 @@ def test_fp4_units_are_the_standalone_kernels_units() -> None:
                                                              .float()).repeat_interleave(32, dim=-1)
               for n, k in ((2 * inter, h), (h, inter))]
     l1, l2 = (ExpertWeights.quantize(w, "mxfp4") for w in spread)
-    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
+    w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
     assert int(w1.scales.max()) == 10
     ref = prepare_fp4_weights(l1, l2)
-    assert torch.equal(role2.fp4_units(w1), ref.w1) and torch.equal(role2.fp4_units(w2), ref.w2)
+    assert torch.equal(role2_gemm.fp4_units(w1), ref.w1) and torch.equal(role2_gemm.fp4_units(w2), ref.w2)
     assert torch.equal(w1.factor, ref.w1_factor) and torch.equal(w2.factor, ref.w2_factor)
     with pytest.raises(ValueError, match="w: must be fp8xfp4 weights"):
-        role2.fp4_units(native.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")[0])
+        role2_gemm.fp4_units(api.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")[0])
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
@@ -152,28 +154,29 @@ def test_role2_weights_maps(mma_type: str, monkeypatch: pytest.MonkeyPatch) -> N
     and passes the block scales; FP8xFP4 maps the decoder's units with one task's four units per box (136 rows of
     128 bytes, no swizzle: kWBytes of the kernel) and passes the per-expert factors."""
     maps = []
-    monkeypatch.setattr(role2, "encode_2d", lambda t, rows, swizzle=True: maps.append((tuple(t.shape), rows, swizzle)))
+    monkeypatch.setattr(role2_gemm, "encode_2d",
+                        lambda t, rows, swizzle=True: maps.append((tuple(t.shape), rows, swizzle)))
     if mma_type == "fp8xfp8":
-        w1, w2 = native.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")
-        assert maps == [] and role2.Role2Weights(w1, w2).w1_sf.shape == (E, 2 * N_I // 128, H // 128)
+        w1, w2 = api.transform_weights_for_gc_moe(*_fp8_pairs(), "fp8xfp8")
+        assert maps == [] and role2_gemm.Role2Weights(w1, w2).w1_sf.shape == (E, 2 * N_I // 128, H // 128)
         assert maps == [((E * 2 * N_I, H), 256, True), ((E * H, N_I), 256, True)]
         return
     g = torch.Generator().manual_seed(6)
     l1 = ExpertWeights.quantize(torch.randn(E, 2 * N_I, H, generator=g), "mxfp4")
     l2 = ExpertWeights.quantize(torch.randn(E, H, N_I, generator=g), "mxfp4")
-    w1, w2 = native.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
-    view = role2.Role2Weights(w1, w2)
+    w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), "fp8xfp4")
+    view = role2_gemm.Role2Weights(w1, w2)
     assert (view.mma_type, view.num_experts, view.hidden, view.inter) == ("fp8xfp4", E, H, N_I)
     assert maps == [((E * (H // 128) * (2 * N_I // 64) * 34, 128), 136, False),
                     ((E * (N_I // 128) * (H // 64) * 34, 128), 136, False)]
     assert 136 * 128 == 4 * 4352 and torch.equal(view.w1_sf, w1.factor)
     assert torch.equal(view.w2_sf, w2.factor) and view.w2_sf.dtype == torch.float32
     with pytest.raises(ValueError, match="weights: role2 takes an \\(l1, l2\\) pair of one mma_type"):
-        role2.Role2Weights(w2, w1)
+        role2_gemm.Role2Weights(w2, w1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a first FP4 call on a buffer inside a capture
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="make one eager call with these weights on this buffer before capturing"):
-        role2.Role2Weights(w1, w2)
+        role2_gemm.Role2Weights(w1, w2)
 
 
 def _fp8_pairs() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -199,7 +202,7 @@ def _declared_order(n: int, w: int, t1: int, t2: int) -> list[tuple[str, int, in
 @pytest.mark.parametrize(("n", "w", "t1", "t2"), [(0, 3, 2, 2), (1, 3, 2, 2), (5, 3, 2, 4), (7, 7, 3, 1),
                                                   (9, 1, 1, 1), (40, 6, 18, 20), (3, 10, 4, 2)])
 def test_task_sequence_is_the_live_block_order(n: int, w: int, t1: int, t2: int) -> None:
-    seq = role2.task_sequence(n, w, t1, t2)
+    seq = role2_gemm.task_sequence(n, w, t1, t2)
     assert seq == _declared_order(n, w, t1, t2)
     assert sorted(seq) == sorted([("w1", b, i) for b in range(n) for i in range(t1)]
                                  + [("w2", b, i) for b in range(n) for i in range(t2)])
@@ -212,7 +215,7 @@ def _simulate(n: int, ring_blocks: int, ctas: int, w: int, t1: int, t2: int, row
     """Discrete simulation of role1 (pulls pool blocks in order, refill waits on W1 and W2 of p - R) and role2's
     grid (CTA c runs tasks c, c + C, ... in order; a W1 task needs its block landed, a W2 task every W1 tile of its
     block). Returns whether everything finished (False: no actor could move, a deadlock)."""
-    seq = role2.task_sequence(n, w, t1, t2)
+    seq = role2_gemm.task_sequence(n, w, t1, t2)
     done_w1 = [0] * n
     done_w2 = [0] * n
     landed = [False] * n
@@ -254,7 +257,8 @@ def test_grid_never_deadlocks_with_the_checked_ring(compute_sms: int, bm: int, m
     shape = MoEShape(num_experts=16, num_ranks=2, hidden=1024, intermediate=512, topk=4, capacity=64,
                      mma_type=mma_type)
     model = ring.RingModel(shape, bm, compute_sms)
-    assert (model.w1_tasks_per_block, model.w2_tasks_per_block) == (2 * 512 // role2.TASK_ROWS, 1024 // role2.TASK_ROWS)
+    rows = role2_gemm.TASK_ROWS
+    assert (model.w1_tasks_per_block, model.w2_tasks_per_block) == (2 * 512 // rows, 1024 // rows)
     t1, t2, w = model.w1_tasks_per_block, model.w2_tasks_per_block, model.lookahead_blocks
     for n in (1, model.pool_blocks // 3, model.pool_blocks):
         for r in (model.required_ring_blocks, model.deadlock_free_blocks):
@@ -293,23 +297,23 @@ class _FakeWeights:
 
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> _FakeWeights:
-    monkeypatch.setattr(dispatch, "kernel", lambda: _FakeKernel(dispatch.KERNEL))
-    monkeypatch.setattr(finalize, "kernel", lambda: _FakeKernel(finalize.KERNEL))
-    monkeypatch.setattr(role2, "kernel", lambda v: _FakeKernel(f"{v.kernel_name}-{v.bm}-{int(v.pipelined)}"))
-    monkeypatch.setattr(role2, "_ring_maps", lambda buf, bm: (TensorMapArg(), TensorMapArg()))
+    monkeypatch.setattr(role1_dispatch, "kernel", lambda: _FakeKernel(role1_dispatch.KERNEL))
+    monkeypatch.setattr(role3_finalize, "kernel", lambda: _FakeKernel(role3_finalize.KERNEL))
+    monkeypatch.setattr(role2_gemm, "kernel", lambda v: _FakeKernel(f"{v.kernel_name}-{v.bm}-{int(v.pipelined)}"))
+    monkeypatch.setattr(role2_gemm, "_ring_maps", lambda buf, bm: (TensorMapArg(), TensorMapArg()))
     return _FakeWeights()
 
 
-def _buffer(group: dist.ProcessGroup, partition: str, mma_type: str = "fp8xfp8") -> native.GcMoeBuffer:
-    return native.get_symm_buffer_for_gc_moe(group, num_experts=E, capacity=TMAX, topk=K, hidden=H,
+def _buffer(group: dist.ProcessGroup, partition: str, mma_type: str = "fp8xfp8") -> api.GcMoeBuffer:
+    return api.get_symm_buffer_for_gc_moe(group, num_experts=E, capacity=TMAX, topk=K, hidden=H,
                                              intermediate=N_I, mma_type=mma_type, compute_sms=64,
                                              partition=partition)
 
 
-def _call(buf: native.GcMoeBuffer, t: int) -> layer.LayerCall:
-    model = native.ring_model(buf, t)
-    return layer.LayerCall(num_tokens=t, model=model, plan=native.ring_plan(buf, t, model),
-                           variant=role2.role2_variant(model, t), activation_clamp=10.0, activation_alpha=1.0)
+def _call(buf: api.GcMoeBuffer, t: int) -> layer.LayerCall:
+    model = api.ring_model(buf, t)
+    return layer.LayerCall(num_tokens=t, model=model, plan=api.ring_plan(buf, t, model),
+                           variant=role2_gemm.role2_variant(model, t), activation_clamp=10.0, activation_alpha=1.0)
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
@@ -332,10 +336,10 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
         assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role2",))
     assert r1.grid == (buf.dispatch_sms, 1, 1) and r2.grid == (call.model.compute_sms, 1, 1)
     assert r2.block == (call.variant.threads, 1, 1) and r2.shared_bytes == call.variant.smem
-    assert r2.kernel.name.startswith(role2.KERNELS[mma_type][1] + "-")
-    params = role2.Role2Params.from_buffer_copy(r2.args.signature[-1][1])
-    warm = role2.Role2Params.from_buffer_copy(r2.warmup_args.signature[-1][1])
-    assert (params.flags, warm.flags) == (0, role2.WARMUP)
+    assert r2.kernel.name.startswith(role2_gemm.KERNELS[mma_type][1] + "-")
+    params = role2_gemm.Role2Params.from_buffer_copy(r2.args.signature[-1][1])
+    warm = role2_gemm.Role2Params.from_buffer_copy(r2.warmup_args.signature[-1][1])
+    assert (params.flags, warm.flags) == (0, role2_gemm.WARMUP)
     assert (params.block_m, params.ring_blocks) == (call.plan.block_m, call.plan.ring_blocks)
     assert (params.w1_tasks, params.w2_tasks, params.lookahead) == (2 * N_I // 256, H // 256,
                                                                     call.model.lookahead_blocks)
@@ -355,7 +359,7 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
 def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fakes: _FakeWeights) -> None:
     buf = _buffer(group, "on")
     y, y2 = torch.empty(5, H, dtype=torch.bfloat16), torch.empty(5, H, dtype=torch.bfloat16)
-    w = native.transform_weights_for_gc_moe((torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn),
+    w = api.transform_weights_for_gc_moe((torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn),
                                              torch.ones(E, 2 * N_I // 128, H // 128)),
                                             (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn),
                                              torch.ones(E, H // 128, N_I // 128)), "fp8xfp8")
@@ -369,7 +373,7 @@ def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fak
 
 def test_layer_cache_builds_weight_views_once(monkeypatch: pytest.MonkeyPatch) -> None:
     built = []
-    monkeypatch.setattr(role2, "Role2Weights", lambda w1, w2: built.append((w1, w2)) or object())
+    monkeypatch.setattr(role2_gemm, "Role2Weights", lambda w1, w2: built.append((w1, w2)) or object())
     cache = layer.LayerCache()
     a, b = object(), object()
     first = cache.role2_weights(a, b)
@@ -385,9 +389,9 @@ def test_partition_off_ring_holds_the_pool(group: dist.ProcessGroup) -> None:
     buf = _buffer(group, "off")
     assert buf.layout.ring == ring.RingCapacity.whole_pool(buf.shape)
     for t in (1, TMAX):
-        model = native.ring_model(buf, t)
+        model = api.ring_model(buf, t)
         assert buf.layout.ring.holds_pool(model)
-        assert native.ring_plan(buf, t, model).ring_blocks == model.pool_blocks
+        assert api.ring_plan(buf, t, model).ring_blocks == model.pool_blocks
 
 
 def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup) -> None:
@@ -396,8 +400,8 @@ def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup)
     small = ring.RingCapacity.for_partition(shape, 4)
     model = ring.RingModel(shape, 8, 4)
     assert not small.holds_pool(model)  # a 4-SM ring does not hold this pool
-    buf = native.get_symm_buffer_for_gc_moe(group, num_experts=64, capacity=512, topk=8, hidden=H,
+    buf = api.get_symm_buffer_for_gc_moe(group, num_experts=64, capacity=512, topk=8, hidden=H,
                                             intermediate=N_I, mma_type="fp8xfp8", compute_sms=4, partition="on")
     buf.partition = "off"  # the mode changed after a partitioned buffer was sized
     with pytest.raises(ring.RingCapacityError, match="GC_MOE_PARTITION=off runs role1 before role2"):
-        native.ring_plan(buf, 1)
+        api.ring_plan(buf, 1)

@@ -109,16 +109,16 @@ RUNTIME_TEST_KERNELS = {
 @needs_nvcc
 def test_nvcc_compiles_runtime_kernels_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    cubin = jit.compile_cubin("runtime_test/runtime_test.cu")
+    cubin = jit.compile_cubin("testing/runtime_test.cu")
     assert not cubin.from_cache
     assert cubin.path.read_bytes()[:4] == b"\x7fELF"
     assert set(cubin.resources) == RUNTIME_TEST_KERNELS
     for name, res in cubin.resources.items():
         assert res.spill_stores == res.spill_loads == res.stack_bytes == 0, name
         assert 0 < res.registers <= 64, name
-    again = jit.compile_cubin("runtime_test/runtime_test.cu")
+    again = jit.compile_cubin("testing/runtime_test.cu")
     assert again.from_cache and again.key == cubin.key and again.resources == cubin.resources
-    tuned = jit.compile_cubin("runtime_test/runtime_test.cu", {"GC_MOE_SPIN_SLEEP_NS": 128})
+    tuned = jit.compile_cubin("testing/runtime_test.cu", {"GC_MOE_SPIN_SLEEP_NS": 128})
     assert tuned.key != cubin.key
 
 
@@ -127,7 +127,7 @@ def test_concurrent_compiles_share_one_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     results: list[jit.Cubin] = []
     threads = [
-        threading.Thread(target=lambda: results.append(jit.compile_cubin("runtime_test/runtime_test.cu")))
+        threading.Thread(target=lambda: results.append(jit.compile_cubin("testing/runtime_test.cu")))
         for _ in range(3)
     ]
     for t in threads:

@@ -1,5 +1,5 @@
 """DeepEP's low-latency dispatch and combine on the facade's symmetric workspace: argument checks, DeepEP-layout
-outputs, the launches of :mod:`gc_moe_compat.ep_ll`, the receive hooks and the error surfacing.
+outputs, the launches of :mod:`gc_moe_compat.comm.ep_ll`, the receive hooks and the error surfacing.
 
 Errors on the device (a peer that never arrives, a protocol mismatch, an expert id >= num_experts) land in the
 workspace's status records, which the receive kernels also copy into a pinned host mirror. A call that is fully
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gc_moe_compat.ep_ll import (
+from gc_moe_compat.comm.ep_ll import (
     FLAG_FP8,
     FLAG_ROUND_SCALE,
     FLAG_UE8M0,

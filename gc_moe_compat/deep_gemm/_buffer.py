@@ -1,6 +1,6 @@
 """``SymmBuffer`` and ``get_symm_buffer_for_mega_moe``: the symmetric buffer callers stage inputs into.
 
-A ``SymmBuffer`` is backed by the GC-MoE operator's workspace, a :class:`gc_moe_compat.native.GcMoeBuffer`
+A ``SymmBuffer`` is backed by the GC-MoE operator's workspace, a :class:`gc_moe_compat.operator.api.GcMoeBuffer`
 (``buffer.workspace``: one symmetric allocation, torch symmetric memory + rendezvous for more than one rank, a
 plain zeroed allocation for one; created collectively, then a group barrier: DeepGEMM's sequence). DeepGEMM's
 attributes are views of it:
@@ -18,7 +18,7 @@ attribute             dtype               shape            strides
 ``buffer``            int8                the whole workspace (``handle.buffer_ptrs``: every rank's base)
 ====================  ==================  ===============  =========================================
 
-``x`` ... ``topk_weights`` ARE the workspace's staging regions (:mod:`gc_moe_compat.operator_layout`), so what the
+``x`` ... ``topk_weights`` ARE the workspace's staging regions (:mod:`gc_moe_compat.operator.workspace`), so what the
 pre-dispatch writes is what the operator's role1 reads; there is no copy. ``T`` is ``num_max_tokens_per_rank``
 rounded up to ``TOKEN_ALIGNMENT``. ``topk_idx`` is int64 as in DeepGEMM 2.8.2; SGLang passes int32 ids to the
 pre-dispatch, which converts them (the operator reads either width, the facade keeps DeepGEMM's). The layout is the
@@ -27,7 +27,8 @@ its Hopper kernel): SGLang creates its Hopper buffer with ``mma_type='fp8xfp4'``
 
 The operator's own regions (token ring and L2 activations: ``l1_acts``, ``l1_acts_sf``, ``l2_acts``, ``l2_acts_sf``,
 and with a shared expert ``shared_l2_acts``, ``shared_l2_acts_sf``) are readable as attributes through
-:func:`gc_moe_compat.operator.workspace_view`; their shapes are the operator's, not DeepGEMM's (SGLang never reads
+:func:`gc_moe_compat.deep_gemm._seam.workspace_view`; their shapes are the operator's, not DeepGEMM's (SGLang never
+reads
 them). On a host without CUDA the workspace is host memory (single rank only), so layouts and the pre-dispatch
 staging can be inspected and tested anywhere; running the operator needs the GPU.
 """
@@ -42,10 +43,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat import config, native, operator
-from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat import config
+from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._runtime import BLOCK_M_CANDIDATES
-from gc_moe_compat.operator_layout import OperatorLayout
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.workspace import OperatorLayout
 
 __all__ = ["HOST_COMPUTE_SMS", "TOKEN_ALIGNMENT", "SymmBuffer", "get_symm_buffer_for_mega_moe",
            "get_symm_buffer_for_sm90_mega_moe"]
@@ -64,10 +66,10 @@ def align_tokens(num_max_tokens_per_rank: int) -> int:
     return -(-num_max_tokens_per_rank // TOKEN_ALIGNMENT) * TOKEN_ALIGNMENT
 
 
-def _workspace(fn: str, group: dist.ProcessGroup, shape: config.MoEShape) -> native.GcMoeBuffer:
+def _workspace(fn: str, group: dist.ProcessGroup, shape: config.MoEShape) -> api.GcMoeBuffer:
     """A fresh operator workspace for ``shape`` (collective), errors re-worded in the facade's argument names."""
     try:
-        return native.get_symm_buffer_for_gc_moe(
+        return api.get_symm_buffer_for_gc_moe(
             group, shape.num_experts, shape.capacity, shape.topk, shape.hidden, shape.intermediate, shape.mma_type,
             shape.num_shared_experts, compute_sms=None if torch.cuda.is_available() else HOST_COMPUTE_SMS)
     except (TypeError, ValueError) as exc:
@@ -106,7 +108,7 @@ class SymmBuffer:
         self.activation = activation
 
         if base is None:
-            self.workspace: native.GcMoeBuffer | None = _workspace(fn, group, self.shape)
+            self.workspace: api.GcMoeBuffer | None = _workspace(fn, group, self.shape)
         else:
             self.workspace = self._share(fn, base)
         self.buffer = self.workspace.storage.view(torch.int8)
@@ -120,7 +122,7 @@ class SymmBuffer:
         self.shared_l1_acts_sf = self.x_sf if num_shared_experts > 0 else empty
         self.x_scales = empty
 
-    def _share(self, fn: str, base: SymmBuffer) -> native.GcMoeBuffer:
+    def _share(self, fn: str, base: SymmBuffer) -> api.GcMoeBuffer:
         """``base``'s workspace, when this configuration is ``base``'s (up to ``mma_type``: both compute paths run
         on one workspace). DeepGEMM reuses a base's bytes for any smaller configuration; here the workspace also
         holds the persistent synchronization state of its layout, so another layout cannot overlay it."""
@@ -139,7 +141,7 @@ class SymmBuffer:
         # Only reached for attributes not set in __init__: the operator-owned workspace regions.
         if name in _OPERATOR_VIEWS:
             try:
-                return operator.workspace_view(self, name)
+                return _seam.workspace_view(self, name)
             except KeyError as exc:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}: the workspace has "
                                      "it only with num_shared_experts=1") from exc

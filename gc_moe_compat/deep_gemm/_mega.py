@@ -3,12 +3,13 @@
 ``fp8_fp4_mega_moe`` (FP8 activations x MXFP4 routed weights, recipe ``(1, 1, 32)``) and ``fp8_mega_moe`` (SGLang's
 Hopper call: FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``) check the buffer, the output, the
 weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then run the
-operator through :func:`gc_moe_compat.operator.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of them).
+operator through :func:`gc_moe_compat.deep_gemm._seam.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of
+them).
 
 Weights are DeepGEMM's layout: L1 rows interleaved gate/up by 8 (``transform_weights_for_mega_moe_sm90`` /
 ``transform_weights_for_mega_moe`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is; FP8 block
 scales in the natural ``[E/P, N/128, K/128]`` layout; FP4 per-row scales interleaved like their rows. They are
-converted for the operator once per weight tensor (see :func:`gc_moe_compat.operator.operator_weights`).
+converted for the operator once per weight tensor (see :func:`gc_moe_compat.deep_gemm._seam.operator_weights`).
 
 Both run the operator without a shared expert; with shared-expert weights ``fp8_fp4_mega_moe`` raises
 NotImplementedError from the operator naming the missing role4 kernel. DeepGEMM options GC-MoE
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from gc_moe_compat import config, operator
-from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat import config
+from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer
 
 __all__ = ["bf16_mega_moe", "fp8_fp4_mega_moe", "fp8_mega_moe", "nvfp4_mega_moe"]
@@ -66,7 +67,7 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         if stats.shape[0] != shape.num_local_experts or stats.device != y.device:
             raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be int32 [{shape.num_local_experts}] "
                              f"on {y.device}, got {tuple(stats.shape)} on {stats.device}")
-    operator.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
+    _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
                       shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
                       recipe=tuple(recipe), activation_clamp=activation_clamp, fast_math=fast_math)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gc_moe_compat.deep_gemm import _checks
-from gc_moe_compat.sm90.heuristics import BLOCK_M_CANDIDATES, select_block_m
+from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, select_block_m
 
 __all__ = ["BLOCK_M_CANDIDATES", "get_block_m_for_mega_moe", "get_num_sms", "set_num_sms"]
 
@@ -52,7 +52,7 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
 
     The expected tokens per expert ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the
     tokens all EP ranks send this call, DeepGEMM's meaning), else ``num_tokens * num_ranks``, goes through the SM90
-    kernels' own rule (:func:`gc_moe_compat.sm90.heuristics.select_block_m`), so this answer is the BM they run.
+    kernels' own rule (:func:`gc_moe_compat.operator.heuristics.select_block_m`), so this answer is the BM they run.
     """
     fn = "get_block_m_for_mega_moe"
     _checks.integer(fn, "num_ranks", num_ranks, 1)

@@ -1,5 +1,5 @@
 // By-value byte offsets of every region of the operator's symmetric workspace (NO_REGION = ~0 for a region
-// the layout lacks), plus the ring sizes. Generated from gc_moe_compat/operator_layout.py
+// the layout lacks), plus the ring sizes. Generated from gc_moe_compat/operator/workspace.py
 // (WorkspaceOffsets.c_declaration()); tests/test_role3_finalize_host.py fails when the two differ.
 #pragma once
 
@@ -39,6 +39,6 @@ struct WorkspaceOffsets {
     unsigned int ring_blocks;
     unsigned int pool_blocks;
 };
-static_assert(sizeof(WorkspaceOffsets) == 240, "WorkspaceOffsets must match gc_moe_compat/operator_layout.py");
+static_assert(sizeof(WorkspaceOffsets) == 240, "WorkspaceOffsets must match gc_moe_compat/operator/workspace.py");
 
 }  // namespace gc_moe

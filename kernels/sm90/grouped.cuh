@@ -8,7 +8,7 @@
 
 #include "sm90/ptx.cuh"
 
-// GC_OPERATOR=1 builds role2 of the GC-MoE operator from a grouped-GEMM source (sm90/role2_kernel.cuh); 0 (default)
+// GC_OPERATOR=1 builds role2 of the GC-MoE operator from a grouped-GEMM source (sm90/role2_gemm.cuh); 0 (default)
 // the standalone kernel.
 #ifndef GC_OPERATOR
 #define GC_OPERATOR 0
@@ -24,7 +24,7 @@
 namespace gc_moe {
 namespace sm90 {
 
-// Status sites of both kernels (role2 in operator mode adds 4-8: sm90/role2_params.cuh).
+// Status sites of both kernels (role2 in operator mode adds 4-8: sm90/role2_gemm_params.cuh).
 constexpr int kSiteSmem = 1, kSiteEmpty = 2, kSiteFull = 3;
 
 // The stage ring's mbarriers, 8 bytes each from kOffBar of the 1024-aligned tile area: full[kStages], then
@@ -192,7 +192,7 @@ __device__ __forceinline__ PairTask load_pair_task(const int* blocks, int j, int
     return PairTask{t, same, rank == 1 && !second};
 }
 
-// The standalone kernels' parameters, as both entries receive them (sm90/standalone_kernel.cuh; their sources'
+// The standalone kernels' parameters, as both entries receive them (sm90/standalone_gemm.cuh; their sources'
 // comments say what each holds).
 struct StandaloneArgs {
     const TensorMap* tm_w;

@@ -2,13 +2,13 @@
 // (fp8_grouped_gemm.cu and fp8_fp4_grouped_gemm.cu with GC_OPERATOR=1): the workspace view of the by-value
 // arguments, the bounded waits with the abort rule, the task sequence, the ring acquires before a task's loads and
 // the releases after its epilogue. Nothing here depends on a kernel's tile constants (those pieces are in
-// sm90/role2_kernel.cuh); the protocol itself is written at the top of role2_kernel.cuh.
+// sm90/role2_gemm.cuh); the protocol itself is written at the top of role2_kernel.cuh.
 #pragma once
 
 #include "common/peer_table.cuh"
 #include "common/sync.cuh"
 #include "sm90/grouped.cuh"
-#include "sm90/role2_params.cuh"
+#include "sm90/role2_gemm_params.cuh"
 
 namespace gc_moe {
 namespace sm90 {

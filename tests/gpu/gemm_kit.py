@@ -9,12 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gc_moe_compat.reference import quantize_activations
+from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, max_stages, w2_slabs
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.sm90 import KernelConfig, group_tokens
-from gc_moe_compat.sm90.gemm import ExpertGemmSM90, Workspace
-from gc_moe_compat.sm90.grouping import GroupedTokens
-from gc_moe_compat.sm90.heuristics import W1_SLABS, max_stages, w2_slabs
+from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens
+from gc_moe_compat.testing.reference import quantize_activations
+from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace
 
 
 def config(

@@ -1,7 +1,7 @@
 """Shared helpers of the operator's GPU tests (one and two ranks): preset weights of either compute path, routings,
 staging, poisoning, the P-rank quantization-faithful reference and the BENCH_PROTOCOL.md accuracy check.
 
-The oracle is :func:`gc_moe_compat.reference.expert_parallel_reference` on the exact weights and activations the
+The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations the
 kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
 with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
 ``reference_ys`` from the weights' format); ``make_expert_weights(..., fmt="bf16")`` gives the BF16 model both
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from gc_moe_compat import native
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.reference import accuracy_metrics
-from gc_moe_compat.sm90.operator_workload import (  # noqa: F401 - re-exported for the operator tests
+from gc_moe_compat.operator import api
+from gc_moe_compat.testing.operator_workload import (  # noqa: F401 - re-exported for the operator tests
     CAPACITY,
     CLAMP,
     ROUTINGS,
@@ -28,6 +27,7 @@ from gc_moe_compat.sm90.operator_workload import (  # noqa: F401 - re-exported f
     reference_ys,
     stage,
 )
+from gc_moe_compat.testing.reference import accuracy_metrics
 
 SWEEP = tuple(SWEEP_TOKENS)
 POISONED = ("l1_acts", "l1_acts_sf", "l1_routing_weights", "l1_source", "l2_acts", "l2_acts_sf", "combine")
@@ -43,7 +43,7 @@ truncation on tiny's shapes (1 token, 300 seeds) gave processed diffs up to 3.4e
 while an exact FP32 re-ordering stays <= 1.7e-5. Wider presets average such flips out and keep the protocol targets."""
 
 
-def poison(buffer: native.GcMoeBuffer) -> None:
+def poison(buffer: api.GcMoeBuffer) -> None:
     """0xFF into every payload region of :data:`POISONED` (never the protocol counters)."""
     for name in POISONED:
         buffer.view(name).view(torch.uint8).fill_(0xFF)

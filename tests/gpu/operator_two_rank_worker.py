@@ -29,12 +29,12 @@ from operator_kit import (
     stage,
 )
 
-from gc_moe_compat import native
+from gc_moe_compat.operator import api
 from gc_moe_compat.runtime.status import DeviceTimeoutError
 
 WORLD = 2
 MMA_TYPE = os.environ.get("GC_MOE_TEST_MMA_TYPE", "fp8xfp8")
-CALL = {"fp8xfp8": native.fp8_fp8_gc_moe, "fp8xfp4": native.fp8_fp4_gc_moe}[MMA_TYPE]
+CALL = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}[MMA_TYPE]
 CASES = [("uniform", (t, t)) for t in SWEEP] + [
     ("uniform", (0, 5)), ("uniform", (37, 0)), ("uniform", (0, 0)), ("zipf", (CAPACITY, 64)),
     ("one_expert", (CAPACITY, CAPACITY)), ("holes", (1, 200)), ("zipf", (3, CAPACITY)),
@@ -42,13 +42,13 @@ CASES = [("uniform", (t, t)) for t in SWEEP] + [
 MISSING_PEER_TIMEOUT_MS = 300
 
 
-def _buffer(preset: str, partition: str) -> native.GcMoeBuffer:
+def _buffer(preset: str, partition: str) -> api.GcMoeBuffer:
     e, k, h, inter = preset_dims(preset)
-    return native.get_symm_buffer_for_gc_moe(dist.group.WORLD, e * WORLD, CAPACITY, k, h, inter, MMA_TYPE,
+    return api.get_symm_buffer_for_gc_moe(dist.group.WORLD, e * WORLD, CAPACITY, k, h, inter, MMA_TYPE,
                                              partition=partition)
 
 
-def _round(buf: native.GcMoeBuffer, weights: list, preset: str, kind: str, tokens: tuple[int, int], seed: int,
+def _round(buf: api.GcMoeBuffer, weights: list, preset: str, kind: str, tokens: tuple[int, int], seed: int,
            rank: int) -> None:
     e, k, h, _ = preset_dims_of(buf)
     inputs = [make_inputs(kind, t, e * WORLD, k, h, seed=seed * WORLD + r) for r, t in enumerate(tokens)]
@@ -67,7 +67,7 @@ def _round(buf: native.GcMoeBuffer, weights: list, preset: str, kind: str, token
     dist.barrier()  # every rank finished reading its combine buffer before peers write the next round
 
 
-def preset_dims_of(buf: native.GcMoeBuffer) -> tuple[int, int, int, int]:
+def preset_dims_of(buf: api.GcMoeBuffer) -> tuple[int, int, int, int]:
     s = buf.shape
     return s.num_local_experts, s.topk, s.hidden, s.intermediate
 

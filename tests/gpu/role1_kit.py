@@ -1,7 +1,9 @@
 """Shared helpers of role1's GPU tests: stand-in kernels, routings, staging, poisoning and the exact expected ring.
 
-The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.reference.dispatch_plan` (which rows a
-rank receives, in which order) and :func:`gc_moe_compat.ring.pool_rows` / :func:`~gc_moe_compat.ring.pool_table`
+The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.testing.reference.dispatch_plan` (which rows
+a
+rank receives, in which order) and :func:`gc_moe_compat.operator.ring.pool_rows` /
+:func:`~gc_moe_compat.operator.ring.pool_table`
 (where each row lands), applied to the inputs every rank staged.
 """
 
@@ -13,16 +15,16 @@ from dataclasses import dataclass
 import torch
 from cuda.bindings import driver
 
-from gc_moe_compat.native_buffer import GcMoeBuffer
-from gc_moe_compat.reference import dispatch_plan
-from gc_moe_compat.ring import RingPlan, pool_rows, pool_table
+from gc_moe_compat.operator.buffer import GcMoeBuffer
+from gc_moe_compat.operator.ring import RingPlan, pool_rows, pool_table
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import GreenSide
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
+from gc_moe_compat.testing.reference import dispatch_plan
 
-STANDINS = "dispatch_test/dispatch_test.cu"
+STANDINS = "testing/dispatch_test.cu"
 STANDIN_SITES = {
     1: "stand-in role2 waiting for pool_header",
     2: "stand-in role2 waiting for l1_full_count",
@@ -33,7 +35,7 @@ POISON = 0xFF  # every ring byte before a run: FP8 NaN payload, NaN scales and w
 
 
 class Capture(ctypes.Structure):
-    """Mirror of ``Capture`` in kernels/dispatch_test/dispatch_test.cu (six device pointers)."""
+    """Mirror of ``Capture`` in kernels/testing/dispatch_test.cu (six device pointers)."""
 
     _fields_ = [(name, ctypes.c_uint64) for name in ("acts", "scales", "weights", "source", "full_seen",
                                                       "header_seen")]

@@ -32,12 +32,12 @@ from role1_kit import (
 )
 from two_rank import join, report_pass
 
-from gc_moe_compat import native
-from gc_moe_compat.ring import RingModel, RingPlan
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.ring import RingModel, RingPlan
+from gc_moe_compat.operator.sm90 import role1_dispatch
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.status import DeviceTimeoutError, new_status
-from gc_moe_compat.sm90 import dispatch
 
 CAPACITY = 128
 ROUNDS = [  # routing, tokens per rank, BM, ring blocks
@@ -54,7 +54,7 @@ MISSING_PEER_TIMEOUT_MS = 300
 def main() -> None:
     rank = join()
     part = get_partition()
-    buf = native.get_symm_buffer_for_gc_moe(dist.group.WORLD, num_experts=16, capacity=CAPACITY, topk=4, hidden=1024,
+    buf = api.get_symm_buffer_for_gc_moe(dist.group.WORLD, num_experts=16, capacity=CAPACITY, topk=4, hidden=1024,
                                             intermediate=256)
     mod = standins()
     consume, finalize = mod.kernel("dt_consume"), mod.kernel("dt_finalize")
@@ -66,8 +66,8 @@ def main() -> None:
     scratch, status = CaptureBuffers.allocate(buf, 8), new_status("cuda")
     launch(consume, 1, 256, consume_args(buf, scratch, plan_of(8, 1), status, warmup=True), part.compute.stream)
     launch(finalize, 1, 256, finalize_args(buf, status, warmup=True), part.compute.stream)
-    launch(dispatch.kernel(), buf.dispatch_sms, dispatch.THREADS,
-           dispatch.dispatch_args(buf, plan_of(8, 1), 0, warmup=True), part.comm.stream)
+    launch(role1_dispatch.kernel(), buf.dispatch_sms, role1_dispatch.THREADS,
+           role1_dispatch.dispatch_args(buf, plan_of(8, 1), 0, warmup=True), part.comm.stream)
     sync(part.comm, part.compute)
     dist.barrier()
 
@@ -84,10 +84,10 @@ def main() -> None:
         status = new_status("cuda")
         start = time.monotonic()
         launch(consume, 1, 256, consume_args(buf, cap, plan, status), part.compute.stream)
-        dispatch.launch_dispatch(buf, plan, inputs[rank].tokens, part.comm.stream)
+        role1_dispatch.launch_dispatch(buf, plan, inputs[rank].tokens, part.comm.stream)
         sync(part.comm, part.compute)
         elapsed = time.monotonic() - start
-        dispatch.raise_for_dispatch_status(buf, f"rank {rank} role1, round {i}")
+        role1_dispatch.raise_for_dispatch_status(buf, f"rank {rank} role1, round {i}")
         raise_for_standin(status, f"rank {rank} stand-in role2, round {i}")
         exp = expected(inputs, rank, buf, plan)
         check_capture(cap, exp, plan)
@@ -107,10 +107,10 @@ def main() -> None:
         stage(buf, make_inputs("uniform", 16, buf, torch.Generator().manual_seed(7)))
         torch.cuda.synchronize()
         start = time.monotonic()
-        dispatch.launch_dispatch(buf, plan_of(16, 2), 16, part.comm.stream, timeout_ms=MISSING_PEER_TIMEOUT_MS)
+        role1_dispatch.launch_dispatch(buf, plan_of(16, 2), 16, part.comm.stream, timeout_ms=MISSING_PEER_TIMEOUT_MS)
         sync(part.comm)
         try:
-            dispatch.raise_for_dispatch_status(buf, "rank 0 role1 with rank 1 absent")
+            role1_dispatch.raise_for_dispatch_status(buf, "rank 0 role1 with rank 1 absent")
         except DeviceTimeoutError as err:
             elapsed = time.monotonic() - start
             assert "tag-1 barrier" in str(err), err

@@ -1,6 +1,6 @@
 """Shared helpers of role3's GPU tests: routing and partials, a workspace staged as role1/role2 leave it, the expected
 output (reference combine semantics), the state role3 must leave, and the stand-in kernels
-(kernels/runtime_test/finalize_test.cu)."""
+(kernels/testing/finalize_test.cu)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch
 from cuda.bindings import driver
 
 from gc_moe_compat.config import MoEShape
-from gc_moe_compat.native_buffer import GcMoeBuffer
-from gc_moe_compat.reference import _combine
+from gc_moe_compat.operator.buffer import GcMoeBuffer
+from gc_moe_compat.operator.sm90 import role3_finalize
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import as_stream, call
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import ptr
-from gc_moe_compat.sm90 import finalize
+from gc_moe_compat.testing.reference import _combine
 
-SOURCE = "runtime_test/finalize_test.cu"
+SOURCE = "testing/finalize_test.cu"
 STAND_IN_SITES = {1: "replay_seq", 2: "recv_parity", 3: "combine_ready", 4: "finalize_arrive", 5: "recv_counts",
                   6: "send_counts", 7: "pool_header", 8: "l1_full_count", 9: "l1_empty_count", 10: "l2_full_mask",
                   11: "l2_empty_count"}
@@ -139,7 +139,8 @@ def warm_up(buffer: GcMoeBuffer, *streams: object) -> None:
     y = torch.empty(0, buffer.shape.hidden, dtype=torch.bfloat16, device=buffer.storage.device)
     none = ctypes.c_uint64(0)
     for stream in streams:
-        launch(finalize.kernel(), 1, finalize.THREADS, finalize.finalize_args(buffer, y, warmup=True), stream)
+        launch(role3_finalize.kernel(), 1, role3_finalize.THREADS, role3_finalize.finalize_args(buffer, y, warmup=True),
+               stream)
         launch(module().kernel("ft_scatter_rows"), 1, 32, [buffer.peer_table, none, ctypes.c_uint32(0),
                                                           ctypes.c_uint32(8), none, none, ctypes.c_uint32(0)], stream)
         delay(0, stream)

@@ -34,11 +34,11 @@ from role3_kit import (
 from runtime_kit import sync
 from two_rank import join, report_pass
 
-from gc_moe_compat import reference
-from gc_moe_compat.native_buffer import get_symm_buffer_for_gc_moe
+from gc_moe_compat.operator.buffer import get_symm_buffer_for_gc_moe
+from gc_moe_compat.operator.sm90 import role3_finalize
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.status import DeviceTimeoutError
-from gc_moe_compat.sm90 import finalize
+from gc_moe_compat.testing import reference
 
 ROUNDS = [(48, 64), (0, 37), (64, 0), (64, 64), (5, 1)]
 """Tokens of (rank 0, rank 1) per round."""
@@ -74,10 +74,10 @@ def main() -> None:
         if rank == rnd % 2:
             delay(LATE_NS, stream)
         scatter(*rows, buf, stream)
-        finalize.launch_finalize(buf, y, stream, recv_stats=stats)
+        role3_finalize.launch_finalize(buf, y, stream, recv_stats=stats)
         sync(part.compute)
         elapsed = time.monotonic() - start
-        finalize.raise_for_finalize_status(buf, f"rank {rank} round {rnd}")
+        role3_finalize.raise_for_finalize_status(buf, f"rank {rank} round {rnd}")
         assert_bits_equal(y, expected_y(datas[rank], shape), f"rank {rank} round {rnd}")
         assert bool((full[tokens[rank]].view(torch.int16) == Y_POISON).all()), "wrote past y"
         assert_state_after(buf, rnd, parity)
@@ -96,11 +96,11 @@ def main() -> None:
         y, _ = poisoned_y(16, shape.hidden)
         torch.cuda.synchronize()
         start = time.monotonic()
-        finalize.launch_finalize(buf, y, stream, timeout_ms=MISSING_PEER_TIMEOUT_MS)
+        role3_finalize.launch_finalize(buf, y, stream, timeout_ms=MISSING_PEER_TIMEOUT_MS)
         sync(part.compute)
         elapsed = time.monotonic() - start
         try:
-            finalize.raise_for_finalize_status(buf, "rank 0 with rank 1 absent")
+            role3_finalize.raise_for_finalize_status(buf, "rank 0 with rank 1 absent")
         except DeviceTimeoutError as err:
             assert "waiting for rank 1's combine readiness" in str(err), err
             assert MISSING_PEER_TIMEOUT_MS / 1e3 <= elapsed < 5, elapsed

@@ -11,9 +11,9 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import GreenSide
 
-SOURCE = "runtime_test/runtime_test.cu"
+SOURCE = "testing/runtime_test.cu"
 
-#: Status sites of kernels/runtime_test/runtime_test.cu (enum Site).
+#: Status sites of kernels/testing/runtime_test.cu (enum Site).
 SITES = {
     1: "spin on flag",
     2: "node B waiting for node A's generation",

@@ -39,15 +39,16 @@ import torch.distributed as dist
 from operator_kit import check_accuracy, make_inputs, make_weights, preset_dims
 from two_rank import join, report_pass
 
-from gc_moe_compat import layouts, native
-from gc_moe_compat.reference import (
+from gc_moe_compat import layouts
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.sm90 import layer
+from gc_moe_compat.testing.reference import (
     ExpertWeights,
     dispatch_plan,
     expert_parallel_reference,
     quantize_activations,
     recv_counts,
 )
-from gc_moe_compat.sm90 import layer
 
 CLAMP = 10.0
 
@@ -100,7 +101,7 @@ SUITES = {
 
 def _host_launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, *, fast_math=True,
                  recv_stats=None) -> None:
-    """Stand-in for ``native._launch`` on a host without CUDA (``--simulate-launch``): one rank's layer from the
+    """Stand-in for ``api._launch`` on a host without CUDA (``--simulate-launch``): one rank's layer from the
     staged rows and the operator's weights (L1 de-interleaved back) by the reference, and the statistics update."""
     idx, e = buffer.topk_idx[:t], buffer.shape.num_experts
     l1 = ExpertWeights("fp8_block128", layouts.deinterleave_gate_up(w1.payload), w1.scales)
@@ -131,7 +132,7 @@ class Run:
         self.simulated = simulate_launch
         if simulate_launch:
             assert self.dry, "--simulate-launch replaces the operator launch on a host without CUDA only"
-            native._launch = _host_launch
+            api._launch = _host_launch
         if self.dry:
             dist.init_process_group("gloo")
             self.device = torch.device("cpu")

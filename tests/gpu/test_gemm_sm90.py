@@ -11,11 +11,11 @@ import torch
 from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.sm90 import KernelConfig, group_tokens, scatter_partials, select_config
-from gc_moe_compat.sm90.gemm import KERNEL, SOURCE, ExpertGemmSM90, all_variants
-from gc_moe_compat.sm90.heuristics import W1_SLABS, tile_rows
-from gc_moe_compat.sm90.workload import CLAMP, make_layer, make_tokens, reference_partials
+from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
+from gc_moe_compat.testing.gemm_workload import CLAMP, make_layer, make_tokens, reference_partials
+from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
+from gc_moe_compat.testing.reference import accuracy_metrics, expert_rows, l1_intermediate
+from gc_moe_compat.testing.standalone_gemm import KERNEL, SOURCE, ExpertGemmSM90, all_variants
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

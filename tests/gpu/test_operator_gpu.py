@@ -30,15 +30,15 @@ from operator_kit import (
     stage,
 )
 
-from gc_moe_compat import native
-from gc_moe_compat.reference import accuracy_metrics
-from gc_moe_compat.sm90 import layer
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.sm90 import layer
+from gc_moe_compat.testing.reference import accuracy_metrics
 
 pytestmark = pytest.mark.gpu
 
 PRESETS = ("tiny", "dsv41-flash", "glm52")
 MMA_TYPES = ("fp8xfp8", "fp8xfp4")
-CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": native.fp8_fp8_gc_moe, "fp8xfp4": native.fp8_fp4_gc_moe}
+CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}
 MODEL_COSINE_MIN = {"fp8xfp8": 0.99, "fp8xfp4": 0.97}
 """BENCH_PROTOCOL.md reference 2 (BF16 model): the paper's thresholds for FP8 and FP4 routed weights."""
 REPLAYS, FRESH_EVERY = 10_000, 1000
@@ -55,25 +55,25 @@ def weights(mma_type: str) -> dict[str, RankWeights]:
     return {p: make_weights(p, 0, mma_type=mma_type) for p in PRESETS}
 
 
-_buffers: dict[tuple[str, str, str], native.GcMoeBuffer] = {}
+_buffers: dict[tuple[str, str, str], api.GcMoeBuffer] = {}
 
 
-def _buffer(group: dist.ProcessGroup, preset: str, mma_type: str, partition: str = "on") -> native.GcMoeBuffer:
+def _buffer(group: dist.ProcessGroup, preset: str, mma_type: str, partition: str = "on") -> api.GcMoeBuffer:
     """One buffer per (preset, path, partition) for the module: calls on it also exercise the per-replay state."""
     key = (preset, mma_type, partition)
     if key not in _buffers:
         e, k, h, inter = preset_dims(preset)
-        _buffers[key] = native.get_symm_buffer_for_gc_moe(group, e, CAPACITY, k, h, inter, mma_type,
+        _buffers[key] = api.get_symm_buffer_for_gc_moe(group, e, CAPACITY, k, h, inter, mma_type,
                                                           partition=partition)
     return _buffers[key]
 
 
-def _run(buf: native.GcMoeBuffer, w: RankWeights, y: torch.Tensor, **kw: object) -> None:
+def _run(buf: api.GcMoeBuffer, w: RankWeights, y: torch.Tensor, **kw: object) -> None:
     """The native call of the buffer's compute path."""
     CALLS[buf.shape.mma_type](y, w.w1, w.w2, buf, **kw)
 
 
-def _checked_call(buf: native.GcMoeBuffer, w: RankWeights, preset: str, kind: str, tokens: int,
+def _checked_call(buf: api.GcMoeBuffer, w: RankWeights, preset: str, kind: str, tokens: int,
                   seed: int) -> torch.Tensor:
     """Stage seeded inputs, poison, run eagerly, compare with the reference; returns y."""
     e, k, h, _ = preset_dims_of(buf)
@@ -88,7 +88,7 @@ def _checked_call(buf: native.GcMoeBuffer, w: RankWeights, preset: str, kind: st
     return y
 
 
-def preset_dims_of(buf: native.GcMoeBuffer) -> tuple[int, int, int, int]:
+def preset_dims_of(buf: api.GcMoeBuffer) -> tuple[int, int, int, int]:
     s = buf.shape
     return s.num_local_experts, s.topk, s.hidden, s.intermediate
 

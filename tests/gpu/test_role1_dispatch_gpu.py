@@ -1,4 +1,4 @@
-"""Role1 (SM90 dispatch, kernels/sm90/dispatch.cu) on one H200, alone: stand-ins play role2's side of the ring
+"""Role1 (SM90 dispatch, kernels/sm90/role1_dispatch.cu) on one H200, alone: stand-ins play role2's side of the ring
 (capture every block generation, release l1_empty/l2_empty) and role3's bookkeeping (arrival check, resets, parity
 flip, replay_seq). Every run starts from a poisoned ring and fresh random routing; the ring, its scales, weights,
 l1_source, pool_table, src_index, the packed counters and l1_full_count must equal the oracle exactly."""
@@ -29,15 +29,15 @@ from role1_kit import (
     sync,
 )
 
-from gc_moe_compat import native
-from gc_moe_compat.native_buffer import GcMoeBuffer
-from gc_moe_compat.ring import RingModel, RingPlan
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.buffer import GcMoeBuffer
+from gc_moe_compat.operator.ring import RingModel, RingPlan
+from gc_moe_compat.operator.sm90 import role1_dispatch
 from gc_moe_compat.runtime.graph import KernelNode, get_graph
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs
 from gc_moe_compat.runtime.status import DeviceTimeoutError, new_status
-from gc_moe_compat.sm90 import dispatch
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +54,7 @@ class Rig:
 
     def __init__(self, group: dist.ProcessGroup, shape: str, idx_dtype: torch.dtype = torch.int64) -> None:
         self.part: Partition = get_partition()
-        self.buf: GcMoeBuffer = native.get_symm_buffer_for_gc_moe(group, **SHAPES[shape], topk_idx_dtype=idx_dtype)
+        self.buf: GcMoeBuffer = api.get_symm_buffer_for_gc_moe(group, **SHAPES[shape], topk_idx_dtype=idx_dtype)
         assert self.buf.dispatch_sms == self.part.dispatch_sms >= 2
         self.mod = standins()
         self.replays = 0
@@ -67,8 +67,8 @@ class Rig:
                                                                     warmup=True), self.part.compute.stream)
         launch(self.mod.kernel("dt_finalize"), 1, 256, finalize_args(self.buf, status, warmup=True),
                self.part.compute.stream)
-        launch(dispatch.kernel(), self.buf.dispatch_sms, dispatch.THREADS,
-               dispatch.dispatch_args(self.buf, scratch_plan, 0, warmup=True), self.part.comm.stream)
+        launch(role1_dispatch.kernel(), self.buf.dispatch_sms, role1_dispatch.THREADS,
+               role1_dispatch.dispatch_args(self.buf, scratch_plan, 0, warmup=True), self.part.comm.stream)
         sync(self.part.comm, self.part.compute)
         raise_for_standin(status, "warm-up")
 
@@ -90,9 +90,9 @@ class Rig:
             launch(self.mod.kernel("dt_consume"), 1, 256,
                    consume_args(self.buf, cap, plan, status, delay_ns=delay_ns, timeout_ms=consume_timeout_ms),
                    self.part.compute.stream)
-        dispatch.launch_dispatch(self.buf, plan, inputs.tokens, self.part.comm.stream, timeout_ms=timeout_ms)
+        role1_dispatch.launch_dispatch(self.buf, plan, inputs.tokens, self.part.comm.stream, timeout_ms=timeout_ms)
         sync(self.part.comm, self.part.compute)
-        dispatch.raise_for_dispatch_status(self.buf)
+        role1_dispatch.raise_for_dispatch_status(self.buf)
         return cap, status
 
     def finalize(self) -> None:
@@ -146,10 +146,10 @@ def test_role1_eager_ring_is_exact(group: dist.ProcessGroup, shape: str, kind: s
 
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_role1_int32_ids_and_the_operator_ring_plan(group: dist.ProcessGroup, kind: str) -> None:
-    """int32 topk_idx, and the ring plan the operator itself picks (native.ring_plan: heuristic BM, full ring)."""
+    """int32 topk_idx, and the ring plan the operator itself picks (api.ring_plan: heuristic BM, full ring)."""
     rig = Rig(group, "small", torch.int32)
     for tokens in (5, 100, 256):
-        rig.run_and_check(kind, tokens, native.ring_plan(rig.buf, tokens))
+        rig.run_and_check(kind, tokens, api.ring_plan(rig.buf, tokens))
 
 
 def test_role1_graph_1000_replays_with_parity_flips(group: dist.ProcessGroup) -> None:
@@ -162,7 +162,7 @@ def test_role1_graph_1000_replays_with_parity_flips(group: dist.ProcessGroup) ->
     cap = CaptureBuffers.allocate(buf, plan.block_m)
     s2, s3 = new_status("cuda"), new_status("cuda")
     nodes = [
-        dispatch.dispatch_node(buf, plan, tokens, timeout_ms=TIMEOUT_MS),
+        role1_dispatch.dispatch_node(buf, plan, tokens, timeout_ms=TIMEOUT_MS),
         KernelNode.make("consume", rig.mod.kernel("dt_consume"), Role.COMPUTE, 1, 256,
                         KernelArgs(*consume_args(buf, cap, plan, s2)),
                         warmup_args=KernelArgs(*consume_args(buf, cap, plan, s2, warmup=True))),
@@ -189,7 +189,7 @@ def test_role1_graph_1000_replays_with_parity_flips(group: dist.ProcessGroup) ->
         else:
             outer.replay()
         torch.cuda.synchronize()
-        dispatch.raise_for_dispatch_status(buf, f"role1, replay {n}")
+        role1_dispatch.raise_for_dispatch_status(buf, f"role1, replay {n}")
         raise_for_standin(s2, f"stand-in role2, replay {n}")
         raise_for_standin(s3, f"stand-in role3, replay {n}")
         check_capture(cap, exp, plan)

@@ -31,16 +31,16 @@ from role3_kit import (
 )
 from runtime_kit import sync, u32
 
-from gc_moe_compat import reference
 from gc_moe_compat.config import MoEShape
-from gc_moe_compat.native_buffer import GcMoeBuffer, get_symm_buffer_for_gc_moe
-from gc_moe_compat.operator_layout import OperatorLayout
+from gc_moe_compat.operator.buffer import GcMoeBuffer, get_symm_buffer_for_gc_moe
+from gc_moe_compat.operator.sm90 import role3_finalize
+from gc_moe_compat.operator.workspace import OperatorLayout
 from gc_moe_compat.runtime.graph import KernelNode, get_graph
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.params import KernelArgs, ptr
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, new_status, raise_for_status
 from gc_moe_compat.runtime.workspace import make_peer_table
-from gc_moe_compat.sm90 import finalize
+from gc_moe_compat.testing import reference
 
 DISPATCH = 7  # role1 grid the packed counters claim (any value: role3 checks against its parameter)
 REPLAYS, CHECK_EVERY = 1000, 250
@@ -98,10 +98,10 @@ def test_role3_combine_exact_and_state_reset(group: dist.ProcessGroup, name: str
     stats_before = stats.clone()
     y, full = poisoned_y(tokens, buf.shape.hidden)
     torch.cuda.synchronize()
-    finalize.launch_finalize(buf, y, part.compute.stream, recv_stats=stats, dispatch_sms=DISPATCH,
+    role3_finalize.launch_finalize(buf, y, part.compute.stream, recv_stats=stats, dispatch_sms=DISPATCH,
                              max_ctas=max_ctas)
     sync(part.compute)
-    finalize.raise_for_finalize_status(buf)
+    role3_finalize.raise_for_finalize_status(buf)
     assert_bits_equal(y, expected_y(data, buf.shape), f"{name} T={tokens}")
     assert bool((full[tokens].view(torch.int16) == Y_POISON).all()), "wrote past y"
     assert torch.equal(buf.combine.view(torch.int16), combine_before.view(torch.int16)), "combine buffer modified"
@@ -119,12 +119,12 @@ def test_role3_arrival_check_reports_the_expert_and_still_completes(group: dist.
     buf.recv_counts[parity, 0, 5] += 1 << 32  # one dispatch CTA too many for local expert 5
     y, _ = poisoned_y(20, buf.shape.hidden)
     torch.cuda.synchronize()
-    finalize.launch_finalize(buf, y, part.compute.stream, dispatch_sms=DISPATCH)
+    role3_finalize.launch_finalize(buf, y, part.compute.stream, dispatch_sms=DISPATCH)
     sync(part.compute)
     with pytest.raises(DeviceCheckError, match=f"arrival check of local expert 5.*observed {DISPATCH + 1}, "
                                                f"expected {DISPATCH}"):
-        finalize.raise_for_finalize_status(buf)
-    finalize.raise_for_finalize_status(buf)  # the record was cleared
+        role3_finalize.raise_for_finalize_status(buf)
+    role3_finalize.raise_for_finalize_status(buf)  # the record was cleared
     assert_bits_equal(y, expected_y(data, buf.shape), "combine after a failed arrival check")
     assert_state_after(buf, 4, parity)  # the protocol state still advances: peers must not hang on this rank
 
@@ -155,7 +155,7 @@ def test_role3_1000_graph_replays_phase_encoding(group: dist.ProcessGroup) -> No
     y, full = poisoned_y(77, buf.shape.hidden)
     torch.cuda.synchronize()
     nodes = [_stand_in_node(buf, seq, stand_in_status),
-             finalize.finalize_node(buf, y, deps=("standin",), recv_stats=stats, dispatch_sms=DISPATCH)]
+             role3_finalize.finalize_node(buf, y, deps=("standin",), recv_stats=stats, dispatch_sms=DISPATCH)]
     graph = get_graph(nodes, part)
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
@@ -170,7 +170,7 @@ def test_role3_1000_graph_replays_phase_encoding(group: dist.ProcessGroup) -> No
                 outer.replay()
         torch.cuda.synchronize()
         raise_for_status(stand_in_status, f"stand-in after {n} replays", STAND_IN_SITES)
-        finalize.raise_for_finalize_status(buf, f"role3 after {n} replays")
+        role3_finalize.raise_for_finalize_status(buf, f"role3 after {n} replays")
         assert (int(seq.item()), int(buf.replay_seq.item()), int(buf.recv_parity.item())) == (n, n, n & 1)
         assert buf.combine_ready.tolist() == [n] and int(buf.finalize_arrive.item()) == 0
     assert_bits_equal(y, expected_y(data, buf.shape), "y after 1000 replays")
@@ -222,11 +222,11 @@ def test_role3_two_ranks_on_one_gpu_wait_for_each_other(group: dist.ProcessGroup
             if rank == 1:
                 delay(50_000_000, sides[1].stream)
             scatter(*rows[rank], bufs[rank], sides[rank].stream)
-            finalize.launch_finalize(bufs[rank], ys[rank], sides[rank].stream, dispatch_sms=DISPATCH,
+            role3_finalize.launch_finalize(bufs[rank], ys[rank], sides[rank].stream, dispatch_sms=DISPATCH,
                                      max_ctas=sides[rank].sm_count)
         sync(*sides)
         for rank, buf in enumerate(bufs):
-            finalize.raise_for_finalize_status(buf, f"rank {rank} round {rnd}")
+            role3_finalize.raise_for_finalize_status(buf, f"rank {rank} round {rnd}")
             assert_bits_equal(ys[rank], expected_y(datas[rank], PAIR_SHAPE), f"rank {rank} round {rnd}")
             assert_state_after(buf, rnd, parities[rank])
             assert buf.combine_ready.tolist() == [rnd + 1, rnd + 1]
@@ -244,11 +244,11 @@ def test_role3_missing_peer_times_out_and_ahead_peer_is_reported(group: dist.Pro
     y, _ = poisoned_y(30, PAIR_SHAPE.hidden)
     torch.cuda.synchronize()
     start = time.monotonic()
-    finalize.launch_finalize(bufs[0], y, part.compute.stream, dispatch_sms=DISPATCH, timeout_ms=300)
+    role3_finalize.launch_finalize(bufs[0], y, part.compute.stream, dispatch_sms=DISPATCH, timeout_ms=300)
     sync(part.compute)
     elapsed = time.monotonic() - start
     with pytest.raises(DeviceTimeoutError, match="waiting for rank 1's combine readiness: observed 0, expected 1"):
-        finalize.raise_for_finalize_status(bufs[0])
+        role3_finalize.raise_for_finalize_status(bufs[0])
     assert 0.3 <= elapsed < 5, elapsed
     assert bool((y.view(torch.int16) == Y_POISON).all()), "a timed-out combine must not write y"
     assert bufs[1].combine_ready.tolist() == [1, 0]  # readiness published to the peer all the same
@@ -257,10 +257,10 @@ def test_role3_missing_peer_times_out_and_ahead_peer_is_reported(group: dist.Pro
     bufs[0].combine_ready[1] = 3  # replay 1 waits for 2: a peer two replays ahead breaks the protocol
     stage_counters(bufs[0], torch.zeros(2, PAIR_SHAPE.num_local_experts, dtype=torch.int64), DISPATCH)
     torch.cuda.synchronize()
-    finalize.launch_finalize(bufs[0], y, part.compute.stream, dispatch_sms=DISPATCH, timeout_ms=300)
+    role3_finalize.launch_finalize(bufs[0], y, part.compute.stream, dispatch_sms=DISPATCH, timeout_ms=300)
     sync(part.compute)
     with pytest.raises(DeviceCheckError, match="readiness of rank 1 past this replay: observed 3, expected 2"):
-        finalize.raise_for_finalize_status(bufs[0])
+        role3_finalize.raise_for_finalize_status(bufs[0])
 
 
 @pytest.mark.gpu

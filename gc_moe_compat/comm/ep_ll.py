@@ -1,0 +1,288 @@
+"""Host side of the low-latency expert-parallel kernels behind the ``deep_ep`` facade (kernels/sm90/ep_ll.cu).
+
+DeepEP's low-latency mode moves decode tokens in two halves per direction, each its own kernel so that a caller can
+split them with ``return_recv_hook`` exactly as with DeepEP:
+
+* dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
+  rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
+  owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
+  earlier (token, slot) entries with that expert; the grid's last CTA then publishes ``(generation << 32) | rows``
+  for every (expert, source) pair;
+* dispatch receive: waits for the counts of every source, packs the stage rows into DeepEP's layout
+  (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` / ``layout_range``);
+* combine send: stores every received row of the expert output ``x`` into its source rank's combine stage
+  ``[parity][token][slot]``, then the grid's last CTA publishes readiness on every rank;
+* combine receive: waits for every rank's readiness and writes ``out[t] = BF16(sum over valid slots, slot order, of
+  weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
+
+Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
+host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
+``consumed`` word (written by the consumer, read by producers on other ranks) keeps a producer from overwriting a
+stage before its consumer two generations back has read it. Spin-waits are bounded; a timeout or a protocol
+mismatch lands in a status record (:func:`raise_for_ll_status`) and the kernel completes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
+from gc_moe_compat.runtime.status import KernelStatus, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
+
+__all__ = [
+    "HEADER_BYTES",
+    "HINT_TOPK",
+    "MAX_EXPERTS",
+    "MAX_TOPK",
+    "SOURCE",
+    "THREADS",
+    "UNIT_ROWS",
+    "EpLlParams",
+    "Kernel",
+    "LlShape",
+    "launch_ll",
+    "ll_grid",
+    "ll_sites",
+    "params_header",
+    "new_status_mirror",
+    "raise_for_ll_status",
+    "raise_for_mirrored_status",
+    "required_bytes",
+]
+
+SOURCE = "sm90/ep_ll.cu"
+THREADS = 256
+"""Threads per CTA (8 warps) of every low-latency kernel."""
+UNIT_ROWS = 4
+"""Rows one warp moves per work unit in the receive and combine-send kernels."""
+MAX_EXPERTS = 1024
+"""Global experts the fixed count table holds (per parity)."""
+MAX_TOPK = 32
+"""Routing slots per token the dispatch send kernel holds."""
+HINT_TOPK = 16
+"""Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
+MAX_SMS = 132
+"""Upper bound of a grid (one CTA per SM of an H200)."""
+
+
+class Kernel(enum.IntEnum):
+    """The four kernels; the value is also the index of the kernel's status record and arrival counters."""
+
+    DISPATCH_SEND = 0
+    DISPATCH_RECV = 1
+    COMBINE_SEND = 2
+    COMBINE_RECV = 3
+
+
+_NAMES = {Kernel.DISPATCH_SEND: "gc_ep_ll_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_ll_dispatch_recv",
+          Kernel.COMBINE_SEND: "gc_ep_ll_combine_send", Kernel.COMBINE_RECV: "gc_ep_ll_combine_recv"}
+
+# Fixed header of the workspace (independent of the call's shapes, so persistent words never move).
+_SEQ = 0                                   # u64 [2]: last generation taken by dispatch send, by combine send
+_ARRIVE = 64                               # u64 [4 kinds][2 parities]: grid arrival counters
+_CONSUMED = 128                            # u64 [2 directions][2 parities]: last generation read from the stage
+_READY = 256                               # u64 [2 parities][MAX_RANKS]: combine readiness per source rank
+_STATUS = _READY + 2 * MAX_RANKS * 8       # KernelStatus [4]
+_COUNTS = 2048                             # u64 [2 parities][MAX_EXPERTS]: (generation << 32) | rows
+HEADER_BYTES = _COUNTS + 2 * MAX_EXPERTS * 8
+"""Bytes of the fixed header; the two stages follow it."""
+assert _STATUS + 4 * ctypes.sizeof(KernelStatus) <= _COUNTS
+
+FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
+
+
+@dataclass(frozen=True)
+class LlShape:
+    """The sizes of one low-latency call: ranks ``P``, global experts ``E``, ``Tmax`` tokens per rank, hidden ``H``
+    and top-k ``k``."""
+
+    num_ranks: int
+    num_experts: int
+    max_tokens: int
+    hidden: int
+    topk: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def row_stride(self) -> int:
+        """Bytes of one receive-stage row: 16 bytes of source (token, slot), then a BF16 row, or an FP8 row and its
+        FP32 1x128 scales (which fit in the BF16 row's bytes)."""
+        return 16 + 2 * self.hidden
+
+    @property
+    def recv_stage_bytes(self) -> int:
+        return 2 * self.num_experts * self.max_tokens * self.row_stride
+
+    @property
+    def combine_stage_bytes(self) -> int:
+        return 2 * self.max_tokens * self.topk * 2 * self.hidden
+
+    @property
+    def recv_stage_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def combine_stage_offset(self) -> int:
+        return HEADER_BYTES + self.recv_stage_bytes
+
+
+def required_bytes(shape: LlShape) -> int:
+    """Workspace bytes a call of ``shape`` needs (header, receive stage, combine stage)."""
+    return shape.combine_stage_offset + shape.combine_stage_bytes
+
+
+class EpLlParams(ctypes.Structure):
+    """By-value kernel argument after the peer table (``gc_moe::EpLlParams``, kernels/sm90/ep_ll_params.cuh).
+
+    Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
+    receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
+    ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales.
+    """
+
+    _fields_ = [
+        ("x", ctypes.c_uint64),
+        ("topk_idx", ctypes.c_uint64),
+        ("topk_weights", ctypes.c_uint64),
+        ("recv_x", ctypes.c_uint64),
+        ("recv_scales", ctypes.c_uint64),
+        ("recv_count", ctypes.c_uint64),
+        ("src_info", ctypes.c_uint64),
+        ("layout_range", ctypes.c_uint64),
+        ("recv_stats", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("call_gen", ctypes.c_uint64),
+        ("status_mirror", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("off_seq", ctypes.c_uint64),
+        ("off_arrive", ctypes.c_uint64),
+        ("off_consumed", ctypes.c_uint64),
+        ("off_ready", ctypes.c_uint64),
+        ("off_status", ctypes.c_uint64),
+        ("off_counts", ctypes.c_uint64),
+        ("off_recv_stage", ctypes.c_uint64),
+        ("off_combine_stage", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_uint32),
+        ("topk", ctypes.c_uint32),
+        ("hidden", ctypes.c_uint32),
+        ("num_experts", ctypes.c_uint32),
+        ("local_experts", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_uint32),
+        ("idx_bytes", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("row_stride", ctypes.c_uint32),
+        ("unit_rows", ctypes.c_uint32),
+    ]
+
+
+def params_header() -> str:
+    """The generated part of kernels/sm90/ep_ll_params.cuh: the C declaration of :class:`EpLlParams`."""
+    return c_struct_declaration(EpLlParams, "EpLlParams", "gc_moe_compat/comm/ep_ll.py")
+
+
+def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: int = 0,
+                timeout_ms: float | None = None, **pointers: int) -> EpLlParams:
+    """The :class:`EpLlParams` of one call; ``pointers`` names device addresses (``x=...``, ``call_gen=...``)."""
+    return EpLlParams(
+        **pointers, timeout_ns=spin_timeout_ns(timeout_ms), off_seq=_SEQ, off_arrive=_ARRIVE,
+        off_consumed=_CONSUMED, off_ready=_READY, off_status=_STATUS, off_counts=_COUNTS,
+        off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
+        num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden, num_experts=shape.num_experts,
+        local_experts=shape.local_experts, max_tokens=shape.max_tokens, idx_bytes=idx_bytes, flags=flags,
+        row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
+
+
+def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int) -> int:
+    """CTAs of one launch: a CTA per token (dispatch send), a warp per (local expert, source, row unit) (dispatch
+    receive, combine send) or per (token, 256 columns) (combine receive); at least one, at most :data:`MAX_SMS`."""
+    if kernel is Kernel.DISPATCH_SEND:
+        return max(1, min(MAX_SMS, num_tokens))
+    elif kernel is Kernel.COMBINE_RECV:
+        warps = num_tokens * -(-shape.hidden // 256)
+    else:
+        warps = shape.num_experts * -(-shape.max_tokens // UNIT_ROWS)
+    return max(1, min(MAX_SMS, -(-warps // (THREADS // 32))))
+
+
+def _kernel(kernel: Kernel) -> jit.Kernel:
+    return jit.load_module(SOURCE).kernel(_NAMES[kernel])
+
+
+def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int,
+              stream: int) -> None:
+    """Launches one low-latency kernel on ``stream`` (torch's current stream handle, or a capture's)."""
+    args = KernelArgs(type(table).from_buffer_copy(table), EpLlParams.from_buffer_copy(params))
+    launch(_kernel(kernel), ll_grid(kernel, shape, num_tokens), THREADS, args, stream)
+
+
+_SITE_CONSUMED, _SITE_COUNT, _SITE_COUNT_AHEAD, _SITE_READY, _SITE_READY_AHEAD, _SITE_EXPERT_RANGE = 1, 2, 3, 4, 5, 6
+
+
+def ll_sites(num_ranks: int) -> dict[int, str]:
+    """Names of the kernels' status sites (``kind << 16 | rank``)."""
+    sites = {_SITE_EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped"}
+    for r in range(num_ranks):
+        sites[_SITE_CONSUMED << 16 | r] = f"waiting until rank {r} has read the stage two generations back"
+        sites[_SITE_COUNT << 16 | r] = f"dispatch receive waiting for rank {r}'s token counts"
+        sites[_SITE_COUNT_AHEAD << 16 | r] = f"rank {r}'s token count is past this generation"
+        sites[_SITE_READY << 16 | r] = f"combine receive waiting for rank {r}'s rows"
+        sites[_SITE_READY_AHEAD << 16 | r] = f"rank {r}'s combine readiness is past this generation"
+    return sites
+
+
+def status_records(workspace: torch.Tensor) -> torch.Tensor:
+    """The four status records of a workspace (uint8 ``[4, 32]`` view)."""
+    size = ctypes.sizeof(KernelStatus)
+    return workspace[_STATUS:_STATUS + 4 * size].view(4, size)
+
+
+def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
+    codes = records[:, :4].contiguous().view(torch.int32).flatten().tolist()
+    for kernel in Kernel:
+        if codes[kernel]:
+            raise_for_status(records[kernel].clone(), f"deep_ep low-latency {_NAMES[kernel]}{when}",
+                             ll_sites(num_ranks))
+
+
+def raise_for_ll_status(workspace: torch.Tensor, num_ranks: int, mirror: torch.Tensor | None = None) -> None:
+    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error of any of the four kernels
+    (naming kernel and site), clearing the records (and ``mirror``); call after the launching stream has finished."""
+    records = status_records(workspace)
+    saved = records.clone()
+    if saved.any():
+        records.zero_()
+        if mirror is not None:
+            mirror.zero_()
+    _raise_first(saved, num_ranks, "")
+
+
+def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
+    """Raises for an error an earlier call recorded, as the receive kernels last copied the records into the pinned
+    host ``mirror`` (``[4, 32]`` uint8): no synchronization, so it may lag the device by the calls still in flight.
+    Clears the records and the mirror before raising."""
+    saved = mirror.clone()
+    if saved.any():
+        status_records(workspace).zero_()
+        mirror.zero_()
+        _raise_first(saved, num_ranks, " (recorded by an earlier asynchronous, hooked or graph-replayed call)")
+
+
+def new_status_mirror(device: torch.device) -> torch.Tensor:
+    """The zeroed ``[4, 32]`` uint8 mirror of the status records: pinned host memory for a CUDA workspace (the
+    kernels store into it through its unified address), plain memory otherwise."""
+    return torch.zeros(4, ctypes.sizeof(KernelStatus), dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def check_rank_count(num_ranks: int) -> None:
+    """Raises ``ValueError`` when the group is larger than the readiness table."""
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"group: the low-latency kernels support 1 to {MAX_RANKS} ranks, got {num_ranks}")

@@ -1,0 +1,161 @@
+"""The GC-MoE operator's entry points for the facades: one call of the layer on a facade buffer and facade weights.
+
+:func:`mega_moe` is the seam every Mega MoE call of the deep_gemm facade ends in. It takes what DeepGEMM's callers
+hold and runs the native operator (:mod:`gc_moe_compat.operator.api`):
+
+* **Buffer.** The facade's ``SymmBuffer`` is backed by a :class:`gc_moe_compat.operator.api.GcMoeBuffer` (its
+  ``workspace``); its caller-facing views are that workspace's staging regions. The call runs on the workspace as
+  seen by the call's compute path (:meth:`GcMoeBuffer.retyped`): SGLang's Hopper path creates its buffer with
+  ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe`` (FP8xFP8) on it, which DeepGEMM allows and the layout permits.
+* **Weights.** DeepGEMM-layout pairs (L1 rows interleaved gate/up by 8, as ``transform_weights_for_mega_moe[_sm90]``
+  and SGLang's ``build_sm90_mega_moe_experts_weights`` leave them) become :class:`~gc_moe_compat.operator.api.
+  GcMoeWeights` once per weight tensor and buffer (:func:`operator_weights`), never per call: FP8xFP8 pairs are
+  already the operator's layout and are wrapped without a copy; FP8xFP4 pairs are de-interleaved and go through
+  :func:`gc_moe_compat.operator.api.transform_weights_for_gc_moe` (the window repack makes new tensors).
+* **Options.** ``activation_clamp`` and ``fast_math`` are the operator's; ``cumulative_local_expert_recv_stats`` is
+  incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert (role4, not built) raises
+  ``NotImplementedError`` from the native API, naming it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gc_moe_compat import layouts
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.api import OPERATOR_MISSING
+
+__all__ = ["OPERATOR_MISSING", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
+
+_MMA_OF_RECIPE = {recipe: mma for mma, recipe in api.RECIPES.items()}
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def workspace_of(buffer: Any) -> api.GcMoeBuffer:
+    """The live :class:`~gc_moe_compat.operator.api.GcMoeBuffer` behind ``buffer`` (a facade ``SymmBuffer`` or
+    itself)."""
+    workspace = getattr(buffer, "workspace", buffer)
+    if not isinstance(workspace, api.GcMoeBuffer):
+        raise TypeError(f"buffer: must be a facade SymmBuffer or a GcMoeBuffer, got {type(buffer).__name__}")
+    if workspace.storage is None:
+        raise ValueError("buffer: was destroyed")
+    return workspace
+
+
+def workspace_view(buffer: Any, name: str) -> torch.Tensor:
+    """The operator-owned region ``name`` (token ring, L2 activations, ...) of ``buffer``; its layout is the
+    operator's (:mod:`gc_moe_compat.operator.workspace`), not DeepGEMM's. ``KeyError`` naming the regions if absent."""
+    return workspace_of(buffer).view(name)
+
+
+# ---------------------------------------------------------------------------------------------------------- weights
+@dataclass
+class _Converted:
+    """One converted pair: the source tensors (kept, so their ``id`` stays unique), their version counters when
+    converted, and the operator's weights."""
+
+    sources: _Pair
+    versions: tuple[int | None, int | None]
+    weights: api.GcMoeWeights
+
+
+_weight_caches: weakref.WeakKeyDictionary[api.GcMoeBuffer, dict[tuple, _Converted]] = weakref.WeakKeyDictionary()
+"""Per primary workspace: converted pairs by (compute path, GEMM, identity of both tensors). It lives as long as the
+workspace, like the graphs the native API caches per buffer (which also keep the weights they point at alive)."""
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device
+
+
+def _versions(pair: _Pair) -> tuple[int | None, int | None]:
+    """Version counters of a pair (None for an inference tensor, which has none and cannot change outside
+    inference mode)."""
+    return tuple(None if t.is_inference() else t._version for t in pair)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _convert(mma_type: str, l1: _Pair, l2: _Pair, need: tuple[bool, bool]) -> tuple[api.GcMoeWeights, ...]:
+    """The operator's weights of the pairs flagged in ``need`` (None for the others)."""
+    if mma_type == "fp8xfp8":
+        # The DeepGEMM SM90 layout is the operator's: interleaved FP8 L1 rows, natural 128x128 block scales, plain
+        # L2 (= transform_weights_for_gc_moe of the de-interleaved pair, without its two copies of every L1).
+        return tuple(api.GcMoeWeights(p.contiguous(), s.contiguous(), None, mma_type, gemm) if want else None
+                     for (p, s), gemm, want in zip((l1, l2), ("l1", "l2"), need, strict=True))
+    canonical = (layouts.deinterleave_gate_up(l1[0]), layouts.deinterleave_gate_up(l1[1]))
+    w1, w2 = api.transform_weights_for_gc_moe(canonical, l2, mma_type)
+    return w1 if need[0] else None, w2 if need[1] else None
+
+
+def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
+                     l2_weights: _Pair) -> tuple[api.GcMoeWeights, api.GcMoeWeights]:
+    """The operator's weights for DeepGEMM-layout ``(l1, l2)`` pairs, converted once per weight tensor and buffer.
+
+    A pair is looked up by the identity of its two tensors (``id``, data pointer, shape, strides, dtype, device) and
+    reconverted when one's version counter moved (an in-place update through that tensor). The FP8xFP8 conversion is
+    zero-copy when the tensors are contiguous, so in-place updates through other aliases (EPLB) are seen too.
+    A conversion that needs device work (an FP8xFP4 repack, a non-contiguous FP8 tensor) inside CUDA graph capture
+    raises ``RuntimeError``: call once eagerly before capturing.
+    """
+    workspace = workspace_of(buffer)
+    cache = _weight_caches.setdefault(workspace.alias_of or workspace, {})
+    pairs = {"l1": l1_weights, "l2": l2_weights}
+    keys = {gemm: (mma_type, gemm, _identity(p[0]), _identity(p[1])) for gemm, p in pairs.items()}
+    hits = {}
+    for gemm, pair in pairs.items():
+        entry = cache.get(keys[gemm])
+        if entry is not None and entry.versions == _versions(pair):
+            hits[gemm] = entry.weights
+    if len(hits) < 2:
+        need = ("l1" not in hits, "l2" not in hits)
+        copies = mma_type == "fp8xfp4" or not all(t.is_contiguous() for gemm, w in zip(pairs, need, strict=True)
+                                                  if w for t in pairs[gemm])
+        if copies and _capturing(l1_weights[0]):
+            raise RuntimeError(f"l1_weights/l2_weights: converting them for the {mma_type} operator needs device "
+                               "copies, which a CUDA graph capture would record; make one eager call with these "
+                               "weights before capturing")
+        converted = _convert(mma_type, l1_weights, l2_weights, need)
+        for gemm, weights in zip(pairs, converted, strict=True):
+            if weights is not None:
+                pair = pairs[gemm]
+                cache[keys[gemm]] = _Converted(pair, _versions(pair), weights)
+                hits[gemm] = weights
+    return hits["l1"], hits["l2"]
+
+
+# ------------------------------------------------------------------------------------------------------------ call
+def mega_moe(
+    y: torch.Tensor,
+    l1_weights: _Pair,
+    l2_weights: _Pair,
+    buffer: Any,
+    *,
+    shared_l1_weights: _Pair | None,
+    shared_l2_weights: _Pair | None,
+    cumulative_local_expert_recv_stats: torch.Tensor | None,
+    recipe: tuple[int, int, int],
+    activation_clamp: float | None,
+    fast_math: bool,
+) -> None:
+    """Run one layer on ``buffer``'s staged tokens: dispatch, both grouped GEMMs, combine into ``y`` in place.
+
+    ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight pairs are in DeepGEMM's layout (module
+    docstring); ``recipe`` picks the compute path, whose native call gets ``fast_math`` and
+    ``cumulative_local_expert_recv_stats``.
+    """
+    if tuple(recipe) not in _MMA_OF_RECIPE:
+        raise ValueError(f"recipe: must be one of {tuple(_MMA_OF_RECIPE)}, got {recipe!r}")
+    mma_type = _MMA_OF_RECIPE[tuple(recipe)]
+    workspace = workspace_of(buffer).retyped(mma_type)
+    call = api.fp8_fp8_gc_moe if mma_type == "fp8xfp8" else api.fp8_fp4_gc_moe
+    w1, w2 = operator_weights(workspace, mma_type, l1_weights, l2_weights)
+    call(y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp, shared_l1_weights=shared_l1_weights,
+         shared_l2_weights=shared_l2_weights, check_values=False, fast_math=fast_math,
+         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)

@@ -1,0 +1,259 @@
+"""The native GC-MoE API of the paper's Listing 1, SM90 path.
+
+``get_symm_buffer_for_gc_moe`` (:mod:`.native_buffer`), ``transform_weights_for_gc_moe`` (:mod:`.native_weights`),
+``fp8_fp4_gc_moe`` (FP8 activations x window-repacked MXFP4 weights, recipe ``(1, 1, 32)``) and ``fp8_fp8_gc_moe``
+(FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``). A call writes ``y [T, H]`` BF16 in place from the
+``T`` tokens staged in ``buffer.x[:T]`` etc., ``T = y.shape[0]``.
+
+What a call does, in order: every argument through :func:`gc_moe_compat.config.validate` and the option checks
+(``TypeError``/``ValueError`` naming the argument); take the single-instance workspace guard
+(:func:`.native_buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
+would get (:class:`gc_moe_compat.operator.ring.RingCapacityError`; with ``GC_MOE_PARTITION=off`` the ring must hold the
+whole pool); then run the three-node graph of :mod:`gc_moe_compat.operator.sm90.layer` (role1 dispatch, role2 grouped
+GEMMs, role3 finalize) on torch's current stream, or attach it to the capture in progress. Outside capture the call
+then waits for the graph and raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` /
+``DeviceCheckError`` naming the role and site of any device-side error (inside a capture the records are read by
+the next eager call). Both compute paths have all three roles (role2: :mod:`gc_moe_compat.operator.sm90.role2_gemm`
+picks the
+FP8xFP8 or the FP8xFP4 grouped-GEMM kernel by ``mma_type``); a fused shared expert needs role4, which does not exist
+yet (:func:`missing_role_kernels`), so such a call raises ``NotImplementedError`` naming it before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from gc_moe_compat import config
+from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe, partition_mode
+from gc_moe_compat.operator.heuristics import select_block_m
+from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
+from gc_moe_compat.operator.sm90 import layer, role2_gemm
+from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_gc_moe
+
+__all__ = [
+    "OPERATOR_MISSING",
+    "RECIPES",
+    "GcMoeBuffer",
+    "GcMoeWeights",
+    "fp8_fp4_gc_moe",
+    "fp8_fp8_gc_moe",
+    "get_symm_buffer_for_gc_moe",
+    "missing_role_kernels",
+    "not_built_error",
+    "partition_mode",
+    "ring_model",
+    "ring_plan",
+    "transform_weights_for_gc_moe",
+    "validate_call",
+]
+
+OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) does not cover this configuration yet"
+RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
+"""The one recipe of each compute path."""
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def missing_role_kernels(num_shared_experts: int, mma_type: str = "fp8xfp4") -> tuple[str, ...]:
+    """The role kernels a launch of ``mma_type`` needs that do not exist yet (role4 only with a fused shared expert).
+
+    Both ``mma_type`` paths without a shared expert have all three roles (role1 dispatch, role2 operator-mode grouped
+    GEMM of that weight format, role3 finalize): nothing is missing.
+    """
+    if mma_type not in config.MMA_TYPES:
+        raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
+    roles: tuple[str, ...] = ()
+    if num_shared_experts:
+        roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)
+    return roles
+
+
+def not_built_error(what: str, num_shared_experts: int, detail: str | None = None,
+                    mma_type: str = "fp8xfp4") -> NotImplementedError:
+    """The error a launch raises while a role kernel it needs is missing: ``what``, ``detail`` and every missing
+    kernel (:func:`missing_role_kernels`)."""
+    kernels = "; ".join(missing_role_kernels(num_shared_experts, mma_type)) or "none"
+    extra = f"{detail}; " if detail else ""
+    return NotImplementedError(f"{what}: {OPERATOR_MISSING}: {extra}missing role kernels: {kernels}; nothing ran")
+
+
+def _finite(arg: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{arg}: must be a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{arg}: must be a finite{' positive' if positive else ''} number, got {value}")
+    return float(value)
+
+
+def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Tensor], l1_weights: object,
+                  l2_weights: object, shared_l1_weights: object = None, shared_l2_weights: object = None, *,
+                  check_values: bool = True) -> int:
+    """``config.validate`` of one call against ``shape``; returns ``T = y.shape[0]``.
+
+    ``inputs`` holds the full-capacity staging views ``x``, ``x_sf``, ``topk_idx``, ``topk_weights``; their ``[:T]``
+    slices are checked. With a fused shared expert the shared weight pairs are required.
+    """
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise TypeError(f"y: must be a 2-D bfloat16 tensor [T, H], got {y!r:.80}")
+    if shape.num_shared_experts and (shared_l1_weights is None or shared_l2_weights is None):
+        raise ValueError("shared_l1_weights/shared_l2_weights: must be given (the buffer has a fused shared "
+                         "expert, combine slot k), got None")
+    t = y.shape[0]
+    if t > shape.capacity:
+        raise ValueError(f"y.shape[0] (tokens T): must be <= capacity={shape.capacity} (the buffer's Tmax; ring and "
+                         f"combine buffers are sized for it), got {t}")
+    config.validate(shape, **{name: view[:t] for name, view in inputs.items()}, y=y, l1_weights=l1_weights,
+                    l2_weights=l2_weights, shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
+                    num_tokens=t, check_values=check_values)
+    return t
+
+
+def ring_model(buffer: GcMoeBuffer, num_tokens: int) -> RingModel:
+    """The ring model of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, the compute SMs
+    the launch would get now."""
+    s = buffer.shape
+    bm = select_block_m(num_tokens * s.num_ranks * s.topk / s.num_experts)
+    return RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
+
+
+def ring_plan(buffer: GcMoeBuffer, num_tokens: int, model: RingModel | None = None) -> RingPlan:
+    """The ring plan of a call with ``num_tokens`` tokens (``model`` default :func:`ring_model`), checked against
+    the compute SMs the launch would get (:class:`gc_moe_compat.operator.ring.RingCapacityError` if undersized). With
+    the
+    partition off the roles run in sequence: role1 must never wait for a refill, so the ring must hold the pool."""
+    model = model or ring_model(buffer, num_tokens)
+    ring = buffer.layout.ring
+    plan = ring.plan(model)
+    if buffer.partition == "off" and not ring.holds_pool(model):
+        raise RingCapacityError(
+            f"buffer: GC_MOE_PARTITION=off runs role1 before role2, so the ring must hold the whole pool of "
+            f"{model.pool_blocks} blocks of BM={model.block_m} rows (role1 would otherwise wait forever for role2 to "
+            f"free a block); this buffer's ring holds {ring.ring_blocks(model)}: create the buffer with "
+            "partition='off' (it then sizes the ring for the whole pool)")
+    return plan
+
+
+def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: int) -> _Pair:
+    if not isinstance(w, GcMoeWeights):
+        raise TypeError(f"{arg}: must come from transform_weights_for_gc_moe, got {type(w).__name__}")
+    if (w.mma_type, w.gemm) != (mma_type, gemm):
+        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={mma_type!r}, got the {w.gemm!r} "
+                         f"weights of mma_type={w.mma_type!r}")
+    if mma_type == "fp8xfp4":
+        f = w.factor
+        if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or tuple(f.shape) != (num_local_experts,):
+            raise ValueError(f"{arg}.factor: must be float32 [{num_local_experts}] (per-expert 2^base), got {f!r:.80}")
+    return w.pair
+
+
+def _recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
+    """``cumulative_local_expert_recv_stats``: None or a contiguous int32 ``[e]`` on the buffer's device."""
+    if stats is None:
+        return None
+    e = buffer.shape.num_local_experts
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32:
+        raise TypeError(f"cumulative_local_expert_recv_stats: must be an int32 tensor [{e}] or None, got "
+                        f"{stats!r:.80}")
+    if tuple(stats.shape) != (e,) or not stats.is_contiguous() or stats.device != buffer.storage.device:
+        raise ValueError(f"cumulative_local_expert_recv_stats: must be a contiguous int32 tensor [{e}] (e = E/P) on "
+                         f"{buffer.storage.device}, got shape {tuple(stats.shape)} on {stats.device}")
+    return stats
+
+
+def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
+         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+         shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
+         recv_stats: object = None) -> None:
+    if not isinstance(buffer, GcMoeBuffer):
+        raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
+    if buffer.storage is None:
+        raise ValueError(f"{fn}: buffer: was destroyed")
+    shape = buffer.shape
+    try:
+        if shape.mma_type != mma_type:
+            raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
+        e = shape.num_local_experts
+        l1, l2 = _weights("w1", w1, mma_type, "l1", e), _weights("w2", w2, mma_type, "l2", e)
+        inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
+        t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
+        if not isinstance(recipe, tuple | list) or tuple(recipe) != RECIPES[mma_type]:
+            raise ValueError(f"recipe: must be {RECIPES[mma_type]} for {mma_type}, got {recipe!r}")
+        if activation != "swiglu":
+            raise ValueError(f"activation: must be 'swiglu' (fused in the W1 epilogue), got {activation!r}")
+        _finite("activation_alpha", activation_alpha)
+        if activation_clamp is not None:
+            _finite("activation_clamp", activation_clamp, positive=True)
+        if not isinstance(check_values, bool):
+            raise TypeError(f"check_values: must be a bool, got {type(check_values).__name__}")
+        if not isinstance(fast_math, bool):
+            raise TypeError(f"fast_math: must be a bool, got {type(fast_math).__name__}")
+        recv_stats = _recv_stats(recv_stats, buffer)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{fn}: {exc}") from exc
+    with exclusive(buffer):
+        model = ring_model(buffer, t)
+        plan = ring_plan(buffer, t, model)
+        if missing_role_kernels(shape.num_shared_experts, mma_type):
+            raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
+        _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
+                recv_stats=recv_stats)
+
+
+_caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()
+"""Built graphs and weight views per buffer (dropped with the buffer)."""
+
+
+def _launch(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, t: int,
+            model: RingModel, plan: RingPlan, activation_alpha: float, activation_clamp: float | None, *,
+            fast_math: bool = True, recv_stats: torch.Tensor | None = None) -> None:
+    """Runs (or, inside a capture, attaches) the call's three-node graph; outside capture waits for it and raises
+    the first device-side error (role order). ``fast_math`` picks the role2 variant's sigmoid; ``recv_stats`` is
+    role3's optional per-local-expert receive counter."""
+    if not buffer.storage.is_cuda:
+        raise RuntimeError(f"{fn}: buffer: lives in host memory (created without a CUDA device); running the layer "
+                           "needs the GPU")
+    cache = _caches.setdefault(buffer, layer.LayerCache())
+    call = layer.LayerCall(num_tokens=t, model=model, plan=plan,
+                           variant=role2_gemm.role2_variant(model, t, fast_math=fast_math),
+                           activation_clamp=None if activation_clamp is None else float(activation_clamp),
+                           activation_alpha=float(activation_alpha), recv_stats=recv_stats)
+    if layer.run_layer(buffer, y, w1, w2, call, cache):
+        return
+    layer.raise_for_layer_status(buffer, f"{fn}: running the layer")
+
+
+def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
+                   recipe: tuple[int, int, int] = (1, 1, 32), activation: str = "swiglu",
+                   activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
+                   shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
+                   check_values: bool = True, fast_math: bool = True,
+                   cumulative_local_expert_recv_stats: torch.Tensor | None = None) -> None:
+    """One MoE layer, FP8 activations x MXFP4 routed weights: ``y [T, H]`` BF16 written in place.
+
+    ``check_values`` (default on) also checks the staged ``topk_idx`` range and ``topk_weights`` finiteness: one
+    device sync each outside graph capture, skipped automatically while capturing. ``fast_math`` and
+    ``cumulative_local_expert_recv_stats`` as in :func:`fp8_fp8_gc_moe`.
+    """
+    _run("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)
+
+
+def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
+                   recipe: tuple[int, int, int] = (128, 128, 128), activation: str = "swiglu",
+                   activation_alpha: float = 1.0, activation_clamp: float | None = 10.0, *,
+                   shared_l1_weights: _Pair | None = None, shared_l2_weights: _Pair | None = None,
+                   check_values: bool = True, fast_math: bool = True,
+                   cumulative_local_expert_recv_stats: torch.Tensor | None = None) -> None:
+    """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights: ``y [T, H]`` BF16 written in place.
+
+    ``fast_math`` (default on): ``__expf`` and a fast reciprocal in the SwiGLU sigmoid (DeepGEMM's option).
+    ``cumulative_local_expert_recv_stats``: optional contiguous int32 ``[E/P]`` on the buffer's device; role3 adds
+    the rows this rank received per local expert in this call (DeepGEMM's / DeepEP's statistics counter).
+    """
+    _run("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)

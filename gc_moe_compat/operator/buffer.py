@@ -1,0 +1,254 @@
+"""``get_symm_buffer_for_gc_moe``: the operator's symmetric buffer (paper Listing 1), its partition mode and guard.
+
+The buffer is one allocation laid out by :class:`gc_moe_compat.operator.workspace.OperatorLayout`: torch symmetric
+memory rendezvoused across the group on CUDA (:class:`gc_moe_compat.runtime.workspace.SymmetricWorkspace`), a
+plain zeroed host tensor for a single rank on a host without CUDA (so layouts can be inspected and tested
+anywhere; running the operator needs the GPU). Every region is an attribute (``buffer.x``, ``buffer.l1_acts``,
+``buffer.recv_counts``, ...); the caller stages ``x``, ``x_sf``, ``topk_idx``, ``topk_weights`` before each call.
+
+Partition mode. ``GC_MOE_PARTITION=on`` (default) runs role1 on the communication green context and role2/role3 on
+the compute one; ``off`` runs the same kernels in sequence on the whole device (the overlap ablation). The
+``partition`` argument wins over the environment. The ring is sized from the compute SMs the roles will have:
+the green partition's compute side (``on``; its dispatch request comes from ``dispatch_sms`` >
+``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`)
+or every SM (``off``). With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring
+block: the ring then holds the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`). A workspace is
+single-instance: :func:`exclusive` rejects overlapping calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+
+import torch
+import torch.distributed as dist
+
+from gc_moe_compat import config
+from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
+from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request
+from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
+
+__all__ = ["PARTITION_ENV", "PARTITION_MODES", "GcMoeBuffer", "device_sms", "exclusive", "get_symm_buffer_for_gc_moe",
+           "partition_mode"]
+
+PARTITION_ENV = "GC_MOE_PARTITION"
+PARTITION_MODES = ("on", "off")
+
+
+def partition_mode(partition: str | bool | None = None) -> str:
+    """``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else ``GC_MOE_PARTITION``, else ``"on"``."""
+    if partition is None:
+        raw = os.environ.get(PARTITION_ENV, "").strip()
+        if raw == "":
+            return "on"
+        if raw not in PARTITION_MODES:
+            raise ValueError(f"{PARTITION_ENV}: must be one of {PARTITION_MODES} (green-context split on/off), "
+                             f"got {raw!r}")
+        return raw
+    if isinstance(partition, bool):
+        return "on" if partition else "off"
+    if not isinstance(partition, str):
+        raise TypeError(f"partition: must be one of {PARTITION_MODES}, a bool or None, got "
+                        f"{type(partition).__name__}")
+    if partition not in PARTITION_MODES:
+        raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split on/off), "
+                         f"got {partition!r}")
+    return partition
+
+
+def _dispatch_request(dispatch_sms: object) -> int:
+    """The dispatch SM request (argument > environment > default), checked for type and the >= 2 rule."""
+    if dispatch_sms is not None and (isinstance(dispatch_sms, bool) or not isinstance(dispatch_sms, int)):
+        raise TypeError(f"dispatch_sms: must be an int or None, got {type(dispatch_sms).__name__}")
+    request = dispatch_request(dispatch_sms)
+    if request < MIN_DISPATCH_SMS:
+        raise ValueError(f"dispatch_sms: must be >= {MIN_DISPATCH_SMS} (role1 needs a grid of >= 2 CTAs), "
+                         f"got {request}")
+    return request
+
+
+def device_sms(mode: str, request: int) -> tuple[int, int]:
+    """``(dispatch_sms, compute_sms)`` the roles get on the current CUDA device in partition ``mode``.
+
+    ``on``: the cached green partition for ``request`` (driver-aligned). ``off``: role1 keeps a grid of ``request``
+    CTAs and role2/role3 get every SM.
+    """
+    if mode == "off":
+        return request, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    from gc_moe_compat.runtime.green import get_partition
+
+    part = get_partition(request)
+    return part.dispatch_sms, part.compute_sms
+
+
+def _allocate(layout: OperatorLayout, group: dist.ProcessGroup) -> tuple[torch.Tensor, PeerTable]:
+    """Zeroed storage for ``layout`` and its peer table (symmetric memory on CUDA, host memory for one rank)."""
+    if torch.cuda.is_available():
+        ws = SymmetricWorkspace(layout.planner(), group)
+        return ws.buffer, ws.peer_table
+    if group.size() != 1:
+        raise RuntimeError(f"group: a group of {group.size()} ranks needs CUDA symmetric memory; no CUDA device "
+                           "is visible")
+    storage = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    return storage, make_peer_table([storage.data_ptr()], 0)
+
+
+class GcMoeBuffer:
+    """The operator's symmetric buffer: shape, partition plan, layout, storage, peer table and region views.
+
+    Attributes: ``shape`` (:class:`~gc_moe_compat.config.MoEShape`), ``group``, ``partition`` (``"on"``/``"off"``),
+    ``dispatch_sms`` / ``compute_sms`` (what the ring was sized for), ``layout``, ``storage`` (uint8),
+    ``peer_table``, ``offsets`` (:class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`), ``views`` (name ->
+    tensor) and one attribute per region.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, shape: config.MoEShape, layout: OperatorLayout, partition: str,
+                 dispatch_sms: int, compute_sms: int) -> None:
+        self.group: dist.ProcessGroup | None = group
+        self.shape = shape
+        self.layout = layout
+        self.partition = partition
+        self.dispatch_sms = dispatch_sms
+        self.compute_sms = compute_sms
+        self.storage: torch.Tensor | None
+        self.storage, self.peer_table = _allocate(layout, group)
+        self.offsets: WorkspaceOffsets = layout.offsets()
+        self.views: Mapping[str, torch.Tensor] = MappingProxyType(
+            {name: layout.view(self.storage, name) for name in layout.specs})
+        for name, view in self.views.items():
+            setattr(self, name, view)
+        self.alias_of: GcMoeBuffer | None = None
+        self._aliases: dict[str, GcMoeBuffer] = {}
+
+    def retyped(self, mma_type: str) -> GcMoeBuffer:
+        """This workspace as a buffer of the other compute path ``mma_type`` (no new allocation).
+
+        Why: DeepGEMM's callers create one symmetric buffer and may run either layer call on it (SGLang's Hopper
+        path creates it with ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe``, FP8xFP8). The workspace layout does
+        not depend on ``mma_type`` (checked here by rebuilding it), so the alias shares storage, peer table, views
+        and the single-instance guard (:func:`exclusive` locks the primary); it is cached, so the graphs built for
+        it are reused. Raises ``ValueError`` for an unknown ``mma_type`` and ``NotImplementedError`` if the layouts
+        ever differ.
+        """
+        self._require_live()
+        primary = self.alias_of or self
+        if mma_type == primary.shape.mma_type:
+            return primary
+        if mma_type not in config.MMA_TYPES:
+            raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
+        alias = primary._aliases.get(mma_type)
+        if alias is None:
+            shape = dataclasses.replace(primary.shape, mma_type=mma_type)
+            layout = OperatorLayout.build(shape, primary.layout.compute_sms, geometry=primary.layout.geometry,
+                                          topk_idx_dtype=primary.layout.specs["topk_idx"].dtype,
+                                          whole_pool=primary.partition == "off")
+            if layout.regions != primary.layout.regions or layout.ring != primary.layout.ring:
+                raise NotImplementedError(f"mma_type={mma_type!r}: its workspace layout differs from this buffer's "
+                                          f"({primary.shape.mma_type!r}); create a buffer for it")
+            alias = copy.copy(primary)
+            alias.shape, alias.layout, alias.alias_of, alias._aliases = shape, layout, primary, {}
+            primary._aliases[mma_type] = alias
+        return alias
+
+    def view(self, name: str) -> torch.Tensor:
+        """Region ``name`` (``KeyError`` naming the regions if there is none)."""
+        self._require_live()
+        if name not in self.views:
+            raise KeyError(f"name: no workspace region {name!r}; this buffer has {sorted(self.views)}")
+        return self.views[name]
+
+    def current_compute_sms(self) -> int:
+        """The compute SMs a launch would get now: queried from the device for a CUDA buffer, else the planned value.
+
+        Kept separate from ``compute_sms`` because the partition can change after creation (another
+        ``GC_MOE_DISPATCH_SMS``, another device): the ring check must use what the launch really gets.
+        """
+        self._require_live()
+        if not self.storage.is_cuda:
+            return self.compute_sms
+        return device_sms(self.partition, self.dispatch_sms)[1]
+
+    def describe(self) -> dict[str, object]:
+        """The plan recorded in benchmark metadata: partition, SM counts, ring capacity, total bytes."""
+        return {"partition": self.partition, "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms,
+                "ring_rows": self.layout.ring.rows, "ring_blocks": self.layout.ring.blocks,
+                "pool_blocks": self.layout.pool_blocks, "total_bytes": self.layout.total_bytes}
+
+    def _require_live(self) -> None:
+        if self.storage is None:
+            raise ValueError("buffer: was destroyed")
+
+    def destroy(self) -> None:
+        """Drop the allocation and every view; the buffer is unusable afterwards."""
+        for name in self.views:
+            setattr(self, name, None)
+        self.views = MappingProxyType({})
+        self.storage = None
+        self.group = None
+        for alias in self._aliases.values():
+            alias.destroy()
+        self._aliases = {}
+
+
+_locks: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(buffer: object) -> Iterator[None]:
+    """Hold ``buffer``'s workspace for one call; an overlapping holder gets ``WorkspaceBusyError``.
+
+    The workspace (ring, counters, parity, barrier phase) is single-instance (paper, Limitations): two calls on one
+    buffer at once would corrupt each other's protocol state, so they must serialize.
+    """
+    buffer = getattr(buffer, "alias_of", None) or buffer  # an alias shares its primary's workspace and guard
+    with _locks_guard:
+        lock = _locks.setdefault(buffer, threading.Lock())
+    if not lock.acquire(blocking=False):
+        raise WorkspaceBusyError("buffer: is in use by another call; calls sharing a workspace must serialize")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capacity: int, topk: int, hidden: int,
+                               intermediate: int, mma_type: str = "fp8xfp4", num_shared_experts: int = 0,
+                               dispatch_sms: int | None = None, partition: str | bool | None = None, *,
+                               compute_sms: int | None = None,
+                               topk_idx_dtype: torch.dtype = torch.int64) -> GcMoeBuffer:
+    """Allocate and rendezvous the operator's buffer for ``group`` (collective: every rank calls it).
+
+    ``capacity`` is ``Tmax``, the most tokens one rank passes per call. ``dispatch_sms`` / ``partition``: see the
+    module docstring. ``compute_sms`` sizes the ring for that many compute SMs instead of the device's (required
+    on a host without CUDA). ``topk_idx_dtype``: int64 (DeepGEMM's) or int32 expert ids. Raises ``TypeError`` /
+    ``ValueError`` naming the argument before allocating anything.
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    shape = config.MoEShape(num_experts=num_experts, num_ranks=group.size(), hidden=hidden,
+                            intermediate=intermediate, topk=topk, num_shared_experts=num_shared_experts,
+                            capacity=capacity, mma_type=mma_type)
+    config.validate(shape)
+    mode = partition_mode(partition)
+    request = _dispatch_request(dispatch_sms)
+    if compute_sms is not None and (isinstance(compute_sms, bool) or not isinstance(compute_sms, int)
+                                    or compute_sms < 1):
+        raise ValueError(f"compute_sms: must be an int >= 1 or None, got {compute_sms!r}")
+    if torch.cuda.is_available():
+        dispatch, device_compute = device_sms(mode, request)
+    elif compute_sms is None:
+        raise ValueError("compute_sms: required on a host without CUDA (the ring is sized from the compute "
+                         "partition's SM count), got None")
+    else:
+        dispatch, device_compute = request, compute_sms
+    planned = device_compute if compute_sms is None else compute_sms
+    layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off")
+    return GcMoeBuffer(group, shape, layout, mode, dispatch, planned)
