@@ -19,7 +19,7 @@ expert-parallel layer (torch.distributed all-to-all + that pipeline) of bench/op
   counts on the device first, or sizes every expert for the worst case as DeepEP does).
 
 Host planning (:func:`masked_geometry`, :func:`plan_all_to_all`, :func:`row_words`) is pure torch on the CPU and
-tested in tests/test_bench_operator.py; Triton is imported only when a kernel is first used.
+tested in tests/tools/test_bench_operator.py; Triton is imported only when a kernel is first used.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 #   bash scripts/fetch_device_deps.sh --deepgemm  # the DeepGEMM baseline (later issues): the deepinfer-gemm 2.8.2
 #                                                 # sdist and Debian's libdw-dev / libelf-dev (elfutils headers its
 #                                                 # build needs); see FACTS.md for how to build and run it there
-#   bash scripts/fetch_device_deps.sh --sglang    # SGLang 0.5.23's sources for tests/gpu/test_sglang_*.py:
+#   bash scripts/fetch_device_deps.sh --sglang    # SGLang 0.5.23's sources for tests/facades/test_sglang_*.py:
 #                                                 # only mega_moe_sm90.py, mega_moe.py and token_dispatcher/
 #                                                 # {base,deepep}.py, read out of the registry wheel (cached in
 #                                                 # ~/.cache/gc_moe_compat/registry) into .carry/sglang-0.5.23/
@@ -30,7 +30,7 @@ for opt in "$@"; do
       ;;
     --sglang)
       rm -rf .carry/sglang-0.5.23
-      "$PY" tests/sglang_wheel.py .carry/sglang-0.5.23
+      "$PY" tests/kit/sglang_wheel.py .carry/sglang-0.5.23
       du -sh .carry
       ;;
     *)

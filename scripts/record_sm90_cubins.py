@@ -7,7 +7,8 @@ for sm_90a
 with this machine's nvcc, in a fresh cache directory, and writes the sha256 of each cubin, the nvcc build line and
 ``--note`` (which change wrote the record, and whether that build has been verified on a GPU yet).
 
-Why: tests/test_role2_operator_host.py compares every standalone cubin with its record, so that refactors of the
+Why: tests/operator/test_role2_operator_host.py compares every standalone cubin with its record, so that refactors of
+the
 shared device code and operator-mode changes cannot move the standalone kernels unnoticed. A change meant to move
 them (a new K loop, say) rewrites the records here, in the same commit as the kernel change.
 

@@ -1,11 +1,19 @@
-"""Skips `gpu` / `multigpu` tests where the hardware they need is absent; the shared single-rank process group."""
+"""Skips `gpu` / `multigpu` tests where the hardware they need is absent; the shared single-rank process group.
+
+Tests are grouped by concept (numerics/, runtime/, operator/, facades/, tools/); what they share lives in kit/
+(helpers, the two-rank protocol and the torchrun worker scripts), put on ``sys.path`` here for every test.
+"""
 
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kit"))
 
 
 def _gpu_count() -> int:

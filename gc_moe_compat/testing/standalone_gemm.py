@@ -93,7 +93,8 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
 
 def recorded_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """The standalone variants whose cubin hashes tests/data/sm90_*_standalone_cubins.json records (every
-    :func:`all_variants` one, plus the first two without fast math): tests/test_role2_operator_host.py checks them,
+    :func:`all_variants` one, plus the first two without fast math): tests/operator/test_role2_operator_host.py checks
+    them,
     scripts/record_sm90_cubins.py rewrites them after a deliberate kernel change."""
     variants = all_variants(mma_type)
     return variants + [{**d, "GC_FAST_MATH": 0} for d in variants[:2]]
@@ -159,7 +160,7 @@ def prepare_fp4_weights(l1: ExpertWeights, l2: ExpertWeights) -> Fp4Weights:
 
     The interleave and the window repack are the native API's (:func:`transform_weights_for_gc_moe`, ``fp8xfp4``);
     this adds the lane permutation into K128 x 64-row units. Only rearranges and re-expresses scales exactly: groups
-    inside the window dequantize to the same values (tests/test_gemm_sm90_host.py).
+    inside the window dequantize to the same values (tests/operator/test_gemm_sm90_host.py).
     """
     if l1.fmt != "mxfp4" or l2.fmt != "mxfp4":
         raise ValueError(f"weights: the FP8xFP4 kernels take mxfp4, got {l1.fmt} and {l2.fmt}")

@@ -1,4 +1,4 @@
-// Stand-ins that let role1 (kernels/sm90/role1_dispatch.cu) run alone in the tests (tests/gpu/test_role1_*.py).
+// Stand-ins that let role1 (kernels/sm90/role1_dispatch.cu) run alone in the tests (tests/operator/test_role1_*.py).
 // dt_consume plays role2's side of the token ring: it walks the pool blocks in order like the GEMM's task stream,
 // copies every block generation to a capture buffer once l1_full_count says it is complete (so the test sees every
 // generation, not only what survives in the ring), then releases l1_empty_count and l2_empty_count (the latter
@@ -18,7 +18,7 @@ using gc_moe::u32;
 using gc_moe::u64;
 using gc_moe::WorkspaceOffsets;
 
-// Status sites of the stand-ins (tests/gpu/role1_kit.py: STANDIN_SITES).
+// Status sites of the stand-ins (tests/kit/role1_kit.py: STANDIN_SITES).
 enum StandInSite : u32 {
     kSitePoolHeader = 1,
     kSiteFull = 2,

@@ -1,4 +1,4 @@
-// Stand-ins for role1/role2 in role3's GPU tests (tests/gpu/test_role3_finalize_gpu.py, role3_two_rank_worker.py).
+// Stand-ins for role1/role2 in role3's GPU tests (tests/operator/test_role3_finalize_gpu.py, role3_two_rank_worker.py).
 // No MoE logic: they leave the workspace in the state role1/role2 leave it, and check what role3 left behind.
 #include "common/peer_table.cuh"
 #include "common/status.cuh"
@@ -11,7 +11,7 @@ using gc_moe::u32;
 using gc_moe::u64;
 using gc_moe::WorkspaceOffsets;
 
-// Status sites of ft_stand_in (decoded by tests/gpu/test_role3_finalize_gpu.py).
+// Status sites of ft_stand_in (decoded by tests/operator/test_role3_finalize_gpu.py).
 enum StandInSite : u32 {
     kSiteReplaySeq = 1,
     kSiteParity = 2,

@@ -1,4 +1,4 @@
-// Kernels that prove the runtime's properties on the device (tests/gpu, bench/runtime_sm90.py).
+// Kernels that prove the runtime's properties on the device (tests/runtime/, bench/runtime_sm90.py).
 // They carry no MoE logic: each one exercises one property of green contexts, graphs or the symmetric workspace.
 #include "common/peer_table.cuh"
 #include "common/status.cuh"
@@ -10,7 +10,7 @@ using gc_moe::Scope;
 using gc_moe::u32;
 using gc_moe::u64;
 
-// Device-persistent state of the three-node counter graph; mirrored by tests/gpu/kernels.py (CounterState).
+// Device-persistent state of the three-node counter graph; mirrored by tests/kit/runtime_kit.py (CounterState).
 struct CounterState {
     u64 arrive_a;  // +1 per block of node A per replay, never reset
     u64 gen_a;     // generation A completed (published by A's last block)

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own Hopper Mega MoE code against the swapped ``deep_gemm`` on a host without CUDA (dry run).
 
-The GPU test's worker (tests/gpu/sglang_mega_moe_worker.py, suite ``dry-run``) runs in a fresh interpreter under
+The GPU test's worker (tests/kit/sglang_mega_moe_worker.py, suite ``dry-run``) runs in a fresh interpreter under
 torchrun with ``GC_MOE_SWAP=deep_gemm`` on SGLang's real ``mega_moe_sm90.py`` / ``mega_moe.py`` (extracted from the
 registry wheel into a temporary directory): the swap, the stubs, SGLang's weight builder and Hopper gate, its buffer
 creation and cache, the pre-dispatch and the facade's checks all run; every call must stop at the operator launch
@@ -11,13 +11,10 @@ cannot be reached and the wheel is not cached. A second run replaces the launch 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import sglang_wheel
-
-sys.path.insert(0, str(Path(__file__).with_name("gpu")))
 from test_sglang_mega_moe_sm90 import run_worker  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 The JSON comes from ``scripts/gen_signatures.py`` (``sgl-deep-ep==0.1.2.post1``: ``deep_ep/buffers/legacy.py``'s
 ``Buffer``, ``deep_ep/utils/event.py``'s ``EventOverlap``). The call sites are read from
 ``sglang/srt/layers/moe/token_dispatcher/deepep.py`` in the ``sglang==0.5.23`` wheel, fetched from the registry at
-test time into ``~/.cache/gc_moe_compat/registry`` by ``tests/sglang_wheel.py`` (skipped, with the reason, only when
+test time into ``~/.cache/gc_moe_compat/registry`` by ``tests/kit/sglang_wheel.py`` (skipped, with the reason, only when
 the registry cannot be reached and the wheel is not cached). The platform under test is CUDA: branches SGLang takes
 only on Ascend NPUs (``_is_npu``) are pruned, each one listed here.
 """
@@ -31,7 +31,7 @@ from signature_kit import (
 
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap
 
-SIGNATURES = json.loads((Path(__file__).parent / "data" / "deep_ep_buffer.json").read_text())
+SIGNATURES = json.loads((Path(__file__).parents[1] / "data" / "deep_ep_buffer.json").read_text())
 PIN = "sgl-deep-ep==0.1.2.post1"
 CLASSES = {"Buffer": Buffer, "EventOverlap": EventOverlap}
 
@@ -127,7 +127,7 @@ UNBINDABLE = {("Config.__init__", "config_parsed['normal_dispatch']"): "Config(*
               ("Config.__init__", "config_parsed['normal_combine']"): "Config(**config_combine): keys of the user's "
               "--deepep-config JSON"}
 """Calls whose ``**`` keys come from run-time data, by the expression they come from (the facade's ``Config`` takes
-DeepEP's field names as keywords: tests/test_deep_ep_facade.py)."""
+DeepEP's field names as keywords: tests/facades/test_deep_ep_facade.py)."""
 
 
 @dataclass(frozen=True)

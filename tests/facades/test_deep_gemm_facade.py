@@ -245,7 +245,8 @@ def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> 
     ({"fast_math": 1}, TypeError, "fast_math"),
 ])
 def test_fp8_fp4_mega_moe_arguments(group: dist.ProcessGroup, kw: dict, exc: type, arg: str) -> None:
-    """The facade's own refusals; what the operator does with valid arguments is tests/test_operator_seam.py's."""
+    """The facade's own refusals; what the operator does with valid arguments is
+    tests/facades/test_deep_gemm_seam.py's."""
     buf = _buffer(group)
     l1, l2 = _fp4_weights()
     with pytest.raises(exc, match=f"fp8_fp4_mega_moe: .*{arg}"):

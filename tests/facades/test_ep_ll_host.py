@@ -20,7 +20,7 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
 from gc_moe_compat.runtime.workspace import MAX_RANKS
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gemm_sm90  # noqa: E402 - bench/ is a script folder, put on the path above

@@ -8,7 +8,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "shims" / "gc_moe_compat_swap.pth"
 
 

@@ -3,7 +3,7 @@
 The real files are ``sglang/srt/layers/moe/mega_moe_sm90.py`` (``build_sm90_mega_moe_experts_weights``,
 ``run_sm90_mega_routed``, ``is_sm90_fp8_mega_moe_available``) and ``sglang/srt/layers/moe/mega_moe.py``
 (``run_mega_routed_experts``, ``_get_mega_moe_symm_buffer`` and its cache, ``is_mega_moe_experts_ready``), taken from
-the registry wheel (``tests/sglang_wheel.py``; on the device from the carried ``.carry/sglang-0.5.23``, see
+the registry wheel (``tests/kit/sglang_wheel.py``; on the device from the carried ``.carry/sglang-0.5.23``, see
 ``scripts/fetch_device_deps.sh --sglang``). They run unchanged; ``import deep_gemm`` inside them is whatever the
 process's ``GC_MOE_SWAP`` makes it. Everything else SGLang would import is replaced by :data:`STUBS`: each entry
 names the module, what the two files take from it, and why the stand-in does not change the Hopper routed path.

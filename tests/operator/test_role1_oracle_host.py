@@ -5,18 +5,9 @@ check of role1_kit, and a single misplaced row fails them. So the GPU tests can 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-
-from gc_moe_compat.operator import api
-from gc_moe_compat.operator.ring import RingPlan
-from gc_moe_compat.operator.sm90.role1_dispatch import assign_rows
-
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))  # role1_kit lives beside the GPU tests that use it
 from role1_kit import (  # noqa: E402
     CaptureBuffers,
     check_capture,
@@ -27,6 +18,10 @@ from role1_kit import (  # noqa: E402
     make_inputs,
     poison_outputs,
 )
+
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.ring import RingPlan
+from gc_moe_compat.operator.sm90.role1_dispatch import assign_rows
 
 
 def _simulate(buffer: api.GcMoeBuffer, inputs: list, rank: int, plan: RingPlan, cap: CaptureBuffers) -> None:

@@ -9,4 +9,4 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 
 def test_peer_signal_both_directions_and_missing_peer_timeout() -> None:
-    run_two_ranks("two_rank_worker.py", 240)
+    run_two_ranks("runtime_two_rank_worker.py", 240)

@@ -3,7 +3,7 @@
 A Buffer in normal mode (``low_latency_mode=False``) needs no GPU. For the low-latency paths the symmetric workspace is
 replaced by a CPU stand-in (:class:`FakeWorkspace`) and the kernel launches by a recorder, so every check that must
 run before a launch is exercised, and a valid call's outputs (shapes, dtypes, the column-major scales, the handle)
-and launch parameters can be inspected. The kernels themselves are the GPU tests' (tests/gpu/test_deep_ep_ll.py).
+and launch parameters can be inspected. The kernels themselves are the GPU tests' (tests/facades/test_deep_ep_ll.py).
 """
 
 from __future__ import annotations

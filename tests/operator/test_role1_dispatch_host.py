@@ -22,7 +22,7 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.workspace import PeerTable
 from gc_moe_compat.testing.reference import dispatch_plan
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 STANDINS = "testing/dispatch_test.cu"
 
 

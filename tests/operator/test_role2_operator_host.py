@@ -37,8 +37,8 @@ from gc_moe_compat.runtime.tensormap import TensorMapArg
 from gc_moe_compat.testing.reference import ExpertWeights
 from gc_moe_compat.testing.standalone_gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-DATA_DIR = Path(__file__).resolve().parent / "data"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
 
 

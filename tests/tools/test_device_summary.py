@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_summary.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_summary.py"
 _spec = importlib.util.spec_from_file_location("device_summary", SCRIPT)
 summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(summary)

@@ -1,4 +1,4 @@
-"""Worker of tests/gpu/test_sglang_deepep.py: SGLang 0.5.23's own ``DeepEPDispatcher`` (low-latency mode) against
+"""Worker of tests/facades/test_sglang_deepep.py: SGLang 0.5.23's own ``DeepEPDispatcher`` (low-latency mode) against
 the swapped ``deep_ep`` (``GC_MOE_SWAP=deep_ep``), bit for bit against :mod:`gc_moe_compat.testing.ep_reference`.
 
 Per rank: SGLang builds its DeepEP buffer (``DeepEPBuffer.get_deepep_buffer``: ``Buffer.get_low_latency_rdma_size_hint``

@@ -1,5 +1,5 @@
 """One rank running SGLang 0.5.23's own Hopper Mega MoE code against the swapped ``deep_gemm`` (started through
-torchrun by tests/gpu/test_sglang_mega_moe_sm90.py, and on CPU by tests/test_sglang_mega_moe_host.py).
+torchrun by tests/facades/test_sglang_mega_moe_sm90.py, and on CPU by tests/facades/test_sglang_mega_moe_host.py).
 
 The process starts with ``GC_MOE_SWAP=deep_gemm``, so ``import deep_gemm`` inside SGLang's files is gc-moe-compat's
 facade (checked). SGLang's ``mega_moe_sm90.py`` and ``mega_moe.py`` are executed from their sources with only the

@@ -1,4 +1,4 @@
-"""Worker of tests/gpu/test_deep_ep_ll.py: the ``deep_ep`` facade's low-latency dispatch and combine on 1 or 2 ranks
+"""Worker of tests/facades/test_deep_ep_ll.py: the ``deep_ep`` facade's low-latency dispatch and combine on 1 or 2 ranks
 against the torch references of :mod:`gc_moe_compat.testing.ep_reference`, bit for bit.
 
 Every rank draws every rank's inputs from one seed (so each can build the reference of the whole group) and checks

@@ -2,7 +2,7 @@
 
 The wheel (``sglang==0.5.23``, 38 MB) is downloaded once into ``~/.cache/gc_moe_compat/registry``; single files are
 read out of it (:func:`read_sources`: the two files of the Mega MoE path by default, any member by its path inside
-the wheel). Nothing from it is committed. ``python tests/sglang_wheel.py DEST`` extracts the :data:`FILES` under
+the wheel). Nothing from it is committed. ``python tests/kit/sglang_wheel.py DEST`` extracts the :data:`FILES` under
 ``DEST/sglang/...`` (``scripts/fetch_device_deps.sh --sglang`` does this into the git-ignored ``.carry/``, which the
 device machine, having no network, gets carried).
 """
@@ -22,7 +22,7 @@ FILES = ("sglang/srt/layers/moe/mega_moe_sm90.py", "sglang/srt/layers/moe/mega_m
 """The Hopper Mega MoE path (``build_sm90_mega_moe_experts_weights``, ``run_sm90_mega_routed``) and the shared
 entry that calls it (``run_mega_routed_experts``, the buffer cache), in import order."""
 DEEPEP_FILES = ("sglang/srt/layers/moe/token_dispatcher/base.py", "sglang/srt/layers/moe/token_dispatcher/deepep.py")
-"""SGLang's DeepEP token dispatcher and the base classes it imports (tests/gpu/test_sglang_deepep.py runs them)."""
+"""SGLang's DeepEP token dispatcher and the base classes it imports (tests/facades/test_sglang_deepep.py runs them)."""
 CARRIED = FILES + DEEPEP_FILES
 """What :func:`extract` writes for the device (which has no network)."""
 

@@ -2,7 +2,7 @@
 
 The JSON comes from ``scripts/gen_signatures.py`` (``deepinfer-gemm==2.8.2`` and ``sgl-deep-gemm==0.2.3.post2``).
 The SGLang wheel is fetched from the registry at test time into ``~/.cache/gc_moe_compat/registry`` by
-``tests/sglang_wheel.py`` (skipped, with the reason, only when the registry cannot be reached).
+``tests/kit/sglang_wheel.py`` (skipped, with the reason, only when the registry cannot be reached).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from signature_kit import KwargsResolver, as_records, bind_error, expected_recor
 
 import gc_moe_compat.deep_gemm as facade
 
-SIGNATURES = json.loads((Path(__file__).parent / "data" / "deep_gemm_mega_moe.json").read_text())
+SIGNATURES = json.loads((Path(__file__).parents[1] / "data" / "deep_gemm_mega_moe.json").read_text())
 SGL_PIN = "sgl-deep-gemm==0.2.3.post2"
 UPSTREAM = "deepinfer-gemm==2.8.2"
 
