@@ -45,10 +45,11 @@ from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
+from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.testing.gemm_workload import (
     CLAMP,
+    WORLD,
     Layer,
     Tokens,
     make_fp4_layer,
@@ -99,8 +100,9 @@ def point_config(layer: Layer, tokens_per_rank: int, counts: torch.Tensor, num_s
     """The config :func:`select_config` picks for a point with ``counts`` rows per expert: what this benchmark runs
     (bench/profile_gemm_sm90.py and bench/graph_gap_sm90.py run the same)."""
     tiles = 2 * layer.prepared.inter // tile_rows(W1_SLABS)
-    return select_config(tokens_per_rank * layer.topk / layer.l1.num_experts, int((counts > 0).sum()), tiles, num_sms,
-                         mma_type, block_m=block_m, hidden=layer.prepared.hidden)
+    rows = expected_rows_per_expert(tokens_per_rank, WORLD, layer.topk, WORLD * layer.l1.num_experts)
+    return select_config(rows, int((counts > 0).sum()), tiles, num_sms, mma_type, block_m=block_m,
+                         hidden=layer.prepared.hidden)
 
 
 def floor_bytes(layer: Layer, counts: torch.Tensor, mma_type: str = "fp8xfp8") -> int:

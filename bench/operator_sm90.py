@@ -54,7 +54,7 @@ from _baseline_sm90 import A2APlan, plan_all_to_all
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import select_block_m
+from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
 
 WORLD = 2
@@ -246,7 +246,7 @@ def _prebuild_operator_kernels(presets: Sequence[str], tokens: Sequence[int]) ->
     bms = set()
     for preset in presets:
         e, k, _, _ = preset_dims(preset)
-        bms |= {select_block_m(t * WORLD * k / (e * WORLD)) for t in tokens}
+        bms |= {block_m_for_call(t, WORLD, k, e * WORLD) for t in tokens}
     jobs = [(role1_dispatch.SOURCE, {}), (role3_finalize.SOURCE, {})]
     jobs += [(role2_gemm.SOURCE, role2_gemm.Role2Variant(bm, pipe).defines)
              for bm in sorted(bms) for pipe in (False, True)]

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 
 import torch
 
-from gc_moe_compat.config import MoEShape
+from gc_moe_compat.config import MMA_TYPES, MoEShape
 
 # DeepGEMM's names for values GC-MoE does not implement (accepted by some DeepGEMM build, so not a caller bug).
 DEEPGEMM_ONLY_MMA_TYPES = ("bf16xbf16", "mxf4xmxf4", "nvfp4xnvfp4")
-SUPPORTED_MMA_TYPES = ("fp8xfp4", "fp8xfp8")
+SUPPORTED_MMA_TYPES = MMA_TYPES
 DEEPGEMM_ONLY_ACTIVATIONS = ("swigluoai", "situ")
 SUPPORTED_ACTIVATIONS = ("swiglu",)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gc_moe_compat.deep_gemm import _checks
-from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, select_block_m
+from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, block_m_for_call
 
 __all__ = ["BLOCK_M_CANDIDATES", "get_block_m_for_mega_moe", "get_num_sms", "set_num_sms"]
 
@@ -52,7 +52,7 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
 
     The expected tokens per expert ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the
     tokens all EP ranks send this call, DeepGEMM's meaning), else ``num_tokens * num_ranks``, goes through the SM90
-    kernels' own rule (:func:`gc_moe_compat.operator.heuristics.select_block_m`), so this answer is the BM they run.
+    kernels' own rule (:func:`gc_moe_compat.operator.heuristics.block_m_for_call`), so this answer is the BM they run.
     """
     fn = "get_block_m_for_mega_moe"
     _checks.integer(fn, "num_ranks", num_ranks, 1)
@@ -63,8 +63,6 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
     _checks.integer(fn, "num_tokens", num_tokens, 0, num_max_tokens_per_rank)
     _checks.integer(fn, "num_topk", num_topk, 1, num_experts)
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
-    if global_num_tokens is None:
-        total = num_tokens * num_ranks
-    else:
-        total = _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)
-    return select_block_m(total * num_topk / num_experts)
+    if global_num_tokens is not None:
+        _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)
+    return block_m_for_call(num_tokens, num_ranks, num_topk, num_experts, global_num_tokens)

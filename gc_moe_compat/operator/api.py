@@ -27,11 +27,12 @@ import weakref
 import torch
 
 from gc_moe_compat import config
-from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe, partition_mode
-from gc_moe_compat.operator.heuristics import select_block_m
+from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
+from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
 from gc_moe_compat.operator.sm90 import layer, role2_gemm
 from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_gc_moe
+from gc_moe_compat.runtime.split import partition_mode
 
 __all__ = [
     "OPERATOR_MISSING",
@@ -115,7 +116,7 @@ def ring_model(buffer: GcMoeBuffer, num_tokens: int) -> RingModel:
     """The ring model of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, the compute SMs
     the launch would get now."""
     s = buffer.shape
-    bm = select_block_m(num_tokens * s.num_ranks * s.topk / s.num_experts)
+    bm = block_m_for_call(num_tokens, s.num_ranks, s.topk, s.num_experts)
     return RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
 
 

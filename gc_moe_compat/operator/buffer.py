@@ -6,13 +6,14 @@ plain zeroed host tensor for a single rank on a host without CUDA (so layouts ca
 anywhere; running the operator needs the GPU). Every region is an attribute (``buffer.x``, ``buffer.l1_acts``,
 ``buffer.recv_counts``, ...); the caller stages ``x``, ``x_sf``, ``topk_idx``, ``topk_weights`` before each call.
 
-Partition mode. ``GC_MOE_PARTITION=on`` (default) runs role1 on the communication green context and role2/role3 on
-the compute one; ``off`` runs the same kernels in sequence on the whole device (the overlap ablation). The
-``partition`` argument wins over the environment. The ring is sized from the compute SMs the roles will have:
-the green partition's compute side (``on``; its dispatch request comes from ``dispatch_sms`` >
-``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`)
-or every SM (``off``). With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring
-block: the ring then holds the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`). A workspace is
+Partition mode (:func:`gc_moe_compat.runtime.split.partition_mode`). ``GC_MOE_PARTITION=on`` (default) runs role1
+on the communication green context and role2/role3 on the compute one; ``off`` runs the same kernels in sequence on
+the whole device (the overlap ablation). The ``partition`` argument wins over the environment. The ring is sized
+from the compute SMs the roles will have (:func:`gc_moe_compat.runtime.green.device_sms`): the green partition's
+compute side (``on``; its dispatch request comes from ``dispatch_sms`` > ``GC_MOE_DISPATCH_SMS`` >
+``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`) or every SM (``off``).
+With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring block: the ring then holds
+the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`). A workspace is
 single-instance: :func:`exclusive` rejects overlapping calls.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -32,36 +32,11 @@ import torch.distributed as dist
 
 from gc_moe_compat import config
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
-from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request
+from gc_moe_compat.runtime.green import device_sms
+from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
-__all__ = ["PARTITION_ENV", "PARTITION_MODES", "GcMoeBuffer", "device_sms", "exclusive", "get_symm_buffer_for_gc_moe",
-           "partition_mode"]
-
-PARTITION_ENV = "GC_MOE_PARTITION"
-PARTITION_MODES = ("on", "off")
-
-
-def partition_mode(partition: str | bool | None = None) -> str:
-    """``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else ``GC_MOE_PARTITION``, else ``"on"``."""
-    if partition is None:
-        raw = os.environ.get(PARTITION_ENV, "").strip()
-        if raw == "":
-            return "on"
-        if raw not in PARTITION_MODES:
-            raise ValueError(f"{PARTITION_ENV}: must be one of {PARTITION_MODES} (green-context split on/off), "
-                             f"got {raw!r}")
-        return raw
-    if isinstance(partition, bool):
-        return "on" if partition else "off"
-    if not isinstance(partition, str):
-        raise TypeError(f"partition: must be one of {PARTITION_MODES}, a bool or None, got "
-                        f"{type(partition).__name__}")
-    if partition not in PARTITION_MODES:
-        raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split on/off), "
-                         f"got {partition!r}")
-    return partition
-
+__all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
 
 def _dispatch_request(dispatch_sms: object) -> int:
     """The dispatch SM request (argument > environment > default), checked for type and the >= 2 rule."""
@@ -72,20 +47,6 @@ def _dispatch_request(dispatch_sms: object) -> int:
         raise ValueError(f"dispatch_sms: must be >= {MIN_DISPATCH_SMS} (role1 needs a grid of >= 2 CTAs), "
                          f"got {request}")
     return request
-
-
-def device_sms(mode: str, request: int) -> tuple[int, int]:
-    """``(dispatch_sms, compute_sms)`` the roles get on the current CUDA device in partition ``mode``.
-
-    ``on``: the cached green partition for ``request`` (driver-aligned). ``off``: role1 keeps a grid of ``request``
-    CTAs and role2/role3 get every SM.
-    """
-    if mode == "off":
-        return request, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    from gc_moe_compat.runtime.green import get_partition
-
-    part = get_partition(request)
-    return part.dispatch_sms, part.compute_sms
 
 
 def _allocate(layout: OperatorLayout, group: dist.ProcessGroup) -> tuple[torch.Tensor, PeerTable]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gc_moe_compat.config import MMA_TYPES
+
 BLOCK_M_CANDIDATES = (8, 16, 32, 64)
 MAX_STAGES = 8
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one H200 CTA may opt into
@@ -34,7 +36,6 @@ BK = 128
 CONSUMER_WARPGROUPS = 2
 W1_SLABS = 2  # 64-row slabs per consumer warpgroup in W1: 256 rows = one 128-column requant group per task
 W2_SLABS = 1  # W2 tiles of 128 rows: twice the tasks, for balance at small T (FP8xFP4 from BM = 16: w2_slabs)
-MMA_TYPES = ("fp8xfp8", "fp8xfp4")
 FP4_UNIT_BYTES = 64 * BK // 2 + 64 * BK // 32  # one slab and K128 step: FP4 codes + one d byte per K32 group
 
 
@@ -90,6 +91,24 @@ def select_block_m(expected_rows: float) -> int:
         raise ValueError(f"expected_rows: must be a non-negative number of rows per expert, got {expected_rows}")
     need = expected_rows + math.sqrt(expected_rows)
     return next((bm for bm in BLOCK_M_CANDIDATES if bm >= need), BLOCK_M_CANDIDATES[-1])
+
+
+def expected_rows_per_expert(num_tokens: int, num_ranks: int, topk: int, num_experts: int,
+                             global_num_tokens: int | None = None) -> float:
+    """Rows one expert receives in expectation under balanced routing: ``T_total * k / E``.
+
+    ``T_total`` is ``global_num_tokens`` when given (the tokens every EP rank sends this call, DeepGEMM's meaning),
+    else ``num_tokens * num_ranks`` (every rank sends ``num_tokens``).
+    """
+    total = num_tokens * num_ranks if global_num_tokens is None else global_num_tokens
+    return total * topk / num_experts
+
+
+def block_m_for_call(num_tokens: int, num_ranks: int, topk: int, num_experts: int,
+                     global_num_tokens: int | None = None) -> int:
+    """The block-size rule of one call: :func:`select_block_m` of :func:`expected_rows_per_expert`. The operator,
+    the ``deep_gemm`` facade's ``get_block_m_for_mega_moe`` and the benchmarks all ask this one function."""
+    return select_block_m(expected_rows_per_expert(num_tokens, num_ranks, topk, num_experts, global_num_tokens))
 
 
 def w2_slabs(bm: int, mma_type: str) -> int:

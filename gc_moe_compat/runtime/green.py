@@ -217,6 +217,18 @@ def get_partition(dispatch_sms: int | None = None, device_index: int | None = No
         return part
 
 
+def device_sms(mode: str, request: int) -> tuple[int, int]:
+    """``(dispatch_sms, compute_sms)`` the roles get on the current CUDA device in partition ``mode``.
+
+    ``on``: the cached green partition for ``request`` (driver-aligned). ``off``: role1 keeps a grid of ``request``
+    CTAs and role2/role3 get every SM.
+    """
+    if mode == "off":
+        return request, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    part = get_partition(request)
+    return part.dispatch_sms, part.compute_sms
+
+
 def close_all_partitions() -> None:
     """Tears down every cached partition (registered to run at interpreter exit)."""
     with _cache_lock:

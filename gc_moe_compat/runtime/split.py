@@ -1,7 +1,12 @@
-"""Pure arithmetic of the SM split between the communication (dispatch) and compute partitions.
+"""The partition settings and the pure arithmetic of the SM split between the communication (dispatch) and compute
+partitions.
 
-Kept free of driver calls so that CI can test it on a machine without a GPU: the driver-facing code in
-:mod:`gc_moe_compat.runtime.green` applies the same rules to what ``cuDeviceGetDevResource`` reports.
+Settings: ``GC_MOE_PARTITION`` (:func:`partition_mode`: ``on`` runs role1 on the communication green context,
+``off`` every role on the whole device, in sequence) and the dispatch SM request (:func:`dispatch_request`:
+argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4). Kept free of driver calls so that CI can
+test it on a machine without a GPU: the driver-facing code in :mod:`gc_moe_compat.runtime.green` applies the same
+rules to what ``cuDeviceGetDevResource`` reports (and :func:`~gc_moe_compat.runtime.green.device_sms` answers what
+the roles get in each mode).
 """
 
 from __future__ import annotations
@@ -47,6 +52,31 @@ def dispatch_request(explicit: int | None = None) -> int:
         if value is not None:
             return value
     return SM90_DEFAULT_DISPATCH_SMS
+
+
+PARTITION_ENV = "GC_MOE_PARTITION"
+PARTITION_MODES = ("on", "off")
+
+
+def partition_mode(partition: str | bool | None = None) -> str:
+    """``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else ``GC_MOE_PARTITION``, else ``"on"``."""
+    if partition is None:
+        raw = os.environ.get(PARTITION_ENV, "").strip()
+        if raw == "":
+            return "on"
+        if raw not in PARTITION_MODES:
+            raise ValueError(f"{PARTITION_ENV}: must be one of {PARTITION_MODES} (green-context split on/off), "
+                             f"got {raw!r}")
+        return raw
+    if isinstance(partition, bool):
+        return "on" if partition else "off"
+    if not isinstance(partition, str):
+        raise TypeError(f"partition: must be one of {PARTITION_MODES}, a bool or None, got "
+                        f"{type(partition).__name__}")
+    if partition not in PARTITION_MODES:
+        raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split on/off), "
+                         f"got {partition!r}")
+    return partition
 
 
 def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> SplitPlan:

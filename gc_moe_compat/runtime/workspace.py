@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-MAX_RANKS = 72
+from gc_moe_compat.config import MAX_RANKS
+
 DEFAULT_ALIGNMENT = 256
 
 

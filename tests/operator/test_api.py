@@ -12,9 +12,9 @@ import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.deep_gemm import _seam as seam
 from gc_moe_compat.operator import api, ring
-from gc_moe_compat.operator.buffer import exclusive, partition_mode
+from gc_moe_compat.operator.buffer import exclusive
 from gc_moe_compat.operator.workspace import REGION_NAMES
-from gc_moe_compat.runtime.split import PartitionError
+from gc_moe_compat.runtime.split import PartitionError, partition_mode
 from gc_moe_compat.runtime.workspace import WorkspaceBusyError
 
 H, N_I, E, K, TMAX = 512, 256, 8, 2, 32
