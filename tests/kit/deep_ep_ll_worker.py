@@ -14,12 +14,9 @@ one).
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 import torch.distributed as dist
-from two_rank import join, report_pass
+from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
@@ -30,6 +27,12 @@ TMAX, HIDDEN, TOPK = 24, 1024, 4
 
 def experts_for(ranks: int) -> int:
     return 8 * ranks
+
+
+def ll_buffer(ranks: int, **options: int) -> deep_ep.Buffer:
+    """A low-latency ``deep_ep.Buffer`` on every rank, sized by the facade's hint for this worker's shapes."""
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
+    return deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, **options)
 
 
 class Inputs:
@@ -129,8 +132,7 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
 
 
 def suite_modes(rank: int, ranks: int) -> None:
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_for(ranks) // ranks)
+    buf = ll_buffer(ranks, num_qps_per_rank=experts_for(ranks) // ranks)
     full = [TMAX] * ranks
     uneven = [TMAX, 7][:ranks]
     idle = [0, 11][:ranks] if ranks > 1 else [0]
@@ -174,8 +176,7 @@ def suite_modes(rank: int, ranks: int) -> None:
 
 
 def suite_graph(rank: int, ranks: int) -> None:
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    buf = ll_buffer(ranks)
     tokens = [TMAX - 3 * q for q in range(ranks)]
     static = Inputs(1, ranks, tokens, torch.int64)
     x, idx, w = static.x[rank].cuda(), static.idx[rank].cuda(), static.w[rank].cuda()
@@ -213,21 +214,14 @@ def suite_graph(rank: int, ranks: int) -> None:
 
 
 def suite_timeout(rank: int, ranks: int) -> None:
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    buf = ll_buffer(ranks)
     inp = Inputs(9, ranks, [TMAX] * ranks, torch.int64)
     if rank == 0:
-        os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = "300"
-        try:
+        with (spin_timeout(MISSING_PEER_TIMEOUT_MS),
+              raises(DeviceTimeoutError, rank, "missing peer", "rank 1's token counts")):
             buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
-        except DeviceTimeoutError as exc:
-            assert "rank 1's token counts" in str(exc), exc
-            print(f"rank 0: missing peer -> DeviceTimeoutError: {exc}", flush=True)
-        else:
-            raise AssertionError("dispatch without the peer did not time out")
-        del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
     dist.barrier()
-    fresh = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    fresh = ll_buffer(ranks)
     run_once(fresh, rank, ranks, 10, [TMAX] * ranks, "plain", torch.int64, "sync")
     print(f"rank {rank}: a new Buffer after the timeout works", flush=True)
 
@@ -236,41 +230,19 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     """An expert id >= num_experts: the synchronous call raises DeviceCheckError naming it; an asynchronous call's
     error is raised by the next call (from the pinned mirror, no synchronization); then calls are clean again."""
     experts = experts_for(ranks)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts)
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True)
+    buf = ll_buffer(ranks)
     inp = Inputs(21, ranks, [TMAX] * ranks, torch.int64)
     bad = inp.idx[rank].clone()
     bad[3, 1] = experts + 5
-    try:
+    with raises(DeviceCheckError, rank, "expert id >= E (synchronous)", "num_experts", f"observed {experts + 5}"):
         buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts)
-    except DeviceCheckError as exc:
-        assert "num_experts" in str(exc) and f"observed {experts + 5}" in str(exc), exc
-        print(f"rank {rank}: expert id >= E (synchronous) -> DeviceCheckError: {exc}", flush=True)
-    else:
-        raise AssertionError("an expert id >= num_experts was not reported")
     buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts, async_finish=True)
     torch.cuda.synchronize()
-    try:
+    with raises(DeviceCheckError, rank, "expert id >= E (async) -> next call", "recorded by an earlier"):
         buf.low_latency_dispatch(inp.x[rank].cuda(), inp.idx[rank].cuda(), TMAX, experts)
-    except DeviceCheckError as exc:
-        assert "recorded by an earlier" in str(exc), exc
-        print(f"rank {rank}: expert id >= E (async) -> next call raises: {exc}", flush=True)
-    else:
-        raise AssertionError("the asynchronous call's error was not raised by the next call")
     run_once(buf, rank, ranks, 22, [TMAX] * ranks, "plain", torch.int64, "sync")
     print(f"rank {rank}: clean calls after the reported errors bit-exact", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("modes", "graph", "timeout", "bad_ids"), required=True)
-    suite = parser.parse_args().suite
-    rank = join()
-    ranks = dist.get_world_size()
-    suites = {"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids}
-    suites[suite](rank, ranks)
-    report_pass(rank)
-
-
 if __name__ == "__main__":
-    main()
+    run_suite({"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids})

@@ -12,7 +12,6 @@ tag-1 barrier, and a buffer created afterwards must work on both ranks. Prints `
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from operator_kit import (
     reference_ys,
     stage,
 )
+from two_rank import MISSING_PEER_TIMEOUT_MS, join, raises, report_pass, spin_timeout
 
 from gc_moe_compat.operator import api
 from gc_moe_compat.runtime.status import DeviceTimeoutError
@@ -39,7 +39,6 @@ CASES = [("uniform", (t, t)) for t in SWEEP] + [
     ("uniform", (0, 5)), ("uniform", (37, 0)), ("uniform", (0, 0)), ("zipf", (CAPACITY, 64)),
     ("one_expert", (CAPACITY, CAPACITY)), ("holes", (1, 200)), ("zipf", (3, CAPACITY)),
 ]
-MISSING_PEER_TIMEOUT_MS = 300
 
 
 def _buffer(preset: str, partition: str) -> api.GcMoeBuffer:
@@ -73,10 +72,7 @@ def preset_dims_of(buf: api.GcMoeBuffer) -> tuple[int, int, int, int]:
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank = dist.get_rank()
+    rank = join()
     for preset in ("tiny", "dsv41-flash", "glm52"):
         weights = [make_weights(preset, r, mma_type=MMA_TYPE) for r in range(WORLD)]  # every rank's, for the reference
         for partition in ("on", "off"):
@@ -89,27 +85,18 @@ def main() -> None:
 
     preset = "tiny"
     weights = [make_weights(preset, r, mma_type=MMA_TYPE) for r in range(WORLD)]
-    os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = str(MISSING_PEER_TIMEOUT_MS)  # read when the call's graph is built
-    buf = _buffer(preset, "on")
-    if rank == 0:
-        e, k, h, _ = preset_dims(preset)
-        stage(buf, make_inputs("uniform", 16, e * WORLD, k, h, seed=99))
-        y = poisoned_y(16, h)
-        start = time.monotonic()
-        try:
-            CALL(y, weights[0].w1, weights[0].w2, buf)
-        except DeviceTimeoutError as err:
-            elapsed = time.monotonic() - start
-            assert "role1" in str(err) and "tag-1 barrier" in str(err), err
-            print(f"rank 0: rank 1 absent -> DeviceTimeoutError after {elapsed:.3f} s: {err}", flush=True)
-        else:
-            raise AssertionError("the call passed with rank 1 absent")
-    dist.barrier()
-    del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
+    with spin_timeout(MISSING_PEER_TIMEOUT_MS):  # read when the call's graph is built
+        buf = _buffer(preset, "on")
+        if rank == 0:
+            e, k, h, _ = preset_dims(preset)
+            stage(buf, make_inputs("uniform", 16, e * WORLD, k, h, seed=99))
+            y = poisoned_y(16, h)
+            with raises(DeviceTimeoutError, rank, "rank 1 absent", "role1", "tag-1 barrier"):
+                CALL(y, weights[0].w1, weights[0].w2, buf)
+        dist.barrier()
     fresh = _buffer(preset, "on")  # the next operator created after the failure works on both ranks
     _round(fresh, weights, preset, "uniform", (16, 16), seed=123, rank=rank)
-    print(f"PASS rank {rank}", flush=True)
-    dist.destroy_process_group()
+    report_pass(rank)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ facade's NotImplementedError naming ``--deepep-mode low_latency``.
 
 from __future__ import annotations
 
-import argparse
 import os
+import types
 
 import sglang_deepep_kit as kit
 import sglang_kit
 import torch
 import torch.distributed as dist
-from two_rank import join, report_pass
+from two_rank import raises, run_suite
 
 from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
@@ -88,35 +88,32 @@ def run_batches(deepep: object, rank: int, ranks: int, use_fp8: bool, hook: bool
           flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("low_latency", "auto"), required=True)
-    suite = parser.parse_args().suite
-    rank = join()
-    ranks = dist.get_world_size()
+def load_deepep() -> types.ModuleType:
+    """SGLang's ``token_dispatcher/deepep.py`` loaded against the swapped ``deep_ep`` (both checked)."""
     assert os.environ.get("GC_MOE_SWAP") == "deep_ep"
     deepep = kit.load(sglang_kit.source_dir(), dist.group.WORLD, TMAX)
     assert deepep.Buffer.__module__.startswith("gc_moe_compat.deep_ep"), deepep.Buffer.__module__
-    if suite == "low_latency":
-        for use_fp8 in (True, False):
-            for hook in (False, True):
-                run_batches(deepep, rank, ranks, use_fp8, hook)
-                deepep.DeepEPBuffer._state().buffer = None  # SGLang keeps one buffer per process; rebuild per case
-    else:
-        dispatcher = deepep.DeepEPDispatcher(
-            dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS_PER_RANK * ranks,
-            num_local_experts=EXPERTS_PER_RANK, hidden_size=HIDDEN, params_dtype=torch.bfloat16,
-            deepep_mode=kit.DeepEPMode.AUTO)
-        xs, ids, ws = batch(1, ranks, 4)
-        try:
-            dispatcher.dispatch(xs[rank].cuda(), kit.TopKOutput(ws[rank].cuda(), ids[rank].cuda(), None))
-        except NotImplementedError as exc:
-            assert "--deepep-mode low_latency" in str(exc), exc
-            print(f"rank {rank}: --deepep-mode auto -> NotImplementedError: {exc}", flush=True)
-        else:
-            raise AssertionError("--deepep-mode auto ran without DeepEP's normal mode")
-    report_pass(rank)
+    return deepep
+
+
+def suite_low_latency(rank: int, ranks: int) -> None:
+    deepep = load_deepep()
+    for use_fp8 in (True, False):
+        for hook in (False, True):
+            run_batches(deepep, rank, ranks, use_fp8, hook)
+            deepep.DeepEPBuffer._state().buffer = None  # SGLang keeps one buffer per process; rebuild per case
+
+
+def suite_auto(rank: int, ranks: int) -> None:
+    deepep = load_deepep()
+    dispatcher = deepep.DeepEPDispatcher(
+        dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS_PER_RANK * ranks,
+        num_local_experts=EXPERTS_PER_RANK, hidden_size=HIDDEN, params_dtype=torch.bfloat16,
+        deepep_mode=kit.DeepEPMode.AUTO)
+    xs, ids, ws = batch(1, ranks, 4)
+    with raises(NotImplementedError, rank, "--deepep-mode auto", "--deepep-mode low_latency"):
+        dispatcher.dispatch(xs[rank].cuda(), kit.TopKOutput(ws[rank].cuda(), ids[rank].cuda(), None))
 
 
 if __name__ == "__main__":
-    main()
+    run_suite({"low_latency": suite_low_latency, "auto": suite_auto})

@@ -30,14 +30,13 @@ call (accuracy, statistics) run too: a test of this worker, not of the kernels. 
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import sglang_kit
 import torch
 import torch.distributed as dist
 from operator_kit import check_accuracy, make_inputs, make_weights, preset_dims
-from two_rank import join, report_pass
+from two_rank import finish, join, suite_parser
 
 from gc_moe_compat import layouts
 from gc_moe_compat.operator import api
@@ -291,8 +290,7 @@ class Run:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=sorted(SUITES), required=True)
+    parser = suite_parser(sorted(SUITES), description=__doc__.splitlines()[0])
     parser.add_argument("--simulate-launch", action="store_true", help="CPU only: the reference stands in for the "
                         "operator launch (tests this worker's checks, not the kernels)")
     args = parser.parse_args()
@@ -302,8 +300,7 @@ def main() -> None:
     run.finish()
     print(f"rank {run.rank}: mode: {'simulated launch' if run.simulated else 'dry run' if run.dry else 'GPU'}",
           flush=True)
-    dist.barrier()
-    report_pass(run.rank)
+    finish(run.rank)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,25 @@
 """The two-rank protocol of the ``multigpu`` tests: the pytest side starts a worker script under torchrun on both
 GPUs and checks it; the worker side joins the NCCL group and reports ``PASS rank <r>``.
 
-Workers are scripts (torchrun runs them with this folder on ``sys.path``), so they import :func:`join` and
-:func:`report_pass` from here; the tests call :func:`run_two_ranks`.
+The tests call :func:`run_ranks` / :func:`run_two_ranks`. Workers are scripts (torchrun runs them with this folder on
+``sys.path``) that take their scaffolding from here, so that each holds only its own test logic:
+
+* :func:`join` before the test, :func:`report_pass` after it (:func:`finish`: behind a last barrier);
+* :func:`run_suite`: the whole run of a worker of several suites chosen by ``--suite`` (:func:`suite_parser` for a
+  worker with more options);
+* :func:`raises`: a call that must fail, such as the missing-peer ``DeviceTimeoutError`` after
+  :data:`MISSING_PEER_TIMEOUT_MS` (:func:`spin_timeout` where the call reads its timeout from the environment).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +28,10 @@ import torch.distributed as dist
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off on the lent machines (KINDS.md)."""
+MISSING_PEER_TIMEOUT_MS = 300
+"""The device spin timeout of a worker's missing-peer case: short, so that the case ends quickly."""
+TIMEOUT_CEILING_S = 5
+"""A device timeout must fire within this long of the start of the call that waits."""
 
 
 def run_ranks(worker: str, nproc: int, timeout_s: float, *expected: str, env: Mapping[str, str] | None = None,
@@ -56,6 +69,61 @@ def join() -> int:
 
 
 def report_pass(rank: int) -> None:
-    """Worker side: the line :func:`run_two_ranks` waits for, then leave the group."""
+    """Worker side: the line :func:`run_ranks` waits for, then leave the group."""
     print(f"PASS rank {rank}", flush=True)
     dist.destroy_process_group()
+
+
+def finish(rank: int) -> None:
+    """Worker side: a last barrier (no rank leaves while a peer may still touch its symmetric memory), then
+    :func:`report_pass`."""
+    dist.barrier()
+    report_pass(rank)
+
+
+def suite_parser(suites: Iterable[str], description: str | None = None) -> argparse.ArgumentParser:
+    """Worker side: the command line of a worker of several suites, ``--suite`` (one of ``suites``, required)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--suite", choices=tuple(suites), required=True)
+    return parser
+
+
+def run_suite(suites: Mapping[str, Callable[[int, int], None]]) -> None:
+    """Worker side: the whole run of a worker of several suites: parses ``--suite`` (a key of ``suites``), joins,
+    runs that suite with (rank, world size) and reports the pass."""
+    suite = suite_parser(suites).parse_args().suite
+    rank = join()
+    suites[suite](rank, dist.get_world_size())
+    report_pass(rank)
+
+
+@contextmanager
+def raises(error: type[Exception], rank: int, case: str, *needles: str,
+           timeout_ms: int | None = None) -> Iterator[None]:
+    """Worker side: the block must raise ``error`` with each of ``needles`` in its message, and with ``timeout_ms``
+    (a device timeout) no sooner than that and within :data:`TIMEOUT_CEILING_S` of entering the block. Prints
+    ``rank <r>: <case> -> <error> after <s> s: <message>`` (what the tests look for); any other exception passes
+    through, and no exception at all is an AssertionError."""
+    start = time.monotonic()
+    try:
+        yield
+    except error as err:
+        elapsed = time.monotonic() - start
+        for needle in needles:
+            assert needle in str(err), err
+        if timeout_ms is not None:
+            assert timeout_ms / 1e3 <= elapsed < TIMEOUT_CEILING_S, elapsed
+        print(f"rank {rank}: {case} -> {error.__name__} after {elapsed:.3f} s: {err}", flush=True)
+    else:
+        raise AssertionError(f"rank {rank}: {case}: no {error.__name__}")
+
+
+@contextmanager
+def spin_timeout(ms: int) -> Iterator[None]:
+    """Worker side: the device spin timeout ``GC_MOE_SPIN_TIMEOUT_MS`` is ``ms`` for the calls built inside the
+    block (the operator and the facades read it when they build a call), unset again after it."""
+    os.environ["GC_MOE_SPIN_TIMEOUT_MS"] = str(ms)
+    try:
+        yield
+    finally:
+        del os.environ["GC_MOE_SPIN_TIMEOUT_MS"]
