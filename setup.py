@@ -4,7 +4,7 @@ Besides the package list (found here so that no subpackage is left out), everyth
 ``pyproject.toml``. A ``.pth`` must sit in the site directory itself, which no
 declarative setuptools option can target, so ``build_py`` copies it into the build root next to the packages (wheel
 builds), and ``editable_wheel`` copies it into the root of the editable wheel it assembles (``pip install -e``).
-``tests/test_swap_install.py`` checks both.
+``tests/facades/test_swap_install.py`` checks both.
 """
 
 import shutil
