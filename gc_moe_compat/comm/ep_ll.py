@@ -32,8 +32,8 @@ import torch
 
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.launch import launch
-from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
-from gc_moe_compat.runtime.status import KernelStatus, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
+from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "EpLlParams",
     "Kernel",
     "LlShape",
+    "LlSite",
     "launch_ll",
     "ll_grid",
     "ll_sites",
@@ -73,7 +74,8 @@ MAX_SMS = 132
 
 
 class Kernel(enum.IntEnum):
-    """The four kernels; the value is also the index of the kernel's status record and arrival counters."""
+    """The four kernels; the value is also the index of the kernel's status record and arrival counters
+    (``gc_moe::LlKernel``, generated into kernels/sm90/ep_ll_params.cuh by :func:`params_header`)."""
 
     DISPATCH_SEND = 0
     DISPATCH_RECV = 1
@@ -83,6 +85,19 @@ class Kernel(enum.IntEnum):
 
 _NAMES = {Kernel.DISPATCH_SEND: "gc_ep_ll_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_ll_dispatch_recv",
           Kernel.COMBINE_SEND: "gc_ep_ll_combine_send", Kernel.COMBINE_RECV: "gc_ep_ll_combine_recv"}
+
+
+class LlSite(StatusSite):
+    """Kinds of the kernels' status sites (``gc_moe::LlSite``, generated into kernels/sm90/ep_ll_params.cuh by
+    :func:`params_header`); a record's site is ``kind << 16 | rank`` (:func:`ll_sites` names them)."""
+
+    CONSUMED = 1, "a producer waiting until the stage's consumer read it two generations back"
+    COUNT = 2, "dispatch receive waiting for a source's count"
+    COUNT_AHEAD = 3, "a count carries a later generation than this call's"
+    READY = 4, "combine receive waiting for a rank's readiness"
+    READY_AHEAD = 5, "a readiness word carries a later generation than this call's"
+    EXPERT_RANGE = 6, "a topk_idx entry >= num_experts (treated as an unused slot)"
+
 
 # Fixed header of the workspace (independent of the call's shapes, so persistent words never move).
 _SEQ = 0                                   # u64 [2]: last generation taken by dispatch send, by combine send
@@ -185,8 +200,13 @@ class EpLlParams(ctypes.Structure):
 
 
 def params_header() -> str:
-    """The generated part of kernels/sm90/ep_ll_params.cuh: the C declaration of :class:`EpLlParams`."""
-    return c_struct_declaration(EpLlParams, "EpLlParams", "gc_moe_compat/comm/ep_ll.py")
+    """The generated part of kernels/sm90/ep_ll_params.cuh: the C declarations of :class:`EpLlParams`,
+    :class:`LlSite` and :class:`Kernel` (``LlKernel``, each constant commented with its entry point)."""
+    struct = c_struct_declaration(EpLlParams, "EpLlParams", "gc_moe_compat/comm/ep_ll.py")
+    kernels = {c_identifier("k", kernel.name): int(kernel) for kernel in Kernel}
+    entries = {c_identifier("k", kernel.name): name for kernel, name in _NAMES.items()}
+    indices = c_enum_declaration("LlKernel", kernels, f"{__name__}.{Kernel.__qualname__}", entries)
+    return struct + "\n" + LlSite.c_declaration("LlSite", "kLlSite") + "\n" + indices
 
 
 def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: int = 0,
@@ -224,18 +244,15 @@ def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlSha
     launch(_kernel(kernel), ll_grid(kernel, shape, num_tokens), THREADS, args, stream)
 
 
-_SITE_CONSUMED, _SITE_COUNT, _SITE_COUNT_AHEAD, _SITE_READY, _SITE_READY_AHEAD, _SITE_EXPERT_RANGE = 1, 2, 3, 4, 5, 6
-
-
 def ll_sites(num_ranks: int) -> dict[int, str]:
     """Names of the kernels' status sites (``kind << 16 | rank``)."""
-    sites = {_SITE_EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped"}
+    sites = {LlSite.EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped"}
     for r in range(num_ranks):
-        sites[_SITE_CONSUMED << 16 | r] = f"waiting until rank {r} has read the stage two generations back"
-        sites[_SITE_COUNT << 16 | r] = f"dispatch receive waiting for rank {r}'s token counts"
-        sites[_SITE_COUNT_AHEAD << 16 | r] = f"rank {r}'s token count is past this generation"
-        sites[_SITE_READY << 16 | r] = f"combine receive waiting for rank {r}'s rows"
-        sites[_SITE_READY_AHEAD << 16 | r] = f"rank {r}'s combine readiness is past this generation"
+        sites[LlSite.CONSUMED << 16 | r] = f"waiting until rank {r} has read the stage two generations back"
+        sites[LlSite.COUNT << 16 | r] = f"dispatch receive waiting for rank {r}'s token counts"
+        sites[LlSite.COUNT_AHEAD << 16 | r] = f"rank {r}'s token count is past this generation"
+        sites[LlSite.READY << 16 | r] = f"combine receive waiting for rank {r}'s rows"
+        sites[LlSite.READY_AHEAD << 16 | r] = f"rank {r}'s combine readiness is past this generation"
     return sites
 
 

@@ -64,6 +64,7 @@ same kernel advances it: the advance must follow the last read, and the grid is 
 from __future__ import annotations
 
 import ctypes
+import enum
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ import torch
 
 from gc_moe_compat.config import MoEShape
 from gc_moe_compat.operator.ring import BLOCK_M_CANDIDATES, DEFAULT_GEOMETRY, RingCapacity, RingModel, TaskGeometry
-from gc_moe_compat.runtime.params import c_struct_declaration
+from gc_moe_compat.runtime.params import c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.status import KernelStatus
 from gc_moe_compat.runtime.workspace import DEFAULT_ALIGNMENT, LayoutPlanner, Region
 
@@ -85,11 +86,30 @@ __all__ = [
     "SHARED_REGIONS",
     "OperatorLayout",
     "RegionSpec",
+    "StatusRecord",
     "WorkspaceOffsets",
 ]
 
-NUM_ROLES = 4
-"""Status records: role1 (dispatch), role2 (grouped GEMM), role3 (finalize), role4 (fused shared expert)."""
+
+class StatusRecord(enum.IntEnum):
+    """Index of each role's :class:`~gc_moe_compat.runtime.status.KernelStatus` record in the ``status`` region:
+    role1 (dispatch), role2 (grouped GEMM), role3 (finalize), role4 (fused shared expert). The kernels index with
+    the generated ``gc_moe::StatusRecord`` (:meth:`c_declaration`, in kernels/common/workspace_offsets.cuh)."""
+
+    ROLE1 = 0
+    ROLE2 = 1
+    ROLE3 = 2
+    ROLE4 = 3
+
+    @classmethod
+    def c_declaration(cls) -> str:
+        """The matching C enum (``kRole1Record`` ... ``kRole4Record``) for the kernel sources."""
+        members = {c_identifier("k", f"{record.name}_RECORD"): int(record) for record in cls}
+        return c_enum_declaration("StatusRecord", members, f"{cls.__module__}.{cls.__qualname__}")
+
+
+NUM_ROLES = len(StatusRecord)
+"""Status records in the ``status`` region (one per :class:`StatusRecord`)."""
 
 INPUT_VIEWS = ("x", "x_sf", "topk_idx", "topk_weights")
 """The views the caller stages before each call (paper Listing 1)."""

@@ -8,7 +8,7 @@ signature that graph cache keys use.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -61,3 +61,22 @@ def c_struct_declaration(struct: type[ctypes.Structure], c_name: str, origin: st
     fields = "\n".join(f"    {_C_TYPES[kind]} {name};" for name, kind in struct._fields_)
     return (f"struct {c_name} {{\n{fields}\n}};\n"
             f"static_assert(sizeof({c_name}) == {ctypes.sizeof(struct)}, \"{c_name} must match {origin}\");\n")
+
+
+def c_identifier(prefix: str, name: str) -> str:
+    """The C spelling of a host enum member: ``prefix`` + ``name`` in CamelCase (``"kSite"``, ``"GRID_ARRIVAL"`` ->
+    ``kSiteGridArrival``), so the kernels keep their ``k``-prefixed constants while the host keeps Python names."""
+    return prefix + "".join(part.capitalize() for part in name.split("_"))
+
+
+def c_enum_declaration(c_name: str, members: Mapping[str, int], origin: str,
+                       comments: Mapping[str, str] | None = None) -> str:
+    """The C++ declaration of an ``unsigned int`` enum with ``members`` (C name -> value, in order), each with its
+    comment from ``comments`` if any, under a line naming ``origin``: kernel constants the host also reads (status
+    sites, record indices) are generated from the one Python definition there instead of written twice."""
+    comments = comments or {}
+    entries = {name: f"{name} = {value}," for name, value in members.items()}
+    width = max(map(len, entries.values()), default=0)
+    lines = "".join(f"    {entry:<{width}}  // {comments[name]}\n" if name in comments else f"    {entry}\n"
+                    for name, entry in entries.items())
+    return f"// Generated from {origin}.\nenum {c_name} : unsigned int {{\n{lines}}};\n"

@@ -1,15 +1,20 @@
 """Host side of the kernels' error records (kernels/common/status.cuh).
 
 Kernels never hang or trap on a failed wait: they write a :class:`KernelStatus` record and exit. The host reads the
-record after the launch and raises :class:`DeviceTimeoutError` or :class:`DeviceCheckError` with its fields.
+record after the launch and raises :class:`DeviceTimeoutError` or :class:`DeviceCheckError` with its fields. Each
+kernel's check sites are a :class:`StatusSite` enum on the host, generated into the kernel's header.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
+from collections.abc import Iterable
 
 import torch
+
+from gc_moe_compat.runtime.params import c_enum_declaration, c_identifier
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
@@ -28,6 +33,35 @@ class KernelStatus(ctypes.Structure):
         ("expected", ctypes.c_uint64),
         ("reserved", ctypes.c_uint64),
     ]
+
+
+class StatusSite(enum.IntEnum):
+    """Base of a kernel's status sites (the ``site`` of its :class:`KernelStatus` records): each member is
+    ``value, description``. The enum is the one definition: :meth:`c_declaration` generates the kernel's C enum
+    (the description as each constant's comment) and :meth:`names` the host's names for :func:`raise_for_status`.
+    """
+
+    description: str
+
+    def __new__(cls, value: int, description: str) -> StatusSite:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.description = description
+        return member
+
+    @classmethod
+    def names(cls) -> dict[int, str]:
+        """``{site: description}`` of every member: the ``sites`` argument of :func:`raise_for_status`."""
+        return {int(site): site.description for site in cls}
+
+    @classmethod
+    def c_declaration(cls, c_name: str, prefix: str, sites: Iterable[StatusSite] | None = None) -> str:
+        """The C enum ``c_name`` of ``sites`` (default: every member), each named ``prefix`` + its CamelCase name
+        (:func:`~gc_moe_compat.runtime.params.c_identifier`) and commented with its description."""
+        sites = list(cls if sites is None else sites)
+        members = {c_identifier(prefix, site.name): int(site) for site in sites}
+        comments = {c_identifier(prefix, site.name): site.description for site in sites}
+        return c_enum_declaration(c_name, members, f"{cls.__module__}.{cls.__qualname__}", comments)
 
 
 class DeviceTimeoutError(TimeoutError):

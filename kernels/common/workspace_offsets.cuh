@@ -1,6 +1,7 @@
 // By-value byte offsets of every region of the operator's symmetric workspace (NO_REGION = ~0 for a region
-// the layout lacks), plus the ring sizes. Generated from gc_moe_compat/operator/workspace.py
-// (WorkspaceOffsets.c_declaration()); tests/test_role3_finalize_host.py fails when the two differ.
+// the layout lacks), plus the ring sizes, and the index of each role's KernelStatus record in the status region.
+// Generated from gc_moe_compat/operator/workspace.py (WorkspaceOffsets.c_declaration(),
+// StatusRecord.c_declaration()); tests/operator/test_role3_finalize_host.py fails when they differ.
 #pragma once
 
 namespace gc_moe {
@@ -40,5 +41,13 @@ struct WorkspaceOffsets {
     unsigned int pool_blocks;
 };
 static_assert(sizeof(WorkspaceOffsets) == 240, "WorkspaceOffsets must match gc_moe_compat/operator/workspace.py");
+
+// Generated from gc_moe_compat.operator.workspace.StatusRecord.
+enum StatusRecord : unsigned int {
+    kRole1Record = 0,
+    kRole2Record = 1,
+    kRole3Record = 2,
+    kRole4Record = 3,
+};
 
 }  // namespace gc_moe

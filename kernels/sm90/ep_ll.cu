@@ -53,13 +53,11 @@ constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in t
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
-enum LlKernel : u32 { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
-
 __device__ __forceinline__ u64* word(const PeerTable& pt, u64 offset) {
     return reinterpret_cast<u64*>(pt.base + offset);
 }
 
-__device__ __forceinline__ KernelStatus* status_of(const PeerTable& pt, const EpLlParams& p, LlKernel k) {
+__device__ __forceinline__ KernelStatus* status_of(const PeerTable& pt, const EpLlParams& p, gc_moe::LlKernel k) {
     return reinterpret_cast<KernelStatus*>(pt.base + p.off_status) + k;
 }
 
@@ -201,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null for an unused slot)
     __shared__ u32 rows_of[kMaxExperts];   // last CTA: rows per global expert
-    KernelStatus* status = status_of(pt, p, kDispatchSend);
+    KernelStatus* status = status_of(pt, p, gc_moe::kDispatchSend);
     u64* seq = word(pt, p.off_seq);
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -263,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
         __syncthreads();  // slot_* are rewritten for the next token
     }
     // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows).
-    if (last_cta(word(pt, p.off_arrive + (kDispatchSend * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8))) {
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         for (u32 f = threadIdx.x; f < entries; f += kThreads) {
@@ -289,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv(const PeerTable pt,
                                                                              const EpLlParams p) {
-    KernelStatus* status = status_of(pt, p, kDispatchRecv);
+    KernelStatus* status = status_of(pt, p, gc_moe::kDispatchRecv);
     const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
     const u32 ranks = static_cast<u32>(pt.world_size);
@@ -360,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
             }
         }
     }
-    if (last_cta(word(pt, p.off_arrive + (kDispatchRecv * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchRecv * 2 + parity) * 8))) {
         if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (0 * 2 + parity) * 8), gen);
         mirror_status(pt, p);
     }
@@ -368,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(const PeerTable pt,
                                                                             const EpLlParams p) {
-    KernelStatus* status = status_of(pt, p, kCombineSend);
+    KernelStatus* status = status_of(pt, p, gc_moe::kCombineSend);
     u64* seq = word(pt, p.off_seq) + 1;
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
@@ -392,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(
                          reinterpret_cast<const uint4*>(p.x) + slot * row_vecs, row_vecs, lane);
         }
     }
-    if (last_cta(word(pt, p.off_arrive + (kCombineSend * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineSend * 2 + parity) * 8))) {
         for (u32 q = threadIdx.x; q < ranks; q += kThreads)
             gc_moe::st_release_sys(peer_ptr<u64>(pt, q, p.off_ready + (own * 2 + parity) * 8), gen);
         if (threadIdx.x == 0) {
@@ -404,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(const PeerTable pt,
                                                                             const EpLlParams p) {
-    KernelStatus* status = status_of(pt, p, kCombineRecv);
+    KernelStatus* status = status_of(pt, p, gc_moe::kCombineRecv);
     const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
     const u32 ranks = static_cast<u32>(pt.world_size);
@@ -456,7 +454,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
         *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * p.hidden + col) =
             *reinterpret_cast<const uint4*>(out);
     }
-    if (last_cta(word(pt, p.off_arrive + (kCombineRecv * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8))) {
         if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
         mirror_status(pt, p);
     }

@@ -1,7 +1,7 @@
 // Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu, and their operator mode):
 // the stage ring's barriers and the kernels' common start, the task table read, the WGMMA accumulator's column map,
 // the register fences around WGMMA and the epilogue arithmetic whose rounding the references model. Everything is
-// __forceinline__: the standalone kernels' cubins are byte-identical to their records (tests/test_role2_operator_host.py).
+// __forceinline__: the standalone kernels' cubins are byte-identical to their records (tests/operator/test_role2_operator_host.py).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,8 +24,17 @@
 namespace gc_moe {
 namespace sm90 {
 
-// Status sites of both kernels (role2 in operator mode adds 4-8: sm90/role2_gemm_params.cuh).
-constexpr int kSiteSmem = 1, kSiteEmpty = 2, kSiteFull = 3;
+// Status sites of both kernels (role2 in operator mode adds 4-8: sm90/role2_gemm_params.cuh), generated between the
+// markers by gc_moe_compat.operator.sm90.role2_gemm.grouped_header(); tests/operator/test_role2_operator_host.py
+// checks that they are identical.
+// BEGIN GENERATED
+// Generated from gc_moe_compat.operator.sm90.role2_gemm.Role2Site.
+enum GroupedSite : unsigned int {
+    kSiteSmem = 1,   // role2 dynamic shared memory below the variant's need
+    kSiteEmpty = 2,  // role2 producer wait for a free pipeline stage
+    kSiteFull = 3,   // role2 consumer wait for a filled pipeline stage
+};
+// END GENERATED
 
 // The stage ring's mbarriers, 8 bytes each from kOffBar of the 1024-aligned tile area: full[kStages], then
 // empty[kStages].

@@ -169,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const u32 ranks = static_cast<u32>(peers.world_size);
     const u32 num_e = p.num_experts, local_e = p.local_experts, k = p.topk, cap = off.capacity;
     unsigned char* base = reinterpret_cast<unsigned char*>(peers.base);
-    KernelStatus* status = reinterpret_cast<KernelStatus*>(base + off.status);  // role1's record
+    KernelStatus* status = reinterpret_cast<KernelStatus*>(base + off.status) + gc_moe::kRole1Record;
     const u64 replay = ld_volatile_u64(reinterpret_cast<const u64*>(base + off.replay_seq));
     const u32 parity = static_cast<u32>(ld_volatile_u64(reinterpret_cast<const u64*>(base + off.recv_parity)) & 1);
 

@@ -13,8 +13,6 @@
 namespace gc_moe {
 namespace sm90 {
 
-constexpr u32 kRole1Record = 0, kRole2Record = 1;
-
 __device__ __forceinline__ void red_release_gpu_xor_u64(u64* p, u64 v) {
     asm volatile("red.release.gpu.global.xor.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

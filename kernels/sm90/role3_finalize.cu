@@ -32,44 +32,13 @@
 // readiness is always published and the per-replay state always reset and advanced, so peers never hang on it.
 #include <cuda_bf16.h>
 
-#include <cstddef>
-
 #include "common/peer_table.cuh"
 #include "common/status.cuh"
 #include "common/sync.cuh"
 #include "common/workspace_offsets.cuh"
+#include "sm90/role3_finalize_params.cuh"
 
 namespace gc_moe {
-
-// Third by-value kernel argument (after the PeerTable and the WorkspaceOffsets); mirrored by
-// gc_moe_compat/operator/sm90/role3_finalize.py (FinalizeParams).
-struct FinalizeParams {
-    u64 y;                   // bfloat16 [T, H] output (16-byte aligned, contiguous)
-    u64 recv_stats;          // int32 [e] cumulative_local_expert_recv_stats, or 0
-    u64 timeout_ns;          // bound of the readiness wait
-    u32 num_tokens;          // T
-    u32 topk;                // k
-    u32 num_shared;          // S (0 or 1): slot k always valid when 1
-    u32 hidden;              // H (multiple of kChunk)
-    u32 num_experts;         // E (send_counts entries)
-    u32 num_local_experts;   // e
-    u32 dispatch_sms;        // role1 grid: one high-word unit per dispatch CTA in every (source, expert) counter
-    u32 idx_bytes;           // topk_idx element width: 8 (int64) or 4 (int32)
-    u32 flags;               // kFlagWarmup: return at once (the graph's warm-up launch)
-};
-static_assert(sizeof(FinalizeParams) == 64, "FinalizeParams must match gc_moe_compat/operator/sm90/role3_finalize.py");
-
-#ifdef GC_FIN_CHECK_LAYOUT
-// Host/device layout cross-check build: tests/test_role3_finalize_host.py passes the ctypes offsets as defines.
-#define GC_FIN_FIELD(f) static_assert(offsetof(FinalizeParams, f) == GC_FIN_OFF_##f, "FinalizeParams." #f);
-GC_FIN_FIELD(y) GC_FIN_FIELD(recv_stats) GC_FIN_FIELD(timeout_ns) GC_FIN_FIELD(num_tokens) GC_FIN_FIELD(topk)
-GC_FIN_FIELD(num_shared) GC_FIN_FIELD(hidden) GC_FIN_FIELD(num_experts) GC_FIN_FIELD(num_local_experts)
-GC_FIN_FIELD(dispatch_sms) GC_FIN_FIELD(idx_bytes) GC_FIN_FIELD(flags)
-static_assert(sizeof(FinalizeParams) == GC_FIN_SIZE, "FinalizeParams size differs from the host's");
-static_assert(sizeof(WorkspaceOffsets) == GC_FIN_OFFSETS_SIZE, "WorkspaceOffsets size differs from the host's");
-static_assert(sizeof(PeerTable) == GC_FIN_PEERS_SIZE, "PeerTable size differs from the host's");
-#undef GC_FIN_FIELD
-#endif
 
 // The three by-value arguments, referenced in parameter space (__grid_constant__: no per-thread copy).
 struct Args {
@@ -84,16 +53,9 @@ constexpr u32 kBookWarps = 4;                 // CTA 0's bookkeeping warps
 constexpr u32 kBookThreads = kBookWarps * 32;
 constexpr u32 kChunk = 256;                   // hidden elements per combine unit: 32 lanes x 8 BF16 (16 bytes)
 constexpr u32 kBatch = 8;                     // slot loads in flight per lane
-constexpr u32 kStatusRecord = 2;              // role3's record in the status region
-constexpr u32 kFlagWarmup = 1;
 constexpr u32 kCombineBarrier = 1;            // named barrier of a CTA's combine warps (0 is __syncthreads)
 
-// Status sites: kind << 16 | index (decoded by gc_moe_compat/operator/sm90/role3_finalize.py).
-enum SiteKind : u32 {
-    kSiteArrival = 1,       // index = local expert: high words of recv_counts[parity][*][le] != dispatch_sms * P
-    kSiteReadyTimeout = 2,  // index = peer rank whose readiness never reached replay_seq + 1
-    kSiteReadyAhead = 3,    // index = peer rank whose readiness is past replay_seq + 1
-};
+// Status site of a check: kind << 16 | index (SiteKind: sm90/role3_finalize_params.cuh).
 __device__ __forceinline__ u32 site(SiteKind kind, u32 index) { return (u32)kind << 16 | index; }
 
 __device__ __forceinline__ u64 atom_add_acq_rel_gpu(u64* p, u64 v) {
@@ -122,7 +84,7 @@ __device__ __forceinline__ T* region(const Args& a, u64 offset) {
 }
 
 __device__ __forceinline__ KernelStatus* status_record(const Args& a) {
-    return region<KernelStatus>(a, a.off.status) + kStatusRecord;
+    return region<KernelStatus>(a, a.off.status) + kRole3Record;
 }
 
 template <typename T>

@@ -55,23 +55,25 @@ def _constants(pattern: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(pattern, HEADER.read_text())}
 
 
-def test_header_flags_and_sites_equal_the_host() -> None:
-    """The hand-written constants: the header's flag bits and status sites, the kernel file's CTA size, table
-    bounds and kernel indices (status record / arrival counter), as the host packs and names them."""
+def test_header_flags_and_kernel_constants_equal_the_host() -> None:
+    """The hand-written constants: the header's flag bits, the kernel file's CTA size and table bounds, and an entry
+    point per kernel index, as the host packs and names them (the sites and indices are generated)."""
     flags = _constants(r"constexpr unsigned int (kLl\w+) = (\d+)u;")
     assert flags == {"kLlFp8": ep_ll.FLAG_FP8, "kLlRoundScale": ep_ll.FLAG_ROUND_SCALE, "kLlUe8m0": ep_ll.FLAG_UE8M0}
-    sites = _constants(r"(kLlSite\w+) = (\d+),")
-    assert sites == {"kLlSiteConsumed": ep_ll._SITE_CONSUMED, "kLlSiteCount": ep_ll._SITE_COUNT,
-                     "kLlSiteCountAhead": ep_ll._SITE_COUNT_AHEAD, "kLlSiteReady": ep_ll._SITE_READY,
-                     "kLlSiteReadyAhead": ep_ll._SITE_READY_AHEAD, "kLlSiteExpertRange": ep_ll._SITE_EXPERT_RANGE}
     source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
     assert f"constexpr u32 kThreads = {THREADS};" in source
     assert f"constexpr u32 kMaxTopk = {ep_ll.MAX_TOPK};" in source
     assert f"constexpr u32 kMaxExperts = {MAX_EXPERTS};" in source
-    for kernel, name in ep_ll._NAMES.items():  # the status record / arrival index of each kernel
+    for name in ep_ll._NAMES.values():
         assert f"void __launch_bounds__(kThreads, 1) {name}(" in source
-        camel = "k" + "".join(part.title() for part in kernel.name.split("_"))
-        assert f"{camel} = {int(kernel)}" in source, camel
+
+
+def test_every_generated_constant_is_used_by_the_kernels() -> None:
+    """Each generated site kind and kernel index is one the kernel source reports or indexes with."""
+    names = re.findall(r"^    (k\w+) = \d+,", ep_ll.params_header(), re.MULTILINE)
+    source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
+    assert len(names) == len(ep_ll.LlSite) + len(Kernel)
+    assert all(f"gc_moe::{name}" in source for name in names), names
 
 
 def test_header_regions_do_not_overlap() -> None:
@@ -169,12 +171,12 @@ def _workspace_with(kernel: Kernel, code: int, site: int, observed: int, expecte
 def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
     clean = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     ep_ll.raise_for_ll_status(clean, 2)
-    ws = _workspace_with(Kernel.DISPATCH_RECV, 1, ep_ll._SITE_COUNT << 16 | 1, 0, 7 << 32)
+    ws = _workspace_with(Kernel.DISPATCH_RECV, 1, ep_ll.LlSite.COUNT << 16 | 1, 0, 7 << 32)
     with pytest.raises(DeviceTimeoutError, match="gc_ep_ll_dispatch_recv: dispatch receive waiting for rank 1's "
                                                  "token counts"):
         ep_ll.raise_for_ll_status(ws, 2)
     assert not ws.any()  # cleared, so the next synchronous call starts clean
-    ws = _workspace_with(Kernel.COMBINE_RECV, 2, ep_ll._SITE_READY_AHEAD << 16 | 0, 9, 8)
+    ws = _workspace_with(Kernel.COMBINE_RECV, 2, ep_ll.LlSite.READY_AHEAD << 16 | 0, 9, 8)
     with pytest.raises(DeviceCheckError, match="gc_ep_ll_combine_recv: rank 0's combine readiness is past"):
         ep_ll.raise_for_ll_status(ws, 2)
 
@@ -182,14 +184,14 @@ def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
 def test_sites_name_every_rank() -> None:
     sites = ep_ll.ll_sites(3)
     assert len(sites) == 5 * 3 + 1  # five per rank, and the expert-range check
-    assert "num_experts" in sites[ep_ll._SITE_EXPERT_RANGE << 16]
-    assert sites[ep_ll._SITE_CONSUMED << 16 | 2].endswith("rank 2 has read the stage two generations back")
+    assert "num_experts" in sites[ep_ll.LlSite.EXPERT_RANGE << 16]
+    assert sites[ep_ll.LlSite.CONSUMED << 16 | 2].endswith("rank 2 has read the stage two generations back")
 
 
 def test_mirrored_status_raises_once_and_clears_records_and_mirror() -> None:
     """An error the receive kernels copied into the host mirror is raised by the next call, naming the kernel, the
     site and that an earlier call recorded it; records and mirror are cleared, so the call after that is clean."""
-    ws = _workspace_with(Kernel.DISPATCH_SEND, 2, ep_ll._SITE_EXPERT_RANGE << 16, 300, 16)
+    ws = _workspace_with(Kernel.DISPATCH_SEND, 2, ep_ll.LlSite.EXPERT_RANGE << 16, 300, 16)
     mirror = ep_ll.new_status_mirror(torch.device("cpu"))
     mirror.copy_(ep_ll.status_records(ws))
     with pytest.raises(DeviceCheckError, match=r"gc_ep_ll_dispatch_send \(recorded by an earlier .*\): a topk_idx "

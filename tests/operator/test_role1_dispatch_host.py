@@ -17,8 +17,9 @@ from nvcc_mark import needs_nvcc
 
 from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.sm90 import role1_dispatch
-from gc_moe_compat.operator.workspace import WorkspaceOffsets
+from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.status import DeviceTimeoutError
 from gc_moe_compat.runtime.workspace import PeerTable
 from gc_moe_compat.testing.reference import dispatch_plan
 
@@ -91,6 +92,19 @@ def test_role1_params_reject_what_the_kernel_cannot_hold(group: dist.ProcessGrou
     with pytest.raises(ValueError, match="plan: .* do not fit the buffer's ring"):
         role1_dispatch.dispatch_params(buf, big, 8)
     assert role1_dispatch.dispatch_params(buf, plan, 0).num_tokens == 0
+
+
+def test_role1_status_names_the_site_of_its_record(group: dist.ProcessGroup) -> None:
+    """An error in role1's record (:class:`StatusRecord` ``ROLE1``) is raised with its :class:`DispatchSite`'s name
+    and cleared; the other roles' records are not role1's."""
+    buf = _buffer(group)
+    buf.status[StatusRecord.ROLE2].view(torch.int32)[0] = 1
+    role1_dispatch.raise_for_dispatch_status(buf)  # role2's error: nothing for role1 to raise
+    record = buf.status[StatusRecord.ROLE1]
+    record.view(torch.int32)[:2] = torch.tensor([1, role1_dispatch.DispatchSite.TAG1], dtype=torch.int32)
+    with pytest.raises(DeviceTimeoutError, match="role1 dispatch: role1 tag-1 barrier .*: observed 0, expected 0"):
+        role1_dispatch.raise_for_dispatch_status(buf)
+    assert int(record.sum()) == 0
 
 
 def _received(topk: list[torch.Tensor], num_experts: int, dst: int) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -31,8 +32,10 @@ from gc_moe_compat.config import MMA_TYPES, MoEShape
 from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.operator.sm90 import layer, role1_dispatch, role2_gemm, role3_finalize
+from gc_moe_compat.operator.workspace import StatusRecord
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
+from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 from gc_moe_compat.runtime.tensormap import TensorMapArg
 from gc_moe_compat.testing.reference import ExpertWeights
 from gc_moe_compat.testing.standalone_gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
@@ -56,6 +59,16 @@ def test_role2_params_header_is_generated_from_the_ctypes_struct() -> None:
     header = (KERNELS_DIR / "sm90" / "role2_gemm_params.cuh").read_text()
     assert "// BEGIN GENERATED\n" + role2_gemm.params_header() + "// END GENERATED" in header
     assert ctypes.sizeof(role2_gemm.Role2Params) == 64
+
+
+def test_role2_sites_are_generated_into_both_headers() -> None:
+    """Sites 1-3 (shared with the standalone kernel) are grouped.cuh's generated block, 4-8 role2_gemm_params.cuh's:
+    every site of :class:`Role2Site` is declared once."""
+    grouped = (KERNELS_DIR / "sm90" / "grouped.cuh").read_text()
+    assert "// BEGIN GENERATED\n" + role2_gemm.grouped_header() + "// END GENERATED" in grouped
+    declared = role2_gemm.grouped_header() + role2_gemm.params_header()
+    assert sorted(int(v) for v in re.findall(r"^    kSite\w+ = (\d+),", declared, re.MULTILINE)) == sorted(
+        role2_gemm.Role2Site)
 
 
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
@@ -405,3 +418,16 @@ def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup)
     buf.partition = "off"  # the mode changed after a partitioned buffer was sized
     with pytest.raises(ring.RingCapacityError, match="GC_MOE_PARTITION=off runs role1 before role2"):
         api.ring_plan(buf, 1)
+
+
+def test_role2_status_names_the_site_of_its_record(group: dist.ProcessGroup) -> None:
+    """An error in role2's record (:class:`StatusRecord` ``ROLE2``) is raised with its :class:`Role2Site`'s name,
+    a shared site (1-3) as well as an operator-mode one (4-8), and cleared."""
+    buf = _buffer(group, "off")
+    record = buf.status[StatusRecord.ROLE2]
+    for code, site, error in ((2, role2_gemm.Role2Site.SOURCE, DeviceCheckError),
+                              (1, role2_gemm.Role2Site.EMPTY, DeviceTimeoutError)):
+        record.view(torch.int32)[:2] = torch.tensor([code, site], dtype=torch.int32)
+        with pytest.raises(error, match=f"role2 grouped GEMM: {re.escape(site.description)}"):
+            role2_gemm.raise_for_role2_status(buf)
+        assert int(record.sum()) == 0

@@ -5,13 +5,14 @@ import ctypes
 import pytest
 import torch
 
-from gc_moe_compat.runtime.params import KernelArgs, ptr
+from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, ptr
 from gc_moe_compat.runtime.status import (
     STATUS_MISMATCH,
     STATUS_TIMEOUT,
     DeviceCheckError,
     DeviceTimeoutError,
     KernelStatus,
+    StatusSite,
     raise_for_status,
     spin_timeout_ns,
 )
@@ -89,6 +90,33 @@ def test_status_records_raise_named_errors():
         raise_for_status(_status(STATUS_TIMEOUT, 8, 0, 3), "rt_peer_wait", {8: "peer flag"})
     with pytest.raises(DeviceCheckError, match="site 5: observed 9, expected 10"):
         raise_for_status(_status(STATUS_MISMATCH, 5, 9, 10), "rt_counter_c")
+
+
+class _Sites(StatusSite):
+    GRID_ARRIVAL = 1, "grid arrival"
+    REFILL_L1 = 7, "ring refill"
+
+
+def test_c_enum_declaration_aligns_comments_and_names_its_origin():
+    assert c_identifier("kSite", "REFILL_L1") == "kSiteRefillL1" and c_identifier("k", "TAG1") == "kTag1"
+    assert c_enum_declaration("Kind", {"kA": 1, "kLonger": 20}, "host.py", {"kA": "first"}) == (
+        "// Generated from host.py.\n"
+        "enum Kind : unsigned int {\n"
+        "    kA = 1,        // first\n"
+        "    kLonger = 20,\n"
+        "};\n")
+
+
+def test_status_sites_name_records_and_generate_their_c_enum():
+    assert _Sites.REFILL_L1 == 7 and _Sites(1).description == "grid arrival"
+    assert _Sites.names() == {1: "grid arrival", 7: "ring refill"}
+    with pytest.raises(DeviceCheckError, match="k: ring refill: observed 9, expected 10"):
+        raise_for_status(_status(STATUS_MISMATCH, _Sites.REFILL_L1, 9, 10), "k", _Sites.names())
+    assert _Sites.c_declaration("Site", "kSite", [_Sites.REFILL_L1]) == (
+        f"// Generated from {__name__}._Sites.\n"
+        "enum Site : unsigned int {\n"
+        "    kSiteRefillL1 = 7,  // ring refill\n"
+        "};\n")
 
 
 def test_spin_timeout(monkeypatch):

@@ -10,7 +10,8 @@ expert, writes each entry ``src_token·k + slot`` into the target rank's ``src_i
 :class:`~gc_moe_compat.runtime.workspace.PeerTable`, the
 :class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets` and :class:`DispatchParams`; its C declarations live in
 kernels/common/workspace_offsets.cuh and kernels/sm90/role1_dispatch_params.cuh, generated from the ctypes classes
-(:func:`params_header`; the tests check both).
+(:func:`params_header`; the tests check both), like the status sites (:class:`DispatchSite`) and record index
+(:class:`~gc_moe_compat.operator.workspace.StatusRecord`).
 
 :func:`assign_rows` is the kernel's row and block arithmetic written with torch: which pool block, ring row and
 ``l1_full_count`` increment each received row gets, from the ``[P, e]`` receive counts alone.
@@ -24,23 +25,23 @@ import torch
 
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.ring import RingPlan
-from gc_moe_compat.operator.workspace import WorkspaceOffsets
+from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
-from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.status import StatusSite, raise_for_status, spin_timeout_ns
 
 __all__ = [
     "KERNEL",
     "MAX_EXPERTS",
     "MAX_LOCAL_EXPERTS",
-    "SITES",
     "SOURCE",
     "THREADS",
     "WARMUP",
     "DispatchParams",
+    "DispatchSite",
     "assign_rows",
     "dispatch_args",
     "dispatch_node",
@@ -60,20 +61,19 @@ MAX_LOCAL_EXPERTS = THREADS
 """The receive-count scan gives one thread per local expert (config: ``E/P <= 512``)."""
 WARMUP = 1
 """``DispatchParams.flags`` bit: return at once (the one-time warm-up launch of a graph node)."""
-ROLE1_RECORD = 0
-"""Index of role1's record in the workspace ``status`` region."""
 
-SITES = {
-    1: "role1 grid arrival (send_counts high words = dispatch CTAs)",
-    2: "role1 tag-1 barrier (a peer's role1 never arrived)",
-    3: "role1 ring refill wait on l1_empty_count",
-    4: "role1 ring refill wait on l2_empty_count",
-    5: "role1 receive-count arrival check (high words must sum to dispatch_sms*P)",
-    6: "role1 pool overflow (more pool blocks than pool_table rows)",
-    7: "role1 src_index overflow (more rows from one rank to one expert than the capacity)",
-    8: "role1 expert id out of range",
-}
-"""Status sites of kernels/sm90/role1_dispatch.cu (enum DispatchSite)."""
+
+class DispatchSite(StatusSite):
+    """Status sites of role1 (``gc_moe::DispatchSite``, generated into kernels/sm90/role1_dispatch_params.cuh)."""
+
+    GRID_ARRIVAL = 1, "role1 grid arrival (send_counts high words = dispatch CTAs)"
+    TAG1 = 2, "role1 tag-1 barrier (a peer's role1 never arrived)"
+    REFILL_L1 = 3, "role1 ring refill wait on l1_empty_count"
+    REFILL_L2 = 4, "role1 ring refill wait on l2_empty_count"
+    ARRIVAL_CHECK = 5, "role1 receive-count arrival check (high words must sum to dispatch_sms*P)"
+    POOL_OVERFLOW = 6, "role1 pool overflow (more pool blocks than pool_table rows)"
+    SRC_INDEX_OVERFLOW = 7, "role1 src_index overflow (more rows from one rank to one expert than the capacity)"
+    EXPERT_RANGE = 8, "role1 expert id out of range"
 
 
 class DispatchParams(ctypes.Structure):
@@ -105,8 +105,9 @@ class DispatchParams(ctypes.Structure):
 
 
 def params_header() -> str:
-    """The generated part of kernels/sm90/role1_dispatch_params.cuh: the C declaration of :class:`DispatchParams`."""
-    return DispatchParams.c_declaration()
+    """The generated part of kernels/sm90/role1_dispatch_params.cuh: the C declarations of :class:`DispatchParams`
+    and :class:`DispatchSite`."""
+    return DispatchParams.c_declaration() + "\n" + DispatchSite.c_declaration("DispatchSite", "kSite")
 
 
 def dispatch_params(buffer: GcMoeBuffer, plan: RingPlan, num_tokens: int, timeout_ms: float | None = None, *,
@@ -170,11 +171,11 @@ def raise_for_dispatch_status(buffer: GcMoeBuffer, what: str = "role1 dispatch")
     """Raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` / ``DeviceCheckError`` if role1 recorded an
     error; call once the launching stream (or graph) has finished. The record is cleared before raising so that the
     next launch runs: role1's waits give up at once while the record holds an error."""
-    record = buffer.status[ROLE1_RECORD]
+    record = buffer.status[StatusRecord.ROLE1]
     saved = record.clone()
     if int(saved[:4].view(torch.int32)[0]):
         record.zero_()
-    raise_for_status(saved, what, SITES)
+    raise_for_status(saved, what, DispatchSite.names())
 
 
 def assign_rows(counts: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:

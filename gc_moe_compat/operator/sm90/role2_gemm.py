@@ -17,7 +17,8 @@ chain covers the remote stores) is written at the top of ``role2_kernel.cuh``.
 Arguments: four tensor maps (W1 / W2 weights, ``l1_acts`` / ``l2_acts`` of the workspace), the workspace
 :class:`~gc_moe_compat.runtime.workspace.PeerTable` and :class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`,
 and :class:`Role2Params` (C declaration generated into ``kernels/sm90/role2_gemm_params.cuh``). Errors land in role2's
-record of the workspace ``status`` region; :func:`raise_for_role2_status` reads it.
+record of the workspace ``status`` region at one of the :class:`Role2Site` sites (generated into the kernels'
+headers too); :func:`raise_for_role2_status` reads it.
 """
 
 from __future__ import annotations
@@ -44,27 +45,27 @@ from gc_moe_compat.operator.heuristics import (
 from gc_moe_compat.operator.ring import RingModel, RingPlan
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import GcMoeWeights
-from gc_moe_compat.operator.workspace import WorkspaceOffsets
+from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
-from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.status import StatusSite, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.tensormap import TensorMapArg, encode_2d
 
 __all__ = [
     "KERNEL",
     "KERNELS",
-    "ROLE2_RECORD",
-    "SITES",
     "SOURCE",
     "TASK_ROWS",
     "WARMUP",
     "Role2Params",
+    "Role2Site",
     "Role2Variant",
     "Role2Weights",
     "fp4_units",
+    "grouped_header",
     "operator_smem_bytes",
     "operator_stages",
     "params_header",
@@ -84,20 +85,25 @@ TASK_ROWS = tile_rows(W1_SLABS)
 """Weight rows of every role2 task, W1 and W2 alike (256: ``ring.DEFAULT_GEOMETRY``)."""
 WARMUP = 1
 """``Role2Params.flags`` bit: return at once (the one-time warm-up launch of a graph node)."""
-ROLE2_RECORD = 1
-"""Index of role2's record in the workspace ``status`` region."""
 
-SITES = {
-    1: "role2 dynamic shared memory below the variant's need",
-    2: "role2 producer wait for a free pipeline stage",
-    3: "role2 consumer wait for a filled pipeline stage",
-    4: "role2 wait for pool_header (role1 never published the block table)",
-    5: "role2 W1 wait on l1_full_count (role1 never filled the ring block)",
-    6: "role2 W2 wait on l2_full_mask (a W1 tile of the block never finished)",
-    7: "role2 pool_header holds more pool blocks than pool_table rows",
-    8: "role2 l1_source names another pool block than the task's (ring generation mix-up)",
-}
-"""Status sites of the operator-mode kernel (1-3 shared with the standalone kernel, 4-8 in role2_params.cuh)."""
+
+class Role2Site(StatusSite):
+    """Status sites of the operator-mode kernel: 1-3 shared with the standalone kernel (``gc_moe::sm90::GroupedSite``,
+    generated into kernels/sm90/grouped.cuh by :func:`grouped_header`), 4-8 of operator mode only
+    (``gc_moe::Role2Site``, generated into kernels/sm90/role2_gemm_params.cuh by :func:`params_header`)."""
+
+    SMEM = 1, "role2 dynamic shared memory below the variant's need"
+    EMPTY = 2, "role2 producer wait for a free pipeline stage"
+    FULL = 3, "role2 consumer wait for a filled pipeline stage"
+    POOL_HEADER = 4, "role2 wait for pool_header (role1 never published the block table)"
+    L1_FULL = 5, "role2 W1 wait on l1_full_count (role1 never filled the ring block)"
+    L2_MASK = 6, "role2 W2 wait on l2_full_mask (a W1 tile of the block never finished)"
+    POOL_SIZE = 7, "role2 pool_header holds more pool blocks than pool_table rows"
+    SOURCE = 8, "role2 l1_source names another pool block than the task's (ring generation mix-up)"
+
+
+_GROUPED_SITES = (Role2Site.SMEM, Role2Site.EMPTY, Role2Site.FULL)
+"""The sites both grouped GEMMs report, standalone and in operator mode."""
 
 
 class Role2Params(ctypes.Structure):
@@ -129,8 +135,17 @@ class Role2Params(ctypes.Structure):
 
 
 def params_header() -> str:
-    """The generated part of kernels/sm90/role2_gemm_params.cuh: the C declaration of :class:`Role2Params`."""
-    return c_struct_declaration(Role2Params, "Role2Params", "gc_moe_compat/operator/sm90/role2_gemm.py")
+    """The generated part of kernels/sm90/role2_gemm_params.cuh: the C declarations of :class:`Role2Params` and of
+    the operator-mode sites of :class:`Role2Site`."""
+    struct = c_struct_declaration(Role2Params, "Role2Params", "gc_moe_compat/operator/sm90/role2_gemm.py")
+    sites = [site for site in Role2Site if site not in _GROUPED_SITES]
+    return struct + "\n" + Role2Site.c_declaration("Role2Site", "kSite", sites)
+
+
+def grouped_header() -> str:
+    """The generated part of kernels/sm90/grouped.cuh: the C declaration of the sites of :class:`Role2Site` the
+    standalone kernel shares."""
+    return Role2Site.c_declaration("GroupedSite", "kSite", _GROUPED_SITES)
 
 
 def _check_mma_type(mma_type: object) -> str:
@@ -348,8 +363,8 @@ def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
 def raise_for_role2_status(buffer: GcMoeBuffer, what: str = "role2 grouped GEMM") -> None:
     """Raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` / ``DeviceCheckError`` if role2 recorded an
     error; call once the graph has finished. The record is cleared first (the next launch runs)."""
-    record = buffer.status[ROLE2_RECORD]
+    record = buffer.status[StatusRecord.ROLE2]
     saved = record.clone()
     if int(saved[:4].view(torch.int32)[0]):
         record.zero_()
-    raise_for_status(saved, what, SITES)
+    raise_for_status(saved, what, Role2Site.names())
