@@ -33,7 +33,7 @@
 // end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_gemm.cuh, shared with the FP8xFP8
 // kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. The
 // standalone grid body is sm90/standalone_gemm.cuh, shared with the FP8xFP8 kernel. Both modes run the same consumer
-// K loop (consume). tests/test_role2_operator_host.py keeps the standalone cubins' hashes
+// K loop (consume). tests/operator/test_role2_operator_host.py keeps the standalone cubins' hashes
 // (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 

@@ -21,8 +21,8 @@
 // both GEMMs over the token ring of the operator workspace, reading the block table role1 publishes and handshaking
 // with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the standalone kernel (its grid
 // body in sm90/standalone_gemm.cuh, shared with the FP8xFP4 kernel); both run the same consumer K loop (consume).
-// tests/test_role2_operator_host.py keeps the standalone cubins' hashes (tests/data/sm90_fp8_standalone_cubins.json,
-// rewritten by scripts/record_sm90_cubins.py when the kernel changes).
+// tests/operator/test_role2_operator_host.py keeps the standalone cubins' hashes
+// (tests/data/sm90_fp8_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
