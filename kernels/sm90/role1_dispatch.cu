@@ -51,7 +51,7 @@ using gc_moe::red_release_gpu_add_u32;
 
 constexpr u32 kThreads = 512;
 constexpr u32 kWarps = kThreads / 32;
-constexpr u32 kMaxExperts = 2048;          // config: E <= 2048
+constexpr u32 kMaxExperts = 2048;          // gc_moe_compat.config.MAX_EXPERTS (E <= 2048)
 constexpr u32 kMaxLocal = kThreads;        // config: e <= 512, one scan thread per local expert
 constexpr u32 kCopyUnroll = 8;             // 16-byte vectors in flight per lane
 constexpr u32 kScratch = 2 * kMaxExperts;  // phase A: two histograms; phase D: [e][P+1] prefixes (E + e words)

@@ -5,6 +5,7 @@ against the ring model (:func:`gc_moe_compat.operator.ring.pool_table` /
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvcc_mark import needs_nvcc
 
+from gc_moe_compat import config
 from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.sm90 import role1_dispatch
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
@@ -46,6 +48,14 @@ def test_role1_params_header_is_generated_from_the_ctypes_structs() -> None:
     assert "// BEGIN GENERATED\n" + role1_dispatch.params_header() + "// END GENERATED" in header
     assert '#include "common/workspace_offsets.cuh"' in header
     assert WorkspaceOffsets.c_declaration() in (KERNELS_DIR / "common" / "workspace_offsets.cuh").read_text()
+
+
+def test_role1_histogram_holds_the_configured_expert_limit() -> None:
+    """The kernel's shared-memory histogram (``kMaxExperts``) is sized for exactly ``config.MAX_EXPERTS`` experts,
+    the limit ``config.validate`` and :func:`role1_dispatch.dispatch_args` enforce."""
+    source = (KERNELS_DIR / "sm90" / "role1_dispatch.cu").read_text()
+    (value,) = re.findall(r"constexpr u32 kMaxExperts = (\d+);", source)
+    assert int(value) == config.MAX_EXPERTS == role1_dispatch.MAX_EXPERTS
 
 
 def test_role1_params_struct_layout() -> None:

@@ -23,6 +23,7 @@ import ctypes
 
 import torch
 
+from gc_moe_compat.config import MAX_EXPERTS
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.ring import RingPlan
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
@@ -55,8 +56,6 @@ SOURCE = "sm90/role1_dispatch.cu"
 KERNEL = "gc_sm90_dispatch"
 THREADS = 512
 """Threads per dispatch CTA (16 warps); the grid is one CTA per dispatch SM."""
-MAX_EXPERTS = 2048
-"""Shared-memory histogram size (config: ``E <= 2048``)."""
 MAX_LOCAL_EXPERTS = THREADS
 """The receive-count scan gives one thread per local expert (config: ``E/P <= 512``)."""
 WARMUP = 1
