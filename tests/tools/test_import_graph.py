@@ -4,8 +4,9 @@ Every ``import`` / ``from ... import`` of the package's own modules counts, at m
 lazy import is still a dependency). ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else
 to ``pkg``. Layers, bottom to top; a module may import its own layer and the ones below:
 
-numerics (config, quant, layouts) < runtime < comm < operator < originals < facades (deep_gemm, deep_ep) < swap <
-the package's ``__init__`` (its lazy re-export of the native API). ``testing`` (references, workloads, the standalone
+numerics (config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights, buffer) <
+operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals < facades
+(deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing`` (references, workloads, the standalone
 GEMM harness) and ``ab`` (the tools) sit beside the stack: they may import any of it, and no shipped module imports
 them.
 """
@@ -25,6 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("gc_moe_compat.runtime",)),
     ("comm", ("gc_moe_compat.comm",)),
     ("operator", ("gc_moe_compat.operator",)),
+    ("operator roles", ("gc_moe_compat.operator.sm90",)),
+    ("operator api", ("gc_moe_compat.operator.api",)),
     ("originals", ("gc_moe_compat.originals",)),
     ("facades", ("gc_moe_compat.deep_gemm", "gc_moe_compat.deep_ep")),
     ("swap", ("gc_moe_compat.swap", "gc_moe_compat._swap_hook")),
@@ -106,7 +109,8 @@ def layer_of(name: str) -> int | None:
 
 
 def test_the_package_has_no_import_cycle() -> None:
-    assert find_cycle(import_graph(modules())) is None, find_cycle(import_graph(modules()))
+    cycle = find_cycle(import_graph(modules()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
 
 
 def test_the_cycle_finder_finds_a_planted_cycle() -> None:
