@@ -6,9 +6,9 @@ to ``pkg``. Layers, bottom to top; a module may import its own layer and the one
 
 numerics (config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights, buffer) <
 operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals < facades
-(deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing`` (references, workloads, the standalone
-GEMM harness) and ``ab`` (the tools) sit beside the stack: they may import any of it, and no shipped module imports
-them.
+(deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing``
+(references, workloads, the standalone GEMM harness) and ``ab`` (the tools) sit beside the stack: they may import any
+of it, and no shipped module imports them.
 """
 
 from __future__ import annotations
