@@ -1,13 +1,13 @@
 """The native GC-MoE API of the paper's Listing 1, SM90 path.
 
-``get_symm_buffer_for_gc_moe`` (:mod:`.native_buffer`), ``transform_weights_for_gc_moe`` (:mod:`.native_weights`),
+``get_symm_buffer_for_gc_moe`` (:mod:`.buffer`), ``transform_weights_for_gc_moe`` (:mod:`.weights`),
 ``fp8_fp4_gc_moe`` (FP8 activations x window-repacked MXFP4 weights, recipe ``(1, 1, 32)``) and ``fp8_fp8_gc_moe``
 (FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``). A call writes ``y [T, H]`` BF16 in place from the
 ``T`` tokens staged in ``buffer.x[:T]`` etc., ``T = y.shape[0]``.
 
 What a call does, in order: every argument through :func:`gc_moe_compat.config.validate` and the option checks
 (``TypeError``/``ValueError`` naming the argument); take the single-instance workspace guard
-(:func:`.native_buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
+(:func:`.buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
 would get (:class:`gc_moe_compat.operator.ring.RingCapacityError`; with ``GC_MOE_PARTITION=off`` the ring must hold the
 whole pool); then run the three-node graph of :mod:`gc_moe_compat.operator.sm90.layer` (role1 dispatch, role2 grouped
 GEMMs, role3 finalize) on torch's current stream, or attach it to the capture in progress. Outside capture the call

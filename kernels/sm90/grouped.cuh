@@ -1,7 +1,8 @@
-// Pieces both SM90 grouped expert GEMMs share (fp8_grouped_gemm.cu, fp8_fp4_grouped_gemm.cu, and their operator mode):
+// Pieces both SM90 grouped expert GEMMs share (role2_gemm_fp8xfp8.cu, role2_gemm_fp8xfp4.cu, and their operator mode):
 // the stage ring's barriers and the kernels' common start, the task table read, the WGMMA accumulator's column map,
 // the register fences around WGMMA and the epilogue arithmetic whose rounding the references model. Everything is
-// __forceinline__: the standalone kernels' cubins are byte-identical to their records (tests/operator/test_role2_operator_host.py).
+// __forceinline__: the standalone kernels' cubins are byte-identical to their records
+// (tests/operator/test_role2_operator_host.py).
 #pragma once
 
 #include <cuda_bf16.h>

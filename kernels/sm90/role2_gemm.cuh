@@ -1,5 +1,5 @@
 // Role2 of the GC-MoE operator (paper §4.3-4.5): the body of the persistent grid both SM90 grouped GEMMs compile to
-// with GC_OPERATOR=1 (fp8_grouped_gemm.cu: gc_sm90_fp8_role2; fp8_fp4_grouped_gemm.cu: gc_sm90_fp8_fp4_role2).
+// with GC_OPERATOR=1 (role2_gemm_fp8xfp8.cu: gc_sm90_fp8_role2; role2_gemm_fp8xfp4.cu: gc_sm90_fp8_fp4_role2).
 //
 // A source fragment: a kernel source includes it at the end of its operator section, inside namespace
 // gc_moe::sm90, after defining
@@ -24,7 +24,7 @@
 // expert, valid rows, ring row offset) with L2 loads (role1 rewrote them this replay). Pool block p lives in ring
 // block b = p mod R as generation g = p div R (ring.RingPlan.slot).
 //
-// Task sequence (ring.py's live-block model, role2_task; gc_moe_compat/sm90/role2.task_sequence mirrors it):
+// Task sequence (ring.py's live-block model, role2_task; operator/sm90/role2_gemm.task_sequence mirrors it):
 // the W1 tasks of pool blocks 0..min(w, n)-1 (tile-major), then for j = 0..n-1 the t2 W2 tasks of block j followed
 // by the t1 W1 tasks of block j + w (while j + w < n). CTA c runs tasks c, c + C, c + 2C, ... in order; its
 // producer runs ahead in the same order. A task waits only on strictly earlier tasks: W2 of j on W1 of j; W1 of p on

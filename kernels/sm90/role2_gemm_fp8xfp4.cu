@@ -2,7 +2,7 @@
 // decoded to E4M3 in registers and fed to register-A WGMMA (m64nNk32.e4m3.e4m3), fused W1 (SwiGLU + UE8M0 1x128
 // requant) or W2 (BF16) epilogue.
 //
-// Operand swap as in fp8_grouped_gemm.cu: weight rows are the WGMMA M operand (each consumer warpgroup owns GC_M_SUB
+// Operand swap as in role2_gemm_fp8xfp8.cu: weight rows are the WGMMA M operand (each consumer warpgroup owns GC_M_SUB
 // slabs of 64 rows), the block's tokens N (valid rows rounded up to 8). Weights come window-repacked and
 // lane-permuted (gc_moe_compat/operator/sm90/fp4_layout.py): per (expert, K128 step, 64-row slab) one 4352-byte unit =
 // 4096 bytes of FP4 codes in the order the A fragment wants ([warp][K64 half][lane][16 bytes], one LDS.128 per half
@@ -72,7 +72,7 @@ constexpr int kMSub = GC_M_SUB;
 constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
-// Cluster pairs (standalone, pipelined), as in fp8_grouped_gemm.cu: the two CTAs of a cluster run the same weight
+// Cluster pairs (standalone, pipelined), as in role2_gemm_fp8xfp8.cu: the two CTAs of a cluster run the same weight
 // units against an expert's two ring blocks and stream them once (each producer loads half the task's slabs,
 // multicast to both), and each CTA decodes the whole stage for its own block.
 constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
@@ -351,7 +351,7 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 // 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage).
 constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
 
-// role2_kernel.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
+// role2_gemm.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
 // FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0 words.
 __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
                                          const Task& t, int kb, const OpMaps& maps) {
@@ -392,7 +392,7 @@ using namespace gc_moe::sm90;
 
 // tm_w1 / tm_w2: the prepared W1 / W2 weight units as [E * (K/128) * (N/64) * 34, 128] bytes (box 128 x 136: one
 // task's four units of a K step, no swizzle; gc_moe_compat/operator/sm90/role2_gemm.py builds them); tm_l1 / tm_l2: the
-// workspace's l1_acts / l2_acts (box 128 x GC_BM, 128-byte swizzle); the rest: role2_kernel.cuh.
+// workspace's l1_acts / l2_acts (box 128 x GC_BM, 128-byte swizzle); the rest: role2_gemm.cuh.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     gc_sm90_fp8_fp4_role2(const __grid_constant__ TensorMap tm_w1, const __grid_constant__ TensorMap tm_w2,
                           const __grid_constant__ TensorMap tm_l1, const __grid_constant__ TensorMap tm_l2,

@@ -221,7 +221,7 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 // The FP8xFP8 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's).
 constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
 
-// role2_kernel.cuh's hooks. W1 of a ring block: weights [E * 2I, H] against l1_acts with role1's FP32 1x128 token
+// role2_gemm.cuh's hooks. W1 of a ring block: weights [E * 2I, H] against l1_acts with role1's FP32 1x128 token
 // scales; W2: weights [E * H, I] against l2_acts with the W1 epilogue's FP32 1x128 scales.
 __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
                                          const Task& t, int kb, const OpMaps& maps) {
@@ -263,7 +263,7 @@ using namespace gc_moe;
 using namespace gc_moe::sm90;
 
 // tm_w1: W1 weights [E * 2I, H] E4M3 (rows interleaved gate/up by 8, box 128 x 256); tm_w2: W2 [E * H, I] (box
-// 128 x 256); tm_l1 / tm_l2: the workspace's l1_acts / l2_acts (box 128 x GC_BM); the rest: role2_kernel.cuh.
+// 128 x 256); tm_l1 / tm_l2: the workspace's l1_acts / l2_acts (box 128 x GC_BM); the rest: role2_gemm.cuh.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     gc_sm90_fp8_role2(const __grid_constant__ TensorMap tm_w1, const __grid_constant__ TensorMap tm_w2,
                       const __grid_constant__ TensorMap tm_l1, const __grid_constant__ TensorMap tm_l2,

@@ -1,8 +1,8 @@
 // Role2's side of the token ring (paper §4.3), shared by both SM90 grouped GEMMs in operator mode
-// (fp8_grouped_gemm.cu and fp8_fp4_grouped_gemm.cu with GC_OPERATOR=1): the workspace view of the by-value
+// (role2_gemm_fp8xfp8.cu and role2_gemm_fp8xfp4.cu with GC_OPERATOR=1): the workspace view of the by-value
 // arguments, the bounded waits with the abort rule, the task sequence, the ring acquires before a task's loads and
 // the releases after its epilogue. Nothing here depends on a kernel's tile constants (those pieces are in
-// sm90/role2_gemm.cuh); the protocol itself is written at the top of role2_kernel.cuh.
+// sm90/role2_gemm.cuh); the protocol itself is written at the top of role2_gemm.cuh.
 #pragma once
 
 #include "common/peer_table.cuh"
@@ -112,7 +112,7 @@ struct OpTask {
     int block, tile;
 };
 
-// Task `s` of the role2 sequence for n pool blocks, look-ahead w, t1 W1 / t2 W2 tasks per block (role2_kernel.cuh).
+// Task `s` of the role2 sequence for n pool blocks, look-ahead w, t1 W1 / t2 W2 tasks per block (role2_gemm.cuh).
 __device__ __forceinline__ OpTask role2_task(int s, int n, int w, int t1, int t2) {
     const int a = min(w, n);
     if (s < a * t1) return OpTask{true, s % a, s / a};

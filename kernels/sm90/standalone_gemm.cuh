@@ -1,6 +1,6 @@
 // The standalone SM90 grouped expert GEMM (GC_OPERATOR=0): the grid body both weight formats compile to
-// (fp8_grouped_gemm.cu: gc_sm90_fp8_grouped_gemm; fp8_fp4_grouped_gemm.cu: gc_sm90_fp8_fp4_grouped_gemm), as
-// role2_kernel.cuh is for the operator.
+// (role2_gemm_fp8xfp8.cu: gc_sm90_fp8_grouped_gemm; role2_gemm_fp8xfp4.cu: gc_sm90_fp8_fp4_grouped_gemm), as
+// role2_gemm.cuh is for the operator.
 //
 // A source fragment: a kernel source includes it in its standalone section, inside namespace gc_moe::sm90, after
 // defining

@@ -3,7 +3,7 @@
 // copies every block generation to a capture buffer once l1_full_count says it is complete (so the test sees every
 // generation, not only what survives in the ring), then releases l1_empty_count and l2_empty_count (the latter
 // optionally delayed) exactly as role2 would (t1 / t2 per generation). dt_finalize plays role3's bookkeeping: the
-// receive-count arrival check, the resets of operator_layout's "role3 resets" list, the parity flip and the
+// receive-count arrival check, the resets of operator/workspace.py's "role3 resets" list, the parity flip and the
 // replay_seq advance.
 // They carry no GEMM or combine logic.
 #include "common/peer_table.cuh"

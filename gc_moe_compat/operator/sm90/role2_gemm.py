@@ -12,7 +12,7 @@ power-of-two scales stored as FP32 in ``l2_acts_sf`` like the FP8 path's). Their
 ``l2_acts_sf`` toggling ``l2_full_mask`` and releasing ``l1_empty_count``, W2 tiles once their intermediate tiles are
 there, W2 epilogue storing BF16 partial rows straight into the source rank's ``combine`` slot ``(slot, src_token)``
 and releasing ``l2_empty_count``. The ordering argument (deadlock freedom, proxy fences, why role3's fence/release
-chain covers the remote stores) is written at the top of ``role2_kernel.cuh``.
+chain covers the remote stores) is written at the top of ``role2_gemm.cuh``.
 
 Arguments: four tensor maps (W1 / W2 weights, ``l1_acts`` / ``l2_acts`` of the workspace), the workspace
 :class:`~gc_moe_compat.runtime.workspace.PeerTable` and :class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`,

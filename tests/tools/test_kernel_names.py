@@ -1,0 +1,41 @@
+"""Host module and kernel file are named one to one: each role / communication module compiles the kernel files whose
+names start with its own, and every shipped kernel file under ``kernels/sm90/`` has such a host module.
+
+``operator/sm90/role1_dispatch.py`` <-> ``kernels/sm90/role1_dispatch.cu``; ``role2_gemm.py`` <->
+``role2_gemm_fp8xfp8.cu`` / ``role2_gemm_fp8xfp4.cu`` (one per weight format); ``role3_finalize.py`` <->
+``role3_finalize.cu``; ``comm/ep_ll.py`` <-> ``ep_ll.cu``. Headers (``.cuh``) are shared pieces and need no module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize
+
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, ep_ll)
+
+
+def compiled_sources(module: ModuleType) -> set[str]:
+    """The kernel sources (relative to ``kernels/``) a host module compiles: ``SOURCE`` and its ``KERNELS`` table."""
+    sources = {module.SOURCE}
+    sources.update(source for source, _ in getattr(module, "KERNELS", {}).values())
+    return sources
+
+
+@pytest.mark.parametrize("module", HOST_MODULES, ids=lambda m: m.__name__)
+def test_a_host_module_compiles_kernels_named_like_it(module: ModuleType) -> None:
+    stem = module.__name__.rsplit(".", 1)[1]
+    for source in compiled_sources(module):
+        assert (KERNELS_DIR / source).is_file(), f"{module.__name__}: {source} does not exist"
+        assert Path(source).name.startswith(stem), f"{module.__name__} compiles {source}: not named like the module"
+
+
+def test_every_shipped_kernel_file_has_its_host_module() -> None:
+    owned = {source for module in HOST_MODULES for source in compiled_sources(module)}
+    shipped = {p.relative_to(KERNELS_DIR).as_posix() for p in (KERNELS_DIR / "sm90").glob("*.cu")}
+    assert shipped == owned, f"kernel files without a host module: {sorted(shipped - owned)}"
