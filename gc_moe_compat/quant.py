@@ -68,6 +68,7 @@ __all__ = [
     "pack_ue8m0_k32",
     "quantize_fp8_blocks",
     "quantize_fp8_groups",
+    "quantize_fp8_pre_dispatch",
     "quantize_mxfp4",
     "to_e4m3",
     "ue8m0_decode",
@@ -82,7 +83,9 @@ E2M1_MAX = 6.0
 AMAX_FLOOR = 1e-10
 
 E2M1_VALUES: Tensor = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+    device="cpu",
 )
 
 # Midpoints between neighbouring E2M1 magnitudes, split by where a tie goes: to the upper code when that code's
@@ -218,7 +221,7 @@ def ue8m0_scale(amax: Tensor, fmt_max: float) -> Tensor:
     amax = _require_float(fn, "amax", amax)
     if isinstance(fmt_max, bool) or not isinstance(fmt_max, int | float):
         raise TypeError(f"{fn}: fmt_max must be a float, got {type(fmt_max).__name__} ({fmt_max!r})")
-    fmt32 = float(torch.tensor(float(fmt_max), dtype=torch.float32))
+    fmt32 = float(torch.tensor(float(fmt_max), dtype=torch.float32, device="cpu"))
     if not (torch.finfo(torch.float32).tiny <= fmt32 < float("inf")):
         raise ValueError(f"{fn}: fmt_max must be a positive, finite, normal float32 value, got {fmt_max}")
     _require_finite(fn, "amax", amax)
@@ -330,6 +333,46 @@ def quantize_fp8_groups(x: Tensor, group_size: int, scale_format: str = "fp32") 
     scale = _fp8_amax_scale(amax) if scale_format == "fp32" else ue8m0_scale(amax, E4M3_MAX)
     q = to_e4m3(xg / scale.unsqueeze(-1)).reshape(x.shape)
     return q, scale
+
+
+PRE_DISPATCH_RECIPES = {"fp32x128": (128, 1e-10), "ue8m0x32": (32, 1e-4)}
+"""The originals' pre-dispatch recipes: (group size, amax floor)."""
+
+
+def quantize_fp8_pre_dispatch(x: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    """The originals' fused pre-dispatch quantization of BF16 rows ``x [T, K]``, operation for operation
+    (sgl-deep-gemm's ``sm90_mega_moe_pre_dispatch.cuh`` / ``sm100_mega_moe_pre_dispatch.cuh``;
+    ``kernels/sm90/predispatch.cu`` runs it):
+
+    * ``"fp32x128"``: per 128 values ``s = max(amax, 1e-10) / 448`` and ``q = e4m3_sat(x * (1 / s))``: a reciprocal
+      multiply, which differs from :func:`quantize_fp8_groups`'s ``x / s`` in the last bit of some products.
+      Returns ``(q, s float32 [T, K/128])``.
+    * ``"ue8m0x32"``: per 32 values ``e`` = the UE8M0 byte of the smallest power of two at least the rounded FP32
+      quotient ``max(amax, 1e-4) / 448`` (clamped to [1, 254]) and ``q = e4m3_sat(x * 2**(127 - e))``. Returns
+      ``(q, e uint8 [T, K/32])``.
+
+    Every operation is an IEEE FP32 operation between tensors, so CPU and GPU results are bit-identical.
+    """
+    fn = "quantize_fp8_pre_dispatch"
+    x = _require_dtype(fn, "x", x, torch.bfloat16)
+    _require_ndim(fn, "x", x, 2)
+    if recipe not in PRE_DISPATCH_RECIPES:
+        raise ValueError(f"{fn}: recipe must be one of {tuple(PRE_DISPATCH_RECIPES)}, got {recipe!r}")
+    group, floor = PRE_DISPATCH_RECIPES[recipe]
+    t, k = x.shape
+    if k % group:
+        raise ValueError(f"{fn}: x.shape[-1] (K={k}) must be a multiple of {group}")
+    xg = x.float().reshape(t, k // group, group)
+    amax = xg.abs().amax(dim=-1).clamp(min=floor)
+    quotient = amax / torch.full_like(amax, E4M3_MAX)
+    if recipe == "fp32x128":
+        inv = torch.full_like(quotient, 1.0) / quotient
+        return to_e4m3(xg * inv.unsqueeze(-1)).reshape(t, k), quotient
+    bits = quotient.view(torch.int32)
+    code = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    code = code.clamp(1, 254)
+    inv = ((254 - code) << 23).view(torch.float32)
+    return to_e4m3(xg * inv.unsqueeze(-1)).reshape(t, k), code.to(torch.uint8)
 
 
 def dequantize_fp8_groups(q: Tensor, scales: Tensor) -> Tensor:

@@ -1,62 +1,152 @@
-"""Pre-dispatch: quantize this rank's BF16 tokens per group into the buffer views and stage the routing.
+"""Pre-dispatch: quantize this rank's BF16 tokens into the Mega MoE buffer's views and stage the routing.
 
-Pure torch on the caller's device, built on :mod:`gc_moe_compat.quant` (the numerics the reference models):
+What the originals' fused pre-dispatch kernels compute (sgl-deep-gemm's ``sm90_mega_moe_pre_dispatch.cuh`` and
+``sm100_mega_moe_pre_dispatch.cuh``), arithmetic in :func:`gc_moe_compat.quant.quantize_fp8_pre_dispatch`:
 
 * ``mega_moe_pre_dispatch_sm90`` (SGLang's Hopper call): E4M3 payload with FP32 1x128 scales
-  (``scale = amax / 448``) into ``buf_x`` / ``buf_x_sf``; routing weights multiplied by ``routed_scaling_factor``.
+  (``scale = max(amax, 1e-10) / 448``, payload ``x * (1 / scale)``) into ``buf_x`` / ``buf_x_sf``; routing weights
+  multiplied by ``routed_scaling_factor``.
 * ``mega_moe_pre_dispatch`` (DeepGEMM's SM100-style call, ``fp8xfp4`` / ``fp8xfp8``): E4M3 payload with UE8M0 K32
-  scales (power of two, ``2**ceil(log2(amax / 448))``), four codes packed per int32 into ``buf_x_sf [T, H/128]``.
+  scales (the ceil power of two of ``max(amax, 1e-4) / 448``), four codes packed per int32 into
+  ``buf_x_sf [capacity, H/128]``.
 
-Both copy ``topk_idx`` (int32 or int64, converted to the view's dtype) and ``topk_weights`` into rows
-``[0, num_tokens)``. With ``num_tokens == 0`` they also mark row 0's slots unused (-1): SGLang still hands the
-kernel a 1-row ``y`` then, and a stale row must not route anywhere.
+Both copy ``topk_idx`` rows ``[0, num_tokens)`` (int32 or int64, into the view's width) and ``topk_weights``, and set
+the routing rows ``[num_tokens, capacity)`` to ``(-1, 0.0)`` as the originals do, so no stale row routes anywhere.
+On CUDA tensors the call is one launch of ``kernels/sm90/predispatch.cu`` on torch's current stream (no host sync:
+capturable in a CUDA graph); host tensors get the same bytes from the torch model of that arithmetic.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from gc_moe_compat import quant
 from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
 
-__all__ = ["mega_moe_pre_dispatch", "mega_moe_pre_dispatch_sm90"]
+__all__ = ["PreDispatchParams", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_sm90", "params_header"]
+
+SOURCE = "sm90/predispatch.cu"
+KERNELS = {"fp32x128": "gc_pre_dispatch_fp32x128", "ue8m0x32": "gc_pre_dispatch_ue8m0x32"}
+MAX_HIDDEN = 8192
+"""One CTA of ``H/8`` threads per token (a 16-byte BF16 vector each), at most 1024 threads."""
+HIDDEN_ALIGN = 256
+"""Whole warps per CTA (``H/8`` a multiple of 32): the group maxima are warp shuffles."""
 
 _IDX = (torch.int32, torch.int64)
+
+
+class PreDispatchParams(ctypes.Structure):
+    """By-value argument of the pre-dispatch kernels (``gc_moe::PreDispatchParams``,
+    kernels/sm90/predispatch_params.cuh): device addresses, sizes, index widths (1 = int64) and the weight factor."""
+
+    _fields_ = [
+        ("x", ctypes.c_uint64),
+        ("topk_idx", ctypes.c_uint64),
+        ("topk_weights", ctypes.c_uint64),
+        ("buf_x", ctypes.c_uint64),
+        ("buf_x_sf", ctypes.c_uint64),
+        ("buf_topk_idx", ctypes.c_uint64),
+        ("buf_topk_weights", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_uint32),
+        ("capacity", ctypes.c_uint32),
+        ("hidden", ctypes.c_uint32),
+        ("topk", ctypes.c_uint32),
+        ("idx_in_64", ctypes.c_uint32),
+        ("idx_out_64", ctypes.c_uint32),
+        ("routed_scaling_factor", ctypes.c_float),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+def params_header() -> str:
+    """The generated part of kernels/sm90/predispatch_params.cuh: the C declaration of :class:`PreDispatchParams`."""
+    return c_struct_declaration(PreDispatchParams, "PreDispatchParams", "gc_moe_compat/deep_gemm/_predispatch.py")
 
 
 def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf_x: object, buf_x_sf: object,
                  buf_topk_idx: object, buf_topk_weights: object, num_tokens: object, sf_dtype: torch.dtype,
                  sf_cols: int) -> int:
-    """Dtypes, shapes and token counts of the inputs and views; returns ``num_tokens``."""
-    x = _checks.tensor(fn, "x", x, (torch.bfloat16,), 2)
-    topk_idx = _checks.tensor(fn, "topk_idx", topk_idx, _IDX, 2)
-    topk_weights = _checks.tensor(fn, "topk_weights", topk_weights, (torch.float32,), 2)
-    buf_x = _checks.tensor(fn, "buf_x", buf_x, (torch.float8_e4m3fn,), 2)
-    buf_x_sf = _checks.tensor(fn, "buf_x_sf", buf_x_sf, (sf_dtype,), 2)
-    buf_topk_idx = _checks.tensor(fn, "buf_topk_idx", buf_topk_idx, _IDX, 2)
-    buf_topk_weights = _checks.tensor(fn, "buf_topk_weights", buf_topk_weights, (torch.float32,), 2)
-    hidden, topk = x.shape[1], topk_idx.shape[1]
-    capacity = buf_x.shape[0]
-    expected = {
-        "buf_x": (buf_x, (capacity, hidden)),
-        "buf_x_sf": (buf_x_sf, (capacity, sf_cols)),
-        "buf_topk_idx": (buf_topk_idx, (capacity, topk)),
-        "buf_topk_weights": (buf_topk_weights, (capacity, topk)),
-        "topk_weights": (topk_weights, (topk_idx.shape[0], topk)),
+    """Dtypes, shapes, layout and device of the inputs and views; returns ``num_tokens``."""
+    tensors = {
+        "x": _checks.tensor(fn, "x", x, (torch.bfloat16,), 2),
+        "topk_idx": _checks.tensor(fn, "topk_idx", topk_idx, _IDX, 2),
+        "topk_weights": _checks.tensor(fn, "topk_weights", topk_weights, (torch.float32,), 2),
+        "buf_x": _checks.tensor(fn, "buf_x", buf_x, (torch.float8_e4m3fn,), 2),
+        "buf_x_sf": _checks.tensor(fn, "buf_x_sf", buf_x_sf, (sf_dtype,), 2),
+        "buf_topk_idx": _checks.tensor(fn, "buf_topk_idx", buf_topk_idx, _IDX, 2),
+        "buf_topk_weights": _checks.tensor(fn, "buf_topk_weights", buf_topk_weights, (torch.float32,), 2),
     }
-    for arg, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{fn}: {arg} must have shape {shape}, got {tuple(t.shape)}")
-    return _checks.integer(fn, "num_tokens", num_tokens, 0, min(capacity, x.shape[0], topk_idx.shape[0]))
+    hidden, topk = tensors["x"].shape[1], tensors["topk_idx"].shape[1]
+    capacity = tensors["buf_x"].shape[0]
+    expected = {
+        "buf_x": (capacity, hidden),
+        "buf_x_sf": (capacity, sf_cols),
+        "buf_topk_idx": (capacity, topk),
+        "buf_topk_weights": (capacity, topk),
+        "topk_weights": (tensors["topk_idx"].shape[0], topk),
+    }
+    for arg, shape in expected.items():
+        if tuple(tensors[arg].shape) != shape:
+            raise ValueError(f"{fn}: {arg} must have shape {shape}, got {tuple(tensors[arg].shape)}")
+    device = tensors["x"].device
+    for arg, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{fn}: {arg} must be on x's device {device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{fn}: {arg} must be contiguous (the kernel reads and writes whole rows), got strides "
+                             f"{t.stride()}")
+    return _checks.integer(fn, "num_tokens", num_tokens, 0, min(capacity, tensors["x"].shape[0],
+                                                                tensors["topk_idx"].shape[0]))
 
 
-def _stage_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, buf_topk_idx: torch.Tensor,
-                   buf_topk_weights: torch.Tensor, num_tokens: int) -> None:
-    if num_tokens == 0:
-        buf_topk_idx[:1].fill_(-1)
+def _check_hidden(fn: str, x: object) -> None:
+    hidden = x.shape[-1] if isinstance(x, torch.Tensor) else 0
+    if hidden % HIDDEN_ALIGN or not 0 < hidden <= MAX_HIDDEN:
+        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of {HIDDEN_ALIGN} in (0, {MAX_HIDDEN}] "
+                         f"(one CTA of H/8 threads, whole warps, per token), got {hidden}")
+
+
+def _run(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+         buf_x: torch.Tensor, buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor, buf_topk_weights: torch.Tensor,
+         num_tokens: int, factor: float) -> None:
+    """Stages one call: the fused kernel on CUDA tensors, the torch model of its arithmetic on host tensors."""
+    if x.is_cuda:
+        _launch(recipe, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
+                factor)
         return
-    buf_topk_idx[:num_tokens].copy_(topk_idx[:num_tokens])
-    buf_topk_weights[:num_tokens].copy_(topk_weights[:num_tokens])
+    n = num_tokens
+    if n:
+        q, scales = quant.quantize_fp8_pre_dispatch(x[:n], recipe)
+        buf_x[:n].copy_(q)
+        buf_x_sf[:n].copy_(scales if recipe == "fp32x128" else quant.pack_ue8m0_k32(scales))
+        buf_topk_idx[:n].copy_(topk_idx[:n])
+        buf_topk_weights[:n].copy_(topk_weights[:n] * torch.full_like(topk_weights[:n], factor))
+    buf_topk_idx[n:].fill_(-1)
+    buf_topk_weights[n:].fill_(0.0)
+
+
+def _launch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buf_x: torch.Tensor,
+            buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor, buf_topk_weights: torch.Tensor, num_tokens: int,
+            factor: float) -> None:
+    capacity, hidden = buf_x.shape
+    topk = buf_topk_idx.shape[1]
+    threads = hidden // 8
+    pad_blocks = -(-(capacity - num_tokens) * topk // threads)
+    if num_tokens + pad_blocks == 0:
+        return
+    params = PreDispatchParams(
+        x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), buf_x.data_ptr(), buf_x_sf.data_ptr(),
+        buf_topk_idx.data_ptr(), buf_topk_weights.data_ptr(), num_tokens, capacity, hidden, topk,
+        int(topk_idx.dtype == torch.int64), int(buf_topk_idx.dtype == torch.int64), factor, 0)
+    kernel = jit.load_module(SOURCE).kernel(KERNELS[recipe])
+    with torch.cuda.device(x.device):
+        launch(kernel, num_tokens + pad_blocks, threads, KernelArgs(params),
+               torch.cuda.current_stream(x.device).cuda_stream)
 
 
 def mega_moe_pre_dispatch(x: torch.Tensor,
@@ -77,17 +167,10 @@ def mega_moe_pre_dispatch(x: torch.Tensor,
     _checks.choice(fn, "group_size", group_size, (32,), (16,))
     _checks.unsupported_feature(fn, "buf_x_scales", buf_x_scales, None, "per-token outer scales (NVFP4 only)")
     _checks.unsupported_feature(fn, "expert_scales", expert_scales, None, "per-expert input scales (NVFP4 only)")
-    hidden = x.shape[-1] if isinstance(x, torch.Tensor) else 0
-    if hidden % 128:
-        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of 128 (4 K32 scales per int32), "
-                         f"got {hidden}")
+    _check_hidden(fn, x)
     n = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
-                     torch.int32, hidden // 128)
-    if n:
-        q, scales = quant.quantize_fp8_groups(x[:n], 32, scale_format="ue8m0")
-        buf_x[:n].copy_(q)
-        buf_x_sf[:n].copy_(quant.pack_ue8m0_k32(quant.ue8m0_encode(scales)))
-    _stage_routing(topk_idx, topk_weights, buf_topk_idx, buf_topk_weights, n)
+                     torch.int32, x.shape[-1] // 128)
+    _run("ue8m0x32", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, 1.0)
 
 
 def mega_moe_pre_dispatch_sm90(x: torch.Tensor,
@@ -104,14 +187,7 @@ def mega_moe_pre_dispatch_sm90(x: torch.Tensor,
     fn = "mega_moe_pre_dispatch_sm90"
     _checks.choice(fn, "group_size", group_size, (128,), ())
     factor = _checks.finite_float(fn, "routed_scaling_factor", routed_scaling_factor)
-    hidden = x.shape[-1] if isinstance(x, torch.Tensor) else 0
-    if hidden % 128:
-        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of 128, got {hidden}")
+    _check_hidden(fn, x)
     n = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
-                     torch.float32, hidden // 128)
-    if n:
-        q, scales = quant.quantize_fp8_groups(x[:n], 128, scale_format="fp32")
-        buf_x[:n].copy_(q)
-        buf_x_sf[:n].copy_(scales)
-    _stage_routing(topk_idx, topk_weights * factor if factor != 1.0 else topk_weights,
-                   buf_topk_idx, buf_topk_weights, n)
+                     torch.float32, x.shape[-1] // 128)
+    _run("fp32x128", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, factor)

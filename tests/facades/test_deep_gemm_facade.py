@@ -134,26 +134,33 @@ def _inputs(n: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor
     return x, idx, w
 
 
-@pytest.mark.parametrize("n", [0, 1, 17, 64])
-def test_pre_dispatch_sm90_matches_quant(group: dist.ProcessGroup, n: int) -> None:
+@pytest.mark.parametrize("n", [0, 1, 17, 40])
+def test_pre_dispatch_sm90_stages_the_originals_arithmetic(group: dist.ProcessGroup, n: int) -> None:
+    """Scales ``max(amax, 1e-10) / 448`` (the FP32 recipe of quant), payload ``x * (1 / scale)`` (a reciprocal
+    multiply, as the originals' kernel), ids widened, weights scaled, routing rows past ``n`` set to (-1, 0)."""
     buf = _buffer(group)
     buf.topk_idx.fill_(5)
-    x, idx, w = _inputs(n)
+    buf.topk_weights.fill_(7.0)
+    x, idx, w = _inputs(max(n, 1))
     dg.mega_moe_pre_dispatch_sm90(x, idx, w, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, num_tokens=n,
                                   group_size=128, routed_scaling_factor=2.5)
+    assert (buf.topk_idx[n:] == -1).all() and (buf.topk_weights[n:] == 0).all()
+    assert (buf.x[n:].view(torch.uint8) == 0).all()
     if n == 0:
-        assert (buf.topk_idx[0] == -1).all() and (buf.topk_idx[1:] == 5).all()
         return
-    q, s = quant.quantize_fp8_groups(x, 128, scale_format="fp32")
+    _, s = quant.quantize_fp8_groups(x[:n], 128, scale_format="fp32")
+    inv = torch.ones_like(s) / s
+    q = quant.to_e4m3(x[:n].float().reshape(n, H // 128, 128) * inv.unsqueeze(-1)).reshape(n, H)
     assert torch.equal(buf.x[:n].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(buf.x_sf[:n], s)
     assert torch.equal(buf.topk_idx[:n], idx.long())
-    assert torch.equal(buf.topk_weights[:n], w * 2.5)
-    assert (buf.x[n:].view(torch.uint8) == 0).all() and (buf.topk_idx[n:] == 5).all()
+    assert torch.equal(buf.topk_weights[:n], w * torch.full_like(w, 2.5))
 
 
 @pytest.mark.parametrize("n", [1, 33])
 def test_pre_dispatch_ue8m0_matches_quant(n: int) -> None:
+    """Where every group's amax is above UE8M0's 1e-4 floor, the originals' K32 recipe is quant's power-of-two
+    recipe exactly (scaling by a power of two is exact either way)."""
     t = 64
     bx, bsf = torch.zeros(t, H, dtype=torch.float8_e4m3fn), torch.zeros(t, H // 128, dtype=torch.int32)
     bidx, bw = torch.zeros(t, K, dtype=torch.int64), torch.zeros(t, K)
@@ -164,7 +171,7 @@ def test_pre_dispatch_ue8m0_matches_quant(n: int) -> None:
     assert torch.equal(bsf[:n], quant.pack_ue8m0_k32(quant.ue8m0_encode(s)))
     assert torch.equal(quant.ue8m0_decode(quant.unpack_ue8m0_k32(bsf[:n])), s)
     assert torch.equal(bidx[:n], idx[:n].long()) and torch.equal(bw[:n], w[:n])
-    assert (bx[n:].view(torch.uint8) == 0).all()
+    assert (bx[n:].view(torch.uint8) == 0).all() and (bidx[n:] == -1).all() and (bw[n:] == 0).all()
 
 
 def test_pre_dispatch_refusals(group: dist.ProcessGroup) -> None:

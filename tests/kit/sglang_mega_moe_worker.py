@@ -38,14 +38,13 @@ import torch.distributed as dist
 from operator_kit import check_accuracy, make_inputs, make_weights, preset_dims
 from two_rank import finish, join, suite_parser
 
-from gc_moe_compat import layouts
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.sm90 import layer
 from gc_moe_compat.testing.reference import (
     ExpertWeights,
     dispatch_plan,
     expert_parallel_reference,
-    quantize_activations,
     recv_counts,
 )
 
@@ -181,7 +180,8 @@ class Run:
 
     def reference(self, case: Case, inputs: list[Inputs]) -> torch.Tensor:
         """This rank's reference ``y``; also checks that the staged buffer rows are the reference's quantization."""
-        xs = [quantize_activations(i.x, "fp32_128") for i in inputs]
+        # The activations as the pre-dispatch stages them (the originals' reciprocal-multiply FP32 1x128 recipe).
+        xs = [quant.quantize_fp8_pre_dispatch(i.x, "fp32x128") for i in inputs]
         weights = [i.topk_weights * case.factor if case.factor != 1.0 else i.topk_weights for i in inputs]
         mine, t = inputs[self.rank], inputs[self.rank].x.shape[0]
         if t:

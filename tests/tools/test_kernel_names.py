@@ -3,7 +3,8 @@ names start with its own, and every shipped kernel file under ``kernels/sm90/`` 
 
 ``operator/sm90/role1_dispatch.py`` <-> ``kernels/sm90/role1_dispatch.cu``; ``role2_gemm.py`` <->
 ``role2_gemm_fp8xfp8.cu`` / ``role2_gemm_fp8xfp4.cu`` (one per weight format); ``role3_finalize.py`` <->
-``role3_finalize.cu``; ``comm/ep_ll.py`` <-> ``ep_ll.cu``. Headers (``.cuh``) are shared pieces and need no module.
+``role3_finalize.cu``; ``comm/ep_ll.py`` <-> ``ep_ll.cu``; ``deep_gemm/_predispatch.py`` <-> ``predispatch.cu`` (a
+private module's leading underscore aside). Headers (``.cuh``) are shared pieces and need no module.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from types import ModuleType
 import pytest
 
 from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.deep_gemm import _predispatch
 from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
-HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, ep_ll)
+HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, ep_ll, _predispatch)
 
 
 def compiled_sources(module: ModuleType) -> set[str]:
     """The kernel sources (relative to ``kernels/``) a host module compiles: ``SOURCE`` and its ``KERNELS`` table."""
     sources = {module.SOURCE}
-    sources.update(source for source, _ in getattr(module, "KERNELS", {}).values())
+    sources.update(entry[0] for entry in getattr(module, "KERNELS", {}).values() if isinstance(entry, tuple))
     return sources
 
 
 @pytest.mark.parametrize("module", HOST_MODULES, ids=lambda m: m.__name__)
 def test_a_host_module_compiles_kernels_named_like_it(module: ModuleType) -> None:
-    stem = module.__name__.rsplit(".", 1)[1]
+    stem = module.__name__.rsplit(".", 1)[1].lstrip("_")
     for source in compiled_sources(module):
         assert (KERNELS_DIR / source).is_file(), f"{module.__name__}: {source} does not exist"
         assert Path(source).name.startswith(stem), f"{module.__name__} compiles {source}: not named like the module"

@@ -1,0 +1,150 @@
+"""Cost of SGLang's Hopper pre-dispatch (``deep_gemm.mega_moe_pre_dispatch_sm90``) under CUDA-graph replay.
+
+Two implementations of the same staging on identical inputs, each captured as one call in a CUDA graph and timed by
+replay (BENCH_PROTOCOL.md windows: 10 warm-up + 30 measured windows of 100 replays, L2 flushed between windows):
+
+* ``fused``: the facade's call, one launch of ``kernels/sm90/predispatch.cu``;
+* ``torch_ops``: the same arithmetic as a chain of torch ops on the GPU (``quant.quantize_fp8_pre_dispatch``, the
+  routing copies and the padding fills), the form the facade had before the kernel.
+
+Per point: BF16 tokens ``[T, H]`` (int32 ids, FP32 weights, routed scaling 2.5 as SGLang's DeepSeek-V3 config) into
+views of ``capacity`` rows (SGLang's default 8192, so the padding fill of ``(capacity - T) * k`` slots is included).
+``floor_us``: the bytes the call must move (tokens in, payload and scales out, routing in and out, padding) over the
+copy bandwidth measured in the same run. ``bit_exact``: the two outputs agree in every byte. Target: fused <= 4 us at
+every T <= 256.
+
+``python bench/predispatch_sm90.py --out bench/results/predispatch_sm90.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows
+
+import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import quant
+from gc_moe_compat.config import SWEEP_TOKENS
+
+SHAPES = {"dsv41-flash": (5120, 6), "glm52": (6144, 8), "deepseek-v3": (7168, 8)}
+"""Preset: (hidden H, top-k)."""
+CAPACITY = 8192
+FACTOR = 2.5
+TARGET_US = 4.0
+
+
+def make_call(name: str, hidden: int, topk: int, tokens: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """The staging call ``name`` for one point, with its inputs and output views (allocated once)."""
+    g = torch.Generator().manual_seed(tokens * 131 + hidden)
+    x = (torch.randn(tokens, hidden, generator=g) * 3.0).to("cuda", torch.bfloat16)
+    idx = torch.randint(0, 256, (tokens, topk), generator=g, dtype=torch.int32).cuda()
+    w = torch.rand(tokens, topk, generator=g).cuda()
+    views = [torch.empty(CAPACITY, hidden, dtype=torch.float8_e4m3fn, device="cuda"),
+             torch.empty(CAPACITY, hidden // 128, dtype=torch.float32, device="cuda"),
+             torch.empty(CAPACITY, topk, dtype=torch.int64, device="cuda"),
+             torch.empty(CAPACITY, topk, dtype=torch.float32, device="cuda")]
+    bx, bsf, bidx, bw = views
+    factor = torch.full((1,), FACTOR, dtype=torch.float32, device="cuda")
+
+    def fused() -> None:
+        dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=tokens, routed_scaling_factor=FACTOR)
+
+    def torch_ops() -> None:
+        q, s = quant.quantize_fp8_pre_dispatch(x, "fp32x128")
+        bx[:tokens].copy_(q)
+        bsf[:tokens].copy_(s)
+        bidx[:tokens].copy_(idx)
+        bw[:tokens].copy_(w * factor)
+        bidx[tokens:].fill_(-1)
+        bw[tokens:].fill_(0.0)
+
+    return {"fused": fused, "torch_ops": torch_ops}[name], views
+
+
+def replay_us(call: Callable[[], None], warmup: int, windows: int) -> float:
+    """Median per-replay microseconds of a graph holding one ``call``."""
+    call()  # compile / load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+
+    def window() -> None:
+        for _ in range(PER_WINDOW):
+            graph.replay()
+
+    device_us, _ = timed_windows(window, warmup, windows)
+    return statistics.median(device_us)
+
+
+def floor_bytes(hidden: int, topk: int, tokens: int) -> int:
+    """Bytes one call must read and write: BF16 tokens in, E4M3 payload and FP32 scales out, int32 ids and FP32
+    weights in, int64 ids and FP32 weights out for every capacity row (written or padded)."""
+    return tokens * (2 * hidden + hidden + 4 * hidden // 128 + 8 * topk) + CAPACITY * topk * 12
+
+
+def point(preset: str, tokens: int, bandwidth: float, warmup: int, windows: int) -> dict[str, object]:
+    hidden, topk = SHAPES[preset]
+    result: dict[str, object] = {"preset": preset, "tokens": tokens, "hidden": hidden, "topk": topk}
+    outputs = {}
+    for name in ("fused", "torch_ops"):
+        call, views = make_call(name, hidden, topk, tokens)
+        result[f"{name}_us"] = replay_us(call, warmup, windows)
+        bx, bsf, bidx, bw = views
+        outputs[name] = [t.view(torch.uint8).clone() for t in (bx[:tokens], bsf[:tokens], bidx, bw)]
+    result["bit_exact"] = all(torch.equal(a, b) for a, b in zip(outputs["fused"], outputs["torch_ops"], strict=True))
+    result["floor_us"] = floor_bytes(hidden, topk, tokens) / bandwidth * 1e6
+    result["speedup"] = result["torch_ops_us"] / result["fused_us"]
+    result["meets_target"] = result["fused_us"] <= TARGET_US
+    return result
+
+
+def plot(points: list[dict[str, object]], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for preset in SHAPES:
+        rows = [p for p in points if p["preset"] == preset]
+        t = [p["tokens"] for p in rows]
+        ax.plot(t, [p["fused_us"] for p in rows], marker="o", label=f"{preset} fused")
+        ax.plot(t, [p["torch_ops_us"] for p in rows], marker="x", linestyle="--", label=f"{preset} torch ops")
+    ax.axhline(TARGET_US, color="grey", linestyle=":", label="target 4 us")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank T")
+    ax.set_ylabel("us per call (graph replay)")
+    ax.set_title(f"mega_moe_pre_dispatch_sm90, capacity {CAPACITY}, one H200")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/predispatch_sm90.json")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=30)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    points = [point(p, t, bandwidth, args.warmup, args.windows) for p in SHAPES for t in SWEEP_TOKENS]
+    meta = result_meta("bench/predispatch_sm90.py", sys.argv[1:], {"mode": "whole device (no partition)"})
+    meta.update({"capacity": CAPACITY, "routed_scaling_factor": FACTOR, "copy_bandwidth_Bps": bandwidth,
+                 "target_us": TARGET_US})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    plot(points, args.out.with_suffix(".png"))
+    print("| preset | T | fused us | torch ops us | floor us | x torch ops | bit-exact |")
+    print("|---|---|---|---|---|---|---|")
+    for p in points:
+        print(f"| {p['preset']} | {p['tokens']} | {p['fused_us']:.2f} | {p['torch_ops_us']:.2f} | "
+              f"{p['floor_us']:.2f} | {p['speedup']:.1f} | {'yes' if p['bit_exact'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
