@@ -129,9 +129,9 @@ def _gather_rows(x: torch.Tensor, dim: int, src: torch.Tensor) -> torch.Tensor:
 
 
 def gate_up_source_rows(
-    num_rows: int, group: int = GATE_UP_GROUP, device: torch.device | str | None = None
+    num_rows: int, group: int = GATE_UP_GROUP, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Source map of the gate/up interleave: the original row placed at interleaved row ``p``.
+    """Source map of the gate/up interleave: the original row placed at interleaved row ``p`` (int64, on ``device``).
 
     With ``I = num_rows / 2`` (gate rows ``[0, I)``, up rows ``[I, 2I)``) and ``p = 2*group*j + group*h + i``
     (``h = 0`` gate, ``h = 1`` up, ``i < group``), the source row is ``h*I + group*j + i``. The kernel uses this map
@@ -323,19 +323,20 @@ def utccp_permute_scales(sf: torch.Tensor) -> torch.Tensor:
     ``align(BM, 128)``), never silent. Any dtype (packed int32 UE8M0, uint8 codes, float32).
     """
     sf = _check_utccp(sf)
-    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device))
+    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device, dtype=torch.int64))
     return _gather_rows(sf, sf.dim() - 2, _invert(dest))
 
 
 def utccp_unpermute_scales(sf: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`utccp_permute_scales`: UTCCP-ordered ``[..., MN, G]`` back to natural MN row order."""
     sf = _check_utccp(sf)
-    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device))
+    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device, dtype=torch.int64))
     return _gather_rows(sf, sf.dim() - 2, dest)
 
 
-def shared_scale_rows(num_tokens: int, block_m: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Destination rows of the shared-expert activation scales, paper Eq. (3), as an int64 tensor ``[num_tokens]``.
+def shared_scale_rows(num_tokens: int, block_m: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Destination rows of the shared-expert activation scales, paper Eq. (3), as an int64 tensor ``[num_tokens]`` on
+    ``device``.
 
     ``row(t) = floor(t/BM) * align(BM, 128) + utccp_row_position(t mod BM)``: token block ``floor(t/BM)`` owns
     ``align(BM, 128)`` rows, and inside it the token index ``u`` is placed by the UTCCP permutation (expanding
@@ -402,9 +403,9 @@ def stage_shared_scales(
 
 @functools.cache
 def _lut_cpu() -> torch.Tensor:
-    codes = torch.arange(16, dtype=torch.uint8)
+    codes = torch.arange(16, dtype=torch.uint8, device="cpu")
     mag = e2m1_decode(codes & 7).to(torch.float32)
-    shifts = torch.arange(FP4_SHIFT_LUT_MAX + 1, dtype=torch.float32)
+    shifts = torch.arange(FP4_SHIFT_LUT_MAX + 1, dtype=torch.float32, device="cpu")
     scaled = mag[None, :] * torch.exp2(-shifts)[:, None]
     return (e2m1_encode(scaled).to(torch.uint8) & 7) | (codes & 8)[None, :]
 

@@ -295,8 +295,10 @@ def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num
 
 def new_status_mirror(device: torch.device) -> torch.Tensor:
     """The zeroed ``[4, 32]`` uint8 mirror of the status records: pinned host memory for a CUDA workspace (the
-    kernels store into it through its unified address), plain memory otherwise."""
-    return torch.zeros(4, ctypes.sizeof(KernelStatus), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    kernels store into it through its unified address), plain memory otherwise. Host memory under any torch default
+    device (``pin_memory`` needs a CPU tensor)."""
+    return torch.zeros(4, ctypes.sizeof(KernelStatus), dtype=torch.uint8, device="cpu",
+                       pin_memory=device.type == "cuda")
 
 
 def check_rank_count(num_ranks: int) -> None:

@@ -57,7 +57,7 @@ def _allocate(layout: OperatorLayout, group: dist.ProcessGroup) -> tuple[torch.T
     if group.size() != 1:
         raise RuntimeError(f"group: a group of {group.size()} ranks needs CUDA symmetric memory; no CUDA device "
                            "is visible")
-    storage = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device="cpu")
     return storage, make_peer_table([storage.data_ptr()], 0)
 
 

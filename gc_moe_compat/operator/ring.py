@@ -308,7 +308,7 @@ def pool_table(counts: torch.Tensor, plan: RingPlan) -> torch.Tensor:
     bm = plan.block_m
     blocks = [(expert, min(bm, n - start)) for expert, n in enumerate(counts.tolist()) for start in range(0, n, bm)]
     table = [(expert, valid, plan.slot(p)[0] * bm) for p, (expert, valid) in enumerate(blocks)]
-    return torch.tensor(table, dtype=torch.int32).reshape(-1, 3)
+    return torch.tensor(table, dtype=torch.int32, device="cpu").reshape(-1, 3)
 
 
 def pool_rows(received: list[torch.Tensor], plan: RingPlan) -> torch.Tensor:
@@ -325,10 +325,10 @@ def pool_rows(received: list[torch.Tensor], plan: RingPlan) -> torch.Tensor:
         if rows.dim() != 2 or rows.shape[1] != 3:
             raise ValueError(f"received[{expert}]: must be [n, 3] (src_rank, src_token, slot), got {tuple(rows.shape)}")
         n = rows.shape[0]
-        i = torch.arange(n, dtype=torch.int64)
+        i = torch.arange(n, dtype=torch.int64, device=rows.device)
         block = first + i // plan.block_m
         gen = block // plan.ring_blocks
         ring_row = (block % plan.ring_blocks) * plan.block_m + i % plan.block_m
         out.append(torch.stack([block, gen, ring_row, torch.full_like(i, expert), *rows.to(torch.int64).unbind(1)], 1))
         first += math.ceil(n / plan.block_m)
-    return torch.cat(out) if out else torch.zeros(0, 7, dtype=torch.int64)
+    return torch.cat(out) if out else torch.zeros(0, 7, dtype=torch.int64, device="cpu")

@@ -133,7 +133,7 @@ class SymmetricWorkspace:
     def region(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """This rank's region ``name`` as a 1-D tensor of ``dtype``."""
         r = self._region(name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if r.offset % itemsize or r.nbytes % itemsize:
             raise ValueError(f"region {name!r} ({r.offset}+{r.nbytes}) is not a whole number of {dtype}")
         return self.buffer[r.offset : r.offset + r.nbytes].view(dtype)

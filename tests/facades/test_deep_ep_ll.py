@@ -4,8 +4,9 @@
 Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8, power-of-two scales, UE8M0, BF16),
 int64/int32 routing with holes, a rank without tokens, hook and async variants, two dispatches in flight, 200
 consecutive calls, cumulative statistics, a captured CUDA graph replayed with fresh inputs, and (two ranks) a missing
-peer ending in ``DeviceTimeoutError`` followed by a working new Buffer, and an expert id >= num_experts reported
-(synchronously, and by the call after an asynchronous one).
+peer ending in ``DeviceTimeoutError`` followed by a working new Buffer, an expert id >= num_experts reported
+(synchronously, and by the call after an asynchronous one), and a round under ``torch.set_default_device('cuda')``
+(DeepEP's own test harness sets it; the facade's allocations must name their device).
 """
 
 from __future__ import annotations
@@ -44,3 +45,7 @@ def test_deep_ep_low_latency_missing_peer_times_out() -> None:
 def test_deep_ep_low_latency_out_of_range_expert_is_reported() -> None:
     run_suite("bad_ids", 1, "expert id >= E (synchronous) -> DeviceCheckError", "expert id >= E (async) -> next call",
               "clean calls after the reported errors bit-exact")
+
+
+def test_deep_ep_low_latency_under_default_device_cuda() -> None:
+    run_suite("default_device", 1, "dispatch + combine under torch.set_default_device('cuda') bit-exact")

@@ -9,7 +9,8 @@ and int32 routing, holes, a rank with no tokens, hook and async variants, two di
 fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
 ``timeout`` (rank 1 stays away; rank 0 gets DeviceTimeoutError; a new Buffer then works on both ranks), ``bad_ids``
 (an expert id >= num_experts: DeviceCheckError from the synchronous call, and from the call after an asynchronous
-one).
+one), ``default_device`` (a Buffer, a dispatch and a combine under ``torch.set_default_device('cuda')``, as DeepEP's
+own test harness runs them).
 """
 
 from __future__ import annotations
@@ -244,5 +245,29 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     print(f"rank {rank}: clean calls after the reported errors bit-exact", flush=True)
 
 
+def suite_default_device(rank: int, ranks: int) -> None:
+    """DeepEP's test harness calls ``torch.set_default_device('cuda')`` first: a new Buffer, its first dispatch (which
+    creates the pinned status mirror) and a combine into a facade-allocated output under it, bit for bit against the
+    references. Inputs and references are built (and checked) under torch's own defaults: they are this worker's
+    host code, not the facade's."""
+    inp = Inputs(31, ranks, [TMAX] * ranks, torch.int64)
+    outs = expert_outputs(ranks, [[len(r) for r in inp.plan.rows[q]] for q in range(ranks)], 32)
+    want = combine_reference(rank, inp.idx[rank], inp.w[rank], outs, inp.plan)
+    torch.set_default_device("cuda")
+    try:
+        buf = ll_buffer(ranks)
+        idx = inp.idx[rank].cuda()
+        recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx, TMAX, experts_for(ranks))
+        combined, _, _ = buf.low_latency_combine(outs[rank].cuda(), idx, inp.w[rank].cuda(), handle)
+        torch.cuda.synchronize()
+    finally:
+        torch.set_default_device(None)
+    check_dispatch(rank, inp, recv, count, "plain")
+    assert torch.equal(combined.cpu().view(torch.int16), want.view(torch.int16)), (
+        f"combine differs in {(combined.cpu() != want).sum().item()} elements")
+    print(f"rank {rank}: dispatch + combine under torch.set_default_device('cuda') bit-exact", flush=True)
+
+
 if __name__ == "__main__":
-    run_suite({"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids})
+    run_suite({"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids,
+               "default_device": suite_default_device})

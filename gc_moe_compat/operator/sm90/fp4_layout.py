@@ -105,11 +105,12 @@ def decode_units(units: torch.Tensor) -> torch.Tensor:
     q = units[..., :CODE_BYTES].reshape(e, kb, ns, 4, 2, 32, 4, 4).to(torch.int64)
     w = q[..., 0] | (q[..., 1] << 8) | (q[..., 2] << 16) | (q[..., 3] << 24)  # [E, kb, slab, w, half, lane, word]
     d = units[..., CODE_BYTES:].reshape(e, kb, ns, 4, 8, 2, 4).to(torch.int64)  # [E, kb, slab, w, g, r, k32]
-    lane = torch.arange(32)
+    lane = torch.arange(32, dtype=torch.int64, device=units.device)
     d = d[:, :, :, :, lane // 4]  # [E, kb, slab, w, lane, r, k32]
     hi = d * 0x08080808 + 0x1C181410
     lo = torch.clamp(d * 0x08080800 + 0x0C080000, min=0x0C080400)
-    out = torch.zeros(e, kb, ns, 4, 2, 8, 4, 2, 4, 4, dtype=torch.int64)  # [.., w, r, g, k32, R, t, byte]
+    # [.., w, r, g, k32, R, t, byte]
+    out = torch.zeros(e, kb, ns, 4, 2, 8, 4, 2, 4, 4, dtype=torch.int64, device=units.device)
     for k32 in range(4):
         for r in range(2):
             word = w[:, :, :, :, k32 // 2, :, 2 * (k32 % 2) + r]  # [E, kb, slab, w, lane]

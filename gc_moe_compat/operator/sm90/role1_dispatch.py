@@ -196,7 +196,7 @@ def assign_rows(counts: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, tor
     block_start = torch.cumsum(blocks, 0) - blocks
     src_start = torch.cumsum(counts, 0) - counts  # [P, e]: first row of (src, le) inside le
     n_rows, n_blocks = int(per_expert.sum()), int(blocks.sum())
-    j = torch.arange(n_rows, dtype=torch.int64)
+    j = torch.arange(n_rows, dtype=torch.int64, device=counts.device)
     le = torch.searchsorted(row_start, j, right=True) - 1
     i = j - row_start[le]
     src = (src_start.t()[le] <= i[:, None]).sum(1) - 1  # largest src whose first row is <= i
@@ -205,7 +205,7 @@ def assign_rows(counts: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, tor
     valid = torch.clamp(per_expert[le] - (i // bm) * bm, max=bm)
     inc = torch.where(i % bm == valid - 1, 1 + bm - valid, torch.ones_like(valid))
     rows = torch.stack([le, src, pos, block, block // r, (block % r) * bm + i % bm, valid, inc], 1)
-    q = torch.arange(n_blocks, dtype=torch.int64)
+    q = torch.arange(n_blocks, dtype=torch.int64, device=counts.device)
     q_le = torch.searchsorted(block_start, q, right=True) - 1
     q_valid = torch.clamp(per_expert[q_le] - (q - block_start[q_le]) * bm, max=bm)
     table = torch.stack([q_le, q_valid, (q % r) * bm], 1).to(torch.int32)
