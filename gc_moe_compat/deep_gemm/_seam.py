@@ -11,7 +11,9 @@ hold and runs the native operator (:mod:`gc_moe_compat.operator.api`):
   and SGLang's ``build_sm90_mega_moe_experts_weights`` leave them) become :class:`~gc_moe_compat.operator.api.
   GcMoeWeights` once per weight tensor and buffer (:func:`operator_weights`), never per call: FP8xFP8 pairs are
   already the operator's layout and are wrapped without a copy; FP8xFP4 pairs are de-interleaved and go through
-  :func:`gc_moe_compat.operator.api.transform_weights_for_gc_moe` (the window repack makes new tensors).
+  :func:`gc_moe_compat.operator.api.transform_weights_for_gc_moe` (the window repack makes new tensors). A copy is
+  rebuilt when its source's version counter moves; inference tensors have none, so their copies are refused
+  (:func:`operator_weights` says why).
 * **Options.** ``activation_clamp`` and ``fast_math`` are the operator's; ``cumulative_local_expert_recv_stats`` is
   incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert (role4, not built) raises
   ``NotImplementedError`` from the native API, naming it.
@@ -56,7 +58,8 @@ def workspace_view(buffer: Any, name: str) -> torch.Tensor:
 @dataclass
 class _Converted:
     """One converted pair: the source tensors (kept, so their ``id`` stays unique), their version counters when
-    converted, and the operator's weights."""
+    converted (None only for an inference tensor the weights alias, never for one they copy), and the operator's
+    weights."""
 
     sources: _Pair
     versions: tuple[int | None, int | None]
@@ -73,9 +76,29 @@ def _identity(t: torch.Tensor) -> tuple:
 
 
 def _versions(pair: _Pair) -> tuple[int | None, int | None]:
-    """Version counters of a pair (None for an inference tensor, which has none and cannot change outside
-    inference mode)."""
+    """Version counters of a pair (None for an inference tensor, which has none: it can still be updated in place
+    inside ``torch.inference_mode()``, so None is only safe where the weights alias the tensor)."""
     return tuple(None if t.is_inference() else t._version for t in pair)
+
+
+def _copied(mma_type: str, pair: _Pair) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``pair`` whose conversion is a copy (every one for FP8xFP4, the non-contiguous ones for
+    FP8xFP8, whose contiguous tensors are wrapped as they are)."""
+    return tuple(t for t in pair if mma_type == "fp8xfp4" or not t.is_contiguous())
+
+
+def _refuse_uncached_copies(mma_type: str, gemm: str, pair: _Pair) -> None:
+    """``ValueError`` when a tensor the conversion of ``pair`` copies is an inference tensor (see
+    :func:`operator_weights`)."""
+    copied = _copied(mma_type, pair)
+    for i, t in enumerate(pair):
+        if t.is_inference() and any(t is c for c in copied):
+            what = "repacked" if mma_type == "fp8xfp4" else "contiguous"
+            raise ValueError(
+                f"{gemm}_weights[{i}]: is an inference tensor (made under torch.inference_mode()), which has no "
+                f"version counter, so an in-place update of it (EPLB moving expert slices) could not be seen and "
+                f"its {mma_type} conversion, a {what} copy, would silently go stale; make the weights outside "
+                f"inference mode, or clone them there once (with torch.inference_mode(False): w = w.clone())")
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -99,8 +122,26 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
     """The operator's weights for DeepGEMM-layout ``(l1, l2)`` pairs, converted once per weight tensor and buffer.
 
     A pair is looked up by the identity of its two tensors (``id``, data pointer, shape, strides, dtype, device) and
-    reconverted when one's version counter moved (an in-place update through that tensor). The FP8xFP8 conversion is
-    zero-copy when the tensors are contiguous, so in-place updates through other aliases (EPLB) are seen too.
+    reconverted when one's version counter moved (an in-place update through that tensor or a view of it, inside
+    ``torch.inference_mode()`` too). The FP8xFP8 conversion is zero-copy when the tensors are contiguous: the weights
+    alias the caller's memory, so no update of it, through any alias, can leave them stale.
+
+    **Inference tensors** (made under ``torch.inference_mode()``) have no version counter, yet can be updated in
+    place inside inference mode, so a copy of one cannot be cached by identity. A pair whose conversion copies such a
+    tensor (any FP8xFP4 pair; a non-contiguous FP8 tensor) raises ``ValueError`` naming it; a contiguous FP8xFP8 one
+    is wrapped, as it cannot go stale. Refusing is the only rule that is both cheap and never stale:
+
+    * re-converting every call would repack the layer's weights per call (more memory traffic than the GEMMs that
+      read them once), hand the native API new weights every call (its per-buffer graph cache keys on them) and is
+      impossible inside CUDA graph capture, where the decode steps run;
+    * a content fingerprint that provably sees every change must read every byte (an EPLB move may change one
+      expert's slice only) and synchronise with the host on every call, which capture forbids too.
+
+    The fix is one line for the caller, made once: create or clone the weights outside inference mode.
+
+    Not seen by the version counter, so the caller must pass new tensors after them: writes through a tensor that
+    shares the storage but not the counter (``.data``, another tensor over the same storage, raw pointers) and any
+    update between replays of a captured graph (the graph holds the converted weights; no host code runs).
     A conversion that needs device work (an FP8xFP4 repack, a non-contiguous FP8 tensor) inside CUDA graph capture
     raises ``RuntimeError``: call once eagerly before capturing.
     """
@@ -115,8 +156,10 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
             hits[gemm] = entry.weights
     if len(hits) < 2:
         need = ("l1" not in hits, "l2" not in hits)
-        copies = mma_type == "fp8xfp4" or not all(t.is_contiguous() for gemm, w in zip(pairs, need, strict=True)
-                                                  if w for t in pairs[gemm])
+        for gemm, want in zip(pairs, need, strict=True):
+            if want:
+                _refuse_uncached_copies(mma_type, gemm, pairs[gemm])
+        copies = any(_copied(mma_type, pairs[gemm]) for gemm, want in zip(pairs, need, strict=True) if want)
         if copies and _capturing(l1_weights[0]):
             raise RuntimeError(f"l1_weights/l2_weights: converting them for the {mma_type} operator needs device "
                                "copies, which a CUDA graph capture would record; make one eager call with these "

@@ -236,3 +236,114 @@ def test_fp8_fp4_mega_moe_with_a_shared_expert_needs_role4(group: dist.ProcessGr
     s2 = (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), torch.full((1, H, N_I // 32), 127, dtype=codes))
     with pytest.raises(NotImplementedError, match="role4 fused shared expert"):
         dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=s1, shared_l2_weights=s2)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Staleness of the converted weights (issue 19, item 6)
+
+
+_TRANSFORM = api.transform_weights_for_gc_moe  # the reference transform, not counted by _Conversions
+
+
+class _Conversions:
+    """Counts the FP8xFP4 repacks (``api.transform_weights_for_gc_moe``, which the seam calls per conversion)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._transform = api.transform_weights_for_gc_moe
+        monkeypatch.setattr(api, "transform_weights_for_gc_moe", self._counted)
+
+    def _counted(self, *args: object, **kw: object) -> tuple[api.GcMoeWeights, api.GcMoeWeights]:
+        self.count += 1
+        return self._transform(*args, **kw)
+
+
+def _move_expert(pairs: tuple[_Pair, _Pair], src: int, dst: int) -> None:
+    """EPLB's in-place update: expert ``dst``'s slices of every tensor become expert ``src``'s."""
+    for pair in pairs:
+        for t in pair:
+            t[dst].copy_(t[src])
+
+
+def _moved_reference(src: int, dst: int) -> tuple[api.GcMoeWeights, api.GcMoeWeights]:
+    canonical = tuple(tuple(t.clone() for t in pair) for pair in _fp4_canonical())
+    _move_expert(canonical, src, dst)  # per-expert slices: the move commutes with the interleave and the repack
+    return _TRANSFORM(*canonical, mma_type="fp8xfp4")
+
+
+@pytest.mark.parametrize("update_mode", ["plain", "inference_mode"])
+def test_fp4_weights_updated_in_place_are_repacked_again(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                         update_mode: str) -> None:
+    """Normal tensors moved in place (also inside inference_mode, as a serving loop runs EPLB): the next call
+    repacks them and sees the new values; unchanged weights are repacked once."""
+    conversions = _Conversions(monkeypatch)
+    sym = _sym(group)
+    l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+    w1, w2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
+    for _ in range(3):
+        assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
+    assert conversions.count == 1
+    if update_mode == "inference_mode":
+        with torch.inference_mode():
+            _move_expert((l1, l2), 1, 0)
+    else:
+        _move_expert((l1, l2), 1, 0)
+    v1, v2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
+    assert conversions.count == 2 and v1 is not w1 and v2 is not w2
+    assert not torch.equal(v1.payload, w1.payload) and not torch.equal(v2.payload, w2.payload)
+    ref1, ref2 = _moved_reference(1, 0)
+    assert _same_weights(v1, ref1) and _same_weights(v2, ref2)
+    assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (v1, v2) and conversions.count == 2
+    l2[1][3].copy_(l2[1][2])  # only L2's scales: only L2 is repacked
+    u1, u2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
+    assert conversions.count == 3 and u1 is v1 and u2 is not v2 and torch.equal(u2.payload, v2.payload)
+
+
+def test_fp4_inference_tensors_are_refused_not_cached(group: dist.ProcessGroup,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference tensors have no version counter: their repacked copy could go stale unseen, so the seam refuses
+    them (before converting or launching); a clone made outside inference mode is accepted and tracked."""
+    conversions = _Conversions(monkeypatch)
+    sym = _sym(group)
+    with torch.inference_mode():
+        l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+        assert l1[0].is_inference()
+        for _ in range(2):  # created, then updated in place, inside inference mode: never a stale copy
+            with pytest.raises(ValueError, match=r"l1_weights\[0\]: is an inference tensor .* fp8xfp4 conversion, "
+                                                 r"a repacked copy, would silently go stale"):
+                seam.operator_weights(sym, "fp8xfp4", l1, l2)
+            _move_expert((l1, l2), 1, 0)
+    assert conversions.count == 0 and not seam._weight_caches.get(sym.workspace)
+    y = torch.empty(3, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"l1_weights\[0\]: is an inference tensor"):  # before the launch's check
+        dg.fp8_fp4_mega_moe(y, l1, l2, sym)
+    normal_l1 = tuple(t.clone() for t in l1)  # the fix the message names: a clone outside inference mode
+    with pytest.raises(ValueError, match=r"l2_weights\[0\]: is an inference tensor"):
+        seam.operator_weights(sym, "fp8xfp4", normal_l1, l2)
+    normal_l2 = tuple(t.clone() for t in l2)
+    w1, w2 = seam.operator_weights(sym, "fp8xfp4", normal_l1, normal_l2)
+    ref1, ref2 = _moved_reference(1, 0)
+    assert conversions.count == 1 and _same_weights(w1, ref1) and _same_weights(w2, ref2)
+    with torch.inference_mode():
+        _move_expert((normal_l1, normal_l2), 2, 0)
+    assert seam.operator_weights(sym, "fp8xfp4", normal_l1, normal_l2)[0] is not w1 and conversions.count == 2
+
+
+def test_fp8_inference_tensors_stay_zero_copy_and_cannot_go_stale(group: dist.ProcessGroup) -> None:
+    """Contiguous FP8xFP8 weights alias the caller's tensors, inference tensors included: an in-place update is in
+    the operator's weights at once. A non-contiguous inference tensor would be copied: refused."""
+    sym = _sym(group)
+    with torch.inference_mode():
+        l1, l2 = _fp8_deepgemm()
+        w1, w2 = seam.operator_weights(sym, "fp8xfp8", l1, l2)
+        assert w1.payload is l1[0] and w1.scales is l1[1] and w2.payload is l2[0] and w2.scales is l2[1]
+        l2[1].mul_(2)
+        l1[0][0].copy_(l1[0][1])
+        v1, v2 = seam.operator_weights(sym, "fp8xfp8", l1, l2)
+        assert v1.payload is l1[0] and v2.scales is l2[1] and torch.equal(_bits(v1.payload[0]), _bits(l1[0][1]))
+        strided = torch.empty(E, 2 * N_I, 2 * H, dtype=l1[0].dtype)[..., ::2]
+        strided.view(torch.uint8).copy_(l1[0].view(torch.uint8))
+        with pytest.raises(ValueError, match=r"l1_weights\[0\]: is an inference tensor .* fp8xfp8 conversion, a "
+                                             r"contiguous copy"):
+            seam.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)
+        assert seam.operator_weights(sym, "fp8xfp8", (strided.clone(), l1[1]), l2)[0].payload.is_inference()
