@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from gc_moe_compat import config
-from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
+from gc_moe_compat.operator.buffer import GcMoeBuffer, boolean, exclusive, get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
 from gc_moe_compat.operator.sm90 import layer, role2_gemm
@@ -173,6 +173,7 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
     if buffer.storage is None:
         raise ValueError(f"{fn}: buffer: was destroyed")
     shape = buffer.shape
+    boolean(fn, "check_values", check_values)  # before validate_call reads it: None would skip the value checks
     try:
         if shape.mma_type != mma_type:
             raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
@@ -187,10 +188,8 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         _finite("activation_alpha", activation_alpha)
         if activation_clamp is not None:
             _finite("activation_clamp", activation_clamp, positive=True)
-        if not isinstance(check_values, bool):
-            raise TypeError(f"check_values: must be a bool, got {type(check_values).__name__}")
         if not isinstance(fast_math, bool):
-            raise TypeError(f"fast_math: must be a bool, got {type(fast_math).__name__}")
+            raise TypeError(f"fast_math: must be a bool, got {type(fast_math).__name__} ({fast_math!r})")
         recv_stats = _recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc

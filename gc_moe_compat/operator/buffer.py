@@ -36,16 +36,47 @@ from gc_moe_compat.runtime.green import device_sms
 from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
-__all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
+__all__ = ["MAX_SMS", "GcMoeBuffer", "boolean", "exclusive", "get_symm_buffer_for_gc_moe", "integer"]
+
+MAX_SMS = 1024
+"""Upper bound of every SM count the callers pass (no GPU has more; an H200 has 132): the ring grows with the
+compute SMs, so an absurd count would size an absurd workspace."""
+
+
+def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) -> int:
+    """A Python int (not bool) in ``[lo, hi]``: ``TypeError`` for another type, ``ValueError`` out of range.
+
+    The one integer check of the operator's buffer and of both facades (``deep_gemm._checks`` re-exports it), kept
+    here, the lowest layer they all import, so the native API and the facades word it alike."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
+    return value
+
+
+def boolean(fn: str, arg: str, value: object, *, none_ok: bool = False) -> bool | None:
+    """A Python bool (``None`` too when ``none_ok``: DeepEP's / DeepGEMM's "auto" defaults), else ``TypeError``.
+
+    Why: flags are read by truth value, so ``'no'`` would silently mean True and ``None`` False. Shared by the
+    native API and both facades (``deep_gemm._checks`` re-exports it)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return value
+    allowed = "a bool or None" if none_ok else "a bool"
+    raise TypeError(f"{fn}: {arg} must be {allowed}, got {type(value).__name__} ({value!r})")
+
 
 def _dispatch_request(dispatch_sms: object) -> int:
-    """The dispatch SM request (argument > environment > default), checked for type and the >= 2 rule."""
-    if dispatch_sms is not None and (isinstance(dispatch_sms, bool) or not isinstance(dispatch_sms, int)):
-        raise TypeError(f"dispatch_sms: must be an int or None, got {type(dispatch_sms).__name__}")
+    """The dispatch SM request (argument > environment > default), checked for type and ``[2, MAX_SMS]``."""
+    fn = "get_symm_buffer_for_gc_moe"
+    if dispatch_sms is not None:
+        integer(fn, "dispatch_sms", dispatch_sms, MIN_DISPATCH_SMS, MAX_SMS)
     request = dispatch_request(dispatch_sms)
-    if request < MIN_DISPATCH_SMS:
-        raise ValueError(f"dispatch_sms: must be >= {MIN_DISPATCH_SMS} (role1 needs a grid of >= 2 CTAs), "
-                         f"got {request}")
+    if not MIN_DISPATCH_SMS <= request <= MAX_SMS:  # from the environment
+        raise ValueError(f"{fn}: dispatch_sms must be in [{MIN_DISPATCH_SMS}, {MAX_SMS}] (role1 needs a grid of "
+                         f">= 2 CTAs; no GPU has more SMs), got {request} (GC_MOE_DISPATCH_SMS / "
+                         "GC_MOE_SM90_DISPATCH_SMS)")
     return request
 
 
@@ -200,9 +231,11 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
     config.validate(shape)
     mode = partition_mode(partition)
     request = _dispatch_request(dispatch_sms)
-    if compute_sms is not None and (isinstance(compute_sms, bool) or not isinstance(compute_sms, int)
-                                    or compute_sms < 1):
-        raise ValueError(f"compute_sms: must be an int >= 1 or None, got {compute_sms!r}")
+    if compute_sms is not None:
+        integer("get_symm_buffer_for_gc_moe", "compute_sms", compute_sms, 2, MAX_SMS)
+        if compute_sms % 2:
+            raise ValueError(f"get_symm_buffer_for_gc_moe: compute_sms must be even (the compute partition is "
+                             f"allocated in SM pairs), got {compute_sms}")
     if torch.cuda.is_available():
         dispatch, device_compute = device_sms(mode, request)
     elif compute_sms is None:

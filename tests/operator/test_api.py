@@ -115,17 +115,25 @@ def test_buffer_dispatch_sms_from_environment(group: dist.ProcessGroup, monkeypa
     monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "8")
     assert _buffer(group).dispatch_sms == 8
     assert _buffer(group, dispatch_sms=3).dispatch_sms == 3  # the argument wins
+    monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "100000")  # an absurd request from the environment is refused too
+    with pytest.raises(ValueError, match="dispatch_sms must be in \\[2, 1024\\] .*, got 100000 \\(GC_MOE_DISPATCH_SMS"):
+        _buffer(group)
     monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "many")
     with pytest.raises(PartitionError, match="GC_MOE_DISPATCH_SMS must be an integer"):
         _buffer(group)
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
-    ({"dispatch_sms": 1}, ValueError, "dispatch_sms: must be >= 2"),
-    ({"dispatch_sms": 4.0}, TypeError, "dispatch_sms: must be an int"),
+    ({"dispatch_sms": 1}, ValueError, "get_symm_buffer_for_gc_moe: dispatch_sms must be in \\[2, 1024\\], got 1"),
+    ({"dispatch_sms": 10**9}, ValueError, "dispatch_sms must be in \\[2, 1024\\], got 1000000000"),
+    ({"dispatch_sms": 4.0}, TypeError, "dispatch_sms must be an int, got float \\(4.0\\)"),
     ({"partition": "auto"}, ValueError, "partition: must be one of"),
     ({"compute_sms": None}, ValueError, "compute_sms: required on a host without CUDA"),
-    ({"compute_sms": 0}, ValueError, "compute_sms: must be an int >= 1"),
+    ({"compute_sms": 0}, ValueError, "get_symm_buffer_for_gc_moe: compute_sms must be in \\[2, 1024\\], got 0"),
+    ({"compute_sms": 1}, ValueError, "compute_sms must be in \\[2, 1024\\], got 1"),
+    ({"compute_sms": 10**7}, ValueError, "compute_sms must be in \\[2, 1024\\], got 10000000"),
+    ({"compute_sms": 65}, ValueError, "compute_sms must be even .*, got 65"),
+    ({"compute_sms": "64"}, TypeError, "compute_sms must be an int, got str \\('64'\\)"),
     ({"hidden": 384}, ValueError, "hidden: must be a multiple of 256"),
     ({"capacity": 0}, ValueError, "capacity: must be in"),
     ({"mma_type": "fp4xfp4"}, ValueError, "mma_type: must be one of"),
@@ -266,7 +274,9 @@ def _call_args(group: dist.ProcessGroup, compute_sms: int = 64) -> dict:
     ({"activation_alpha": float("nan")}, ValueError, "activation_alpha: must be a finite number"),
     ({"activation_clamp": 0.0}, ValueError, "activation_clamp: must be a finite positive"),
     ({"activation_clamp": "10"}, TypeError, "activation_clamp: must be a float"),
-    ({"check_values": 1}, TypeError, "check_values: must be a bool"),
+    ({"check_values": 1}, TypeError, "check_values must be a bool, got int \\(1\\)"),
+    ({"check_values": None}, TypeError, "check_values must be a bool, got NoneType \\(None\\)"),
+    ({"fast_math": "x"}, TypeError, "fast_math: must be a bool, got str \\('x'\\)"),
     ({"y": torch.empty(4, H)}, TypeError, "y: must be of dtype"),
     ({"y": torch.empty(TMAX + 1, H, dtype=torch.bfloat16)}, ValueError,
      "y.shape\\[0\\] \\(tokens T\\): must be <= capacity=32"),
@@ -299,6 +309,8 @@ def test_call_weight_and_buffer_mismatches(group: dist.ProcessGroup) -> None:
         api.fp8_fp4_gc_moe(**args)
     with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):  # past the checks
         api.fp8_fp4_gc_moe(**args, check_values=False)
+    with pytest.raises(TypeError, match="fp8_fp4_gc_moe: check_values must be a bool, got NoneType"):
+        api.fp8_fp4_gc_moe(**args, check_values=None)  # None used to skip the range check and reach the launch
     args["buffer"].destroy()
     with pytest.raises(ValueError, match="fp8_fp4_gc_moe: buffer: was destroyed"):
         api.fp8_fp4_gc_moe(**args)
