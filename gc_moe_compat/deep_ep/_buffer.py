@@ -17,15 +17,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, LlShape, check_rank_count, required_bytes
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, check_rank_count, required_bytes
 from gc_moe_compat.deep_ep import _low_latency
 from gc_moe_compat.deep_ep._config import NORMAL_MODE_MISSING, Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.operator.buffer import boolean, integer
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["Buffer"]
 
 _Hook = Callable[[], None] | None
+_MAX_BYTES = (1 << 63) - 1
+"""DeepEP's byte counts are C++ ``int64_t``: a larger count is refused here, not overflowed in an allocator."""
+
+
+def _flags(fn: str, **flags: object) -> None:
+    """Every bool flag of a call must be a bool (``TypeError`` naming it): DeepEP reads them by truth value, so
+    ``'no'`` would silently mean True. ``use_fabric`` alone may be None (DeepEP's "auto" default)."""
+    for arg, value in flags.items():
+        boolean(fn, arg, value, none_ok=arg == "use_fabric")
 
 
 def _missing(what: str) -> NotImplementedError:
@@ -50,6 +60,19 @@ class Buffer:
             if comm is not None:
                 raise _missing("an mpi4py communicator (comm=...); pass a torch.distributed group")
             raise ValueError("group: either 'group' or 'comm' must be provided")
+        fn = "Buffer"
+        _flags(fn, low_latency_mode=low_latency_mode,
+               allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
+               use_fabric=use_fabric, explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
+        integer(fn, "num_nvl_bytes", num_nvl_bytes, 0, _MAX_BYTES)
+        integer(fn, "num_rdma_bytes", num_rdma_bytes, 0, _MAX_BYTES)
+        integer(fn, "num_qps_per_rank", num_qps_per_rank, 1)
+        if allow_mnnvl:
+            raise _missing("allow_mnnvl=True (multi-node NVLink: the workspace is torch symmetric memory within one "
+                           "node, with no MNNVL / fabric memory handles)")
+        if use_fabric:
+            raise _missing("use_fabric=True (fabric memory: the workspace is torch symmetric memory, with no "
+                           "fabric memory handles)")
         if enable_shrink:
             raise _missing("enable_shrink (rank masking)")
         if not allow_nvlink_for_low_latency_mode and low_latency_mode:
@@ -61,7 +84,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.workspace: SymmetricWorkspace | None = None
         if low_latency_mode:
-            if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes < HEADER_BYTES:
+            if num_rdma_bytes < HEADER_BYTES:
                 raise ValueError(f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES} (see "
                                  f"Buffer.get_low_latency_rdma_size_hint), got {num_rdma_bytes!r}")
             layout = LayoutPlanner()
@@ -94,9 +117,16 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage)."""
-        check_rank_count(num_ranks)
-        return required_bytes(LlShape(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, HINT_TOPK))
+        """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage). The sizes
+        are checked as the calls check them (``ValueError`` / ``TypeError`` naming the argument), so the hint is
+        never negative, fractional, NaN or smaller than a call of these sizes needs."""
+        fn = "get_low_latency_rdma_size_hint"
+        check_rank_count(integer(fn, "num_ranks", num_ranks, 0))  # 0: check_rank_count names the rule
+        try:
+            shape = _low_latency.ll_shape(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, HINT_TOPK)
+        except ValueError as exc:
+            raise ValueError(f"{fn}: {exc}") from exc
+        return required_bytes(shape)
 
     def get_comm_stream(self) -> torch.Stream:
         """Not implemented: the facade runs on the caller's stream and has no communication stream."""
@@ -163,6 +193,8 @@ class Buffer:
         DeepEP's layout (``recv_x [E/P, P*Tmax, H]`` FP8 with column-major FP32 1x128 scales, or BF16 when
         ``use_fp8=False``; rows ``[0, recv_count[e])`` of expert ``e`` are valid, ordered by source rank, then
         token, then slot)."""
+        _flags("low_latency_dispatch", use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+               use_nvfp4=use_nvfp4, async_finish=async_finish, return_recv_hook=return_recv_hook)
         workspace = self._low_latency_workspace("low_latency_dispatch")
         if dispatch_wait_recv_cost_stats is not None:
             raise _missing("dispatch_wait_recv_cost_stats")
@@ -189,6 +221,8 @@ class Buffer:
         ``packed_recv_count``, ``comp_signal``, ``block_m``, ``threshold`` and ``num_sms`` are the keyword names of
         SGLang's Hopper single-batch overlap; they are accepted so the call binds, and ``overlap=True`` raises
         ``NotImplementedError`` (the operator's green-context overlap replaces that scheme)."""
+        _flags("low_latency_combine", use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+               return_recv_hook=return_recv_hook, overlap=overlap)
         workspace = self._low_latency_workspace("low_latency_combine")
         if use_logfmt:
             raise _missing("use_logfmt (LogFMT combine)")

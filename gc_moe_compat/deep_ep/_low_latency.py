@@ -34,7 +34,7 @@ from gc_moe_compat.comm.ep_ll import (
 )
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
-__all__ = ["LowLatencyHandle", "combine", "dispatch"]
+__all__ = ["LowLatencyHandle", "check_sizes", "combine", "dispatch", "ll_shape"]
 
 Hook = Callable[[], None]
 
@@ -102,15 +102,24 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
     return t
 
 
+def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: object, topk: int) -> LlShape:
+    """The checked sizes of low-latency calls: ``Tmax`` and experts positive ints, hidden a positive multiple of
+    128 (the FP8 scale group), experts a multiple of the ranks and <= ``MAX_EXPERTS``. The one check of the calls
+    and of :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses."""
+    max_tokens = _int("num_max_dispatch_tokens_per_rank", max_tokens, 1)
+    if _int("hidden", hidden, 1) % 128:
+        raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
+    experts = _int("num_experts", num_experts, 1)
+    if experts % num_ranks or experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: must be a multiple of the group size {num_ranks} and <= {MAX_EXPERTS}, got "
+                         f"{experts}")
+    return LlShape(num_ranks, experts, max_tokens, hidden, topk)
+
+
 def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_experts: object,
            topk: int) -> LlShape:
-    ranks = workspace.world_size
-    max_tokens = _int("num_max_dispatch_tokens_per_rank", max_tokens, 1)
-    experts = _int("num_experts", num_experts, 1)
-    if experts % ranks or experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts: must be a multiple of the group size {ranks} and <= {MAX_EXPERTS}, got "
-                         f"{experts}")
-    shape = LlShape(ranks, experts, max_tokens, hidden, topk)
+    shape = ll_shape(workspace.world_size, max_tokens, hidden, num_experts, topk)
+    ranks, max_tokens, experts = shape.num_ranks, shape.max_tokens, shape.num_experts
     need, have = required_bytes(shape), workspace.buffer.numel()
     if need > have:
         raise ValueError(f"num_rdma_bytes: this call (Tmax={max_tokens}, hidden={hidden}, num_experts={experts}, "
@@ -244,6 +253,4 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
 
 def check_sizes(workspace: SymmetricWorkspace, max_tokens: int, hidden: int, num_experts: int) -> None:
     """Raises ``ValueError`` when low-latency calls of these sizes (top-k 1) cannot run on ``workspace``."""
-    if _int("hidden", hidden, 1) % 128:
-        raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
     _shape(workspace, max_tokens, hidden, num_experts, 1)

@@ -168,6 +168,9 @@ def get_symm_buffer_for_mega_moe(group: dist.ProcessGroup,
                                  mma_type: str = 'fp8xfp4',
                                  activation: str = 'swiglu') -> SymmBuffer:
     """DeepGEMM's constructor function; ``use_fp8_dispatch`` is the deprecated spelling of ``mma_type``'s prefix."""
+    fn = "get_symm_buffer_for_mega_moe"
+    _checks.boolean(fn, "use_fp8_dispatch", use_fp8_dispatch, none_ok=True)  # None: derive it from mma_type
+    _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
     if use_fp8_dispatch is not None:
         if use_fp8_dispatch != (mma_type.split('x')[0] == 'fp8'):
             raise ValueError(f"get_symm_buffer_for_mega_moe: use_fp8_dispatch={use_fp8_dispatch!r} contradicts "
@@ -185,6 +188,7 @@ def get_symm_buffer_for_sm90_mega_moe(group: dist.ProcessGroup,
                                       use_fp8_dispatch: bool = True,
                                       activation: str = 'swiglu') -> SymmBuffer:
     """SGLang pin's SM90 constructor: FP8 dispatch only (the layout is the same SM90 layout)."""
+    _checks.boolean("get_symm_buffer_for_sm90_mega_moe", "use_fp8_dispatch", use_fp8_dispatch)
     if use_fp8_dispatch is not True:
         raise NotImplementedError(f"get_symm_buffer_for_sm90_mega_moe: use_fp8_dispatch={use_fp8_dispatch!r}: "
                                   "GC-MoE's SM90 path dispatches FP8 activations only")

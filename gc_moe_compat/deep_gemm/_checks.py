@@ -13,6 +13,9 @@ from collections.abc import Iterable
 import torch
 
 from gc_moe_compat.config import MMA_TYPES, MoEShape
+from gc_moe_compat.operator.buffer import MAX_SMS, boolean, integer
+
+__all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "tensor", "unsupported_feature"]
 
 # DeepGEMM's names for values GC-MoE does not implement (accepted by some DeepGEMM build, so not a caller bug).
 DEEPGEMM_ONLY_MMA_TYPES = ("bf16xbf16", "mxf4xmxf4", "nvfp4xnvfp4")
@@ -42,20 +45,13 @@ def choice(fn: str, arg: str, value: object, supported: Iterable[object], not_im
 
 
 def unsupported_feature(fn: str, arg: str, value: object, default: object, what: str) -> None:
-    """A DeepGEMM feature GC-MoE lacks: only its default (off) value is accepted."""
+    """A DeepGEMM feature GC-MoE lacks: only its default (off) value is accepted. A flag (bool default) must be a
+    bool first, so ``'yes'`` is a ``TypeError`` naming the value rather than a request for the missing feature."""
+    if isinstance(default, bool):
+        boolean(fn, arg, value)
     if value is not default and value != default:
         raise NotImplementedError(f"{fn}: {arg}={value!r} is not supported: GC-MoE has no {what}; "
                                   f"pass {default!r}")
-
-
-def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) -> int:
-    """A Python int (not bool) in ``[lo, hi]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
-    return value
 
 
 def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) -> float:

@@ -47,8 +47,7 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
     _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS, _checks.DEEPGEMM_ONLY_ACTIVATIONS)
     if activation_clamp is not None:
         activation_clamp = _checks.finite_float(fn, "activation_clamp", activation_clamp, positive=True)
-    if not isinstance(fast_math, bool):
-        raise TypeError(f"{fn}: fast_math must be a bool, got {type(fast_math).__name__}")
+    _checks.boolean(fn, "fast_math", fast_math)
     shape = config.MoEShape(
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
         intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,

@@ -38,10 +38,12 @@ def get_num_sms() -> int:
 
 
 def set_num_sms(new_num_sms: int, /) -> None:
-    """Limit the operator to ``new_num_sms`` SMs: ``0 < new_num_sms <= device SMs`` (DeepGEMM's own check)."""
+    """Limit the operator to ``new_num_sms`` SMs: ``0 < new_num_sms <= device SMs`` (DeepGEMM's own check); on a
+    host without CUDA the bound is ``MAX_SMS`` (no GPU has more), so ``10**400`` is refused there too."""
     global _num_sms
     device = _device_num_sms()
-    _num_sms = _checks.integer("set_num_sms", "new_num_sms", new_num_sms, 1, device)
+    _num_sms = _checks.integer("set_num_sms", "new_num_sms", new_num_sms, 1,
+                               _checks.MAX_SMS if device is None else device)
 
 
 def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,

@@ -1,0 +1,211 @@
+"""Issue 19, items 8, 9 and 12: bad flags, sizes and SM counts at the facades' entry points raise ``TypeError`` /
+``ValueError`` / ``NotImplementedError`` naming the function, the argument and the value, before any allocation or
+launch; the originals' defaults keep working. CPU only (the deep_ep low-latency Buffer runs on a fake workspace and
+records its launches instead of running them)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat.comm.ep_ll import HINT_TOPK, LlShape, required_bytes
+from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency
+from gc_moe_compat.deep_gemm import _runtime
+
+T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
+H, N_I, E, K = 512, 256, 16, 4
+
+
+class FakeWorkspace:
+    """CPU stand-in for ``SymmetricWorkspace`` (what the facade reads); counts its allocations."""
+
+    created = 0
+
+    def __init__(self, layout: object, group: dist.ProcessGroup | None = None) -> None:
+        FakeWorkspace.created += 1
+        self.device = torch.device("cpu")
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.buffer = torch.zeros(layout.size, dtype=torch.uint8)
+        self.peer_table = "peer table"
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    recorded: list = []
+    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(kernel))
+    monkeypatch.setattr(_buffer, "SymmetricWorkspace", FakeWorkspace)
+    return recorded
+
+
+@pytest.fixture
+def ll(group: dist.ProcessGroup, launches: list) -> Buffer:
+    return Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS), low_latency_mode=True)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(TOKENS, HIDDEN).to(torch.bfloat16)
+    return x, torch.randint(-1, EXPERTS, (TOKENS, TOPK))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 9: non-bools where bools are meant
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("use_fp8", "no"), ("use_fp8", None), ("round_scale", 2), ("use_ue8m0", 1), ("use_nvfp4", "False"),
+    ("async_finish", "x"), ("return_recv_hook", 0),
+])
+def test_dispatch_flags_must_be_bools(ll: Buffer, launches: list, flag: str, value: object) -> None:
+    x, topk_idx = _inputs()
+    before = (x.clone(), topk_idx.clone())
+    with pytest.raises(TypeError, match=f"low_latency_dispatch: {flag} must be a bool, got {type(value).__name__} "
+                                        f"\\({value!r}\\)"):
+        ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, **{flag: value})
+    assert launches == []
+    assert torch.equal(x, before[0]) and torch.equal(topk_idx, before[1])
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("use_logfmt", "no"), ("zero_copy", 1), ("async_finish", "x"), ("return_recv_hook", None), ("overlap", 0),
+])
+def test_combine_flags_must_be_bools(ll: Buffer, launches: list, flag: str, value: object) -> None:
+    x, topk_idx = _inputs()
+    recv, _, handle, _, hook = ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, use_fp8=False,
+                                                       return_recv_hook=True)
+    hook()
+    launches.clear()
+    with pytest.raises(TypeError, match=f"low_latency_combine: {flag} must be a bool, got {type(value).__name__}"):
+        ll.low_latency_combine(recv, topk_idx, torch.ones(TOKENS, TOPK), handle, **{flag: value})
+    assert launches == []
+
+
+def test_dispatch_and_combine_defaults_still_run(ll: Buffer, launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepEP's defaults (use_fp8=True, round_scale/use_ue8m0/async_finish/return_recv_hook False) pass the checks."""
+    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)  # no device to wait for on a CPU host
+    x, topk_idx = _inputs()
+    (recv, _), _, handle, _, hook = ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS)
+    assert hook is None and len(launches) == 2
+    out, _, hook = ll.low_latency_combine(torch.zeros(recv.shape, dtype=torch.bfloat16), topk_idx,
+                                          torch.ones(TOKENS, TOPK), handle)
+    assert hook is None and len(launches) == 4 and out.shape == (TOKENS, HIDDEN)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("low_latency_mode", "yes"), ("low_latency_mode", None), ("allow_nvlink_for_low_latency_mode", 1),
+    ("allow_mnnvl", "no"), ("allow_mnnvl", None), ("use_fabric", "no"), ("explicitly_destroy", 1),
+    ("enable_shrink", "False"),
+])
+def test_buffer_flags_must_be_bools(group: dist.ProcessGroup, launches: list, flag: str, value: object) -> None:
+    created = FakeWorkspace.created
+    allowed = "a bool or None" if flag == "use_fabric" else "a bool"
+    with pytest.raises(TypeError, match=f"Buffer: {flag} must be {allowed}, got {type(value).__name__} "
+                                        f"\\({value!r}\\)"):
+        Buffer(group, 0, 1 << 20, **{flag: value})
+    assert FakeWorkspace.created == created  # nothing allocated
+
+
+def test_buffer_defaults_still_construct(group: dist.ProcessGroup, launches: list) -> None:
+    """DeepEP's defaults (use_fabric=None is "auto"; allow_mnnvl=False) and explicit False stay accepted."""
+    Buffer(group)
+    Buffer(group, 0, 0, low_latency_mode=False, num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
+           allow_mnnvl=False, use_fabric=None, explicitly_destroy=False, enable_shrink=False)
+    Buffer(group, 0, 1 << 20, low_latency_mode=True, use_fabric=False, explicitly_destroy=True)
+
+
+def test_deep_gemm_flags_must_be_bools(group: dist.ProcessGroup) -> None:
+    args = dict(num_experts=E, num_max_tokens_per_rank=40, num_topk=K, hidden=H, intermediate_hidden=N_I)
+    for value in (1, "yes", 0.0):
+        with pytest.raises(TypeError, match=f"get_symm_buffer_for_mega_moe: use_fp8_dispatch must be a bool or "
+                                            f"None, got {type(value).__name__}"):
+            dg.get_symm_buffer_for_mega_moe(group, **args, use_fp8_dispatch=value)
+        with pytest.raises(TypeError, match="get_symm_buffer_for_sm90_mega_moe: use_fp8_dispatch must be a bool"):
+            dg.get_symm_buffer_for_sm90_mega_moe(group, **args, use_fp8_dispatch=value)
+    with pytest.raises(ValueError, match="get_symm_buffer_for_mega_moe: mma_type must be one of"):
+        dg.get_symm_buffer_for_mega_moe(group, **args, use_fp8_dispatch=True, mma_type=None)  # was AttributeError
+    assert dg.get_symm_buffer_for_mega_moe(group, **args).mma_type == "fp8xfp4"  # None: derived from mma_type
+    with pytest.raises(TypeError, match="transform_sf_into_required_layout: disable_ue8m0_cast must be a bool, "
+                                        "got str \\('yes'\\)"):
+        dg.transform_sf_into_required_layout(torch.ones(4, 16), 4, 512, (1, 32), disable_ue8m0_cast="yes")
+    buf = dg.get_symm_buffer_for_mega_moe(group, **args)
+    l1 = (torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * N_I // 128, H // 128))
+    l2 = (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, N_I // 128))
+    with pytest.raises(TypeError, match="fp8_mega_moe: fast_math must be a bool, got str \\('x'\\)"):
+        dg.fp8_mega_moe(torch.empty(3, H, dtype=torch.bfloat16), l1, l2, buf, fast_math="x")
+    with pytest.raises(TypeError, match="fp8_fp4_mega_moe: post_expert_norm must be a bool, got int \\(1\\)"):
+        dg.fp8_fp4_mega_moe(torch.empty(3, H, dtype=torch.bfloat16), l1, l2, buf, post_expert_norm=1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 8: get_low_latency_rdma_size_hint checks the sizes the calls check
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"tokens": -1}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got -1"),
+    ({"tokens": 0}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got 0"),
+    ({"tokens": 1.5}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got 1.5"),
+    ({"tokens": math.nan}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got nan"),
+    ({"hidden": 200}, ValueError, "hidden: must be a positive multiple of 128, got 200"),
+    ({"hidden": 0}, ValueError, "hidden: must be an int >= 1, got 0"),
+    ({"experts": 9}, ValueError, "num_experts: must be a multiple of the group size 8 and <= 1024, got 9"),
+    ({"experts": 2048}, ValueError, "num_experts: must be a multiple of the group size 8 and <= 1024, got 2048"),
+    ({"ranks": True}, TypeError, "get_low_latency_rdma_size_hint: num_ranks must be an int, got bool \\(True\\)"),
+    ({"ranks": 8.0}, TypeError, "num_ranks must be an int, got float"),
+])
+def test_rdma_size_hint_refuses_bad_sizes(kw: dict, exc: type, match: str) -> None:
+    args = {"tokens": 128, "hidden": 7168, "ranks": 8, "experts": 256, **kw}
+    with pytest.raises(exc, match=match):
+        Buffer.get_low_latency_rdma_size_hint(args["tokens"], args["hidden"], args["ranks"], args["experts"])
+
+
+def test_rdma_size_hint_valid_sizes_unchanged() -> None:
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == required_bytes(LlShape(8, 256, 128, 7168,
+                                                                                              HINT_TOPK))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 12: byte counts, QPs, SM counts, MNNVL / fabric
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"num_nvl_bytes": -1}, ValueError, "Buffer: num_nvl_bytes must be in \\[0, 9223372036854775807\\], got -1"),
+    ({"num_nvl_bytes": "1024"}, TypeError, "Buffer: num_nvl_bytes must be an int, got str \\('1024'\\)"),
+    ({"num_rdma_bytes": -5}, ValueError, "Buffer: num_rdma_bytes must be in \\[0, 9223372036854775807\\], got -5"),
+    ({"num_rdma_bytes": "1 << 20"}, TypeError, "Buffer: num_rdma_bytes must be an int, got str"),
+    ({"num_rdma_bytes": 10**400}, ValueError, "Buffer: num_rdma_bytes must be in \\[0, 9223372036854775807\\]"),
+    ({"num_qps_per_rank": -1}, ValueError, "Buffer: num_qps_per_rank must be >= 1, got -1"),
+    ({"num_qps_per_rank": 2.0}, TypeError, "Buffer: num_qps_per_rank must be an int, got float"),
+    ({"allow_mnnvl": True}, NotImplementedError, "allow_mnnvl=True \\(multi-node NVLink.*MNNVL"),
+    ({"use_fabric": True}, NotImplementedError, "use_fabric=True \\(fabric memory"),
+])
+def test_buffer_sizes_and_unimplemented_memory(group: dist.ProcessGroup, launches: list, kw: dict, exc: type,
+                                               match: str) -> None:
+    created = FakeWorkspace.created
+    args: dict = {"num_nvl_bytes": 0, "num_rdma_bytes": 1 << 20, "low_latency_mode": True, **kw}
+    with pytest.raises(exc, match=match):
+        Buffer(group, **args)
+    assert FakeWorkspace.created == created  # refused before the workspace is allocated
+
+
+@pytest.mark.parametrize("bad", [0, -1, 10**7, 10**400, 2.0, True])
+def test_deep_gemm_set_num_sms_bounds(monkeypatch: pytest.MonkeyPatch, bad: object) -> None:
+    monkeypatch.setattr(_runtime, "_num_sms", None)
+    monkeypatch.setattr(_runtime, "_device_num_sms", lambda: None)  # a host without CUDA: bounded by MAX_SMS
+    exc = TypeError if isinstance(bad, bool | float) else ValueError
+    with pytest.raises(exc, match="set_num_sms: new_num_sms must be"):
+        dg.set_num_sms(bad)
+    assert _runtime._num_sms is None
+    dg.set_num_sms(1024)
+    assert dg.get_num_sms() == 1024
+
+
+def test_native_sm_counts_named_through_the_facade_buffer(group: dist.ProcessGroup) -> None:
+    """The facade sizes the native buffer's ring itself (``HOST_COMPUTE_SMS`` on a CPU host), which passes the
+    native bounds; the native refusals of compute_sms / dispatch_sms are tested in tests/operator/test_api.py."""
+    buf = dg.get_symm_buffer_for_mega_moe(group, E, 40, K, H, N_I)
+    assert 2 <= buf.workspace.compute_sms <= dg._checks.MAX_SMS
+
+
