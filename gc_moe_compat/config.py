@@ -84,11 +84,14 @@ __all__ = [
     "MAX_INTERMEDIATE",
     "MAX_LOCAL_EXPERTS",
     "MAX_RANKS",
+    "MAX_SMS",
     "MMA_TYPES",
     "PRESETS",
     "SWEEP_TOKENS",
     "MoEPreset",
     "MoEShape",
+    "boolean",
+    "integer",
     "preset_shape",
     "tokens_per_expert",
     "validate",
@@ -105,6 +108,9 @@ MAX_EXPERTS = 2048
 MAX_LOCAL_EXPERTS = 512
 MAX_RANKS = 72
 MAX_CAPACITY = 8192
+MAX_SMS = 1024
+"""Upper bound of every SM count the callers pass (no GPU has more; an H200 has 132): the ring grows with the
+compute SMs, so an absurd count would size an absurd workspace."""
 MMA_TYPES = ("fp8xfp4", "fp8xfp8")
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -412,6 +418,30 @@ def _inspect_values(t: torch.Tensor) -> bool:
     if t.is_meta or t.numel() == 0:
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) -> int:
+    """A Python int (not bool) in ``[lo, hi]``: ``TypeError`` for another type, ``ValueError`` out of range.
+
+    The one integer check of the native API and both facades (``deep_gemm._checks`` re-exports it), kept with the
+    shape rules, the lowest layer they all import, so they word it alike."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
+    return value
+
+
+def boolean(fn: str, arg: str, value: object, *, none_ok: bool = False) -> bool | None:
+    """A Python bool (``None`` too when ``none_ok``: DeepEP's / DeepGEMM's "auto" defaults), else ``TypeError``.
+
+    Why: flags are read by truth value, so ``'no'`` would silently mean True and ``None`` False. Shared by the
+    native API and both facades (``deep_gemm._checks`` re-exports it)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return value
+    allowed = "a bool or None" if none_ok else "a bool"
+    raise TypeError(f"{fn}: {arg} must be {allowed}, got {type(value).__name__} ({value!r})")
 
 
 def validate(

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, check_rank_count, required_bytes
+from gc_moe_compat.config import boolean, integer
 from gc_moe_compat.deep_ep import _low_latency
 from gc_moe_compat.deep_ep._config import NORMAL_MODE_MISSING, Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
-from gc_moe_compat.operator.buffer import boolean, integer
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["Buffer"]

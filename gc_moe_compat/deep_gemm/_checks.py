@@ -12,8 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from gc_moe_compat.config import MMA_TYPES, MoEShape
-from gc_moe_compat.operator.buffer import MAX_SMS, boolean, integer
+from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, integer
 
 __all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "tensor", "unsupported_feature"]
 

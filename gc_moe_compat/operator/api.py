@@ -27,7 +27,8 @@ import weakref
 import torch
 
 from gc_moe_compat import config
-from gc_moe_compat.operator.buffer import GcMoeBuffer, boolean, exclusive, get_symm_buffer_for_gc_moe
+from gc_moe_compat.config import boolean
+from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
 from gc_moe_compat.operator.sm90 import layer, role2_gemm

@@ -31,40 +31,13 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat import config
+from gc_moe_compat.config import MAX_SMS, integer
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
 from gc_moe_compat.runtime.green import device_sms
 from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
-__all__ = ["MAX_SMS", "GcMoeBuffer", "boolean", "exclusive", "get_symm_buffer_for_gc_moe", "integer"]
-
-MAX_SMS = 1024
-"""Upper bound of every SM count the callers pass (no GPU has more; an H200 has 132): the ring grows with the
-compute SMs, so an absurd count would size an absurd workspace."""
-
-
-def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) -> int:
-    """A Python int (not bool) in ``[lo, hi]``: ``TypeError`` for another type, ``ValueError`` out of range.
-
-    The one integer check of the operator's buffer and of both facades (``deep_gemm._checks`` re-exports it), kept
-    here, the lowest layer they all import, so the native API and the facades word it alike."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
-    return value
-
-
-def boolean(fn: str, arg: str, value: object, *, none_ok: bool = False) -> bool | None:
-    """A Python bool (``None`` too when ``none_ok``: DeepEP's / DeepGEMM's "auto" defaults), else ``TypeError``.
-
-    Why: flags are read by truth value, so ``'no'`` would silently mean True and ``None`` False. Shared by the
-    native API and both facades (``deep_gemm._checks`` re-exports it)."""
-    if isinstance(value, bool) or (none_ok and value is None):
-        return value
-    allowed = "a bool or None" if none_ok else "a bool"
-    raise TypeError(f"{fn}: {arg} must be {allowed}, got {type(value).__name__} ({value!r})")
+__all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
 
 
 def _dispatch_request(dispatch_sms: object) -> int:

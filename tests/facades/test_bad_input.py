@@ -130,6 +130,8 @@ def test_deep_gemm_flags_must_be_bools(group: dist.ProcessGroup) -> None:
     with pytest.raises(TypeError, match="transform_sf_into_required_layout: disable_ue8m0_cast must be a bool, "
                                         "got str \\('yes'\\)"):
         dg.transform_sf_into_required_layout(torch.ones(4, 16), 4, 512, (1, 32), disable_ue8m0_cast="yes")
+    with pytest.raises(TypeError, match="transform_sf_into_required_layout: is_sfa must be a bool or None, got str"):
+        dg.transform_sf_into_required_layout(torch.ones(4, 16), 4, 512, (1, 1, 32), is_sfa="no")  # was: True
     buf = dg.get_symm_buffer_for_mega_moe(group, **args)
     l1 = (torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * N_I // 128, H // 128))
     l2 = (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, N_I // 128))
