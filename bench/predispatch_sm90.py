@@ -7,8 +7,9 @@ as the only node of its graph, replayed 100 times per window (each replay a host
 bench/results/runtime_sm90.json), the upper bound of a call outside a larger graph.
 
 * ``fused``: the facade's call, one launch of ``kernels/sm90/predispatch.cu``;
-* ``torch_ops``: the same arithmetic as a chain of torch ops on the GPU (``quant.quantize_fp8_pre_dispatch``, the
-  routing copies and the padding fills), the form the facade had before the kernel.
+* ``torch_ops``: the same arithmetic as a chain of torch ops on the GPU (``_predispatch.stage_with_torch``, the
+  facade's host path: ``quant.quantize_fp8_pre_dispatch``, the routing copies and the padding fills), the form the
+  facade had before the kernel.
 
 Per point: BF16 tokens ``[T, H]`` (int32 ids, FP32 weights, routed scaling 2.5 as SGLang's DeepSeek-V3 config) into
 views of ``capacity`` rows (SGLang's default 8192, so the padding fill of ``(capacity - T) * k`` slots is included).
@@ -32,8 +33,8 @@ import torch
 from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import quant
 from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.deep_gemm import _predispatch
 
 SHAPES = {"dsv41-flash": (5120, 6), "glm52": (6144, 8), "deepseek-v3": (7168, 8)}
 """Preset: (hidden H, top-k)."""
@@ -52,20 +53,12 @@ def make_call(name: str, hidden: int, topk: int, tokens: int) -> tuple[Callable[
              torch.empty(CAPACITY, hidden // 128, dtype=torch.float32, device="cuda"),
              torch.empty(CAPACITY, topk, dtype=torch.int64, device="cuda"),
              torch.empty(CAPACITY, topk, dtype=torch.float32, device="cuda")]
-    bx, bsf, bidx, bw = views
-    factor = torch.full((1,), FACTOR, dtype=torch.float32, device="cuda")
 
     def fused() -> None:
         dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=tokens, routed_scaling_factor=FACTOR)
 
     def torch_ops() -> None:
-        q, s = quant.quantize_fp8_pre_dispatch(x, "fp32x128")
-        bx[:tokens].copy_(q)
-        bsf[:tokens].copy_(s)
-        bidx[:tokens].copy_(idx)
-        bw[:tokens].copy_(w * factor)
-        bidx[tokens:].fill_(-1)
-        bw[tokens:].fill_(0.0)
+        _predispatch.stage_with_torch("fp32x128", x, idx, w, *views, tokens, FACTOR)
 
     return {"fused": fused, "torch_ops": torch_ops}[name], views
 

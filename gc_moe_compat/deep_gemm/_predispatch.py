@@ -28,7 +28,8 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
 
-__all__ = ["PreDispatchParams", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_sm90", "params_header"]
+__all__ = ["PreDispatchParams", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_sm90", "params_header",
+           "stage_with_torch"]
 
 SOURCE = "sm90/predispatch.cu"
 KERNELS = {"fp32x128": "gc_pre_dispatch_fp32x128", "ue8m0x32": "gc_pre_dispatch_ue8m0x32"}
@@ -115,10 +116,15 @@ def _run(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
          buf_x: torch.Tensor, buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor, buf_topk_weights: torch.Tensor,
          num_tokens: int, factor: float) -> None:
     """Stages one call: the fused kernel on CUDA tensors, the torch model of its arithmetic on host tensors."""
-    if x.is_cuda:
-        _launch(recipe, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
-                factor)
-        return
+    stage = _launch if x.is_cuda else stage_with_torch
+    stage(recipe, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens, factor)
+
+
+def stage_with_torch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     buf_x: torch.Tensor, buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor,
+                     buf_topk_weights: torch.Tensor, num_tokens: int, factor: float) -> None:
+    """The staging as torch ops on any device, byte for byte what the kernel writes: the host path, and the
+    torch-op baseline of ``bench/predispatch_sm90.py``."""
     n = num_tokens
     if n:
         q, scales = quant.quantize_fp8_pre_dispatch(x[:n], recipe)
