@@ -1,17 +1,20 @@
-"""DeepEP's ``Config`` (the normal-mode chunking parameters) for the facade.
+"""DeepEP's ``Config`` (the normal-mode chunking parameters) for the facade, with DeepEP's buffer size hints.
 
-The facade implements DeepEP's low-latency mode only, so a ``Config`` is kept for callers that build one (SGLang's
-``--deepep-config``), while the normal-mode size hints raise ``NotImplementedError``.
+The facade's normal mode (:mod:`gc_moe_compat.deep_ep._normal`) reads ``num_sms`` (the grid and the communication
+partition's request, two SMs per DeepEP channel); the chunk sizes only enter the size hints, which keep DeepEP's
+arithmetic so that callers size ``num_nvl_bytes`` as they do for DeepEP.
 """
 
 from __future__ import annotations
 
-__all__ = ["NORMAL_MODE_MISSING", "Config"]
+from gc_moe_compat.config import integer
 
-NORMAL_MODE_MISSING = (
-    "DeepEP's normal (high-throughput) mode is not implemented by gc-moe-compat's deep_ep facade, which implements "
-    "the low-latency mode (decode); run SGLang with --deepep-mode low_latency, or unset GC_MOE_SWAP / use "
-    "GC_MOE_SWAP=deep_gemm to keep the original deep_ep")
+__all__ = ["INTERNODE_MISSING", "MAX_NVL_RANKS", "Config"]
+
+MAX_NVL_RANKS = 8
+"""DeepEP's NVLink domain (``LEGACY_NUM_MAX_NVL_PEERS``): larger groups are internode (NVSHMEM/RDMA) in DeepEP."""
+INTERNODE_MISSING = ("groups above 8 ranks: DeepEP runs them internode over NVSHMEM/RDMA, which gc-moe-compat's "
+                     "deep_ep facade does not implement (intranode NVLink only)")
 
 
 class Config:
@@ -30,12 +33,29 @@ class Config:
             setattr(self, name, value)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's NVLink buffer bytes: its chunked queues (``num_sms / 2`` channels per NVLink rank, each of
+        ``num_max_nvl_chunked_recv_tokens`` tokens of ``hidden_bytes``, 8 bytes of source metadata, top-k and scales
+        provisioned up to 128), rounded up to 128. The facade's data region holds a whole call's rows (no ring): a
+        call needing more raises ``ValueError`` naming the bytes."""
+        fn = "Config.get_nvl_buffer_size_hint"
+        integer(fn, "hidden_bytes", hidden_bytes, 1)
+        integer(fn, "num_ranks", num_ranks, 1)
+        if num_ranks > MAX_NVL_RANKS and num_ranks % MAX_NVL_RANKS:
+            raise ValueError(f"{fn}: num_ranks above {MAX_NVL_RANKS} must be a multiple of it, got {num_ranks}")
+        rdma_ranks, nvl_ranks = max(num_ranks // MAX_NVL_RANKS, 1), min(num_ranks, MAX_NVL_RANKS)
+        queues = (self.num_sms // 2) * nvl_ranks
+        tokens = queues * self.num_max_nvl_chunked_recv_tokens
+        size = queues * (2 * rdma_ranks + 3) * 4 + tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
+        return -(-size // 128) * 128
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's RDMA buffer bytes: 0 within one NVLink domain (intranode needs none); larger groups raise
+        ``NotImplementedError`` (NVSHMEM/RDMA)."""
+        fn = "Config.get_rdma_buffer_size_hint"
+        integer(fn, "hidden_bytes", hidden_bytes, 1)
+        if integer(fn, "num_ranks", num_ranks, 1) > MAX_NVL_RANKS:
+            raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
+        return 0
 
     def __repr__(self) -> str:
         return (f"Config(num_sms={self.num_sms}, {self.num_max_nvl_chunked_send_tokens}, "

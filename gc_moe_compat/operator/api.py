@@ -21,12 +21,13 @@ yet (:func:`missing_role_kernels`), so such a call raises ``NotImplementedError`
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 
 from gc_moe_compat import config
-from gc_moe_compat.config import boolean, finite_float
+from gc_moe_compat.config import boolean
 from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
@@ -79,6 +80,14 @@ def not_built_error(what: str, num_shared_experts: int, detail: str | None = Non
     kernels = "; ".join(missing_role_kernels(num_shared_experts, mma_type)) or "none"
     extra = f"{detail}; " if detail else ""
     return NotImplementedError(f"{what}: {OPERATOR_MISSING}: {extra}missing role kernels: {kernels}; nothing ran")
+
+
+def _finite(arg: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{arg}: must be a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{arg}: must be a finite{' positive' if positive else ''} number, got {value}")
+    return float(value)
 
 
 def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Tensor], l1_weights: object,
@@ -177,13 +186,14 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
             raise ValueError(f"recipe: must be {RECIPES[mma_type]} for {mma_type}, got {recipe!r}")
         if activation != "swiglu":
             raise ValueError(f"activation: must be 'swiglu' (fused in the W1 epilogue), got {activation!r}")
+        _finite("activation_alpha", activation_alpha)
+        if activation_clamp is not None:
+            _finite("activation_clamp", activation_clamp, positive=True)
+        if not isinstance(fast_math, bool):
+            raise TypeError(f"fast_math: must be a bool, got {type(fast_math).__name__} ({fast_math!r})")
         recv_stats = _recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
-    finite_float(fn, "activation_alpha", activation_alpha)
-    if activation_clamp is not None:
-        finite_float(fn, "activation_clamp", activation_clamp, positive=True)
-    boolean(fn, "fast_math", fast_math)
     with exclusive(buffer):
         model = ring_model(buffer, t)
         plan = ring_plan(buffer, t, model)

@@ -107,7 +107,11 @@ def test_low_latency_methods_on_a_normal_buffer_name_low_latency_mode(normal: Bu
 
 def test_unimplemented_buffer_methods_say_so(normal: Buffer) -> None:
     for call, what in ((normal.get_comm_stream, "get_comm_stream"),
-                       (lambda: normal.get_local_buffer_tensor(torch.uint8), "get_local_buffer_tensor")):
+                       (lambda: normal.get_local_buffer_tensor(torch.uint8), "get_local_buffer_tensor"),
+                       (lambda: normal.low_latency_update_mask_buffer(1, True), "rank masking"),
+                       (lambda: normal.low_latency_query_mask_buffer(torch.zeros(1)), "rank masking"),
+                       (normal.low_latency_clean_mask_buffer, "rank masking"),
+                       (lambda: normal.get_next_low_latency_combine_buffer(None), "zero-copy")):
         with pytest.raises(NotImplementedError, match=what):
             call()
 
@@ -117,6 +121,8 @@ def test_constructor_checks(group: dist.ProcessGroup) -> None:
         Buffer(None)
     with pytest.raises(NotImplementedError, match="mpi4py communicator"):
         Buffer(None, comm=object())
+    with pytest.raises(NotImplementedError, match="enable_shrink"):
+        Buffer(group, enable_shrink=True)
     with pytest.raises(NotImplementedError, match="allow_nvlink_for_low_latency_mode=False"):
         Buffer(group, 0, 1 << 20, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
     for bad in (0, HEADER_BYTES - 1):
@@ -156,7 +162,7 @@ def test_set_num_sms() -> None:
                          [(128, 7168, 8, 256), (T_MAX, HIDDEN, 1, EXPERTS), (256, 4096, 2, 64), (1, 128, 72, 72)])
 def test_rdma_size_hint_provisions_top16(tokens: int, hidden: int, ranks: int, experts: int) -> None:
     hint = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts)
-    assert hint == required_bytes(LlShape(ranks, experts, tokens, hidden, HINT_TOPK), True) and HINT_TOPK == 16
+    assert hint == required_bytes(LlShape(ranks, experts, tokens, hidden, HINT_TOPK)) and HINT_TOPK == 16
 
 
 def test_rdma_size_hint_rank_bounds() -> None:
@@ -228,6 +234,7 @@ def test_dispatch_unimplemented_options(ll: Buffer, launches: list, option: str,
 
 @pytest.mark.parametrize(("option", "value", "match"), [
     ("use_logfmt", True, "use_logfmt"),
+    ("zero_copy", True, "zero_copy"),
     ("combine_wait_recv_cost_stats", torch.zeros(EXPERTS, dtype=torch.int64), "combine_wait_recv_cost_stats"),
     ("overlap", True, "overlap"),
     ("comp_signal", torch.zeros(4, dtype=torch.int32), "comp_signal"),
@@ -398,13 +405,12 @@ def test_dispatch_needs_enough_rdma_bytes(ll: Buffer, launches: list) -> None:
 
 
 def test_dispatch_topk_above_the_hint_needs_a_larger_buffer(make_ll: Callable[..., Buffer], launches: list) -> None:
-    """A buffer sized for top-16 calls (the hint's top-k); a call with k = 32 (of 32 experts) names the bytes it
-    needs."""
-    ll = make_ll(required_bytes(LlShape(1, 32, T_MAX, HIDDEN, HINT_TOPK)))
-    need = required_bytes(LlShape(1, 32, T_MAX, HIDDEN, 32))
+    """The hint provisions top-k 16; a call with k = 32 names the bytes it needs."""
+    ll = make_ll(Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS) + 1)
+    need = required_bytes(LlShape(1, EXPERTS, T_MAX, HIDDEN, 32))
     with pytest.raises(ValueError, match=f"topk=32, 1 ranks\\) needs {need} bytes"):
-        _dispatch(ll, inputs=_inputs(topk=32), experts=32)
-    _dispatch(make_ll(need), inputs=_inputs(topk=32), experts=32)
+        _dispatch(ll, inputs=_inputs(topk=32))
+    _dispatch(make_ll(need), inputs=_inputs(topk=32))
     assert [k for k, _ in launches] == [Kernel.DISPATCH_SEND]
 
 

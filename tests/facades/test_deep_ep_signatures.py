@@ -39,11 +39,7 @@ COMBINE_EXTRAS = ("packed_recv_count", "comp_signal", "block_m", "threshold", "n
 """Keyword-only parameters the facade's ``low_latency_combine`` has beyond the pin: the names SGLang 0.5.23's Hopper
 single-batch-overlap path passes (a DeepEP build other than the pin takes them); all default to None."""
 
-ABSENT = {
-    "Buffer.internode_dispatch": "the legacy internode (RDMA) normal-mode path: the facade implements the "
-    "low-latency mode only, and SGLang 0.5.23 calls dispatch()/combine(), never this",
-    "Buffer.internode_combine": "as internode_dispatch: internode normal mode, not called by SGLang 0.5.23",
-}
+ABSENT: dict[str, str] = {}
 """Methods of the pin's ``Buffer`` the facade intentionally lacks, with the reason."""
 
 

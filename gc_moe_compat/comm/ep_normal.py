@@ -1,0 +1,312 @@
+"""Host side of DeepEP's normal-mode (high-throughput) intranode kernels behind the ``deep_ep`` facade
+(kernels/sm90/ep_normal.cu): the parameter struct, the workspace layout, the kernel launches and the error records.
+
+Six kernels, each its own launch on the communication stream (the caller picks it: the communication green
+context's, or the caller's stream with the partition off):
+
+* layout: ``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank`` from ``topk_idx``;
+* notify (uncached dispatch): every rank's per-rank and per-expert counts exchanged through the workspace behind a
+  generation-tagged barrier; ``rank_prefix_matrix`` (all ``P x P`` entries), the received and ``expert_alignment``-
+  aligned per-expert counts into a pinned host record (DeepEP's CPU sync), ``send_head`` and ``channel_prefix_matrix``
+  over DeepEP's channels (``config.num_sms / 2`` contiguous token ranges);
+* dispatch send / receive: each token's row (payload, scales, transformed top-k) is stored into the data region of
+  every rank it goes to, at DeepEP's receive position (source rank, then channel, then token); the receiver copies
+  its rows into the outputs;
+* combine send / receive: each received row goes back to its source rank, which sums them (FP32, rank order, after
+  ``bias_0 + bias_1``) into BF16, as DeepEP's intranode combine does.
+
+Synchronization words (``arrive``, ``ready``, ``released``) carry the Buffer's collective-op number (the same on
+every rank: dispatches and combines are collective and called in the same order), so no call needs a reset. Waits
+are bounded (:func:`~gc_moe_compat.runtime.status.spin_timeout_ns`); a timeout or a protocol error lands in a status
+record that the kernels also copy into a pinned host mirror (:func:`raise_for_normal_status`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from gc_moe_compat.config import MAX_EXPERTS, MAX_RANKS
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
+from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.workspace import PeerTable
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAX_TOPK",
+    "SOURCE",
+    "THREADS",
+    "EpNormalParams",
+    "Kernel",
+    "NormalSite",
+    "combine_row_layout",
+    "data_offset",
+    "dispatch_row_layout",
+    "launch_normal",
+    "make_params",
+    "new_host_counts",
+    "new_status_mirror",
+    "normal_sites",
+    "params_header",
+    "raise_for_mirrored_status",
+    "raise_for_normal_status",
+]
+
+SOURCE = "sm90/ep_normal.cu"
+THREADS = 256
+"""Threads per CTA (8 warps) of every normal-mode kernel."""
+MAX_TOPK = 32
+"""Routing slots per token (one warp lane each in the combine's weight sum)."""
+
+
+class Kernel(enum.IntEnum):
+    """The six kernels; the value is also the index of the kernel's status record (``gc_moe::NormalKernel``)."""
+
+    LAYOUT = 0
+    NOTIFY = 1
+    DISPATCH_SEND = 2
+    DISPATCH_RECV = 3
+    COMBINE_SEND = 4
+    COMBINE_RECV = 5
+
+
+_NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
+          Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch_recv",
+          Kernel.COMBINE_SEND: "gc_ep_normal_combine_send", Kernel.COMBINE_RECV: "gc_ep_normal_combine_recv"}
+
+
+class NormalSite(StatusSite):
+    """Kinds of the kernels' status sites (``gc_moe::NormalSite``); a record's site is ``kind << 16 | rank``."""
+
+    ARRIVE = 1, "notify waiting for a rank's counts"
+    RELEASED = 2, "a sender waiting until a rank has read the previous operation's rows"
+    READY = 3, "a receiver waiting for a rank's rows"
+    CAPACITY = 4, "a row past the data region of num_nvl_bytes (observed row, expected capacity)"
+    RECV_ROWS = 5, "more rows received than the outputs hold (observed, expected): num_worst_tokens too small"
+    EXPERT_RANGE = 6, "a topk_idx entry >= num_experts (treated as an unused slot)"
+
+
+# Fixed header: persistent words never move between calls of different shapes.
+_ARRIVE = 0                                 # u64 [MAX_RANKS]
+_READY = 1024                               # u64 [MAX_RANKS]
+_RELEASED = 2048                            # u64 [MAX_RANKS]
+_STATUS = 3072                              # KernelStatus [6]
+_LAYOUT_ARRIVE, _NOTIFY_ARRIVE, _SEND_ARRIVE, _RECV_ARRIVE = 3328, 3336, 3344, 3352
+_SCRATCH = 3584                             # u32 [MAX_EXPERTS + MAX_RANKS]: the layout's histogram
+HEADER_BYTES = 12288
+"""Bytes of the fixed header; the op's transient counts and the data region follow it."""
+assert MAX_RANKS * 8 <= 1024 and _STATUS + len(Kernel) * ctypes.sizeof(KernelStatus) <= _LAYOUT_ARRIVE
+assert _SCRATCH + 4 * (MAX_EXPERTS + MAX_RANKS) <= HEADER_BYTES
+
+
+def _align(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Offsets of one call's exchanged counts (``counts [P][P]``, ``expert_counts [P][L]``, ``recv_chan [P][C]``)
+    and of the data region that follows them."""
+
+    counts: int
+    expert_counts: int
+    recv_chan: int
+    data: int
+
+
+def data_offset(num_ranks: int, local_experts: int, num_channels: int) -> Transient:
+    """The transient offsets of calls with these sizes (the data region 256-byte aligned)."""
+    counts = HEADER_BYTES
+    experts = counts + _align(4 * num_ranks * num_ranks, 16)
+    chan = experts + _align(4 * num_ranks * local_experts, 16)
+    return Transient(counts, experts, chan, _align(chan + 4 * num_ranks * num_channels, 256))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Bytes of one data-region row: payload at ``payload``, scales at ``scales``, top-k (int64 ids, then FP32
+    weights; weights only for combine rows) at ``topk``, ``stride`` in all (a multiple of 16)."""
+
+    payload: int
+    scales: int
+    topk: int
+    stride: int
+
+
+def dispatch_row_layout(row_bytes: int, num_scales: int, topk: int) -> RowLayout:
+    """A dispatch row: 16 bytes of source token index, the payload, the scales, the transformed top-k."""
+    scales = 16 + row_bytes
+    top = scales + _align(4 * num_scales, 16)
+    return RowLayout(16, scales, top, _align(top + 12 * topk, 16))
+
+
+def combine_row_layout(row_bytes: int, topk: int) -> RowLayout:
+    """A combine row: the BF16 row, then the FP32 top-k weights."""
+    return RowLayout(0, row_bytes, row_bytes, _align(row_bytes + 4 * topk, 16))
+
+
+class EpNormalParams(ctypes.Structure):
+    """By-value kernel argument after the peer table (``gc_moe::EpNormalParams``, kernels/sm90/ep_normal_params.cuh).
+
+    Pointers are device addresses (0 where a kernel does not use one); ``host_counts`` and ``status_mirror`` are
+    pinned host memory the kernels store into; ``off_*`` are byte offsets into every rank's workspace (``off_row_*``
+    into a data-region row); ``op`` is the call's collective-op number."""
+
+    _fields_ = [
+        ("x", ctypes.c_uint64),
+        ("x_scales", ctypes.c_uint64),
+        ("topk_idx", ctypes.c_uint64),
+        ("topk_weights", ctypes.c_uint64),
+        ("is_token_in_rank", ctypes.c_uint64),
+        ("num_tokens_per_rank", ctypes.c_uint64),
+        ("num_tokens_per_expert", ctypes.c_uint64),
+        ("rank_prefix", ctypes.c_uint64),
+        ("channel_prefix", ctypes.c_uint64),
+        ("recv_channel_prefix", ctypes.c_uint64),
+        ("send_head", ctypes.c_uint64),
+        ("recv_x", ctypes.c_uint64),
+        ("recv_scales", ctypes.c_uint64),
+        ("recv_topk_idx", ctypes.c_uint64),
+        ("recv_topk_weights", ctypes.c_uint64),
+        ("recv_src_idx", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("out_topk_weights", ctypes.c_uint64),
+        ("bias_0", ctypes.c_uint64),
+        ("bias_1", ctypes.c_uint64),
+        ("host_counts", ctypes.c_uint64),
+        ("status_mirror", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("op", ctypes.c_uint64),
+        ("data_rows", ctypes.c_uint64),
+        ("off_arrive", ctypes.c_uint64),
+        ("off_ready", ctypes.c_uint64),
+        ("off_released", ctypes.c_uint64),
+        ("off_status", ctypes.c_uint64),
+        ("off_layout_arrive", ctypes.c_uint64),
+        ("off_notify_arrive", ctypes.c_uint64),
+        ("off_send_arrive", ctypes.c_uint64),
+        ("off_recv_arrive", ctypes.c_uint64),
+        ("off_scratch", ctypes.c_uint64),
+        ("off_counts", ctypes.c_uint64),
+        ("off_expert_counts", ctypes.c_uint64),
+        ("off_recv_chan", ctypes.c_uint64),
+        ("off_data", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_uint32),
+        ("hidden", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("row_stride", ctypes.c_uint32),
+        ("off_row_scales", ctypes.c_uint32),
+        ("off_row_topk", ctypes.c_uint32),
+        ("num_scales", ctypes.c_uint32),
+        ("scale_token_stride", ctypes.c_uint32),
+        ("scale_hidden_stride", ctypes.c_uint32),
+        ("topk", ctypes.c_uint32),
+        ("num_experts", ctypes.c_uint32),
+        ("local_experts", ctypes.c_uint32),
+        ("num_channels", ctypes.c_uint32),
+        ("recv_rows", ctypes.c_uint32),
+        ("expert_alignment", ctypes.c_uint32),
+        ("idx_bytes", ctypes.c_uint32),
+    ]
+
+
+def params_header() -> str:
+    """The generated part of kernels/sm90/ep_normal_params.cuh: :class:`EpNormalParams`, :class:`NormalSite` and
+    :class:`Kernel` (``NormalKernel``, each constant commented with its entry point, plus the count)."""
+    struct = c_struct_declaration(EpNormalParams, "EpNormalParams", "gc_moe_compat/comm/ep_normal.py")
+    kernels = {c_identifier("kNormal", kernel.name): int(kernel) for kernel in Kernel}
+    kernels["kNormalKernelCount"] = len(Kernel)
+    entries = {c_identifier("kNormal", kernel.name): name for kernel, name in _NAMES.items()}
+    entries["kNormalKernelCount"] = "status records"
+    indices = c_enum_declaration("NormalKernel", kernels, f"{__name__}.{Kernel.__qualname__}", entries)
+    return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices
+
+
+def make_params(*, transient: Transient, data_rows: int, op: int = 0, timeout_ms: float | None = None,
+                **fields: int) -> EpNormalParams:
+    """The :class:`EpNormalParams` of one launch: the fixed offsets, ``transient``'s, and ``fields`` (device
+    addresses such as ``x=...``, sizes such as ``num_tokens=...``)."""
+    return EpNormalParams(
+        **fields, op=op, data_rows=data_rows, timeout_ns=spin_timeout_ns(timeout_ms), off_arrive=_ARRIVE,
+        off_ready=_READY, off_released=_RELEASED, off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE,
+        off_notify_arrive=_NOTIFY_ARRIVE, off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE,
+        off_scratch=_SCRATCH, off_counts=transient.counts, off_expert_counts=transient.expert_counts,
+        off_recv_chan=transient.recv_chan, off_data=transient.data)
+
+
+def _kernel(kernel: Kernel) -> jit.Kernel:
+    return jit.load_module(SOURCE).kernel(_NAMES[kernel])
+
+
+def launch_normal(kernel: Kernel, table: PeerTable, params: EpNormalParams, grid: int, stream: int) -> None:
+    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (a raw handle: the communication green
+    context's stream runs it on that partition's SMs)."""
+    args = KernelArgs(type(table).from_buffer_copy(table), EpNormalParams.from_buffer_copy(params))
+    launch(_kernel(kernel), max(1, grid), THREADS, args, stream)
+
+
+def normal_sites(num_ranks: int) -> dict[int, str]:
+    """Names of the kernels' status sites (``kind << 16 | rank``)."""
+    sites = {NormalSite.EXPERT_RANGE << 16: NormalSite.EXPERT_RANGE.description,
+             NormalSite.RECV_ROWS << 16: NormalSite.RECV_ROWS.description}
+    for r in range(num_ranks):
+        sites[NormalSite.ARRIVE << 16 | r] = f"notify waiting for rank {r}'s token counts"
+        sites[NormalSite.RELEASED << 16 | r] = f"waiting until rank {r} has read the previous operation's rows"
+        sites[NormalSite.READY << 16 | r] = f"waiting for rank {r}'s rows"
+        sites[NormalSite.CAPACITY << 16 | r] = (f"a row for rank {r} past the data region (observed row, expected "
+                                                "capacity): num_nvl_bytes too small")
+    return sites
+
+
+def status_records(workspace: torch.Tensor) -> torch.Tensor:
+    """The six status records of a workspace (uint8 ``[6, 32]`` view)."""
+    size = ctypes.sizeof(KernelStatus)
+    return workspace[_STATUS:_STATUS + len(Kernel) * size].view(len(Kernel), size)
+
+
+def new_status_mirror(device: torch.device) -> torch.Tensor:
+    """The zeroed host mirror (``[6, 32]`` uint8) the layout, notify and receive kernels copy the records into:
+    pinned for a CUDA workspace (the kernels store through its unified address); host memory under any torch
+    default device."""
+    return torch.zeros(len(Kernel), ctypes.sizeof(KernelStatus), dtype=torch.uint8, device="cpu",
+                       pin_memory=device.type == "cuda")
+
+
+def new_host_counts(local_experts: int, device: torch.device) -> torch.Tensor:
+    """The host record notify fills (pinned for a CUDA workspace): ``[received rows, most rows any rank receives,
+    most rows any rank sends, aligned per-local-expert counts...]`` (int32, -1 until written)."""
+    return torch.full((3 + local_experts,), -1, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda")
+
+
+def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
+    codes = records[:, :4].contiguous().view(torch.int32).flatten().tolist()
+    for kernel in Kernel:
+        if codes[kernel]:
+            raise_for_status(records[kernel].clone(), f"deep_ep normal-mode {_NAMES[kernel]}{when}",
+                             normal_sites(num_ranks))
+
+
+def raise_for_normal_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
+    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error (naming kernel and site),
+    clearing the records and the mirror; call after the communication stream has finished."""
+    records = status_records(workspace)
+    saved = records.cpu()
+    if saved.any():
+        records.zero_()
+        mirror.zero_()
+    _raise_first(saved, num_ranks, "")
+
+
+def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
+    """Raises for an error an earlier call recorded, as the kernels last copied the records into ``mirror`` (no
+    synchronization); clears records and mirror before raising."""
+    saved = mirror.clone()
+    if saved.any():
+        status_records(workspace).zero_()
+        mirror.zero_()
+        _raise_first(saved, num_ranks, " (recorded by an earlier call)")

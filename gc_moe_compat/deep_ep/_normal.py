@@ -1,0 +1,508 @@
+"""DeepEP's normal (high-throughput) mode, intranode, on the facade's symmetric workspace of ``num_nvl_bytes``:
+``get_dispatch_layout``, ``dispatch`` (uncached and cached), ``combine``, the recommended configs and the size hints.
+
+Outputs, handle and ordering are DeepEP's: received rows ordered by source rank, then by the source's token order;
+the handle is ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+is_token_in_rank, send_head)`` with DeepEP's meanings (``rank_prefix_matrix`` holds every entry, DeepEP only the
+receiver's column), ``recv_topk_idx`` holds local expert ids (-1 for another rank's), their weights 0. Like DeepEP,
+an uncached dispatch waits on the CPU for the received count unless ``num_worst_tokens > 0``.
+
+The kernels (:mod:`gc_moe_compat.comm.ep_normal`) run on the communication green context of the partition that
+``config.num_sms`` requests (``GC_MOE_PARTITION=off``: on the caller's stream, with a grid of ``config.num_sms``),
+ordered after ``previous_event`` (or the caller's stream) through a CUDA event, and the caller's stream waits for them
+unless ``async_finish`` (then the returned event is the one to wait on). Tensors a call uses stay referenced by the
+Buffer until that event completes, so they cannot be reused under the kernels (the role of DeepEP's
+``record_stream`` and ``allocate_on_comm_stream``; allocations are made on the caller's stream). A synchronous call
+(``async_finish=False``) waits for its kernels and raises their errors (``DeviceTimeoutError`` naming the rank, or
+``DeviceCheckError``); an asynchronous one's errors are raised by the next call.
+
+Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
+NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
+chunked ring): a call that needs more rows than ``num_nvl_bytes`` holds raises ``ValueError`` naming the bytes it
+needs, on every rank alike (the counts exchange tells each rank the largest need of the group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from cuda.bindings import driver
+
+from gc_moe_compat.comm.ep_normal import (
+    MAX_TOPK,
+    Kernel,
+    combine_row_layout,
+    data_offset,
+    dispatch_row_layout,
+    launch_normal,
+    make_params,
+    new_host_counts,
+    new_status_mirror,
+    raise_for_mirrored_status,
+    raise_for_normal_status,
+)
+from gc_moe_compat.config import MAX_EXPERTS, boolean, integer
+from gc_moe_compat.deep_ep._config import INTERNODE_MISSING, MAX_NVL_RANKS, Config
+from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.runtime.cuda import call
+from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.split import partition_mode
+from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
+
+__all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
+
+
+# DeepEP's recommended configs (deep_ep/buffers/legacy.py), as (nvl send, nvl recv, rdma send, rdma recv) chunks;
+# one rank (absent from DeepEP's table) takes the two-rank entry.
+_DISPATCH = {1: (24, 256, 6, 128), 2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128),
+             16: (36, 288, 20, 128), 24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128),
+             64: (32, 288, 8, 128), 96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128),
+             160: (28, 720, 12, 128)}
+_COMBINE = {1: (10, 256, 6, 128), 2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128),
+            16: (4, 288, 12, 128), 24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128),
+            64: (1, 288, 8, 128), 96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128),
+            160: (2, 720, 8, 128)}
+
+
+def _table_config(fn: str, table: dict, num_ranks: object, num_sms: int) -> Config:
+    integer(fn, "num_ranks", num_ranks, 1)
+    if num_ranks not in table:
+        raise ValueError(f"{fn}: num_ranks must be one of {sorted(table)} (DeepEP's recommended configs), got "
+                         f"{num_ranks}")
+    return Config(num_sms, *table[num_ranks])
+
+
+def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's recommended dispatch config for ``num_ranks`` with ``num_sms`` (``Buffer.num_sms``)."""
+    return _table_config("get_dispatch_config", _DISPATCH, num_ranks, num_sms)
+
+
+def combine_config(num_ranks: int, num_sms: int) -> Config:
+    """DeepEP's recommended combine config for ``num_ranks`` with ``num_sms`` (``Buffer.num_sms``)."""
+    return _table_config("get_combine_config", _COMBINE, num_ranks, num_sms)
+
+
+class NormalHandle(tuple):
+    """DeepEP's handle ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+    is_token_in_rank, send_head)``; ``most_sent`` is the most rows any rank of the group sent in that dispatch (None
+    after a ``num_worst_tokens`` dispatch, which does not synchronize), for the combine's capacity check."""
+
+    most_sent: int | None
+
+    def __new__(cls, items: tuple, most_sent: int | None) -> NormalHandle:
+        handle = super().__new__(cls, items)
+        handle.most_sent = most_sent
+        return handle
+
+
+class _CommEvent:
+    """A CUDA event recorded on the communication green context's stream (an event of that context, as the driver
+    requires), with DeepEP's ``EventHandle`` interface: the caller's current stream waits for it."""
+
+    def __init__(self, ctx: driver.CUcontext, stream: int) -> None:
+        call(driver.cuCtxPushCurrent, ctx)
+        try:
+            self.handle = call(driver.cuEventCreate, driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        finally:
+            call(driver.cuCtxPopCurrent)
+        call(driver.cuEventRecord, self.handle, driver.CUstream(stream))
+
+    def current_stream_wait(self) -> None:
+        """Torch's current stream waits for the event."""
+        call(driver.cuStreamWaitEvent, driver.CUstream(torch.cuda.current_stream().cuda_stream), self.handle, 0)
+
+    def done(self) -> bool:
+        """Whether the recorded work has finished (no synchronization)."""
+        result = driver.cuEventQuery(self.handle)[0]
+        if result == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if result != driver.CUresult.CUDA_SUCCESS:
+            call(lambda: (result,))
+        return True
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None) is not None:
+            driver.cuEventDestroy(self.handle)
+
+
+_Event = EventHandle | _CommEvent
+
+
+def _event_handle(event: object) -> driver.CUevent:
+    """The driver event behind a facade event (a torch event's handle, or a communication event's)."""
+    if isinstance(event, _CommEvent):
+        return event.handle
+    return driver.CUevent(int(event.event.cuda_event))
+
+
+@dataclass
+class _Stream:
+    """Where a call's kernels run: the communication green context (``ctx`` set) or the caller's stream."""
+
+    handle: int
+    ctx: driver.CUcontext | None
+
+    def wait(self, previous: EventOverlap | None) -> None:
+        """Orders the kernels after ``previous`` (its event) or after the caller's stream so far."""
+        if self.ctx is None:
+            if previous is not None and previous.event is not None:
+                previous.event.current_stream_wait()
+            return
+        event = previous.event if previous is not None and previous.event is not None else EventHandle()
+        call(driver.cuStreamWaitEvent, driver.CUstream(self.handle), _event_handle(event), 0)
+
+    def record(self) -> _Event:
+        return EventHandle() if self.ctx is None else _CommEvent(self.ctx, self.handle)
+
+    def synchronize(self) -> None:
+        call(driver.cuStreamSynchronize, driver.CUstream(self.handle))
+
+
+def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
+            device: torch.device, contiguous: bool = True) -> torch.Tensor:
+    """``t`` as a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; TypeError /
+    ValueError naming the argument, the rule and the value otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    if t.dtype not in dtypes or t.dim() != len(shape) or any(
+            s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
+        raise ValueError(f"{fn}: {name} must be {want} of {' or '.join(map(str, dtypes))}, got "
+                         f"{list(t.shape)} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+    if contiguous and t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{fn}: {name} must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
+    return t
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _check_config(fn: str, config: object, arg: str = "config") -> Config:
+    if not isinstance(config, Config):
+        raise TypeError(f"{fn}: {arg} must be a deep_ep.Config, got {type(config).__name__}")
+    if config.num_sms < 2 or config.num_sms % 2:
+        raise ValueError(f"{fn}: {arg}.num_sms must be a positive even int (two SMs per channel, DeepEP's rule), got "
+                         f"{config.num_sms}")
+    return config
+
+
+def _flags(fn: str, previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
+    boolean(fn, "async_finish", async_finish)
+    boolean(fn, "allocate_on_comm_stream", allocate_on_comm_stream)
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise TypeError(f"{fn}: previous_event must be a deep_ep.EventOverlap or None, got "
+                        f"{type(previous_event).__name__}")
+    if allocate_on_comm_stream and not (previous_event is not None and async_finish):
+        raise ValueError(f"{fn}: allocate_on_comm_stream=True needs a previous_event and async_finish=True (DeepEP's "
+                         f"rule), got previous_event={previous_event!r}, async_finish={async_finish}")
+
+
+def _x_parts(fn: str, x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` as (payload, scales): BF16 ``[T, H]``, or (FP8 ``[T, H]``, FP32/int32 ``[T, S]`` of any strides)."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"{fn}: x must be a BF16 tensor or a (FP8 tensor, scales) pair, got a tuple of {len(x)}")
+        payload = _tensor(fn, "x[0]", x[0], (torch.float8_e4m3fn,), (None, None), device)
+        scales = _tensor(fn, "x[1]", x[1], (torch.float32, torch.int32), (payload.shape[0], None), device,
+                         contiguous=False)
+        if scales.shape[1] < 1:
+            raise ValueError(f"{fn}: x[1] (scales) needs at least one column per token, got {list(scales.shape)}")
+    else:
+        payload, scales = _tensor(fn, "x", x, (torch.bfloat16,), (None, None), device), None
+    if payload.shape[1] * payload.element_size() % 16 or payload.shape[1] == 0:
+        raise ValueError(f"{fn}: x's hidden size in bytes must be a positive multiple of 16, got "
+                         f"{payload.shape[1] * payload.element_size()}")
+    return payload, scales
+
+
+class NormalMode:
+    """The normal-mode state of one Buffer: its workspace, status mirror, collective-op counter and the tensors of
+    calls still running on the communication stream."""
+
+    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int) -> None:
+        layout = LayoutPlanner()
+        layout.add("normal", num_nvl_bytes)
+        self.workspace = SymmetricWorkspace(layout, group)
+        self.buffer = self.workspace.region("normal")
+        self.ranks, self.rank = self.workspace.world_size, self.workspace.rank
+        self.device = self.workspace.device
+        self.mirror = new_status_mirror(self.device)
+        self.op = 0
+        self._pending: list[tuple[_Event, tuple]] = []
+        self._host_counts: dict[int, torch.Tensor] = {}
+
+    def destroy(self) -> None:
+        """Waits for the calls still running on the communication stream, then drops the workspace."""
+        for event, _ in self._pending:
+            if isinstance(event, _CommEvent):
+                call(driver.cuEventSynchronize, event.handle)
+        self._pending.clear()
+        del self.workspace, self.buffer
+
+    # -- plumbing ---------------------------------------------------------------------------------------------------
+
+    def _begin(self, fn: str, num_sms: int) -> _Stream:
+        if torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(f"{fn}: CUDA graph capture of normal-mode calls (the uncached dispatch "
+                                      "synchronizes the CPU; run normal mode eagerly)")
+        if self.ranks > MAX_NVL_RANKS:
+            raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
+        raise_for_mirrored_status(self.buffer, self.mirror, self.ranks)
+        self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
+        if partition_mode() == "off":
+            return _Stream(torch.cuda.current_stream(self.device).cuda_stream, None)
+        side = get_partition(num_sms, self.device.index).comm
+        return _Stream(int(side.stream), side.ctx)
+
+    def _finish(self, stream: _Stream, async_finish: bool, tensors: tuple) -> EventOverlap:
+        """Records the call's event, keeps ``tensors`` until it completes; a synchronous call waits for the
+        kernels and raises their errors, an asynchronous one returns the event."""
+        event = stream.record()
+        if stream.ctx is not None:
+            self._pending.append((event, tensors))
+        if async_finish:
+            return EventOverlap(event)
+        stream.synchronize()
+        raise_for_normal_status(self.buffer, self.mirror, self.ranks)
+        return EventOverlap(None)
+
+    def _launch(self, kernel: Kernel, params: object, grid: int, stream: _Stream) -> None:
+        launch_normal(kernel, self.workspace.peer_table, params, grid, stream.handle)
+
+    def _next_op(self) -> int:
+        self.op += 1
+        return self.op
+
+    def _capacity(self, transient_data: int, row_stride: int) -> int:
+        return max(0, (self.buffer.numel() - transient_data) // row_stride)
+
+    def _need(self, fn: str, rows: int, capacity: int, row_stride: int, data: int, what: str) -> None:
+        if rows > capacity:
+            raise ValueError(f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {row_stride} bytes after "
+                             f"{data} header bytes = {data + rows * row_stride} bytes, the Buffer has "
+                             f"{self.buffer.numel()}")
+
+    # -- get_dispatch_layout ----------------------------------------------------------------------------------------
+
+    def _topk_idx(self, fn: str, topk_idx: object, tokens: int | None = None) -> torch.Tensor:
+        topk_idx = _tensor(fn, "topk_idx", topk_idx, (torch.int64, torch.int32), (tokens, None), self.device)
+        if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
+            raise ValueError(f"{fn}: topk_idx must have 1 to {MAX_TOPK} columns (top-k), got {topk_idx.shape[1]}")
+        return topk_idx
+
+    def _experts(self, fn: str, arg: str, num_experts: object) -> int:
+        integer(fn, arg, num_experts, 1, MAX_EXPERTS)
+        if num_experts % self.ranks:
+            raise ValueError(f"{fn}: {arg} must be a multiple of the group size {self.ranks}, got {num_experts}")
+        return num_experts
+
+    def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
+                            async_finish: bool, allocate_on_comm_stream: bool, num_sms: int) -> tuple:
+        fn = "get_dispatch_layout"
+        _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
+        topk_idx = self._topk_idx(fn, topk_idx)
+        experts = self._experts(fn, "num_experts", num_experts)
+        stream = self._begin(fn, num_sms)
+        tokens, topk = topk_idx.shape
+        per_rank = torch.empty(self.ranks, dtype=torch.int32, device=self.device)
+        per_expert = torch.empty(experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty((tokens, self.ranks), dtype=torch.bool, device=self.device)
+        t = data_offset(self.ranks, experts // self.ranks, 1)
+        params = make_params(transient=t, data_rows=0, topk_idx=_ptr(topk_idx), is_token_in_rank=_ptr(in_rank),
+                             num_tokens_per_rank=per_rank.data_ptr(), num_tokens_per_expert=per_expert.data_ptr(),
+                             status_mirror=self.mirror.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
+                             local_experts=experts // self.ranks, idx_bytes=topk_idx.element_size())
+        stream.wait(previous_event)
+        self._launch(Kernel.LAYOUT, params, min(num_sms, -(-tokens // 256)), stream)
+        event = self._finish(stream, async_finish, (topk_idx, per_rank, per_expert, in_rank))
+        return per_rank, None, per_expert, in_rank, event
+
+    # -- dispatch ---------------------------------------------------------------------------------------------------
+
+    def dispatch(self, x: object, handle: object, num_tokens_per_rank: object, num_tokens_per_rdma_rank: object,
+                 is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
+                 expert_alignment: object, num_worst_tokens: object, config: Config, previous_event: object,
+                 async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        fn = "dispatch"
+        _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
+        config = _check_config(fn, config)
+        channels = config.num_sms // 2
+        payload, scales = _x_parts(fn, x, self.device)
+        tokens, hidden = payload.shape
+        integer(fn, "expert_alignment", expert_alignment, 1, 1 << 20)
+        integer(fn, "num_worst_tokens", num_worst_tokens, 0, (1 << 31) - 1)
+        if num_tokens_per_rdma_rank is not None:
+            raise NotImplementedError(f"{fn}: num_tokens_per_rdma_rank (internode dispatch over NVSHMEM/RDMA) is not "
+                                      "implemented; pass the None get_dispatch_layout returns")
+        cached = handle is not None
+        if cached:
+            if not isinstance(handle, NormalHandle):
+                raise TypeError(f"{fn}: handle must be the handle an uncached dispatch returned, got "
+                                f"{type(handle).__name__}")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"{fn}: a cached dispatch (handle=...) takes no topk_idx / topk_weights (DeepEP's "
+                                 "rule); they were given")
+            rank_prefix, channel_prefix, _, recv_src_idx, in_rank, send_head = handle
+            if tuple(channel_prefix.shape) != (self.ranks, channels):
+                raise ValueError(f"{fn}: config.num_sms must be the handle's (2 x {channel_prefix.shape[1]} channels), "
+                                 f"got {config.num_sms}")
+            if tuple(send_head.shape) != (tokens, self.ranks):
+                raise ValueError(f"{fn}: x must have the handle's {send_head.shape[0]} tokens, got {tokens}")
+            experts, topk, num_recv, most_sent = self.ranks, 0, recv_src_idx.shape[0], handle.most_sent
+        else:
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f"{fn}: an uncached dispatch needs {name} (from get_dispatch_layout), got None")
+            _tensor(fn, "num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), (self.ranks,), self.device)
+            in_rank = _tensor(fn, "is_token_in_rank", is_token_in_rank, (torch.bool,), (tokens, self.ranks),
+                              self.device)
+            _tensor(fn, "num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), (None,), self.device)
+            experts = self._experts(fn, "num_tokens_per_expert.shape[0]", num_tokens_per_expert.shape[0])
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError(f"{fn}: topk_idx and topk_weights go together (DeepEP's rule), got "
+                                 f"topk_idx={'None' if topk_idx is None else 'a tensor'}, "
+                                 f"topk_weights={'None' if topk_weights is None else 'a tensor'}")
+            topk = 0
+            if topk_idx is not None:
+                topk_idx = self._topk_idx(fn, topk_idx, tokens)
+                topk = topk_idx.shape[1]
+                topk_weights = _tensor(fn, "topk_weights", topk_weights, (torch.float32,), (tokens, topk), self.device)
+            if num_worst_tokens and topk_idx is None:
+                raise ValueError(f"{fn}: num_worst_tokens > 0 needs topk_idx and topk_weights (DeepEP's rule), got "
+                                 f"num_worst_tokens={num_worst_tokens} without them")
+        local = experts // self.ranks
+        transient = data_offset(self.ranks, local, channels)
+        row = dispatch_row_layout(hidden * payload.element_size(), 0 if scales is None else scales.shape[1], topk)
+        capacity = self._capacity(transient.data, row.stride)
+        if num_worst_tokens and not cached:
+            self._need(fn, num_worst_tokens, capacity, row.stride, transient.data, "num_worst_tokens received rows")
+        stream = self._begin(fn, config.num_sms)
+        op = self._next_op()
+        common = dict(transient=transient, data_rows=capacity, op=op, status_mirror=self.mirror.data_ptr(),
+                      num_tokens=tokens, num_channels=channels, num_experts=experts, local_experts=local)
+        stream.wait(previous_event)
+        expert_list: list[int] = []
+        if not cached:
+            rank_prefix = torch.empty((self.ranks, self.ranks), dtype=torch.int32, device=self.device)
+            channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
+            send_head = torch.empty((tokens, self.ranks), dtype=torch.int32, device=self.device)
+            host = self._host_counts.get(local)
+            if host is None:
+                host = self._host_counts[local] = new_host_counts(local, self.device)
+            notify = make_params(**common, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
+                                 num_tokens_per_expert=num_tokens_per_expert.data_ptr(),
+                                 is_token_in_rank=_ptr(in_rank), rank_prefix=rank_prefix.data_ptr(),
+                                 channel_prefix=channel_prefix.data_ptr(), send_head=_ptr(send_head),
+                                 host_counts=host.data_ptr(), expert_alignment=expert_alignment)
+            self._launch(Kernel.NOTIFY, notify, 1 + -(-self.ranks * channels // 8), stream)
+            if num_worst_tokens:
+                num_recv, most_sent = num_worst_tokens, None
+            else:
+                stream.synchronize()  # DeepEP's CPU wait for the received counts
+                raise_for_normal_status(self.buffer, self.mirror, self.ranks)
+                counts = host.tolist()
+                num_recv, most_recv, most_sent = counts[0], counts[1], counts[2]
+                expert_list = counts[3:3 + local]
+                self._need(fn, most_recv, capacity, row.stride, transient.data,
+                           "the rows the busiest rank of the group receives")
+        recv_x = torch.empty((num_recv, hidden), dtype=payload.dtype, device=self.device)
+        recv_scales = None if scales is None else torch.empty((num_recv, scales.shape[1]), dtype=scales.dtype,
+                                                               device=self.device)
+        recv_src_idx = torch.empty(num_recv, dtype=torch.int32, device=self.device)
+        recv_topk_idx = recv_topk_weights = recv_channel_prefix = None
+        if topk:
+            recv_topk_idx = torch.empty((num_recv, topk), dtype=topk_idx.dtype, device=self.device)
+            recv_topk_weights = torch.empty((num_recv, topk), dtype=torch.float32, device=self.device)
+        if not cached:
+            recv_channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
+        params = make_params(
+            **common, x=_ptr(payload), x_scales=_ptr(scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+            recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head), recv_x=_ptr(recv_x),
+            recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+            recv_src_idx=_ptr(recv_src_idx), hidden=hidden, row_bytes=hidden * payload.element_size(),
+            row_stride=row.stride, off_row_scales=row.scales, off_row_topk=row.topk,
+            num_scales=0 if scales is None else scales.shape[1],
+            scale_token_stride=0 if scales is None else scales.stride(0),
+            scale_hidden_stride=0 if scales is None else scales.stride(1), topk=topk, recv_rows=num_recv,
+            idx_bytes=0 if topk_idx is None else topk_idx.element_size())
+        self._launch(Kernel.DISPATCH_SEND, params, config.num_sms, stream)
+        self._launch(Kernel.DISPATCH_RECV, params, config.num_sms, stream)
+        event = self._finish(stream, async_finish,
+                             (payload, scales, topk_idx, topk_weights, in_rank, rank_prefix, channel_prefix, send_head,
+                              recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
+                              recv_channel_prefix))
+        out_x = recv_x if scales is None else (recv_x, recv_scales)
+        if cached:
+            return out_x, None, None, None, None, event
+        new_handle = NormalHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head),
+                                  most_sent)
+        return out_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle, event
+
+    # -- combine ----------------------------------------------------------------------------------------------------
+
+    def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
+                previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        fn = "combine"
+        _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
+        config = _check_config(fn, config)
+        if not isinstance(handle, NormalHandle):
+            raise TypeError(f"{fn}: handle must be the handle dispatch returned, got {type(handle).__name__}")
+        rank_prefix, channel_prefix, _, recv_src_idx, _, send_head = handle
+        channels = config.num_sms // 2
+        if channel_prefix.shape[1] != channels:
+            raise ValueError(f"{fn}: config.num_sms must be the dispatch's (2 x {channel_prefix.shape[1]} channels), "
+                             f"got {config.num_sms}")
+        rows = recv_src_idx.shape[0]
+        x = _tensor(fn, "x", x, (torch.bfloat16,), (rows, None), self.device)
+        tokens, hidden = send_head.shape[0], x.shape[1]
+        if hidden % 8 or hidden == 0:
+            raise ValueError(f"{fn}: x's hidden size must be a positive multiple of 8 (16-byte rows), got {hidden}")
+        topk = 0
+        if topk_weights is not None:
+            topk_weights = _tensor(fn, "topk_weights", topk_weights, (torch.float32,), (rows, None), self.device)
+            topk = topk_weights.shape[1]
+            if not 1 <= topk <= MAX_TOPK:
+                raise ValueError(f"{fn}: topk_weights must have 1 to {MAX_TOPK} columns, got {topk}")
+        if bias is None:
+            biases: tuple = (None, None)
+        elif isinstance(bias, torch.Tensor):
+            biases = (bias, None)
+        elif isinstance(bias, tuple) and len(bias) == 2:
+            biases = bias
+        else:
+            raise TypeError(f"{fn}: bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
+        biases = tuple(None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
+                                                      self.device) for i, b in enumerate(biases))
+        transient = data_offset(self.ranks, 1, channels)
+        row = combine_row_layout(2 * hidden, topk)
+        capacity = self._capacity(transient.data, row.stride)
+        if handle.most_sent is not None:
+            self._need(fn, handle.most_sent, capacity, row.stride, transient.data,
+                       "the rows the busiest rank of the group gets back")
+        stream = self._begin(fn, config.num_sms)
+        op = self._next_op()
+        out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        out_weights = None if not topk else torch.empty((tokens, topk), dtype=torch.float32, device=self.device)
+        params = make_params(
+            transient=transient, data_rows=capacity, op=op, status_mirror=self.mirror.data_ptr(), x=_ptr(x),
+            topk_weights=_ptr(topk_weights), rank_prefix=rank_prefix.data_ptr(),
+            channel_prefix=channel_prefix.data_ptr(), send_head=_ptr(send_head), out=_ptr(out),
+            out_topk_weights=_ptr(out_weights), bias_0=_ptr(biases[0]), bias_1=_ptr(biases[1]), num_tokens=tokens,
+            hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
+            num_channels=channels, recv_rows=rows)
+        stream.wait(previous_event)
+        self._launch(Kernel.COMBINE_SEND, params, config.num_sms, stream)
+        self._launch(Kernel.COMBINE_RECV, params, config.num_sms, stream)
+        event = self._finish(stream, async_finish, (x, topk_weights, *biases, handle, out, out_weights))
+        return out, out_weights, event
+

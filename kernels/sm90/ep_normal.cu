@@ -1,0 +1,475 @@
+// DeepEP's normal-mode (high-throughput) intranode dispatch and combine behind the deep_ep facade: the layout
+// kernel, the count exchange (notify), and a send and a receive kernel per direction, all on the symmetric
+// workspace (num_nvl_bytes) and launched on the communication green context.
+//
+// Workspace (one copy per rank; offsets in EpNormalParams):
+//   arrive[P]   u64  notify barrier: rank q stores op into arrive[q] of every rank after writing its counts
+//   ready[P]    u64  rank q stores op into ready[q] of every rank once its rows for op are in that rank's data region
+//   released[P] u64  rank q stores op into released[q] of every rank once it has read its own data region for op
+//   status[6]        KernelStatus per kernel (gc_moe::NormalKernel)
+//   layout/notify arrival counters and the layout's cross-CTA histogram (reset by the last CTA)
+//   counts[P][P] u32, expert_counts[P][L] u32, recv_chan[P][C] i32: the op's exchanged counts (transient)
+//   data region: dispatch rows (16 bytes source token, payload, scales, top-k) at the receiver, ordered by source
+//                rank, then channel, then token (DeepEP's recv order); combine rows (BF16 row, top-k weights) at the
+//                tokens' source rank, ordered by destination rank, then channel, then token.
+// Ordering (op n = the Buffer's collective-op counter, the same on every rank; every word only grows):
+//  * notify: CTA 0 stores this rank's per-rank and per-expert counts into every rank's counts, fence, then
+//    st.release.sys arrive[own] = n on every rank, then acquires arrive[q] >= n for every q and reduces the matrix.
+//  * a send kernel first acquires released[r] >= n - 1 of every rank r it may write to (that rank read op n - 1's
+//    rows), writes its rows with peer stores, and its last CTA (fences around the arrival atomic) stores
+//    ready[own] = n on every rank; a receive kernel acquires ready[q] >= n for every q before reading its data
+//    region, and its last CTA stores released[own] = n on every rank.
+// Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error; a failed wait
+// leaves its words unpublished (so peers report too) and every kernel still completes.
+#include <cuda_bf16.h>
+
+#include "common/peer_table.cuh"
+#include "common/status.cuh"
+#include "common/sync.cuh"
+#include "sm90/ep_normal_params.cuh"
+
+namespace {
+
+using gc_moe::EpNormalParams;
+using gc_moe::KernelStatus;
+using gc_moe::PeerTable;
+using gc_moe::peer_ptr;
+using gc_moe::u32;
+using gc_moe::u64;
+typedef unsigned char u8;
+
+constexpr u32 kThreads = 256;
+constexpr u32 kWarps = kThreads / 32;
+constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
+constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
+constexpr u32 kColumns = 256;      // combine receive: BF16 columns per warp unit (8 per lane)
+
+__device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
+    return peer_ptr<u8>(pt, rank, offset);
+}
+
+__device__ __forceinline__ KernelStatus* status_of(const PeerTable& pt, const EpNormalParams& p, u32 kernel) {
+    return reinterpret_cast<KernelStatus*>(pt.base + p.off_status) + kernel;
+}
+
+__device__ __forceinline__ bool failed(KernelStatus* status) {
+    return *reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusOk;
+}
+
+// Thread q < P of the CTA waits until word[q] (of this rank's copy) >= target; true in every thread when all did.
+__device__ __forceinline__ bool wait_all_ranks(const PeerTable& pt, u64 offset, u64 target, const EpNormalParams& p,
+                                               KernelStatus* status, u32 kind) {
+    bool ok = true;
+    for (u32 q = threadIdx.x; q < static_cast<u32>(pt.world_size); q += kThreads) {
+        const u64* word = reinterpret_cast<const u64*>(pt.base + offset) + q;
+        ok = !failed(status) && gc_moe::wait_at_least<gc_moe::Scope::kSys>(word, target, p.timeout_ns, status,
+                                                                            kind << 16 | q) && ok;
+    }
+    return __syncthreads_and(ok);
+}
+
+// Stores value into word[own] of every rank (release, system scope), after every CTA's stores (callers fence).
+__device__ __forceinline__ void publish(const PeerTable& pt, u64 offset, u64 value) {
+    for (u32 q = threadIdx.x; q < static_cast<u32>(pt.world_size); q += kThreads)
+        gc_moe::st_release_sys(reinterpret_cast<u64*>(base_of(pt, q, offset)) + pt.rank, value);
+}
+
+// True in every thread of the CTA that arrives last at `counter` (which it resets for the next launch). Fences on
+// both sides of the atomic make every CTA's stores visible (system scope) to what the last CTA publishes next.
+__device__ __forceinline__ bool last_cta(u64* counter) {
+    __shared__ u32 is_last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u64 old = atomicAdd(counter, 1ull);
+        is_last = old == gridDim.x - 1;
+        if (is_last) {
+            atomicExch(counter, 0ull);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return is_last != 0;
+}
+
+// Copies the six status records into the pinned host mirror, so that the host sees errors without synchronizing.
+__device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNormalParams& p) {
+    constexpr u32 kWords = gc_moe::kNormalKernelCount * sizeof(KernelStatus) / 4;
+    if (p.status_mirror && threadIdx.x < kWords) {
+        const volatile u32* src = reinterpret_cast<const volatile u32*>(pt.base + p.off_status);
+        reinterpret_cast<volatile u32*>(p.status_mirror)[threadIdx.x] = src[threadIdx.x];
+    }
+    __threadfence_system();
+}
+
+// Routing entry f's global expert; -1 for an unused slot. An id >= num_experts is reported (when `status` is given)
+// and treated as unused, never used as an address.
+__device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
+    const long long e = p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
+                                         : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
+    if (e >= static_cast<long long>(p.num_experts)) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteExpertRange << 16,
+                                          static_cast<u64>(e), p.num_experts);
+        return -1;
+    }
+    return e < 0 ? -1 : e;
+}
+
+// A warp copies `count` 16-byte vectors (four loads in flight per lane).
+__device__ __forceinline__ void warp_copy(uint4* dst, const uint4* src, u32 count, u32 lane) {
+    for (u32 v0 = lane; v0 < count; v0 += 32 * 4) {
+        uint4 r[4];
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i)
+            if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i)
+            if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
+    }
+}
+
+__device__ __forceinline__ const int* matrix(const EpNormalParams& p) {
+    return reinterpret_cast<const int*>(p.rank_prefix);
+}
+
+// Inclusive rank-prefix matrix entry M[s][r] (tokens from ranks <= s to rank r); M[-1][r] = 0.
+__device__ __forceinline__ int prefix_at(const EpNormalParams& p, int s, u32 r, u32 ranks) {
+    return s < 0 ? 0 : matrix(p)[static_cast<u32>(s) * ranks + r];
+}
+
+// Tokens rank s sends to rank r.
+__device__ __forceinline__ int sent(const EpNormalParams& p, u32 s, u32 r, u32 ranks) {
+    return prefix_at(p, static_cast<int>(s), r, ranks) - prefix_at(p, static_cast<int>(s) - 1, r, ranks);
+}
+
+// The exclusive channel prefix of (destination r, channel c) in a sender's channel-prefix matrix (inclusive).
+__device__ __forceinline__ int channel_start(const EpNormalParams& p, u32 r, u32 c) {
+    return c == 0 ? 0 : reinterpret_cast<const int*>(p.channel_prefix)[r * p.num_channels + c - 1];
+}
+
+__device__ __forceinline__ u32 channel_of(const EpNormalParams& p, u32 t) {
+    const u32 per = (p.num_tokens + p.num_channels - 1) / p.num_channels;  // DeepEP's get_channel_task_range
+    return t / per;
+}
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
+    acc[0] += bf16_lo(v.x), acc[1] += bf16_hi(v.x), acc[2] += bf16_lo(v.y), acc[3] += bf16_hi(v.y);
+    acc[4] += bf16_lo(v.z), acc[5] += bf16_hi(v.z), acc[6] += bf16_lo(v.w), acc[7] += bf16_hi(v.w);
+}
+
+}  // namespace
+
+// get_dispatch_layout: per-rank and per-expert token counts and is_token_in_rank from topk_idx. Each CTA counts its
+// tokens in shared memory and adds them to the workspace histogram; the last CTA writes the outputs and clears it.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_layout(const PeerTable pt,
+                                                                          const EpNormalParams p) {
+    __shared__ u32 experts[kMaxExperts];
+    __shared__ u32 ranks_hist[kMaxRanks];
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalLayout);
+    const u32 ranks = static_cast<u32>(pt.world_size);
+    for (u32 i = threadIdx.x; i < p.num_experts; i += kThreads) experts[i] = 0;
+    for (u32 i = threadIdx.x; i < ranks; i += kThreads) ranks_hist[i] = 0;
+    __syncthreads();
+    for (u32 t = blockIdx.x * kThreads + threadIdx.x; t < p.num_tokens; t += gridDim.x * kThreads) {
+        u64 mask_lo = 0, mask_hi = 0;  // destination ranks of token t (P <= 72 < 128)
+        for (u32 k = 0; k < p.topk; ++k) {
+            const long long e = slot_expert(p, static_cast<u64>(t) * p.topk + k, status);
+            if (e < 0) continue;
+            atomicAdd(&experts[e], 1u);
+            const u32 r = static_cast<u32>(e) / p.local_experts;
+            if (r < 64) mask_lo |= 1ull << r;
+            else mask_hi |= 1ull << (r - 64);
+        }
+        for (u32 r = 0; r < ranks; ++r) {
+            const bool in = ((r < 64 ? mask_lo >> r : mask_hi >> (r - 64)) & 1) != 0;
+            reinterpret_cast<bool*>(p.is_token_in_rank)[static_cast<u64>(t) * ranks + r] = in;
+            if (in) atomicAdd(&ranks_hist[r], 1u);
+        }
+    }
+    __syncthreads();
+    u32* hist = reinterpret_cast<u32*>(pt.base + p.off_scratch);
+    for (u32 i = threadIdx.x; i < p.num_experts; i += kThreads)
+        if (experts[i]) atomicAdd(hist + i, experts[i]);
+    for (u32 i = threadIdx.x; i < ranks; i += kThreads)
+        if (ranks_hist[i]) atomicAdd(hist + kMaxExperts + i, ranks_hist[i]);
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_layout_arrive))) {
+        for (u32 i = threadIdx.x; i < p.num_experts; i += kThreads) {
+            reinterpret_cast<int*>(p.num_tokens_per_expert)[i] = static_cast<int>(atomicExch(hist + i, 0u));
+        }
+        for (u32 i = threadIdx.x; i < ranks; i += kThreads)
+            reinterpret_cast<int*>(p.num_tokens_per_rank)[i] = static_cast<int>(atomicExch(hist + kMaxExperts + i, 0u));
+        mirror_status(pt, p);
+    }
+}
+
+// notify (uncached dispatch): CTA 0 exchanges the per-rank / per-expert counts with every rank and reduces them
+// (rank_prefix_matrix; the received and aligned per-expert counts into the pinned host record); the other CTAs
+// scan the channels (send_head, per-channel counts); the last CTA turns the counts into channel_prefix_matrix.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(const PeerTable pt,
+                                                                          const EpNormalParams p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalNotify);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const u32 local = p.local_experts;
+    if (blockIdx.x == 0) {
+        const int* per_rank = reinterpret_cast<const int*>(p.num_tokens_per_rank);
+        const int* per_expert = reinterpret_cast<const int*>(p.num_tokens_per_expert);
+        for (u32 i = threadIdx.x; i < ranks * ranks; i += kThreads) {
+            const u32 q = i / ranks, r = i % ranks;
+            reinterpret_cast<int*>(base_of(pt, q, p.off_counts))[own * ranks + r] = per_rank[r];
+        }
+        for (u32 i = threadIdx.x; i < p.num_experts; i += kThreads) {
+            const u32 q = i / local, le = i % local;
+            reinterpret_cast<int*>(base_of(pt, q, p.off_expert_counts))[own * local + le] = per_expert[i];
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (u32 q = 0; q < ranks; ++q)
+                gc_moe::st_release_sys(reinterpret_cast<u64*>(base_of(pt, q, p.off_arrive)) + own, p.op);
+        }
+        if (wait_all_ranks(pt, p.off_arrive, p.op, p, status, gc_moe::kNormalSiteArrive)) {
+            const int* counts = reinterpret_cast<const int*>(pt.base + p.off_counts);
+            int* prefix = reinterpret_cast<int*>(p.rank_prefix);
+            int* host = reinterpret_cast<int*>(p.host_counts);
+            __shared__ int most_recv, most_sent;
+            if (threadIdx.x == 0) most_recv = 0, most_sent = 0;
+            __syncthreads();
+            for (u32 r = threadIdx.x; r < ranks; r += kThreads) {
+                int sum = 0, row = 0;
+                for (u32 s = 0; s < ranks; ++s) {
+                    sum += counts[s * ranks + r];
+                    prefix[s * ranks + r] = sum;
+                    row += counts[r * ranks + s];
+                }
+                if (r == own) host[0] = sum;
+                atomicMax(&most_recv, sum);
+                atomicMax(&most_sent, row);
+            }
+            const int* experts = reinterpret_cast<const int*>(pt.base + p.off_expert_counts);
+            for (u32 le = threadIdx.x; le < local; le += kThreads) {
+                int sum = 0;
+                for (u32 s = 0; s < ranks; ++s) sum += experts[s * local + le];
+                host[3 + le] = (sum + static_cast<int>(p.expert_alignment) - 1) / static_cast<int>(p.expert_alignment) *
+                               static_cast<int>(p.expert_alignment);
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) host[1] = most_recv, host[2] = most_sent;
+        }
+    } else {
+        // A warp per (destination rank, channel): send_head[t][r] = the token's index among the channel's tokens to
+        // r (-1 when it does not go to r), and the channel's count.
+        const u32 units = ranks * p.num_channels;
+        for (u32 u = (blockIdx.x - 1) * kWarps + warp; u < units; u += (gridDim.x - 1) * kWarps) {
+            const u32 r = u / p.num_channels, c = u % p.num_channels;
+            const u32 per = (p.num_tokens + p.num_channels - 1) / p.num_channels;
+            const u32 start = min(per * c, p.num_tokens), end = min(start + per, p.num_tokens);
+            int running = 0;
+            for (u32 base = start; base < end; base += 32) {
+                const u32 t = base + lane;
+                const bool in = t < end && reinterpret_cast<const bool*>(p.is_token_in_rank)[static_cast<u64>(t) * ranks + r];
+                const u32 ballot = __ballot_sync(~0u, in);
+                if (t < end)
+                    reinterpret_cast<int*>(p.send_head)[static_cast<u64>(t) * ranks + r] =
+                        in ? running + __popc(ballot & ((1u << lane) - 1)) : -1;
+                running += __popc(ballot);
+            }
+            if (lane == 0) reinterpret_cast<int*>(p.channel_prefix)[r * p.num_channels + c] = running;
+        }
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_notify_arrive))) {
+        for (u32 r = threadIdx.x; r < ranks; r += kThreads) {
+            int* row = reinterpret_cast<int*>(p.channel_prefix) + r * p.num_channels;
+            for (u32 c = 1; c < p.num_channels; ++c) row[c] += row[c - 1];
+        }
+        mirror_status(pt, p);
+    }
+}
+
+// dispatch send: every token's row goes to each rank it is in, at DeepEP's receive position
+// M[own-1][r] + channel start + send_head; a warp per token.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_send(const PeerTable pt,
+                                                                                 const EpNormalParams p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchSend);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    const u32 lane = threadIdx.x & 31;
+    const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
+    const u32 vecs = p.row_bytes / 16;
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += gridDim.x * kWarps) {
+        const u32 c = channel_of(p, t);
+        for (u32 r = 0; r < ranks; ++r) {
+            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+            if (head < 0) continue;
+            const u64 row = static_cast<u64>(prefix_at(p, static_cast<int>(own) - 1, r, ranks) + channel_start(p, r, c) + head);
+            if (row >= p.data_rows) {
+                if (lane == 0) gc_moe::report_status(status, gc_moe::kStatusMismatch,
+                                                     gc_moe::kNormalSiteCapacity << 16 | r, row, p.data_rows);
+                continue;
+            }
+            u8* dst = base_of(pt, r, p.off_data) + row * p.row_stride;
+            if (lane == 0) *reinterpret_cast<int4*>(dst) = make_int4(static_cast<int>(t), 0, 0, 0);
+            warp_copy(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs,
+                      vecs, lane);
+            u32* scales = reinterpret_cast<u32*>(dst + p.off_row_scales);
+            for (u32 i = lane; i < p.num_scales; i += 32)
+                scales[i] = reinterpret_cast<const u32*>(p.x_scales)[static_cast<u64>(t) * p.scale_token_stride +
+                                                                      static_cast<u64>(i) * p.scale_hidden_stride];
+            for (u32 k = lane; k < p.topk; k += 32) {
+                // DeepEP's transform: the destination's local expert id, or -1 (weight 0) for another rank's expert.
+                long long e = slot_expert(p, static_cast<u64>(t) * p.topk + k);
+                const long long begin = static_cast<long long>(r) * p.local_experts;
+                e = (e >= begin && e < begin + p.local_experts) ? e - begin : -1;
+                reinterpret_cast<long long*>(dst + p.off_row_topk)[k] = e;
+                const float w = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + k];
+                reinterpret_cast<float*>(dst + p.off_row_topk + 8 * p.topk)[k] = e >= 0 ? w : 0.0f;
+            }
+        }
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
+        // The receivers' recv_channel_prefix_matrix rows: this rank's exclusive channel starts toward each rank.
+        for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads) {
+            const u32 r = i / p.num_channels, c = i % p.num_channels;
+            reinterpret_cast<int*>(base_of(pt, r, p.off_recv_chan))[own * p.num_channels + c] = channel_start(p, r, c);
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
+    }
+}
+
+// dispatch receive: this rank's data region rows [0, num_recv) into DeepEP's outputs; rows past num_recv up to a
+// worst-case allocation get top-k index -1; a warp per row.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_recv(const PeerTable pt,
+                                                                                 const EpNormalParams p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchRecv);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    const u32 lane = threadIdx.x & 31;
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
+    if (ok && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > p.recv_rows)
+        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv, p.recv_rows);
+    const u32 rows = ok ? min(num_recv, p.recv_rows) : 0;
+    const u32 vecs = p.row_bytes / 16;
+    for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
+        const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
+        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = *reinterpret_cast<const int*>(src);
+        warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+                  reinterpret_cast<const uint4*>(src + 16), vecs, lane);
+        for (u32 i = lane; i < p.num_scales; i += 32)
+            reinterpret_cast<u32*>(p.recv_scales)[static_cast<u64>(j) * p.num_scales + i] =
+                reinterpret_cast<const u32*>(src + p.off_row_scales)[i];
+        for (u32 k = lane; k < p.topk && p.recv_topk_idx; k += 32) {
+            const long long e = reinterpret_cast<const long long*>(src + p.off_row_topk)[k];
+            const u64 f = static_cast<u64>(j) * p.topk + k;
+            if (p.idx_bytes == 8) reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
+            else reinterpret_cast<int*>(p.recv_topk_idx)[f] = static_cast<int>(e);
+            reinterpret_cast<float*>(p.recv_topk_weights)[f] =
+                reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[k];
+        }
+    }
+    if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
+        const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
+        for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads) {
+            if (p.idx_bytes == 8) reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
+            else reinterpret_cast<int*>(p.recv_topk_idx)[f] = -1;
+        }
+    }
+    if (ok && p.recv_channel_prefix && blockIdx.x == 0) {
+        for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
+            reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
+        mirror_status(pt, p);
+    }
+}
+
+// combine send: received row j (from source rank s) goes back to s, at row sum_{r' < own} sent(s, r') + (j - M[s-1][own])
+// of s's data region; a warp per row.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_send(const PeerTable pt,
+                                                                                const EpNormalParams p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineSend);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    const u32 lane = threadIdx.x & 31;
+    const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
+    const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
+    const u32 rows = ok ? min(num_recv, p.recv_rows) : 0;
+    const u32 vecs = p.row_bytes / 16;
+    for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
+        u32 s = 0;
+        while (s + 1 < ranks && static_cast<u32>(prefix_at(p, static_cast<int>(s), own, ranks)) <= j) ++s;
+        u32 before = 0;
+        for (u32 r = 0; r < own; ++r) before += static_cast<u32>(sent(p, s, r, ranks));
+        const u64 row = before + (j - static_cast<u32>(prefix_at(p, static_cast<int>(s) - 1, own, ranks)));
+        if (row >= p.data_rows) {
+            if (lane == 0) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteCapacity << 16 | s,
+                                                 row, p.data_rows);
+            continue;
+        }
+        u8* dst = base_of(pt, s, p.off_data) + row * p.row_stride;
+        warp_copy(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(j) * vecs, vecs,
+                  lane);
+        for (u32 k = lane; k < p.topk; k += 32)
+            reinterpret_cast<float*>(dst + p.off_row_topk)[k] =
+                reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(j) * p.topk + k];
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
+    }
+}
+
+// combine receive: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
+// FP32 (DeepEP's order), and the top-k weights summed the same way; a warp per (token, 256 columns).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_recv(const PeerTable pt,
+                                                                                const EpNormalParams p) {
+    __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    const u32 lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        u32 sum = 0;
+        for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
+    }
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    const u32 chunks = (p.hidden + kColumns - 1) / kColumns;
+    const u32 units = ok ? p.num_tokens * chunks : 0;
+    const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
+    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
+        const u32 t = u / chunks, chunk = u % chunks, col = chunk * kColumns + lane * 8;
+        const u32 c = channel_of(p, t);
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        const u64 at = static_cast<u64>(t) * p.hidden + col;
+        if (col < p.hidden) {
+            float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (p.bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_0) + at));
+            if (p.bias_1) add_bf16x8(b, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_1) + at));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], b[i]);  // bias_0 + bias_1 first, as DeepEP
+        }
+        float weight = 0.f;
+        for (u32 r = 0; r < ranks; ++r) {
+            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+            if (head < 0) continue;
+            const u64 row = rank_start[r] + channel_start(p, r, c) + head;
+            if (row >= p.data_rows) continue;  // the sender reported it
+            const u8* src = data + row * p.row_stride;
+            if (col < p.hidden) add_bf16x8(acc, *reinterpret_cast<const uint4*>(src + static_cast<u64>(col) * 2));
+            if (chunk == 0 && lane < p.topk) weight += reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
+        }
+        if (col < p.hidden) {
+            __nv_bfloat162 out[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at) = *reinterpret_cast<const uint4*>(out);
+        }
+        if (chunk == 0 && lane < p.topk && p.out_topk_weights)
+            reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
+        mirror_status(pt, p);
+    }
+}

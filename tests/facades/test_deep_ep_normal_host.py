@@ -1,0 +1,184 @@
+"""The ``deep_ep`` facade's normal mode on the host: the kernels build for sm_90a, the generated parameter header, the
+configs and size hints (DeepEP's numbers), and every argument check of get_dispatch_layout / dispatch / combine
+(TypeError / ValueError naming the argument, the rule and the value) before any launch. The workspace is a CPU
+stand-in; the kernels are the GPU tests' (tests/facades/test_deep_ep_normal.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from ctypes_layout import natural_layout_size
+from nvcc_mark import needs_nvcc
+
+from gc_moe_compat.comm import ep_normal
+from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, _normal
+from gc_moe_compat.runtime import jit
+
+HEADER = Path(__file__).resolve().parents[2] / "kernels" / "sm90" / "ep_normal_params.cuh"
+T, H, K, E = 6, 256, 4, 8
+
+
+class FakeWorkspace:
+    """CPU stand-in for ``SymmetricWorkspace`` (what NormalMode reads)."""
+
+    def __init__(self, layout: object, group: dist.ProcessGroup | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.world_size, self.rank = 1, 0
+        self.buffer = torch.zeros(layout.size, dtype=torch.uint8)
+        self.peer_table = "peer table"
+
+    def region(self, name: str) -> torch.Tensor:
+        return self.buffer
+
+
+@pytest.fixture
+def buf(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Buffer:
+    monkeypatch.setattr(_normal, "SymmetricWorkspace", FakeWorkspace)
+
+    def no_launch(*args: object) -> None:
+        raise AssertionError("a bad call reached a launch")
+
+    monkeypatch.setattr(_normal.NormalMode, "_begin", no_launch)
+    return Buffer(group, 1 << 20, 0)
+
+
+@needs_nvcc
+def test_ep_normal_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    resources = jit.compile_cubin(ep_normal.SOURCE).resources
+    assert set(resources) == set(ep_normal._NAMES.values())
+    for name, res in resources.items():
+        assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
+        assert res.registers * ep_normal.THREADS <= 65536 and res.shared_bytes < 48 * 1024, name
+
+
+def test_params_header_is_generated_from_the_ctypes_struct() -> None:
+    text = HEADER.read_text()
+    block = text.split("// BEGIN GENERATED\n")[1].split("// END GENERATED")[0]
+    assert block.rstrip("\n") == ep_normal.params_header().rstrip("\n")
+    assert ctypes.sizeof(ep_normal.EpNormalParams) == natural_layout_size(ep_normal.EpNormalParams)
+
+
+def test_configs_and_hints_are_deepeps() -> None:
+    cfg = Buffer.get_dispatch_config(8)
+    assert (cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_nvl_chunked_recv_tokens) == (20, 6, 256)
+    assert Buffer.get_combine_config(8).num_max_nvl_chunked_send_tokens == 4
+    assert vars(Buffer.get_dispatch_config(1)) == vars(Buffer.get_dispatch_config(2))  # one rank: the 2-rank entry
+    with pytest.raises(ValueError, match=r"get_dispatch_config: num_ranks must be one of \[1, 2, 4, 8, .*got 3"):
+        Buffer.get_dispatch_config(3)
+    # DeepEP's arithmetic: 12 channels x 8 ranks x 256 tokens x (hidden + 8 + 128 x (8 + 4 + 4)) + the queue words.
+    assert Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 8) == -(-(96 * 5 * 4 + 96 * 256 * 16392) // 128) * 128
+    assert Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    with pytest.raises(NotImplementedError, match="NVSHMEM/RDMA"):
+        Config().get_rdma_buffer_size_hint(7168 * 2, 16)
+    with pytest.raises(TypeError, match="hidden_bytes must be an int"):
+        Config().get_nvl_buffer_size_hint(1.5, 8)
+
+
+def _layout_inputs() -> tuple[torch.Tensor, ...]:
+    idx = torch.randint(-1, E, (T, K))
+    x = torch.randn(T, H).to(torch.bfloat16)
+    return x, idx, torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.int32), torch.zeros(T, 1,
+                                                                                                       dtype=torch.bool)
+
+
+def test_layout_checks(buf: Buffer) -> None:
+    _, idx, *_ = _layout_inputs()
+    cases = [
+        (TypeError, "get_dispatch_layout: topk_idx must be a torch.Tensor, got list",
+         lambda: buf.get_dispatch_layout([[0]], E)),
+        (ValueError, r"topk_idx must be \[\*, \*\] of torch.int64 or torch.int32, got \[6, 4\] torch.float32",
+         lambda: buf.get_dispatch_layout(idx.float(), E)),
+        (ValueError, "topk_idx must have 1 to 32 columns", lambda: buf.get_dispatch_layout(torch.zeros(2, 33,
+                                                                                                         dtype=torch.int64),
+                                                                                               E)),
+        (TypeError, "num_experts must be an int, got float", lambda: buf.get_dispatch_layout(idx, 8.0)),
+        (ValueError, r"num_experts must be in \[1, 2048\], got 0", lambda: buf.get_dispatch_layout(idx, 0)),
+        (TypeError, "async_finish must be a bool, got str", lambda: buf.get_dispatch_layout(idx, E, async_finish="no")),
+        (ValueError, "allocate_on_comm_stream=True needs a previous_event and async_finish=True",
+         lambda: buf.get_dispatch_layout(idx, E, allocate_on_comm_stream=True)),
+        (TypeError, "previous_event must be a deep_ep.EventOverlap", lambda: buf.get_dispatch_layout(idx, E,
+                                                                                                  previous_event=1)),
+        (ValueError, "topk_idx must be contiguous", lambda: buf.get_dispatch_layout(idx.T, E)),
+    ]
+    for error, needle, fn in cases:
+        with pytest.raises(error, match=needle):
+            fn()
+
+
+def test_dispatch_checks(buf: Buffer) -> None:
+    x, idx, per_rank, per_expert, in_rank = _layout_inputs()
+    w = torch.rand(T, K)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    cfg = Config(8, 6, 256)
+    cases = [
+        (ValueError, r"dispatch: x must be \[\*, \*\] of torch.bfloat16, got \[6, 256\] torch.float32",
+         dict(x=x.float(), **layout)),
+        (ValueError, "x must be a BF16 tensor or a \\(FP8 tensor, scales\\) pair, got a tuple of 3",
+         dict(x=(x, x, x), **layout)),
+        (ValueError, r"x\[1\] must be \[6, \*\] of torch.float32 or torch.int32",
+         dict(x=(x.to(torch.float8_e4m3fn), torch.zeros(T, 2, dtype=torch.float16)), **layout)),
+        (ValueError, "hidden size in bytes must be a positive multiple of 16, got 12",
+         dict(x=torch.zeros(T, 6, dtype=torch.bfloat16), **layout)),
+        (ValueError, "an uncached dispatch needs is_token_in_rank", dict(x=x, num_tokens_per_rank=per_rank,
+                                                                         num_tokens_per_expert=per_expert)),
+        (ValueError, r"is_token_in_rank must be \[6, 1\] of torch.bool", dict(x=x, **{**layout,
+                                                                                   "is_token_in_rank": in_rank[:2]})),
+        (ValueError, "topk_idx and topk_weights go together", dict(x=x, topk_idx=idx, **layout)),
+        (ValueError, r"topk_weights must be \[6, 4\] of torch.float32", dict(x=x, topk_idx=idx, topk_weights=w[:, :2],
+                                                                           **layout)),
+        (ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights", dict(x=x, num_worst_tokens=4, **layout)),
+        (ValueError, r"num_worst_tokens must be in \[0, ", dict(x=x, num_worst_tokens=-1, **layout)),
+        (TypeError, "expert_alignment must be an int, got float", dict(x=x, expert_alignment=1.0, **layout)),
+        (ValueError, r"expert_alignment must be in \[1, ", dict(x=x, expert_alignment=0, **layout)),
+        (NotImplementedError, "num_tokens_per_rdma_rank .*NVSHMEM/RDMA",
+         dict(x=x, num_tokens_per_rdma_rank=per_rank, **layout)),
+        (TypeError, "config must be a deep_ep.Config, got dict", dict(x=x, config={}, **layout)),
+        (TypeError, "handle must be the handle an uncached dispatch returned, got tuple", dict(x=x, handle=(1,))),
+        (ValueError, "num_nvl_bytes must hold num_worst_tokens received rows at once",
+         dict(x=x, topk_idx=idx, topk_weights=w, num_worst_tokens=1 << 20, **layout)),
+    ]
+    for error, needle, kwargs in cases:
+        with pytest.raises(error, match=needle):
+            buf.dispatch(**{"config": cfg, **kwargs})
+    with pytest.raises(ValueError, match="config.num_sms must be a positive even int .* got 7"):
+        buf.dispatch(x, config=Config(7, 6, 256), **layout)
+
+
+def test_combine_checks(buf: Buffer) -> None:
+    rows, tokens = 5, T
+    handle = _normal.NormalHandle((torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+                                   torch.zeros(1, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                                   torch.zeros(tokens, 1, dtype=torch.bool), torch.zeros(tokens, 1, dtype=torch.int32)),
+                                  most_sent=rows)
+    x = torch.zeros(rows, H, dtype=torch.bfloat16)
+    cfg = Config(8, 6, 256)
+    cases = [
+        (TypeError, "combine: handle must be the handle dispatch returned, got tuple", dict(x=x, handle=tuple(handle))),
+        (ValueError, r"x must be \[5, \*\] of torch.bfloat16, got \[4, 256\]", dict(x=x[:4], handle=handle)),
+        (ValueError, r"config.num_sms must be the dispatch's \(2 x 4 channels\), got 4",
+         dict(x=x, handle=handle, config=Config(4, 2, 256))),
+        (ValueError, r"topk_weights must be \[5, \*\] of torch.float32", dict(x=x, handle=handle,
+                                                                            topk_weights=torch.zeros(4, K))),
+        (TypeError, "bias must be None, a tensor or a pair of tensors, got list", dict(x=x, handle=handle, bias=[x])),
+        (ValueError, r"bias\[1\] must be \[6, 256\] of torch.bfloat16", dict(x=x, handle=handle,
+                                                                           bias=(None, torch.zeros(2, H)))),
+        (ValueError, r"hidden size must be a positive multiple of 8 \(16-byte rows\), got 4",
+         dict(x=torch.zeros(rows, 4, dtype=torch.bfloat16), handle=handle)),
+        (ValueError, "allocate_on_comm_stream=True needs a previous_event", dict(x=x, handle=handle,
+                                                                              allocate_on_comm_stream=True)),
+    ]
+    for error, needle, kwargs in cases:
+        with pytest.raises(error, match=needle):
+            buf.combine(**{"config": cfg, **kwargs})
+    assert isinstance(EventOverlap(None), EventOverlap)
+
+
+def test_internode_is_not_implemented(buf: Buffer) -> None:
+    for call in (buf.internode_dispatch, buf.internode_combine):
+        with pytest.raises(NotImplementedError, match="NVSHMEM/RDMA"):
+            call(torch.zeros(1, H, dtype=torch.bfloat16), None)

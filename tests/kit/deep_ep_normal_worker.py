@@ -1,0 +1,206 @@
+"""Worker of tests/facades/test_deep_ep_normal.py: the ``deep_ep`` facade's normal-mode layout, dispatch and combine on
+1 or 2 ranks against :mod:`gc_moe_compat.testing.ep_normal_reference`.
+
+Every rank draws every rank's inputs from one seed and checks its own outputs: the layout, every handle tensor, the
+received rows (BF16 or FP8 bytes and scales, bit for bit), source indices, local top-k ids and weights, the aligned
+per-expert counts, the worst-case padding, a cached re-dispatch, and the combine (bit for bit against the FP32
+reference, with and without bias and top-k weights). The caching allocator is poisoned (freed 0xFF blocks) before
+each call, so an output row the kernels fail to write shows. Suites: ``cases`` (random routing with -1 slots, a rank
+without tokens on two ranks, T = 0, every token to one expert, expert_alignment, num_worst_tokens, async +
+previous_event, a default device of cuda) and ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
+DeviceTimeoutError naming rank 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
+
+import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.runtime.status import DeviceTimeoutError
+from gc_moe_compat.testing.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
+
+HIDDEN, TOPK, SMS = 512, 4, 8
+NVL_BYTES = 64 << 20
+
+
+def experts_for(ranks: int) -> int:
+    return 8 * ranks
+
+
+def poison() -> None:
+    """Freed 0xFF blocks in torch's caching allocator: the facade's next outputs likely reuse them."""
+    block = torch.full((16 << 20,), -1, dtype=torch.int32, device="cuda")
+    del block
+
+
+def routing(gen: torch.Generator, tokens: int, experts: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "one_expert":
+        idx = torch.full((tokens, TOPK), -1, dtype=torch.int64)
+        idx[:, 0] = experts - 1
+    else:
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(tokens)]) if tokens else \
+            torch.zeros(0, TOPK, dtype=torch.int64)
+        idx = torch.where(torch.rand(tokens, TOPK, generator=gen) < 0.2, -1, idx)
+    return idx, torch.rand(tokens, TOPK, generator=gen)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+def check_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.cpu()
+    assert got.shape == want.shape, f"{what}: shape {list(got.shape)} != {list(want.shape)}"
+    assert torch.equal(bits(got), bits(want.to(got.dtype))), f"{what}: {(got != want).sum().item()} elements differ"
+
+
+def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], kind: str, fp8: bool,
+             align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    experts = experts_for(ranks)
+    xs = [(torch.randn(t, HIDDEN, generator=gen) * 2).to(torch.bfloat16) for t in tokens]
+    routes = [routing(gen, t, experts, kind) for t in tokens]
+    idx, w = [r[0] for r in routes], [r[1] for r in routes]
+    config = deep_ep.Config(SMS, 8, 256)
+    ref = dispatch_reference(idx, w, experts, SMS // 2, rank, align)
+    per_rank, per_expert, in_rank = layout_reference(idx[rank], experts, ranks)
+    poison()
+    prev = deep_ep.Buffer.capture() if use_async else None
+    got_rank, rdma, got_expert, got_in, ev = buf.get_dispatch_layout(idx[rank].cuda(), experts, previous_event=prev,
+                                                                      async_finish=use_async,
+                                                                      allocate_on_comm_stream=use_async)
+    if use_async:
+        ev.current_stream_wait()
+    assert rdma is None
+    check_equal("num_tokens_per_rank", got_rank, per_rank)
+    check_equal("num_tokens_per_expert", got_expert, per_expert)
+    check_equal("is_token_in_rank", got_in, in_rank)
+    x = xs[rank].cuda()
+    if fp8:
+        payload, scales = _fp8_of(xs[rank])
+        x_in = (payload.cuda(), scales.cuda().T.contiguous().T)  # column-major scales, as DeepEP's test passes them
+    else:
+        x_in = x
+    poison()
+    prev = deep_ep.Buffer.capture() if use_async else None
+    recv, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
+        x_in, num_tokens_per_rank=got_rank, is_token_in_rank=got_in, num_tokens_per_expert=got_expert,
+        topk_idx=idx[rank].cuda(), topk_weights=w[rank].cuda(), expert_alignment=align, num_worst_tokens=worst,
+        config=config, previous_event=prev, async_finish=use_async)
+    if use_async:
+        ev.current_stream_wait()
+    torch.cuda.synchronize()
+    n = len(ref.recv_rows)
+    rows_x = torch.stack([xs[s][t] for s, t in ref.recv_rows]) if n else torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+    recv_x = recv[0] if fp8 else recv
+    if worst:
+        assert counts == [] and recv_x.shape[0] == worst and recv_idx.shape[0] == worst
+        assert bool((recv_idx[n:] == -1).all()), "num_worst_tokens: rows past the received count need top-k id -1"
+    else:
+        assert counts == ref.num_recv_tokens_per_expert, (counts, ref.num_recv_tokens_per_expert)
+        assert recv_x.shape[0] == n
+    if fp8:
+        quantized = [_fp8_of(q) for q in xs]
+        want_payload = torch.stack([quantized[s][0][t] for s, t in ref.recv_rows]) if n else \
+            torch.zeros(0, HIDDEN, dtype=torch.float8_e4m3fn)
+        want_scales = torch.stack([quantized[s][1][t] for s, t in ref.recv_rows]) if n else \
+            torch.zeros(0, HIDDEN // 128)
+        check_equal("recv_x (FP8)", recv_x[:n], want_payload)
+        check_equal("recv_x scales", recv[1][:n], want_scales)
+    else:
+        check_equal("recv_x", recv_x[:n], rows_x)
+    check_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
+    check_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights)
+    rank_prefix, channel_prefix, recv_chan, src_idx, h_in_rank, send_head = handle
+    check_equal("rank_prefix_matrix", rank_prefix, ref.rank_prefix_matrix)
+    check_equal("channel_prefix_matrix", channel_prefix, ref.channel_prefix_matrix)
+    check_equal("recv_channel_prefix_matrix", recv_chan, ref.recv_channel_prefix_matrix)
+    check_equal("recv_src_idx", src_idx[:n], ref.recv_src_idx)
+    check_equal("send_head", send_head, ref.send_head)
+    if not fp8:
+        poison()
+        again, *_ = buf.dispatch(x, handle=handle, config=config)
+        torch.cuda.synchronize()
+        check_equal("cached dispatch recv_x", again[:n], rows_x)
+    # Combine: every rank's "expert output" is its received rows scaled by a rank-dependent factor.
+    outs = [torch.zeros(0)] * ranks
+    rows_by_rank, w_by_rank = [], []
+    for q in range(ranks):
+        rq = dispatch_reference(idx, w, experts, SMS // 2, q, align)
+        rows_by_rank.append(rq.recv_rows)
+        xq = torch.stack([xs[s][t] for s, t in rq.recv_rows]) if rq.recv_rows else torch.zeros(0, HIDDEN)
+        outs[q] = (xq.float() * (q + 1.5)).to(torch.bfloat16)
+        w_by_rank.append(rq.recv_topk_weights)
+    mine = outs[rank]
+    x_comb = torch.cat([mine, torch.full((recv_x.shape[0] - n, HIDDEN), float("nan"))]).to(torch.bfloat16)
+    b = (torch.randn(tokens[rank], HIDDEN, generator=gen).to(torch.bfloat16),
+         torch.randn(tokens[rank], HIDDEN, generator=gen).to(torch.bfloat16)) if bias else (None, None)
+    want_x, want_w = combine_reference(rows_by_rank, outs, tokens[rank], rank, b, w_by_rank)
+    poison()
+    prev = deep_ep.Buffer.capture() if use_async else None
+    combined, combined_w, ev = buf.combine(
+        x_comb.cuda(), handle, topk_weights=recv_w, config=config, previous_event=prev, async_finish=use_async,
+        bias=tuple(t.cuda() for t in b) if bias else None)
+    if use_async:
+        ev.current_stream_wait()
+    torch.cuda.synchronize()
+    check_equal("combined_x", combined, want_x)
+    check_equal("combined_topk_weights", combined_w, want_w)
+
+
+def _fp8_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worker's own FP8 quantization (what it passes as x), on the host, for another rank's rows."""
+    t = x.shape[0]
+    amax = x.float().view(t, -1, 128).abs().amax(dim=2).clamp(min=1e-4)
+    scales = amax / 448
+    payload = (x.float().view(t, -1, 128) / scales.unsqueeze(2)).view(t, HIDDEN).to(torch.float8_e4m3fn)
+    return payload, scales
+
+
+def suite_cases(rank: int, ranks: int) -> None:
+    buf = deep_ep.Buffer(dist.group.WORLD, NVL_BYTES, 0)
+    full = [96] * ranks
+    cases = [
+        ("random BF16", dict(seed=1, tokens=full, kind="random", fp8=False)),
+        ("random FP8 (column-major scales)", dict(seed=2, tokens=full, kind="random", fp8=True)),
+        ("bias + expert_alignment=4", dict(seed=3, tokens=[37] * ranks, kind="random", fp8=False, align=4,
+                                           bias=True)),
+        ("all tokens to one expert", dict(seed=4, tokens=full, kind="one_expert", fp8=False)),
+        ("num_worst_tokens", dict(seed=5, tokens=full, kind="random", fp8=False, worst=96 * ranks)),
+        ("async + previous_event + allocate_on_comm_stream", dict(seed=6, tokens=full, kind="random", fp8=True,
+                                                                  use_async=True)),
+        ("T = 0 on every rank", dict(seed=7, tokens=[0] * ranks, kind="random", fp8=False)),
+        ("a rank without tokens", dict(seed=8, tokens=[0] + [50] * (ranks - 1) if ranks > 1 else [1],
+                                       kind="random", fp8=False)),
+    ]
+    for name, case in cases:
+        run_case(buf, rank, ranks, **case)
+        print(f"rank {rank}: normal {name} bit-exact", flush=True)
+    torch.set_default_device("cuda")
+    try:
+        run_case(buf, rank, ranks, seed=9, tokens=full, kind="random", fp8=False)
+    finally:
+        torch.set_default_device(None)
+    print(f"rank {rank}: normal under torch.set_default_device('cuda') bit-exact", flush=True)
+    for i in range(20):
+        run_case(buf, rank, ranks, seed=100 + i, tokens=[64 + 7 * i] * ranks, kind="random", fp8=i % 2 == 1)
+    print(f"rank {rank}: 20 consecutive normal rounds bit-exact", flush=True)
+
+
+def suite_timeout(rank: int, ranks: int) -> None:
+    with spin_timeout(MISSING_PEER_TIMEOUT_MS):
+        buf = deep_ep.Buffer(dist.group.WORLD, NVL_BYTES, 0)
+        if rank == 0:
+            idx = torch.zeros(8, TOPK, dtype=torch.int64, device="cuda")
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts_for(ranks))
+            with raises(DeviceTimeoutError, rank, "missing peer", "rank 1"):
+                buf.dispatch(torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda"), num_tokens_per_rank=per_rank,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                             config=deep_ep.Config(SMS, 8, 256))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    run_suite({"cases": suite_cases, "timeout": suite_timeout})
