@@ -4,9 +4,10 @@ low-latency mode on gc-moe-compat's kernels.
 A Buffer created with ``low_latency_mode=True`` owns one symmetric workspace of ``num_rdma_bytes`` (torch symmetric
 memory across ``group``; size it with :meth:`Buffer.get_low_latency_rdma_size_hint`). ``low_latency_dispatch`` /
 ``low_latency_combine`` keep DeepEP's arguments, outputs (shapes, dtypes, column-major scales), handle and hook
-semantics. What is not implemented raises ``NotImplementedError`` saying so: the normal (high-throughput) mode, NVFP4
-dispatch, LogFMT and zero-copy combine, the receive-cost statistics, rank masking, and SGLang's single-batch-overlap
-signals.
+semantics, the zero-copy combine and rank masking (``enable_shrink``); they run on the communication green partition
+requested by ``Buffer.num_sms`` (:attr:`Buffer.low_latency_partition` reports it). What is not implemented raises
+``NotImplementedError`` saying so: the normal (high-throughput) mode, NVFP4 dispatch, LogFMT combine, the receive-cost
+statistics, and SGLang's single-batch-overlap signals.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, check_rank_count, required_bytes
 from gc_moe_compat.config import boolean, integer
-from gc_moe_compat.deep_ep import _low_latency, _normal
-from gc_moe_compat.deep_ep._config import Config
+from gc_moe_compat.deep_ep import _low_latency
+from gc_moe_compat.deep_ep._config import NORMAL_MODE_MISSING, Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
@@ -73,8 +74,6 @@ class Buffer:
         if use_fabric:
             raise _missing("use_fabric=True (fabric memory: the workspace is torch symmetric memory, with no "
                            "fabric memory handles)")
-        if enable_shrink:
-            raise _missing("enable_shrink (rank masking)")
         if not allow_nvlink_for_low_latency_mode and low_latency_mode:
             raise _missing("allow_nvlink_for_low_latency_mode=False (the low-latency kernels use NVLink peer stores)")
         self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
@@ -83,9 +82,6 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink
         self.workspace: SymmetricWorkspace | None = None
-        if num_rdma_bytes and not low_latency_mode and self.group_size > _normal.MAX_NVL_RANKS:
-            raise _missing(f"num_rdma_bytes with {self.group_size} ranks (internode normal mode over NVSHMEM/RDMA)")
-        self.normal = _normal.NormalMode(group, num_nvl_bytes) if num_nvl_bytes else None
         if low_latency_mode:
             if num_rdma_bytes < HEADER_BYTES:
                 raise ValueError(f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES} (see "
@@ -93,15 +89,13 @@ class Buffer:
             layout = LayoutPlanner()
             layout.add("low_latency", num_rdma_bytes)
             self.workspace = SymmetricWorkspace(layout, group)
+            _low_latency.comm_partition(self.workspace, Buffer.num_sms)  # made now, not first inside a capture
 
     def destroy(self) -> None:
         """Releases the workspace (only for a Buffer created with ``explicitly_destroy=True``, as with DeepEP)."""
         if not self.explicitly_destroy:
             raise ValueError("destroy: the Buffer was created with explicitly_destroy=False")
         self.workspace = None
-        if self.normal is not None:
-            self.normal.destroy()
-            self.normal = None
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -110,7 +104,9 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Sets the SM count of the normal-mode kernels (kept for callers; the low-latency grids size themselves)."""
+        """Sets the SM count of the communication kernels: the low-latency kernels' green-partition request (the
+        communication side gets at least this many SMs, driver-aligned; the compute side the rest). Set it before
+        a CUDA graph capture: a new request makes a new partition on the next call."""
         if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
             raise ValueError(f"new_num_sms: the SM count must be a positive even int, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
@@ -123,7 +119,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage). The sizes
+        """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage) and the
+        zero-copy combine's send rows. The sizes
         are checked as the calls check them (``ValueError`` / ``TypeError`` naming the argument), so the hint is
         never negative, fractional, NaN or smaller than a call of these sizes needs."""
         fn = "get_low_latency_rdma_size_hint"
@@ -132,7 +129,7 @@ class Buffer:
             shape = _low_latency.ll_shape(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, HINT_TOPK)
         except ValueError as exc:
             raise ValueError(f"{fn}: {exc}") from exc
-        return required_bytes(shape)
+        return required_bytes(shape, zero_copy=True)
 
     def get_comm_stream(self) -> torch.Stream:
         """Not implemented: the facade runs on the caller's stream and has no communication stream."""
@@ -145,26 +142,18 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """DeepEP's recommended normal-mode dispatch config for ``num_ranks`` with ``Buffer.num_sms`` SMs."""
-        return _normal.dispatch_config(num_ranks, Buffer.num_sms)
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """DeepEP's recommended normal-mode combine config for ``num_ranks`` with ``Buffer.num_sms`` SMs."""
-        return _normal.combine_config(num_ranks, Buffer.num_sms)
-
-    def _normal_mode(self, fn: str) -> _normal.NormalMode:
-        if self.normal is None:
-            raise ValueError(f"{fn}: the normal mode needs a Buffer with num_nvl_bytes > 0 (size it with "
-                             f"Config.get_nvl_buffer_size_hint), got num_nvl_bytes={self.num_nvl_bytes}")
-        return self.normal
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """``(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)`` of ``topk_idx``, by the
-        layout kernel on the communication partition (:mod:`gc_moe_compat.deep_ep._normal`)."""
-        return self._normal_mode("get_dispatch_layout").get_dispatch_layout(
-            topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream, Buffer.num_sms)
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -173,42 +162,15 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
-        """DeepEP's intranode dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, event)`` (:mod:`gc_moe_compat.deep_ep._normal`)."""
-        mode = self._normal_mode("dispatch")
-        config = self.get_dispatch_config(self.group_size) if config is None else config
-        return mode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                             config, previous_event, async_finish, allocate_on_comm_stream)
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple:
-        """DeepEP's intranode combine (an unweighted sum per token, plus ``bias``): ``(combined_x,
-        combined_topk_weights, event)`` (:mod:`gc_moe_compat.deep_ep._normal`)."""
-        mode = self._normal_mode("combine")
-        config = self.get_combine_config(self.group_size) if config is None else config
-        return mode.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                            allocate_on_comm_stream)
-
-    def internode_dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
-                           num_tokens_per_rank: torch.Tensor | None = None,
-                           num_tokens_per_rdma_rank: torch.Tensor | None = None,
-                           is_token_in_rank: torch.Tensor | None = None,
-                           num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                           topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
-                           config: Config | None = None, previous_event: EventOverlap | None = None,
-                           async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """Not implemented: internode dispatch runs over NVSHMEM/RDMA in DeepEP."""
-        raise _missing("internode_dispatch (internode normal mode over NVSHMEM/RDMA)")
-
-    def internode_combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
-                          bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-                          config: Config | None = None, previous_event: EventOverlap | None = None,
-                          async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """Not implemented: internode combine runs over NVSHMEM/RDMA in DeepEP."""
-        raise _missing("internode_combine (internode normal mode over NVSHMEM/RDMA)")
+        """Normal mode only: raises ``NotImplementedError``."""
+        raise NotImplementedError(NORMAL_MODE_MISSING)
 
     def _low_latency_workspace(self, fn: str) -> SymmetricWorkspace:
         if not self.low_latency_mode:
@@ -244,7 +206,8 @@ class Buffer:
         recv_x, recv_count, handle, hook = _low_latency.dispatch(
             workspace, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             recv_stats=cumulative_local_expert_recv_stats, use_fp8=use_fp8, round_scale=round_scale,
-            use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook)
+            use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook,
+            shrink=self.enable_shrink, num_sms=Buffer.num_sms)
         return recv_x, recv_count, handle, _event(async_finish), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -267,29 +230,49 @@ class Buffer:
         workspace = self._low_latency_workspace("low_latency_combine")
         if use_logfmt:
             raise _missing("use_logfmt (LogFMT combine)")
-        if zero_copy:
-            raise _missing("zero_copy combine (get_next_low_latency_combine_buffer)")
         if combine_wait_recv_cost_stats is not None:
             raise _missing("combine_wait_recv_cost_stats")
         if overlap or src_signals is not None or comp_signal is not None:
             raise _missing("single-batch overlap (overlap, src_signals, comp_signal); run SGLang without "
                            "--enable-single-batch-overlap")
         combined, hook = _low_latency.combine(workspace, x, topk_idx, topk_weights, handle, out=out,
-                                              async_finish=async_finish, return_recv_hook=return_recv_hook)
+                                              zero_copy=zero_copy, async_finish=async_finish,
+                                              return_recv_hook=return_recv_hook, shrink=self.enable_shrink,
+                                              num_sms=Buffer.num_sms)
         return combined, _event(async_finish), hook
 
+    def _shrink_workspace(self, fn: str) -> SymmetricWorkspace:
+        workspace = self._low_latency_workspace(fn)
+        if not self.enable_shrink:
+            raise ValueError(f"{fn}: the Buffer was created with enable_shrink=False (rank masking needs True)")
+        return workspace
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Not implemented (rank masking)."""
-        raise _missing("low_latency_update_mask_buffer (rank masking)")
+        """Masks (``mask=True``) or unmasks ``rank_to_mask``: the low-latency kernels neither wait for nor send to a
+        masked rank (its rows count as zero, its experts' combine slots are skipped). A rank that times out is
+        masked by the kernels themselves."""
+        _low_latency.update_mask(self._shrink_workspace("low_latency_update_mask_buffer"), rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Not implemented (rank masking)."""
-        raise _missing("low_latency_query_mask_buffer (rank masking)")
+        """Writes every rank's mask status (1 = masked) into ``mask_status`` (int32 ``[num_ranks]``)."""
+        _low_latency.query_mask(self._shrink_workspace("low_latency_query_mask_buffer"), mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Not implemented (rank masking)."""
-        raise _missing("low_latency_clean_mask_buffer (rank masking)")
+        """Unmasks every rank."""
+        _low_latency.clean_mask(self._shrink_workspace("low_latency_clean_mask_buffer"))
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
-        """Not implemented (zero-copy combine)."""
-        raise _missing("get_next_low_latency_combine_buffer (zero-copy combine)")
+        """The BF16 ``[num_local_experts, num_ranks * Tmax, hidden]`` send rows of the next zero-copy combine with
+        ``handle``, in the workspace: write the expert outputs there and call ``low_latency_combine(...,
+        zero_copy=True)``."""
+        workspace = self._low_latency_workspace("get_next_low_latency_combine_buffer")
+        return _low_latency.next_combine_buffer(workspace, handle)
+
+    @property
+    def low_latency_partition(self) -> dict[str, object]:
+        """Where the low-latency kernels run: ``partition`` (``on``: the communication green context; ``off``:
+        the caller's stream, ``GC_MOE_PARTITION=off``), ``dispatch_sms`` (the SMs they use) and ``compute_sms``
+        (those left to the compute partition), the request ``Buffer.num_sms`` and the driver's split details. An
+        attribute, not a method: the facade adds no method to DeepEP's API."""
+        workspace = self._low_latency_workspace("low_latency_partition")
+        return _low_latency.partition_report(workspace, Buffer.num_sms)

@@ -18,6 +18,7 @@ from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
 
+NORMAL_MODE = "--deepep-mode low_latency"
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
 
 
@@ -80,20 +81,20 @@ def test_normal_mode_buffer_constructs_without_a_gpu(normal: Buffer) -> None:
     assert Buffer.is_sm90_compiled() is True
 
 
-def test_normal_mode_calls_without_num_nvl_bytes_name_it(normal: Buffer) -> None:
-    """The normal mode is implemented (tests/facades/test_deep_ep_normal*.py); without ``num_nvl_bytes`` its calls
-    name the argument, while the configs and hints (no workspace) answer."""
+def test_normal_mode_methods_name_the_low_latency_flag(normal: Buffer) -> None:
     calls = {
+        "get_dispatch_config": lambda: Buffer.get_dispatch_config(1),
+        "get_combine_config": lambda: Buffer.get_combine_config(1),
         "get_dispatch_layout": lambda: normal.get_dispatch_layout(torch.zeros(2, 2, dtype=torch.int64), 8),
         "dispatch": lambda: normal.dispatch(torch.zeros(2, 128), topk_idx=None),
         "combine": lambda: normal.combine(torch.zeros(2, 128), ()),
+        "Config.get_nvl_buffer_size_hint": lambda: Config().get_nvl_buffer_size_hint(7168 * 2, 8),
+        "Config.get_rdma_buffer_size_hint": lambda: Config().get_rdma_buffer_size_hint(7168 * 2, 8),
     }
     for name, call in calls.items():
-        with pytest.raises(ValueError, match="num_nvl_bytes > 0") as info:
+        with pytest.raises(NotImplementedError, match=NORMAL_MODE) as info:
             call()
-        assert name in str(info.value)
-    assert Buffer.get_dispatch_config(1).num_sms == Buffer.num_sms
-    assert Config().get_nvl_buffer_size_hint(7168 * 2, 8) > 0 and Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+        assert "normal (high-throughput) mode is not implemented" in str(info.value), name
 
 
 def test_low_latency_methods_on_a_normal_buffer_name_low_latency_mode(normal: Buffer) -> None:
@@ -107,11 +108,7 @@ def test_low_latency_methods_on_a_normal_buffer_name_low_latency_mode(normal: Bu
 
 def test_unimplemented_buffer_methods_say_so(normal: Buffer) -> None:
     for call, what in ((normal.get_comm_stream, "get_comm_stream"),
-                       (lambda: normal.get_local_buffer_tensor(torch.uint8), "get_local_buffer_tensor"),
-                       (lambda: normal.low_latency_update_mask_buffer(1, True), "rank masking"),
-                       (lambda: normal.low_latency_query_mask_buffer(torch.zeros(1)), "rank masking"),
-                       (normal.low_latency_clean_mask_buffer, "rank masking"),
-                       (lambda: normal.get_next_low_latency_combine_buffer(None), "zero-copy")):
+                       (lambda: normal.get_local_buffer_tensor(torch.uint8), "get_local_buffer_tensor")):
         with pytest.raises(NotImplementedError, match=what):
             call()
 
@@ -121,8 +118,6 @@ def test_constructor_checks(group: dist.ProcessGroup) -> None:
         Buffer(None)
     with pytest.raises(NotImplementedError, match="mpi4py communicator"):
         Buffer(None, comm=object())
-    with pytest.raises(NotImplementedError, match="enable_shrink"):
-        Buffer(group, enable_shrink=True)
     with pytest.raises(NotImplementedError, match="allow_nvlink_for_low_latency_mode=False"):
         Buffer(group, 0, 1 << 20, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
     for bad in (0, HEADER_BYTES - 1):
@@ -162,7 +157,7 @@ def test_set_num_sms() -> None:
                          [(128, 7168, 8, 256), (T_MAX, HIDDEN, 1, EXPERTS), (256, 4096, 2, 64), (1, 128, 72, 72)])
 def test_rdma_size_hint_provisions_top16(tokens: int, hidden: int, ranks: int, experts: int) -> None:
     hint = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts)
-    assert hint == required_bytes(LlShape(ranks, experts, tokens, hidden, HINT_TOPK)) and HINT_TOPK == 16
+    assert hint == required_bytes(LlShape(ranks, experts, tokens, hidden, HINT_TOPK), True) and HINT_TOPK == 16
 
 
 def test_rdma_size_hint_rank_bounds() -> None:
@@ -234,7 +229,6 @@ def test_dispatch_unimplemented_options(ll: Buffer, launches: list, option: str,
 
 @pytest.mark.parametrize(("option", "value", "match"), [
     ("use_logfmt", True, "use_logfmt"),
-    ("zero_copy", True, "zero_copy"),
     ("combine_wait_recv_cost_stats", torch.zeros(EXPERTS, dtype=torch.int64), "combine_wait_recv_cost_stats"),
     ("overlap", True, "overlap"),
     ("comp_signal", torch.zeros(4, dtype=torch.int32), "comp_signal"),
@@ -405,12 +399,13 @@ def test_dispatch_needs_enough_rdma_bytes(ll: Buffer, launches: list) -> None:
 
 
 def test_dispatch_topk_above_the_hint_needs_a_larger_buffer(make_ll: Callable[..., Buffer], launches: list) -> None:
-    """The hint provisions top-k 16; a call with k = 32 names the bytes it needs."""
-    ll = make_ll(Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS) + 1)
-    need = required_bytes(LlShape(1, EXPERTS, T_MAX, HIDDEN, 32))
+    """A buffer sized for top-16 calls (the hint's top-k); a call with k = 32 (of 32 experts) names the bytes it
+    needs."""
+    ll = make_ll(required_bytes(LlShape(1, 32, T_MAX, HIDDEN, HINT_TOPK)))
+    need = required_bytes(LlShape(1, 32, T_MAX, HIDDEN, 32))
     with pytest.raises(ValueError, match=f"topk=32, 1 ranks\\) needs {need} bytes"):
-        _dispatch(ll, inputs=_inputs(topk=32))
-    _dispatch(make_ll(need), inputs=_inputs(topk=32))
+        _dispatch(ll, inputs=_inputs(topk=32), experts=32)
+    _dispatch(make_ll(need), inputs=_inputs(topk=32), experts=32)
     assert [k for k, _ in launches] == [Kernel.DISPATCH_SEND]
 
 
