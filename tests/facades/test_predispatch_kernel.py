@@ -5,15 +5,21 @@ UE8M0's 1e-4 floor, rows near the BF16 maximum) on the GPU into poisoned views a
 :func:`gc_moe_compat.quant.quantize_fp8_pre_dispatch`; every byte of every view must agree, including the padding
 rows ``[num_tokens, capacity)`` and the payload rows past ``num_tokens`` (left as poisoned). Shapes hit the
 boundaries: T = 0, 1, capacity; H = 256 (one warp) and 8192 (1024 threads); top-k 1 and 32 (more slots than a
-one-warp CTA's threads would cover with one slot each); int32 and int64 ids in and out.
+one-warp CTA's threads would cover with one slot each); int32 and int64 ids in and out. Invalid routing (ids outside
+the view's range or the buffer's experts, NaN / overflowing weights) is staged as (-1, 0.0), eagerly and in a
+captured graph, and reported by the next eager call.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat.deep_gemm import _predispatch
+from gc_moe_compat.runtime.dropped import dropped_record
+from gc_moe_compat.runtime.status import DeviceCheckError
 
 pytestmark = pytest.mark.gpu
 
@@ -104,3 +110,104 @@ def test_kernel_launch_is_one_kernel_and_capturable() -> None:
     torch.cuda.synchronize()
     for got, want in zip(views, eager, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Invalid routing only the device sees (issue 19, items 1-3): dropped as (-1, 0.0), reported by the next eager call
+
+BAD = {  # case -> (topk_idx entry, weight, routed_scaling_factor, what the report names)
+    "id_past_int32": (2**32 + 5, 0.5, 1.0, "topk_idx entry .*observed 4294967301, expected 2147483647"),
+    "id_below_minus_one": (-5, 0.5, 1.0, "topk_idx entry .*observed -5, expected 2147483647"),
+    "nan_weight": (3, float("nan"), 1.0, "not finite in FP32 .*expected 6"),
+    "product_overflow": (3, 3.0e38, 2.5, "not finite in FP32 .*expected 6"),
+}
+
+
+def _clear_dropped() -> None:
+    record = dropped_record(torch.device("cuda"))
+    record.mirror.zero_()
+    record.record.zero_()
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.parametrize("fn", ["sm90", "ue8m0"])
+def test_invalid_routing_is_dropped_then_reported(case: str, fn: str) -> None:
+    """One invalid entry (token 1, slot 2) among valid ones, int64 ids into an int32 view: the kernel stages it as
+    (-1, 0.0), every byte equals the torch model's drop rule, the valid entries are untouched; the next eager call
+    raises DeviceCheckError naming the site and value before launching, and the one after runs again."""
+    value, weight, factor, report = BAD[case]
+    if fn == "ue8m0":
+        factor = 1.0  # mega_moe_pre_dispatch has no factor: its overflow case is a weight of inf
+        weight = float("inf") if case == "product_overflow" else weight
+    _clear_dropped()
+    n, capacity, hidden, topk = 4, 8, 256, 4
+    x = _tokens(n, hidden, seed=5).cuda()
+    idx = torch.randint(0, 64, (n, topk), generator=torch.Generator().manual_seed(6))
+    w = torch.rand(n, topk, generator=torch.Generator().manual_seed(7))
+    idx[1, 2], w[1, 2] = value, weight
+    idx, w = idx.cuda(), w.cuda()
+    sf_dtype, recipe = (torch.float32, "fp32x128") if fn == "sm90" else (torch.int32, "ue8m0x32")
+
+    def call(views: list[torch.Tensor], topk_idx: torch.Tensor = idx, topk_weights: torch.Tensor = w) -> None:
+        if fn == "sm90":
+            dg.mega_moe_pre_dispatch_sm90(x, topk_idx, topk_weights, *views, num_tokens=n,
+                                          routed_scaling_factor=factor)
+        else:
+            dg.mega_moe_pre_dispatch(x, topk_idx, topk_weights, *views, num_tokens=n, group_size=32,
+                                     mma_type="fp8xfp4")
+
+    got = _views(capacity, hidden, topk, sf_dtype, torch.int32, "cuda")
+    want = _views(capacity, hidden, topk, sf_dtype, torch.int32, "cuda")
+    call(got)
+    _predispatch.stage_with_torch(recipe, x, idx, w, *want, n, factor)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("buf_x", "buf_x_sf", "buf_topk_idx", "buf_topk_weights"), got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert got[2][1, 2].item() == -1 and got[3][1, 2].item() == 0.0
+    keep = torch.ones(n, topk, dtype=torch.bool, device="cuda")
+    keep[1, 2] = False
+    assert torch.equal(got[2][:n][keep], idx[keep].int())
+    assert torch.equal(got[3][:n][keep], w[keep] * factor)
+    name = "mega_moe_pre_dispatch_sm90" if fn == "sm90" else "mega_moe_pre_dispatch"
+    valid_idx, valid_w = torch.zeros_like(idx), torch.full_like(w, 0.25)
+    with pytest.raises(DeviceCheckError, match=f"{name}: a launch on cuda:0 before this check dropped an invalid "
+                                               f"input .*pre-dispatch: .*{report}"):
+        call(got, valid_idx, valid_w)
+    call(got, valid_idx, valid_w)  # the record was cleared: the next call runs
+    torch.cuda.synchronize()
+    assert (got[2][:n] == 0).all()
+    dropped_record(torch.device("cuda")).raise_if_dropped("a valid call")
+
+
+def test_captured_call_drops_ids_outside_the_buffers_experts(group: dist.ProcessGroup) -> None:
+    """Views of a facade buffer (E = 16): an id 16 fits the int32 input but is no expert. Captured with valid ids,
+    replayed after the input changed: the replay stages (-1, 0.0) for it; the next eager call raises naming E - 1."""
+    _clear_dropped()
+    n = 6
+    buf = dg.get_symm_buffer_for_mega_moe(group, 16, 40, 4, 512, 256)
+    x = _tokens(n, 512, seed=9).cuda()
+    idx = torch.randint(0, 16, (n, 4), generator=torch.Generator().manual_seed(9), dtype=torch.int32).cuda()
+    w = torch.rand(n, 4, generator=torch.Generator().manual_seed(10)).cuda()
+
+    def call() -> None:
+        dg.mega_moe_pre_dispatch_sm90(x, idx, w, buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, n,
+                                      routed_scaling_factor=2.5)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    idx[2, 3] = 16
+    graph.replay()
+    torch.cuda.synchronize()
+    assert buf.topk_idx[2, 3].item() == -1 and buf.topk_weights[2, 3].item() == 0.0
+    assert buf.topk_idx[2, 0].item() == idx[2, 0].item()
+    with pytest.raises(DeviceCheckError, match="mega_moe_pre_dispatch_sm90: .*topk_idx entry .*observed 16, "
+                                               "expected 15"):
+        call()
+    idx[2, 3] = 15
+    call()
+    torch.cuda.synchronize()
+    assert buf.topk_idx[2, 3].item() == 15
+    buf.destroy()
