@@ -1,0 +1,321 @@
+"""The A/B measurement on the GPUs: one process per rank, every operator on identical seeded inputs.
+
+Per rank: the idle-GPU check (a warning), the copy bandwidth, every rank's weights (the P-rank references need
+them), each available operator built once (buffers, weight transforms: what a deployment does at load time). Per
+point ``T``: every rank's tokens; this rank's references (quantization-faithful for each weight format, BF16
+model); per operator: stage, one eager run (JIT, accuracy), capture of one step in a CUDA graph, timed replays
+(:func:`protocol.median_graph_window`, windows aligned across ranks by a device-side all-reduce), the device status
+check, and the replayed ``y`` compared bit for bit with the eager one; then each pair of operators' eager outputs
+against each other. A failure of one operator (on any rank) marks it unavailable at that point with the error;
+the run goes on. Rank 0 assembles the points (:mod:`results`) and writes the file after every point.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gc_moe_compat.ab import prebuild, protocol, report, results
+from gc_moe_compat.ab.inputs import Tokens, make_tokens, make_weights
+from gc_moe_compat.ab.model_config import Workload
+from gc_moe_compat.ab.operators import REFERENCE_OP, Context, OperatorSpec, Runner
+
+__all__ = ["RunConfig", "Ranks", "main_ranks", "run"]
+
+ENV_KEYS = ("GC_MOE_DISPATCH_SMS", "GC_MOE_PARTITION", "GC_MOE_SWAP")
+"""Settings that change what runs: written in front of ``meta.command`` when set."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    workload: Workload
+    tokens: tuple[int, ...]
+    ops: tuple[OperatorSpec, ...]
+    warmup: int
+    windows: int
+    out: Path
+    command: tuple[str, ...]
+    quick: bool = False
+
+
+class Ranks:
+    """This run's process group: torchrun's environment, or one rank of its own (an NCCL group of one: the
+    originals allocate symmetric memory through it)."""
+
+    def __init__(self) -> None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        self.device = torch.device("cuda", local)
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                    device_id=self.device)
+        else:
+            dist.init_process_group("nccl", device_id=self.device)
+        self.group = dist.group.WORLD
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._one = torch.zeros(1, dtype=torch.float32, device=self.device)
+
+    def align(self) -> None:
+        """A device-side barrier (an all-reduce on the current stream): window starts line up on every GPU."""
+        dist.all_reduce(self._one, group=self.group)
+
+    def gather(self, obj: object) -> list[object]:
+        out: list[object] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def first_error(self, error: str | None) -> str | None:
+        """The first rank's error of a step every rank ran (so that all ranks skip it together)."""
+        return next((e for e in self.gather(error) if e), None)
+
+
+def _error(exc: BaseException) -> str:
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _references(tokens: Sequence[Tokens], weights: Sequence[object], formats: set[str], clamp: float | None,
+                rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's reference outputs: ``{weight format: {"faithful": y, "bf16_model": y}}``."""
+    from gc_moe_compat.testing.operator_workload import INTERMEDIATE_QUANT
+    from gc_moe_compat.testing.reference import expert_parallel_reference
+
+    staged = [t.staged for t in tokens]
+    idx, w = [s.topk_idx for s in staged], [s.topk_weights for s in staged]
+
+    def layer(fmt: str, acts: list[object]) -> torch.Tensor:
+        out = expert_parallel_reference(acts, idx, w, [lw[fmt][0] for lw in weights], [lw[fmt][1] for lw in weights],
+                                        activation_clamp=clamp, intermediate_quant=INTERMEDIATE_QUANT[fmt])
+        return out[rank].y
+
+    model = layer("bf16", [t.x.float() for t in tokens])
+    return {fmt: {"faithful": layer(fmt, [(s.x, s.x_sf) for s in staged]), "bf16_model": model} for fmt in formats}
+
+
+def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int, rank: int) -> dict[str, int]:
+    """This rank's BENCH_PROTOCOL.md floor bytes per mma type: its unique active experts and received rows."""
+    from gc_moe_compat.testing.reference import dispatch_plan
+
+    plan = dispatch_plan([t.topk_idx.to(torch.int64) for t in tokens], num_experts)[rank]
+    active, rows = sum(1 for r in plan if r.shape[0]), sum(int(r.shape[0]) for r in plan)
+    return {mma: protocol.expert_floor_bytes(workload.hidden, workload.intermediate, active, rows, mma)
+            for mma in ("fp8xfp8", "fp8xfp4")}
+
+
+def _measure(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], ranks: Ranks, cfg: RunConfig,
+             record: dict[str, dict], ys: dict[str, torch.Tensor]) -> None:
+    """One operator at one point (module docstring); every rank calls it for the same operator."""
+    from gc_moe_compat.testing.reference import accuracy_metrics
+
+    error, graph, eager = None, None, None
+    try:
+        y = runner.run()
+        torch.cuda.synchronize()
+        eager = y.clone()
+        record["accuracy"][spec.name] = {name: accuracy_metrics(eager.float(), ref.float())
+                                         for name, ref in refs.items()}
+        graph = protocol.capture_graph(runner.run)
+    except Exception as exc:  # noqa: BLE001 - recorded; every rank skips the timing together
+        error = _error(exc)
+    error = ranks.first_error(error)
+    if error:
+        record["unavailable"][spec.name] = f"failed: {error}"
+        return
+    latency = protocol.median_graph_window(graph, cfg.warmup, cfg.windows, before_window=ranks.align)
+    del graph
+    try:
+        runner.check(f"{spec.name} replays")
+    except Exception as exc:  # noqa: BLE001 - a device error makes the timing meaningless: recorded
+        error = _error(exc)
+    error = ranks.first_error(error)
+    if error:
+        record["unavailable"][spec.name] = f"device error after the timed replays: {error}"
+        return
+    record["latency_us"][spec.name] = latency
+    record["bit_identical"][spec.name] = torch.equal(y.view(torch.int16), eager.view(torch.int16))
+    ys[spec.name] = eager
+
+
+def _build(specs: Sequence[OperatorSpec], ctx: Context, ranks: Ranks, unavailable: dict[str, str]
+           ) -> dict[str, Runner]:
+    """Probe and build every operator on every rank; one that cannot run anywhere is recorded and left out."""
+    runners: dict[str, Runner] = {}
+    for spec in specs:
+        reason = ranks.first_error(spec.probe())
+        if reason:
+            unavailable[spec.name] = reason
+            continue
+        runner, error = None, None
+        try:
+            runner = spec.build(ctx)
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on without it
+            error = _error(exc)
+        error = ranks.first_error(error)
+        if error:
+            unavailable[spec.name] = f"setup failed: {error}"
+            if runner is not None:
+                runner.close()
+            continue
+        runners[spec.name] = runner
+    return runners
+
+
+def _partition_meta(runners: dict[str, Runner]) -> dict[str, object]:
+    """``meta.partition``: the reference operator's partition (BENCH_PROTOCOL.md's keys) plus every operator's."""
+    per_op = {}
+    for name, runner in runners.items():
+        try:
+            per_op[name] = runner.partition()
+        except Exception as exc:  # noqa: BLE001 - metadata only
+            per_op[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    ref = per_op.get(REFERENCE_OP, {})
+    green = ref.get("green", {}) if isinstance(ref, dict) else {}
+    return {"dispatch_sms": green.get("dispatch_sms", ref.get("dispatch_sms")),
+            "compute_sms": green.get("compute_sms", ref.get("compute_sms")),
+            "workqueue": green.get("workqueue"), "per_operator": per_op}
+
+
+def run(cfg: RunConfig) -> int:
+    """The measurement on this rank (every rank runs it); rank 0 writes ``cfg.out`` (+ PNG) and the table."""
+    ranks = Ranks()
+    rank, world, w = ranks.rank, ranks.world, cfg.workload
+    lead = rank == 0
+    shape = w.shape(world, "fp8xfp8")
+    idle = ranks.gather(protocol.idle_gpu_check(ranks.device.index))
+    if lead:
+        for r, check in enumerate(idle):
+            if check["idle"] is False:
+                print(f"WARNING: GPU of rank {r} is not idle ({check['detail']}): latencies may be inflated",
+                      file=sys.stderr, flush=True)
+    bandwidths = ranks.gather(protocol.copy_bandwidth())
+    unavailable: dict[str, str] = {}
+    probed = [s for s in cfg.ops if ranks.first_error(s.probe()) is None]
+    formats = {s.weight_format for s in probed}
+    t0 = time.monotonic()
+    if lead:  # one rank compiles every variant the points can pick, in parallel; the others wait
+        jobs = prebuild.kernel_jobs({s.mma_type for s in probed}, cfg.tokens, world, w.topk, shape.num_experts)
+        for line in prebuild.prebuild(jobs):
+            print(f"prebuild: {line}", flush=True)
+        print(f"prebuild: {time.monotonic() - t0:.1f} s", flush=True)
+    dist.barrier()
+    weights = [make_weights(w.local_experts, w.hidden, w.intermediate, r, tuple(sorted(formats)), ranks.device)
+               for r in range(world)]
+    ctx = Context(ranks.group, w, world, rank, weights[rank], ranks.device)
+    runners = _build(cfg.ops, ctx, ranks, unavailable)
+    if lead:
+        print(f"set up {len(runners)} operator(s) in {time.monotonic() - t0:.1f} s; not run: "
+              f"{', '.join(unavailable) or 'none'}", flush=True)
+    ops = {s.name: s.mma_type for s in cfg.ops}
+    specs = [s for s in cfg.ops if s.name in runners]
+    points: list[dict[str, object]] = []
+    partition = _partition_meta(runners)
+    with report.progress(len(cfg.tokens) * len(specs), enabled=lead) as bar:
+        for t in cfg.tokens:
+            tokens = [make_tokens(t, shape.num_experts, w.topk, w.hidden, r, world, w.routed_scaling_factor,
+                                  ranks.device) for r in range(world)]
+            refs = _references(tokens, weights, {s.weight_format for s in specs}, w.activation_clamp, rank)
+            record: dict[str, dict] = {"latency_us": {}, "accuracy": {}, "bit_identical": {},
+                                       "unavailable": dict(unavailable), "pairs": {},
+                                       "floor_bytes": _floor_bytes(tokens, w, shape.num_experts, rank)}
+            ys: dict[str, torch.Tensor] = {}
+            for spec in specs:
+                runner = runners[spec.name]
+                try:
+                    runner.stage(tokens[rank])
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - recorded
+                    error = _error(exc)
+                error = ranks.first_error(error)
+                if error:
+                    record["unavailable"][spec.name] = f"staging failed: {error}"
+                else:
+                    _measure(spec, runner, refs[spec.weight_format], ranks, cfg, record, ys)
+                bar.advance(f"{w.name} T={t} {spec.name}")
+            _pairs(ys, record)
+            records = ranks.gather(record)
+            if lead:
+                points.append(results.assemble_point(w.name, t, records, ops, bandwidths, REFERENCE_OP))
+                lat = ", ".join(f"{op} {us:.1f}" for op, us in points[-1]["latency_us"].items())
+                bar.note(f"T={t}: {lat} µs; floor {points[-1]['floor_us']:.1f} µs")
+                _write(cfg, points, partition, bandwidths, idle, unavailable, world, final=False)
+    for runner in runners.values():
+        runner.close()
+    if lead:
+        _write(cfg, points, partition, bandwidths, idle, unavailable, world, final=True)
+        title = f"gc-moe-ab {w.name}, {world} x {torch.cuda.get_device_name()}, E={shape.num_experts}"
+        report.table(title, points, [s.name for s in specs], REFERENCE_OP, unavailable)
+        print(f"wrote {cfg.out} and {cfg.out.with_suffix('.png')}", flush=True)
+    dist.barrier()
+    return 0
+
+
+def _pairs(ys: dict[str, torch.Tensor], record: dict[str, dict]) -> None:
+    """Every pair of measured operators' eager outputs on this rank, against each other."""
+    from gc_moe_compat.testing.reference import accuracy_metrics
+
+    names = list(ys)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            record["pairs"][f"{a}|{b}"] = accuracy_metrics(ys[a].float(), ys[b].float())
+
+
+def _write(cfg: RunConfig, points: list[dict[str, object]], partition: dict[str, object], bandwidths: list[float],
+           idle: list[dict[str, object]], unavailable: dict[str, str], world: int, *, final: bool) -> None:
+    meta = protocol.result_meta("gc-moe-ab", [], partition, world_size=world, env_keys=ENV_KEYS,
+                                command=cfg.command)
+    meta |= {
+        "tool": "gc-moe-ab",
+        "workload": cfg.workload.describe(),
+        "operator_shape": {"num_experts": cfg.workload.local_experts * world, "num_ranks": world,
+                           "rule": "E = (model E / ep_size) * world size: the deployment's per-rank share"},
+        "ops": {s.name: {"label": s.label, "mma_type": s.mma_type, "weight_format": s.weight_format,
+                         "status": f"not run: {unavailable[s.name]}" if s.name in unavailable else "measured"}
+                for s in cfg.ops},
+        "reference_op": REFERENCE_OP,
+        "timing": {"warmup_windows": cfg.warmup, "windows": cfg.windows, "replays_per_window": protocol.PER_WINDOW,
+                   "l2_flush_bytes": protocol.L2_FLUSH_BYTES, "quick": cfg.quick,
+                   "window_start": "device all-reduce across ranks after the L2 flush and synchronization",
+                   "point_latency": "max over ranks of each rank's median window"},
+        "idle_gpu_check": idle,
+        "copy_bandwidth_bytes_per_s": bandwidths,
+        "floor": "per rank: unique active experts' weights + scales (per mma type) + received rows in (FP8 + FP32 "
+                 "scales) and out (BF16), over that rank's copy bandwidth; point floor = max over ranks",
+        "workload_inputs": "per rank: randn BF16 experts (seed 7000 + rank) quantized per format; uniform top-k "
+                           "routing without repetition, softmax weights, randn BF16 hidden states (seed 90000 + "
+                           "T * world + rank)",
+        "references": {"faithful": "quantization-faithful FP32 reference of each op's weight format "
+                                   "(gc_moe_compat.testing.reference)",
+                       "bf16_model": "the same layer with the unquantized BF16 experts and BF16 activations"},
+        "summary": results.summarize(points, REFERENCE_OP),
+        "complete": final and len(points) == len(cfg.tokens),
+    }
+    data = {"meta": meta, "points": points}
+    try:
+        results.validate_result(data)
+    except ValueError as exc:  # a bug of this tool: written down, the measurements are kept
+        meta["schema_error"] = str(exc)
+        print(f"gc-moe-ab: result schema check failed: {exc}", file=sys.stderr)
+    report.write_json(cfg.out, data)
+    if final:
+        report.plot(points, [s.name for s in cfg.ops], REFERENCE_OP,
+                    f"gc-moe-ab {cfg.workload.name}: latency and ratio over {REFERENCE_OP}, CUDA-graph replay",
+                    cfg.out.with_suffix(".png"))
+
+
+def main_ranks(cfg: RunConfig) -> int:
+    """Entry of one rank process (every rank parsed the same arguments): run, then leave without teardown."""
+    code = run(cfg)
+    sys.stdout.flush()
+    os._exit(code)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
