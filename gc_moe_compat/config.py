@@ -91,6 +91,10 @@ __all__ = [
     "MoEPreset",
     "MoEShape",
     "boolean",
+    "check_finite",
+    "check_topk_values",
+    "finite_float",
+    "inspect_values",
     "integer",
     "preset_shape",
     "tokens_per_expert",
@@ -399,22 +403,24 @@ class _TensorChecker:
             raise _fail(f"{a2}[1]", f"of the same scale form as {a1}[1] ({d1})", "one recipe per weight set", d2)
 
 
-def _check_topk_values(t: torch.Tensor, num_experts: int) -> None:
-    """One vectorized min/max over ``topk_idx`` (a device sync on GPU)."""
+def check_topk_values(t: torch.Tensor, bound: int, arg: str = "topk_idx") -> None:
+    """Expert ids in ``[-1, bound)``: one vectorized min/max (a device sync on GPU). Shared by :func:`validate` and
+    the pre-dispatch's host path."""
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())
-    if lo < -1 or hi >= num_experts:
-        raise _fail("topk_idx", f"in [-1, {num_experts}) with -1 the only negative value",
+    if lo < -1 or hi >= bound:
+        raise _fail(arg, f"in [-1, {bound}) with -1 the only negative value",
                     "global expert ids; -1 marks an unused slot", f"min {lo}, max {hi}")
 
 
-def _check_finite(t: torch.Tensor) -> None:
+def check_finite(t: torch.Tensor, arg: str = "topk_weights") -> None:
+    """Every value finite (a device sync on GPU): a NaN/Inf routing weight poisons the fused requantization."""
     bad = int((~torch.isfinite(t)).sum())
     if bad:
-        raise _fail("topk_weights", "finite", "a NaN/Inf weight poisons the fused requantization", f"{bad} non-finite")
+        raise _fail(arg, "finite", "a NaN/Inf weight poisons the fused requantization", f"{bad} non-finite")
 
 
-def _inspect_values(t: torch.Tensor) -> bool:
-    """Values can be read: not a meta tensor, not under CUDA graph capture (a sync would break the capture)."""
+def inspect_values(t: torch.Tensor) -> bool:
+    """Values can be read: not a meta tensor, not empty, not under CUDA graph capture (a sync would break it)."""
     if t.is_meta or t.numel() == 0:
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -431,6 +437,22 @@ def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) ->
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
     return value
+
+
+def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) -> float:
+    """A finite real number (int or float, not bool; ``positive``: also ``> 0``) as a float: ``TypeError`` for
+    another type, ``ValueError`` otherwise, an int too large for a float (``10**400``) included. The one float check
+    of the native API and both facades."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__} ({value!r})")
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result) or (positive and result <= 0):
+        shown = value if isinstance(value, float) or abs(value) < 10**20 else f"an int of {len(str(abs(value)))} digits"
+        raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {shown}")
+    return result
 
 
 def boolean(fn: str, arg: str, value: object, *, none_ok: bool = False) -> bool | None:
@@ -500,7 +522,7 @@ def validate(
     if (shared_l1_weights is not None or shared_l2_weights is not None) and shape.num_shared_experts == 0:
         raise _fail("shared_l1_weights/shared_l2_weights", "None", "shape.num_shared_experts is 0", "a weight pair")
     chk.weight_pairs("shared_", shared_l1_weights, shared_l2_weights, _shared_pair_forms)
-    if check_values and topk_idx is not None and _inspect_values(topk_idx):
-        _check_topk_values(topk_idx, shape.num_experts)
-    if check_values and topk_weights is not None and _inspect_values(topk_weights):
-        _check_finite(topk_weights)
+    if check_values and topk_idx is not None and inspect_values(topk_idx):
+        check_topk_values(topk_idx, shape.num_experts)
+    if check_values and topk_weights is not None and inspect_values(topk_weights):
+        check_finite(topk_weights)

@@ -1,25 +1,33 @@
 """Host side of the low-latency expert-parallel kernels behind the ``deep_ep`` facade (kernels/sm90/ep_ll.cu).
 
-DeepEP's low-latency mode moves decode tokens in two halves per direction, each its own kernel so that a caller can
-split them with ``return_recv_hook`` exactly as with DeepEP:
+DeepEP's low-latency mode moves decode tokens in two halves per direction, each its own launch so that a caller can
+split them with ``return_recv_hook`` exactly as with DeepEP. The halves are two phases of one kernel per direction
+(``gc_moe::ep_ll::dispatch``, ``gc_moe::ep_ll::combine``): a profiler sees one kernel name per phase of the layer,
+which is what DeepEP's ``bench_kineto(kernel_names=('dispatch', 'combine'))`` matches (one table line per name, and
+``::dispatch`` / ``::combine`` in the trace events, two per call with a hook).
 
 * dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
   rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
   owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
-  earlier (token, slot) entries with that expert; the grid's last CTA then publishes ``(generation << 32) | rows``
-  for every (expert, source) pair;
+  earlier (token, slot) entries with that expert; it also writes the checked routing (int32 ``[T, k]``, -1 where an
+  entry was dropped) that the handle keeps for the combine; the grid's last CTA then publishes
+  ``(generation << 32) | rows`` for every (expert, source) pair;
 * dispatch receive: waits for the counts of every source, packs the stage rows into DeepEP's layout
-  (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` / ``layout_range``);
-* combine send: stores every received row of the expert output ``x`` into its source rank's combine stage
-  ``[parity][token][slot]``, then the grid's last CTA publishes readiness on every rank;
+  (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` (the source token,
+  DeepEP's meaning) / ``layout_range``; the row's slot goes to a private ``src_route`` of ``token * k + slot``);
+* combine send: stores every received row of the expert output ``x`` (or of the zero-copy send rows in the workspace)
+  into its source rank's combine stage ``[parity][token][slot]``, then the grid's last CTA publishes readiness on
+  every rank;
 * combine receive: waits for every rank's readiness and writes ``out[t] = BF16(sum over valid slots, slot order, of
   weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
 
 Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
 ``consumed`` word (written by the consumer, read by producers on other ranks) keeps a producer from overwriting a
-stage before its consumer two generations back has read it. Spin-waits are bounded; a timeout or a protocol
-mismatch lands in a status record (:func:`raise_for_ll_status`) and the kernel completes.
+stage before its consumer two generations back has read it. Spin-waits are bounded; a timeout, a protocol mismatch or
+a dropped input lands in a status record (:func:`raise_for_ll_status`) and the kernel completes. With
+:data:`FLAG_SHRINK` (DeepEP's ``enable_shrink``) the kernels skip the ranks set in the workspace's rank mask
+(:func:`mask_words`) and mask a rank whose wait times out, instead of recording the timeout.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.green import Partition, Role
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
+from gc_moe_compat.runtime.side_launch import launch_on
 from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 __all__ = [
+    "FLAG_SHRINK",
     "HEADER_BYTES",
     "HINT_TOPK",
     "MAX_EXPERTS",
@@ -51,6 +61,7 @@ __all__ = [
     "launch_ll",
     "ll_grid",
     "ll_sites",
+    "mask_words",
     "params_header",
     "new_status_mirror",
     "raise_for_ll_status",
@@ -74,17 +85,35 @@ MAX_SMS = 132
 
 
 class Kernel(enum.IntEnum):
-    """The four kernels; the value is also the index of the kernel's status record and arrival counters
-    (``gc_moe::LlKernel``, generated into kernels/sm90/ep_ll_params.cuh by :func:`params_header`)."""
+    """The four launches of a dispatch and a combine (two phases of each direction's kernel); the value is also the
+    index of the launch's status record and arrival counters (``gc_moe::LlKernel``, generated into
+    kernels/sm90/ep_ll_params.cuh by :func:`params_header`)."""
 
     DISPATCH_SEND = 0
     DISPATCH_RECV = 1
     COMBINE_SEND = 2
     COMBINE_RECV = 3
 
+    @property
+    def entry(self) -> str:
+        """The kernel entry point (demangled) that runs this launch."""
+        return "gc_moe::ep_ll::dispatch" if self in (Kernel.DISPATCH_SEND, Kernel.DISPATCH_RECV) else \
+            "gc_moe::ep_ll::combine"
 
-_NAMES = {Kernel.DISPATCH_SEND: "gc_ep_ll_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_ll_dispatch_recv",
-          Kernel.COMBINE_SEND: "gc_ep_ll_combine_send", Kernel.COMBINE_RECV: "gc_ep_ll_combine_recv"}
+    @property
+    def phase(self) -> int:
+        """``EpLlParams.phase`` of this launch: 0 the send half, 1 the receive half."""
+        return int(self) % 2
+
+    @property
+    def label(self) -> str:
+        """What error messages call this launch (``dispatch send`` ...)."""
+        return self.name.lower().replace("_recv", " receive").replace("_", " ")
+
+
+_MANGLED = {"gc_moe::ep_ll::dispatch": "_ZN6gc_moe5ep_ll8dispatchENS_9PeerTableENS_10EpLlParamsE",
+            "gc_moe::ep_ll::combine": "_ZN6gc_moe5ep_ll7combineENS_9PeerTableENS_10EpLlParamsE"}
+"""The entry points' symbols in the cubin (C++ names, so that a profiler shows ``gc_moe::ep_ll::dispatch``)."""
 
 
 class LlSite(StatusSite):
@@ -96,7 +125,12 @@ class LlSite(StatusSite):
     COUNT_AHEAD = 3, "a count carries a later generation than this call's"
     READY = 4, "combine receive waiting for a rank's readiness"
     READY_AHEAD = 5, "a readiness word carries a later generation than this call's"
-    EXPERT_RANGE = 6, "a topk_idx entry >= num_experts (treated as an unused slot)"
+    EXPERT_RANGE = 6, "a topk_idx entry >= num_experts (dropped)"
+    EXPERT_NEGATIVE = 7, "a topk_idx entry < -1 (dropped)"
+    EXPERT_REPEAT = 8, "a topk_idx entry repeating an earlier slot's expert of its token (dropped)"
+    COUNT_RANGE = 9, "a source's row count above Tmax"
+    TOPK_MISMATCH = 10, "a combine topk_idx entry differing from the dispatch's (dropped)"
+    WEIGHT = 11, "a non-finite combine topk_weights entry (dropped)"
 
 
 # Fixed header of the workspace (independent of the call's shapes, so persistent words never move).
@@ -105,12 +139,13 @@ _ARRIVE = 64                               # u64 [4 kinds][2 parities]: grid arr
 _CONSUMED = 128                            # u64 [2 directions][2 parities]: last generation read from the stage
 _READY = 256                               # u64 [2 parities][MAX_RANKS]: combine readiness per source rank
 _STATUS = _READY + 2 * MAX_RANKS * 8       # KernelStatus [4]
+_MASK = _STATUS + 4 * ctypes.sizeof(KernelStatus)  # u32 [MAX_RANKS]: this rank's rank mask (shrink mode)
 _COUNTS = 2048                             # u64 [2 parities][MAX_EXPERTS]: (generation << 32) | rows
 HEADER_BYTES = _COUNTS + 2 * MAX_EXPERTS * 8
 """Bytes of the fixed header; the two stages follow it."""
-assert _STATUS + 4 * ctypes.sizeof(KernelStatus) <= _COUNTS
+assert _MASK + 4 * MAX_RANKS <= _COUNTS
 
-FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
+FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0, FLAG_SHRINK = 1, 2, 4, 8
 
 
 @dataclass(frozen=True)
@@ -150,10 +185,20 @@ class LlShape:
     def combine_stage_offset(self) -> int:
         return HEADER_BYTES + self.recv_stage_bytes
 
+    @property
+    def zero_copy_offset(self) -> int:
+        """Where the zero-copy combine's send rows ``[E/P, P*Tmax, H]`` BF16 start (after the combine stage)."""
+        return self.combine_stage_offset + self.combine_stage_bytes
 
-def required_bytes(shape: LlShape) -> int:
-    """Workspace bytes a call of ``shape`` needs (header, receive stage, combine stage)."""
-    return shape.combine_stage_offset + shape.combine_stage_bytes
+    @property
+    def zero_copy_bytes(self) -> int:
+        return self.num_experts * self.max_tokens * 2 * self.hidden
+
+
+def required_bytes(shape: LlShape, zero_copy: bool = False) -> int:
+    """Workspace bytes a call of ``shape`` needs (header, receive stage, combine stage, and with ``zero_copy`` the
+    zero-copy combine's send rows)."""
+    return shape.zero_copy_offset + (shape.zero_copy_bytes if zero_copy else 0)
 
 
 class EpLlParams(ctypes.Structure):
@@ -161,7 +206,10 @@ class EpLlParams(ctypes.Structure):
 
     Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
     receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
-    ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales.
+    ``src_info`` int32 ``[E/P, P*Tmax]`` is DeepEP's (source token), ``src_route`` the same rows' ``token * k + slot``
+    and ``routing`` int32 ``[T, k]`` the dispatch's checked routing (both kept by the handle for the combine).
+    ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
+    ``phase``: 0 the send half, 1 the receive half.
     """
 
     _fields_ = [
@@ -172,6 +220,8 @@ class EpLlParams(ctypes.Structure):
         ("recv_scales", ctypes.c_uint64),
         ("recv_count", ctypes.c_uint64),
         ("src_info", ctypes.c_uint64),
+        ("src_route", ctypes.c_uint64),
+        ("routing", ctypes.c_uint64),
         ("layout_range", ctypes.c_uint64),
         ("recv_stats", ctypes.c_uint64),
         ("out", ctypes.c_uint64),
@@ -183,6 +233,7 @@ class EpLlParams(ctypes.Structure):
         ("off_consumed", ctypes.c_uint64),
         ("off_ready", ctypes.c_uint64),
         ("off_status", ctypes.c_uint64),
+        ("off_mask", ctypes.c_uint64),
         ("off_counts", ctypes.c_uint64),
         ("off_recv_stage", ctypes.c_uint64),
         ("off_combine_stage", ctypes.c_uint64),
@@ -196,6 +247,7 @@ class EpLlParams(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("row_stride", ctypes.c_uint32),
         ("unit_rows", ctypes.c_uint32),
+        ("phase", ctypes.c_uint32),
     ]
 
 
@@ -204,7 +256,7 @@ def params_header() -> str:
     :class:`LlSite` and :class:`Kernel` (``LlKernel``, each constant commented with its entry point)."""
     struct = c_struct_declaration(EpLlParams, "EpLlParams", "gc_moe_compat/comm/ep_ll.py")
     kernels = {c_identifier("k", kernel.name): int(kernel) for kernel in Kernel}
-    entries = {c_identifier("k", kernel.name): name for kernel, name in _NAMES.items()}
+    entries = {c_identifier("k", kernel.name): f"{kernel.entry}, phase {kernel.phase}" for kernel in Kernel}
     indices = c_enum_declaration("LlKernel", kernels, f"{__name__}.{Kernel.__qualname__}", entries)
     return struct + "\n" + LlSite.c_declaration("LlSite", "kLlSite") + "\n" + indices
 
@@ -214,43 +266,68 @@ def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: i
     """The :class:`EpLlParams` of one call; ``pointers`` names device addresses (``x=...``, ``call_gen=...``)."""
     return EpLlParams(
         **pointers, timeout_ns=spin_timeout_ns(timeout_ms), off_seq=_SEQ, off_arrive=_ARRIVE,
-        off_consumed=_CONSUMED, off_ready=_READY, off_status=_STATUS, off_counts=_COUNTS,
+        off_consumed=_CONSUMED, off_ready=_READY, off_status=_STATUS, off_mask=_MASK, off_counts=_COUNTS,
         off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
         num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden, num_experts=shape.num_experts,
         local_experts=shape.local_experts, max_tokens=shape.max_tokens, idx_bytes=idx_bytes, flags=flags,
         row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
 
 
-def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int) -> int:
+def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
     """CTAs of one launch: a CTA per token (dispatch send), a warp per (local expert, source, row unit) (dispatch
-    receive, combine send) or per (token, 256 columns) (combine receive); at least one, at most :data:`MAX_SMS`."""
+    receive, combine send) or per (token, 256 columns) (combine receive); at least one, at most ``max_ctas`` (the
+    SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    cap = max(1, min(MAX_SMS, max_ctas))
     if kernel is Kernel.DISPATCH_SEND:
-        return max(1, min(MAX_SMS, num_tokens))
+        return max(1, min(cap, num_tokens))
     elif kernel is Kernel.COMBINE_RECV:
         warps = num_tokens * -(-shape.hidden // 256)
     else:
         warps = shape.num_experts * -(-shape.max_tokens // UNIT_ROWS)
-    return max(1, min(MAX_SMS, -(-warps // (THREADS // 32))))
+    return max(1, min(cap, -(-warps // (THREADS // 32))))
 
 
-def _kernel(kernel: Kernel) -> jit.Kernel:
-    return jit.load_module(SOURCE).kernel(_NAMES[kernel])
+def kernel_of(kernel: Kernel) -> jit.Kernel:
+    """The loaded entry point that runs ``kernel`` (compiled or taken from the cache on first use)."""
+    return jit.load_module(SOURCE).kernel(_MANGLED[kernel.entry])
 
 
-def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int,
-              stream: int) -> None:
-    """Launches one low-latency kernel on ``stream`` (torch's current stream handle, or a capture's)."""
-    args = KernelArgs(type(table).from_buffer_copy(table), EpLlParams.from_buffer_copy(params))
-    launch(_kernel(kernel), ll_grid(kernel, shape, num_tokens), THREADS, args, stream)
+def launch_args(kernel: Kernel, table: PeerTable, params: EpLlParams) -> KernelArgs:
+    """The by-value arguments of one launch: the peer table and a copy of ``params`` with this launch's phase."""
+    own = EpLlParams.from_buffer_copy(params)
+    own.phase = kernel.phase
+    return KernelArgs(type(table).from_buffer_copy(table), own)
+
+
+def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int, stream: int,
+              partition: Partition | None = None) -> None:
+    """Launches one low-latency kernel in the order of ``stream`` (torch's current stream handle, or a capture's):
+    on the communication side of ``partition`` with a grid of at most its SMs, or, without a partition, on
+    ``stream`` with the full-device grid."""
+    cap = MAX_SMS if partition is None else partition.dispatch_sms
+    launch_on(partition, Role.COMM, kernel_of(kernel), ll_grid(kernel, shape, num_tokens, cap), THREADS,
+              launch_args(kernel, table, params), stream)
 
 
 def ll_sites(num_ranks: int) -> dict[int, str]:
     """Names of the kernels' status sites (``kind << 16 | rank``)."""
-    sites = {LlSite.EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped"}
+    sites = {
+        LlSite.EXPERT_RANGE << 16: "a topk_idx entry (observed) >= num_experts (expected); the slot was dropped",
+        LlSite.EXPERT_NEGATIVE << 16: "a topk_idx entry below -1 (observed: its negation); the slot was dropped",
+        LlSite.EXPERT_REPEAT << 16: ("a topk_idx entry (observed) repeats an expert an earlier slot of its token "
+                                     "names (expected: the slot); the slot was dropped (one row per token and "
+                                     "expert)"),
+        LlSite.TOPK_MISMATCH << 16: ("combine: a topk_idx entry (observed) differs from the dispatch's (expected: "
+                                     "the entry's index token * k + slot); the slot was dropped (pass the dispatch's "
+                                     "topk_idx)"),
+        LlSite.WEIGHT << 16: ("combine: a topk_weights entry is not finite (observed: its FP32 bits; expected: the "
+                              "entry's index token * k + slot); the slot was dropped"),
+    }
     for r in range(num_ranks):
         sites[LlSite.CONSUMED << 16 | r] = f"waiting until rank {r} has read the stage two generations back"
         sites[LlSite.COUNT << 16 | r] = f"dispatch receive waiting for rank {r}'s token counts"
         sites[LlSite.COUNT_AHEAD << 16 | r] = f"rank {r}'s token count is past this generation"
+        sites[LlSite.COUNT_RANGE << 16 | r] = f"rank {r}'s row count (observed) is above Tmax (expected)"
         sites[LlSite.READY << 16 | r] = f"combine receive waiting for rank {r}'s rows"
         sites[LlSite.READY_AHEAD << 16 | r] = f"rank {r}'s combine readiness is past this generation"
     return sites
@@ -266,7 +343,7 @@ def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
     codes = records[:, :4].contiguous().view(torch.int32).flatten().tolist()
     for kernel in Kernel:
         if codes[kernel]:
-            raise_for_status(records[kernel].clone(), f"deep_ep low-latency {_NAMES[kernel]}{when}",
+            raise_for_status(records[kernel].clone(), f"deep_ep low-latency {kernel.label} ({kernel.entry}){when}",
                              ll_sites(num_ranks))
 
 
@@ -291,6 +368,12 @@ def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num
         status_records(workspace).zero_()
         mirror.zero_()
         _raise_first(saved, num_ranks, " (recorded by an earlier asynchronous, hooked or graph-replayed call)")
+
+
+def mask_words(workspace: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """This rank's rank mask in its workspace (int32 ``[num_ranks]`` view: nonzero = masked), what DeepEP's
+    ``low_latency_update_mask_buffer`` / ``query`` / ``clean`` act on (stream-ordered with the kernels)."""
+    return workspace[_MASK:_MASK + 4 * num_ranks].view(torch.int32)
 
 
 def new_status_mirror(device: torch.device) -> torch.Tensor:

@@ -6,8 +6,8 @@ memory across ``group``; size it with :meth:`Buffer.get_low_latency_rdma_size_hi
 ``low_latency_combine`` keep DeepEP's arguments, outputs (shapes, dtypes, column-major scales), handle and hook
 semantics, the zero-copy combine and rank masking (``enable_shrink``); they run on the communication green partition
 requested by ``Buffer.num_sms`` (:attr:`Buffer.low_latency_partition` reports it). What is not implemented raises
-``NotImplementedError`` saying so: the normal (high-throughput) mode, NVFP4 dispatch, LogFMT combine, the receive-cost
-statistics, and SGLang's single-batch-overlap signals.
+``NotImplementedError`` saying so: NVFP4 dispatch, LogFMT combine, the receive-cost statistics, and SGLang's
+single-batch-overlap signals.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, check_rank_count, required_bytes
 from gc_moe_compat.config import boolean, integer
-from gc_moe_compat.deep_ep import _low_latency
-from gc_moe_compat.deep_ep._config import NORMAL_MODE_MISSING, Config
+from gc_moe_compat.deep_ep import _low_latency, _normal
+from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
@@ -82,6 +82,9 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink
         self.workspace: SymmetricWorkspace | None = None
+        if num_rdma_bytes and not low_latency_mode and self.group_size > _normal.MAX_NVL_RANKS:
+            raise _missing(f"num_rdma_bytes with {self.group_size} ranks (internode normal mode over NVSHMEM/RDMA)")
+        self.normal = _normal.NormalMode(group, num_nvl_bytes) if num_nvl_bytes else None
         if low_latency_mode:
             if num_rdma_bytes < HEADER_BYTES:
                 raise ValueError(f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES} (see "
@@ -96,6 +99,9 @@ class Buffer:
         if not self.explicitly_destroy:
             raise ValueError("destroy: the Buffer was created with explicitly_destroy=False")
         self.workspace = None
+        if self.normal is not None:
+            self.normal.destroy()
+            self.normal = None
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -142,18 +148,26 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's recommended normal-mode dispatch config for ``num_ranks`` with ``Buffer.num_sms`` SMs."""
+        return _normal.dispatch_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's recommended normal-mode combine config for ``num_ranks`` with ``Buffer.num_sms`` SMs."""
+        return _normal.combine_config(num_ranks, Buffer.num_sms)
+
+    def _normal_mode(self, fn: str) -> _normal.NormalMode:
+        if self.normal is None:
+            raise ValueError(f"{fn}: the normal mode needs a Buffer with num_nvl_bytes > 0 (size it with "
+                             f"Config.get_nvl_buffer_size_hint), got num_nvl_bytes={self.num_nvl_bytes}")
+        return self.normal
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """``(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)`` of ``topk_idx``, by the
+        layout kernel on the communication partition (:mod:`gc_moe_compat.deep_ep._normal`)."""
+        return self._normal_mode("get_dispatch_layout").get_dispatch_layout(
+            topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream, Buffer.num_sms)
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -162,15 +176,42 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's intranode dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)`` (:mod:`gc_moe_compat.deep_ep._normal`)."""
+        mode = self._normal_mode("dispatch")
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        return mode.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple:
-        """Normal mode only: raises ``NotImplementedError``."""
-        raise NotImplementedError(NORMAL_MODE_MISSING)
+        """DeepEP's intranode combine (an unweighted sum per token, plus ``bias``): ``(combined_x,
+        combined_topk_weights, event)`` (:mod:`gc_moe_compat.deep_ep._normal`)."""
+        mode = self._normal_mode("combine")
+        config = self.get_combine_config(self.group_size) if config is None else config
+        return mode.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
+    def internode_dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
+                           num_tokens_per_rank: torch.Tensor | None = None,
+                           num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                           is_token_in_rank: torch.Tensor | None = None,
+                           num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+                           topk_weights: torch.Tensor | None = None, expert_alignment: int = 1,
+                           config: Config | None = None, previous_event: EventOverlap | None = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """Not implemented: internode dispatch runs over NVSHMEM/RDMA in DeepEP."""
+        raise _missing("internode_dispatch (internode normal mode over NVSHMEM/RDMA)")
+
+    def internode_combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
+                          bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+                          config: Config | None = None, previous_event: EventOverlap | None = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """Not implemented: internode combine runs over NVSHMEM/RDMA in DeepEP."""
+        raise _missing("internode_combine (internode normal mode over NVSHMEM/RDMA)")
 
     def _low_latency_workspace(self, fn: str) -> SymmetricWorkspace:
         if not self.low_latency_mode:

@@ -1,12 +1,21 @@
 """DeepEP's low-latency dispatch and combine on the facade's symmetric workspace: argument checks, DeepEP-layout
-outputs, the launches of :mod:`gc_moe_compat.comm.ep_ll`, the receive hooks and the error surfacing.
+outputs, the launches of :mod:`gc_moe_compat.comm.ep_ll` on the communication green partition, the receive hooks,
+the zero-copy combine buffer, the rank mask and the error surfacing.
 
-Errors on the device (a peer that never arrives, a protocol mismatch, an expert id >= num_experts) land in the
-workspace's status records, which the receive kernels also copy into a pinned host mirror. A call that is fully
-synchronous in DeepEP's sense (``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA graph capture
-waits for its kernels and raises them (``DeviceTimeoutError`` / ``DeviceCheckError``). Every call outside capture
-first reads the mirror (host memory: no synchronization) and raises what earlier asynchronous, hooked or
-graph-replayed calls recorded, so an error surfaces at the latest a few calls after it happened.
+The kernels run on the communication side of the green partition (:func:`comm_partition`: the request is
+``Buffer.num_sms``, DeepEP's SM count of its communication kernels), ordered within the caller's stream, so they never
+take the compute partition's SMs; ``GC_MOE_PARTITION=off`` runs them on the caller's stream over the whole device.
+
+Values only the device sees are checked there: a ``topk_idx`` entry outside ``[-1, num_experts)`` (``2**40`` or
+``-5`` included) or repeating its token's earlier expert is dropped by dispatch send; a combine ``topk_idx`` entry
+that differs from the dispatch's, or a non-finite weight, is dropped by combine receive; each drop is recorded
+(reading the values on the host would need a synchronization and is impossible under graph capture). Errors on the
+device (those drops, a peer that never arrives, a protocol mismatch) land in the workspace's status records, which
+the receive kernels also copy into a pinned host mirror. A call that is fully synchronous in DeepEP's sense
+(``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA graph capture waits for its kernels and
+raises them (``DeviceTimeoutError`` / ``DeviceCheckError``). Every call outside capture first reads the mirror (host
+memory: no synchronization) and raises what earlier asynchronous, hooked or graph-replayed calls recorded, so an error
+surfaces at the latest a few calls after it happened.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 from gc_moe_compat.comm.ep_ll import (
     FLAG_FP8,
     FLAG_ROUND_SCALE,
+    FLAG_SHRINK,
     FLAG_UE8M0,
     MAX_EXPERTS,
     MAX_TOPK,
@@ -27,14 +37,19 @@ from gc_moe_compat.comm.ep_ll import (
     LlShape,
     launch_ll,
     make_params,
+    mask_words,
     new_status_mirror,
     raise_for_ll_status,
     raise_for_mirrored_status,
     required_bytes,
 )
+from gc_moe_compat.config import boolean, integer
+from gc_moe_compat.runtime.green import Partition, get_partition
+from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
-__all__ = ["LowLatencyHandle", "check_sizes", "combine", "dispatch", "ll_shape"]
+__all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_partition", "dispatch", "ll_shape",
+           "next_combine_buffer", "partition_report", "query_mask", "update_mask"]
 
 Hook = Callable[[], None]
 
@@ -53,24 +68,36 @@ def _mirror(workspace: SymmetricWorkspace) -> torch.Tensor:
 
 
 class LowLatencyHandle(tuple):
-    """DeepEP's handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``, plus the
-    dispatch's top-k and token count that the combine needs (``src_info`` holds ``token * k + slot``)."""
+    """DeepEP's handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
+    ``src_info[e, j]`` is the source token of received row ``j`` of local expert ``e`` and ``layout_range[e, q]`` is
+    ``(first row << 32) | rows`` of source rank ``q``, as with DeepEP. It also keeps what the combine needs besides:
+    the dispatch's top-k and token count, each row's slot (``src_route``: ``token * k + slot``), the dispatch's
+    checked routing (``routing`` int32 ``[T, k]``, -1 where a slot was dropped) and the workspace it came from."""
 
     topk: int
     num_tokens: int
+    src_route: torch.Tensor
+    routing: torch.Tensor
 
-    def __new__(cls, items: tuple, topk: int, num_tokens: int) -> LowLatencyHandle:
+    def __new__(cls, items: tuple, *, topk: int, num_tokens: int, src_route: torch.Tensor, routing: torch.Tensor,
+                workspace: SymmetricWorkspace) -> LowLatencyHandle:
         handle = super().__new__(cls, items)
-        handle.topk, handle.num_tokens = topk, num_tokens
+        handle.topk, handle.num_tokens, handle.src_route, handle.routing = topk, num_tokens, src_route, routing
+        handle._workspace = weakref.ref(workspace)
         return handle
+
+    def comes_from(self, workspace: SymmetricWorkspace) -> bool:
+        """Whether the dispatch that made this handle ran on ``workspace``."""
+        return self._workspace() is workspace
 
 
 @dataclass(frozen=True)
 class _Call:
-    """What a launch needs besides the kernel: workspace, shape, this call's parameters, and the tensors they point
-    at (held until the receive half has been launched)."""
+    """What a launch needs besides the kernel: workspace, partition, shape, this call's parameters, and the tensors
+    they point at (held until the receive half has been launched)."""
 
     workspace: SymmetricWorkspace
+    partition: Partition | None
     shape: LlShape
     num_tokens: int
     params: object
@@ -79,7 +106,27 @@ class _Call:
 
     def launch(self, kernel: Kernel) -> None:
         launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens,
-                  torch.cuda.current_stream(self.workspace.device).cuda_stream)
+                  torch.cuda.current_stream(self.workspace.device).cuda_stream, self.partition)
+
+
+def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | None:
+    """The green partition whose communication side runs the kernels (``request``: its SM request, DeepEP's
+    ``Buffer.num_sms``), or None where they run on the caller's stream: ``GC_MOE_PARTITION=off``, or a workspace
+    not on a CUDA device (the host tests' stand-in)."""
+    if workspace.device.type != "cuda" or partition_mode() == "off":
+        return None
+    return get_partition(request, workspace.device.index)
+
+
+def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, object]:
+    """Where the kernels run: ``partition`` (``on`` / ``off``), ``dispatch_sms`` (the SMs they may use) and
+    ``compute_sms`` (the SMs left to the compute partition, which they never take), ``requested_dispatch_sms``."""
+    part = comm_partition(workspace, request)
+    if part is None:
+        sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count \
+            if workspace.device.type == "cuda" else 0
+        return {"partition": "off", "dispatch_sms": sms, "compute_sms": sms, "requested_dispatch_sms": request}
+    return {"partition": "on", **part.describe()}
 
 
 def _int(name: str, value: object, minimum: int) -> int:
@@ -117,14 +164,15 @@ def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: ob
 
 
 def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_experts: object,
-           topk: int) -> LlShape:
+           topk: int, zero_copy: bool = False) -> LlShape:
     shape = ll_shape(workspace.world_size, max_tokens, hidden, num_experts, topk)
     ranks, max_tokens, experts = shape.num_ranks, shape.max_tokens, shape.num_experts
-    need, have = required_bytes(shape), workspace.buffer.numel()
+    need, have = required_bytes(shape, zero_copy), workspace.buffer.numel()
     if need > have:
+        what = ", zero-copy" if zero_copy else ""
         raise ValueError(f"num_rdma_bytes: this call (Tmax={max_tokens}, hidden={hidden}, num_experts={experts}, "
-                         f"topk={topk}, {ranks} ranks) needs {need} bytes, the Buffer has {have}; size it with "
-                         f"Buffer.get_low_latency_rdma_size_hint (which provisions top-k <= 16)")
+                         f"topk={topk}, {ranks} ranks{what}) needs {need} bytes, the Buffer has {have}; size it with "
+                         f"Buffer.get_low_latency_rdma_size_hint (which provisions top-k <= 16 and zero-copy)")
     return shape
 
 
@@ -147,9 +195,10 @@ def _receive_half(call: _Call, kernel: Kernel, synchronous: bool) -> Hook:
 
 def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
              num_experts: int, *, recv_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
-             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool
+             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, shrink: bool, num_sms: int
              ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor, LowLatencyHandle, Hook | None]:
-    """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``."""
+    """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``. ``shrink``:
+    skip the masked ranks (DeepEP's ``enable_shrink``); ``num_sms``: the communication partition's request."""
     device = workspace.device
     mirror = _mirror(workspace)
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
@@ -165,6 +214,9 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
         raise ValueError("use_ue8m0: needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales), "
                          f"got use_fp8={use_fp8}, round_scale={round_scale}")
     shape = _shape(workspace, max_tokens, hidden, num_experts, topk_idx.shape[1])
+    if shape.topk > shape.num_experts:
+        raise ValueError(f"topk_idx: its k (one distinct expert per slot) must be <= num_experts={shape.num_experts}"
+                         f", got k={shape.topk}")
     if num_tokens > shape.max_tokens:
         raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}, "
                          f"got {num_tokens}")
@@ -183,21 +235,27 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
                   torch.empty((local, hidden // 128, slots), dtype=torch.float32, device=device)).transpose(1, 2)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
     src_info = torch.empty((local, slots), dtype=torch.int32, device=device)
+    src_route = torch.empty((local, slots), dtype=torch.int32, device=device)
+    routing = torch.empty((num_tokens, shape.topk), dtype=torch.int32, device=device)
     layout_range = torch.empty((local, shape.num_ranks), dtype=torch.int64, device=device)
     call_gen = torch.empty(1, dtype=torch.int64, device=device)
-    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | (FLAG_UE8M0 if use_ue8m0 else 0)
+    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
+        (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
     params = make_params(
         shape, num_tokens=num_tokens, idx_bytes=topk_idx.element_size(), flags=flags, x=x.data_ptr(),
         topk_idx=topk_idx.data_ptr(), recv_x=recv_x.data_ptr(), recv_scales=0 if scales is None else scales.data_ptr(),
-        recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
+        recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), src_route=src_route.data_ptr(),
+        routing=routing.data_ptr(), layout_range=layout_range.data_ptr(),
         recv_stats=0 if recv_stats is None else recv_stats.data_ptr(), call_gen=call_gen.data_ptr(),
         status_mirror=mirror.data_ptr())
-    call = _Call(workspace, shape, num_tokens, params,
-                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, recv_stats, call_gen), mirror)
+    call = _Call(workspace, comm_partition(workspace, num_sms), shape, num_tokens, params,
+                 (x, topk_idx, recv_x, scales, recv_count, src_info, src_route, routing, layout_range, recv_stats,
+                  call_gen), mirror)
     call.launch(Kernel.DISPATCH_SEND)
     receive = _receive_half(call, Kernel.DISPATCH_RECV, synchronous=not (async_finish or return_recv_hook))
     handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
-                              topk=shape.topk, num_tokens=num_tokens)
+                              topk=shape.topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
+                              workspace=workspace)
     out = recv_x if scales is None else (recv_x, scales)
     if return_recv_hook:
         return out, recv_count, handle, receive
@@ -205,17 +263,40 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     return out, recv_count, handle, None
 
 
-def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            handle: object, *, out: torch.Tensor | None, async_finish: bool, return_recv_hook: bool
-            ) -> tuple[torch.Tensor, Hook | None]:
-    """DeepEP ``low_latency_combine`` on ``workspace``: returns ``(combined_x, hook)``."""
+def _handle(workspace: SymmetricWorkspace, handle: object, fn: str) -> LowLatencyHandle:
+    """``handle`` checked as one that ``low_latency_dispatch`` on this workspace returned (with DeepEP's contents)."""
     if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(f"handle: must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
+        raise TypeError(f"handle: must be the handle low_latency_dispatch returned ({fn}), got "
+                        f"{type(handle).__name__}")
+    if not handle.comes_from(workspace):
+        raise ValueError(f"{fn}: handle comes from another Buffer's low_latency_dispatch (a handle indexes the "
+                         "workspace of the Buffer that dispatched it)")
+    src_info, layout_range = handle[0], handle[1]
+    for name, t, dtype in (("handle[0] (src_info)", src_info, torch.int32),
+                           ("handle[1] (layout_range)", layout_range, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2:
+            raise TypeError(f"{fn}: {name} must be a 2-D {dtype} tensor (the dispatch's), got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+    return handle
+
+
+def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            handle: object, *, out: torch.Tensor | None, zero_copy: bool, async_finish: bool,
+            return_recv_hook: bool, shrink: bool, num_sms: int) -> tuple[torch.Tensor, Hook | None]:
+    """DeepEP ``low_latency_combine`` on ``workspace``: returns ``(combined_x, hook)``. With ``zero_copy`` the rows
+    are read from the workspace's send rows (:func:`next_combine_buffer`, which the caller filled) instead of ``x``
+    (still checked, as DeepEP does)."""
+    handle = _handle(workspace, handle, "low_latency_combine")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     device = workspace.device
     mirror = _mirror(workspace)
-    shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk)
+    shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=zero_copy)
     local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
+    for name, t, want in (("handle[0] (src_info)", src_info, (local, slots)),
+                          ("handle[1] (layout_range)", layout_range, (local, shape.num_ranks))):
+        if tuple(t.shape) != want or t.device != device:
+            raise ValueError(f"low_latency_combine: {name} must be the dispatch's {list(want)} on {device}, got "
+                             f"{list(t.shape)} on {t.device}")
     x = _tensor("x", x, (torch.bfloat16,), 3, device)
     if tuple(x.shape) != (local, slots, hidden):
         raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
@@ -235,20 +316,59 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         out = _tensor("out", out, (torch.bfloat16,), 2, device)
         if tuple(out.shape) != (handle.num_tokens, hidden):
             raise ValueError(f"out: must be [{handle.num_tokens}, {hidden}], got {list(out.shape)}")
+    rows = workspace.buffer.data_ptr() + shape.zero_copy_offset if zero_copy else x.data_ptr()
     call_gen = torch.empty(1, dtype=torch.int64, device=device)
     params = make_params(
-        shape, num_tokens=handle.num_tokens, idx_bytes=topk_idx.element_size(), x=x.data_ptr(),
-        topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), src_info=src_info.data_ptr(),
+        shape, num_tokens=handle.num_tokens, idx_bytes=topk_idx.element_size(), flags=FLAG_SHRINK if shrink else 0,
+        x=rows, topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), src_info=src_info.data_ptr(),
+        src_route=handle.src_route.data_ptr(), routing=handle.routing.data_ptr(),
         layout_range=layout_range.data_ptr(), out=out.data_ptr(), call_gen=call_gen.data_ptr(),
         status_mirror=mirror.data_ptr())
-    call = _Call(workspace, shape, handle.num_tokens, params,
-                 (x, topk_idx, topk_weights, src_info, layout_range, out, call_gen), mirror)
+    call = _Call(workspace, comm_partition(workspace, num_sms), shape, handle.num_tokens, params,
+                 (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen),
+                 mirror)
     call.launch(Kernel.COMBINE_SEND)
     receive = _receive_half(call, Kernel.COMBINE_RECV, synchronous=not (async_finish or return_recv_hook))
     if return_recv_hook:
         return out, receive
     receive()
     return out, None
+
+
+def next_combine_buffer(workspace: SymmetricWorkspace, handle: object) -> torch.Tensor:
+    """DeepEP's ``get_next_low_latency_combine_buffer``: the BF16 ``[E/P, P*Tmax, H]`` rows in the workspace that a
+    ``low_latency_combine(..., zero_copy=True)`` with this handle sends (the caller writes its expert outputs here,
+    so the combine does not read ``x``). One set of rows serves every combine: a write queued on the stream after a
+    combine cannot overtake that combine's send half, which reads them."""
+    handle = _handle(workspace, handle, "get_next_low_latency_combine_buffer")
+    _, _, max_tokens, hidden, num_experts = handle
+    shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=True)
+    rows = workspace.buffer[shape.zero_copy_offset:shape.zero_copy_offset + shape.zero_copy_bytes]
+    return rows.view(torch.bfloat16).view(shape.local_experts, shape.num_ranks * shape.max_tokens, hidden)
+
+
+def update_mask(workspace: SymmetricWorkspace, rank_to_mask: object, mask: object) -> None:
+    """DeepEP's ``low_latency_update_mask_buffer``: masks (``mask=True``) or unmasks ``rank_to_mask`` in this rank's
+    mask (a stream operation, ordered with the kernels)."""
+    fn = "low_latency_update_mask_buffer"
+    rank = integer(fn, "rank_to_mask", rank_to_mask, 0, workspace.world_size - 1)
+    boolean(fn, "mask", mask)
+    mask_words(workspace.buffer, workspace.world_size)[rank].fill_(int(mask))
+
+
+def query_mask(workspace: SymmetricWorkspace, mask_status: object) -> None:
+    """DeepEP's ``low_latency_query_mask_buffer``: copies this rank's mask (1 = masked) into ``mask_status``, an
+    int32 ``[num_ranks]`` tensor on the buffer's device."""
+    fn = "low_latency_query_mask_buffer"
+    out = _tensor(f"{fn}: mask_status", mask_status, (torch.int32,), 1, workspace.device)
+    if out.shape[0] != workspace.world_size:
+        raise ValueError(f"{fn}: mask_status must have num_ranks={workspace.world_size} entries, got {out.shape[0]}")
+    out.copy_(mask_words(workspace.buffer, workspace.world_size).ne(0).to(torch.int32))
+
+
+def clean_mask(workspace: SymmetricWorkspace) -> None:
+    """DeepEP's ``low_latency_clean_mask_buffer``: unmasks every rank."""
+    mask_words(workspace.buffer, workspace.world_size).zero_()
 
 
 def check_sizes(workspace: SymmetricWorkspace, max_tokens: int, hidden: int, num_experts: int) -> None:

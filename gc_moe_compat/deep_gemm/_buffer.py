@@ -39,6 +39,7 @@ import dataclasses
 import math
 import types
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ from gc_moe_compat.deep_gemm._runtime import BLOCK_M_CANDIDATES
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.workspace import OperatorLayout
 
-__all__ = ["HOST_COMPUTE_SMS", "TOKEN_ALIGNMENT", "SymmBuffer", "get_symm_buffer_for_mega_moe",
+__all__ = ["HOST_COMPUTE_SMS", "TOKEN_ALIGNMENT", "SymmBuffer", "buffer_of", "get_symm_buffer_for_mega_moe",
            "get_symm_buffer_for_sm90_mega_moe"]
 
 # num_max_tokens_per_rank is rounded up to a multiple of every candidate BM (DeepGEMM rounds to its own LCM).
@@ -121,6 +122,7 @@ class SymmBuffer:
         self.shared_l1_acts = self.x
         self.shared_l1_acts_sf = self.x_sf if num_shared_experts > 0 else empty
         self.x_scales = empty
+        _live.add(self)
 
     def _share(self, fn: str, base: SymmBuffer) -> api.GcMoeBuffer:
         """``base``'s workspace, when this configuration is ``base``'s (up to ``mma_type``: both compute paths run
@@ -150,6 +152,7 @@ class SymmBuffer:
     def destroy(self):
         """Drop the references to the workspace (DeepGEMM's semantics); the buffer is unusable afterwards. The
         memory is freed once nothing else (a ``base`` sharer, a captured graph's caller) holds it."""
+        _live.discard(self)
         self.handle = None
         self.buffer = None
         self.group = None
@@ -157,6 +160,21 @@ class SymmBuffer:
         for name in _INPUT_VIEWS:
             setattr(self, name, None)
         self.shared_l1_acts = self.shared_l1_acts_sf = self.x_scales = None
+
+
+_live: weakref.WeakSet[SymmBuffer] = weakref.WeakSet()
+"""The live (not destroyed) facade buffers, for :func:`buffer_of`."""
+
+
+def buffer_of(t: torch.Tensor) -> SymmBuffer | None:
+    """The live facade buffer whose workspace holds ``t``'s bytes, or None (a tensor of no facade buffer, a meta
+    tensor). Why: the pre-dispatch gets bare views; this finds their buffer's expert count and checks that they are
+    its own views, each in its place."""
+    if t.is_meta:
+        return None
+    storage = t.untyped_storage().data_ptr()
+    return next((buf for buf in list(_live)
+                 if buf.workspace is not None and buf.workspace.storage.untyped_storage().data_ptr() == storage), None)
 
 
 def get_symm_buffer_for_mega_moe(group: dist.ProcessGroup,

@@ -7,12 +7,11 @@ feature). Messages start with the facade function and the argument, so a serving
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
-from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, integer
+from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, finite_float, integer
 
 __all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "tensor", "unsupported_feature"]
 
@@ -51,15 +50,6 @@ def unsupported_feature(fn: str, arg: str, value: object, default: object, what:
     if value is not default and value != default:
         raise NotImplementedError(f"{fn}: {arg}={value!r} is not supported: GC-MoE has no {what}; "
                                   f"pass {default!r}")
-
-
-def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) -> float:
-    """A finite real number (int or float, not bool); ``positive`` additionally requires ``> 0``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__} ({value!r})")
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {value}")
-    return float(value)
 
 
 def tensor(fn: str, arg: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:

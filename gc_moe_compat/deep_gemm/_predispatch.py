@@ -14,6 +14,18 @@ Both copy ``topk_idx`` rows ``[0, num_tokens)`` (int32 or int64, into the view's
 the routing rows ``[num_tokens, capacity)`` to ``(-1, 0.0)`` as the originals do, so no stale row routes anywhere.
 On CUDA tensors the call is one launch of ``kernels/sm90/predispatch.cu`` on torch's current stream (no host sync:
 capturable in a CUDA graph); host tensors get the same bytes from the torch model of that arithmetic.
+
+Bad input. Everything the host can see is checked before any launch or write (``TypeError`` / ``ValueError`` naming
+the argument): dtypes, shapes (``H`` a multiple of 256 up to 8192, ``1 <= k <= 32``), layout, one device, and, when
+the views are a facade ``SymmBuffer``'s (:func:`gc_moe_compat.deep_gemm._buffer.buffer_of`), that each is that
+buffer's own view of its name (not swapped, not from two buffers). ``routed_scaling_factor`` must be finite in FP32
+(the kernel multiplies in FP32: ``1e39`` is ``inf`` there); whether each product ``weight * factor`` is finite depends
+on the weights. The routing values themselves are checked on the host for host tensors; on the GPU the call must not
+synchronize (and may be captured), so the kernel drops what is invalid instead: an id outside ``[-1, E)`` (the
+buffer's ``num_experts``; for views of no facade buffer, ``buf_topk_idx``'s integer range, so an int64 ``2**32 + 5``
+never becomes expert 5 in an int32 view) or a non-finite scaled weight is staged as the unused slot ``(-1, 0.0)`` and
+recorded (:mod:`gc_moe_compat.runtime.dropped`); the next eager call on the device, this one or ``fp8_mega_moe``,
+raises ``DeviceCheckError`` naming it.
 """
 
 from __future__ import annotations
@@ -22,9 +34,10 @@ import ctypes
 
 import torch
 
-from gc_moe_compat import quant
-from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat import config, quant
+from gc_moe_compat.deep_gemm import _buffer, _checks
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.dropped import dropped_record
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
 
@@ -39,11 +52,15 @@ HIDDEN_ALIGN = 256
 """Whole warps per CTA (``H/8`` a multiple of 32): the group maxima are warp shuffles."""
 
 _IDX = (torch.int32, torch.int64)
+_VIEWS = {"buf_x": "x", "buf_x_sf": "x_sf", "buf_topk_idx": "topk_idx", "buf_topk_weights": "topk_weights"}
+"""Pre-dispatch view argument -> the facade SymmBuffer attribute it must be."""
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class PreDispatchParams(ctypes.Structure):
     """By-value argument of the pre-dispatch kernels (``gc_moe::PreDispatchParams``,
-    kernels/sm90/predispatch_params.cuh): device addresses, sizes, index widths (1 = int64) and the weight factor."""
+    kernels/sm90/predispatch_params.cuh): device addresses (``dropped`` / ``dropped_mirror``: the device's record of
+    dropped inputs), the largest valid id, sizes, index widths (1 = int64) and the weight factor."""
 
     _fields_ = [
         ("x", ctypes.c_uint64),
@@ -53,6 +70,9 @@ class PreDispatchParams(ctypes.Structure):
         ("buf_x_sf", ctypes.c_uint64),
         ("buf_topk_idx", ctypes.c_uint64),
         ("buf_topk_weights", ctypes.c_uint64),
+        ("dropped", ctypes.c_uint64),
+        ("dropped_mirror", ctypes.c_uint64),
+        ("id_max", ctypes.c_int64),
         ("num_tokens", ctypes.c_uint32),
         ("capacity", ctypes.c_uint32),
         ("hidden", ctypes.c_uint32),
@@ -70,9 +90,10 @@ def params_header() -> str:
 
 
 def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf_x: object, buf_x_sf: object,
-                 buf_topk_idx: object, buf_topk_weights: object, num_tokens: object, sf_dtype: torch.dtype,
-                 sf_cols: int) -> int:
-    """Dtypes, shapes, layout and device of the inputs and views; returns ``num_tokens``."""
+                 buf_topk_idx: object, buf_topk_weights: object, num_tokens: object,
+                 sf_dtype: torch.dtype) -> tuple[int, int]:
+    """Dtypes, shapes, layout and device of the inputs and views, and that views of a facade buffer are its own;
+    returns ``(num_tokens, id_max)``: the largest valid expert id."""
     tensors = {
         "x": _checks.tensor(fn, "x", x, (torch.bfloat16,), 2),
         "topk_idx": _checks.tensor(fn, "topk_idx", topk_idx, _IDX, 2),
@@ -83,10 +104,16 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
         "buf_topk_weights": _checks.tensor(fn, "buf_topk_weights", buf_topk_weights, (torch.float32,), 2),
     }
     hidden, topk = tensors["x"].shape[1], tensors["topk_idx"].shape[1]
+    if hidden % HIDDEN_ALIGN or not 0 < hidden <= MAX_HIDDEN:
+        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of {HIDDEN_ALIGN} in (0, {MAX_HIDDEN}] "
+                         f"(one CTA of H/8 threads, whole warps, per token), got {hidden}")
+    if not 1 <= topk <= config.MAX_COMBINE_SLOTS:
+        raise ValueError(f"{fn}: topk_idx must have 1 to {config.MAX_COMBINE_SLOTS} columns (the top-k; "
+                         f"{config.MAX_COMBINE_SLOTS} combine slots per token), got shape {tuple(topk_idx.shape)}")
     capacity = tensors["buf_x"].shape[0]
     expected = {
         "buf_x": (capacity, hidden),
-        "buf_x_sf": (capacity, sf_cols),
+        "buf_x_sf": (capacity, hidden // 128),
         "buf_topk_idx": (capacity, topk),
         "buf_topk_weights": (capacity, topk),
         "topk_weights": (tensors["topk_idx"].shape[0], topk),
@@ -101,54 +128,108 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
         if not t.is_contiguous():
             raise ValueError(f"{fn}: {arg} must be contiguous (the kernel reads and writes whole rows), got strides "
                              f"{t.stride()}")
-    return _checks.integer(fn, "num_tokens", num_tokens, 0, min(capacity, tensors["x"].shape[0],
-                                                                tensors["topk_idx"].shape[0]))
+    n = _checks.integer(fn, "num_tokens", num_tokens, 0, min(capacity, tensors["x"].shape[0],
+                                                             tensors["topk_idx"].shape[0]))
+    owner = _owner(fn, tensors)
+    return n, owner.num_experts - 1 if owner is not None else int(torch.iinfo(tensors["buf_topk_idx"].dtype).max)
 
 
-def _check_hidden(fn: str, x: object) -> None:
-    hidden = x.shape[-1] if isinstance(x, torch.Tensor) else 0
-    if hidden % HIDDEN_ALIGN or not 0 < hidden <= MAX_HIDDEN:
-        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of {HIDDEN_ALIGN} in (0, {MAX_HIDDEN}] "
-                         f"(one CTA of H/8 threads, whole warps, per token), got {hidden}")
+def _owner(fn: str, tensors: dict[str, torch.Tensor]) -> _buffer.SymmBuffer | None:
+    """The facade buffer the views belong to (None for views of no facade buffer); each view must then be that
+    buffer's own view of its name: swapped views or views of two buffers would stage into the wrong bytes."""
+    owners = {arg: _buffer.buffer_of(tensors[arg]) for arg in _VIEWS}
+    first = next((arg for arg, buf in owners.items() if buf is not None), None)
+    if first is None:
+        return None
+    buf = owners[first]
+    for arg, name in _VIEWS.items():
+        t, want = tensors[arg], getattr(buf, name)
+        if owners[arg] is None or owners[arg].workspace is not buf.workspace:
+            got = "a tensor of no facade buffer" if owners[arg] is None else "a view of another buffer"
+        elif (t.data_ptr(), t.shape, t.stride(), t.dtype) != (want.data_ptr(), want.shape, want.stride(), want.dtype):
+            got = "another region of that buffer"
+        else:
+            continue
+        raise ValueError(f"{fn}: {arg} must be sym_buffer.{name} of the buffer {first} belongs to (the views of one "
+                         f"get_symm_buffer_for_mega_moe buffer, each in its place), got {got}")
+    return buf
 
 
-def _run(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+def _scaling_factor(fn: str, value: object) -> float:
+    """``routed_scaling_factor``: finite in FP32, the precision the kernel multiplies in (``1e39`` is ``inf``
+    there). Whether each product with a weight is finite is a property of the weights: see the module docstring."""
+    factor = _checks.finite_float(fn, "routed_scaling_factor", value)
+    if abs(factor) > FP32_MAX:
+        raise ValueError(f"{fn}: routed_scaling_factor must be finite in FP32 (|f| <= {FP32_MAX:.8g}: the kernel "
+                         f"multiplies the weights in FP32), got {value!r}")
+    return factor
+
+
+def _check_host_values(fn: str, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n: int, id_max: int,
+                       factor: float) -> None:
+    """Host tensors: the routing values, before anything is written (the kernel's drop rule, as refusals)."""
+    idx, scaled = topk_idx[:n], topk_weights[:n] * torch.full_like(topk_weights[:n], factor)
+    try:
+        if config.inspect_values(idx):
+            config.check_topk_values(idx, id_max + 1)
+        if config.inspect_values(scaled):
+            config.check_finite(scaled, "topk_weights * routed_scaling_factor")
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from exc
+
+
+def _run(fn: str, recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
          buf_x: torch.Tensor, buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor, buf_topk_weights: torch.Tensor,
-         num_tokens: int, factor: float) -> None:
-    """Stages one call: the fused kernel on CUDA tensors, the torch model of its arithmetic on host tensors."""
-    stage = _launch if x.is_cuda else stage_with_torch
-    stage(recipe, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens, factor)
+         num_tokens: int, id_max: int, factor: float) -> None:
+    """Stages one call: the fused kernel on CUDA tensors (after raising for a drop an earlier launch recorded, when
+    not capturing), the torch model of its arithmetic on host tensors (after checking their values)."""
+    args = (recipe, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens)
+    if x.is_cuda:
+        if not torch.cuda.is_current_stream_capturing():
+            dropped_record(x.device).raise_if_dropped(fn)
+        _launch(*args, id_max, factor)
+        return
+    _check_host_values(fn, topk_idx, topk_weights, num_tokens, id_max, factor)
+    stage_with_torch(*args, factor, id_max=id_max)
 
 
 def stage_with_torch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      buf_x: torch.Tensor, buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor,
-                     buf_topk_weights: torch.Tensor, num_tokens: int, factor: float) -> None:
-    """The staging as torch ops on any device, byte for byte what the kernel writes: the host path, and the
-    torch-op baseline of ``bench/predispatch_sm90.py``."""
+                     buf_topk_weights: torch.Tensor, num_tokens: int, factor: float, *,
+                     id_max: int | None = None) -> None:
+    """The staging as torch ops on any device, byte for byte what the kernel writes, its drop rule included (ids
+    outside ``[-1, id_max]``, default ``buf_topk_idx``'s integer range, and non-finite scaled weights become
+    ``(-1, 0.0)``; nothing is recorded): the host path, and the torch-op baseline of ``bench/predispatch_sm90.py``."""
     n = num_tokens
+    if id_max is None:
+        id_max = int(torch.iinfo(buf_topk_idx.dtype).max)
     if n:
         q, scales = quant.quantize_fp8_pre_dispatch(x[:n], recipe)
         buf_x[:n].copy_(q)
         buf_x_sf[:n].copy_(scales if recipe == "fp32x128" else quant.pack_ue8m0_k32(scales))
-        buf_topk_idx[:n].copy_(topk_idx[:n])
-        buf_topk_weights[:n].copy_(topk_weights[:n] * torch.full_like(topk_weights[:n], factor))
+        ids = topk_idx[:n].to(torch.int64)
+        weights = topk_weights[:n] * torch.full_like(topk_weights[:n], factor)
+        bad = (ids < -1) | (ids > id_max) | ~torch.isfinite(weights)
+        buf_topk_idx[:n].copy_(torch.where(bad, torch.full_like(ids, -1), ids))
+        buf_topk_weights[:n].copy_(torch.where(bad, torch.zeros_like(weights), weights))
     buf_topk_idx[n:].fill_(-1)
     buf_topk_weights[n:].fill_(0.0)
 
 
 def _launch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buf_x: torch.Tensor,
             buf_x_sf: torch.Tensor, buf_topk_idx: torch.Tensor, buf_topk_weights: torch.Tensor, num_tokens: int,
-            factor: float) -> None:
+            id_max: int, factor: float) -> None:
     capacity, hidden = buf_x.shape
     topk = buf_topk_idx.shape[1]
     threads = hidden // 8
     pad_blocks = -(-(capacity - num_tokens) * topk // threads)
     if num_tokens + pad_blocks == 0:
         return
+    dropped, mirror = dropped_record(x.device).addresses
     params = PreDispatchParams(
         x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), buf_x.data_ptr(), buf_x_sf.data_ptr(),
-        buf_topk_idx.data_ptr(), buf_topk_weights.data_ptr(), num_tokens, capacity, hidden, topk,
-        int(topk_idx.dtype == torch.int64), int(buf_topk_idx.dtype == torch.int64), factor, 0)
+        buf_topk_idx.data_ptr(), buf_topk_weights.data_ptr(), dropped, mirror, id_max, num_tokens, capacity,
+        hidden, topk, int(topk_idx.dtype == torch.int64), int(buf_topk_idx.dtype == torch.int64), factor, 0)
     kernel = jit.load_module(SOURCE).kernel(KERNELS[recipe])
     with torch.cuda.device(x.device):
         launch(kernel, num_tokens + pad_blocks, threads, KernelArgs(params),
@@ -167,16 +248,22 @@ def mega_moe_pre_dispatch(x: torch.Tensor,
                           mma_type: str = 'fp8xfp4',
                           buf_x_scales: torch.Tensor | None = None,
                           expert_scales: torch.Tensor | None = None) -> None:
-    """FP8 activations with packed UE8M0 K32 scales (``group_size`` 32); FP4-activation kinds raise."""
+    """FP8 activations with packed UE8M0 K32 scales (``group_size`` 32); FP4-activation kinds raise. The facade's
+    SM90 buffer (FP32 1x128 ``x_sf``, what SGLang's Hopper path creates for either ``mma_type``) is refused: it is
+    staged by ``mega_moe_pre_dispatch_sm90``."""
     fn = "mega_moe_pre_dispatch"
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
     _checks.choice(fn, "group_size", group_size, (32,), (16,))
     _checks.unsupported_feature(fn, "buf_x_scales", buf_x_scales, None, "per-token outer scales (NVFP4 only)")
     _checks.unsupported_feature(fn, "expert_scales", expert_scales, None, "per-expert input scales (NVFP4 only)")
-    _check_hidden(fn, x)
-    n = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
-                     torch.int32, x.shape[-1] // 128)
-    _run("ue8m0x32", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, 1.0)
+    if isinstance(buf_x_sf, torch.Tensor) and buf_x_sf.dtype == torch.float32:
+        raise ValueError(f"{fn}: buf_x_sf is float32, the SM90 layout (FP32 1x128 scales, the facade's Hopper "
+                         f"buffer for every mma_type): stage it with mega_moe_pre_dispatch_sm90; "
+                         f"mega_moe_pre_dispatch (mma_type={mma_type!r}) writes packed int32 UE8M0 K32 scales, an "
+                         "SM100-layout buffer")
+    n, id_max = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights,
+                            num_tokens, torch.int32)
+    _run(fn, "ue8m0x32", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, id_max, 1.0)
 
 
 def mega_moe_pre_dispatch_sm90(x: torch.Tensor,
@@ -192,8 +279,8 @@ def mega_moe_pre_dispatch_sm90(x: torch.Tensor,
     """FP8 activations with FP32 1x128 scales; routing weights scaled by ``routed_scaling_factor``."""
     fn = "mega_moe_pre_dispatch_sm90"
     _checks.choice(fn, "group_size", group_size, (128,), ())
-    factor = _checks.finite_float(fn, "routed_scaling_factor", routed_scaling_factor)
-    _check_hidden(fn, x)
-    n = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, num_tokens,
-                     torch.float32, x.shape[-1] // 128)
-    _run("fp32x128", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, factor)
+    factor = _scaling_factor(fn, routed_scaling_factor)
+    n, id_max = _check_views(fn, x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights,
+                            num_tokens, torch.float32)
+    _run(fn, "fp32x128", x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights, n, id_max,
+         factor)

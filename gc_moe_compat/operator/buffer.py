@@ -33,6 +33,7 @@ import torch.distributed as dist
 from gc_moe_compat import config
 from gc_moe_compat.config import MAX_SMS, integer
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
+from gc_moe_compat.runtime.dropped import dropped_record
 from gc_moe_compat.runtime.green import device_sms
 from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
@@ -84,6 +85,7 @@ class GcMoeBuffer:
         self.compute_sms = compute_sms
         self.storage: torch.Tensor | None
         self.storage, self.peer_table = _allocate(layout, group)
+        dropped_record(self.storage.device)  # allocated now, eagerly: role1 reports dropped ids there, also captured
         self.offsets: WorkspaceOffsets = layout.offsets()
         self.views: Mapping[str, torch.Tensor] = MappingProxyType(
             {name: layout.view(self.storage, name) for name in layout.specs})

@@ -1,15 +1,26 @@
 // Low-latency expert-parallel dispatch and combine behind the deep_ep facade (DeepEP's low_latency_dispatch /
-// low_latency_combine semantics), as four kernels so that a caller can split each direction with a receive hook.
+// low_latency_combine semantics). Two entry points, gc_moe::ep_ll::dispatch and gc_moe::ep_ll::combine, each launched
+// twice per call: EpLlParams.phase 0 is the send half, 1 the receive half (so that a caller can split each direction
+// with a receive hook, and a profiler sees one kernel name per direction, as DeepEP's bench_kineto expects).
 //
 // Workspace (symmetric, one copy per rank; offsets in EpLlParams). Every persistent word is generation-tagged and
 // indexed by the generation's parity, so replays need no host reset and two calls of a kind may be in flight:
 //   seq[2]                    last generation taken by dispatch send / combine send (this rank only)
-//   arrive[4][2]              grid arrival counter per kernel and parity (this rank only; the last CTA resets it)
+//   arrive[4][2]              grid arrival counter per phase and parity (this rank only; the last CTA resets it)
 //   consumed[2][2]            last generation whose stage this rank has read, per direction and parity (read by peers)
 //   ready[P][2]               combine readiness of source rank q for this rank (written by q)
+//   mask[P]                   u32, this rank's rank mask (DeepEP's shrink mode; read only with kLlShrink)
 //   counts[E][2]              (generation << 32) | rows of (local expert le, source q) at le*P + q (written by q)
 //   recv stage [2][e][P][Tmax] rows of 16 bytes (token, slot) + payload (BF16 row, or FP8 row + FP32 1x128 scales)
 //   combine stage [2][Tmax][k] BF16 rows, on the tokens' source rank
+//   (zero-copy combine send rows [e][P*Tmax][H] BF16 follow, when the host uses them: they are a plain input here)
+//
+// Routing: an entry of topk_idx is -1 (unused), an expert in [0, E), or invalid: outside [-1, E), or an expert an
+// earlier slot of the same token already names (a stage list holds at most Tmax rows: one per token). Invalid
+// entries are dropped (never used as an address) and reported in the status record. Dispatch send writes the checked
+// routing (int32 [T, k], -1 where dropped) into EpLlParams.routing, which the handle keeps for the combine; combine
+// receive sums a slot only where the caller's entry equals it, the weight is finite and the owner is not masked
+// (a differing entry or a non-finite weight is reported and dropped).
 //
 // Ordering (n = the call's generation, p = n & 1):
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
@@ -23,10 +34,14 @@
 //    ready[own][p] = n on every rank with st.release.sys (after the arrival fences: every CTA's rows precede it).
 //  * combine receive: threads acquire ready[q][p] >= n for every q and bar.sync before the reduction; the last CTA
 //    stores consumed[1][p] = n.
-//  * The generation of a call: send kernels read seq at their start and the last CTA stores seq = n and the call's
-//    own word call_gen = n, which the receive kernel of that call reads (stream order: it runs after the send).
-// Every wait is bounded by timeout_ns and gives up once the kernel's status record holds an error; a failed wait
+//  * The generation of a call: send halves read seq at their start and the last CTA stores seq = n and the call's
+//    own word call_gen = n, which the receive half of that call reads (stream order: it runs after the send).
+// Every wait is bounded by timeout_ns and gives up once the phase's status record holds a timeout; a failed wait
 // leaves its words unpublished (so consumers report too) and every kernel still completes.
+//
+// Rank masking (kLlShrink, DeepEP's enable_shrink): a rank whose mask word is set is neither waited for nor sent to;
+// its rows count as zero and its experts' combine slots are skipped. A wait on an unmasked rank that times out masks
+// that rank (DeepEP's rule) instead of recording a timeout. Without kLlShrink a timeout is recorded (naming the rank).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -53,6 +68,13 @@ constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in t
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
+// Outcome of a wait on a peer's word.
+enum Wait : u32 {
+    kArrived = 0,  // the word reached its target
+    kMasked = 1,   // the rank is masked (before the wait, or by its timeout in shrink mode): skip it
+    kFailed = 2,   // timed out (recorded) or an error was already recorded: give up
+};
+
 __device__ __forceinline__ u64* word(const PeerTable& pt, u64 offset) {
     return reinterpret_cast<u64*>(pt.base + offset);
 }
@@ -61,36 +83,58 @@ __device__ __forceinline__ KernelStatus* status_of(const PeerTable& pt, const Ep
     return reinterpret_cast<KernelStatus*>(pt.base + p.off_status) + k;
 }
 
-// Spins until *flag >= target (acquire, system scope); gives up after timeout_ns or once `status` holds an error.
-__device__ __forceinline__ bool wait_flag(const u64* flag, u64 target, const EpLlParams& p, KernelStatus* status, u32 site) {
+__device__ __forceinline__ u32* mask_word(const PeerTable& pt, const EpLlParams& p, u32 rank) {
+    return reinterpret_cast<u32*>(pt.base + p.off_mask) + rank;
+}
+
+// True when shrink mode is on and `rank` is masked in this rank's mask.
+__device__ __forceinline__ bool is_masked(const PeerTable& pt, const EpLlParams& p, u32 rank) {
+    return (p.flags & gc_moe::kLlShrink) && *reinterpret_cast<volatile u32*>(mask_word(pt, p, rank)) != 0;
+}
+
+// Spins until *flag >= target (acquire, system scope), the wait of `rank`'s word. Gives up after timeout_ns (shrink
+// mode: masks `rank`; otherwise records the timeout at `site`) or once `status` holds a timeout (a dropped input,
+// also recorded there, does not stop the others' waits).
+__device__ __forceinline__ Wait wait_rank(const PeerTable& pt, const EpLlParams& p, const u64* flag, u64 target,
+                                          KernelStatus* status, u32 site, u32 rank) {
+    if (is_masked(pt, p, rank)) return kMasked;
     const u64 start = gc_moe::globaltimer_ns();
     u64 seen = gc_moe::ld_acquire_sys(flag);
     while (seen < target) {
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusOk) return false;
+        if (is_masked(pt, p, rank)) return kMasked;
+        if (*reinterpret_cast<volatile u32*>(&status->code) == gc_moe::kStatusTimeout) return kFailed;
         if (gc_moe::globaltimer_ns() - start > p.timeout_ns) {
+            if (p.flags & gc_moe::kLlShrink) {
+                atomicExch(mask_word(pt, p, rank), 1u);
+                return kMasked;
+            }
             gc_moe::report_status(status, gc_moe::kStatusTimeout, site, seen, target);
-            return false;
+            return kFailed;
         }
         __nanosleep(GC_MOE_SPIN_SLEEP_NS);
         seen = gc_moe::ld_acquire_sys(flag);
     }
-    return true;
+    return kArrived;
 }
 
 // Lane 0 waits until `rank` has read generation n - 2 of this parity's stage in direction `dir` (0 dispatch,
-// 1 combine); the result is broadcast to the warp.
-__device__ __forceinline__ bool wait_consumed(const PeerTable& pt, const EpLlParams& p, u32 rank, u32 dir, u64 gen,
-                              KernelStatus* status) {
-    bool ok = true;
-    if (gen > 2 && (threadIdx.x & 31) == 0) {
-        const u64* flag = peer_ptr<u64>(pt, rank, p.off_consumed + (dir * 2 + (gen & 1)) * 8);
-        ok = wait_flag(flag, gen - 2, p, status, gc_moe::kLlSiteConsumed << 16 | rank);
+// 1 combine); the outcome is broadcast to the warp.
+__device__ __forceinline__ Wait wait_consumed(const PeerTable& pt, const EpLlParams& p, u32 rank, u32 dir, u64 gen,
+                                              KernelStatus* status) {
+    u32 outcome = kArrived;
+    if ((threadIdx.x & 31) == 0) {
+        if (gen > 2) {
+            const u64* flag = peer_ptr<u64>(pt, rank, p.off_consumed + (dir * 2 + (gen & 1)) * 8);
+            outcome = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | rank, rank);
+        } else if (is_masked(pt, p, rank)) {
+            outcome = kMasked;
+        }
     }
-    return __shfl_sync(~0u, ok, 0);
+    return static_cast<Wait>(__shfl_sync(~0u, outcome, 0));
 }
 
 // Generation-free grid arrival: true in every thread of the CTA that arrives last (which also resets the counter
-// for the next launch of this kernel and parity). Fences on both sides of the atomic make every CTA's stores
+// for the next launch of this phase and parity). Fences on both sides of the atomic make every CTA's stores
 // visible (system scope) to whatever the last CTA publishes next.
 __device__ __forceinline__ bool last_cta(u64* counter) {
     __shared__ u32 is_last;
@@ -108,20 +152,40 @@ __device__ __forceinline__ bool last_cta(u64* counter) {
     return is_last != 0;
 }
 
-// The global expert of routing entry f, or -1 for an unused slot. An id >= num_experts is recorded as a protocol
-// error in `status` (when given) and treated as unused: it is never used as an address.
-__device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
-    const long long e = p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
-                                         : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
-    if (e >= static_cast<long long>(p.num_experts)) {
-        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRange << 16,
-                                          static_cast<u64>(e), p.num_experts);
-        return -1;
-    }
-    return e < 0 ? -1 : static_cast<int>(e);
+__device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
+    return p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
+                            : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
 }
 
-// Copies the four status records into the pinned host mirror (the last CTA of each receive kernel), so that the
+// The checked expert of routing entry f of p.topk_idx: -1 for an unused slot or a dropped one (an id outside
+// [-1, num_experts), or the expert of an earlier slot of the same token), recorded in `status` when given.
+__device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
+    const long long e = raw_id(p, f);
+    if (e == -1) return -1;
+    if (e < -1 || e >= static_cast<long long>(p.num_experts)) {
+        if (status) {
+            if (e < 0) {
+                gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertNegative << 16,
+                                      static_cast<u64>(-e), 1);
+            } else {
+                gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRange << 16,
+                                      static_cast<u64>(e), p.num_experts);
+            }
+        }
+        return -1;
+    }
+    const u32 first = f - f % p.topk;
+    for (u32 g = first; g < f; ++g) {
+        if (raw_id(p, g) == e) {
+            if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRepeat << 16,
+                                              static_cast<u64>(e), f % p.topk);
+            return -1;
+        }
+    }
+    return static_cast<int>(e);
+}
+
+// Copies the four status records into the pinned host mirror (the last CTA of each receive half), so that the
 // host sees errors of asynchronous, hooked and graph-replayed calls without synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
     constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
@@ -191,13 +255,10 @@ __device__ __forceinline__ u32 warp_sum(u32 v) {
     return v;
 }
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send(const PeerTable pt,
-                                                                             const EpLlParams p) {
-    __shared__ int slot_of[kMaxTopk];      // the current token's experts (-1: unused)
+__device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlParams& p) {
+    __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
-    __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null for an unused slot)
+    __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null: unused, or owner masked)
     __shared__ u32 rows_of[kMaxExperts];   // last CTA: rows per global expert
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchSend);
     u64* seq = word(pt, p.off_seq);
@@ -210,15 +271,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
     bool ok = true;
     for (u32 q = threadIdx.x; q < ranks && gen > 2; q += kThreads) {
         const u64* flag = peer_ptr<u64>(pt, q, p.off_consumed + (0 * 2 + parity) * 8);
-        ok = wait_flag(flag, gen - 2, p, status, gc_moe::kLlSiteConsumed << 16 | q) && ok;
+        ok = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | q, q) != kFailed && ok;
     }
     ok = __syncthreads_and(ok);
-    for (u32 t = blockIdx.x; ok && t < p.num_tokens; t += gridDim.x) {
+    for (u32 t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
         if (threadIdx.x < k_slots) {
-            slot_of[threadIdx.x] = slot_expert(p, t * k_slots + threadIdx.x, status);
+            const int e = slot_expert(p, t * k_slots + threadIdx.x, status);
+            slot_of[threadIdx.x] = e;
             slot_row[threadIdx.x] = 0;
+            reinterpret_cast<int*>(p.routing)[t * k_slots + threadIdx.x] = e;  // the handle's checked routing
         }
         __syncthreads();
+        if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
         // Entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot) order.
         for (u32 f = threadIdx.x; f < (t + 1) * k_slots; f += kThreads) {
             const int e = slot_expert(p, f);
@@ -229,8 +293,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
         if (threadIdx.x < k_slots) {
             const int e = slot_of[threadIdx.x];
             u8* row = nullptr;
-            if (e >= 0) {
-                const u32 owner = static_cast<u32>(e) / p.local_experts, le = static_cast<u32>(e) % p.local_experts;
+            const u32 owner = e >= 0 ? static_cast<u32>(e) / p.local_experts : 0;
+            if (e >= 0 && !is_masked(pt, p, owner)) {
+                const u32 le = static_cast<u32>(e) % p.local_experts;
                 const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
                 row = peer_ptr<u8>(pt, owner, p.off_recv_stage + (list + slot_row[threadIdx.x]) * p.row_stride);
                 *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x), 0, 0);
@@ -270,10 +335,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
         }
         __syncthreads();
         // A CTA whose wait timed out wrote no rows: leave the counts unpublished so that the owners report it too
-        // (a dropped out-of-range slot is reported, but the other rows are complete and published).
+        // (a dropped slot is reported, but the other rows are complete and published). Masked owners get nothing.
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
             for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) {
                 const u32 owner = e / p.local_experts, le = e % p.local_experts;
+                if (is_masked(pt, p, owner)) continue;
                 u64* count = peer_ptr<u64>(pt, owner, p.off_counts + ((le * ranks + own) * 2 + parity) * 8);
                 gc_moe::st_release_sys(count, gen << 32 | rows_of[e]);
             }
@@ -285,8 +351,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_send
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv(const PeerTable pt,
-                                                                             const EpLlParams p) {
+__device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchRecv);
     const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
@@ -302,18 +367,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
         bool ok = true;
         for (u32 q0 = 0; q0 < ranks; q0 += 32) {
             const u32 q = q0 + lane;
-            u32 n = 0;
+            u32 n = 0;  // a masked source's rows count as zero
             bool lane_ok = true;
             if (q < ranks) {
                 const u64* count = word(pt, p.off_counts + ((le * ranks + q) * 2 + parity) * 8);
-                lane_ok = wait_flag(count, gen << 32, p, status, gc_moe::kLlSiteCount << 16 | q);
-                const u64 v = gc_moe::ld_acquire_sys(count);
-                if (lane_ok && (v >> 32) != gen) {
-                    gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountAhead << 16 | q,
-                                          v >> 32, gen);
-                    lane_ok = false;
+                const Wait w = wait_rank(pt, p, count, gen << 32, status, gc_moe::kLlSiteCount << 16 | q, q);
+                lane_ok = w != kFailed;
+                if (w == kArrived) {
+                    const u64 v = gc_moe::ld_acquire_sys(count);
+                    if ((v >> 32) != gen) {
+                        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountAhead << 16 | q,
+                                              v >> 32, gen);
+                        lane_ok = false;
+                    } else if (static_cast<u32>(v) > p.max_tokens) {  // a list holds Tmax rows: never read past it
+                        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountRange << 16 | q,
+                                              static_cast<u32>(v), p.max_tokens);
+                        lane_ok = false;
+                    } else {
+                        n = static_cast<u32>(v);
+                    }
                 }
-                n = static_cast<u32>(v);
             }
             ok = __all_sync(~0u, lane_ok) && ok;
             before += warp_sum(q < src ? n : 0);
@@ -337,7 +410,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
             const u64 slot = static_cast<u64>(le) * slots + before + j;
             if (lane == 0) {
                 const int4 origin = *reinterpret_cast<const int4*>(row);
-                reinterpret_cast<int*>(p.src_info)[slot] = origin.x * static_cast<int>(p.topk) + origin.y;
+                reinterpret_cast<int*>(p.src_info)[slot] = origin.x;  // DeepEP's src_info: the source token
+                reinterpret_cast<int*>(p.src_route)[slot] = origin.x * static_cast<int>(p.topk) + origin.y;
             }
             const u32 row_bytes = fp8 ? p.hidden : 2 * p.hidden;
             copy_vectors(reinterpret_cast<uint4*>(p.recv_x + slot * row_bytes),
@@ -364,8 +438,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_dispatch_recv
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(const PeerTable pt,
-                                                                            const EpLlParams p) {
+__device__ __forceinline__ void combine_send(const PeerTable& pt, const EpLlParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineSend);
     u64* seq = word(pt, p.off_seq) + 1;
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
@@ -380,19 +453,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(
         const u64 range = static_cast<u64>(reinterpret_cast<const long long*>(p.layout_range)[le * ranks + src]);
         const u32 before = static_cast<u32>(range >> 32), rows = static_cast<u32>(range);
         if (chunk * p.unit_rows >= rows) continue;
-        if (!wait_consumed(pt, p, src, 1, gen, status)) continue;
+        if (wait_consumed(pt, p, src, 1, gen, status) != kArrived) continue;  // failed, or a masked source
         const u32 end = min(rows, (chunk + 1) * p.unit_rows);
         for (u32 j = chunk * p.unit_rows; j < end; ++j) {
             const u64 slot = static_cast<u64>(le) * slots + before + j;
-            const u32 origin = static_cast<u32>(reinterpret_cast<const int*>(p.src_info)[slot]);
+            const u32 origin = static_cast<u32>(reinterpret_cast<const int*>(p.src_route)[slot]);
             const u64 dst_row = (static_cast<u64>(parity) * p.max_tokens + origin / p.topk) * p.topk + origin % p.topk;
             copy_vectors(peer_ptr<uint4>(pt, src, p.off_combine_stage + dst_row * 2 * p.hidden),
                          reinterpret_cast<const uint4*>(p.x) + slot * row_vecs, row_vecs, lane);
         }
     }
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineSend * 2 + parity) * 8))) {
-        for (u32 q = threadIdx.x; q < ranks; q += kThreads)
+        for (u32 q = threadIdx.x; q < ranks; q += kThreads) {
+            if (is_masked(pt, p, q)) continue;
             gc_moe::st_release_sys(peer_ptr<u64>(pt, q, p.off_ready + (own * 2 + parity) * 8), gen);
+        }
         if (threadIdx.x == 0) {
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
@@ -400,8 +475,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_send(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(const PeerTable pt,
-                                                                            const EpLlParams p) {
+// Whether combine receive sums slot f: the dispatch's checked expert, equal to the caller's checked entry, with a
+// finite weight and an unmasked owner. Reports (when `status` is given) a differing entry or a non-finite weight.
+__device__ __forceinline__ bool combine_slot(const PeerTable& pt, const EpLlParams& p, u32 f, float weight,
+                                             KernelStatus* status = nullptr) {
+    const int dispatched = reinterpret_cast<const int*>(p.routing)[f];
+    const int caller = slot_expert(p, f);
+    if (caller != dispatched) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteTopkMismatch << 16,
+                                          static_cast<u64>(static_cast<long long>(raw_id(p, f))), f);
+        return false;
+    }
+    if (dispatched < 0) return false;
+    if (!isfinite(weight)) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteWeight << 16,
+                                          __float_as_uint(weight), f);
+        return false;
+    }
+    return !is_masked(pt, p, static_cast<u32>(dispatched) / p.local_experts);
+}
+
+__device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineRecv);
     const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
@@ -409,14 +503,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
     bool ok = true;
     for (u32 q = threadIdx.x; q < ranks; q += kThreads) {
         const u64* ready = word(pt, p.off_ready + (q * 2 + parity) * 8);
-        if (!wait_flag(ready, gen, p, status, gc_moe::kLlSiteReady << 16 | q)) {
+        const Wait w = wait_rank(pt, p, ready, gen, status, gc_moe::kLlSiteReady << 16 | q, q);
+        if (w == kFailed) {
             ok = false;
-        } else if (const u64 v = gc_moe::ld_acquire_sys(ready); v != gen) {
-            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteReadyAhead << 16 | q, v, gen);
-            ok = false;
+        } else if (w == kArrived) {
+            if (const u64 v = gc_moe::ld_acquire_sys(ready); v != gen) {
+                gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteReadyAhead << 16 | q, v, gen);
+                ok = false;
+            }
         }
     }
     ok = __syncthreads_and(ok);  // the acquires precede every thread's stage reads
+    const float* weights = reinterpret_cast<const float*>(p.topk_weights);
+    // The routing checks, once per slot (the reduction below re-evaluates them silently).
+    for (u32 f = blockIdx.x * kThreads + threadIdx.x; ok && f < p.num_tokens * p.topk; f += gridDim.x * kThreads)
+        combine_slot(pt, p, f, weights[f], status);
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
     const u32 units = ok ? p.num_tokens * chunks : 0;
     const u8* stage = reinterpret_cast<const u8*>(pt.base + p.off_combine_stage);
@@ -431,9 +532,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
 #pragma unroll
             for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
                 const u32 k = k0 + i;
-                used[i] = k < p.topk && slot_expert(p, t * p.topk + k) >= 0;
+                w[i] = k < p.topk ? weights[t * p.topk + k] : 0.f;
+                used[i] = k < p.topk && combine_slot(pt, p, t * p.topk + k, w[i]);
                 if (used[i]) {
-                    w[i] = reinterpret_cast<const float*>(p.topk_weights)[t * p.topk + k];
                     const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
                     v[i] = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
                 }
@@ -459,3 +560,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_ll_combine_recv(
         mirror_status(pt, p);
     }
 }
+
+}  // namespace
+
+namespace gc_moe::ep_ll {
+
+// Dispatch: phase 0 sends this rank's tokens, phase 1 receives and packs them (DeepEP's layout).
+__global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, const EpLlParams p) {
+    if (p.phase == 0) {
+        dispatch_send(pt, p);
+    } else {
+        dispatch_recv(pt, p);
+    }
+}
+
+// Combine: phase 0 sends the expert outputs back to their tokens' ranks, phase 1 reduces them.
+__global__ void __launch_bounds__(kThreads, 1) combine(const PeerTable pt, const EpLlParams p) {
+    if (p.phase == 0) {
+        combine_send(pt, p);
+    } else {
+        combine_recv(pt, p);
+    }
+}
+
+}  // namespace gc_moe::ep_ll

@@ -9,12 +9,15 @@
 //     [T, H/128] (byte j of word i = group 4i + j).
 //
 // Both copy topk_idx rows [0, T) (int32 or int64 in, widened or kept in the view's width) and topk_weights times
-// routed_scaling_factor, and fill the routing rows [T, capacity) with (-1, 0.0). Grid: one CTA of H/8 threads per
+// routed_scaling_factor, and fill the routing rows [T, capacity) with (-1, 0.0). Invalid routing (an id outside
+// [-1, id_max]: id_max = the buffer's E - 1, else the view's integer maximum; a non-finite scaled weight) is staged as (-1, 0.0)
+// and recorded for the host (common/dropped.cuh), so no later kernel sees it. Grid: one CTA of H/8 threads per
 // token (each thread one 16-byte BF16 vector), then ceil((capacity - T) * k / (H/8)) CTAs for the padding. Compiled
 // without fast math: the divisions are IEEE, so a torch model of the same operations reproduces every byte.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "common/dropped.cuh"
 #include "sm90/predispatch_params.cuh"
 
 namespace {
@@ -37,15 +40,30 @@ __device__ __forceinline__ unsigned ceil_ue8m0(float s) {
     return min(max(e, 1u), 254u);
 }
 
+// Routing of one token. An id outside [-1, id_max] or a weight whose product with the factor is not finite is
+// staged as the unused slot (-1, 0.0) and recorded (common/dropped.cuh): nothing downstream acts on it.
 __device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsigned token) {
     for (unsigned j = threadIdx.x; j < p.topk; j += blockDim.x) {
         const unsigned long long off = static_cast<unsigned long long>(token) * p.topk + j;
-        const long long id = p.idx_in_64 ? reinterpret_cast<const long long*>(p.topk_idx)[off]
-                                         : reinterpret_cast<const int*>(p.topk_idx)[off];
+        long long id = p.idx_in_64 ? reinterpret_cast<const long long*>(p.topk_idx)[off]
+                                   : reinterpret_cast<const int*>(p.topk_idx)[off];
+        float weight = reinterpret_cast<const float*>(p.topk_weights)[off] * p.routed_scaling_factor;
+        const bool bad_id = id < -1 || id > p.id_max;
+        const bool bad_weight = !isfinite(weight);
+        if (bad_id || bad_weight) {
+            if (bad_id) {
+                gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedPredispatchId,
+                                       static_cast<unsigned long long>(id), static_cast<unsigned long long>(p.id_max));
+            } else {
+                gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedPredispatchWeight,
+                                       __float_as_uint(weight), off);
+            }
+            id = -1;
+            weight = 0.0f;
+        }
         if (p.idx_out_64) reinterpret_cast<long long*>(p.buf_topk_idx)[off] = id;
         else reinterpret_cast<int*>(p.buf_topk_idx)[off] = static_cast<int>(id);
-        reinterpret_cast<float*>(p.buf_topk_weights)[off] =
-            reinterpret_cast<const float*>(p.topk_weights)[off] * p.routed_scaling_factor;
+        reinterpret_cast<float*>(p.buf_topk_weights)[off] = weight;
     }
 }
 

@@ -14,6 +14,9 @@ struct PreDispatchParams {
     unsigned long long buf_x_sf;
     unsigned long long buf_topk_idx;
     unsigned long long buf_topk_weights;
+    unsigned long long dropped;
+    unsigned long long dropped_mirror;
+    long long id_max;
     unsigned int num_tokens;
     unsigned int capacity;
     unsigned int hidden;
@@ -23,7 +26,7 @@ struct PreDispatchParams {
     float routed_scaling_factor;
     unsigned int reserved;
 };
-static_assert(sizeof(PreDispatchParams) == 88, "PreDispatchParams must match gc_moe_compat/deep_gemm/_predispatch.py");
+static_assert(sizeof(PreDispatchParams) == 112, "PreDispatchParams must match gc_moe_compat/deep_gemm/_predispatch.py");
 // END GENERATED
 
 }  // namespace gc_moe

@@ -1,14 +1,14 @@
 // Role1 of the GC-MoE operator on SM90: the dispatch kernel of the communication partition (paper §4.1-4.3).
 //
 // One CTA of 512 threads per dispatch SM; every rank launches the same grid size D. Per replay n:
-//   A. Routing entries (this rank's topk_idx, flat index f = token*k + slot, -1 slots skipped). CTA c owns the
-//      contiguous range [c*ceil(Tk/D), ...) of f. Its shared-memory histogram of the entries BEFORE its range gives,
-//      per global expert, the position of its first entry in that expert's list (a redundant prefix count: no
-//      cross-CTA communication). It then walks its range in chunks of 512 entries in f order: __match_any_sync gives
-//      each entry its rank among equal experts of its warp, and the warps take their per-expert cursors in warp
-//      order (one __syncthreads per warp), so positions grow with f. Entry f goes to the target rank's
-//      src_index[le][own][pos] (a peer store): every (le, own) list is ascending, i.e. sorted by (token, slot), the
-//      order of reference.dispatch_plan, independent of D and of timing.
+//   A. Routing entries (this rank's topk_idx, flat index f = token*k + slot, -1 slots skipped; ids outside [-1, E)
+//      skipped too and reported as dropped inputs). CTA c owns the contiguous range [c*ceil(Tk/D), ...) of f. Its
+//      shared-memory histogram of the entries BEFORE its range gives, per global expert, the position of its first
+//      entry in that expert's list (a redundant prefix count: no cross-CTA communication). It then walks its range in
+//      chunks of 512 entries in f order: __match_any_sync gives each entry its rank among equal experts of its warp,
+//      and the warps take their per-expert cursors in warp order (one __syncthreads per warp), so positions grow with
+//      f. Entry f goes to the target rank's src_index[le][own][pos] (a peer store): every (le, own) list is ascending,
+//      i.e. sorted by (token, slot), the order of reference.dispatch_plan, independent of D and of timing.
 //   B. After a system fence every CTA adds (1 << 32) | count to the local send_counts of EVERY global expert (also
 //      count 0): the high word counts contributing CTAs. That is also the grid barrier: block 0 waits (bounded,
 //      acquire) until every send_counts high word is D, so all src_index stores of all CTAs are ordered before it.
@@ -33,6 +33,7 @@
 //      every earlier row landed: no deadlock beyond what the ring capacity rules out (ring.py).
 // Every wait is bounded by DispatchParams.timeout_ns and ends in role1's status record (status region, record 0);
 // waits also give up as soon as that record holds an error, so a failure ends the whole grid within one timeout.
+#include "common/dropped.cuh"
 #include "common/peer_table.cuh"
 #include "common/status.cuh"
 #include "common/sync.cuh"
@@ -114,13 +115,15 @@ __device__ __forceinline__ u32 last_at_most(const u32* prefix, u32 n, u32 v) {
     return lo;
 }
 
-// Global expert of routing entry f, or -1 for an unused slot; ids >= E are reported and skipped.
-__device__ __forceinline__ int expert_of(const void* idx, u32 idx_bytes, u32 f, u32 num_experts,
-                                         KernelStatus* status) {
+// Global expert of routing entry f, or -1 for an unused slot. An id outside [-1, E) is skipped like an unused slot
+// and reported in the device's record of dropped inputs (common/dropped.cuh), not in role1's status record: the
+// protocol goes on (every CTA skips the same entries, so counts stay consistent) and no wait gives up.
+__device__ __forceinline__ int expert_of(const void* idx, u32 idx_bytes, u32 f, const DispatchParams& p) {
     const long long x = idx_bytes == 8 ? static_cast<const long long*>(idx)[f] : static_cast<const int*>(idx)[f];
-    if (x < 0) return -1;
-    if (x >= num_experts) {
-        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kSiteExpertRange, x, num_experts);
+    if (x == -1) return -1;
+    if (x < -1 || x >= p.num_experts) {
+        gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedRole1Expert,
+                               static_cast<unsigned long long>(x), p.num_experts);
         return -1;
     }
     return static_cast<int>(x);
@@ -183,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const u32 span = (entries + grid - 1) / grid;
     const u32 begin = min(cta * span, entries), end = min(begin + span, entries);
     for (u32 f = tid; f < begin; f += kThreads) {
-        const int x = expert_of(idx, p.idx_bytes, f, num_e, status);
+        const int x = expert_of(idx, p.idx_bytes, f, p);
         if (x >= 0) atomicAdd(&s_first[x], 1u);
     }
     __syncthreads();
@@ -191,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     for (u32 chunk = begin; chunk < end; chunk += kThreads) {
         const u32 f = chunk + tid;
-        const int x = f < end ? expert_of(idx, p.idx_bytes, f, num_e, status) : -1;
+        const int x = f < end ? expert_of(idx, p.idx_bytes, f, p) : -1;
         const u32 same = __match_any_sync(~0u, x);
         const u32 leader = __ffs(same) - 1;
         u32 first = 0;

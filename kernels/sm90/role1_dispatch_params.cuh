@@ -12,6 +12,8 @@ namespace gc_moe {
 // BEGIN GENERATED
 struct DispatchParams {
     unsigned long long timeout_ns;
+    unsigned long long dropped;
+    unsigned long long dropped_mirror;
     unsigned int num_tokens;
     unsigned int topk;
     unsigned int num_experts;
@@ -23,8 +25,9 @@ struct DispatchParams {
     unsigned int w2_tasks;
     unsigned int idx_bytes;
     unsigned int flags;
+    unsigned int reserved;
 };
-static_assert(sizeof(DispatchParams) == 56, "DispatchParams must match gc_moe_compat/operator/sm90/role1_dispatch.py");
+static_assert(sizeof(DispatchParams) == 72, "DispatchParams must match gc_moe_compat/operator/sm90/role1_dispatch.py");
 
 // Generated from gc_moe_compat.operator.sm90.role1_dispatch.DispatchSite.
 enum DispatchSite : unsigned int {
@@ -35,7 +38,6 @@ enum DispatchSite : unsigned int {
     kSiteArrivalCheck = 5,      // role1 receive-count arrival check (high words must sum to dispatch_sms*P)
     kSitePoolOverflow = 6,      // role1 pool overflow (more pool blocks than pool_table rows)
     kSiteSrcIndexOverflow = 7,  // role1 src_index overflow (more rows from one rank to one expert than the capacity)
-    kSiteExpertRange = 8,       // role1 expert id out of range
 };
 // END GENERATED
 

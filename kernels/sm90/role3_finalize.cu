@@ -179,7 +179,7 @@ __device__ __forceinline__ void combine_unit(const Args& a, u32 t, u32 c, u32 la
         const u64 at = (u64)t * k + lane;
         const long long idx = a.p.idx_bytes == 8 ? region<const long long>(a, a.off.topk_idx)[at]
                                                   : (long long)region<const int>(a, a.off.topk_idx)[at];
-        valid = idx >= 0;
+        valid = idx >= 0 && idx < a.p.num_experts;  // role1 dropped ids outside [-1, E): no partial
     }
     u32 slots = __ballot_sync(0xffffffffu, valid);
     if (a.p.num_shared) slots |= 1u << k;

@@ -165,7 +165,7 @@ def test_rdma_size_hint_refuses_bad_sizes(kw: dict, exc: type, match: str) -> No
 
 def test_rdma_size_hint_valid_sizes_unchanged() -> None:
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == required_bytes(LlShape(8, 256, 128, 7168,
-                                                                                              HINT_TOPK))
+                                                                                              HINT_TOPK), True)
 
 
 # ------------------------------------------------------------------------------------------------------------------

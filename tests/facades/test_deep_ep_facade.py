@@ -18,7 +18,6 @@ from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
 
-NORMAL_MODE = "--deepep-mode low_latency"
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
 
 
@@ -81,20 +80,20 @@ def test_normal_mode_buffer_constructs_without_a_gpu(normal: Buffer) -> None:
     assert Buffer.is_sm90_compiled() is True
 
 
-def test_normal_mode_methods_name_the_low_latency_flag(normal: Buffer) -> None:
+def test_normal_mode_calls_without_num_nvl_bytes_name_it(normal: Buffer) -> None:
+    """The normal mode is implemented (tests/facades/test_deep_ep_normal*.py); without ``num_nvl_bytes`` its calls
+    name the argument, while the configs and hints (no workspace) answer."""
     calls = {
-        "get_dispatch_config": lambda: Buffer.get_dispatch_config(1),
-        "get_combine_config": lambda: Buffer.get_combine_config(1),
         "get_dispatch_layout": lambda: normal.get_dispatch_layout(torch.zeros(2, 2, dtype=torch.int64), 8),
         "dispatch": lambda: normal.dispatch(torch.zeros(2, 128), topk_idx=None),
         "combine": lambda: normal.combine(torch.zeros(2, 128), ()),
-        "Config.get_nvl_buffer_size_hint": lambda: Config().get_nvl_buffer_size_hint(7168 * 2, 8),
-        "Config.get_rdma_buffer_size_hint": lambda: Config().get_rdma_buffer_size_hint(7168 * 2, 8),
     }
     for name, call in calls.items():
-        with pytest.raises(NotImplementedError, match=NORMAL_MODE) as info:
+        with pytest.raises(ValueError, match="num_nvl_bytes > 0") as info:
             call()
-        assert "normal (high-throughput) mode is not implemented" in str(info.value), name
+        assert name in str(info.value)
+    assert Buffer.get_dispatch_config(1).num_sms == Buffer.num_sms
+    assert Config().get_nvl_buffer_size_hint(7168 * 2, 8) > 0 and Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
 
 
 def test_low_latency_methods_on_a_normal_buffer_name_low_latency_mode(normal: Buffer) -> None:

@@ -186,8 +186,8 @@ def test_pre_dispatch_refusals(group: dist.ProcessGroup) -> None:
         dg.mega_moe_pre_dispatch_sm90(x.float(), idx, w, *views, num_tokens=4)
     with pytest.raises(ValueError, match="routed_scaling_factor must be a finite"):
         dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=4, routed_scaling_factor=math.inf)
-    with pytest.raises(TypeError, match="buf_x_sf must have dtype"):  # the SM90 buffer holds FP32 scales
-        dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4)
+    with pytest.raises(ValueError, match="buf_x_sf is float32, the SM90 layout .*mega_moe_pre_dispatch_sm90"):
+        dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4)  # the SM90 buffer holds FP32 scales (issue 22)
     with pytest.raises(NotImplementedError, match="mma_type='mxf4xmxf4'"):
         dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4, mma_type="mxf4xmxf4")
     with pytest.raises(NotImplementedError, match="buf_x_scales"):

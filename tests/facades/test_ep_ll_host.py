@@ -18,7 +18,7 @@ from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
-from gc_moe_compat.runtime.workspace import MAX_RANKS
+from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
@@ -26,11 +26,12 @@ HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
 
 @needs_nvcc
 def test_ep_ll_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """All four kernels build for sm_90a: no stack frame, no spills, one 256-thread CTA fits an SM's registers, and
-    the static shared memory (the grid-arrival flag) stays far under the 48 KiB static limit."""
+    """Both entry points (C++ names, so a profiler shows ``gc_moe::ep_ll::dispatch`` / ``::combine``) build for
+    sm_90a: no stack frame, no spills, one 256-thread CTA fits an SM's registers, and the static shared memory stays
+    far under the 48 KiB static limit."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_ll.SOURCE).resources
-    assert set(resources) == set(ep_ll._NAMES.values())
+    assert set(resources) == set(ep_ll._MANGLED.values())
     for name, res in resources.items():
         assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
         assert res.registers * THREADS <= 65536, name
@@ -47,7 +48,7 @@ def test_params_header_is_generated_from_the_ctypes_struct() -> None:
 
 def test_params_struct_layout() -> None:
     """Every field at its natural C offset, no hidden padding (the static_assert in the header pins the size)."""
-    assert ctypes.sizeof(ep_ll.EpLlParams) == natural_layout_size(ep_ll.EpLlParams) == 208
+    assert ctypes.sizeof(ep_ll.EpLlParams) == natural_layout_size(ep_ll.EpLlParams) == 240
     assert f"sizeof(EpLlParams) == {ctypes.sizeof(ep_ll.EpLlParams)}" in HEADER.read_text()
 
 
@@ -56,16 +57,40 @@ def _constants(pattern: str) -> dict[str, int]:
 
 
 def test_header_flags_and_kernel_constants_equal_the_host() -> None:
-    """The hand-written constants: the header's flag bits, the kernel file's CTA size and table bounds, and an entry
-    point per kernel index, as the host packs and names them (the sites and indices are generated)."""
+    """The hand-written constants: the header's flag bits, the kernel file's CTA size and table bounds, and the two
+    entry points in ``gc_moe::ep_ll`` whose symbols the host loads, as the host packs and names them (the sites and
+    indices are generated)."""
     flags = _constants(r"constexpr unsigned int (kLl\w+) = (\d+)u;")
-    assert flags == {"kLlFp8": ep_ll.FLAG_FP8, "kLlRoundScale": ep_ll.FLAG_ROUND_SCALE, "kLlUe8m0": ep_ll.FLAG_UE8M0}
+    assert flags == {"kLlFp8": ep_ll.FLAG_FP8, "kLlRoundScale": ep_ll.FLAG_ROUND_SCALE, "kLlUe8m0": ep_ll.FLAG_UE8M0,
+                     "kLlShrink": ep_ll.FLAG_SHRINK}
     source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
     assert f"constexpr u32 kThreads = {THREADS};" in source
     assert f"constexpr u32 kMaxTopk = {ep_ll.MAX_TOPK};" in source
     assert f"constexpr u32 kMaxExperts = {MAX_EXPERTS};" in source
-    for name in ep_ll._NAMES.values():
-        assert f"void __launch_bounds__(kThreads, 1) {name}(" in source
+    assert "namespace gc_moe::ep_ll {" in source
+    assert {kernel.entry for kernel in Kernel} == set(ep_ll._MANGLED) == {"gc_moe::ep_ll::dispatch",
+                                                                         "gc_moe::ep_ll::combine"}
+    for entry, symbol in ep_ll._MANGLED.items():
+        name = entry.rsplit("::", 1)[1]
+        assert f"__global__ void __launch_bounds__(kThreads, 1) {name}(const PeerTable pt, const EpLlParams p)" in \
+            source
+        assert symbol == f"_ZN6gc_moe5ep_ll{len(name)}{name}ENS_9PeerTableENS_10EpLlParamsE"  # Itanium mangling
+
+
+def test_one_kernel_name_per_direction_as_deepep_profiling_matches() -> None:
+    """DeepEP's bench_kineto(kernel_names=('dispatch', 'combine')) wants each name in one profile line and
+    ``::dispatch`` / ``::combine`` in the trace events: each direction's two launches are one entry point, and no
+    entry point's name holds the other direction's."""
+    assert [k.entry for k in Kernel].count("gc_moe::ep_ll::dispatch") == 2
+    for kernel in Kernel:
+        other = "combine" if "dispatch" in kernel.entry else "dispatch"
+        assert other not in kernel.entry and kernel.entry.count("::") == 2
+    assert [k.phase for k in Kernel] == [0, 1, 0, 1]
+    params = ep_ll.make_params(LlShape(1, 8, 8, 128, 2), num_tokens=3)
+    for kernel in Kernel:
+        launched = ep_ll.EpLlParams.from_buffer_copy(ep_ll.launch_args(kernel, PeerTable(), params).signature[-1][1])
+        assert launched.phase == kernel.phase and launched.num_tokens == 3
+    assert params.phase == 0  # each launch packs its own copy
 
 
 def test_every_generated_constant_is_used_by_the_kernels() -> None:
@@ -78,10 +103,10 @@ def test_every_generated_constant_is_used_by_the_kernels() -> None:
 
 def test_header_regions_do_not_overlap() -> None:
     """The fixed header: seq u64[2], arrive u64[4][2], consumed u64[2][2], ready u64[MAX_RANKS][2], four status
-    records, counts u64[MAX_EXPERTS][2], in this order without overlap."""
+    records, the rank mask u32[MAX_RANKS], counts u64[MAX_EXPERTS][2], in this order without overlap."""
     regions = [(ep_ll._SEQ, 2 * 8), (ep_ll._ARRIVE, 4 * 2 * 8), (ep_ll._CONSUMED, 2 * 2 * 8),
                (ep_ll._READY, MAX_RANKS * 2 * 8), (ep_ll._STATUS, 4 * ctypes.sizeof(KernelStatus)),
-               (ep_ll._COUNTS, MAX_EXPERTS * 2 * 8)]
+               (ep_ll._MASK, MAX_RANKS * 4), (ep_ll._COUNTS, MAX_EXPERTS * 2 * 8)]
     for (start, size), (next_start, _) in zip(regions, regions[1:], strict=False):
         assert start % 8 == 0 and start + size <= next_start
     assert regions[-1][0] + regions[-1][1] == HEADER_BYTES == 18432
@@ -172,18 +197,19 @@ def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
     clean = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     ep_ll.raise_for_ll_status(clean, 2)
     ws = _workspace_with(Kernel.DISPATCH_RECV, 1, ep_ll.LlSite.COUNT << 16 | 1, 0, 7 << 32)
-    with pytest.raises(DeviceTimeoutError, match="gc_ep_ll_dispatch_recv: dispatch receive waiting for rank 1's "
-                                                 "token counts"):
+    with pytest.raises(DeviceTimeoutError, match=r"dispatch receive \(gc_moe::ep_ll::dispatch\): dispatch receive "
+                                                 "waiting for rank 1's token counts"):
         ep_ll.raise_for_ll_status(ws, 2)
     assert not ws.any()  # cleared, so the next synchronous call starts clean
     ws = _workspace_with(Kernel.COMBINE_RECV, 2, ep_ll.LlSite.READY_AHEAD << 16 | 0, 9, 8)
-    with pytest.raises(DeviceCheckError, match="gc_ep_ll_combine_recv: rank 0's combine readiness is past"):
+    with pytest.raises(DeviceCheckError, match=r"combine receive \(gc_moe::ep_ll::combine\): rank 0's combine "
+                                               "readiness is past"):
         ep_ll.raise_for_ll_status(ws, 2)
 
 
 def test_sites_name_every_rank() -> None:
     sites = ep_ll.ll_sites(3)
-    assert len(sites) == 5 * 3 + 1  # five per rank, and the expert-range check
+    assert len(sites) == 6 * 3 + 5  # six per rank, and the five dropped-input checks
     assert "num_experts" in sites[ep_ll.LlSite.EXPERT_RANGE << 16]
     assert sites[ep_ll.LlSite.CONSUMED << 16 | 2].endswith("rank 2 has read the stage two generations back")
 
@@ -194,8 +220,9 @@ def test_mirrored_status_raises_once_and_clears_records_and_mirror() -> None:
     ws = _workspace_with(Kernel.DISPATCH_SEND, 2, ep_ll.LlSite.EXPERT_RANGE << 16, 300, 16)
     mirror = ep_ll.new_status_mirror(torch.device("cpu"))
     mirror.copy_(ep_ll.status_records(ws))
-    with pytest.raises(DeviceCheckError, match=r"gc_ep_ll_dispatch_send \(recorded by an earlier .*\): a topk_idx "
-                                               r"entry .* >= num_experts .*observed 300, expected 16"):
+    with pytest.raises(DeviceCheckError, match=r"dispatch send \(gc_moe::ep_ll::dispatch\) \(recorded by an "
+                                               r"earlier .*\): a topk_idx entry .* >= num_experts .*observed 300, "
+                                               r"expected 16"):
         ep_ll.raise_for_mirrored_status(ws, mirror, 2)
     assert not ws.any() and not mirror.any()
     ep_ll.raise_for_mirrored_status(ws, mirror, 2)  # nothing left: no error

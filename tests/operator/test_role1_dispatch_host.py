@@ -60,7 +60,7 @@ def test_role1_histogram_holds_the_configured_expert_limit() -> None:
 
 def test_role1_params_struct_layout() -> None:
     """Every field at its natural C offset, no hidden padding beyond the 8-byte tail alignment."""
-    assert ctypes.sizeof(role1_dispatch.DispatchParams) == natural_layout_size(role1_dispatch.DispatchParams) == 56
+    assert ctypes.sizeof(role1_dispatch.DispatchParams) == natural_layout_size(role1_dispatch.DispatchParams) == 72
 
 
 def _buffer(group: dist.ProcessGroup, **kw: object) -> api.GcMoeBuffer:

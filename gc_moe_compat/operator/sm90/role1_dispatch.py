@@ -28,6 +28,7 @@ from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.ring import RingPlan
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.dropped import dropped_record
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.launch import launch
@@ -72,7 +73,6 @@ class DispatchSite(StatusSite):
     ARRIVAL_CHECK = 5, "role1 receive-count arrival check (high words must sum to dispatch_sms*P)"
     POOL_OVERFLOW = 6, "role1 pool overflow (more pool blocks than pool_table rows)"
     SRC_INDEX_OVERFLOW = 7, "role1 src_index overflow (more rows from one rank to one expert than the capacity)"
-    EXPERT_RANGE = 8, "role1 expert id out of range"
 
 
 class DispatchParams(ctypes.Structure):
@@ -80,10 +80,14 @@ class DispatchParams(ctypes.Structure):
 
     ``num_tokens`` is this rank's ``T``; ``idx_bytes`` the width of ``topk_idx`` (8 or 4); ``ring_blocks`` ``R``
     and ``w1_tasks`` / ``w2_tasks`` (``t1``/``t2``) come from the call's :class:`~gc_moe_compat.operator.ring.RingPlan`.
+    ``dropped`` / ``dropped_mirror``: the device's record of dropped inputs (:mod:`gc_moe_compat.runtime.dropped`),
+    where an expert id outside ``[-1, E)`` staged in ``topk_idx`` is reported; the slot is skipped, the call goes on.
     """
 
     _fields_ = [
         ("timeout_ns", ctypes.c_uint64),
+        ("dropped", ctypes.c_uint64),
+        ("dropped_mirror", ctypes.c_uint64),
         ("num_tokens", ctypes.c_uint32),
         ("topk", ctypes.c_uint32),
         ("num_experts", ctypes.c_uint32),
@@ -95,6 +99,7 @@ class DispatchParams(ctypes.Structure):
         ("w2_tasks", ctypes.c_uint32),
         ("idx_bytes", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
     @classmethod
@@ -126,9 +131,10 @@ def dispatch_params(buffer: GcMoeBuffer, plan: RingPlan, num_tokens: int, timeou
     if shape.num_experts > MAX_EXPERTS or shape.num_local_experts > MAX_LOCAL_EXPERTS:
         raise ValueError(f"shape: role1 holds <= {MAX_EXPERTS} experts and <= {MAX_LOCAL_EXPERTS} local experts, got "
                          f"E={shape.num_experts}, e={shape.num_local_experts}")
+    dropped, mirror = dropped_record(buffer.storage.device).addresses
     return DispatchParams(
-        timeout_ns=spin_timeout_ns(timeout_ms), num_tokens=num_tokens, topk=shape.topk,
-        num_experts=shape.num_experts, local_experts=shape.num_local_experts, hidden=shape.hidden,
+        timeout_ns=spin_timeout_ns(timeout_ms), dropped=dropped, dropped_mirror=mirror, num_tokens=num_tokens,
+        topk=shape.topk, num_experts=shape.num_experts, local_experts=shape.num_local_experts, hidden=shape.hidden,
         block_m=plan.block_m, ring_blocks=plan.ring_blocks, w1_tasks=plan.w1_tasks_per_block,
         w2_tasks=plan.w2_tasks_per_block, idx_bytes=buffer.topk_idx.element_size(), flags=WARMUP if warmup else 0)
 
@@ -168,13 +174,16 @@ def dispatch_node(buffer: GcMoeBuffer, plan: RingPlan, num_tokens: int, *, timeo
 
 def raise_for_dispatch_status(buffer: GcMoeBuffer, what: str = "role1 dispatch") -> None:
     """Raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` / ``DeviceCheckError`` if role1 recorded an
-    error; call once the launching stream (or graph) has finished. The record is cleared before raising so that the
-    next launch runs: role1's waits give up at once while the record holds an error."""
+    error, or ``DeviceCheckError`` for an invalid input dropped on the buffer's device (by role1 or by a pre-dispatch
+    before it: :mod:`gc_moe_compat.runtime.dropped`); call once the launching stream (or graph) has finished. The
+    record is cleared before raising so that the next launch runs: role1's waits give up at once while the record
+    holds an error."""
     record = buffer.status[StatusRecord.ROLE1]
     saved = record.clone()
     if int(saved[:4].view(torch.int32)[0]):
         record.zero_()
     raise_for_status(saved, what, DispatchSite.names())
+    dropped_record(buffer.storage.device).raise_if_dropped(what)
 
 
 def assign_rows(counts: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,209 @@
+"""``gc-moe-ab``: run the original Mega MoE kernels and GC-MoE side by side on identical inputs.
+
+Usage (``python -m gc_moe_compat.ab`` is the same)::
+
+    gc-moe-ab --preset glm52 [--tokens 1 8 64] [--ops facade native_fp8xfp4 ...] [--partition-sweep]
+    gc-moe-ab --model-config path/to/config.json --ep-size 8
+    gc-moe-ab --hidden 7168 --intermediate 2048 --experts 256 --topk 8 [--ep-size 8]
+    gc-moe-ab --check ...          # what would run and what is missing; no GPU needed, exits 0
+
+The workload is checked against the operator's constraints before anything is allocated (a failing rule is
+printed, exit code 2). On a machine with several GPUs the tool starts one process per GPU itself (``torchrun``,
+``--world-size`` to choose fewer), or runs under an existing ``torchrun``. Results: ``--out`` (default
+``bench/results/ab_<workload>.json``) plus a PNG next to it, and a table in the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gc_moe_compat.ab import model_config
+from gc_moe_compat.ab.model_config import Workload
+from gc_moe_compat.config import SWEEP_TOKENS
+
+__all__ = ["build_parser", "main", "parse", "plan_lines", "workload_from_args"]
+
+QUICK_WINDOWS = (3, 10)
+"""``--quick``: (warm-up, measured) windows of a smoke run; the protocol's 10 + 30 otherwise."""
+OPTIONAL_PACKAGES = {
+    "rich": "pip install rich (progress bar and table; plain lines without it)",
+    "matplotlib": "pip install matplotlib (the PNG; none without it)",
+    "triton": "pip install triton (DeepGEMM's and the composed baseline's kernels)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gc-moe-ab", description=__doc__.split("\n")[0])
+    src = parser.add_argument_group("workload (one of --preset, --model-config, or the explicit sizes)")
+    src.add_argument("--preset", choices=model_config.PRESET_NAMES)
+    src.add_argument("--model-config", type=Path, metavar="PATH", help="a HuggingFace config.json")
+    src.add_argument("--hidden", type=int)
+    src.add_argument("--intermediate", type=int, help="one routed expert's intermediate width")
+    src.add_argument("--experts", type=int, help="the model's routed experts (global)")
+    src.add_argument("--topk", type=int)
+    src.add_argument("--shared-experts", type=int, default=0)
+    src.add_argument("--routed-scaling-factor", type=float, default=None)
+    src.add_argument("--activation-clamp", type=float, default=None, help="SwiGLU clamp (the model's swiglu_limit)")
+    src.add_argument("--ep-size", type=int, default=None,
+                     help=f"ranks the deployment spreads the experts over (default {model_config.DEFAULT_EP_SIZE}); "
+                          "each GPU of the run holds one rank's share")
+    src.add_argument("--capacity", type=int, default=256, help="tokens per rank the buffers hold")
+    run = parser.add_argument_group("run")
+    run.add_argument("--tokens", type=int, nargs="+", default=list(SWEEP_TOKENS), help="tokens per rank")
+    run.add_argument("--ops", nargs="+", default=None, help="operators to compare (default: all)")
+    run.add_argument("--partition-sweep", action="store_true",
+                     help="add the facade at dispatch SM requests 4/8/16/24 (GC_MOE_DISPATCH_SMS)")
+    run.add_argument("--world-size", type=int, default=None, help="GPUs to use (default: every visible one)")
+    run.add_argument("--warmup", type=int, default=10)
+    run.add_argument("--windows", type=int, default=30)
+    run.add_argument("--quick", action="store_true",
+                     help=f"smoke run: {QUICK_WINDOWS[0]} + {QUICK_WINDOWS[1]} windows instead of the protocol's")
+    run.add_argument("--out", type=Path, default=None, help="result JSON (a PNG is written next to it)")
+    run.add_argument("--check", action="store_true", help="print what would run and what is missing; exit 0")
+    return parser
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload the arguments name; ``ValueError`` names the argument at fault."""
+    explicit = [args.hidden, args.intermediate, args.experts, args.topk]
+    given = sum(x is not None for x in (args.preset, args.model_config)) + any(v is not None for v in explicit)
+    if given != 1:
+        raise ValueError("workload: give exactly one of --preset, --model-config, or all of --hidden "
+                         "--intermediate --experts --topk")
+    if args.preset is not None:
+        w = model_config.preset(args.preset, args.ep_size, args.capacity)
+    elif args.model_config is not None:
+        w = model_config.from_hf_config(args.model_config, args.ep_size, args.capacity)
+    else:
+        if any(v is None for v in explicit):
+            missing = [n for n, v in zip(("--hidden", "--intermediate", "--experts", "--topk"), explicit,
+                                         strict=True) if v is None]
+            raise ValueError(f"workload: explicit sizes need {missing} too")
+        w = model_config.explicit(args.hidden, args.intermediate, args.experts, args.topk, ep_size=args.ep_size,
+                                  shared_experts=args.shared_experts, capacity=args.capacity,
+                                  routed_scaling_factor=1.0, activation_clamp=args.activation_clamp)
+    overrides = {}
+    if args.routed_scaling_factor is not None:
+        overrides["routed_scaling_factor"] = args.routed_scaling_factor
+    if args.activation_clamp is not None:
+        overrides["activation_clamp"] = args.activation_clamp
+    if overrides:
+        w = dataclasses.replace(w, **overrides, fields={**w.fields, **dict.fromkeys(overrides, "argument")})
+    return w
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Workload, list[str]]:
+    """Arguments, workload and the constraint failures of the requested run (empty: every shape is runnable).
+
+    Raises ``ValueError`` for a malformed workload (nothing is allocated)."""
+    from gc_moe_compat.ab import operators
+
+    args = build_parser().parse_args(list(argv))
+    w = workload_from_args(args)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or max(_visible_gpus(), 1)
+    specs = operators.select(args.ops, args.partition_sweep)  # unknown names raise here
+    problems = []
+    for mma in sorted({s.mma_type for s in specs}):
+        try:
+            w.shape(world, mma)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    bad = [t for t in args.tokens if not 1 <= t <= w.capacity]
+    if bad:
+        problems.append(f"--tokens: every T must lie in [1, --capacity={w.capacity}], got {bad}")
+    return args, w, problems
+
+
+def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -> list[str]:
+    """``--check``'s report: the workload, the shape per GPU count, each operator with why it cannot run, the
+    optional packages."""
+    import torch
+
+    from gc_moe_compat.ab import operators
+
+    gpus = _visible_gpus()
+    world = args.world_size or max(gpus, 1)
+    lines = [f"workload: {w.name}: H={w.hidden} I={w.intermediate} E={w.num_experts} top-{w.topk} "
+             f"shared={w.shared_experts} (outside the compared layer) routed_scaling={w.routed_scaling_factor} "
+             f"clamp={w.activation_clamp} ep_size={w.ep_size} -> {w.local_experts} experts per rank",
+             f"fields: {dict(w.fields)}",
+             f"run: {world} rank(s) x E={w.local_experts * world}, capacity {w.capacity}, tokens per rank "
+             f"{list(args.tokens)}",
+             f"device: {torch.cuda.get_device_name() if gpus else 'no CUDA GPU visible'} ({gpus} visible), torch "
+             f"{torch.__version__}"]
+    lines += [f"constraint: {p}" for p in problems] or ["constraints: the shape is inside the operator's envelope"]
+    for spec in operators.select(args.ops, args.partition_sweep):
+        reason = spec.probe()
+        lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"
+                     + ("" if reason is None else f"\n      why: {reason}"))
+    for name, how in OPTIONAL_PACKAGES.items():
+        found = importlib.util.find_spec(name) is not None
+        lines.append(f"package {name}: {'found' if found else 'missing: ' + how}")
+    return lines
+
+
+def _default_out(w: Workload) -> Path:
+    from gc_moe_compat.ab.protocol import REPO
+
+    slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in w.name.split(" ")[0].split("/")[-1])
+    base = REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd()
+    return base / f"ab_{slug}.json"
+
+
+def _launch_ranks(world: int, argv: Sequence[str]) -> int:
+    """Re-run this command under ``torch.distributed.run`` with one process per GPU."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "gc_moe_compat.ab", *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, w, problems = parse(argv)
+    except ValueError as exc:
+        print(f"gc-moe-ab: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print("\n".join(plan_lines(args, w, problems)))
+        return 0
+    if problems:
+        for p in problems:
+            print(f"gc-moe-ab: constraint: {p}", file=sys.stderr)
+        return 2
+    gpus = _visible_gpus()
+    if gpus == 0:
+        print("gc-moe-ab: no CUDA GPU visible; `gc-moe-ab --check ...` says what would run", file=sys.stderr)
+        return 1
+    world = args.world_size or gpus
+    if world > gpus:
+        print(f"gc-moe-ab: --world-size {world} exceeds the {gpus} visible GPU(s)", file=sys.stderr)
+        return 2
+    if world > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_ranks(world, argv)
+    from gc_moe_compat.ab import operators, run
+
+    warmup, windows = QUICK_WINDOWS if args.quick else (args.warmup, args.windows)
+    command = ["gc-moe-ab", *argv]
+    out = args.out or _default_out(w)
+    if args.out is None:
+        command += ["--out", str(out)]
+    cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
+                        args.partition_sweep)), warmup=warmup, windows=windows, out=out,
+                        command=tuple(command), quick=args.quick)
+    return run.main_ranks(cfg)

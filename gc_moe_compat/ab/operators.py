@@ -1,0 +1,359 @@
+"""The operators ``gc-moe-ab`` compares, one adapter each, driven through the public API a user calls.
+
+Every adapter is an :class:`OperatorSpec`: a name, a label saying what it really is and what its timed CUDA graph
+holds, the weight format it computes with, a :meth:`~OperatorSpec.probe` that says why it cannot run here (and what
+would install it) or None, and a ``build`` that sets it up for one run. A built :class:`Runner` stages one point's
+tokens outside the graph (:meth:`Runner.stage`) and runs the layer (:meth:`Runner.run`, graph-capturable, returns
+``y [T, H]`` BF16).
+
+* ``facade`` - ``gc_moe_compat.deep_gemm`` (what ``GC_MOE_SWAP=deep_gemm`` makes ``import deep_gemm``) called as
+  SGLang 0.5.23's Hopper Mega MoE path calls it: ``get_symm_buffer_for_mega_moe(..., mma_type='fp8xfp4')`` once,
+  ``transform_weights_for_mega_moe_sm90`` once, then per step ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe``.
+* ``facade_partition_off`` - the same sequence on a buffer created under ``GC_MOE_PARTITION=off``: the same kernels
+  in sequence on the whole device (the overlap ablation).
+* ``facade_dispatch_sms_<N>`` (``--partition-sweep``) - the same sequence under ``GC_MOE_DISPATCH_SMS=N``.
+* ``native_fp8xfp4`` - the native API's FP8xFP4 path (``fp8_fp4_gc_moe``) on the same BF16 experts quantized to
+  MXFP4, the tokens staged by the caller (the pre-dispatch's bytes, not timed).
+* ``original_deep_gemm`` - the installed original ``deep_gemm``'s ``fp8_mega_moe`` (SGLang's ``sgl-deep-gemm``,
+  or a build of sgl-project/DeepGEMM's SM90 Mega MoE: ``scripts/build_sgl_deep_gemm.sh``), loaded beside the facade
+  by :mod:`gc_moe_compat.originals`; its own pre-dispatch where it has one.
+* ``composed_deepep_deepgemm`` - SGLang's ``--moe-a2a-backend deepep`` low-latency path: DeepEP
+  ``low_latency_dispatch`` -> DeepGEMM ``m_grouped_fp8_gemm_nt_masked`` W1 -> SwiGLU + FP8 requant -> masked W2 ->
+  ``low_latency_combine``. Not built into this tool yet: its probe says so (and what it needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from gc_moe_compat import config
+from gc_moe_compat.ab.inputs import LayerWeights, Tokens
+from gc_moe_compat.ab.model_config import Workload
+
+__all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "Context", "MegaMoeSequence", "NativeFp8Fp4", "OperatorSpec", "Runner",
+           "default_ops", "operator_specs", "select"]
+
+DISPATCH_SWEEP = (4, 8, 16, 24)
+"""The dispatch SM requests of ``--partition-sweep``."""
+REFERENCE_OP = "facade"
+"""The operator every speedup divides by (BENCH_PROTOCOL.md: speedup = baseline / ours)."""
+SGLANG_BUFFER_MMA_TYPE = "fp8xfp4"
+"""The ``mma_type`` SGLang 0.5.23 creates its Hopper Mega MoE buffer with (and then calls ``fp8_mega_moe``)."""
+DEEPGEMM_INSTALL = ("build sgl-project/DeepGEMM's SM90 Mega MoE with scripts/build_sgl_deep_gemm.sh SRC DEST and put "
+                    "DEST on PYTHONPATH (SGLang's prebuilt sgl-deep-gemm wheels need torch 2.14)")
+COMPOSED_MISSING = ("the composed DeepEP low-latency + DeepGEMM masked-GEMM adapter is not built into gc-moe-ab yet "
+                    "(bench/operator_sm90.py measures the NCCL all-to-all + DeepGEMM variant on two GPUs)")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one rank's adapters are built from."""
+
+    group: dist.ProcessGroup
+    workload: Workload
+    world_size: int
+    rank: int
+    weights: LayerWeights
+    device: torch.device
+
+    def shape(self, mma_type: str) -> config.MoEShape:
+        return self.workload.shape(self.world_size, mma_type)
+
+
+class Runner(Protocol):
+    """One operator set up for a run."""
+
+    def stage(self, tokens: Tokens) -> None:
+        """Copy one point's tokens into the runner's static inputs (outside the timed graph)."""
+
+    def run(self) -> torch.Tensor:
+        """The layer on the staged tokens: ``y [T, H]`` BF16 (graph-capturable after one eager run)."""
+
+    def partition(self) -> dict[str, object]:
+        """The partition this runner's buffer runs on (``describe()`` of the green partition or the mode)."""
+
+    def check(self, what: str) -> None:
+        """Raise the device-side error the timed replays left (GC-MoE's status records), if any."""
+
+    def close(self) -> None:
+        """Release the buffers."""
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    """One compared operator: what it is, whether it can run here, how to build it."""
+
+    name: str
+    label: str
+    weight_format: str
+    build: Callable[[Context], Runner]
+    probe_fn: Callable[[], str | None]
+
+    @property
+    def mma_type(self) -> str:
+        return "fp8xfp4" if self.weight_format == "mxfp4" else "fp8xfp8"
+
+    def probe(self) -> str | None:
+        """None where this operator can run in this process; else every reason why not and what would make it
+        run (the device's and the software's, so that a CPU machine's ``--check`` lists both)."""
+        reasons = []
+        if not torch.cuda.is_available():
+            reasons.append("needs a CUDA GPU (none visible)")
+        elif torch.cuda.get_device_capability() != (9, 0):
+            major, minor = torch.cuda.get_device_capability()
+            reasons.append(f"needs an SM90 (Hopper) GPU, this is sm_{major}{minor}")
+        software = self.probe_fn()
+        if software:
+            reasons.append(software)
+        return "; ".join(reasons) or None
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the block (the facade reads its partition settings at buffer
+    creation, as a deployment's environment would set them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _accepted(fn: Callable[..., object], kwargs: dict[str, object]) -> dict[str, object]:
+    """The keywords of ``kwargs`` that ``fn``'s signature takes (builds of the originals differ in their options)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class _StaticTokens:
+    """The static input tensors a captured graph reads: one point's BF16 rows and routing, plus the output."""
+
+    def __init__(self, tokens: Tokens, hidden: int, device: torch.device) -> None:
+        self.count = tokens.count
+        self.x = tokens.x.to(device).clone()
+        self.topk_idx = tokens.topk_idx.to(device).clone()
+        self.topk_weights = tokens.topk_weights.to(device).clone()
+        self.y = torch.zeros(max(self.count, 1), hidden, dtype=torch.bfloat16, device=device)
+
+
+class MegaMoeSequence:
+    """SGLang's Hopper Mega MoE sequence on a ``deep_gemm`` module (the facade or an original build).
+
+    Created once per run (buffer + weight transform, as SGLang does at load time); per step: the pre-dispatch
+    (``mega_moe_pre_dispatch_sm90`` where the module has it, else the byte-identical torch staging before the
+    graph) and ``fp8_mega_moe``."""
+
+    def __init__(self, dg: ModuleType, ctx: Context, env: dict[str, str] | None = None) -> None:
+        self.dg, self.ctx = dg, ctx
+        w = ctx.workload
+        shape = ctx.shape("fp8xfp8")
+        buffer_kwargs = _accepted(dg.get_symm_buffer_for_mega_moe,
+                                  {"num_shared_experts": 0, "mma_type": SGLANG_BUFFER_MMA_TYPE})
+        with _environment(env or {}):
+            self.buf = dg.get_symm_buffer_for_mega_moe(ctx.group, shape.num_experts, w.capacity, w.topk, w.hidden,
+                                                       w.intermediate, **buffer_kwargs)
+        l1, l2 = ctx.weights["fp8_block128"]
+        self.l1, self.l2 = dg.transform_weights_for_mega_moe_sm90((l1.payload, l1.scales), (l2.payload, l2.scales))
+        self.pre_dispatch = getattr(dg, "mega_moe_pre_dispatch_sm90", None)
+        self.moe_kwargs = _accepted(dg.fp8_mega_moe, {"recipe": (128, 128, 128), "activation": "swiglu",
+                                                      "activation_clamp": w.activation_clamp, "fast_math": True})
+        self.tokens: _StaticTokens | None = None
+
+    def stage(self, tokens: Tokens) -> None:
+        self.tokens = _StaticTokens(tokens, self.ctx.workload.hidden, self.ctx.device)
+        if self.pre_dispatch is None:  # this build has no pre-dispatch: stage its bytes outside the graph
+            staged, n, b = tokens.staged, tokens.count, self.buf
+            b.x[:n], b.x_sf[:n] = staged.x, staged.x_sf
+            b.topk_idx.fill_(-1)
+            b.topk_weights.zero_()
+            b.topk_idx[:n], b.topk_weights[:n] = staged.topk_idx.to(b.topk_idx.dtype), staged.topk_weights
+
+    def run(self) -> torch.Tensor:
+        t, b = self.tokens, self.buf
+        if self.pre_dispatch is not None:
+            self.pre_dispatch(t.x, t.topk_idx, t.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights,
+                              num_tokens=t.count, group_size=128,
+                              routed_scaling_factor=self.ctx.workload.routed_scaling_factor)
+        self.dg.fp8_mega_moe(t.y, self.l1, self.l2, b, **self.moe_kwargs)
+        return t.y[: t.count]
+
+    def partition(self) -> dict[str, object]:
+        workspace = getattr(self.buf, "workspace", None)
+        if workspace is None:  # an original build: DeepGEMM's own SM split
+            return {"partition": "original deep_gemm", "num_sms": getattr(self.dg, "get_num_sms", lambda: None)()}
+        return _gc_moe_partition(workspace)
+
+    def check(self, what: str) -> None:
+        workspace = getattr(self.buf, "workspace", None)
+        if workspace is None:
+            torch.cuda.synchronize()  # an original build: a sticky CUDA error surfaces here
+        else:
+            _raise_for_status(workspace, what)
+
+    def close(self) -> None:
+        self.buf.destroy()
+
+
+def _raise_for_status(buffer: object, what: str) -> None:
+    from gc_moe_compat.operator.sm90 import layer
+
+    layer.raise_for_layer_status(buffer, what)
+
+
+def _gc_moe_partition(buffer: object) -> dict[str, object]:
+    """The operator buffer's plan plus, with the partition on, the green partition obtained."""
+    info = dict(buffer.describe())
+    if info.get("partition") == "on":
+        from gc_moe_compat.runtime.green import get_partition
+
+        info["green"] = get_partition(buffer.dispatch_sms).describe()
+    return info
+
+
+class NativeFp8Fp4:
+    """The native API's FP8xFP4 path: ``get_symm_buffer_for_gc_moe(..., 'fp8xfp4')``, ``transform_weights_for_gc_moe``
+    of the MXFP4 experts, the caller's staging of the pre-dispatch bytes, ``fp8_fp4_gc_moe``."""
+
+    def __init__(self, ctx: Context) -> None:
+        from gc_moe_compat.operator import api
+
+        self.api, self.ctx = api, ctx
+        w = ctx.workload
+        shape = ctx.shape("fp8xfp4")
+        self.buf = api.get_symm_buffer_for_gc_moe(ctx.group, shape.num_experts, w.capacity, w.topk, w.hidden,
+                                                  w.intermediate, "fp8xfp4")
+        l1, l2 = ctx.weights["mxfp4"]
+        self.w1, self.w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales),
+                                                            "fp8xfp4")
+        self.y: torch.Tensor | None = None
+
+    def stage(self, tokens: Tokens) -> None:
+        from gc_moe_compat.testing.operator_workload import stage
+
+        stage(self.buf, tokens.staged)
+        self.buf.topk_weights[tokens.count:].zero_()
+        self.y = torch.zeros(tokens.count, self.ctx.workload.hidden, dtype=torch.bfloat16, device=self.ctx.device)
+
+    def run(self) -> torch.Tensor:
+        self.api.fp8_fp4_gc_moe(self.y, self.w1, self.w2, self.buf,
+                                activation_clamp=self.ctx.workload.activation_clamp,
+                                check_values=not torch.cuda.is_current_stream_capturing())
+        return self.y
+
+    def partition(self) -> dict[str, object]:
+        return _gc_moe_partition(self.buf)
+
+    def check(self, what: str) -> None:
+        _raise_for_status(self.buf, what)
+
+    def close(self) -> None:
+        self.buf.destroy()
+
+
+def _facade() -> ModuleType:
+    from gc_moe_compat import deep_gemm
+
+    return deep_gemm
+
+
+def _original_deep_gemm() -> ModuleType:
+    from gc_moe_compat import originals
+
+    return originals.load("deep_gemm")
+
+
+def _probe_original_mega_moe() -> str | None:
+    try:
+        dg = _original_deep_gemm()
+    except ImportError as exc:
+        return f"{exc}; to run it: {DEEPGEMM_INSTALL}"
+    missing = [n for n in ("get_symm_buffer_for_mega_moe", "transform_weights_for_mega_moe_sm90", "fp8_mega_moe")
+               if not hasattr(dg, n)]
+    if missing:
+        return (f"the original deep_gemm at {getattr(dg, '__file__', '?')} has no SM90 Mega MoE ({', '.join(missing)} "
+                f"missing: DeepGEMM 2.8.2's Mega MoE is SM100-only); to run it: {DEEPGEMM_INSTALL}")
+    return None
+
+
+def _probe_composed() -> str | None:
+    try:
+        dg = _original_deep_gemm()
+    except ImportError as exc:
+        return (f"needs the original DeepGEMM for m_grouped_fp8_gemm_nt_masked ({exc}): deepinfer-gemm==2.8.2 built "
+                "from its sdist (scripts/device_check.sh builds it from .whl/); and " + COMPOSED_MISSING)
+    if not hasattr(dg, "m_grouped_fp8_gemm_nt_masked"):
+        return f"the original deep_gemm has no m_grouped_fp8_gemm_nt_masked; and {COMPOSED_MISSING}"
+    return COMPOSED_MISSING
+
+
+def _build_composed(ctx: Context) -> Runner:
+    raise NotImplementedError(f"composed_deepep_deepgemm: {COMPOSED_MISSING}")
+
+
+def _always() -> None:
+    return None
+
+
+def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
+    """Every adapter, in report order (the dispatch-SM sweep entries with ``partition_sweep``)."""
+    specs = [
+        OperatorSpec("facade", "gc_moe_compat.deep_gemm facade, SGLang 0.5.23's Hopper sequence: "
+                     "mega_moe_pre_dispatch_sm90 + fp8_mega_moe (GC-MoE, partition on); timed: both calls",
+                     "fp8_block128", lambda ctx: MegaMoeSequence(_facade(), ctx), _always),
+        OperatorSpec("facade_partition_off", "the same facade sequence on a buffer created with GC_MOE_PARTITION=off "
+                     "(GC-MoE's kernels in sequence on the whole device: the overlap ablation); timed: both calls",
+                     "fp8_block128",
+                     lambda ctx: MegaMoeSequence(_facade(), ctx, {"GC_MOE_PARTITION": "off"}), _always),
+        OperatorSpec("native_fp8xfp4", "GC-MoE native API fp8_fp4_gc_moe: the same BF16 experts quantized to MXFP4, "
+                     "tokens staged by the caller with the pre-dispatch's bytes; timed: the operator call only",
+                     "mxfp4", NativeFp8Fp4, _always),
+        OperatorSpec("original_deep_gemm", "the installed original deep_gemm (sgl-deep-gemm / sgl-project DeepGEMM "
+                     "SM90 Mega MoE), SGLang's Hopper sequence on it; timed: its pre-dispatch (where the build has "
+                     "one) + fp8_mega_moe", "fp8_block128",
+                     lambda ctx: MegaMoeSequence(_original_deep_gemm(), ctx), _probe_original_mega_moe),
+        OperatorSpec("composed_deepep_deepgemm", "SGLang's deepep low-latency path: DeepEP low_latency_dispatch -> "
+                     "DeepGEMM masked W1 -> SwiGLU + FP8 requant -> masked W2 -> low_latency_combine",
+                     "fp8_block128", _build_composed, _probe_composed),
+    ]
+    if partition_sweep:
+        specs += [
+            OperatorSpec(f"facade_dispatch_sms_{n}", f"the facade sequence on a buffer created with "
+                         f"GC_MOE_DISPATCH_SMS={n} (communication partition request {n} SMs); timed: both calls",
+                         "fp8_block128",
+                         lambda ctx, n=n: MegaMoeSequence(_facade(), ctx, {"GC_MOE_DISPATCH_SMS": str(n)}), _always)
+            for n in DISPATCH_SWEEP
+        ]
+    return specs
+
+
+def default_ops() -> list[str]:
+    """The operators a run compares when ``--ops`` is not given."""
+    return [s.name for s in operator_specs()]
+
+
+def select(names: Sequence[str] | None, partition_sweep: bool) -> list[OperatorSpec]:
+    """The specs of ``names`` (all by default), in report order; unknown names raise ``ValueError``."""
+    specs = operator_specs(partition_sweep or any(n.startswith("facade_dispatch_sms_") for n in names or ()))
+    by_name = {s.name: s for s in specs}
+    if names is None:
+        return specs
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"--ops: unknown operator(s) {unknown}; known: {list(by_name)}")
+    return [s for s in specs if s.name in names]

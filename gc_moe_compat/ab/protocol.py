@@ -1,0 +1,215 @@
+"""BENCH_PROTOCOL.md's timing protocol and result provenance: the one home of what every measurement shares.
+
+``gc-moe-ab`` and the benchmark scripts of ``bench/`` (through ``bench/_common.py``, which re-exports these names)
+time the same way:
+
+* a *window* replays a CUDA graph :data:`PER_WINDOW` times; latency = CUDA-event elapsed / :data:`PER_WINDOW`;
+* 10 warm-up and 30 measured windows; before each window the L2 is flushed (a write of :data:`L2_FLUSH_BYTES`, at
+  least twice the H200's 50 MiB L2) and the device synchronized;
+* each rank keeps its median window, a point's latency is the slowest rank's (:func:`slowest_rank`), a mean speedup
+  is the arithmetic mean of per-point ratios (:func:`mean_of_ratios`);
+* the floor is the bytes the layer must stream once (:func:`expert_floor_bytes`) over the copy bandwidth measured in
+  the same run (:func:`copy_bandwidth`);
+* the GPU should be idle: :func:`idle_gpu_check` reports other compute processes or a busy GPU (a warning, the run
+  goes on);
+* every result file carries :func:`result_meta` (git SHA, dirty tree, GPU, driver, torch, CUDA, world size,
+  partition, and the command that re-runs it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "L2_FLUSH_BYTES",
+    "PER_WINDOW",
+    "REPO",
+    "capture_graph",
+    "copy_bandwidth",
+    "expert_floor_bytes",
+    "idle_gpu_check",
+    "mean_of_ratios",
+    "median_graph_window",
+    "result_meta",
+    "slowest_rank",
+    "timed_windows",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout this package runs from (an editable install); git provenance is read there when it is one."""
+PER_WINDOW = 100  # launches (or graph replays) per timed window
+L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
+IDLE_UTILIZATION_PCT = 5
+"""A GPU reporting more utilization than this before the run is not idle (nvidia-smi's sampled figure)."""
+
+
+def timed_windows(window: Callable[[], None], warmup: int, windows: int,
+                  before_window: Callable[[], None] | None = None,
+                  launches: int = PER_WINDOW) -> tuple[list[float], float]:
+    """Run ``window`` (which issues ``launches`` launches) ``warmup + windows`` times, L2 flushed and the device
+    synchronized before each; return the per-launch device microseconds of each measured window (CUDA events) and
+    the median host microseconds per launch spent issuing them (above the device time, launches are host-bound).
+
+    ``before_window`` runs after the synchronization and before the start event is recorded (e.g. a device-side
+    barrier of several ranks, so that their windows start together)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device_us, host_us = [], []
+    for i in range(warmup + windows):
+        flush.zero_()
+        torch.cuda.synchronize()
+        if before_window is not None:
+            before_window()
+        start.record()
+        t0 = time.perf_counter()
+        window()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            device_us.append(start.elapsed_time(end) * 1e3 / launches)
+            host_us.append((t1 - t0) * 1e6 / launches)
+    return device_us, statistics.median(host_us)
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` (run eagerly before, so every JIT and lazy allocation is done). ``thread_local``
+    capture mode: NCCL's and torch's watchdog threads may query events meanwhile."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def median_graph_window(graph: torch.cuda.CUDAGraph, warmup: int, windows: int,
+                        before_window: Callable[[], None] | None = None) -> float:
+    """This rank's median window of ``graph`` replays (µs per replay)."""
+
+    def window() -> None:
+        for _ in range(PER_WINDOW):
+            graph.replay()
+
+    return statistics.median(timed_windows(window, warmup, windows, before_window=before_window)[0])
+
+
+def slowest_rank(per_rank_us: Sequence[float]) -> float:
+    """A point's latency: the maximum over the ranks' median windows."""
+    if not per_rank_us:
+        raise ValueError("per_rank_us: needs one median window per rank, got none")
+    return max(per_rank_us)
+
+
+def mean_of_ratios(ratios: Sequence[float]) -> float | None:
+    """The arithmetic mean of per-point speedups (None without any point): never a ratio of mean latencies."""
+    return statistics.fmean(ratios) if ratios else None
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written) of a 2 GiB copy, median of 10."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(12):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def expert_floor_bytes(hidden: int, inter: int, active_experts: int, rows: int, mma_type: str = "fp8xfp8") -> int:
+    """BENCH_PROTOCOL.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
+    block scales, or FP4 ``1.5 H I`` with one UE8M0 byte per 32 values), plus ``rows`` token rows in (FP8 + FP32
+    1x128 scales) and out (BF16)."""
+    h = hidden
+    if mma_type == "fp8xfp8":
+        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
+    elif mma_type == "fp8xfp4":
+        per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
+    else:
+        raise ValueError(f"mma_type: must be 'fp8xfp8' or 'fp8xfp4', got {mma_type!r}")
+    return active_experts * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
+
+
+def _run(*cmd: str) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+
+
+def _git(*args: str) -> str | None:
+    """git in this checkout; None where the package does not run from one (a wheel install)."""
+    if not (REPO / "pyproject.toml").is_file():
+        return None
+    return _run("git", "-C", str(REPO), *args)
+
+
+def _dirty() -> bool | None:
+    """Whether tracked files differ from HEAD (``GC_MOE_GIT_DIRTY`` where the copy has no git metadata)."""
+    if os.environ.get("GC_MOE_GIT_DIRTY"):
+        return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _driver_version() -> str:
+    out = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+def idle_gpu_check(device: int = 0) -> dict[str, object]:
+    """Whether GPU ``device`` looked idle before the run: other processes' compute contexts and the sampled
+    utilization (nvidia-smi). ``{"idle": bool | None, "detail": str}``; None where nvidia-smi cannot say."""
+    own = str(os.getpid())
+    apps = _run("nvidia-smi", f"--id={device}", "--query-compute-apps=pid,process_name,used_memory",
+                "--format=csv,noheader")
+    util = _run("nvidia-smi", f"--id={device}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits")
+    if apps is None or util is None:
+        return {"idle": None, "detail": "nvidia-smi did not answer: idleness unknown"}
+    others = [line.strip() for line in apps.splitlines() if line.strip() and line.split(",")[0].strip() != own]
+    try:
+        busy = int(util.splitlines()[0].strip())
+    except (ValueError, IndexError):
+        busy = None
+    problems = []
+    if others:
+        problems.append(f"{len(others)} other compute process(es): {'; '.join(others)}")
+    if busy is not None and busy > IDLE_UTILIZATION_PCT:
+        problems.append(f"utilization {busy}% > {IDLE_UTILIZATION_PCT}%")
+    detail = "; ".join(problems) or f"no other compute process, utilization {busy}%"
+    return {"idle": not problems, "detail": detail}
+
+
+def result_meta(script: str, argv: list[str], partition: dict[str, object], *, world_size: int = 1,
+                env_keys: tuple[str, ...] = (), command: Sequence[str] | None = None) -> dict[str, object]:
+    """The ``meta`` block of BENCH_PROTOCOL.md "Result files": provenance, machine, partition and the command that
+    re-runs the run: ``python script argv``, or ``command`` (a console script's words) when given; the ``env_keys``
+    that are set are written in front of it."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in env_keys if os.environ.get(k)]
+    words = list(command) if command is not None else ["python", script, *argv]
+    return {
+        "git_sha": os.environ.get("GC_MOE_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
+        "dirty": _dirty(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "driver": _driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": world_size,
+        "partition": partition,
+        "command": " ".join([*env, *(shlex.quote(w) for w in words)]),
+    }

@@ -1,0 +1,166 @@
+"""What a ``gc-moe-ab`` run shows and writes: a ``rich`` progress bar and table in the terminal, the JSON result file
+and a PNG in the paper's style (latency with the floor, and speedup, against tokens per rank, one line per
+operator).
+
+``rich`` and ``matplotlib`` are imported when first used. Without ``rich`` (a machine where it is not installed)
+the progress and the table are printed as plain lines, with one note saying so; without ``matplotlib`` no PNG is
+written, with a note. The measurements never depend on either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["Progress", "plot", "progress", "pyplot", "table", "write_json"]
+
+
+def _rich() -> ModuleType | None:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return None
+    import rich.console
+    import rich.progress
+    import rich.table
+
+    return rich
+
+
+def pyplot() -> ModuleType | None:
+    """``matplotlib.pyplot`` on the headless Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG written (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+class Progress:
+    """One task's progress: :meth:`advance` after each measured (point, operator)."""
+
+    def __init__(self, bar: object | None, task: object | None, total: int) -> None:
+        self._bar, self._task, self.total, self.done = bar, task, total, 0
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=what)
+        else:
+            print(f"[{self.done}/{self.total}] {what}", flush=True)
+
+    def note(self, line: str) -> None:
+        """A line printed above the bar."""
+        if self._bar is not None:
+            self._bar.console.print(line)
+        else:
+            print(line, flush=True)
+
+
+@contextmanager
+def progress(total: int, enabled: bool = True) -> Iterator[Progress]:
+    """A progress bar over ``total`` steps (rank 0 only: ``enabled`` False elsewhere prints nothing)."""
+    if not enabled:
+        yield Progress(None, None, total)
+        return
+    rich = _rich()
+    if rich is None:
+        print("rich not installed: plain progress lines (pip install rich)", file=sys.stderr)
+        yield Progress(None, None, total)
+        return
+    columns = (rich.progress.TextColumn("{task.description}"), rich.progress.BarColumn(),
+               rich.progress.MofNCompleteColumn(), rich.progress.TimeElapsedColumn())
+    with rich.progress.Progress(*columns) as bar:
+        yield Progress(bar, bar.add_task("gc-moe-ab", total=total), total)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table_rows(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str) -> list[list[str]]:
+    """The table's cells: T, each op's latency (µs), the floor, the reference op's efficiency, each other op's
+    latency over the reference op's, and the reference op's cosine against the faithful reference."""
+    rows = []
+    for p in points:
+        lat, sp = p["latency_us"], p["speedup"]
+        acc = p["accuracy"].get(reference_op, {}).get("faithful", {})
+        rows.append([str(p["tokens_per_rank"]), *(_fmt(lat.get(op), ".1f") for op in ops), _fmt(p["floor_us"], ".1f"),
+                     _fmt(p["efficiency"].get(reference_op), ".2f"),
+                     *(_fmt(sp.get(f"{op}_over_{reference_op}"), ".2f") for op in ops if op != reference_op),
+                     _fmt(acc.get("cosine_min"), ".6f")])
+    return rows
+
+
+def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str,
+          unavailable: Mapping[str, str]) -> None:
+    """The terminal table that ends a run, then one line per operator that did not run, with its reason."""
+    header = ["T", *(f"{op} µs" for op in ops), "floor µs", f"eff {reference_op}",
+              *(f"{op}/{reference_op}" for op in ops if op != reference_op), "cos faithful"]
+    rows = table_rows(points, ops, reference_op)
+    rich = _rich()
+    if rich is None:
+        print(title)
+        print(" | ".join(header))
+        for row in rows:
+            print(" | ".join(row))
+    else:
+        t = rich.table.Table(title=title)
+        for h in header:
+            t.add_column(h, justify="right")
+        for row in rows:
+            t.add_row(*row)
+        # a log file or pipe gets the whole table instead of rich's 80-column default
+        rich.console.Console(width=None if sys.stdout.isatty() else 240).print(t)
+    for op, why in unavailable.items():
+        print(f"not run: {op}: {why}")
+
+
+def write_json(path: Path, data: Mapping[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str, title: str,
+         path: Path) -> bool:
+    """Latency (with the floor of each weight format) and speedup against tokens per rank, one line per operator;
+    returns whether a PNG was written."""
+    plt = pyplot() if points else None
+    if plt is None:
+        return False
+    ts = [p["tokens_per_rank"] for p in points]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 8), sharex=True)
+    for op in ops:
+        ys = [p["latency_us"].get(op) for p in points]
+        if any(y is not None for y in ys):
+            top.plot(ts, [math.nan if y is None else y for y in ys], marker="o", label=op)
+    for mma in sorted({m for p in points for m in p.get("floor_us_by_mma", {})}):
+        top.plot(ts, [p["floor_us_by_mma"].get(mma, math.nan) for p in points], "--", label=f"floor {mma}")
+    top.set_xscale("log", base=2)
+    top.set_ylabel("latency (µs, slowest rank)")
+    top.legend(fontsize=7)
+    top.set_title(title, fontsize=9)
+    for op in ops:
+        key = f"{op}_over_{reference_op}"
+        ys = [p["speedup"].get(key) for p in points]
+        if any(y is not None for y in ys):
+            bottom.plot(ts, [math.nan if y is None else y for y in ys], marker="s", label=f"{op} / {reference_op}")
+    bottom.axhline(1.0, color="grey", lw=0.5)
+    bottom.set_xscale("log", base=2)
+    bottom.set_xlabel("tokens per rank")
+    bottom.set_ylabel(f"latency ratio over {reference_op} (> 1: {reference_op} faster)")
+    bottom.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

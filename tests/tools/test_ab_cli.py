@@ -1,0 +1,123 @@
+"""gc-moe-ab's command line on a CPU machine: ``--check`` (what would run, what is missing, exit 0), constraint
+failures before anything is allocated (exit 2), the workload sources, the operators' labels and probes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gc_moe_compat.ab import cli, operators, run
+from gc_moe_compat.config import MoEShape
+from tests.tools.test_ab_model_config import DEEPSEEK_V3, MIXTRAL_8X7B
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exits_0() -> None:
+    proc = subprocess.run([sys.executable, "-m", "gc_moe_compat.ab", "--check", "--preset", "glm52", "--tokens", "1",
+                           "8"], capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "workload: glm52: H=6144 I=2048 E=256 top-8" in out and "-> 32 experts per rank" in out
+    assert "constraints: the shape is inside the operator's envelope" in out
+    for spec in operators.operator_specs():
+        assert f"cannot run: {spec.name} - {spec.label}" in out  # no GPU here: every operator says why
+    assert out.count("why: needs a CUDA GPU (none visible)") == len(operators.operator_specs())
+    assert "original deep_gemm" in out and "scripts/build_sgl_deep_gemm.sh" in out  # what would install it
+    assert "package rich:" in out and "package matplotlib:" in out
+
+
+def test_check_reports_a_failing_constraint_and_still_exits_0(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL_8X7B))
+    assert cli.main(["--check", "--model-config", str(path), "--ep-size", "2"]) == 0
+    assert "constraint: mixtral at 1 rank(s), fp8xfp8: intermediate: must be in [1, 4096]" in capsys.readouterr().out
+
+
+def test_a_failing_constraint_stops_the_run_before_anything_is_allocated(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started although a constraint failed")
+
+    monkeypatch.setattr(run, "run", never)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL_8X7B))
+    assert cli.main(["--model-config", str(path), "--ep-size", "2"]) == 2
+    assert "gc-moe-ab: constraint: mixtral at 1 rank(s), fp8xfp8: intermediate" in capsys.readouterr().err
+    assert cli.main(["--hidden", "7168", "--intermediate", "2048", "--experts", "256", "--topk", "40"]) == 2
+    assert "topk: must be in [1, 32]" in capsys.readouterr().err
+    assert cli.main(["--preset", "glm52", "--tokens", "0", "300"]) == 2
+    assert "--tokens: every T must lie in [1, --capacity=256], got [0, 300]" in capsys.readouterr().err
+
+
+def test_the_workload_comes_from_exactly_one_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--check"]) == 2
+    assert "give exactly one of --preset, --model-config" in capsys.readouterr().err
+    assert cli.main(["--check", "--preset", "glm52", "--hidden", "512"]) == 2
+    assert cli.main(["--check", "--hidden", "512", "--topk", "2"]) == 2
+    assert "explicit sizes need ['--intermediate', '--experts'] too" in capsys.readouterr().err
+    assert cli.main(["--check", "--preset", "glm52", "--ops", "facade", "nonsense"]) == 2
+    assert "--ops: unknown operator(s) ['nonsense']" in capsys.readouterr().err
+
+
+def test_model_config_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    _, w, problems = cli.parse(["--model-config", str(path), "--ep-size", "8", "--activation-clamp", "7.5"])
+    assert problems == [] and w.local_experts == 32 and w.activation_clamp == 7.5
+    assert w.fields["activation_clamp"] == "argument" and w.routed_scaling_factor == 2.5
+    _, explicit, _ = cli.parse(["--hidden", "7168", "--intermediate", "2048", "--experts", "256", "--topk", "8",
+                                "--routed-scaling-factor", "2.5"])
+    assert explicit.shape(1) == MoEShape(32, 1, 7168, 2048, 8, 0, 256, "fp8xfp8") == w.shape(1)
+    assert explicit.routed_scaling_factor == 2.5
+
+
+def test_every_operator_is_labelled_and_the_sweep_adds_the_dispatch_requests() -> None:
+    specs = operators.operator_specs(partition_sweep=True)
+    names = [s.name for s in specs]
+    assert names[0] == operators.REFERENCE_OP == "facade"
+    assert {"facade_partition_off", "native_fp8xfp4", "original_deep_gemm", "composed_deepep_deepgemm"} <= set(names)
+    assert [n for n in names if n.startswith("facade_dispatch_sms_")] == [
+        f"facade_dispatch_sms_{n}" for n in operators.DISPATCH_SWEEP] == [
+        "facade_dispatch_sms_4", "facade_dispatch_sms_8", "facade_dispatch_sms_16", "facade_dispatch_sms_24"]
+    assert all(len(s.label) > 40 for s in specs)
+    assert {s.name: s.mma_type for s in specs}["native_fp8xfp4"] == "fp8xfp4"
+    assert [s.name for s in operators.select(["native_fp8xfp4", "facade"], False)] == ["facade", "native_fp8xfp4"]
+
+
+def test_the_composed_baseline_is_reported_not_faked() -> None:
+    spec = {s.name: s for s in operators.operator_specs()}["composed_deepep_deepgemm"]
+    assert "not built into gc-moe-ab yet" in spec.probe()
+    with pytest.raises(NotImplementedError, match="composed_deepep_deepgemm: the composed DeepEP low-latency"):
+        spec.build(None)
+
+
+def test_the_original_probe_names_what_would_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> None:
+        raise ImportError("no original deep_gemm package is installed on sys.path")
+
+    monkeypatch.setattr(operators, "_original_deep_gemm", missing)
+    reason = {s.name: s for s in operators.operator_specs()}["original_deep_gemm"].probe()
+    assert "no original deep_gemm package is installed" in reason and "build_sgl_deep_gemm.sh" in reason
+
+    class Sm100Only:
+        __file__ = "/x/deep_gemm/__init__.py"
+        get_symm_buffer_for_mega_moe = fp8_fp4_mega_moe = object()
+
+    monkeypatch.setattr(operators, "_original_deep_gemm", lambda: Sm100Only)
+    reason = {s.name: s for s in operators.operator_specs()}["original_deep_gemm"].probe()
+    assert "has no SM90 Mega MoE (transform_weights_for_mega_moe_sm90, fp8_mega_moe missing" in reason
+
+
+def test_console_scripts_are_declared() -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'gc-moe-ab = "gc_moe_compat.ab.cli:main"' in text
