@@ -2,6 +2,7 @@
 # One command for the lent GPU machine (device tool `run`, from the repository root):
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
+#                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
 # prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
@@ -27,7 +28,7 @@ NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=()
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy=
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
@@ -35,6 +36,7 @@ while (($#)); do
     --profiles-only) run_tests=0 run_bench=0 ;;  # only the --profile and --counters runs
     --bench) picked+=("$2"); shift ;;  # a benchmark's name, then any arguments of its own (e.g. a part of it)
     -k) pytest_k=(-k "$2"); shift ;;
+    --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
     --counters) counters+=("$2"); shift ;;
@@ -105,6 +107,12 @@ if ((run_tests)); then
   "$PY" -m pytest -m "gpu or multigpu" -v -s -rA "${timeout_opt[@]}" "${pytest_k[@]}" \
     --junitxml="$OUT/pytest.xml" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
+fi
+
+if [[ -n "$deepep_legacy" ]]; then
+  PYTHON="$PY" bash scripts/run_deepep_legacy_tests.sh --deepep "$deepep_legacy" --logs "$OUT/deepep_legacy" \
+    >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
+  tail -n 3 "$OUT/deepep_legacy.log"
 fi
 
 bench_rc=0

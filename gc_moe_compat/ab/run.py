@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.ab import protocol, report, results
+from gc_moe_compat.ab import prebuild, protocol, report, results
 from gc_moe_compat.ab.inputs import Tokens, make_tokens, make_weights
 from gc_moe_compat.ab.model_config import Workload
 from gc_moe_compat.ab.operators import REFERENCE_OP, Context, OperatorSpec, Runner
@@ -204,6 +204,12 @@ def run(cfg: RunConfig) -> int:
     probed = [s for s in cfg.ops if ranks.first_error(s.probe()) is None]
     formats = {s.weight_format for s in probed}
     t0 = time.monotonic()
+    if lead:  # one rank compiles every variant the points can pick, in parallel; the others wait
+        jobs = prebuild.kernel_jobs({s.mma_type for s in probed}, cfg.tokens, world, w.topk, shape.num_experts)
+        for line in prebuild.prebuild(jobs):
+            print(f"prebuild: {line}", flush=True)
+        print(f"prebuild: {time.monotonic() - t0:.1f} s", flush=True)
+    dist.barrier()
     weights = [make_weights(w.local_experts, w.hidden, w.intermediate, r, tuple(sorted(formats)), ranks.device)
                for r in range(world)]
     ctx = Context(ranks.group, w, world, rank, weights[rank], ranks.device)

@@ -10,13 +10,16 @@ What a call does, in order: every argument through :func:`gc_moe_compat.config.v
 (:func:`.buffer.exclusive`); pick ``BM`` for ``T`` and check the ring against the compute SMs the launch
 would get (:class:`gc_moe_compat.operator.ring.RingCapacityError`; with ``GC_MOE_PARTITION=off`` the ring must hold the
 whole pool); then run the three-node graph of :mod:`gc_moe_compat.operator.sm90.layer` (role1 dispatch, role2 grouped
-GEMMs, role3 finalize) on torch's current stream, or attach it to the capture in progress. Outside capture the call
+GEMMs, role3 finalize; with a fused shared expert role4 too, :mod:`gc_moe_compat.operator.sm90.role4_shared`) on
+torch's current stream, or attach it to the capture in progress. Outside capture the call
 then waits for the graph and raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` /
 ``DeviceCheckError`` naming the role and site of any device-side error (inside a capture the records are read by
 the next eager call). Both compute paths have all three roles (role2: :mod:`gc_moe_compat.operator.sm90.role2_gemm`
 picks the
-FP8xFP8 or the FP8xFP4 grouped-GEMM kernel by ``mma_type``); a fused shared expert needs role4, which does not exist
-yet (:func:`missing_role_kernels`), so such a call raises ``NotImplementedError`` naming it before anything runs.
+FP8xFP8 or the FP8xFP4 grouped-GEMM kernel by ``mma_type``), and a buffer with ``num_shared_experts=1`` runs the
+shared expert as role4 on the call's ``shared_l1_weights`` / ``shared_l2_weights`` (FP8 E4M3 with FP32 128x128 block
+scales, canonical layout: gate rows then up rows; converted once per weight tensor and buffer, so the first call with
+them must be eager, not captured) into combine slot ``k``, which role3 sums after the routed slots.
 """
 
 from __future__ import annotations
@@ -59,17 +62,15 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def missing_role_kernels(num_shared_experts: int, mma_type: str = "fp8xfp4") -> tuple[str, ...]:
-    """The role kernels a launch of ``mma_type`` needs that do not exist yet (role4 only with a fused shared expert).
+    """The role kernels a launch of ``mma_type`` with ``num_shared_experts`` needs that do not exist yet.
 
-    Both ``mma_type`` paths without a shared expert have all three roles (role1 dispatch, role2 operator-mode grouped
-    GEMM of that weight format, role3 finalize): nothing is missing.
+    Both ``mma_type`` paths have every role (role1 dispatch, role2 operator-mode grouped GEMM of that weight format,
+    role3 finalize, and role4 fused shared expert for ``num_shared_experts=1``): nothing is missing.
     """
     if mma_type not in config.MMA_TYPES:
         raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
-    roles: tuple[str, ...] = ()
-    if num_shared_experts:
-        roles += ("role4 fused shared expert (shared W1/W2 on the local tokens into combine slot k)",)
-    return roles
+    config.integer("missing_role_kernels", "num_shared_experts", num_shared_experts, 0, 1)
+    return ()
 
 
 def not_built_error(what: str, num_shared_experts: int, detail: str | None = None,
@@ -189,8 +190,9 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         plan = ring_plan(buffer, t, model)
         if missing_role_kernels(shape.num_shared_experts, mma_type):
             raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
+        shared = (shared_l1_weights, shared_l2_weights) if shape.num_shared_experts else None
         _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
-                recv_stats=recv_stats)
+                recv_stats=recv_stats, shared=shared)
 
 
 _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()
@@ -199,10 +201,11 @@ _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.Weak
 
 def _launch(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, t: int,
             model: RingModel, plan: RingPlan, activation_alpha: float, activation_clamp: float | None, *,
-            fast_math: bool = True, recv_stats: torch.Tensor | None = None) -> None:
-    """Runs (or, inside a capture, attaches) the call's three-node graph; outside capture waits for it and raises
-    the first device-side error (role order). ``fast_math`` picks the role2 variant's sigmoid; ``recv_stats`` is
-    role3's optional per-local-expert receive counter."""
+            fast_math: bool = True, recv_stats: torch.Tensor | None = None,
+            shared: tuple[_Pair, _Pair] | None = None) -> None:
+    """Runs (or, inside a capture, attaches) the call's graph; outside capture waits for it and raises the first
+    device-side error (role order). ``fast_math`` picks the role2 (and role4) variant's sigmoid; ``recv_stats`` is
+    role3's optional per-local-expert receive counter; ``shared`` the shared expert's weight pairs (role4)."""
     if not buffer.storage.is_cuda:
         raise RuntimeError(f"{fn}: buffer: lives in host memory (created without a CUDA device); running the layer "
                            "needs the GPU")
@@ -211,7 +214,7 @@ def _launch(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2:
                            variant=role2_gemm.role2_variant(model, t, fast_math=fast_math),
                            activation_clamp=None if activation_clamp is None else float(activation_clamp),
                            activation_alpha=float(activation_alpha), recv_stats=recv_stats)
-    if layer.run_layer(buffer, y, w1, w2, call, cache):
+    if layer.run_layer(buffer, y, w1, w2, call, cache, shared):
         return
     layer.raise_for_layer_status(buffer, f"{fn}: running the layer")
 

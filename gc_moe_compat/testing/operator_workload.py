@@ -7,6 +7,8 @@ staging into a :class:`~gc_moe_compat.operator.api.GcMoeBuffer`, and every rank'
 quantization-faithful reference (:func:`gc_moe_compat.testing.reference.expert_parallel_reference` with the intermediate
 requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4). Every rank
 rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
+A fused shared expert (role4): :func:`make_shared_weights` (one ``fp8_block128`` expert, the SM90 shared recipe on
+both paths, replicated on every rank) and ``reference_ys(..., shared=)`` (slot ``k``, summed after the routed slots).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.weights import GcMoeWeights
 from gc_moe_compat.testing.gemm_workload import CLAMP
-from gc_moe_compat.testing.reference import ExpertWeights, expert_parallel_reference, quantize_activations
+from gc_moe_compat.testing.reference import (
+    ExpertWeights,
+    MoEResult,
+    expert_parallel_reference,
+    quantize_activations,
+)
 
 __all__ = [
     "CAPACITY",
@@ -31,13 +38,16 @@ __all__ = [
     "INTERMEDIATE_QUANT",
     "ROUTINGS",
     "WEIGHT_FORMATS",
+    "SHARED_SEED",
     "WORKLOADS",
     "RankInputs",
     "RankWeights",
     "make_expert_weights",
     "make_inputs",
+    "make_shared_weights",
     "make_weights",
     "preset_dims",
+    "reference_results",
     "reference_ys",
     "stage",
 ]
@@ -70,7 +80,8 @@ WORKLOADS: Mapping[str, MoEPreset] = MappingProxyType({
 
 
 def preset_dims(preset: str) -> tuple[int, int, int, int]:
-    """``(e, k, H, I)`` of a :data:`WORKLOADS` entry (routed experts only; the shared expert needs role4)."""
+    """``(e, k, H, I)`` of a :data:`WORKLOADS` entry (routed experts; :func:`make_shared_weights` for its shared
+    expert)."""
     p = WORKLOADS[preset]
     return p.local_experts, p.topk, p.hidden, p.intermediate
 
@@ -115,6 +126,25 @@ def make_weights(preset: str, rank: int, device: torch.device | str = "cuda", mm
     l1, l2 = make_expert_weights(preset, rank, device, WEIGHT_FORMATS[mma_type])
     w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), mma_type)
     return RankWeights(l1, l2, w1, w2)
+
+
+SHARED_SEED = 900
+"""Seed of the shared expert's draws (the same on every rank: the shared expert is replicated)."""
+
+
+def make_shared_weights(preset: str, device: torch.device | str = "cuda",
+                        fmt: str = "fp8_block128") -> tuple[ExpertWeights, ExpertWeights]:
+    """The preset's shared expert ``(l1 [1, 2I, H], l2 [1, H, I])`` in canonical layout (gate rows first):
+    ``randn / sqrt(K)`` in BF16 from a generator seeded :data:`SHARED_SEED`, stored in ``fmt`` (``"fp8_block128"``,
+    the SM90 shared recipe (1, 128, 128) of both paths, or ``"bf16"``: the draws). The native calls take
+    ``(l1.payload, l1.scales)`` / ``(l2.payload, l2.scales)``."""
+    if fmt not in ("fp8_block128", "bf16"):
+        raise ValueError(f"fmt: must be 'fp8_block128' or 'bf16', got {fmt!r}")
+    _, _, h, inter = preset_dims(preset)
+    gen = torch.Generator(device=device).manual_seed(SHARED_SEED)
+    w1 = (torch.randn(1, 2 * inter, h, generator=gen, device=device) / h**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(1, h, inter, generator=gen, device=device) / inter**0.5).to(torch.bfloat16)
+    return ExpertWeights.quantize(w1, fmt), ExpertWeights.quantize(w2, fmt)
 
 
 @dataclass(frozen=True)
@@ -167,17 +197,25 @@ def stage(buffer: api.GcMoeBuffer, inputs: RankInputs) -> None:
     buffer.topk_weights[:t] = inputs.topk_weights
 
 
-def reference_ys(inputs: list[RankInputs], weights: list[RankWeights] | list[tuple[ExpertWeights, ExpertWeights]]
-                 ) -> list[torch.Tensor]:
-    """Every rank's ``y`` from the P-rank quantization-faithful reference (slot-order FP32 combine, BF16), the
-    intermediate requantized as the weights' path does (:data:`INTERMEDIATE_QUANT`); with ``"bf16"`` pairs the BF16
-    model reference on the staged activations.
+def reference_results(inputs: list[RankInputs],
+                      weights: list[RankWeights] | list[tuple[ExpertWeights, ExpertWeights]],
+                      shared: tuple[ExpertWeights, ExpertWeights] | None = None) -> list[MoEResult]:
+    """Every rank's :class:`~gc_moe_compat.testing.reference.MoEResult` (``y`` and the per-slot partials) from the
+    P-rank quantization-faithful reference (slot-order FP32 combine, BF16), the intermediate requantized as the
+    routed weights' path does (:data:`INTERMEDIATE_QUANT`, the shared expert's too: role4 runs that path's W1
+    epilogue); with ``"bf16"`` pairs the BF16 model reference on the staged activations.
 
-    ``weights[r]`` is rank r's :class:`RankWeights` or its canonical ``(l1, l2)`` pair (:func:`make_expert_weights`).
+    ``weights[r]`` is rank r's :class:`RankWeights` or its canonical ``(l1, l2)`` pair (:func:`make_expert_weights`);
+    ``shared``: the shared expert (:func:`make_shared_weights`), slot ``k``.
     """
     pairs = [(w.l1, w.l2) if isinstance(w, RankWeights) else w for w in weights]
-    results = expert_parallel_reference(
+    return expert_parallel_reference(
         [(i.x, i.x_sf) for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
-        [p[0] for p in pairs], [p[1] for p in pairs], activation_clamp=CLAMP,
+        [p[0] for p in pairs], [p[1] for p in pairs], shared=shared, activation_clamp=CLAMP,
         intermediate_quant=INTERMEDIATE_QUANT[pairs[0][0].fmt])
-    return [r.y for r in results]
+
+
+def reference_ys(inputs: list[RankInputs], weights: list[RankWeights] | list[tuple[ExpertWeights, ExpertWeights]],
+                 shared: tuple[ExpertWeights, ExpertWeights] | None = None) -> list[torch.Tensor]:
+    """Every rank's ``y`` of :func:`reference_results`."""
+    return [r.y for r in reference_results(inputs, weights, shared)]

@@ -148,11 +148,13 @@ def test_invalid_routing_is_dropped_then_reported(case: str, fn: str) -> None:
     idx, w = idx.cuda(), w.cuda()
     sf_dtype, recipe = (torch.float32, "fp32x128") if fn == "sm90" else (torch.int32, "ue8m0x32")
 
-    def call(views: list[torch.Tensor], topk_idx: torch.Tensor = idx) -> None:
+    def call(views: list[torch.Tensor], topk_idx: torch.Tensor = idx, topk_weights: torch.Tensor = w) -> None:
         if fn == "sm90":
-            dg.mega_moe_pre_dispatch_sm90(x, topk_idx, w, *views, num_tokens=n, routed_scaling_factor=factor)
+            dg.mega_moe_pre_dispatch_sm90(x, topk_idx, topk_weights, *views, num_tokens=n,
+                                          routed_scaling_factor=factor)
         else:
-            dg.mega_moe_pre_dispatch(x, topk_idx, w, *views, num_tokens=n, group_size=32, mma_type="fp8xfp4")
+            dg.mega_moe_pre_dispatch(x, topk_idx, topk_weights, *views, num_tokens=n, group_size=32,
+                                     mma_type="fp8xfp4")
 
     got = _views(capacity, hidden, topk, sf_dtype, torch.int32, "cuda")
     want = _views(capacity, hidden, topk, sf_dtype, torch.int32, "cuda")
@@ -167,11 +169,11 @@ def test_invalid_routing_is_dropped_then_reported(case: str, fn: str) -> None:
     assert torch.equal(got[2][:n][keep], idx[keep].int())
     assert torch.equal(got[3][:n][keep], w[keep] * factor)
     name = "mega_moe_pre_dispatch_sm90" if fn == "sm90" else "mega_moe_pre_dispatch"
-    valid = torch.zeros_like(idx)
+    valid_idx, valid_w = torch.zeros_like(idx), torch.full_like(w, 0.25)
     with pytest.raises(DeviceCheckError, match=f"{name}: a launch on cuda:0 before this check dropped an invalid "
                                                f"input .*pre-dispatch: .*{report}"):
-        call(got, valid)
-    call(got, valid)  # the record was cleared: the next call runs
+        call(got, valid_idx, valid_w)
+    call(got, valid_idx, valid_w)  # the record was cleared: the next call runs
     torch.cuda.synchronize()
     assert (got[2][:n] == 0).all()
     dropped_record(torch.device("cuda")).raise_if_dropped("a valid call")

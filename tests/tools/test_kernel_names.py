@@ -3,9 +3,10 @@ names start with its own, and every shipped kernel file under ``kernels/sm90/`` 
 
 ``operator/sm90/role1_dispatch.py`` <-> ``kernels/sm90/role1_dispatch.cu``; ``role2_gemm.py`` <->
 ``role2_gemm_fp8xfp8.cu`` / ``role2_gemm_fp8xfp4.cu`` (one per weight format); ``role3_finalize.py`` <->
-``role3_finalize.cu``; ``comm/ep_ll.py`` <-> ``ep_ll.cu``; ``comm/ep_normal.py`` <-> ``ep_normal.cu``;
-``deep_gemm/_predispatch.py`` <-> ``predispatch.cu`` (a
-private module's leading underscore aside). Headers (``.cuh``) are shared pieces and need no module.
+``role3_finalize.cu``; ``role4_shared.py`` <-> ``role4_shared.cu``; ``comm/ep_ll.py`` <-> ``ep_ll.cu``;
+``comm/ep_normal.py`` <-> ``ep_normal.cu``;
+``deep_gemm/_predispatch.py`` <-> ``predispatch.cu`` (a private module's leading underscore aside). Headers
+(``.cuh``) are shared pieces and need no module.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import pytest
 
 from gc_moe_compat.comm import ep_ll, ep_normal
 from gc_moe_compat.deep_gemm import _predispatch
-from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize
+from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize, role4_shared
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
-HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, ep_ll, ep_normal, _predispatch)
+HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, role4_shared, ep_ll, ep_normal, _predispatch)
 
 
 def compiled_sources(module: ModuleType) -> set[str]:

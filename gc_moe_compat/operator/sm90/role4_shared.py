@@ -1,0 +1,297 @@
+"""Host side of role4 on SM90: the fused shared expert on this rank's ``T`` local tokens (paper §4.5).
+
+What it computes: ``combine[k][t] = BF16(W2_s · requant(SwiGLU(BF16(W1_s · x[t]))))`` for ``t < T``, the shared
+expert's partial in this rank's combine slot ``k``, which role3 adds after the ``k`` routed slots (slot order, as the
+reference's semantics 7). Inputs are read in place (zero copy): the staged ``x`` E4M3 ``[Tmax, H]`` by TMA and its
+FP32 1x128 scales ``x_sf [Tmax, H/128]`` token-major. Eq. (3)'s ``shared_l1_acts_sf`` staging is the SM100 (UTCCP)
+layout; on SM90 the kernel reads ``x_sf`` as the caller staged it, so nothing is restaged.
+
+Weight recipe: FP8 E4M3 with FP32 128x128 block scales (recipe ``(1, 128, 128)``, ``config._shared_pair_forms``'
+float32 form), on both routed formats: it is the SM90 FP8 recipe the WGMMA mainloop already streams, and the
+conversion is :func:`~gc_moe_compat.operator.weights.transform_weights_for_gc_moe` ``(…, "fp8xfp8")`` (gate/up
+interleave by 8) once per weight tensor. The per-row UE8M0 K32 forms (DeepGEMM's SM100 shared recipe) raise
+``NotImplementedError``: one scale per row and 32 columns needs a promotion per K32 MMA, another mainloop. The
+W1 epilogue is the routed path's of the buffer's format: clamp, alpha, BF16 rounding, routing weight 1.0, then the
+intermediate requant (FP32 ``amax/448`` for ``fp8xfp8``, UE8M0 for ``fp8xfp4``: ``GC_SHARED_UE8M0``).
+
+Kernel: ``kernels/sm90/role4_shared.cu``, the FP8 mainloop of ``sm90/fp8_grouped.cuh`` and the standalone grid body
+(``sm90/standalone_gemm.cuh``) with role4's own W1 stage issue (token-major scales). Two graph nodes of that source,
+:data:`NODE_NAMES`: ``role4`` (W1 variant, into ``shared_l2_acts`` / ``shared_l2_acts_sf``) and ``role4_w2`` (W2
+variant, into ``combine[k]``), because a W2 task needs every W1 tile of its token block and the standalone body has
+no grid-wide handshake (the edge between the nodes is that handshake).
+
+Placement (the design choice): both nodes run on the compute partition BEFORE role2 (``role2`` depends on
+``role4_w2``), concurrently with role1 on the communication partition. Cost argument: role4 depends on nothing but the
+caller's staging, while role2's first W1 task cannot start before role1 has pulled its first ring block; running the
+shared expert in that window hides it behind the dispatch, whereas after role2 (before role3) it would add its whole
+latency, and beside role2 (no edge) it would take SMs from role2's persistent grid, whose task order relies on every
+CTA being resident. With the partition off the roles run in sequence: role1 -> role4 -> role4_w2 -> role2 -> role3.
+``bench/sglang_sequence_sm90.py`` measures the fused layer against the routed-only layer plus a separate
+shared-expert GEMM on the same inputs.
+
+Token blocks: one table per ``BM`` covering the buffer's capacity (rows ``(0, min(BM, Tmax - i·BM), i·BM)``) and a
+count ``ceil(T/BM)`` (a pointer into a device ``arange``), so no per-``T`` upload happens; the last block's rows
+beyond ``T`` are computed and stored into rows ``>= T`` of ``shared_l2_acts`` / ``combine[k]``, which nothing reads
+(role3 sums rows ``< T``; peers write only rows ``< T`` of this rank's other slots). Errors land in role4's status
+record (:class:`Role4Site`, the standalone body's sites 1-3); :func:`raise_for_role4_status` reads it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from cuda.bindings import driver
+
+from gc_moe_compat.operator.buffer import GcMoeBuffer
+from gc_moe_compat.operator.heuristics import (
+    BLOCK_M_CANDIDATES,
+    CONSUMER_WARPGROUPS,
+    W1_SLABS,
+    W2_SLABS,
+    max_stages,
+    smem_bytes,
+    tile_rows,
+)
+from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_gc_moe
+from gc_moe_compat.operator.workspace import StatusRecord
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import call, device
+from gc_moe_compat.runtime.graph import KernelNode
+from gc_moe_compat.runtime.green import Role
+from gc_moe_compat.runtime.params import KernelArgs, ptr
+from gc_moe_compat.runtime.status import StatusSite, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.tensormap import encode_2d
+
+__all__ = [
+    "KERNEL",
+    "NODE_NAMES",
+    "SOURCE",
+    "Role4Site",
+    "Role4Tables",
+    "Role4Variant",
+    "Role4Weights",
+    "block_m_for_shared",
+    "raise_for_role4_status",
+    "role4_nodes",
+    "role4_variant",
+]
+
+SOURCE = "sm90/role4_shared.cu"
+KERNEL = "gc_sm90_role4_shared"
+NODE_NAMES = ("role4", "role4_w2")
+"""The W1 node and the W2 node (after it)."""
+EPI_W1, EPI_W2 = 1, 2
+
+_Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+class Role4Site(StatusSite):
+    """Status sites of role4: the standalone grid body's sites (``gc_moe::sm90::GroupedSite`` 1-3 of
+    kernels/sm90/grouped.cuh), reported in role4's own record."""
+
+    SMEM = 1, "role4 dynamic shared memory below the variant's need"
+    EMPTY = 2, "role4 producer wait for a free pipeline stage"
+    FULL = 3, "role4 consumer wait for a filled pipeline stage"
+
+
+def block_m_for_shared(num_tokens: int) -> int:
+    """``BM`` of the shared expert: every token goes to it, so the smallest candidate holding all ``T`` rows (the
+    largest, 64, beyond: several blocks then share each weight tile through L2)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens: must be an int >= 0, got {num_tokens!r}")
+    return next((bm for bm in BLOCK_M_CANDIDATES if bm >= num_tokens), BLOCK_M_CANDIDATES[-1])
+
+
+@dataclass(frozen=True)
+class Role4Variant:
+    """One compiled variant: ``bm``, epilogue (1: W1, 2: W2), producer warpgroup or not, fast-math sigmoid and the
+    intermediate's scale rule (``ue8m0``: the FP8xFP4 path's)."""
+
+    bm: int
+    epi: int
+    pipelined: bool
+    fast_math: bool = True
+    ue8m0: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bm not in BLOCK_M_CANDIDATES or self.epi not in (EPI_W1, EPI_W2):
+            raise ValueError(f"variant: bm in {BLOCK_M_CANDIDATES} and epi in (1, 2), got {self.bm}, {self.epi}")
+
+    @property
+    def slabs(self) -> int:
+        """64-row slabs per consumer warpgroup: W1 2 (one 128-column requant group per task), W2 1 (128-row tasks:
+        twice the tasks of 256 rows for the few token blocks of a decode batch)."""
+        return W1_SLABS if self.epi == EPI_W1 else W2_SLABS
+
+    @property
+    def stages(self) -> int:
+        return max_stages(self.bm, self.slabs, "fp8xfp8")
+
+    @property
+    def smem(self) -> int:
+        """``kSmemBytes`` of the standalone FP8 layout (role4 adds nothing to it)."""
+        return smem_bytes(self.bm, self.slabs, self.stages, "fp8xfp8")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (CONSUMER_WARPGROUPS + int(self.pipelined))
+
+    @property
+    def defines(self) -> dict[str, int]:
+        return {"GC_BM": self.bm, "GC_EPI": self.epi, "GC_M_SUB": self.slabs, "GC_PRODUCER_WG": int(self.pipelined),
+                "GC_STAGES": self.stages, "GC_FAST_MATH": int(self.fast_math), "GC_SHARED_UE8M0": int(self.ue8m0),
+                "GC_ROLE4_SMEM_BYTES": self.smem}
+
+
+def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
+    return -(-num_tokens // bm) * (rows // tile_rows(W1_SLABS if epi == EPI_W1 else W2_SLABS))
+
+
+def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_type: str,
+                  fast_math: bool = True) -> Role4Variant:
+    """The variant of one role4 GEMM (``n_w`` weight rows: 2I for W1, H for W2): :func:`block_m_for_shared`, the
+    producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``."""
+    bm = block_m_for_shared(num_tokens)
+    pipelined = _tasks(num_tokens, bm, n_w, epi) > compute_sms
+    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4")
+
+
+def _kernel(variant: Role4Variant) -> jit.Kernel:
+    k = jit.load_module(SOURCE, variant.defines).kernel(KERNEL)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
+    return k
+
+
+def _fp8_block_pair(arg: str, pair: _Pair) -> _Pair:
+    scales = pair[1]
+    if scales.dtype != torch.float32:
+        raise NotImplementedError(
+            f"{arg}: the SM90 shared expert (role4) reads FP8 weights with FP32 128x128 block scales (recipe (1, 128, "
+            f"128)); the per-row UE8M0 K32 form ({scales.dtype} scales, DeepGEMM's SM100 shared recipe) needs a "
+            "K32-promoting mainloop that does not exist on SM90")
+    return pair
+
+
+class Role4Weights:
+    """One shared weight pair's kernel view, built once: the transformed FP8 weights
+    (:func:`transform_weights_for_gc_moe` ``fp8xfp8``: W1 rows interleaved gate/up by 8, block scales kept), the W1
+    map (256-row boxes) and W2 map (128-row boxes), and their FP32 block scales.
+
+    ``shared_l1`` / ``shared_l2``: ``(E4M3 [1, 2I, H], float32 [1, 2I/128, H/128])`` and ``([1, H, I], [1, H/128,
+    I/128])``, already checked by :func:`gc_moe_compat.config.validate`. Must be built outside graph capture (the
+    interleave is a device copy).
+    """
+
+    def __init__(self, shared_l1: _Pair, shared_l2: _Pair) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("shared_l1_weights/shared_l2_weights: the shared expert's weights are converted for "
+                               "role4 on their first call on a buffer, which cannot happen while a stream is "
+                               "capturing: make one eager call with these weights on this buffer before capturing")
+        l1 = _fp8_block_pair("shared_l1_weights", shared_l1)
+        l2 = _fp8_block_pair("shared_l2_weights", shared_l2)
+        self.w1, self.w2 = transform_weights_for_gc_moe(l1, l2, "fp8xfp8")
+        _, two_i, hidden = self.w1.payload.shape
+        self.hidden, self.inter = hidden, two_i // 2
+        self.tm_w1 = encode_2d(self.w1.payload.reshape(two_i, hidden).view(torch.uint8), tile_rows(W1_SLABS))
+        self.tm_w2 = encode_2d(self.w2.payload.reshape(hidden, self.inter).view(torch.uint8), tile_rows(W2_SLABS))
+        self.w1_sf = self.w1.scales.float().contiguous()
+        self.w2_sf = self.w2.scales.float().contiguous()
+
+    @property
+    def transformed(self) -> tuple[GcMoeWeights, GcMoeWeights]:
+        """The converted pair (what the kernel reads)."""
+        return self.w1, self.w2
+
+
+class Role4Tables:
+    """A buffer's token-block tables, built once outside capture: per ``BM`` candidate the rows ``(0, min(BM,
+    Tmax - i·BM), i·BM)`` over the capacity, the block counts ``arange(ceil(Tmax/8) + 1)`` (the kernel's
+    ``num_blocks`` points at entry ``ceil(T/BM)``; entry 0 is the warm-up's) and FP32 routing weights of 1.0."""
+
+    def __init__(self, buffer: GcMoeBuffer) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("buffer: role4's token-block tables are built on the first call with a shared expert, "
+                               "which cannot happen while a stream is capturing: make one eager call first")
+        cap, dev = buffer.shape.capacity, buffer.storage.device
+        self.blocks = {}
+        for bm in BLOCK_M_CANDIDATES:
+            start = torch.arange(0, cap, bm, dtype=torch.int32, device=dev)
+            self.blocks[bm] = torch.stack([torch.zeros_like(start), (cap - start).clamp(max=bm), start], 1).contiguous()
+        self.counts = torch.arange(-(-cap // BLOCK_M_CANDIDATES[0]) + 1, dtype=torch.int32, device=dev)
+        self.ones = torch.ones(cap, dtype=torch.float32, device=dev)
+
+    def count(self, num_tokens: int, bm: int) -> torch.Tensor:
+        """The one-element view holding ``ceil(num_tokens / bm)``."""
+        n = -(-num_tokens // bm)
+        return self.counts[n:n + 1]
+
+
+def _args(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables, variant: Role4Variant, count: torch.Tensor,
+          clamp: float, alpha: float, timeout_ns: int) -> KernelArgs:
+    s = buffer.shape
+    if variant.epi == EPI_W1:
+        tm_w, w_sf, n_w, k = weights.tm_w1, weights.w1_sf, 2 * s.intermediate, s.hidden
+        tm_x, x_sf, out = encode_2d(buffer.x.view(torch.uint8), variant.bm), buffer.x_sf, buffer.shared_l2_acts
+    else:
+        tm_w, w_sf, n_w, k = weights.tm_w2, weights.w2_sf, s.hidden, s.intermediate
+        tm_x = encode_2d(buffer.shared_l2_acts.view(torch.uint8), variant.bm)
+        x_sf, out = buffer.shared_l2_acts_sf, buffer.combine[s.topk]
+    return KernelArgs(tm_w, tm_x, ptr(w_sf), ptr(x_sf), ptr(tables.blocks[variant.bm]), ptr(count), ptr(tables.ones),
+                      ptr(out), ptr(buffer.shared_l2_acts_sf), ctypes.c_int32(n_w), ctypes.c_int32(k),
+                      ctypes.c_int32(s.capacity), ctypes.c_float(clamp), ctypes.c_float(alpha),
+                      ptr(buffer.status[StatusRecord.ROLE4]), ctypes.c_uint64(timeout_ns))
+
+
+def _check_buffer(buffer: GcMoeBuffer, weights: Role4Weights) -> None:
+    s = buffer.shape
+    if not s.num_shared_experts:
+        raise ValueError("buffer: created with num_shared_experts=0; role4 needs its shared_l2_acts regions")
+    if (weights.hidden, weights.inter) != (s.hidden, s.intermediate):
+        raise ValueError(f"shared_l1_weights/shared_l2_weights: H={weights.hidden}, I={weights.inter} do not match "
+                         f"the buffer's H={s.hidden}, I={s.intermediate}")
+    if s.capacity % 4:
+        raise NotImplementedError(f"buffer: capacity={s.capacity}: role4 needs a capacity that is a multiple of 4 (its "
+                                  "W2 copies a K step's scales from shared_l2_acts_sf [I/128, capacity] with 16-byte "
+                                  "aligned bulk copies)")
+
+
+def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables, num_tokens: int, *,
+                deps: Sequence[str] = (), activation_clamp: float | None = 10.0, activation_alpha: float = 1.0,
+                fast_math: bool = True, timeout_ms: float | None = None) -> list[KernelNode]:
+    """Role4's two nodes for ``num_tokens`` local tokens: ``role4`` (W1, after ``deps``) and ``role4_w2`` (after it),
+    on the compute green context when the buffer is partitioned; each a persistent grid of at most one CTA per
+    compute SM (a standalone grid walks its tasks with the grid's stride, so any grid size is correct)."""
+    _check_buffer(buffer, weights)
+    s = buffer.shape
+    role = Role.COMPUTE if buffer.partition == "on" else None
+    sms = buffer.current_compute_sms()
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    timeout_ns = spin_timeout_ns(timeout_ms)
+    nodes = []
+    for name, epi, n_w, after in ((NODE_NAMES[0], EPI_W1, 2 * s.intermediate, tuple(deps)),
+                                  (NODE_NAMES[1], EPI_W2, s.hidden, (NODE_NAMES[0],))):
+        variant = role4_variant(num_tokens, n_w, epi, sms, mma_type=s.mma_type, fast_math=fast_math)
+        grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, epi), sms))
+        count = tables.count(num_tokens, variant.bm)
+        args = _args(buffer, weights, tables, variant, count, clamp, activation_alpha, timeout_ns)
+        warm = _args(buffer, weights, tables, variant, tables.count(0, variant.bm), clamp, activation_alpha,
+                     timeout_ns)
+        nodes.append(KernelNode.make(name, _kernel(variant), role, grid, variant.threads, args,
+                                     shared_bytes=variant.smem, deps=after, warmup_args=warm))
+    return nodes
+
+
+def raise_for_role4_status(buffer: GcMoeBuffer, what: str = "role4 fused shared expert") -> None:
+    """Raises :class:`~gc_moe_compat.runtime.status.DeviceTimeoutError` / ``DeviceCheckError`` if role4 recorded an
+    error (nothing is recorded without a shared expert); call once the graph has finished. The record is cleared
+    first (the next launch runs)."""
+    record = buffer.status[StatusRecord.ROLE4]
+    saved = record.clone()
+    if int(saved[:4].view(torch.int32)[0]):
+        record.zero_()
+    raise_for_status(saved, what, Role4Site.names())

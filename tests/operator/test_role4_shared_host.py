@@ -1,0 +1,117 @@
+"""Role4 (the fused shared expert, operator/sm90/role4_shared.py <-> kernels/sm90/role4_shared.cu) on the host: its
+status sites are the standalone body's, the block-size and variant rules, the shared-memory formula against the
+kernel's own (a compile-time assert), every variant builds without spills or serialized WGMMAs, the weight-form
+and inference-tensor refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from nvcc_mark import needs_nvcc, serialized_wgmma
+
+from gc_moe_compat import quant
+from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
+from gc_moe_compat.operator.sm90 import layer, role2_gemm, role4_shared
+from gc_moe_compat.operator.sm90.role4_shared import Role4Site, Role4Variant
+from gc_moe_compat.runtime import jit
+
+H, N_I = 512, 256
+
+
+def test_sites_are_the_standalone_bodys() -> None:
+    """The kernel reports the grouped sites 1-3 of kernels/sm90/grouped.cuh into role4's record."""
+    grouped = {s.name: int(s) for s in (role2_gemm.Role2Site.SMEM, role2_gemm.Role2Site.EMPTY,
+                                        role2_gemm.Role2Site.FULL)}
+    assert {s.name: int(s) for s in Role4Site} == grouped
+    assert all(d.startswith("role4 ") for d in Role4Site.names().values())
+
+
+@pytest.mark.parametrize(("tokens", "bm"), [(0, 8), (1, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64),
+                                            (65, 64), (8192, 64)])
+def test_block_m_holds_every_token(tokens: int, bm: int) -> None:
+    assert role4_shared.block_m_for_shared(tokens) == bm
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
+def test_block_m_rejects_bad_token_counts(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_tokens: must be an int >= 0"):
+        role4_shared.block_m_for_shared(bad)
+
+
+def test_variant_rule() -> None:
+    """BM from the token count, the producer warpgroup once a CTA has two tasks, the scale rule of the path."""
+    # 2I = 4096 rows: 16 W1 tasks per block; H = 7168: 56 W2 tasks (128-row tasks) per block
+    v = role4_shared.role4_variant(1, 4096, 1, 128, mma_type="fp8xfp8")
+    assert (v.bm, v.pipelined, v.ue8m0, v.slabs) == (8, False, False, 2)
+    v = role4_shared.role4_variant(256, 7168, 2, 128, mma_type="fp8xfp4")
+    assert (v.bm, v.pipelined, v.ue8m0, v.slabs) == (64, True, True, 1)  # 4 blocks x 56 tasks > 128 SMs
+    assert not role4_shared.role4_variant(64, 4096, 1, 16, mma_type="fp8xfp8").pipelined  # 16 tasks, 16 SMs
+    assert role4_shared.role4_variant(65, 4096, 1, 16, mma_type="fp8xfp8").pipelined  # two blocks: 32 tasks
+    with pytest.raises(ValueError, match="variant: bm in"):
+        Role4Variant(12, 1, False)
+
+
+@pytest.mark.parametrize("epi", [1, 2])
+@pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
+def test_shared_memory_fits_with_at_least_two_stages(bm: int, epi: int) -> None:
+    v = Role4Variant(bm, epi, True)
+    assert v.stages >= 2 and v.smem <= SMEM_LIMIT
+    assert v.defines["GC_ROLE4_SMEM_BYTES"] == v.smem and v.threads == 384
+
+
+_VARIANTS = [Role4Variant(bm, epi, p, ue8m0=u) for bm in (8, 64) for epi in (1, 2) for p in (True, False)
+             for u in ((False, True) if epi == 1 and bm == 64 else (False,))]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", _VARIANTS,
+                         ids=lambda v: f"bm{v.bm}-epi{v.epi}-prod{int(v.pipelined)}-ue{int(v.ue8m0)}")
+def test_variants_compile_without_spills(variant: Role4Variant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """Builds for sm_90a (which asserts kSmemBytes == Role4Variant.smem): no stack, no spills, no serialized WGMMA,
+    the producer layout's 168-register cap."""
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    cubin = jit.compile_cubin(role4_shared.SOURCE, variant.defines)
+    res = cubin.resources[role4_shared.KERNEL]
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0
+    assert not serialized_wgmma(cubin.warnings)
+    assert res.registers <= (168 if variant.pipelined else 255)
+
+
+@needs_nvcc
+def test_a_drifted_smem_formula_fails_to_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
+    v = Role4Variant(16, 1, False)
+    with pytest.raises(jit.JitError, match="GC_ROLE4_SMEM_BYTES"):
+        jit.compile_cubin(role4_shared.SOURCE, {**v.defines, "GC_ROLE4_SMEM_BYTES": v.smem + 16})
+
+
+def _shared_pairs(scale_form: str = "block") -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    g = torch.Generator().manual_seed(3)
+    if scale_form == "block":
+        return (quant.quantize_fp8_blocks(torch.randn(1, 2 * N_I, H, generator=g)),
+                quant.quantize_fp8_blocks(torch.randn(1, H, N_I, generator=g)))
+    codes = {n: torch.full((1, n, k // 32), 127, dtype=torch.uint8) for n, k in ((2 * N_I, H), (H, N_I))}
+    return ((torch.zeros(1, 2 * N_I, H, dtype=torch.float8_e4m3fn), codes[2 * N_I]),
+            (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), codes[H]))
+
+
+def test_k32_shared_scales_are_not_implemented() -> None:
+    """DeepGEMM's SM100 shared recipe (per-row UE8M0 K32) is refused by name before any conversion."""
+    l1, l2 = _shared_pairs("k32")
+    with pytest.raises(NotImplementedError, match="shared_l1_weights: the SM90 shared expert .* K32"):
+        role4_shared.Role4Weights(l1, l2)
+
+
+def test_shared_key_follows_versions_and_refuses_inference_tensors() -> None:
+    l1, l2 = _shared_pairs()
+    key = layer._shared_key(l1, l2)
+    assert layer._shared_key(l1, l2) == key
+    l1[0].view(torch.uint8)[0, 0, 0] ^= 1  # an in-place update moves the version counter
+    assert layer._shared_key(l1, l2) != key
+    with torch.inference_mode():
+        frozen = (l2[0].clone(), l2[1].clone())
+    with pytest.raises(ValueError, match=r"shared_l2_weights\[0\]: is an inference tensor"):
+        layer._shared_key(l1, frozen)
