@@ -18,9 +18,11 @@ rule                                   reason
 =====================================  =========================================================================
 ``0 < I <= 4096``, ``I % 128 == 0``    the 2I/128 W1 output tiles of one ring block must fit the 64-bit
                                        ``l2_full_mask``; W2 consumes complete K128 tiles
-``H > 0``, ``H % 256 == 0``            paper: 2-CTA clusters pair N128 tiles (H/128 even). Kept for parity with
+``0 < H <= 8192``, ``H % 256 == 0``    paper: 2-CTA clusters pair N128 tiles (H/128 even). Kept for parity with
                                        the SM103 path; the SM90 kernels may relax it to ``H % 128 == 0`` once
-                                       they exist (they have no 2-CTA pairing)
+                                       they exist (they have no 2-CTA pairing). The bound: the facade's
+                                       pre-dispatch stages a token with one CTA of H/8 threads (<= 1024), and it
+                                       keeps the symmetric buffer bounded (no absurd H reaches the allocator)
 ``1 <= k``, ``k + S <= 32``            one warp lane carries one combine slot (k routed + S shared partials)
 ``S in {0, 1}``                        one fused shared expert at most (one extra combine slot, one role4 node)
 ``1 <= P <= 72``                       the 592-byte by-value peer descriptor holds 72 offsets
@@ -81,6 +83,7 @@ __all__ = [
     "MAX_CAPACITY",
     "MAX_COMBINE_SLOTS",
     "MAX_EXPERTS",
+    "MAX_HIDDEN",
     "MAX_INTERMEDIATE",
     "MAX_LOCAL_EXPERTS",
     "MAX_RANKS",
@@ -92,11 +95,13 @@ __all__ = [
     "MoEShape",
     "boolean",
     "check_finite",
+    "check_routing",
     "check_topk_values",
     "finite_float",
     "inspect_values",
     "integer",
     "preset_shape",
+    "shown",
     "tokens_per_expert",
     "validate",
 ]
@@ -106,6 +111,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------------
 MAX_INTERMEDIATE = 4096
 INTERMEDIATE_ALIGN = 128
+MAX_HIDDEN = 8192
 HIDDEN_ALIGN = 256
 MAX_COMBINE_SLOTS = 32
 MAX_EXPERTS = 2048
@@ -120,6 +126,7 @@ SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 _WHY_I = "K128 tiles, 64-bit W1 completion mask"
 _WHY_H = "N-tile pairing: H/128 even"
+_WHY_H_MAX = "one pre-dispatch CTA of H/8 threads per token; bounds the symmetric buffer"
 _WHY_SLOTS = "one warp lane per combine slot"
 _WHY_RANKS = "592-byte by-value peer table with 72 offsets"
 _WHY_EXPERTS = "static signal sizing"
@@ -261,11 +268,18 @@ def _check_int(arg: str, value: object) -> None:
                     TypeError)
 
 
+def shown(value: object) -> object:
+    """``value`` for an error message: an int too long to read (``10**400``) as its digit count."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an int of {len(str(abs(value)))} digits"
+    return value
+
+
 def _check_range(arg: str, value: object, lo: int, hi: int | None, why: str) -> None:
     _check_int(arg, value)
     if value < lo or (hi is not None and value > hi):
         rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise _fail(arg, rule, why, value)
+        raise _fail(arg, rule, why, shown(value))
 
 
 def _check_multiple(arg: str, value: int, of: int, why: str) -> None:
@@ -279,21 +293,29 @@ def _check_shape(shape: MoEShape) -> None:
         raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type), TypeError)
     if shape.mma_type not in MMA_TYPES:
         raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type))
-    _check_range("hidden", shape.hidden, 1, None, "hidden size")
+    _check_range("hidden", shape.hidden, 1, MAX_HIDDEN, _WHY_H_MAX)
     _check_multiple("hidden", shape.hidden, HIDDEN_ALIGN, _WHY_H)
     _check_range("intermediate", shape.intermediate, 1, MAX_INTERMEDIATE, _WHY_I)
     _check_multiple("intermediate", shape.intermediate, INTERMEDIATE_ALIGN, _WHY_I)
-    _check_range("num_shared_experts", shape.num_shared_experts, 0, 1, "at most one fused shared expert")
-    _check_range("topk", shape.topk, 1, MAX_COMBINE_SLOTS - shape.num_shared_experts,
+    check_routing(shape.num_experts, shape.num_ranks, shape.topk, shape.capacity, shape.num_shared_experts)
+
+
+def check_routing(num_experts: object, num_ranks: object, topk: object, capacity: object,
+                  num_shared_experts: object = 0) -> None:
+    """The routing rules of the module table (experts, ranks, top-k, shared experts, capacity), each error naming
+    the ``MoEShape`` field: part of :class:`MoEShape`'s check, and the whole check of calls that take only these
+    sizes (the facade's ``get_block_m_for_mega_moe``), so they answer only for shapes a buffer accepts."""
+    _check_range("num_shared_experts", num_shared_experts, 0, 1, "at most one fused shared expert")
+    _check_range("topk", topk, 1, MAX_COMBINE_SLOTS - num_shared_experts,
                  f"k + num_shared_experts <= {MAX_COMBINE_SLOTS}: {_WHY_SLOTS}")
-    _check_range("num_ranks", shape.num_ranks, 1, MAX_RANKS, _WHY_RANKS)
-    _check_range("num_experts", shape.num_experts, shape.topk, MAX_EXPERTS,
+    _check_range("num_ranks", num_ranks, 1, MAX_RANKS, _WHY_RANKS)
+    _check_range("num_experts", num_experts, topk, MAX_EXPERTS,
                  f"k <= E for top-k without repetition; E <= {MAX_EXPERTS}: {_WHY_EXPERTS}")
-    _check_multiple("num_experts", shape.num_experts, shape.num_ranks,
-                    f"num_ranks={shape.num_ranks}: experts are distributed evenly, e = E/P")
-    _check_range("num_experts / num_ranks", shape.num_experts // shape.num_ranks, 1, MAX_LOCAL_EXPERTS,
+    _check_multiple("num_experts", num_experts, num_ranks,
+                    f"num_ranks={num_ranks}: experts are distributed evenly, e = E/P")
+    _check_range("num_experts / num_ranks", num_experts // num_ranks, 1, MAX_LOCAL_EXPERTS,
                  "lane-held per-expert counters")
-    _check_range("capacity", shape.capacity, 1, MAX_CAPACITY, _WHY_CAPACITY)
+    _check_range("capacity", capacity, 1, MAX_CAPACITY, _WHY_CAPACITY)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -435,7 +457,7 @@ def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) ->
         raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
     if value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{fn}: {arg} must be {bound}, got {value}")
+        raise ValueError(f"{fn}: {arg} must be {bound}, got {shown(value)}")
     return value
 
 
@@ -450,8 +472,7 @@ def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) ->
     except OverflowError:
         result = math.inf
     if not math.isfinite(result) or (positive and result <= 0):
-        shown = value if isinstance(value, float) or abs(value) < 10**20 else f"an int of {len(str(abs(value)))} digits"
-        raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {shown}")
+        raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {shown(value)}")
     return result
 
 

@@ -91,7 +91,10 @@ class Buffer:
                                  f"Buffer.get_low_latency_rdma_size_hint), got {num_rdma_bytes!r}")
             layout = LayoutPlanner()
             layout.add("low_latency", num_rdma_bytes)
-            self.workspace = SymmetricWorkspace(layout, group)
+            try:
+                self.workspace = SymmetricWorkspace(layout, group)
+            except RuntimeError as exc:  # no CUDA device, a failed rendezvous: named as this call's
+                raise RuntimeError(f"{fn}: low_latency_mode=True: {exc}") from exc
             _low_latency.comm_partition(self.workspace, Buffer.num_sms)  # made now, not first inside a capture
 
     def destroy(self) -> None:

@@ -89,10 +89,13 @@ class SymmBuffer:
                  activation: str = 'swiglu',
                  base: SymmBuffer | None = None):
         fn = "SymmBuffer"
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{fn}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
         _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
         _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS,
                        _checks.DEEPGEMM_ONLY_ACTIVATIONS)
-        _checks.integer(fn, "num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        # bounded as requested (before the rounding up, so an error shows the caller's value)
+        _checks.integer(fn, "num_max_tokens_per_rank", num_max_tokens_per_rank, 1, config.MAX_CAPACITY)
         num_max_tokens_per_rank = align_tokens(num_max_tokens_per_rank)
         self.shape = _checks.moe_shape(
             fn, num_experts=num_experts, num_ranks=group.size(), hidden=hidden, intermediate=intermediate_hidden,

@@ -11,9 +11,11 @@ from collections.abc import Iterable
 
 import torch
 
+from gc_moe_compat import config
 from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, finite_float, integer
 
-__all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "tensor", "unsupported_feature"]
+__all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "recipe", "routing", "tensor",
+           "unsupported_feature"]
 
 # DeepGEMM's names for values GC-MoE does not implement (accepted by some DeepGEMM build, so not a caller bug).
 DEEPGEMM_ONLY_MMA_TYPES = ("bf16xbf16", "mxf4xmxf4", "nvfp4xnvfp4")
@@ -29,14 +31,27 @@ _FACADE_NAMES = {
     "num_ranks": "group.size()",
     "num_experts / num_ranks": "num_experts / group.size()",
 }
+BLOCK_M_NAMES = {**_FACADE_NAMES, "num_ranks": "num_ranks", "num_experts / num_ranks": "num_experts / num_ranks"}
+"""The same for ``get_block_m_for_mega_moe``, which takes ``num_ranks`` itself."""
+
+
+def _among(value: object, options: tuple[object, ...]) -> bool:
+    """``value`` equals one of ``options`` of its own kind (so a numpy array or a bool never compares loosely)."""
+    return any(isinstance(value, type(o)) and type(value) is not bool and value == o for o in options)
 
 
 def choice(fn: str, arg: str, value: object, supported: Iterable[object], not_implemented: Iterable[object]) -> None:
-    """``value`` must be in ``supported``; a known DeepGEMM-only value raises NotImplementedError, else ValueError."""
+    """``value`` must be in ``supported``; a known DeepGEMM-only value raises NotImplementedError; a value of another
+    type than the supported ones (a numpy array for a str, say) TypeError; anything else ValueError."""
     supported = tuple(supported)
-    if value in supported:
+    if _among(value, supported):
         return
-    if value in tuple(not_implemented):
+    kinds = tuple({type(o) for o in supported})
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        names = " or ".join(sorted(k.__name__ for k in kinds))
+        raise TypeError(f"{fn}: {arg} must be one of {supported} (a {names}), got {type(value).__name__} "
+                        f"({value!r:.80})")
+    if _among(value, tuple(not_implemented)):
         raise NotImplementedError(f"{fn}: {arg}={value!r} is a DeepGEMM option GC-MoE does not implement "
                                   f"(supported: {supported})")
     raise ValueError(f"{fn}: {arg} must be one of {supported}, got {value!r}")
@@ -52,9 +67,31 @@ def unsupported_feature(fn: str, arg: str, value: object, default: object, what:
                                   f"pass {default!r}")
 
 
+def recipe(fn: str, value: object, supported: tuple[int, int, int]) -> tuple[int, ...]:
+    """A recipe: a tuple/list of ints equal to ``supported`` (TypeError for another type, ValueError otherwise)."""
+    if not isinstance(value, tuple | list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{fn}: recipe must be a tuple of ints {supported}, got {type(value).__name__} "
+                        f"({value!r:.80})")
+    choice(fn, "recipe", tuple(value), (supported,), ())
+    return tuple(value)
+
+
+def routing(fn: str, **fields: object) -> None:
+    """``config.check_routing(**fields)`` (the routing sizes a buffer accepts) with its errors re-worded in
+    ``get_block_m_for_mega_moe``'s argument names (:data:`BLOCK_M_NAMES`)."""
+    try:
+        config.check_routing(**fields)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        arg, _, rest = str(exc).partition(": ")
+        raise type(exc)(f"{fn}: {BLOCK_M_NAMES.get(arg, arg)}: {rest}") from exc
+
+
 def tensor(fn: str, arg: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     """A tensor of one of ``dtypes`` with ``ndim`` dimensions (TypeError for type/dtype, ValueError for rank)."""
     if not isinstance(t, torch.Tensor):
+        if t is None:
+            raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got None (the views of a destroyed SymmBuffer are "
+                            "None)")
         raise TypeError(f"{fn}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{fn}: {arg} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")

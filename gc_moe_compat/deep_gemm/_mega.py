@@ -48,12 +48,19 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
     if activation_clamp is not None:
         activation_clamp = _checks.finite_float(fn, "activation_clamp", activation_clamp, positive=True)
     _checks.boolean(fn, "fast_math", fast_math)
+    for arg, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        if pair is None:
+            raise TypeError(f"{fn}: {arg} must be a (weights, scales) pair of tensors, got None")
     shape = config.MoEShape(
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
         intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,
         capacity=buf.num_max_tokens_per_rank, mma_type=mma_type)
     y = _checks.tensor(fn, "y", y, (torch.bfloat16,), 2)
     num_tokens = y.shape[0]
+    if num_tokens > shape.capacity:
+        raise ValueError(f"{fn}: y.shape[0] (this rank's tokens T) must be <= the buffer's num_max_tokens_per_rank="
+                         f"{shape.capacity} (rounded up as DeepGEMM does; ring and combine buffers are sized for it), "
+                         f"got {num_tokens}")
     try:
         config.validate(shape, x=buf.x[:num_tokens], x_sf=buf.x_sf[:num_tokens], topk_idx=buf.topk_idx[:num_tokens],
                         topk_weights=buf.topk_weights[:num_tokens], y=y, l1_weights=l1_weights, l2_weights=l2_weights,
@@ -68,7 +75,7 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
                              f"on {y.device}, got {tuple(stats.shape)} on {stats.device}")
     _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
                       shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
-                      recipe=tuple(recipe), activation_clamp=activation_clamp, fast_math=fast_math)
+                      recipe=recipe, activation_clamp=activation_clamp, fast_math=fast_math)
 
 
 def fp8_fp4_mega_moe(y: torch.Tensor,
@@ -94,9 +101,9 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
                      post_expert_norm_weight_first: bool = False):
     """One MoE layer, FP8 activations x MXFP4 routed weights (FP8 shared weights): ``y [T, H]`` bf16 in place."""
     fn = "fp8_fp4_mega_moe"
-    if tuple(recipe) == (1, 1, 16):
+    if isinstance(recipe, tuple | list) and tuple(recipe) == (1, 1, 16):
         raise NotImplementedError(f"{fn}: recipe=(1, 1, 16) is NVFP4: GC-MoE has no NVFP4 path")
-    _checks.choice(fn, "recipe", tuple(recipe), ((1, 1, 32),), ())
+    recipe = _checks.recipe(fn, recipe, (1, 1, 32))
     _checks.choice(fn, "weight_layout", weight_layout, ("megamoe",), ("trtllm",))
     _checks.unsupported_feature(fn, "use_x_scales", use_x_scales, False, "per-token outer scales (NVFP4 only)")
     for arg, value in (("l1_alphas", l1_alphas), ("l2_alphas", l2_alphas), ("l2_act_scales", l2_act_scales)):
@@ -106,8 +113,9 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
                                 ("post_expert_norm_eps", post_expert_norm_eps, 1e-6),
                                 ("post_expert_norm_weight_first", post_expert_norm_weight_first, False)):
         _checks.unsupported_feature(fn, arg, value, default, "fused post-expert norm")
-    if global_num_tokens is not None and isinstance(sym_buffer, SymmBuffer):
-        _checks.integer(fn, "global_num_tokens", global_num_tokens, 0,
+    if global_num_tokens is not None and isinstance(sym_buffer, SymmBuffer) and sym_buffer.workspace is not None:
+        own = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() == 2 else 0  # at least this rank's tokens
+        _checks.integer(fn, "global_num_tokens", global_num_tokens, own,
                         sym_buffer.shape.num_ranks * sym_buffer.num_max_tokens_per_rank)
     _run(fn, "fp8xfp4", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
          cumulative_local_expert_recv_stats, recipe, activation, activation_clamp, fast_math)
@@ -124,7 +132,7 @@ def fp8_mega_moe(y: torch.Tensor,
                  fast_math: bool = True):
     """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights (SGLang's Hopper path): ``y`` in place."""
     fn = "fp8_mega_moe"
-    _checks.choice(fn, "recipe", tuple(recipe), ((128, 128, 128),), ())
+    recipe = _checks.recipe(fn, recipe, (128, 128, 128))
     if isinstance(sym_buffer, SymmBuffer) and sym_buffer.num_shared_experts:
         raise ValueError(f"{fn}: sym_buffer was created with num_shared_experts={sym_buffer.num_shared_experts}, "
                          "but fp8_mega_moe takes no shared-expert weights (create it with num_shared_experts=0)")

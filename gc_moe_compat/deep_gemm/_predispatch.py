@@ -46,11 +46,6 @@ __all__ = ["PreDispatchParams", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_
 
 SOURCE = "sm90/predispatch.cu"
 KERNELS = {"fp32x128": "gc_pre_dispatch_fp32x128", "ue8m0x32": "gc_pre_dispatch_ue8m0x32"}
-MAX_HIDDEN = 8192
-"""One CTA of ``H/8`` threads per token (a 16-byte BF16 vector each), at most 1024 threads."""
-HIDDEN_ALIGN = 256
-"""Whole warps per CTA (``H/8`` a multiple of 32): the group maxima are warp shuffles."""
-
 _IDX = (torch.int32, torch.int64)
 _VIEWS = {"buf_x": "x", "buf_x_sf": "x_sf", "buf_topk_idx": "topk_idx", "buf_topk_weights": "topk_weights"}
 """Pre-dispatch view argument -> the facade SymmBuffer attribute it must be."""
@@ -104,9 +99,10 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
         "buf_topk_weights": _checks.tensor(fn, "buf_topk_weights", buf_topk_weights, (torch.float32,), 2),
     }
     hidden, topk = tensors["x"].shape[1], tensors["topk_idx"].shape[1]
-    if hidden % HIDDEN_ALIGN or not 0 < hidden <= MAX_HIDDEN:
-        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of {HIDDEN_ALIGN} in (0, {MAX_HIDDEN}] "
-                         f"(one CTA of H/8 threads, whole warps, per token), got {hidden}")
+    if hidden % config.HIDDEN_ALIGN or not 0 < hidden <= config.MAX_HIDDEN:  # the operator's H rule (config)
+        raise ValueError(f"{fn}: x must have a hidden size that is a multiple of {config.HIDDEN_ALIGN} in "
+                         f"(0, {config.MAX_HIDDEN}] (one CTA of H/8 <= 1024 threads, whole warps, per token), got "
+                         f"{hidden}")
     if not 1 <= topk <= config.MAX_COMBINE_SLOTS:
         raise ValueError(f"{fn}: topk_idx must have 1 to {config.MAX_COMBINE_SLOTS} columns (the top-k; "
                          f"{config.MAX_COMBINE_SLOTS} combine slots per token), got shape {tuple(topk_idx.shape)}")

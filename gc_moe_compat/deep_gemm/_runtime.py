@@ -57,13 +57,10 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
     kernels' own rule (:func:`gc_moe_compat.operator.heuristics.block_m_for_call`), so this answer is the BM they run.
     """
     fn = "get_block_m_for_mega_moe"
-    _checks.integer(fn, "num_ranks", num_ranks, 1)
-    _checks.integer(fn, "num_experts", num_experts, 1)
-    if num_experts % num_ranks:
-        raise ValueError(f"{fn}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
-    _checks.integer(fn, "num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    # the routing sizes a buffer accepts (config.check_routing): no answer for a shape the operator refuses
+    _checks.routing(fn, num_experts=num_experts, num_ranks=num_ranks, topk=num_topk,
+                    capacity=num_max_tokens_per_rank)
     _checks.integer(fn, "num_tokens", num_tokens, 0, num_max_tokens_per_rank)
-    _checks.integer(fn, "num_topk", num_topk, 1, num_experts)
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
     if global_num_tokens is not None:
         _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)

@@ -41,6 +41,8 @@ def workspace_of(buffer: Any) -> api.GcMoeBuffer:
     """The live :class:`~gc_moe_compat.operator.api.GcMoeBuffer` behind ``buffer`` (a facade ``SymmBuffer`` or
     itself)."""
     workspace = getattr(buffer, "workspace", buffer)
+    if workspace is None:  # a destroyed facade SymmBuffer
+        raise ValueError("buffer: was destroyed")
     if not isinstance(workspace, api.GcMoeBuffer):
         raise TypeError(f"buffer: must be a facade SymmBuffer or a GcMoeBuffer, got {type(buffer).__name__}")
     if workspace.storage is None:

@@ -91,10 +91,14 @@ def _recipe(fn: str, recipe: object, is_sfa: bool | None) -> tuple[int, int]:
     if len(recipe) == 3:
         if is_sfa is None:
             raise ValueError(f"{fn}: is_sfa must be given with a 3-tuple recipe {tuple(recipe)}")
-        return (recipe[0] if is_sfa else recipe[1]), recipe[2]
-    if is_sfa is not None:
-        raise ValueError(f"{fn}: is_sfa must be None with a 2-tuple recipe {tuple(recipe)}")
-    return recipe[0], recipe[1]
+        grans = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    else:
+        if is_sfa is not None:
+            raise ValueError(f"{fn}: is_sfa must be None with a 2-tuple recipe {tuple(recipe)}")
+        grans = recipe[0], recipe[1]
+    for name, gran in zip(("gran_mn", "gran_k"), grans, strict=True):  # (0, 128) would divide by zero
+        _checks.integer(fn, f"recipe's {name}", gran, 1)
+    return grans
 
 
 def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_ue8m0_cast=False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -35,7 +36,7 @@ from gc_moe_compat.config import MAX_SMS, integer
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
 from gc_moe_compat.runtime.dropped import dropped_record
 from gc_moe_compat.runtime.green import device_sms
-from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, dispatch_request, partition_mode
+from gc_moe_compat.runtime.split import DISPATCH_ENV, MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
 __all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
@@ -47,10 +48,11 @@ def _dispatch_request(dispatch_sms: object) -> int:
     if dispatch_sms is not None:
         integer(fn, "dispatch_sms", dispatch_sms, MIN_DISPATCH_SMS, MAX_SMS)
     request = dispatch_request(dispatch_sms)
-    if not MIN_DISPATCH_SMS <= request <= MAX_SMS:  # from the environment
-        raise ValueError(f"{fn}: dispatch_sms must be in [{MIN_DISPATCH_SMS}, {MAX_SMS}] (role1 needs a grid of "
-                         f">= 2 CTAs; no GPU has more SMs), got {request} (GC_MOE_DISPATCH_SMS / "
-                         "GC_MOE_SM90_DISPATCH_SMS)")
+    if not MIN_DISPATCH_SMS <= request <= MAX_SMS:  # from the environment: name the variable, not the argument
+        name = next(n for n in DISPATCH_ENV if os.environ.get(n, "").strip())
+        raise ValueError(f"{fn}: {name} (the dispatch SM request, dispatch_sms=None) must be in "
+                         f"[{MIN_DISPATCH_SMS}, {MAX_SMS}] (role1 needs a grid of >= 2 CTAs; no GPU has more SMs), "
+                         f"got {request}")
     return request
 
 

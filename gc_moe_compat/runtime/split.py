@@ -18,6 +18,8 @@ from dataclasses import dataclass
 SM90_DEFAULT_DISPATCH_SMS = 4
 MIN_COMPUTE_SMS = 32
 MIN_DISPATCH_SMS = 2
+DISPATCH_ENV = ("GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS")
+"""The environment variables of the dispatch SM request, first wins."""
 
 
 class PartitionError(ValueError):
@@ -47,7 +49,7 @@ def dispatch_request(explicit: int | None = None) -> int:
     """The dispatch SM request: explicit argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4."""
     if explicit is not None:
         return int(explicit)
-    for name in ("GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
+    for name in DISPATCH_ENV:
         value = _env_int(name)
         if value is not None:
             return value

@@ -103,6 +103,9 @@ class SymmetricWorkspace:
         group: dist.ProcessGroup | None = None,
         device: torch.device | int | None = None,
     ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("symmetric workspace: needs a CUDA device (torch symmetric memory, peer stores over "
+                               "NVLink); none is visible to this process")
         self.regions = layout.regions
         self.device = torch.device(
             "cuda", torch.cuda.current_device() if device is None else torch.device(device).index

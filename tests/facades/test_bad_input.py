@@ -124,7 +124,8 @@ def test_deep_gemm_flags_must_be_bools(group: dist.ProcessGroup) -> None:
             dg.get_symm_buffer_for_mega_moe(group, **args, use_fp8_dispatch=value)
         with pytest.raises(TypeError, match="get_symm_buffer_for_sm90_mega_moe: use_fp8_dispatch must be a bool"):
             dg.get_symm_buffer_for_sm90_mega_moe(group, **args, use_fp8_dispatch=value)
-    with pytest.raises(ValueError, match="get_symm_buffer_for_mega_moe: mma_type must be one of"):
+    with pytest.raises(TypeError, match="get_symm_buffer_for_mega_moe: mma_type must be one of .* \\(a str\\), got "
+                                        "NoneType"):
         dg.get_symm_buffer_for_mega_moe(group, **args, use_fp8_dispatch=True, mma_type=None)  # was AttributeError
     assert dg.get_symm_buffer_for_mega_moe(group, **args).mma_type == "fp8xfp4"  # None: derived from mma_type
     with pytest.raises(TypeError, match="transform_sf_into_required_layout: disable_ue8m0_cast must be a bool, "

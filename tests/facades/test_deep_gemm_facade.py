@@ -97,7 +97,7 @@ def test_buffer_reuses_base(group: dist.ProcessGroup) -> None:
     ({"activation": "swigluoai"}, NotImplementedError, "activation='swigluoai'"),
     ({"intermediate_hidden": 200}, ValueError, "intermediate_hidden: must be a multiple of 128"),
     ({"num_topk": 0}, ValueError, "num_topk: must be in"),
-    ({"num_max_tokens_per_rank": 9000}, ValueError, "num_max_tokens_per_rank: must be in"),
+    ({"num_max_tokens_per_rank": 9000}, ValueError, "num_max_tokens_per_rank must be in \\[1, 8192\\], got 9000"),
     ({"num_experts": 6, "num_topk": 4}, None, None),
     ({"use_fp8_dispatch": False}, ValueError, "use_fp8_dispatch=False contradicts"),
 ])

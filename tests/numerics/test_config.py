@@ -167,7 +167,8 @@ def test_tokens_per_expert_rejects_negative() -> None:
     ("intermediate", 4224, "intermediate", "[1, 4096]"),
     ("intermediate", 0, "intermediate", "[1, 4096]"),
     ("hidden", 384, "hidden", "multiple of 256"),
-    ("hidden", 0, "hidden", ">= 1"),
+    ("hidden", 0, "hidden", "[1, 8192]"),
+    ("hidden", 256 * 2**32, "hidden", "bounds the symmetric buffer"),  # was an attempt to allocate ~2 PB
     ("topk", 0, "topk", "[1, 31]"),
     ("topk", 32, "topk", "k + num_shared_experts <= 32"),
     ("num_shared_experts", 2, "num_shared_experts", "[0, 1]"),

@@ -116,7 +116,8 @@ def test_buffer_dispatch_sms_from_environment(group: dist.ProcessGroup, monkeypa
     assert _buffer(group).dispatch_sms == 8
     assert _buffer(group, dispatch_sms=3).dispatch_sms == 3  # the argument wins
     monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "100000")  # an absurd request from the environment is refused too
-    with pytest.raises(ValueError, match="dispatch_sms must be in \\[2, 1024\\] .*, got 100000 \\(GC_MOE_DISPATCH_SMS"):
+    with pytest.raises(ValueError, match="get_symm_buffer_for_gc_moe: GC_MOE_DISPATCH_SMS \\(the dispatch SM request, "
+                                         "dispatch_sms=None\\) must be in \\[2, 1024\\] .*, got 100000"):
         _buffer(group)
     monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "many")
     with pytest.raises(PartitionError, match="GC_MOE_DISPATCH_SMS must be an integer"):
