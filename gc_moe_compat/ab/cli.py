@@ -6,6 +6,7 @@ Usage (``python -m gc_moe_compat.ab`` is the same)::
     gc-moe-ab --model-config path/to/config.json --ep-size 8
     gc-moe-ab --hidden 7168 --intermediate 2048 --experts 256 --topk 8 [--ep-size 8]
     gc-moe-ab --check ...          # what would run and what is missing; no GPU needed, exits 0
+    gc-moe-ab matrix ...           # the compatibility matrix (the same as gc-moe-matrix)
 
 The workload is checked against the operator's constraints before anything is allocated (a failing rule is
 printed, exit code 2). On a machine with several GPUs the tool starts one process per GPU itself (``torchrun``,
@@ -174,6 +175,10 @@ def _launch_ranks(world: int, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["matrix"]:
+        from gc_moe_compat.ab import matrix
+
+        return matrix.main(argv[1:])
     try:
         args, w, problems = parse(argv)
     except ValueError as exc:

@@ -157,22 +157,37 @@ class MegaMoeSequence:
 
     Created once per run (buffer + weight transform, as SGLang does at load time); per step: the pre-dispatch
     (``mega_moe_pre_dispatch_sm90`` where the module has it, else the byte-identical torch staging before the
-    graph) and ``fp8_mega_moe``."""
+    graph) and the Mega MoE call: ``fp8_mega_moe`` on FP8 128x128-block experts (``mma_type='fp8xfp8'``, what SGLang
+    calls on Hopper) or ``fp8_fp4_mega_moe`` on MXFP4 experts (``'fp8xfp4'``, transformed by
+    ``transform_weights_for_mega_moe``). ``buffer_mma_type`` / ``num_shared_experts`` are the buffer's (SGLang's:
+    ``'fp8xfp4'``, 0)."""
 
-    def __init__(self, dg: ModuleType, ctx: Context, env: dict[str, str] | None = None) -> None:
+    def __init__(self, dg: ModuleType, ctx: Context, env: dict[str, str] | None = None, *,
+                 mma_type: str = "fp8xfp8", buffer_mma_type: str = SGLANG_BUFFER_MMA_TYPE,
+                 num_shared_experts: int = 0) -> None:
         self.dg, self.ctx = dg, ctx
         w = ctx.workload
-        shape = ctx.shape("fp8xfp8")
+        shape = ctx.shape(mma_type)
         buffer_kwargs = _accepted(dg.get_symm_buffer_for_mega_moe,
-                                  {"num_shared_experts": 0, "mma_type": SGLANG_BUFFER_MMA_TYPE})
+                                  {"num_shared_experts": num_shared_experts, "mma_type": buffer_mma_type})
         with _environment(env or {}):
             self.buf = dg.get_symm_buffer_for_mega_moe(ctx.group, shape.num_experts, w.capacity, w.topk, w.hidden,
                                                        w.intermediate, **buffer_kwargs)
-        l1, l2 = ctx.weights["fp8_block128"]
-        self.l1, self.l2 = dg.transform_weights_for_mega_moe_sm90((l1.payload, l1.scales), (l2.payload, l2.scales))
+        options = {"activation": "swiglu", "activation_clamp": w.activation_clamp, "fast_math": True}
+        if mma_type == "fp8xfp8":
+            l1, l2 = ctx.weights["fp8_block128"]
+            self.l1, self.l2 = dg.transform_weights_for_mega_moe_sm90((l1.payload, l1.scales),
+                                                                      (l2.payload, l2.scales))
+            self.call = dg.fp8_mega_moe
+            options["recipe"] = (128, 128, 128)
+        else:
+            l1, l2 = ctx.weights["mxfp4"]
+            self.l1, self.l2 = dg.transform_weights_for_mega_moe((l1.payload, l1.scales), (l2.payload, l2.scales),
+                                                                 mma_type="fp8xfp4")
+            self.call = dg.fp8_fp4_mega_moe
+            options["recipe"] = (1, 1, 32)
         self.pre_dispatch = getattr(dg, "mega_moe_pre_dispatch_sm90", None)
-        self.moe_kwargs = _accepted(dg.fp8_mega_moe, {"recipe": (128, 128, 128), "activation": "swiglu",
-                                                      "activation_clamp": w.activation_clamp, "fast_math": True})
+        self.moe_kwargs = _accepted(self.call, options)
         self.tokens: _StaticTokens | None = None
 
     def stage(self, tokens: Tokens) -> None:
@@ -190,7 +205,7 @@ class MegaMoeSequence:
             self.pre_dispatch(t.x, t.topk_idx, t.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights,
                               num_tokens=t.count, group_size=128,
                               routed_scaling_factor=self.ctx.workload.routed_scaling_factor)
-        self.dg.fp8_mega_moe(t.y, self.l1, self.l2, b, **self.moe_kwargs)
+        self.call(t.y, self.l1, self.l2, b, **self.moe_kwargs)
         return t.y[: t.count]
 
     def partition(self) -> dict[str, object]:

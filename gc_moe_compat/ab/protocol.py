@@ -171,6 +171,14 @@ def _driver_version() -> str:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
+def _gpu_name() -> str:
+    """The current GPU's name, ``"none"`` where torch has no CUDA device (a CPU-only matrix run)."""
+    try:
+        return torch.cuda.get_device_name()
+    except (AssertionError, RuntimeError):
+        return "none"
+
+
 def idle_gpu_check(device: int = 0) -> dict[str, object]:
     """Whether GPU ``device`` looked idle before the run: other processes' compute contexts and the sampled
     utilization (nvidia-smi). ``{"idle": bool | None, "detail": str}``; None where nvidia-smi cannot say."""
@@ -205,7 +213,7 @@ def result_meta(script: str, argv: list[str], partition: dict[str, object], *, w
         "git_sha": os.environ.get("GC_MOE_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
         "dirty": _dirty(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": _gpu_name(),
         "driver": _driver_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

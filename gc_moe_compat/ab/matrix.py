@@ -1,0 +1,502 @@
+"""``gc-moe-matrix`` (also ``gc-moe-ab matrix``): the compatibility matrix of the facades on the machine at hand.
+
+One *cell* per combination, each with a result: ``pass``, ``fail`` (with the assertion or the unexpected error),
+``not supported`` (with the reason the facade gives, e.g. its NotImplementedError) or ``not run`` (with why: no
+GPU, fewer GPUs than the cell's world size, no checkout given). Kinds of cells:
+
+* ``signature`` (CPU): per facade entry point and per original version recorded in ``tests/data/*.json``
+  (``scripts/gen_signatures.py``: ``deepinfer-gemm`` 2.8.2, ``sgl-deep-gemm`` 0.2.3.post2, ``sgl-deep-ep``
+  0.1.2.post1): that version's parameters are a prefix of the facade's (same names, kinds, defaults), so code
+  written against it binds. Plus the known divergences of versions not recorded there (:data:`KNOWN_DIVERGENCES`).
+* ``validation`` (CPU): bad input raises the documented exception naming the argument, before any launch; an
+  unsupported option raises NotImplementedError naming it (a ``not supported`` cell with that message).
+* ``pre-dispatch`` (CPU): the facade's pre-dispatch staging at T = 0, 1, odd, capacity, per buffer ``mma_type``
+  and scale format, byte for byte against the originals' arithmetic (:func:`gc_moe_compat.quant`'s model).
+* ``swap`` (CPU): ``GC_MOE_SWAP`` values, each in a fresh interpreter: where ``deep_gemm`` / ``deep_ep`` come from.
+* ``layer`` (GPU, :mod:`.matrix_gpu`): entry point x ``mma_type`` x shared experts x scale format x T x world size,
+  each run against the quantization-faithful reference.
+* ``suite`` (GPU): the originals' own test files from checkouts the user points to, run unmodified under the swap.
+
+Writes ``compat_matrix.md`` and ``compat_matrix.json`` with the versions of torch, CUDA, the driver, the GPU and
+each original found. ``--cpu-only`` runs the CPU cells (what CI runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import inspect
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gc_moe_compat.ab.protocol import REPO, result_meta
+
+__all__ = ["KNOWN_DIVERGENCES", "Cell", "cpu_cells", "main", "markdown", "signature_cells", "swap_cells",
+           "validation_cells", "versions"]
+
+RESULTS = ("pass", "fail", "not supported", "not run")
+DATA_DIR = REPO / "tests" / "data"
+SIGNATURE_FILES = {"deep_gemm": "deep_gemm_mega_moe.json", "deep_ep": "deep_ep_buffer.json"}
+DISTRIBUTIONS = ("sgl-deep-gemm", "deepinfer-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep", "deepinfer-ep")
+"""Registry names of the originals whose installed versions the matrix records."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A difference of an original version that ``tests/data`` does not record (API_SURFACE.md)."""
+
+    entry: str
+    version: str
+    what: str
+    check: Callable[[], bool]
+    """True where the facade already accepts the original's form."""
+
+
+def _accepts(module: str, name: str, param: str) -> Callable[[], bool]:
+    def check() -> bool:
+        obj = _resolve(module, name)
+        return param in inspect.signature(obj).parameters
+
+    return check
+
+
+def _has(module: str, name: str) -> Callable[[], bool]:
+    def check() -> bool:
+        mod = __import__(f"gc_moe_compat.{module}", fromlist=["_"])
+        return name in getattr(mod, "__all__", ())
+
+    return check
+
+
+KNOWN_DIVERGENCES = (
+    Divergence("deep_gemm.mega_moe_pre_dispatch", "sgl-deep-gemm dev branch (sgl-project/DeepGEMM)",
+               "renames mma_type= to use_fp4_acts=; both spellings should be accepted where they do not conflict",
+               _accepts("deep_gemm", "mega_moe_pre_dispatch", "use_fp4_acts")),
+    Divergence("deep_gemm.bf16_mega_gate", "sgl-deep-gemm 0.2.5", "adds bf16_mega_gate (forwarded to an installed "
+               "original; MissingOriginalError without one)", _has("deep_gemm", "bf16_mega_gate")),
+    Divergence("deep_gemm.mega_mhc", "sgl-deep-gemm 0.2.5", "adds mega_mhc (forwarded to an installed original; "
+               "MissingOriginalError without one)", _has("deep_gemm", "mega_mhc")),
+)
+
+
+@dataclass
+class Cell:
+    """One combination and its result."""
+
+    kind: str
+    entry: str
+    case: str
+    result: str
+    detail: str = ""
+    axes: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.result not in RESULTS:
+            raise ValueError(f"result: must be one of {RESULTS}, got {self.result!r}")
+
+
+def _resolve(module: str, name: str) -> object:
+    obj: object = __import__(f"gc_moe_compat.{module}", fromlist=["_"])
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _records(sig: inspect.Signature) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
+
+
+def _recorded(params: list[dict]) -> list[tuple[str, str, object]]:
+    import ast
+
+    empty = inspect.Parameter.empty
+    return [(p["name"], p["kind"], empty if p["default"] is None else ast.literal_eval(p["default"])) for p in params]
+
+
+def _fmt(rec: tuple[str, str, object]) -> str:
+    name, kind, default = rec
+    return f"{name}" + ("" if default is inspect.Parameter.empty else f"={default!r}") + f" [{kind}]"
+
+
+def signature_cells(data_dir: Path = DATA_DIR) -> list[Cell]:
+    """Every recorded (entry point, version): is that version's parameter list a prefix of the facade's?"""
+    cells = []
+    for module, filename in SIGNATURE_FILES.items():
+        data = json.loads((data_dir / filename).read_text())
+        for name, per_version in data["names"].items():
+            entry = f"{module}.{name}"
+            try:
+                ours = _records(inspect.signature(_resolve(module, name)))
+            except (AttributeError, TypeError, ValueError) as exc:
+                for version in per_version:
+                    cells.append(Cell("signature", entry, version, "fail", f"facade: {type(exc).__name__}: {exc}",
+                                      {"version": version}))
+                continue
+            for version, rec in per_version.items():
+                axes = {"version": version}
+                if rec is None:
+                    cells.append(Cell("signature", entry, version, "pass", "absent in this version (the facade "
+                                      "adds it)", axes))
+                    continue
+                if rec["params"] is None:
+                    cells.append(Cell("signature", entry, version, "pass", "compiled in this version (no Python "
+                                      "signature to compare)", axes))
+                    continue
+                theirs = _recorded(rec["params"])
+                mine = ours
+                if "." in name and theirs and theirs[0][0] == "self":  # a method: drop self
+                    theirs = theirs[1:]
+                    mine = ours[1:] if ours and ours[0][0] == "self" else ours
+                diffs = [f"{_fmt(t)} vs facade {_fmt(m) if m else 'missing'}"
+                         for t, m in zip(theirs, [*mine, *[None] * len(theirs)], strict=False) if t != m]
+                if diffs:
+                    cells.append(Cell("signature", entry, version, "fail", "; ".join(diffs), axes))
+                else:
+                    extra = [r[0] for r in mine[len(theirs):]]
+                    cells.append(Cell("signature", entry, version, "pass",
+                                      f"{len(theirs)} parameters bind" + (f"; the facade adds {extra}" if extra
+                                                                          else ""), axes))
+    for div in KNOWN_DIVERGENCES:
+        ok = div.check()
+        cells.append(Cell("signature", div.entry, div.version, "pass" if ok else "not supported",
+                          f"{div.what}: {'accepted' if ok else 'not accepted by the facade yet'}",
+                          {"version": div.version}))
+    return cells
+
+
+@contextlib.contextmanager
+def _gloo_group() -> Iterator[object]:
+    """A one-rank gloo group (the facades' buffers are host memory without CUDA); destroyed after the block."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _expect(kind: str, entry: str, case: str, call: Callable[[], object], exc_type: type[BaseException],
+            needle: str, axes: dict[str, object] | None = None) -> Cell:
+    """Run ``call``: the expected exception naming ``needle`` passes (a NotImplementedError is a ``not supported``
+    cell carrying its message); anything else fails with what happened."""
+    try:
+        call()
+    except exc_type as exc:
+        if needle not in str(exc):
+            return Cell(kind, entry, case, "fail", f"{type(exc).__name__} without {needle!r}: {exc}", axes or {})
+        result = "not supported" if exc_type is NotImplementedError else "pass"
+        return Cell(kind, entry, case, result, f"{type(exc).__name__}: {exc}", axes or {})
+    except Exception as exc:  # noqa: BLE001 - the cell records it
+        return Cell(kind, entry, case, "fail", f"expected {exc_type.__name__} naming {needle!r}, got "
+                    f"{type(exc).__name__}: {exc}", axes or {})
+    return Cell(kind, entry, case, "fail", f"expected {exc_type.__name__} naming {needle!r}, nothing raised",
+                axes or {})
+
+
+def validation_cells(group: object) -> list[Cell]:
+    """Bad inputs and unsupported options of each entry point (host memory, one rank)."""
+    from gc_moe_compat import deep_ep
+    from gc_moe_compat import deep_gemm as dg
+    from gc_moe_compat.operator import api
+
+    h, i, e, k, cap = 512, 256, 4, 2, 64
+    fp8 = torch.float8_e4m3fn
+
+    def buf(**kw: object) -> object:
+        args = dict(group=group, num_experts=e, num_max_tokens_per_rank=cap, num_topk=k, hidden=h,
+                    intermediate_hidden=i) | kw
+        return dg.get_symm_buffer_for_mega_moe(**args)
+
+    good = buf(mma_type="fp8xfp8")
+    w1 = (torch.zeros(e, 2 * i, h, dtype=fp8, device="cpu"), torch.ones(e, 2 * i // 128, h // 128, device="cpu"))
+    w2 = (torch.zeros(e, h, i, dtype=fp8, device="cpu"), torch.ones(e, h // 128, i // 128, device="cpu"))
+    y = torch.zeros(1, h, dtype=torch.bfloat16, device="cpu")
+    x = torch.zeros(1, h, dtype=torch.bfloat16, device="cpu")
+    idx = torch.zeros(1, k, dtype=torch.int32, device="cpu")
+    wts = torch.ones(1, k, dtype=torch.float32, device="cpu")
+    views = (good.x, good.x_sf, good.topk_idx, good.topk_weights)
+    E = "deep_gemm.get_symm_buffer_for_mega_moe"  # noqa: N806 - a label
+    cases = [
+        (E, "mma_type='bogus'", lambda: buf(mma_type="bogus"), ValueError, "mma_type"),
+        (E, "mma_type='nvfp4xnvfp4'", lambda: buf(mma_type="nvfp4xnvfp4"), NotImplementedError, "mma_type"),
+        (E, "mma_type='bf16xbf16'", lambda: buf(mma_type="bf16xbf16"), NotImplementedError, "mma_type"),
+        (E, "activation='swigluoai'", lambda: buf(activation="swigluoai"), NotImplementedError, "activation"),
+        (E, "num_topk=0", lambda: buf(num_topk=0), ValueError, "topk"),
+        (E, "intermediate_hidden=14336 (Mixtral)", lambda: buf(intermediate_hidden=14336), ValueError, "intermediate"),
+        (E, "hidden=640 (not a multiple of 256)", lambda: buf(hidden=640), ValueError, "hidden"),
+        (E, "num_shared_experts=2", lambda: buf(num_shared_experts=2), ValueError, "num_shared_experts"),
+        (E, "use_fp8_dispatch='yes'", lambda: buf(use_fp8_dispatch="yes"), TypeError, "use_fp8_dispatch"),
+        (E, "num_max_tokens_per_rank=9000", lambda: buf(num_max_tokens_per_rank=9000), ValueError,
+         "num_max_tokens_per_rank"),
+        ("deep_gemm.fp8_mega_moe", "y float32", lambda: dg.fp8_mega_moe(y.float(), w1, w2, good), TypeError, "y"),
+        ("deep_gemm.fp8_mega_moe", "recipe=(1, 1, 32)",
+         lambda: dg.fp8_mega_moe(y, w1, w2, good, recipe=(1, 1, 32)), ValueError, "recipe"),
+        ("deep_gemm.fp8_mega_moe", "activation_clamp=-1",
+         lambda: dg.fp8_mega_moe(y, w1, w2, good, activation_clamp=-1.0), ValueError, "activation_clamp"),
+        ("deep_gemm.fp8_mega_moe", "fast_math='no'",
+         lambda: dg.fp8_mega_moe(y, w1, w2, good, fast_math="no"), TypeError, "fast_math"),
+        ("deep_gemm.fp8_mega_moe", "l1 weights of another expert count",
+         lambda: dg.fp8_mega_moe(y, (w1[0][:2], w1[1][:2]), w2, good), ValueError, "l1_weights"),
+        ("deep_gemm.fp8_fp4_mega_moe", "recipe=(1, 1, 16) (NVFP4)",
+         lambda: dg.fp8_fp4_mega_moe(y, w1, w2, good, recipe=(1, 1, 16)), NotImplementedError, "NVFP4"),
+        ("deep_gemm.fp8_fp4_mega_moe", "weight_layout='trtllm'",
+         lambda: dg.fp8_fp4_mega_moe(y, w1, w2, good, weight_layout="trtllm"), NotImplementedError,
+         "weight_layout"),
+        ("deep_gemm.fp8_fp4_mega_moe", "post_expert_norm=True",
+         lambda: dg.fp8_fp4_mega_moe(y, w1, w2, good, post_expert_norm=True), NotImplementedError,
+         "post_expert_norm"),
+        ("deep_gemm.nvfp4_mega_moe", "any call", lambda: dg.nvfp4_mega_moe(y, w1, w2, good), NotImplementedError,
+         "NVFP4"),
+        ("deep_gemm.bf16_mega_moe", "any call", lambda: dg.bf16_mega_moe(y, w1, w2, good), NotImplementedError,
+         "BF16"),
+        ("deep_gemm.mega_moe_pre_dispatch_sm90", "group_size=32",
+         lambda: dg.mega_moe_pre_dispatch_sm90(x, idx, wts, *views, num_tokens=1, group_size=32), ValueError,
+         "group_size"),
+        ("deep_gemm.mega_moe_pre_dispatch_sm90", "routed_scaling_factor=nan",
+         lambda: dg.mega_moe_pre_dispatch_sm90(x, idx, wts, *views, num_tokens=1, routed_scaling_factor=math.nan),
+         ValueError, "routed_scaling_factor"),
+        ("deep_gemm.mega_moe_pre_dispatch_sm90", "num_tokens above the buffer",
+         lambda: dg.mega_moe_pre_dispatch_sm90(x, idx, wts, *views, num_tokens=cap + 1), ValueError, "num_tokens"),
+        ("deep_gemm.mega_moe_pre_dispatch", "SM90 buffer (FP32 x_sf) with the SM100 K32 staging",
+         lambda: dg.mega_moe_pre_dispatch(x, idx, wts, *views, num_tokens=1), ValueError, "buf_x_sf"),
+        ("deep_gemm.mega_moe_pre_dispatch", "group_size=16 (NVFP4)",
+         lambda: dg.mega_moe_pre_dispatch(x, idx, wts, *views, num_tokens=1, group_size=16), NotImplementedError,
+         "group_size"),
+        ("deep_gemm.transform_weights_for_mega_moe", "BF16 weights",
+         lambda: dg.transform_weights_for_mega_moe(w1[0].float(), w2[0].float()), NotImplementedError, "BF16"),
+        ("deep_gemm.transform_scales_for_mega_moe", "any call",
+         lambda: dg.transform_scales_for_mega_moe(w1[1], w2[1]), NotImplementedError, "NVFP4"),
+        ("deep_ep.Buffer", "low_latency_mode='yes'", lambda: deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode="yes"),
+         TypeError, "low_latency_mode"),
+        ("deep_ep.Buffer.get_low_latency_rdma_size_hint", "hidden=100",
+         lambda: deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 100, 1, 8), ValueError, "hidden"),
+        ("gc_moe.get_symm_buffer_for_gc_moe", "mma_type='fp4xfp4'",
+         lambda: api.get_symm_buffer_for_gc_moe(group, e, cap, k, h, i, "fp4xfp4", compute_sms=128), ValueError,
+         "mma_type"),
+        ("gc_moe.get_symm_buffer_for_gc_moe", "dispatch_sms=1",
+         lambda: api.get_symm_buffer_for_gc_moe(group, e, cap, k, h, i, "fp8xfp8", dispatch_sms=1, compute_sms=128),
+         ValueError, "dispatch_sms"),
+    ]
+    cells = [_expect("validation", entry, case, call, exc, needle) for entry, case, call, exc, needle in cases]
+    good.destroy()
+    return cells
+
+
+def predispatch_cells(group: object) -> list[Cell]:
+    """The facade's pre-dispatch staging at the T of the grid, per buffer ``mma_type`` and scale format, byte for
+    byte against the originals' arithmetic (the torch model the kernel is tested against)."""
+    from gc_moe_compat import deep_gemm as dg
+    from gc_moe_compat import quant
+
+    h, i, e, k, cap = 512, 256, 4, 2, 64
+    cells = []
+    for mma in ("fp8xfp4", "fp8xfp8"):
+        b = dg.get_symm_buffer_for_mega_moe(group, e, cap, k, h, i, mma_type=mma)
+        for t in (0, 1, 7, b.num_max_tokens_per_rank):
+            gen = torch.Generator().manual_seed(t)
+            x = torch.randn(t, h, generator=gen, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+            idx = torch.randint(-1, e, (t, k), generator=gen, dtype=torch.int32, device="cpu")
+            w = torch.rand(t, k, generator=gen, dtype=torch.float32, device="cpu")
+            axes = {"mma_type": mma, "scale_format": "fp32 1x128", "tokens": t, "world_size": 1}
+            case = f"buffer mma_type={mma}, T={t}"
+            try:
+                dg.mega_moe_pre_dispatch_sm90(x, idx, w, b.x, b.x_sf, b.topk_idx, b.topk_weights, num_tokens=t,
+                                              routed_scaling_factor=2.5)
+                q, s = quant.quantize_fp8_pre_dispatch(x, "fp32x128")
+                checks = {
+                    "x bytes": torch.equal(b.x[:t].view(torch.uint8), q.view(torch.uint8)),
+                    "x_sf": torch.equal(b.x_sf[:t], s),
+                    "topk_idx": torch.equal(b.topk_idx[:t], idx.to(b.topk_idx.dtype)),
+                    "topk_weights x 2.5": torch.equal(b.topk_weights[:t], w * torch.full_like(w, 2.5)),
+                    "rows past T are (-1, 0)": bool((b.topk_idx[t:] == -1).all() and (b.topk_weights[t:] == 0).all()),
+                }
+                bad = [name for name, ok in checks.items() if not ok]
+                cells.append(Cell("pre-dispatch", "deep_gemm.mega_moe_pre_dispatch_sm90", case,
+                                  "fail" if bad else "pass", f"differs: {bad}" if bad else "byte-identical",
+                                  axes))
+            except Exception as exc:  # noqa: BLE001 - the cell records it
+                cells.append(Cell("pre-dispatch", "deep_gemm.mega_moe_pre_dispatch_sm90", case, "fail",
+                                  f"{type(exc).__name__}: {exc}", axes))
+        b.destroy()
+    return cells
+
+
+SWAP_CASES = {  # GC_MOE_SWAP -> (deep_gemm from the facade, deep_ep from the facade) or the error expected
+    None: (False, False), "0": (False, False), "1": (True, True), "deep_gemm": (True, False),
+    "deep_ep": (False, True), "bogus": "SwapConfigError",
+}
+_SWAP_PROBE = """
+import json, sys
+out = {}
+for name in ("deep_gemm", "deep_ep"):
+    try:
+        m = __import__(name)
+        out[name] = m.__name__
+    except Exception as exc:
+        out[name] = type(exc).__name__ + ": " + str(exc)[:200]
+print(json.dumps(out))
+"""
+
+
+def swap_cells() -> list[Cell]:
+    """Each ``GC_MOE_SWAP`` value in a fresh interpreter (the ``.pth`` hook acts at start-up)."""
+    cells = []
+    for value, expected in SWAP_CASES.items():
+        env = {k: v for k, v in os.environ.items() if k != "GC_MOE_SWAP"}
+        if value is not None:
+            env["GC_MOE_SWAP"] = value
+        proc = subprocess.run([sys.executable, "-c", _SWAP_PROBE], capture_output=True, text=True, env=env,
+                              timeout=120, check=False)
+        case = f"GC_MOE_SWAP={value if value is not None else '(unset)'}"
+        try:
+            seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            cells.append(Cell("swap", "import deep_gemm / deep_ep", case, "fail", f"probe failed: {proc.stderr}"))
+            continue
+        for pos, name in enumerate(("deep_gemm", "deep_ep")):
+            got = seen[name]
+            if isinstance(expected, str):
+                ok = got.startswith(expected)
+                want = f"{expected} raised"
+            else:
+                facade = got == f"gc_moe_compat.{name}"
+                ok = facade if expected[pos] else not facade  # off: the real package, or not importable
+                want = "the facade" if expected[pos] else "the original (or not importable)"
+            cells.append(Cell("swap", f"import {name}", case, "pass" if ok else "fail", f"want {want}; got {got}",
+                              {"swap": value}))
+    return cells
+
+
+def cpu_cells() -> list[Cell]:
+    """Every CPU cell (what CI runs)."""
+    cells = signature_cells()
+    with _gloo_group() as group:
+        cells += validation_cells(group)
+        cells += predispatch_cells(group)
+    return cells + swap_cells()
+
+
+def versions() -> dict[str, object]:
+    """torch, CUDA, driver, GPU and every original package found."""
+    from gc_moe_compat import originals
+    from gc_moe_compat.ab.protocol import _driver_version
+
+    found = {}
+    for dist_name in DISTRIBUTIONS:
+        try:
+            found[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "driver": _driver_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "originals_installed": found,
+        "originals_on_path": {name: originals.location(name) for name in originals.NAMES},
+    }
+
+
+def checked_versions(cells: Sequence[Cell], data_dir: Path = DATA_DIR) -> dict[str, dict[str, list[str]]]:
+    """Per facade entry point: the original versions its signature was checked against, and every divergence
+    the signature cells found (what the facade adds, what an original has that the facade lacks)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for module, filename in SIGNATURE_FILES.items():
+        data = json.loads((data_dir / filename).read_text())
+        for name, per_version in data["names"].items():
+            out[f"{module}.{name}"] = {"versions": list(per_version), "divergences": []}
+    for c in cells:
+        if c.kind != "signature":
+            continue
+        entry = out.setdefault(c.entry, {"versions": [], "divergences": []})
+        if c.case not in entry["versions"]:
+            entry["versions"].append(c.case)
+        if c.result != "pass" or "adds" in c.detail or "absent" in c.detail:
+            entry["divergences"].append(f"{c.case}: {c.result}: {c.detail}")
+    return out
+
+
+def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, dict[str, list[str]]]) -> str:
+    """``compat_matrix.md``: the versions, the counts, one table per kind of cell, the checked versions."""
+    lines = ["# GC-MoE compatibility matrix", "",
+             f"Produced by `{info.get('command', 'gc-moe-matrix')}` at {info.get('git_sha', '?')} "
+             f"({info.get('date', '?')}).", "", "| what | version |", "|---|---|"]
+    v = info["versions"]
+    for key in ("torch", "cuda", "driver", "gpu", "gpus"):
+        lines.append(f"| {key} | {v[key]} |")
+    for name, ver in v["originals_installed"].items():
+        lines.append(f"| {name} (installed) | {ver} |")
+    for name, loc in v["originals_on_path"].items():
+        lines.append(f"| original `{name}` on sys.path | {loc or 'none'} |")
+    counts = {r: sum(c.result == r for c in cells) for r in RESULTS}
+    lines += ["", "Cells: " + ", ".join(f"{n} {r}" for r, n in counts.items()), ""]
+    for kind in dict.fromkeys(c.kind for c in cells):
+        lines += [f"## {kind}", "", "| entry point | case | result | detail |", "|---|---|---|---|"]
+        for c in cells:
+            if c.kind == kind:
+                detail = c.detail.replace("|", "\\|").replace("\n", " ")
+                lines.append(f"| `{c.entry}` | {c.case} | {c.result} | {detail[:400]} |")
+        lines.append("")
+    lines += ["## Original versions each entry point's signature was checked against", "",
+              "| entry point | versions | divergences |", "|---|---|---|"]
+    for entry, rec in checked.items():
+        divergences = "; ".join(rec["divergences"]).replace("|", "\\|") or "none"
+        lines.append(f"| `{entry}` | {', '.join(rec['versions']) or '-'} | {divergences} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gc-moe-matrix", description=__doc__.split("\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where compat_matrix.md / .json go (default bench/results of the checkout, else .)")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU cells (what CI runs)")
+    parser.add_argument("--deepep-src", type=Path, help="a DeepEP checkout: run its tests/legacy/ unmodified")
+    parser.add_argument("--deepgemm-src", type=Path, help="a DeepGEMM checkout: run tests/test_mega_moe.py")
+    parser.add_argument("--sgl-deepgemm-src", type=Path,
+                        help="an sgl-project/DeepGEMM checkout: run its SM90 Mega MoE tests")
+    parser.add_argument("--suite-timeout", type=int, default=600, help="seconds per original test file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    cells = cpu_cells()
+    if not args.cpu_only:
+        from gc_moe_compat.ab import matrix_gpu
+
+        cells += matrix_gpu.layer_cells()
+        cells += matrix_gpu.suite_cells(args.deepep_src, args.deepgemm_src, args.sgl_deepgemm_src,
+                                        args.suite_timeout)
+    out_dir = args.out_dir or (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd())
+    command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
+    meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
+    info = {**meta, "versions": versions()}
+    checked = checked_versions(cells)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compat_matrix.json").write_text(json.dumps(
+        {"meta": info, "checked_versions": checked, "cells": [asdict(c) for c in cells]}, indent=1, default=str)
+        + "\n")
+    (out_dir / "compat_matrix.md").write_text(markdown(cells, info, checked))
+    counts = {r: sum(c.result == r for c in cells) for r in RESULTS}
+    print(f"compat matrix: {len(cells)} cells: " + ", ".join(f"{n} {r}" for r, n in counts.items())
+          + f"; wrote {out_dir / 'compat_matrix.md'} and .json")
+    for c in cells:
+        if c.result == "fail":
+            print(f"FAIL {c.kind} {c.entry} {c.case}: {c.detail[:300]}")
+    return 1 if counts["fail"] else 0
