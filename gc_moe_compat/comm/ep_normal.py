@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -239,7 +240,10 @@ def make_params(*, transient: Transient, data_rows: int, op: int = 0, timeout_ms
         off_recv_chan=transient.recv_chan, off_data=transient.data)
 
 
+@functools.cache
 def _kernel(kernel: Kernel) -> jit.Kernel:
+    """The loaded kernel, looked up once per process: ``jit.load_module`` hashes the source tree for its cache key
+    (milliseconds), which would otherwise be paid by every launch of a normal-mode call."""
     return jit.load_module(SOURCE).kernel(_NAMES[kernel])
 
 

@@ -37,13 +37,13 @@ def poison() -> None:
 
 def routing(gen: torch.Generator, tokens: int, experts: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "one_expert":
-        idx = torch.full((tokens, TOPK), -1, dtype=torch.int64)
+        idx = torch.full((tokens, TOPK), -1, dtype=torch.int64, device="cpu")
         idx[:, 0] = experts - 1
     else:
-        idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(tokens)]) if tokens else \
-            torch.zeros(0, TOPK, dtype=torch.int64)
-        idx = torch.where(torch.rand(tokens, TOPK, generator=gen) < 0.2, -1, idx)
-    return idx, torch.rand(tokens, TOPK, generator=gen)
+        idx = torch.stack([torch.randperm(experts, generator=gen, device="cpu")[:TOPK] for _ in range(tokens)]) \
+            if tokens else torch.zeros(0, TOPK, dtype=torch.int64, device="cpu")
+        idx = torch.where(torch.rand(tokens, TOPK, generator=gen, device="cpu") < 0.2, -1, idx)
+    return idx, torch.rand(tokens, TOPK, generator=gen, device="cpu")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
              align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     experts = experts_for(ranks)
-    xs = [(torch.randn(t, HIDDEN, generator=gen) * 2).to(torch.bfloat16) for t in tokens]
+    xs = [(torch.randn(t, HIDDEN, generator=gen, device="cpu") * 2).to(torch.bfloat16) for t in tokens]
     routes = [routing(gen, t, experts, kind) for t in tokens]
     idx, w = [r[0] for r in routes], [r[1] for r in routes]
     config = deep_ep.Config(SMS, 8, 256)
@@ -93,7 +93,8 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
         ev.current_stream_wait()
     torch.cuda.synchronize()
     n = len(ref.recv_rows)
-    rows_x = torch.stack([xs[s][t] for s, t in ref.recv_rows]) if n else torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+    rows_x = torch.stack([xs[s][t] for s, t in ref.recv_rows]) if n else \
+        torch.zeros(0, HIDDEN, dtype=torch.bfloat16, device="cpu")
     recv_x = recv[0] if fp8 else recv
     if worst:
         assert counts == [] and recv_x.shape[0] == worst and recv_idx.shape[0] == worst
@@ -104,9 +105,9 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     if fp8:
         quantized = [_fp8_of(q) for q in xs]
         want_payload = torch.stack([quantized[s][0][t] for s, t in ref.recv_rows]) if n else \
-            torch.zeros(0, HIDDEN, dtype=torch.float8_e4m3fn)
+            torch.zeros(0, HIDDEN, dtype=torch.float8_e4m3fn, device="cpu")
         want_scales = torch.stack([quantized[s][1][t] for s, t in ref.recv_rows]) if n else \
-            torch.zeros(0, HIDDEN // 128)
+            torch.zeros(0, HIDDEN // 128, dtype=torch.float32, device="cpu")
         check_equal("recv_x (FP8)", recv_x[:n], want_payload)
         check_equal("recv_x scales", recv[1][:n], want_scales)
     else:
@@ -125,18 +126,20 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
         torch.cuda.synchronize()
         check_equal("cached dispatch recv_x", again[:n], rows_x)
     # Combine: every rank's "expert output" is its received rows scaled by a rank-dependent factor.
-    outs = [torch.zeros(0)] * ranks
+    outs: list[torch.Tensor] = [torch.empty(0, device="cpu")] * ranks
     rows_by_rank, w_by_rank = [], []
     for q in range(ranks):
         rq = dispatch_reference(idx, w, experts, SMS // 2, q, align)
         rows_by_rank.append(rq.recv_rows)
-        xq = torch.stack([xs[s][t] for s, t in rq.recv_rows]) if rq.recv_rows else torch.zeros(0, HIDDEN)
+        xq = torch.stack([xs[s][t] for s, t in rq.recv_rows]) if rq.recv_rows else \
+            torch.zeros(0, HIDDEN, dtype=torch.float32, device="cpu")
         outs[q] = (xq.float() * (q + 1.5)).to(torch.bfloat16)
         w_by_rank.append(rq.recv_topk_weights)
     mine = outs[rank]
-    x_comb = torch.cat([mine, torch.full((recv_x.shape[0] - n, HIDDEN), float("nan"))]).to(torch.bfloat16)
-    b = (torch.randn(tokens[rank], HIDDEN, generator=gen).to(torch.bfloat16),
-         torch.randn(tokens[rank], HIDDEN, generator=gen).to(torch.bfloat16)) if bias else (None, None)
+    pad = torch.full((recv_x.shape[0] - n, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cpu")
+    x_comb = torch.cat([mine, pad])
+    b = tuple(torch.randn(tokens[rank], HIDDEN, generator=gen, device="cpu").to(torch.bfloat16) for _ in range(2)) \
+        if bias else (None, None)
     want_x, want_w = combine_reference(rows_by_rank, outs, tokens[rank], rank, b, w_by_rank)
     poison()
     prev = deep_ep.Buffer.capture() if use_async else None
