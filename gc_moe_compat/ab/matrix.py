@@ -225,12 +225,15 @@ def validation_cells(group: object) -> list[Cell]:
         return dg.get_symm_buffer_for_mega_moe(**args)
 
     good = buf(mma_type="fp8xfp8")
-    w1 = (torch.zeros(e, 2 * i, h, dtype=fp8, device="cpu"), torch.ones(e, 2 * i // 128, h // 128, device="cpu"))
-    w2 = (torch.zeros(e, h, i, dtype=fp8, device="cpu"), torch.ones(e, h // 128, i // 128, device="cpu"))
-    y = torch.zeros(1, h, dtype=torch.bfloat16, device="cpu")
-    x = torch.zeros(1, h, dtype=torch.bfloat16, device="cpu")
-    idx = torch.zeros(1, k, dtype=torch.int32, device="cpu")
-    wts = torch.ones(1, k, dtype=torch.float32, device="cpu")
+    dev = good.x.device  # host memory without CUDA, the GPU with it: every operand on the buffer's device
+    w1 = (torch.zeros(e, 2 * i, h, dtype=fp8, device=dev),
+          torch.ones(e, 2 * i // 128, h // 128, dtype=torch.float32, device=dev))
+    w2 = (torch.zeros(e, h, i, dtype=fp8, device=dev),
+          torch.ones(e, h // 128, i // 128, dtype=torch.float32, device=dev))
+    y = torch.zeros(1, h, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(1, h, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(1, k, dtype=torch.int32, device=dev)
+    wts = torch.ones(1, k, dtype=torch.float32, device=dev)
     views = (good.x, good.x_sf, good.topk_idx, good.topk_weights)
     E = "deep_gemm.get_symm_buffer_for_mega_moe"  # noqa: N806 - a label
     cases = [
@@ -309,11 +312,12 @@ def predispatch_cells(group: object) -> list[Cell]:
     cells = []
     for mma in ("fp8xfp4", "fp8xfp8"):
         b = dg.get_symm_buffer_for_mega_moe(group, e, cap, k, h, i, mma_type=mma)
+        dev = b.x.device  # on a GPU the fused kernel stages, on a host the torch path: both against the model
         for t in (0, 1, 7, b.num_max_tokens_per_rank):
             gen = torch.Generator().manual_seed(t)
-            x = torch.randn(t, h, generator=gen, dtype=torch.float32, device="cpu").to(torch.bfloat16)
-            idx = torch.randint(-1, e, (t, k), generator=gen, dtype=torch.int32, device="cpu")
-            w = torch.rand(t, k, generator=gen, dtype=torch.float32, device="cpu")
+            x = torch.randn(t, h, generator=gen, dtype=torch.float32, device="cpu").to(dev, torch.bfloat16)
+            idx = torch.randint(-1, e, (t, k), generator=gen, dtype=torch.int32, device="cpu").to(dev)
+            w = torch.rand(t, k, generator=gen, dtype=torch.float32, device="cpu").to(dev)
             axes = {"mma_type": mma, "scale_format": "fp32 1x128", "tokens": t, "world_size": 1}
             case = f"buffer mma_type={mma}, T={t}"
             try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gc_moe_compat.ab import inputs, model_config, operators
+from gc_moe_compat.ab import inputs, model_config, operators, prebuild
 from gc_moe_compat.ab.matrix import Cell
 from gc_moe_compat.ab.protocol import REPO
 from gc_moe_compat.ab.results import COSINE_FAITHFUL, PROCESSED_FAITHFUL
@@ -157,6 +157,8 @@ def layer_cells() -> list[Cell]:
         return [Cell("layer", entry, "all T", "not run", "needs a CUDA GPU", axes) for entry, axes, _ in entries]
     device = torch.device("cuda", torch.cuda.current_device())
     group = _group()
+    nonzero = [t for t in LAYER_TOKENS if t]
+    prebuild.prebuild(prebuild.kernel_jobs(("fp8xfp8", "fp8xfp4"), nonzero, 1, SHAPE["topk"], SHAPE["experts"]))
     w = model_config.explicit(SHAPE["hidden"], SHAPE["intermediate"], SHAPE["experts"], SHAPE["topk"], ep_size=1,
                               routed_scaling_factor=SCALING, activation_clamp=CLAMP, capacity=SHAPE["capacity"])
     weights = inputs.make_weights(w.local_experts, w.hidden, w.intermediate, 0, inputs.WEIGHT_FORMATS, device)
