@@ -1,5 +1,10 @@
 """``deep_ep.Buffer`` (DeepEP's legacy buffer, as SGLang's pin ``sgl-deep-ep==0.1.2.post1`` declares it), with its
-low-latency mode on gc-moe-compat's kernels.
+low-latency mode and its intranode normal mode on gc-moe-compat's kernels.
+
+A Buffer created with ``num_nvl_bytes > 0`` owns a symmetric workspace of that size for the normal mode
+(``get_dispatch_layout`` / ``dispatch`` / ``combine``, :mod:`gc_moe_compat.deep_ep._normal`: DeepEP's outputs, handle
+and ordering, kernels on the communication green partition that ``config.num_sms`` requests); ``internode_*`` and
+groups above 8 ranks raise ``NotImplementedError`` (NVSHMEM/RDMA).
 
 A Buffer created with ``low_latency_mode=True`` owns one symmetric workspace of ``num_rdma_bytes`` (torch symmetric
 memory across ``group``; size it with :meth:`Buffer.get_low_latency_rdma_size_hint`). ``low_latency_dispatch`` /
