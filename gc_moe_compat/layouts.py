@@ -304,6 +304,12 @@ def utccp_row_position(rows: torch.Tensor) -> torch.Tensor:
     return (rows // UTCCP_ROWS) * UTCCP_ROWS + (rows % 32) * 4 + (rows % UTCCP_ROWS) // 32
 
 
+def _utccp_positions(mn: int) -> torch.Tensor:
+    """UTCCP destinations of rows ``0..mn-1``, built on the host (``_gather_rows`` moves them to the tensor's device,
+    meta included: the range check of :func:`utccp_row_position` reads values)."""
+    return utccp_row_position(torch.arange(mn, device="cpu", dtype=torch.int64))
+
+
 def _check_utccp(sf: object) -> torch.Tensor:
     sf = _check_tensor("sf", sf, min_dim=2)
     mn = sf.shape[-2]
@@ -323,15 +329,13 @@ def utccp_permute_scales(sf: torch.Tensor) -> torch.Tensor:
     ``align(BM, 128)``), never silent. Any dtype (packed int32 UE8M0, uint8 codes, float32).
     """
     sf = _check_utccp(sf)
-    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device, dtype=torch.int64))
-    return _gather_rows(sf, sf.dim() - 2, _invert(dest))
+    return _gather_rows(sf, sf.dim() - 2, _invert(_utccp_positions(sf.shape[-2])))
 
 
 def utccp_unpermute_scales(sf: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`utccp_permute_scales`: UTCCP-ordered ``[..., MN, G]`` back to natural MN row order."""
     sf = _check_utccp(sf)
-    dest = utccp_row_position(torch.arange(sf.shape[-2], device=sf.device, dtype=torch.int64))
-    return _gather_rows(sf, sf.dim() - 2, dest)
+    return _gather_rows(sf, sf.dim() - 2, _utccp_positions(sf.shape[-2]))
 
 
 def shared_scale_rows(num_tokens: int, block_m: int, device: torch.device | str = "cpu") -> torch.Tensor:

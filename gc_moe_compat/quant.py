@@ -48,6 +48,7 @@ Packing
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -64,6 +65,10 @@ __all__ = [
     "e2m1_encode",
     "e4m3_decode",
     "e4m3_encode",
+    "check_block_scale_values",
+    "check_e4m3_values",
+    "check_ue8m0_values",
+    "check_weight_values",
     "pack_fp4",
     "pack_ue8m0_k32",
     "quantize_fp8_blocks",
@@ -76,6 +81,7 @@ __all__ = [
     "ue8m0_scale",
     "unpack_fp4",
     "unpack_ue8m0_k32",
+    "values_readable",
 ]
 
 E4M3_MAX = 448.0
@@ -130,9 +136,90 @@ def _require_ndim(fn: str, name: str, x: Tensor, ndim: int) -> None:
 
 
 def _can_inspect(x: Tensor) -> bool:
-    """Whether checks that read values may run: not under CUDA graph capture, where the device sync they need would
-    break the capture (a serving engine captures the pre-dispatch quantization). Shape and dtype checks always run."""
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    """Whether checks that read values may run: not on a meta tensor (it has none), not under CUDA graph capture,
+    where the device sync they need would break the capture (a serving engine captures the pre-dispatch
+    quantization). Shape and dtype checks always run."""
+    return not x.is_meta and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def values_readable(x: Tensor) -> bool:
+    """Whether the weight value checks below read ``x``: not a meta tensor (no values), not empty, and not under CUDA
+    graph capture (their device sync would break it). Where this is False only the shape and dtype rules apply."""
+    return x.numel() > 0 and _can_inspect(x)
+
+
+_CHECK_CHUNK_ELEMENTS = 1 << 26
+"""Elements per slice of a weight value check: bounds its temporaries (a few bytes per element) for weights of many
+GB, whose whole-tensor predicate would need as much again."""
+
+
+def _count_bad(x: Tensor, bad: Callable[[Tensor], Tensor]) -> int:
+    """Elements of ``x`` where ``bad`` holds, evaluated over slices of dim 0 of at most ``_CHECK_CHUNK_ELEMENTS``
+    and summed on the device (one host sync in all)."""
+    if x.dim() == 0:
+        x = x.reshape(1)
+    step = max(1, _CHECK_CHUNK_ELEMENTS // max(1, x[0].numel()))
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i in range(0, x.shape[0], step):
+        total += bad(x[i:i + step]).sum()
+    return int(total)
+
+
+def check_e4m3_values(fn: str, arg: str, payload: Tensor) -> None:
+    """ValueError naming ``fn: arg`` when a ``float8_e4m3fn`` payload holds a NaN code (``0x7F`` / ``0xFF``).
+
+    Why: E4M3 has no infinity, so a NaN code is never a weight; one poisons every output it reaches through the GEMM
+    and the intermediate requantization's amax. Skipped where :func:`values_readable` is False."""
+    payload = _require_dtype(fn, arg, payload, torch.float8_e4m3fn)
+    if not values_readable(payload):
+        return
+    bad = _count_bad(payload, lambda c: (c.view(torch.uint8) & 0x7F) == 0x7F)
+    if bad:
+        raise ValueError(f"{fn}: {arg} must hold no E4M3 NaN codes (0x7f/0xff; a NaN weight poisons every output it "
+                         f"reaches), found {bad}")
+
+
+def check_ue8m0_values(fn: str, arg: str, sf: Tensor) -> None:
+    """ValueError naming ``fn: arg`` when UE8M0 scales hold code 255 (NaN per the OCP MX spec): uint8 codes, or int32
+    words of four packed codes (:func:`pack_ue8m0_k32`; any stride). Skipped where :func:`values_readable` is False."""
+    sf = _require_dtype(fn, arg, sf, torch.uint8, torch.int32)
+    if not values_readable(sf):
+        return
+    if sf.dtype == torch.uint8:
+        bad = _count_bad(sf, lambda c: c == 255)
+    else:
+        bad = _count_bad(sf, lambda w: sum(((w >> s) & 0xFF) == 0xFF for s in (0, 8, 16, 24)))
+    if bad:
+        raise ValueError(f"{fn}: {arg} must hold no UE8M0 code 255 (NaN), found {bad}")
+
+
+def check_block_scale_values(fn: str, arg: str, sf: Tensor) -> None:
+    """ValueError naming ``fn: arg`` unless every FP32 block scale is finite and positive (what the FP8 recipes'
+    ``max(amax, 1e-10) / 448`` produces). A zero, negative, NaN or infinite scale dequantizes its whole block to a
+    wrong or non-finite value. Skipped where :func:`values_readable` is False."""
+    sf = _require_dtype(fn, arg, sf, torch.float32)
+    if not values_readable(sf):
+        return
+    bad = _count_bad(sf, lambda s: ~(torch.isfinite(s) & (s > 0)))
+    if bad:
+        first = sf[~(torch.isfinite(sf) & (sf > 0))].flatten()[0].item()
+        raise ValueError(f"{fn}: {arg} must hold finite positive FP32 scales, found {bad} other value(s), "
+                         f"e.g. {first}")
+
+
+def check_weight_values(fn: str, arg: str, pair: tuple[Tensor, Tensor]) -> None:
+    """The value rules of one ``(payload, scales)`` weight pair, by dtype: E4M3 payloads without NaN codes
+    (:func:`check_e4m3_values`), FP32 block scales finite and positive (:func:`check_block_scale_values`), UE8M0
+    scales (uint8 codes or packed int32) without code 255 (:func:`check_ue8m0_values`); packed FP4 payloads have no
+    invalid code. Errors name ``arg[0]`` / ``arg[1]``. Run once where weights enter (the transforms, the facade's
+    conversion), never per call: it reads every byte."""
+    payload, sf = pair
+    if payload.dtype == torch.float8_e4m3fn:
+        check_e4m3_values(fn, f"{arg}[0]", payload)
+    if sf.dtype == torch.float32:
+        check_block_scale_values(fn, f"{arg}[1]", sf)
+    elif sf.dtype in (torch.uint8, torch.int32):
+        check_ue8m0_values(fn, f"{arg}[1]", sf)
 
 
 def _require_finite(fn: str, name: str, x: Tensor) -> None:

@@ -7,12 +7,16 @@ hold and runs the native operator (:mod:`gc_moe_compat.operator.api`):
   ``workspace``); its caller-facing views are that workspace's staging regions. The call runs on the workspace as
   seen by the call's compute path (:meth:`GcMoeBuffer.retyped`): SGLang's Hopper path creates its buffer with
   ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe`` (FP8xFP8) on it, which DeepGEMM allows and the layout permits.
-* **Weights.** DeepGEMM-layout pairs (L1 rows interleaved gate/up by 8, as ``transform_weights_for_mega_moe[_sm90]``
-  and SGLang's ``build_sm90_mega_moe_experts_weights`` leave them) become :class:`~gc_moe_compat.operator.api.
-  GcMoeWeights` once per weight tensor and buffer (:func:`operator_weights`), never per call: FP8xFP8 pairs are
-  already the operator's layout and are wrapped without a copy; FP8xFP4 pairs are de-interleaved and go through
-  :func:`gc_moe_compat.operator.api.transform_weights_for_gc_moe` (the window repack makes new tensors). A copy is
-  rebuilt when its source's version counter moves; inference tensors have none, so their copies are refused
+* **Weights.** DeepGEMM-layout pairs become :class:`~gc_moe_compat.operator.api.GcMoeWeights` once per weight
+  tensor and buffer (:func:`operator_weights`), never per call, after their value checks
+  (:func:`gc_moe_compat.quant.check_weight_values`). FP8xFP8 pairs (``transform_weights_for_mega_moe_sm90`` and
+  SGLang's ``build_sm90_mega_moe_experts_weights``: L1 rows interleaved gate/up by 8, natural block scales) are
+  already the operator's layout and are wrapped without a copy. FP8xFP4 pairs must be in the originals'
+  ``transform_weights_for_mega_moe`` layout (int32 scales in UTCCP row order, L1 interleaved; what SGLang's SM100
+  loader builds too), the only layout read: :func:`canonical_pair` undoes it and
+  :func:`gc_moe_compat.operator.api.transform_weights_for_gc_moe` repacks (new tensors). An interleave-only pair has
+  the same shapes and cannot be told apart, so it would be misread: nothing else may be passed. A copy is rebuilt
+  when its source's version counter moves; inference tensors have none, so their copies are refused
   (:func:`operator_weights` says why).
 * **Options.** ``activation_clamp`` and ``fast_math`` are the operator's; ``cumulative_local_expert_recv_stats`` is
   incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert (role4, not built) raises
@@ -27,13 +31,15 @@ from typing import Any
 
 import torch
 
-from gc_moe_compat import layouts
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.api import OPERATOR_MISSING
 
-__all__ = ["OPERATOR_MISSING", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
+__all__ = ["OPERATOR_MISSING", "canonical_pair", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
 
 _MMA_OF_RECIPE = {recipe: mma for mma, recipe in api.RECIPES.items()}
+_FACADE_FN = {"fp8xfp4": "fp8_fp4_mega_moe", "fp8xfp8": "fp8_mega_moe"}
+"""The facade call of each compute path (names the caller's function in a conversion's errors)."""
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -107,6 +113,26 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def canonical_pair(gemm: str, pair: _Pair) -> _Pair:
+    """A pair in the originals' ``transform_weights_for_mega_moe`` layout (int32 K32 scales in UTCCP row order, L1
+    rows interleaved gate/up by 8) back in canonical row order: the inverse permutations, applied in reverse
+    (:func:`gc_moe_compat.layouts.utccp_unpermute_scales`, then :func:`gc_moe_compat.layouts.deinterleave_gate_up`
+    for ``gemm == "l1"``). Exact: both are row permutations. ``[E, N, K']`` pairs (routed or shared weights)."""
+    payload, sf = pair[0], layouts.utccp_unpermute_scales(pair[1])
+    if gemm == "l1":
+        payload, sf = layouts.deinterleave_gate_up(payload), layouts.deinterleave_gate_up(sf)
+    return payload, sf
+
+
+def _refuse_unpacked_scales(mma_type: str, gemm: str, pair: _Pair) -> None:
+    """``TypeError`` unless an FP8xFP4 pair's scales are int32: the originals' layout has no uint8 form (their UTCCP
+    transpose takes int32 only), so uint8 codes could only be some other layout."""
+    if mma_type == "fp8xfp4" and pair[1].dtype != torch.int32:
+        raise TypeError(f"{_FACADE_FN[mma_type]}: {gemm}_weights[1]: must be int32 (4 packed UE8M0 K32 scales per "
+                        f"word, in transform_weights_for_mega_moe's UTCCP row order: the originals' layout), got "
+                        f"{pair[1].dtype}")
+
+
 def _convert(mma_type: str, l1: _Pair, l2: _Pair, need: tuple[bool, bool]) -> tuple[api.GcMoeWeights, ...]:
     """The operator's weights of the pairs flagged in ``need`` (None for the others)."""
     if mma_type == "fp8xfp8":
@@ -114,8 +140,7 @@ def _convert(mma_type: str, l1: _Pair, l2: _Pair, need: tuple[bool, bool]) -> tu
         # L2 (= transform_weights_for_gc_moe of the de-interleaved pair, without its two copies of every L1).
         return tuple(api.GcMoeWeights(p.contiguous(), s.contiguous(), None, mma_type, gemm) if want else None
                      for (p, s), gemm, want in zip((l1, l2), ("l1", "l2"), need, strict=True))
-    canonical = (layouts.deinterleave_gate_up(l1[0]), layouts.deinterleave_gate_up(l1[1]))
-    w1, w2 = api.transform_weights_for_gc_moe(canonical, l2, mma_type)
+    w1, w2 = api.transform_weights_for_gc_moe(canonical_pair("l1", l1), canonical_pair("l2", l2), mma_type)
     return w1 if need[0] else None, w2 if need[1] else None
 
 
@@ -160,7 +185,9 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
         need = ("l1" not in hits, "l2" not in hits)
         for gemm, want in zip(pairs, need, strict=True):
             if want:
+                _refuse_unpacked_scales(mma_type, gemm, pairs[gemm])
                 _refuse_uncached_copies(mma_type, gemm, pairs[gemm])
+                quant.check_weight_values(_FACADE_FN[mma_type], f"{gemm}_weights", pairs[gemm])
         copies = any(_copied(mma_type, pairs[gemm]) for gemm, want in zip(pairs, need, strict=True) if want)
         if copies and _capturing(l1_weights[0]):
             raise RuntimeError(f"l1_weights/l2_weights: converting them for the {mma_type} operator needs device "

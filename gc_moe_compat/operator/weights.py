@@ -46,6 +46,42 @@ class GcMoeWeights:
     mma_type: str
     gemm: str
 
+    def __post_init__(self) -> None:
+        """Refuse what the kernels could only compute garbage from, also for weights built by hand (issue 19 item
+        13): the kind, the tensor types, and the values of the small tensors (FP32 block scales finite and positive;
+        relative exponents in ``[0, WINDOW_STEPS - 1]``, the range the register decoder's E4M3 trick is exact for;
+        a finite positive per-expert factor). The payload's codes are checked where weights enter (the transforms),
+        not here: that reads every byte. Value checks are skipped on meta tensors and under CUDA graph capture
+        (:func:`gc_moe_compat.quant.values_readable`)."""
+        if self.mma_type not in config.MMA_TYPES or self.gemm not in ("l1", "l2"):
+            raise ValueError(f"GcMoeWeights: mma_type must be one of {config.MMA_TYPES} and gemm 'l1' or 'l2', got "
+                             f"{self.mma_type!r} and {self.gemm!r}")
+        fp4 = self.mma_type == "fp8xfp4"
+        forms = ((("payload", self.payload), (torch.uint8, torch.int8) if fp4 else (torch.float8_e4m3fn,)),
+                 (("scales", self.scales), (torch.uint8,) if fp4 else (torch.float32,)))
+        for (name, t), dtypes in forms:
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+                raise TypeError(f"GcMoeWeights.{name}: must be a tensor of dtype {[str(d) for d in dtypes]} for "
+                                f"{self.mma_type}, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not fp4:
+            if self.factor is not None:
+                raise TypeError(f"GcMoeWeights.factor: must be None for fp8xfp8, got {type(self.factor).__name__}")
+            quant.check_block_scale_values("GcMoeWeights", "scales", self.scales)
+            return
+        f = self.factor
+        if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or f.dim() != 1:
+            raise TypeError(f"GcMoeWeights.factor: must be a float32 [e] tensor (2^base per expert) for fp8xfp4, got "
+                            f"{f!r:.80}")
+        if quant.values_readable(f) and not bool((torch.isfinite(f) & (f > 0)).all()):
+            raise ValueError(f"GcMoeWeights.factor: must be finite and positive (2^base per expert), got "
+                             f"{f[~(torch.isfinite(f) & (f > 0))].flatten()[0].item()}")
+        if quant.values_readable(self.scales):
+            top = int(self.scales.amax())
+            if top >= layouts.WINDOW_STEPS:
+                raise ValueError(f"GcMoeWeights.scales: relative exponents must lie in [0, {layouts.WINDOW_STEPS - 1}]"
+                                 f" (the window repack's {layouts.WINDOW_STEPS} steps, exact in the E4M3 decoder), "
+                                 f"got {top}")
+
     @property
     def pair(self) -> _Pair:
         """``(payload, scales)``: the form :func:`gc_moe_compat.config.validate` checks."""
@@ -83,14 +119,18 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
     """Transform one rank's routed weights ``(l1, l2)`` for the operator; see the module docstring.
 
     ``l1_weights`` / ``l2_weights``: ``(payload, scales)`` in a form :func:`gc_moe_compat.config.validate` accepts
-    for ``mma_type`` (``[e, 2I, H]`` and ``[e, H, I]`` GEMMs, gate rows then up rows in L1). Raises ``TypeError`` /
-    ``ValueError`` naming the argument on any violation, before transforming anything.
+    for ``mma_type`` (``[e, 2I, H]`` and ``[e, H, I]`` GEMMs, gate rows then up rows in L1), with valid values
+    (:func:`gc_moe_compat.quant.check_weight_values`: no E4M3 NaN codes, finite positive FP32 block scales, no UE8M0
+    code 255; skipped on meta tensors). Raises ``TypeError`` / ``ValueError`` naming the argument on any violation,
+    before transforming anything.
     """
     if not isinstance(mma_type, str) or mma_type not in config.MMA_TYPES:
         raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
     l1, l2 = _pair("l1_weights", l1_weights), _pair("l2_weights", l2_weights)
     shape = _shape_of(l1, mma_type)
     config.validate(shape, l1_weights=l1, l2_weights=l2)
+    for arg, pair in (("l1_weights", l1), ("l2_weights", l2)):
+        quant.check_weight_values("transform_weights_for_gc_moe", arg, pair)
     if mma_type == "fp8xfp8":
         return (GcMoeWeights(layouts.interleave_gate_up(l1[0]), l1[1].contiguous(), None, mma_type, "l1"),
                 GcMoeWeights(l2[0].contiguous(), l2[1].contiguous(), None, mma_type, "l2"))

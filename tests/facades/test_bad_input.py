@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import quant
 from gc_moe_compat.comm.ep_ll import HINT_TOPK, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency
 from gc_moe_compat.deep_gemm import _runtime
+from gc_moe_compat.operator import api
 
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
 H, N_I, E, K = 512, 256, 16, 4
@@ -210,5 +212,189 @@ def test_native_sm_counts_named_through_the_facade_buffer(group: dist.ProcessGro
     native bounds; the native refusals of compute_sms / dispatch_sms are tested in tests/operator/test_api.py."""
     buf = dg.get_symm_buffer_for_mega_moe(group, E, 40, K, H, N_I)
     assert 2 <= buf.workspace.compute_sms <= dg._checks.MAX_SMS
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Items 4, 5 and 13: weight transforms and weights (dtype, shape, agreement of the pairs, values)
+
+W_E = 2
+"""Experts of the weight-transform cases."""
+
+
+def _fp8_pairs(e: int = W_E) -> list[list[torch.Tensor]]:
+    """Valid FP8xFP8 canonical weights (E4M3 payloads, FP32 128x128 block scales), as mutable lists."""
+    return [[torch.full((e, 2 * N_I, H), 0.5).to(torch.float8_e4m3fn), torch.full((e, 2 * N_I // 128, H // 128), 0.01)],
+            [torch.full((e, H, N_I), 0.5).to(torch.float8_e4m3fn), torch.full((e, H // 128, N_I // 128), 0.01)]]
+
+
+def _fp4_pairs(e: int = W_E, packed: bool = True) -> list[list[torch.Tensor]]:
+    """Valid MXFP4 weights (packed E2M1 uint8, UE8M0 K32 scales 1.0: int32 words, or uint8 codes)."""
+    def sf(n: int, k: int) -> torch.Tensor:
+        codes = torch.full((e, n, k // 32), 127, dtype=torch.uint8)
+        return quant.pack_ue8m0_k32(codes) if packed else codes
+    return [[torch.full((e, 2 * N_I, H // 2), 0x22, dtype=torch.uint8), sf(2 * N_I, H)],
+            [torch.full((e, H, N_I // 2), 0x22, dtype=torch.uint8), sf(H, N_I)]]
+
+
+def _poke(t: torch.Tensor, value: float | int) -> torch.Tensor:
+    """``t`` with its first element (its first byte, for an E4M3 payload) set to ``value``."""
+    t = t.clone()
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).view(-1)[0] = value
+    else:
+        t.view(-1)[0] = value
+    return t
+
+
+def _with(pairs: list[list[torch.Tensor]], gemm: int, part: int, t: torch.Tensor) -> tuple[tuple, tuple]:
+    pairs = [list(p) for p in pairs]
+    pairs[gemm][part] = t
+    return tuple(pairs[0]), tuple(pairs[1])
+
+
+_BAD_FP8_VALUES = [(0, 0, 0x7F, "l1_weights\\[0\\] must hold no E4M3 NaN codes"),
+                   (1, 0, 0xFF, "l2_weights\\[0\\] must hold no E4M3 NaN codes"),
+                   (0, 1, float("nan"), "l1_weights\\[1\\] must hold finite positive FP32 scales"),
+                   (1, 1, float("inf"), "l2_weights\\[1\\] must hold finite positive"),
+                   (0, 1, -0.5, "l1_weights\\[1\\] must hold finite positive"),
+                   (0, 1, 0.0, "l1_weights\\[1\\] must hold finite positive")]
+
+
+@pytest.mark.parametrize(("gemm", "part", "value", "match"), _BAD_FP8_VALUES)
+def test_fp8_weight_values_are_refused_by_every_entry(group: dist.ProcessGroup, gemm: int, part: int,
+                                                      value: float, match: str) -> None:
+    """NaN E4M3 codes and NaN/Inf/negative/zero block scales: the native transform, the SM90 facade transform and
+    fp8_mega_moe (at its one conversion, before the launch) refuse them with one rule (quant.check_weight_values)."""
+    pairs = _fp8_pairs()
+    bad = _with(pairs, gemm, part, _poke(pairs[gemm][part], value))
+    with pytest.raises(ValueError, match=f"transform_weights_for_gc_moe: {match}"):
+        api.transform_weights_for_gc_moe(*bad, mma_type="fp8xfp8")
+    with pytest.raises(ValueError, match=f"transform_weights_for_mega_moe_sm90: {match}"):
+        dg.transform_weights_for_mega_moe_sm90(*bad)
+    deepgemm = dg.transform_weights_for_mega_moe_sm90(*_with(pairs, 0, 0, pairs[0][0]))
+    bad_deepgemm = _with([list(p) for p in deepgemm], gemm, part, _poke(deepgemm[gemm][part], value))
+    buf = dg.get_symm_buffer_for_mega_moe(group, W_E, 16, 2, H, N_I)
+    with pytest.raises(ValueError, match=f"fp8_mega_moe: {match}"):
+        dg.fp8_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), *bad_deepgemm, buf)
+
+
+@pytest.mark.parametrize("gemm", [0, 1])
+def test_ue8m0_code_255_is_refused_by_every_entry(group: dist.ProcessGroup, gemm: int) -> None:
+    arg = ("l1_weights", "l2_weights")[gemm]
+    for packed in (False, True):
+        pairs = _fp4_pairs(packed=packed)
+        bad = _with(pairs, gemm, 1, _poke(pairs[gemm][1], -1 if packed else 255))
+        with pytest.raises(ValueError, match=f"transform_weights_for_gc_moe: {arg}\\[1\\] must hold no UE8M0 code 255"):
+            api.transform_weights_for_gc_moe(*bad)
+    with pytest.raises(ValueError, match=f"transform_weights_for_mega_moe: {arg}\\[1\\] must hold no UE8M0 code 255"):
+        dg.transform_weights_for_mega_moe(*bad)
+    layout = dg.transform_weights_for_mega_moe(*_fp4_pairs())
+    bad_layout = _with([list(p) for p in layout], gemm, 1, _poke(layout[gemm][1], 0x7F_FF_FF_FF))
+    buf = dg.get_symm_buffer_for_mega_moe(group, W_E, 16, 2, H, N_I)
+    with pytest.raises(ValueError, match=f"fp8_fp4_mega_moe: {arg}\\[1\\] must hold no UE8M0 code 255"):
+        dg.fp8_fp4_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), *bad_layout, buf)
+
+
+def _fp4_case(gemm: int, part: int, t: torch.Tensor) -> tuple[tuple, tuple]:
+    return _with(_fp4_pairs(), gemm, part, t)
+
+
+_P1, _S1 = (2 * N_I, H // 2), (2 * N_I, H // 128)
+
+
+@pytest.mark.parametrize(("args", "kw", "exc", "match"), [
+    (_fp4_case(0, 1, torch.ones(W_E, *_S1)), {}, TypeError, "l1_weights\\[1\\] must be int32 words of 4 packed"),
+    (_fp4_case(1, 1, torch.full((W_E, H, N_I // 32), 127, dtype=torch.uint8)), {}, TypeError,
+     "l2_weights\\[1\\] must be int32 words .* got torch.uint8"),
+    (_fp4_case(0, 0, torch.zeros(W_E, *_P1)), {}, TypeError, "l1_weights\\[0\\] must have dtype in"),
+    (_fp4_case(0, 0, torch.zeros(W_E, *_P1, dtype=torch.uint8)), {"mma_type": "fp8xfp8"}, TypeError,
+     "l1_weights\\[0\\] must have dtype in \\['torch.float8_e4m3fn'\\] for mma_type='fp8xfp8'"),
+    (_fp4_case(0, 1, torch.zeros(W_E, 2 * N_I, 7, dtype=torch.int32)), {}, ValueError,
+     "l1_weights\\[1\\] must have K/128 = 4 words for K = 512"),
+    (_fp4_case(0, 1, torch.zeros(W_E + 1, *_S1, dtype=torch.int32)), {}, ValueError,
+     "l1_weights\\[1\\] must have the payload's experts and rows \\(2, 512\\)"),
+    (_fp4_case(1, 0, torch.zeros(W_E + 1, H, N_I // 2, dtype=torch.uint8)), {}, ValueError,
+     "l2_weights\\[1\\] must have the payload's experts and rows \\(3, 512\\)"),
+    (_with(_fp4_pairs(W_E + 1), 0, 0, _fp4_pairs(W_E + 1)[0][0])[:1] + (tuple(_fp4_pairs()[1]),), {}, ValueError,
+     "l2_weights\\[0\\] must be \\[3, 512, 128\\]"),
+    (_fp4_case(0, 0, torch.zeros(W_E, 2 * N_I, H // 2, dtype=torch.int16)), {}, TypeError, "l1_weights\\[0\\]"),
+    ((tuple(_fp4_pairs()[0]), (torch.zeros(W_E, H, N_I, dtype=torch.float8_e4m3fn), _fp4_pairs()[1][1])), {},
+     TypeError, "l2_weights\\[0\\] must be of l1_weights\\[0\\]'s kind"),
+    (((torch.zeros(W_E, 192, H // 2, dtype=torch.uint8), torch.zeros(W_E, 192, H // 128, dtype=torch.int32)),
+      tuple(_fp4_pairs()[1])), {}, ValueError, "l1_weights must have N % 128 == 0 rows"),
+    ((tuple(t[0] for t in _fp4_pairs()[0]), tuple(_fp4_pairs()[1])), {}, ValueError,
+     "l2_weights .*all four of one rank"),
+], ids=["fp32-scales", "uint8-codes", "fp32-payload", "fp4-with-fp8xfp8", "k-words-7", "experts-l1", "experts-l2",
+        "experts-l1-vs-l2", "int16-payload", "mixed-kinds", "rows-192", "mixed-ranks"])
+def test_transform_weights_for_mega_moe_refusals(args: tuple, kw: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=f"transform_weights_for_mega_moe: {match}"):
+        dg.transform_weights_for_mega_moe(*args, **kw)
+
+
+@pytest.mark.parametrize(("gemm", "part", "t", "exc", "match"), [
+    (0, 0, torch.zeros(W_E, 2 * N_I, H), TypeError, "l1_weights\\[0\\]: must be of dtype"),
+    (0, 1, torch.ones(W_E, 2 * N_I // 128, H // 128, dtype=torch.int32), TypeError, "l1_weights\\[1\\]: must be of "
+                                                                                     "dtype"),
+    (0, 1, torch.ones(W_E, 7, 3), ValueError, "l1_weights\\[1\\]: must be of shape"),
+    (1, 0, torch.zeros(W_E + 1, H, N_I, dtype=torch.float8_e4m3fn), ValueError, "l2_weights\\[0\\]: must be of "
+                                                                                 "shape \\[E/P=2"),
+    (1, 1, torch.ones(W_E + 1, H // 128, N_I // 128), ValueError, "l2_weights\\[1\\]: must be of shape \\[E/P=2"),
+], ids=["fp32-payload", "int32-scales", "scales-7x3", "experts-l2-payload", "experts-l2-scales"])
+def test_transform_weights_for_mega_moe_sm90_refusals(gemm: int, part: int, t: torch.Tensor, exc: type,
+                                                      match: str) -> None:
+    with pytest.raises(exc, match=f"transform_weights_for_mega_moe_sm90: {match}"):
+        dg.transform_weights_for_mega_moe_sm90(*_with(_fp8_pairs(), gemm, part, t))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
+@pytest.mark.parametrize(("recipe", "shape"), [((128, 128), (4, 4)), ((1, 32), (512, 16))], ids=["k128", "k32"])
+def test_transform_sf_values(value: float, recipe: tuple[int, int], shape: tuple[int, int]) -> None:
+    sf = torch.ones(shape)
+    sf[1, 2] = value
+    with pytest.raises(ValueError, match="transform_sf_into_required_layout: sf must hold finite positive FP32 "
+                                         "scales"):
+        dg.transform_sf_into_required_layout(sf, 512, 512, recipe)
+
+
+def test_meta_weights_get_the_shape_and_dtype_rules_only() -> None:
+    """Meta tensors have no values: the value rules are skipped, the shape and dtype rules still run."""
+    meta8 = [tuple(t.to("meta") for t in p) for p in _fp8_pairs()]
+    (w, s), _ = dg.transform_weights_for_mega_moe_sm90(*meta8)
+    assert w.is_meta and s is meta8[0][1]
+    w1, _ = api.transform_weights_for_gc_moe(*meta8, mma_type="fp8xfp8")
+    assert w1.payload.is_meta
+    assert dg.transform_sf_into_required_layout(torch.ones(4, 4, device="meta"), 512, 512, (128, 128)).is_meta
+    with pytest.raises(ValueError, match="transform_weights_for_mega_moe_sm90: l1_weights\\[1\\]: must be of shape"):
+        dg.transform_weights_for_mega_moe_sm90(*_with(meta8, 0, 1, torch.ones(W_E, 7, 3, device="meta")))
+
+
+def _window_weights() -> api.GcMoeWeights:
+    return api.transform_weights_for_gc_moe(*_fp4_pairs())[0]
+
+
+@pytest.mark.parametrize(("field", "value", "exc", "match"), [
+    ("factor", torch.tensor([float("nan"), 1.0]), ValueError, "GcMoeWeights.factor: must be finite and positive"),
+    ("factor", torch.tensor([0.0, 1.0]), ValueError, "GcMoeWeights.factor: must be finite and positive"),
+    ("factor", None, TypeError, "GcMoeWeights.factor: must be a float32 \\[e\\] tensor"),
+    ("scales", torch.full((W_E, 2 * N_I, H // 32), 200, dtype=torch.uint8), ValueError,
+     "GcMoeWeights.scales: relative exponents must lie in \\[0, 10\\].* got 200"),
+    ("scales", torch.zeros(W_E, 2 * N_I, H // 32), TypeError, "GcMoeWeights.scales: must be a tensor of dtype"),
+    ("mma_type", "fp4", ValueError, "GcMoeWeights: mma_type must be one of"),
+], ids=["nan-factor", "zero-factor", "no-factor", "exponent-200", "fp32-exponents", "mma-type"])
+def test_hand_built_weights_refuse_at_construction(field: str, value: object, exc: type, match: str) -> None:
+    """Issue 19 item 13: GcMoeWeights built by hand with a NaN factor or an exponent out of the window."""
+    w = _window_weights()
+    fields = {"payload": w.payload, "scales": w.scales, "factor": w.factor, "mma_type": w.mma_type, "gemm": w.gemm}
+    with pytest.raises(exc, match=match):
+        api.GcMoeWeights(**{**fields, field: value})
+    api.GcMoeWeights(**fields)  # the valid baseline
+
+
+def test_hand_built_fp8_weights_refuse_bad_block_scales() -> None:
+    w = api.transform_weights_for_gc_moe(*_fp8_pairs(), mma_type="fp8xfp8")[1]
+    with pytest.raises(ValueError, match="GcMoeWeights: scales must hold finite positive FP32 scales"):
+        api.GcMoeWeights(w.payload, _poke(w.scales, float("nan")), None, "fp8xfp8", "l2")
+    with pytest.raises(TypeError, match="GcMoeWeights.factor: must be None for fp8xfp8"):
+        api.GcMoeWeights(w.payload, w.scales, torch.ones(W_E), "fp8xfp8", "l2")
 
 

@@ -322,21 +322,6 @@ def test_transform_weights_sm90_interleaves_l1_only() -> None:
     assert torch.equal(w[0, 8:16].view(torch.uint8), l1w[0, N_I:N_I + 8].view(torch.uint8))  # [g0..7, u0..7, ...]
 
 
-def test_transform_weights_interleaves_payload_and_row_scales() -> None:
-    (l1w, l1s), l2 = _fp4_weights()
-    l1w = torch.randint(0, 256, l1w.shape, dtype=torch.uint8)
-    l1s = torch.randint(100, 140, l1s.shape, dtype=torch.uint8)
-    (w, s), l2_out = dg.transform_weights_for_mega_moe((l1w, l1s), l2)
-    assert torch.equal(w, layouts.interleave_gate_up(l1w)) and torch.equal(s, layouts.interleave_gate_up(l1s))
-    assert l2_out[0] is l2[0]
-    (w2d, s2d), _ = dg.transform_weights_for_mega_moe((l1w[0], l1s[0]), l2)  # one (shared) expert, 2-D
-    assert torch.equal(w2d, w[0]) and torch.equal(s2d, s[0])
-    with pytest.raises(NotImplementedError, match="BF16"):
-        dg.transform_weights_for_mega_moe(torch.zeros(2, 2 * N_I, H, dtype=torch.bfloat16), l2)
-    with pytest.raises(NotImplementedError, match="mma_type='mxf4xmxf4'"):
-        dg.transform_weights_for_mega_moe((l1w, l1s), l2, mma_type="mxf4xmxf4")
-
-
 @pytest.mark.parametrize(("recipe", "num_groups"), [((1, 32), 3), ((128, 32), None)])
 def test_transform_sf_k32_packs_ue8m0(recipe: tuple[int, int], num_groups: int | None) -> None:
     mn, k = 256, 512

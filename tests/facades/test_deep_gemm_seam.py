@@ -49,6 +49,11 @@ def _fp4_canonical() -> tuple[_Pair, _Pair]:
             quant.quantize_mxfp4(torch.randn(E, H, N_I, generator=g)))
 
 
+def _fp4_deepgemm() -> tuple[_Pair, _Pair]:
+    """The originals' FP8xFP4 layout of the canonical pairs (packed int32 scales): what fp8_fp4_mega_moe reads."""
+    return dg.transform_weights_for_mega_moe(*[(w, quant.pack_ue8m0_k32(sf)) for w, sf in _fp4_canonical()])
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -147,17 +152,22 @@ def test_non_contiguous_fp8_weights_are_copied_once(group: dist.ProcessGroup) ->
     assert seam.operator_weights(sym, "fp8xfp8", (strided, l1[1]), l2)[0] is w1
 
 
-def test_fp4_weights_are_deinterleaved_and_repacked_once(group: dist.ProcessGroup) -> None:
+def test_fp4_weights_are_read_in_the_originals_layout_and_repacked_once(group: dist.ProcessGroup) -> None:
+    """The originals' layout (interleaved L1, UTCCP-ordered int32 scales) converts to exactly the native transform of
+    the canonical weights; uint8 codes (no original makes them) are refused before any conversion."""
     sym = _sym(group)
     canonical = _fp4_canonical()
-    for packed in (False, True):  # UE8M0 codes or DeepGEMM's packed int32 form
-        form = quant.pack_ue8m0_k32 if packed else (lambda codes: codes)
-        l1, l2 = dg.transform_weights_for_mega_moe(*[(w, form(sf)) for w, sf in canonical])
-        w1, w2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
-        ref1, ref2 = api.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp4")
-        assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
-        assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
-        assert torch.equal(layouts.deinterleave_gate_up(l1[0]), canonical[0][0])
+    l1, l2 = _fp4_deepgemm()
+    w1, w2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
+    ref1, ref2 = api.transform_weights_for_gc_moe(*canonical, mma_type="fp8xfp4")
+    assert _same_weights(w1, ref1) and _same_weights(w2, ref2)
+    assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
+    assert torch.equal(layouts.deinterleave_gate_up(l1[0]), canonical[0][0])
+    for i, gemm in enumerate(("l1", "l2")):
+        assert torch.equal(quant.unpack_ue8m0_k32(seam.canonical_pair(gemm, (l1, l2)[i])[1]), canonical[i][1])
+    codes = (layouts.interleave_gate_up(canonical[0][0]), layouts.interleave_gate_up(canonical[0][1]))
+    with pytest.raises(TypeError, match=r"fp8_fp4_mega_moe: l1_weights\[1\]: must be int32 .* got torch.uint8"):
+        seam.operator_weights(_sym(group), "fp8xfp4", codes, canonical[1])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -221,21 +231,28 @@ def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> Non
 def test_fp8_fp4_mega_moe_reaches_the_operator(group: dist.ProcessGroup, kw: dict) -> None:
     """Every option reaches the native FP8xFP4 call, which stops on CPU at the launch."""
     sym = _sym(group)
-    l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+    l1, l2 = _fp4_deepgemm()
     y = torch.empty(3, H, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
         dg.fp8_fp4_mega_moe(y, l1, l2, sym, **kw)
 
 
-def test_fp8_fp4_mega_moe_with_a_shared_expert_needs_role4(group: dist.ProcessGroup) -> None:
-    l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+def test_fp8_fp4_mega_moe_with_a_shared_expert(group: dist.ProcessGroup) -> None:
+    """The SM90 shared form (E4M3, L1 interleaved, FP32 128x128 block scales) reaches the native call with role4
+    (which stops on CPU at the launch); DeepGEMM's SM100 K32 recipe raises NotImplementedError naming it."""
+    l1, l2 = _fp4_deepgemm()
     y = torch.empty(3, H, dtype=torch.bfloat16)
     shared = _sym(group, num_shared_experts=1)
     codes = torch.uint8
     s1 = (torch.zeros(1, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.full((1, 2 * N_I, H // 32), 127, dtype=codes))
     s2 = (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), torch.full((1, H, N_I // 32), 127, dtype=codes))
-    with pytest.raises(NotImplementedError, match="role4 fused shared expert"):
+    with pytest.raises(NotImplementedError, match=r"fp8_fp4_mega_moe: shared_l1_weights\[1\] is torch.uint8: "
+                                                  "DeepGEMM's SM100 shared recipe"):
         dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=s1, shared_l2_weights=s2)
+    b1 = (s1[0], torch.ones(1, 2 * N_I // 128, H // 128))
+    b2 = (s2[0], torch.ones(1, H // 128, N_I // 128))
+    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+        dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=b1, shared_l2_weights=b2)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -278,7 +295,7 @@ def test_fp4_weights_updated_in_place_are_repacked_again(group: dist.ProcessGrou
     repacks them and sees the new values; unchanged weights are repacked once."""
     conversions = _Conversions(monkeypatch)
     sym = _sym(group)
-    l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+    l1, l2 = _fp4_deepgemm()
     w1, w2 = seam.operator_weights(sym, "fp8xfp4", l1, l2)
     for _ in range(3):
         assert seam.operator_weights(sym, "fp8xfp4", l1, l2) == (w1, w2)
@@ -306,7 +323,7 @@ def test_fp4_inference_tensors_are_refused_not_cached(group: dist.ProcessGroup,
     conversions = _Conversions(monkeypatch)
     sym = _sym(group)
     with torch.inference_mode():
-        l1, l2 = dg.transform_weights_for_mega_moe(*_fp4_canonical())
+        l1, l2 = _fp4_deepgemm()
         assert l1[0].is_inference()
         for _ in range(2):  # created, then updated in place, inside inference mode: never a stale copy
             with pytest.raises(ValueError, match=r"l1_weights\[0\]: is an inference tensor .* fp8xfp4 conversion, "

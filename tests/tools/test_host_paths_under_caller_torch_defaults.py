@@ -191,11 +191,13 @@ def _fp8_pairs() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor,
 def test_weight_transforms_ignore_caller_defaults() -> None:
     """The native transform (both formats) and the deep_gemm facade's (per-row FP4 scales, SM90 block scales)."""
     fp4, fp8 = _fp4_pairs(), _fp8_pairs()
-    (l1w, l1s), l2 = fp4
+    (l1w, l1s), (l2w, l2s) = fp4
+    l1s, l2 = quant.pack_ue8m0_k32(l1s), (l2w, quant.pack_ue8m0_k32(l2s))  # the originals' int32 scale form
     out = check_defaults_ignored(lambda: (
         api.transform_weights_for_gc_moe(*fp4, mma_type="fp8xfp4"),
         api.transform_weights_for_gc_moe(*fp8, mma_type="fp8xfp8"),
-        dg.transform_weights_for_mega_moe((l1w, l1s), l2), dg.transform_weights_for_mega_moe((l1w[0], l1s[0]), l2),
+        dg.transform_weights_for_mega_moe((l1w, l1s), l2),
+        dg.transform_weights_for_mega_moe((l1w[0], l1s[0]), (l2[0][0], l2[1][0])),
         dg.transform_weights_for_mega_moe_sm90(*fp8)))
     assert bool(out[0][0].scales.any())  # the window repack ran on spread exponents
 
