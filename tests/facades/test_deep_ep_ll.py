@@ -2,11 +2,14 @@
 (:mod:`gc_moe_compat.testing.ep_reference`), on one rank and on two (issue 6's ``deep_ep`` swap target).
 
 Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8, power-of-two scales, UE8M0, BF16),
-int64/int32 routing with holes, a rank without tokens, hook and async variants, two dispatches in flight, 200
-consecutive calls, cumulative statistics, a captured CUDA graph replayed with fresh inputs, and (two ranks) a missing
-peer ending in ``DeviceTimeoutError`` followed by a working new Buffer, an expert id >= num_experts reported
-(synchronously, and by the call after an asynchronous one), and a round under ``torch.set_default_device('cuda')``
-(DeepEP's own test harness sets it; the facade's allocations must name their device).
+int64/int32 routing with holes, a rank without tokens, hook and async variants, the zero-copy combine (its ``x``
+poisoned), DeepEP's handle contents (``src_info`` the source token, ``layout_range``), two dispatches in flight, 200
+consecutive calls, cumulative statistics, a captured CUDA graph replayed with fresh inputs and then 1000 times
+bit-identically, (two ranks) a missing peer ending in ``DeviceTimeoutError`` followed by a working new Buffer, the
+invalid values only the device sees (ids >= E, < -1, 2**40, a repeated expert, another combine topk_idx than the
+dispatch's, a NaN weight: dropped with the rest exact, reported by the next call), rank masking, the communication
+partition (and ``GC_MOE_PARTITION=off``), and a round under ``torch.set_default_device('cuda')`` (DeepEP's own test
+harness sets it; the facade's allocations must name their device).
 """
 
 from __future__ import annotations
@@ -33,8 +36,30 @@ def test_deep_ep_low_latency_modes(nproc: int) -> None:
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_cuda_graph(nproc: int) -> None:
-    out = run_suite("graph", nproc, "100 graph replays with fresh inputs bit-exact")
-    assert out.count("100 graph replays") == nproc
+    out = run_suite("graph", nproc, "100 graph replays with fresh inputs bit-exact",
+                    "1000 captured replays bit-identical")
+    assert out.count("1000 captured replays bit-identical") == nproc
+
+
+def test_deep_ep_low_latency_invalid_device_values_dropped_and_reported() -> None:
+    run_suite("bad_values", 1, "id >= E dropped", "id < -1 dropped", "id 2**40 dropped",
+              "repeated expert dropped and reported", "combine topk_idx other than the dispatch's dropped and reported",
+              "NaN weight dropped and reported", "below -1", "repeats an expert", "differs from the dispatch's",
+              "not finite")
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_deep_ep_low_latency_rank_masking(nproc: int) -> None:
+    expected = ("masked rank skipped by dispatch and combine, no hang",) if nproc == 1 else (
+        "rank 1 masked: dispatch and combine skip it, bit-exact, no hang",
+        "silent unmasked rank 1 masked by the timeout")
+    run_suite("mask", nproc, "shrink mode, nothing masked: bit-exact", *expected)
+
+
+def test_deep_ep_low_latency_on_the_communication_partition() -> None:
+    out = run_suite("partition", 1, "on the communication partition",
+                    "GC_MOE_PARTITION=off (caller's stream): bit-exact")
+    assert out.count("on the communication partition") == 2
 
 
 @pytest.mark.multigpu

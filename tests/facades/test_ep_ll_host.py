@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from nvcc_mark import needs_nvcc
 
 from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
+from gc_moe_compat.deep_ep import _low_latency
+from gc_moe_compat.deep_ep._low_latency import LowLatencyHandle
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
@@ -226,3 +229,145 @@ def test_mirrored_status_raises_once_and_clears_records_and_mirror() -> None:
         ep_ll.raise_for_mirrored_status(ws, mirror, 2)
     assert not ws.any() and not mirror.any()
     ep_ll.raise_for_mirrored_status(ws, mirror, 2)  # nothing left: no error
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The facade half (deep_ep/_low_latency.py) on the host: the checks of values the host can see (issue 19 item 7),
+# the zero-copy rows, the rank mask. A workspace stand-in (device, group size, buffer, peer table: what the calls
+# read) and recorded launches replace the symmetric memory and the kernels.
+
+T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
+
+
+@dataclass(eq=False)
+class _Workspace:
+    device: torch.device
+    world_size: int
+    buffer: torch.Tensor
+    peer_table: PeerTable
+
+
+def _workspace(ranks: int = 1, zero_copy: bool = True) -> _Workspace:
+    """A host workspace sized as the hint sizes it, or (``zero_copy=False``) just large enough for the calls' top-k
+    without the zero-copy rows."""
+    shape = LlShape(ranks, EXPERTS, T_MAX, HIDDEN, ep_ll.HINT_TOPK if zero_copy else TOPK)
+    buffer = torch.zeros(ep_ll.required_bytes(shape, zero_copy), dtype=torch.uint8)
+    return _Workspace(torch.device("cpu"), ranks, buffer, PeerTable())
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, ep_ll.EpLlParams]]:
+    recorded: list[tuple[Kernel, ep_ll.EpLlParams]] = []
+    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append((kernel, call.params)))
+    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)  # nothing to wait for on a CPU
+    return recorded
+
+
+def _dispatch(ws: _Workspace, topk_idx: torch.Tensor | None = None, experts: int = EXPERTS,
+              shrink: bool = False) -> tuple:
+    topk_idx = torch.randint(-1, EXPERTS, (TOKENS, TOPK)) if topk_idx is None else topk_idx
+    x = torch.randn(TOKENS, HIDDEN).to(torch.bfloat16)
+    return _low_latency.dispatch(ws, x, topk_idx, T_MAX, experts, recv_stats=None, use_fp8=False, round_scale=False,
+                                 use_ue8m0=False, async_finish=False, return_recv_hook=False, shrink=shrink,
+                                 num_sms=20) + (topk_idx,)
+
+
+def _combine(ws: _Workspace, handle: object, topk_idx: torch.Tensor, zero_copy: bool = False) -> torch.Tensor:
+    x = torch.zeros(EXPERTS // ws.world_size, ws.world_size * T_MAX, HIDDEN, dtype=torch.bfloat16)
+    out, _ = _low_latency.combine(ws, x, topk_idx, torch.ones(TOKENS, TOPK), handle, out=None, zero_copy=zero_copy,
+                                  async_finish=False, return_recv_hook=False, shrink=False, num_sms=20)
+    return out
+
+
+def test_handle_holds_deepep_contents_and_what_the_combine_needs(launches: list) -> None:
+    ws = _workspace()
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    src_info, layout_range, tmax, hidden, experts = handle
+    assert (src_info.dtype, tuple(src_info.shape), layout_range.dtype, (tmax, hidden, experts)) == (
+        torch.int32, (EXPERTS, T_MAX), torch.int64, (T_MAX, HIDDEN, EXPERTS))
+    assert (handle.src_route.shape, handle.routing.shape, handle.routing.dtype) == (src_info.shape, (TOKENS, TOPK),
+                                                                                     torch.int32)
+    p = launches[0][1]
+    assert (p.src_info, p.src_route, p.routing) == (src_info.data_ptr(), handle.src_route.data_ptr(),
+                                                    handle.routing.data_ptr())
+    _combine(ws, handle, topk_idx)
+    p = launches[-1][1]
+    assert [k for k, _ in launches] == list(Kernel)
+    assert (p.src_route, p.routing, p.topk_idx) == (handle.src_route.data_ptr(), handle.routing.data_ptr(),
+                                                    topk_idx.data_ptr())
+
+
+def test_host_visible_bad_routing_and_handles_are_refused_before_any_launch(launches: list) -> None:
+    """k > experts; a handle of another Buffer, a plain tuple, a non-int32 src_info: each names the argument, the
+    rule and the value, and nothing is launched. (Values of the tensors are the device's: GPU tests.)"""
+    ws, other = _workspace(), _workspace()
+    with pytest.raises(ValueError, match=r"topk_idx: its k .* must be <= num_experts=2, got k=4"):
+        _dispatch(_workspace(), torch.zeros(TOKENS, TOPK, dtype=torch.int64), experts=2)
+    assert launches == []
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    launches.clear()
+    with pytest.raises(ValueError, match="low_latency_combine: handle comes from another Buffer's"):
+        _combine(other, handle, topk_idx)
+    with pytest.raises(ValueError, match="get_next_low_latency_combine_buffer: handle comes from another Buffer's"):
+        _low_latency.next_combine_buffer(other, handle)
+    with pytest.raises(TypeError, match="handle: must be the handle low_latency_dispatch returned .* got tuple"):
+        _combine(ws, tuple(handle), topk_idx)
+    forged = LowLatencyHandle((handle[0].float(), *handle[1:]), topk=TOPK, num_tokens=TOKENS,
+                              src_route=handle.src_route, routing=handle.routing, workspace=ws)
+    with pytest.raises(TypeError, match=r"handle\[0\] \(src_info\) must be a 2-D torch.int32 tensor .* got "
+                                        "torch.float32"):
+        _combine(ws, forged, topk_idx)
+    assert launches == []
+
+
+def test_zero_copy_rows_live_in_the_workspace(launches: list) -> None:
+    """get_next_low_latency_combine_buffer is a BF16 [E/P, P*Tmax, H] view of the workspace after the combine stage;
+    a zero-copy combine sends from there (its x is only checked); the hint provisions the rows, a smaller buffer is
+    refused naming num_rdma_bytes."""
+    ws = _workspace()
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    rows = _low_latency.next_combine_buffer(ws, handle)
+    shape = LlShape(1, EXPERTS, T_MAX, HIDDEN, TOPK)
+    assert (tuple(rows.shape), rows.dtype) == ((EXPERTS, T_MAX, HIDDEN), torch.bfloat16)
+    assert rows.data_ptr() == ws.buffer.data_ptr() + shape.zero_copy_offset
+    assert shape.zero_copy_offset + shape.zero_copy_bytes <= ws.buffer.numel()
+    _combine(ws, handle, topk_idx, zero_copy=True)
+    assert launches[-1][1].x == rows.data_ptr()
+    _combine(ws, handle, topk_idx)
+    assert launches[-1][1].x != rows.data_ptr()
+    small = _workspace(zero_copy=False)
+    _, _, handle, _, topk_idx = _dispatch(small)
+    with pytest.raises(ValueError, match="num_rdma_bytes: this call .*zero-copy\\) needs"):
+        _low_latency.next_combine_buffer(small, handle)
+    with pytest.raises(ValueError, match="num_rdma_bytes: this call .*zero-copy\\) needs"):
+        _combine(small, handle, topk_idx, zero_copy=True)
+
+
+def test_rank_mask_update_query_clean_and_their_checks(launches: list) -> None:
+    ws = _workspace(ranks=4)
+    status = torch.full((4,), 9, dtype=torch.int32)
+    _low_latency.query_mask(ws, status)
+    assert status.tolist() == [0, 0, 0, 0]
+    _low_latency.update_mask(ws, 2, True)
+    _low_latency.update_mask(ws, 3, True)
+    _low_latency.update_mask(ws, 3, False)
+    _low_latency.query_mask(ws, status)
+    assert status.tolist() == [0, 0, 1, 0] and ep_ll.mask_words(ws.buffer, 4).tolist() == [0, 0, 1, 0]
+    _low_latency.clean_mask(ws)
+    _low_latency.query_mask(ws, status)
+    assert status.tolist() == [0, 0, 0, 0]
+    for bad, error, match in ((4, ValueError, r"rank_to_mask must be in \[0, 3\], got 4"),
+                              (-1, ValueError, r"rank_to_mask must be in \[0, 3\], got -1"),
+                              (True, TypeError, r"rank_to_mask must be an int, got bool")):
+        with pytest.raises(error, match=f"low_latency_update_mask_buffer: {match}"):
+            _low_latency.update_mask(ws, bad, True)
+    with pytest.raises(TypeError, match="low_latency_update_mask_buffer: mask must be a bool, got str"):
+        _low_latency.update_mask(ws, 1, "yes")
+    with pytest.raises(ValueError, match="mask_status: must be a 1-D tensor of torch.int32"):
+        _low_latency.query_mask(ws, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="mask_status must have num_ranks=4 entries, got 3"):
+        _low_latency.query_mask(ws, torch.zeros(3, dtype=torch.int32))
+    _dispatch(_workspace(), shrink=True)
+    assert launches[-1][1].flags & ep_ll.FLAG_SHRINK and launches[-1][1].off_mask == ep_ll._MASK
+    assert _low_latency.comm_partition(ws, 20) is None  # not a CUDA workspace: the caller's stream
+    assert _low_latency.partition_report(ws, 20)["partition"] == "off"

@@ -15,6 +15,9 @@ own test harness runs them).
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
 from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
@@ -53,10 +56,19 @@ class Inputs:
         self.plan = receive_plan([i.long() for i in self.idx], experts)
 
 
-def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str) -> None:
+def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str, handle: tuple | None = None) -> None:
+    """recv_count, every valid row (payload and scales) and, given the handle, DeepEP's src_info (the source token
+    of each row) and layout_range (``(first row << 32) | rows`` per source rank)."""
     local = count.shape[0]
     rows = inp.plan.rows[rank]
     assert count.tolist() == [len(r) for r in rows], (count.tolist(), [len(r) for r in rows])
+    if handle is not None:
+        src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+        for le in range(local):
+            assert src_info[le, :len(rows[le])].tolist() == [t for _, t, _ in rows[le]], f"src_info of expert {le}"
+            sources = [s for s, _, _ in rows[le]]
+            want = [sum(s < q for s in sources) << 32 | sources.count(q) for q in range(layout_range.shape[1])]
+            assert layout_range[le].tolist() == want, f"layout_range of expert {le}"
     round_scale = mode in ("round", "ue8m0")
     quant = [ll_quantize(x, round_scale) for x in inp.x]
     for le in range(local):
@@ -100,7 +112,7 @@ def expert_outputs(ranks: int, count_lists: list[list[int]], seed: int) -> list[
 
 
 def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], mode: str,
-             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None) -> None:
+             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None, zero_copy: bool = False) -> None:
     inp = Inputs(seed, ranks, tokens, idx_dtype)
     x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
     hooked, async_ = variant == "hook", variant == "async"
@@ -114,11 +126,15 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     elif async_:
         event.current_stream_wait()
     torch.cuda.synchronize()
-    check_dispatch(rank, inp, recv, count, mode)
+    check_dispatch(rank, inp, recv, count, mode, handle)
     counts = [[len(r) for r in inp.plan.rows[q]] for q in range(ranks)]
     outs = expert_outputs(ranks, counts, seed + 1)
     out = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-    combined, event, hook = buf.low_latency_combine(outs[rank].cuda(), idx, w, handle, out=out,
+    x = outs[rank].cuda()
+    if zero_copy:  # the rows go into the workspace; x (still checked, as by DeepEP) is poisoned: it must not be read
+        buf.get_next_low_latency_combine_buffer(handle).copy_(x)
+        x = torch.full_like(x, float("nan"))
+    combined, event, hook = buf.low_latency_combine(x, idx, w, handle, out=out, zero_copy=zero_copy,
                                                     async_finish=async_, return_recv_hook=hooked)
     assert combined.data_ptr() == out.data_ptr()
     if hooked:
@@ -144,7 +160,7 @@ def suite_modes(rank: int, ranks: int) -> None:
             for variant in ("sync", "hook", "async"):
                 for tokens in (full, uneven, idle):
                     case += 1
-                    run_once(buf, rank, ranks, 1000 + case, tokens, mode, idx_dtype, variant)
+                    run_once(buf, rank, ranks, 1000 + case, tokens, mode, idx_dtype, variant, zero_copy=case % 2 == 0)
     print(f"rank {rank}: {case} mode cases bit-exact", flush=True)
 
     # Cumulative statistics over calls.
@@ -212,6 +228,15 @@ def suite_graph(rank: int, ranks: int) -> None:
             want = combine_reference(rank, fresh.idx[rank], fresh.w[rank], outs, fresh.plan)
             assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"graph replay {replay}"
     print(f"rank {rank}: 100 graph replays with fresh inputs bit-exact", flush=True)
+    # 1000 more replays of the last inputs: every output bit-identical to the reference (compared on the device).
+    want = want.cuda().view(torch.int16)
+    differing = torch.zeros((), dtype=torch.int64, device="cuda")
+    for _ in range(1000):
+        out.fill_(float("nan"))  # a replay that wrote nothing would show
+        graph.replay()
+        differing += (out.view(torch.int16) != want).sum()
+    assert differing.item() == 0, f"{differing.item()} elements differ over 1000 replays"
+    print(f"rank {rank}: 1000 captured replays bit-identical", flush=True)
 
 
 def suite_timeout(rank: int, ranks: int) -> None:
@@ -245,6 +270,166 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     print(f"rank {rank}: clean calls after the reported errors bit-exact", flush=True)
 
 
+def _kept(idx: list[torch.Tensor], experts: int) -> list[torch.Tensor]:
+    """Every rank's routing as the kernels keep it: an entry outside [-1, experts) or repeating an earlier slot's
+    expert of its token becomes -1."""
+    out = []
+    for i in idx:
+        kept = i.clone()
+        for t, row in enumerate(i.tolist()):
+            for k, e in enumerate(row):
+                if not -1 <= e < experts or e in row[:k]:
+                    kept[t, k] = -1
+        out.append(kept)
+    return out
+
+
+def _check_round(buf: deep_ep.Buffer, rank: int, ranks: int, inp: Inputs, want_idx: list[torch.Tensor], idx,
+                 combine_idx, weights, expect: str, seed: int, combine_want: torch.Tensor | None = None) -> None:
+    """An asynchronous dispatch of ``idx`` and combine of ``combine_idx`` / ``weights``: outputs exact against the
+    references of ``want_idx`` (the routing with the dropped slots removed; ``combine_want``: this rank's routing
+    the combine sums, if it drops more); the next call raises DeviceCheckError naming ``expect`` (no
+    synchronization in between: read from the host mirror), and the call after it is clean."""
+    experts = experts_for(ranks)
+    want = Inputs(seed, ranks, [TMAX] * ranks, torch.int64)
+    want.idx, want.plan = want_idx, receive_plan([i.long() for i in want_idx], experts)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx.cuda(), TMAX, experts,
+                                                         async_finish=True)
+    torch.cuda.synchronize()
+    check_dispatch(rank, want, recv, count, "plain", handle)
+    outs = expert_outputs(ranks, [[len(r) for r in want.plan.rows[q]] for q in range(ranks)], seed + 1)
+    args = (outs[rank].cuda(), combine_idx.cuda(), weights.cuda(), handle)
+    if combine_idx is idx and weights is inp.w[rank]:  # the dispatch's error is raised by this call: repeat it
+        with raises(DeviceCheckError, rank, f"{expect} -> next call", expect, "recorded by an earlier"):
+            buf.low_latency_combine(*args)
+        combined, _, _ = buf.low_latency_combine(*args, async_finish=True)
+    else:
+        combined, _, _ = buf.low_latency_combine(*args, async_finish=True)
+        torch.cuda.synchronize()
+        with raises(DeviceCheckError, rank, f"{expect} -> next call", expect, "recorded by an earlier"):
+            buf.low_latency_dispatch(inp.x[rank].cuda(), inp.idx[rank].cuda(), TMAX, experts)
+    torch.cuda.synchronize()
+    summed = want_idx[rank] if combine_want is None else combine_want
+    ref = combine_reference(rank, summed.long(), weights, outs, want.plan)
+    assert torch.equal(combined.cpu().view(torch.int16), ref.view(torch.int16)), f"{expect}: combine differs"
+
+
+def suite_bad_values(rank: int, ranks: int) -> None:
+    """Every invalid routing value only the device sees (issue 19 item 7) is dropped and reported: ids >= E, < -1
+    and 2**40, an expert repeated in a token's slots (dispatch), a combine topk_idx other than the dispatch's and a
+    NaN weight (combine); the other slots' rows and sums stay exact."""
+    experts = experts_for(ranks)
+    buf = ll_buffer(ranks)
+    inp = Inputs(23, ranks, [TMAX] * ranks, torch.int64)
+    for name, value, needle in (("id >= E", experts + 3, f"observed {experts + 3}"), ("id < -1", -5, "below -1"),
+                                ("id 2**40", 2**40, f"observed {2**40}")):
+        bad = [i.clone() for i in inp.idx]
+        for i in bad:
+            i[5, 2] = value
+        _check_round(buf, rank, ranks, inp, _kept(bad, experts), bad[rank], bad[rank], inp.w[rank], needle, 23)
+        print(f"rank {rank}: {name} dropped (rows and sums of the rest exact) and reported", flush=True)
+    bad = [i.clone() for i in inp.idx]
+    for i in bad:
+        i[4, 0] = i[4, 1] = 3  # slot 1 repeats slot 0's expert
+    _check_round(buf, rank, ranks, inp, _kept(bad, experts), bad[rank], bad[rank], inp.w[rank], "repeats an expert",
+                 23)
+    print(f"rank {rank}: repeated expert dropped and reported", flush=True)
+    other, summed = inp.idx[rank].clone(), inp.idx[rank].clone()
+    other[6, 0] = next(e for e in range(experts) if e not in other[6].tolist())  # valid, not repeating its token
+    summed[6, 0] = -1  # this rank's combine drops the differing slot
+    _check_round(buf, rank, ranks, inp, inp.idx, inp.idx[rank], other, inp.w[rank], "differs from the dispatch's",
+                 23, combine_want=summed)
+    print(f"rank {rank}: combine topk_idx other than the dispatch's dropped and reported", flush=True)
+    weights, summed = inp.w[rank].clone(), inp.idx[rank].clone()
+    t, k = (inp.idx[rank] >= 0).nonzero()[0].tolist()
+    weights[t, k], summed[t, k] = float("nan"), -1
+    _check_round(buf, rank, ranks, inp, inp.idx, inp.idx[rank], inp.idx[rank].clone(), weights, "not finite", 23,
+                 combine_want=summed)
+    print(f"rank {rank}: NaN weight dropped and reported", flush=True)
+
+
+def suite_mask(rank: int, ranks: int) -> None:
+    """Rank masking (enable_shrink): query/update/clean; with nothing masked the calls are exact; a masked rank is
+    neither waited for nor sent to (one rank: masking itself leaves nothing to receive or sum, no hang); two ranks:
+    rank 0 alone with rank 1 masked, then with rank 1 silent and unmasked (the timeout masks it, no error)."""
+    experts = experts_for(ranks)
+    buf = ll_buffer(ranks, enable_shrink=True)
+    status = torch.full((ranks,), 7, dtype=torch.int32, device="cuda")
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * ranks, status.tolist()
+    run_once(buf, rank, ranks, 61, [TMAX] * ranks, "plain", torch.int64, "sync")
+    print(f"rank {rank}: shrink mode, nothing masked: bit-exact", flush=True)
+    if ranks == 1:
+        inp = Inputs(62, 1, [TMAX], torch.int64)
+        buf.low_latency_update_mask_buffer(0, True)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [1]
+        start = time.monotonic()
+        recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts)
+        combined, _, _ = buf.low_latency_combine(recv[0].float().to(torch.bfloat16), inp.idx[0].cuda(),
+                                                 inp.w[0].cuda(), handle)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 2 and count.tolist() == [0] * experts and not combined.float().any()
+        buf.low_latency_clean_mask_buffer()
+        run_once(buf, 0, 1, 63, [TMAX], "plain", torch.int64, "sync")
+        print(f"rank {rank}: masked rank skipped by dispatch and combine, no hang; clean: bit-exact again", flush=True)
+        return
+    dist.barrier()
+    alone = ll_buffer(ranks, enable_shrink=True)
+    if rank == 0:
+        inp = Inputs(64, ranks, [TMAX, 0], torch.int64)
+        local = experts // ranks
+        mine = [i.clone() for i in inp.idx]
+        mine[0][mine[0] >= local] = -1  # slots of rank 1's experts are skipped
+        alone.low_latency_update_mask_buffer(1, True)
+        start = time.monotonic()
+        want = Inputs(64, ranks, [TMAX, 0], torch.int64)
+        want.idx, want.plan = mine, receive_plan(mine, experts)
+        recv, count, handle, _, _ = alone.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts)
+        torch.cuda.synchronize()
+        check_dispatch(0, want, recv, count, "plain", handle)
+        outs = expert_outputs(ranks, [[len(r) for r in want.plan.rows[q]] for q in range(ranks)], 65)
+        combined, _, _ = alone.low_latency_combine(outs[0].cuda(), inp.idx[0].cuda(), inp.w[0].cuda(), handle)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 2
+        ref = combine_reference(0, mine[0], inp.w[0], outs, want.plan)
+        assert torch.equal(combined.cpu().view(torch.int16), ref.view(torch.int16))
+        print(f"rank {rank}: rank 1 masked: dispatch and combine skip it, bit-exact, no hang", flush=True)
+        silent = ll_buffer(ranks, enable_shrink=True)
+        with spin_timeout(MISSING_PEER_TIMEOUT_MS):
+            silent.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts)
+        silent.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0, 1], status.tolist()
+        print(f"rank {rank}: silent unmasked rank 1 masked by the timeout (shrink mode), no error", flush=True)
+    else:
+        ll_buffer(ranks, enable_shrink=True)  # the collective creation rank 0's third Buffer needs
+    dist.barrier()
+
+
+def suite_partition(rank: int, ranks: int) -> None:
+    """The kernels run on the communication green partition requested by Buffer.num_sms (reported by
+    Buffer.low_latency_partition), a new request makes a new partition, and GC_MOE_PARTITION=off runs them on the
+    caller's stream; bit-exact in each."""
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = ll_buffer(ranks)
+    for request in (deep_ep.Buffer.num_sms, 8):
+        deep_ep.Buffer.set_num_sms(request)
+        report = buf.low_latency_partition
+        assert report["partition"] == "on" and report["requested_dispatch_sms"] == request, report
+        assert request <= report["dispatch_sms"] < request + 16 and report["dispatch_sms"] + report["compute_sms"] == \
+            total, report
+        run_once(buf, rank, ranks, 70 + request, [TMAX] * ranks, "plain", torch.int64, "sync")
+        print(f"rank {rank}: on the communication partition {report}: bit-exact", flush=True)
+    deep_ep.Buffer.set_num_sms(20)
+    os.environ["GC_MOE_PARTITION"] = "off"
+    try:
+        assert buf.low_latency_partition["partition"] == "off"
+        run_once(buf, rank, ranks, 90, [TMAX] * ranks, "plain", torch.int64, "hook")
+    finally:
+        del os.environ["GC_MOE_PARTITION"]
+    print(f"rank {rank}: GC_MOE_PARTITION=off (caller's stream): bit-exact", flush=True)
+
+
 def suite_default_device(rank: int, ranks: int) -> None:
     """DeepEP's test harness calls ``torch.set_default_device('cuda')`` first: a new Buffer, its first dispatch (which
     creates the pinned status mirror) and a combine into a facade-allocated output under it, bit for bit against the
@@ -270,4 +455,5 @@ def suite_default_device(rank: int, ranks: int) -> None:
 
 if __name__ == "__main__":
     run_suite({"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids,
+               "bad_values": suite_bad_values, "mask": suite_mask, "partition": suite_partition,
                "default_device": suite_default_device})
