@@ -204,10 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gc_moe_compat.ab import operators, run
 
     warmup, windows = QUICK_WINDOWS if args.quick else (args.warmup, args.windows)
-    command = ["gc-moe-ab", *argv]
+    command = ["gc-moe-ab", *argv]  # without --out it writes the same default file again
     out = args.out or _default_out(w)
-    if args.out is None:
-        command += ["--out", str(out)]
     cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
                         args.partition_sweep)), warmup=warmup, windows=windows, out=out,
                         command=tuple(command), quick=args.quick)

@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepep-src", type=Path, help="a DeepEP checkout: run its tests/legacy/ unmodified")
     parser.add_argument("--deepgemm-src", type=Path, help="a DeepGEMM checkout: run tests/test_mega_moe.py")
     parser.add_argument("--sgl-deepgemm-src", type=Path,
-                        help="an sgl-project/DeepGEMM checkout: run its SM90 Mega MoE tests")
+                        help="an sgl-project/DeepGEMM checkout: run tests/test_mega_moe_hopper.py (SM90)")
     parser.add_argument("--suite-timeout", type=int, default=600, help="seconds per original test file")
     return parser
 

@@ -100,6 +100,12 @@ class _Facade:
         self.seq.close()
 
 
+def _case(axes: dict[str, object], tokens: object, world: int = 1) -> str:
+    """A layer cell's row label: every axis of the combination."""
+    return (f"{axes['mma_type']}, buffer {axes['buffer_mma_type']}, shared {axes['shared']}, {axes['scale_format']}, "
+            f"T={tokens}, world {world}")
+
+
 def _verdict(y: torch.Tensor, ref: torch.Tensor, tokens: int) -> tuple[str, str]:
     from gc_moe_compat.testing.reference import accuracy_metrics
 
@@ -154,7 +160,8 @@ def layer_cells() -> list[Cell]:
     """Every layer combination on this GPU (world size 1), plus the world-size-2 cells as ``not run``."""
     entries = _entries()
     if not torch.cuda.is_available():
-        return [Cell("layer", entry, "all T", "not run", "needs a CUDA GPU", axes) for entry, axes, _ in entries]
+        return [Cell("layer", entry, _case(axes, "all"), "not run", "needs a CUDA GPU", axes)
+                for entry, axes, _ in entries]
     device = torch.device("cuda", torch.cuda.current_device())
     group = _group()
     nonzero = [t for t in LAYER_TOKENS if t]
@@ -170,11 +177,11 @@ def layer_cells() -> list[Cell]:
         try:
             runner = build(ctx, shared_w)
         except SETUP_ERRORS as exc:
-            cells += [Cell("layer", entry, f"T={t}", "not supported", f"{type(exc).__name__}: {exc}",
+            cells += [Cell("layer", entry, _case(axes, t), "not supported", f"{type(exc).__name__}: {exc}",
                            {**axes, "tokens": t, "world_size": 1}) for t in LAYER_TOKENS]
             continue
         except Exception as exc:  # noqa: BLE001 - a setup failure of a supported combination
-            cells += [Cell("layer", entry, f"T={t}", "fail", f"setup: {type(exc).__name__}: {exc}",
+            cells += [Cell("layer", entry, _case(axes, t), "fail", f"setup: {type(exc).__name__}: {exc}",
                            {**axes, "tokens": t, "world_size": 1}) for t in LAYER_TOKENS]
             continue
         for t in LAYER_TOKENS:
@@ -189,11 +196,11 @@ def layer_cells() -> list[Cell]:
                 result, detail = "not supported", f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # noqa: BLE001 - the cell records it
                 result, detail = "fail", f"{type(exc).__name__}: {exc}"
-            cells.append(Cell("layer", entry, f"T={t}", result, detail, cell_axes))
+            cells.append(Cell("layer", entry, _case(axes, t), result, detail, cell_axes))
         runner.close()
         torch.cuda.synchronize()
     gpus = torch.cuda.device_count()
-    cells += [Cell("layer", entry, "world_size=2", "not run",
+    cells += [Cell("layer", entry, _case(axes, "all", world=2), "not run",
                    f"two-rank cells run on nvidia-h200-x2 (tests marked multigpu); {gpus} GPU(s) here",
                    {**axes, "world_size": 2}) for entry, axes, _ in entries]
     return cells
@@ -232,7 +239,7 @@ def suite_cells(deepep: Path | None, deepgemm: Path | None, sgl_deepgemm: Path |
                               f"rc={rc} (GC_MOE_SWAP=deep_ep, --num-processes 1): {tail[-500:]}"))
     env = dict(os.environ, GC_MOE_SWAP="deep_gemm", PYTHONUNBUFFERED="1")
     for name, root, pattern in (("DeepGEMM", deepgemm, "test_mega_moe.py"),
-                                ("sgl-project/DeepGEMM SM90", sgl_deepgemm, "*sm90*mega*.py")):
+                                ("sgl-project/DeepGEMM SM90", sgl_deepgemm, "test_mega_moe_hopper.py")):
         flag = "--deepgemm-src" if name == "DeepGEMM" else "--sgl-deepgemm-src"
         if root is None:
             cells.append(Cell("suite", f"{name} tests", "-", "not run", f"no checkout given ({flag})"))

@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat import config
+from gc_moe_compat import config, quant
 from gc_moe_compat.ab.inputs import LayerWeights, Tokens
 from gc_moe_compat.ab.model_config import Workload
 
@@ -180,10 +180,11 @@ class MegaMoeSequence:
                                                                       (l2.payload, l2.scales))
             self.call = dg.fp8_mega_moe
             options["recipe"] = (128, 128, 128)
-        else:
+        else:  # DeepGEMM's form: UE8M0 K32 scales packed four per int32 (transform_sf_into_required_layout's)
             l1, l2 = ctx.weights["mxfp4"]
-            self.l1, self.l2 = dg.transform_weights_for_mega_moe((l1.payload, l1.scales), (l2.payload, l2.scales),
-                                                                 mma_type="fp8xfp4")
+            self.l1, self.l2 = dg.transform_weights_for_mega_moe(
+                (l1.payload, quant.pack_ue8m0_k32(l1.scales)), (l2.payload, quant.pack_ue8m0_k32(l2.scales)),
+                mma_type="fp8xfp4")
             self.call = dg.fp8_fp4_mega_moe
             options["recipe"] = (1, 1, 32)
         self.pre_dispatch = getattr(dg, "mega_moe_pre_dispatch_sm90", None)

@@ -138,13 +138,15 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
     if plt is None:
         return False
     ts = [p["tokens_per_rank"] for p in points]
+    color = {op: f"C{i % 10}" for i, op in enumerate(ops)}  # one colour per operator in both panels
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 8), sharex=True)
     for op in ops:
         ys = [p["latency_us"].get(op) for p in points]
         if any(y is not None for y in ys):
-            top.plot(ts, [math.nan if y is None else y for y in ys], marker="o", label=op)
+            top.plot(ts, [math.nan if y is None else y for y in ys], marker="o", label=op, color=color[op])
     for mma in sorted({m for p in points for m in p.get("floor_us_by_mma", {})}):
-        top.plot(ts, [p["floor_us_by_mma"].get(mma, math.nan) for p in points], "--", label=f"floor {mma}")
+        top.plot(ts, [p["floor_us_by_mma"].get(mma, math.nan) for p in points], ":", color="k" if mma == "fp8xfp8"
+                 else "grey", label=f"floor {mma} (bytes / copy bandwidth)")
     top.set_xscale("log", base=2)
     top.set_ylabel("latency (µs, slowest rank)")
     top.legend(fontsize=7)
@@ -153,7 +155,8 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
         key = f"{op}_over_{reference_op}"
         ys = [p["speedup"].get(key) for p in points]
         if any(y is not None for y in ys):
-            bottom.plot(ts, [math.nan if y is None else y for y in ys], marker="s", label=f"{op} / {reference_op}")
+            bottom.plot(ts, [math.nan if y is None else y for y in ys], marker="s", label=f"{op} / {reference_op}",
+                        color=color[op])
     bottom.axhline(1.0, color="grey", lw=0.5)
     bottom.set_xscale("log", base=2)
     bottom.set_xlabel("tokens per rank")
