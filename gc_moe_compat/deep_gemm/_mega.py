@@ -11,17 +11,26 @@ Weights are DeepGEMM's layout: L1 rows interleaved gate/up by 8 (``transform_wei
 scales in the natural ``[E/P, N/128, K/128]`` layout; FP4 per-row scales interleaved like their rows. They are
 converted for the operator once per weight tensor (see :func:`gc_moe_compat.deep_gemm._seam.operator_weights`).
 
-Both run the operator without a shared expert; with shared-expert weights ``fp8_fp4_mega_moe`` raises
-NotImplementedError from the operator naming the missing role4 kernel. DeepGEMM options GC-MoE
-lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming the argument;
-``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
+Fused shared expert (``fp8_fp4_mega_moe`` on a buffer made with ``num_shared_experts=1``; ``fp8_mega_moe`` keeps the
+original's signature, which has no shared-expert arguments, and refuses such a buffer): the operator's role4, on the
+local tokens the buffer's ``shared_l1_acts`` / ``shared_l1_acts_sf`` are (``x`` / ``x_sf`` themselves: on SM90 no
+Eq. (3) restaging), its partial in combine slot ``k``. The shared weights are the SM90 form, as
+``transform_weights_for_mega_moe_sm90`` leaves an FP8 pair: E4M3 ``[1, 2I, H]`` with L1 rows interleaved gate/up by
+8 and FP32 128x128 block scales ``[1, N/128, K/128]`` (natural order), L2 as is; the L1 payload is de-interleaved
+into the native API's canonical layout once per weight tensor (:func:`_native_shared`). DeepGEMM's SM100 shared
+recipe (per-row UE8M0 K32 scales, packed int32 / UTCCP order) raises NotImplementedError naming it. SGLang's pin
+asserts ``num_shared_experts == 0`` on SM90; this facade accepts 1 (the native operator fuses it on Hopper).
+DeepGEMM options GC-MoE lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming
+the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from gc_moe_compat import config
+from gc_moe_compat import config, layouts
 from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer
 
@@ -37,6 +46,43 @@ def _live_buffer(fn: str, sym_buffer: object) -> SymmBuffer:
     if sym_buffer.workspace is None:
         raise ValueError(f"{fn}: sym_buffer was destroyed")
     return sym_buffer
+
+
+_shared_caches: weakref.WeakKeyDictionary[object, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
+"""Per primary workspace: the de-interleaved shared L1 pair by the identity of its source tensors (sources, their
+version counters and the canonical pair kept)."""
+
+
+def _native_shared(fn: str, buf: SymmBuffer, shared_l1: _Pair, shared_l2: _Pair) -> tuple[_Pair, _Pair]:
+    """The native API's canonical shared pairs for the facade's SM90 ones (module docstring): L1's payload
+    de-interleaved, once per source tensor and buffer (rebuilt when its version counter moves; the same tensors are
+    returned otherwise, so the operator's own per-weight conversion is cached too). The K32 recipe raises
+    ``NotImplementedError``; an inference-mode L1 payload (no version counter, so its copy could go stale unseen) and
+    a first conversion inside CUDA graph capture raise."""
+    for arg, pair in (("shared_l1_weights", shared_l1), ("shared_l2_weights", shared_l2)):
+        if pair[1].dtype != torch.float32:
+            raise NotImplementedError(
+                f"{fn}: {arg}[1] is {pair[1].dtype}: DeepGEMM's SM100 shared recipe (per-row UE8M0 K32 scales) has no "
+                "SM90 kernel; pass FP32 128x128 block scales [1, N/128, K/128] (transform_weights_for_mega_moe_sm90's "
+                "form)")
+    payload, scales = shared_l1
+    if payload.is_inference():
+        raise ValueError(f"{fn}: shared_l1_weights[0]: is an inference tensor (made under torch.inference_mode()), "
+                         "which has no version counter, so an in-place update of it could not be seen and its "
+                         "de-interleaved copy would silently go stale; make the weights outside inference mode, or "
+                         "clone them there once")
+    workspace = _seam.workspace_of(buf)
+    cache = _shared_caches.setdefault(workspace.alias_of or workspace, {})
+    key = (_seam._identity(payload), _seam._identity(scales))
+    entry = cache.get(key)
+    if entry is None or entry[1] != _seam._versions(shared_l1):
+        if payload.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{fn}: shared_l1_weights: de-interleaving them for the operator needs a device copy, "
+                               "which a CUDA graph capture would record; make one eager call with these weights "
+                               "before capturing")
+        entry = ((payload, scales), _seam._versions(shared_l1), (layouts.deinterleave_gate_up(payload), scales))
+        cache[key] = entry
+    return entry[2], shared_l2
 
 
 def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
@@ -73,6 +119,8 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         if stats.shape[0] != shape.num_local_experts or stats.device != y.device:
             raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be int32 [{shape.num_local_experts}] "
                              f"on {y.device}, got {tuple(stats.shape)} on {stats.device}")
+    if shape.num_shared_experts:
+        shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights)
     _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
                       shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
                       recipe=recipe, activation_clamp=activation_clamp, fast_math=fast_math)

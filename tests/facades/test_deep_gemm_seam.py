@@ -71,9 +71,10 @@ class _Launches:
         self.calls: list[dict] = []
         monkeypatch.setattr(api, "_launch", self._record)
 
-    def _record(self, fn, buffer, y, w1, w2, t, model, plan, alpha, clamp, *, fast_math=True, recv_stats=None):
+    def _record(self, fn, buffer, y, w1, w2, t, model, plan, alpha, clamp, *, fast_math=True, recv_stats=None,
+                shared=None):
         self.calls.append(dict(fn=fn, buffer=buffer, y=y, w1=w1, w2=w2, t=t, alpha=alpha, clamp=clamp,
-                               fast_math=fast_math, recv_stats=recv_stats))
+                               fast_math=fast_math, recv_stats=recv_stats, shared=shared))
 
 
 # ------------------------------------------------------------------------------------------------------------------
