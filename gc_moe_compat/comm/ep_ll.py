@@ -37,8 +37,10 @@ import enum
 from dataclasses import dataclass
 
 import torch
+from cuda.bindings import driver
 
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.side_launch import launch_on
@@ -60,6 +62,7 @@ __all__ = [
     "LlSite",
     "launch_ll",
     "ll_grid",
+    "load_in",
     "ll_sites",
     "mask_words",
     "params_header",
@@ -290,6 +293,27 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
 def kernel_of(kernel: Kernel) -> jit.Kernel:
     """The loaded entry point that runs ``kernel`` (compiled or taken from the cache on first use)."""
     return jit.load_module(SOURCE).kernel(_MANGLED[kernel.entry])
+
+
+_loaded: set[tuple[int, int]] = set()
+"""(partition id, green context) pairs whose communication side has both entry points loaded."""
+
+
+def load_in(partition: Partition) -> None:
+    """Loads both entry points into ``partition``'s communication green context now (``cuKernelGetFunction`` with
+    that context current), so that no first launch there waits for a lazy module load while a peer spins for it
+    (FACTS.md: load every kernel in every context that runs it before two of them depend on each other)."""
+    ctx = partition.side(Role.COMM).ctx
+    key = (id(partition), int(ctx))
+    if key in _loaded:
+        return
+    call(driver.cuCtxPushCurrent, ctx)
+    try:
+        for symbol in _MANGLED.values():
+            call(driver.cuKernelGetFunction, jit.load_module(SOURCE).kernel(symbol).handle)
+    finally:
+        call(driver.cuCtxPopCurrent)
+    _loaded.add(key)
 
 
 def launch_args(kernel: Kernel, table: PeerTable, params: EpLlParams) -> KernelArgs:

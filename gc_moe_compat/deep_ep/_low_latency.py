@@ -36,6 +36,7 @@ from gc_moe_compat.comm.ep_ll import (
     Kernel,
     LlShape,
     launch_ll,
+    load_in,
     make_params,
     mask_words,
     new_status_mirror,
@@ -115,7 +116,9 @@ def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | N
     not on a CUDA device (the host tests' stand-in)."""
     if workspace.device.type != "cuda" or partition_mode() == "off":
         return None
-    return get_partition(request, workspace.device.index)
+    partition = get_partition(request, workspace.device.index)
+    load_in(partition)
+    return partition
 
 
 def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, object]:

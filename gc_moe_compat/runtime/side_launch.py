@@ -11,7 +11,8 @@ way, so :func:`launch_on` places it on a partition's side directly:
   the capture's current dependencies, which it then replaces (the way a GreenGraph attaches its child graph).
 
 The fork event is created in the caller's context and the join event in the green context (each recorded on a stream
-of its own context; ``cuStreamWaitEvent`` accepts an event of another context). Partitions are cached per thread
+of its own context; ``cuStreamWaitEvent`` accepts an event of another context). :func:`fork` / :func:`join` are the
+two halves, for other work queued on a side's stream (``GreenSide.torch_stream``). Partitions are cached per thread
 (:func:`~gc_moe_compat.runtime.green.get_partition`), and so are these events; they are destroyed with the partition.
 """
 
@@ -29,23 +30,26 @@ from .jit import Kernel
 from .launch import dim3, launch
 from .params import KernelArgs
 
-__all__ = ["launch_on"]
+__all__ = ["fork", "join", "launch_on"]
 
-_events: dict[int, tuple[driver.CUevent, driver.CUevent]] = {}
+_events: dict[tuple[int, Role], tuple[driver.CUevent, driver.CUevent]] = {}
 _lock = threading.Lock()
 
 
 def _destroy_events(partition: Partition) -> None:
     with _lock:
-        pair = _events.pop(id(partition), None)
-    for event in pair or ():
-        call(driver.cuEventDestroy, event)
+        pairs = [_events.pop(key) for key in list(_events) if key[0] == id(partition)]
+    for pair in pairs:
+        for event in pair:
+            call(driver.cuEventDestroy, event)
 
 
 def _fork_join(partition: Partition, role: Role) -> tuple[driver.CUevent, driver.CUevent]:
-    """The partition's (fork, join) events: fork in the current context, join in ``role``'s green context."""
+    """The (fork, join) events of ``partition``'s ``role`` side: fork in the current context, join in the side's
+    green context."""
+    key = (id(partition), role)
     with _lock:
-        pair = _events.get(id(partition))
+        pair = _events.get(key)
     if pair is not None:
         return pair
     flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
@@ -56,9 +60,25 @@ def _fork_join(partition: Partition, role: Role) -> tuple[driver.CUevent, driver
     finally:
         call(driver.cuCtxPopCurrent)
     with _lock:
-        _events[id(partition)] = (fork, join)
-    partition.on_close(_destroy_events)
+        first = not any(k[0] == id(partition) for k in _events)
+        _events[key] = (fork, join)
+    if first:
+        partition.on_close(_destroy_events)
     return fork, join
+
+
+def fork(partition: Partition, role: Role, stream: int | driver.CUstream) -> None:
+    """Makes the ``role`` side's stream wait for the work queued on ``stream`` so far (outside capture)."""
+    event = _fork_join(partition, role)[0]
+    call(driver.cuEventRecord, event, as_stream(stream))
+    call(driver.cuStreamWaitEvent, partition.side(role).stream, event, 0)
+
+
+def join(partition: Partition, role: Role, stream: int | driver.CUstream) -> None:
+    """Makes ``stream`` wait for the work queued on the ``role`` side's stream so far (outside capture)."""
+    event = _fork_join(partition, role)[1]
+    call(driver.cuEventRecord, event, partition.side(role).stream)
+    call(driver.cuStreamWaitEvent, as_stream(stream), event, 0)
 
 
 def launch_on(partition: Partition | None, role: Role, kernel: Kernel, grid: int | Sequence[int],
@@ -85,9 +105,6 @@ def launch_on(partition: Partition | None, role: Role, kernel: Kernel, grid: int
         flags = driver.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
         call(driver.cuStreamUpdateCaptureDependencies, caller, [node], None, 1, flags)
         return
-    fork, join = _fork_join(partition, role)
-    call(driver.cuEventRecord, fork, caller)
-    call(driver.cuStreamWaitEvent, side.stream, fork, 0)
+    fork(partition, role, caller)
     launch(kernel, grid, block, args, side.stream)
-    call(driver.cuEventRecord, join, side.stream)
-    call(driver.cuStreamWaitEvent, caller, join, 0)
+    join(partition, role, caller)
