@@ -6,9 +6,11 @@ weights and every option against :func:`gc_moe_compat.config.validate` and the s
 operator through :func:`gc_moe_compat.deep_gemm._seam.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of
 them).
 
-Weights are DeepGEMM's layout: L1 rows interleaved gate/up by 8 (``transform_weights_for_mega_moe_sm90`` /
-``transform_weights_for_mega_moe`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is; FP8 block
-scales in the natural ``[E/P, N/128, K/128]`` layout; FP4 per-row scales interleaved like their rows. They are
+Weights are DeepGEMM's layout: for ``fp8_mega_moe`` L1 rows interleaved gate/up by 8
+(``transform_weights_for_mega_moe_sm90`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is, FP8
+block scales in the natural ``[E/P, N/128, K/128]`` layout; for ``fp8_fp4_mega_moe`` the originals'
+``transform_weights_for_mega_moe`` layout only (L1 interleaved, int32 K32 scales transposed for UTCCP; SGLang's SM100
+loader builds the same), which has the shapes of the interleave-only form and cannot be told from it. They are
 converted for the operator once per weight tensor (see :func:`gc_moe_compat.deep_gemm._seam.operator_weights`).
 
 Fused shared expert (``fp8_fp4_mega_moe`` on a buffer made with ``num_shared_experts=1``; ``fp8_mega_moe`` keeps the
