@@ -34,17 +34,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from gc_moe_compat.ab.cells import RESULTS, Cell
 from gc_moe_compat.ab.protocol import REPO, result_meta
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "cpu_cells", "main", "markdown", "signature_cells", "swap_cells",
            "validation_cells", "versions"]
 
-RESULTS = ("pass", "fail", "not supported", "not run")
 DATA_DIR = REPO / "tests" / "data"
 SIGNATURE_FILES = {"deep_gemm": "deep_gemm_mega_moe.json", "deep_ep": "deep_ep_buffer.json"}
 DISTRIBUTIONS = ("sgl-deep-gemm", "deepinfer-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep", "deepinfer-ep")
@@ -87,22 +87,6 @@ KNOWN_DIVERGENCES = (
     Divergence("deep_gemm.mega_mhc", "sgl-deep-gemm 0.2.5", "adds mega_mhc (forwarded to an installed original; "
                "MissingOriginalError without one)", _has("deep_gemm", "mega_mhc")),
 )
-
-
-@dataclass
-class Cell:
-    """One combination and its result."""
-
-    kind: str
-    entry: str
-    case: str
-    result: str
-    detail: str = ""
-    axes: dict[str, object] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.result not in RESULTS:
-            raise ValueError(f"result: must be one of {RESULTS}, got {self.result!r}")
 
 
 def _resolve(module: str, name: str) -> object:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gc_moe_compat.ab import inputs, model_config, operators, prebuild
-from gc_moe_compat.ab.matrix import Cell
+from gc_moe_compat.ab.cells import Cell
 from gc_moe_compat.ab.protocol import REPO
 from gc_moe_compat.ab.results import COSINE_FAITHFUL, PROCESSED_FAITHFUL
 
