@@ -33,6 +33,13 @@ The FP32 recipe (SGLang / DeepGEMM SM90 1x128 activations and 128x128 weight blo
 the saturating cast absorbs it. ``AMAX_FLOOR`` (1e-10, SGLang's ``eps``) keeps an all-zero group's scale finite and
 nonzero.
 
+Weight value checks
+-------------------
+:func:`check_weight_values` is the one home of the value rules of weights in every accepted form (no E4M3 NaN code,
+finite positive FP32 block scales, no UE8M0 code 255), run once where weights enter (the native and facade transforms,
+the facade's conversion); it reads in bounded slices and skips meta tensors and CUDA graph capture
+(:func:`values_readable`).
+
 Packing
 -------
 * FP4: two codes per byte, element ``2i`` in the **low** nibble (bits 3..0) and element ``2i + 1`` in the high nibble
