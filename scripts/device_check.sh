@@ -17,7 +17,7 @@ export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-/tmp/gc_moe_cache}"
 PY="${PYTHON:-python3}"
 
 # Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
-BENCHES=(runtime_sm90 gemm_sm90 predispatch_sm90)
+BENCHES=(runtime_sm90 gemm_sm90 predispatch_sm90 sglang_sequence_sm90)
 # Benchmarks that need two GPUs: run by default only where there are two.
 BENCHES_X2=(operator_sm90 deep_ep_ll)
 # Nsight Compute sections of a --profile run (clocks left alone: --clock-control none).

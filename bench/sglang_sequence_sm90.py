@@ -1,0 +1,285 @@
+"""SGLang's whole Hopper Mega MoE sequence on one H200, against the layer alone, the floor, and (with a shared
+expert) the fused operator against routed-only plus a separate shared-expert GEMM on the same inputs.
+
+Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCOL.md says (100 replays per window,
+10 warm-up + 30 measured windows, L2 flushed between windows; median window):
+
+* ``sequence``: what SGLang's Hopper path runs per MoE layer through the ``deep_gemm`` facade,
+  ``mega_moe_pre_dispatch_sm90`` (BF16 tokens -> FP8 + FP32 1x128 scales, routing copied and scaled, the fused
+  kernel) then ``fp8_mega_moe`` (FP8xFP8, routed experts only: SGLang's pin refuses shared experts on SM90);
+* ``layer``: ``fp8_mega_moe`` alone on the staged tokens;
+* ``fused_shared``: the pre-dispatch into a ``num_shared_experts=1`` buffer, then the native ``fp8_fp8_gc_moe`` with
+  the shared expert's weights (role4 in the operator's graph, its partial in combine slot k);
+* ``separate_shared``: the pre-dispatch, the routed-only ``fp8_mega_moe``, then the shared expert as its own GEMMs
+  on the same staged tokens (this project's standalone SM90 FP8 grouped GEMM, W1 with the fused SwiGLU + requant
+  epilogue and W2, one expert, the whole device; the FP32 scales transposed into the MN-major layout it reads) and
+  the shared output added to ``y``.
+
+``floor_us``: BENCH_PROTOCOL.md's floor of the routed layer (unique active experts' FP8 weights + block scales, the
+tokens in and out) over the copy bandwidth measured in the same run; ``floor_shared_us`` adds the shared expert's
+weights. ``efficiency`` = floor / latency of ``sequence`` (and ``fused_shared``). Accuracy per point: ``fused_shared``'s
+``y`` against the quantization-faithful reference with the shared expert (the staged FP8 tokens the operator read,
+slot k summed last), and ``separate_shared`` against ``fused_shared``.
+
+Presets: ``dsv41-flash``, ``glm52`` and ``dsv3`` (DeepSeek-V3 at EP8's per-rank load: H 7168, I 2048, 32 local of
+256 experts, top-8, one shared expert, routed scaling 2.5; the other two scale by 1.0), P = 1, capacity 256,
+clamp 10, T = 1..256 (``config.SWEEP_TOKENS``).
+
+``python bench/sglang_sequence_sm90.py --out bench/results/sglang_sequence_sm90.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
+
+import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat.ab.prebuild import kernel_jobs, prebuild
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.deep_gemm import _seam
+from gc_moe_compat.operator import api
+from gc_moe_compat.operator.heuristics import select_config, tile_rows
+from gc_moe_compat.operator.sm90 import role4_shared
+from gc_moe_compat.testing.grouping import GroupedTokens
+from gc_moe_compat.testing.operator_workload import (
+    CAPACITY,
+    CLAMP,
+    RankInputs,
+    make_inputs,
+    make_shared_weights,
+    make_weights,
+    preset_dims,
+    reference_results,
+)
+from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.testing.standalone_gemm import (
+    EPI_W1,
+    EPI_W2,
+    SOURCE,
+    ExpertGemmSM90,
+    prepare_fp8_weights,
+    variant_defines,
+)
+
+PRESETS = ("dsv41-flash", "glm52", "dsv3")
+SCALING = {"dsv3": 2.5}
+"""Routed scaling factor of the pre-dispatch per preset (1.0 where absent)."""
+OPS = ("sequence", "layer", "fused_shared", "separate_shared")
+
+
+def _group() -> dist.ProcessGroup:
+    """A one-rank gloo group on a free local port (the operator's buffer is one rank's symmetric memory)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def _separate_config(tokens: int, hidden: int, inter: int) -> object:
+    """The standalone GEMM's variant for one expert's ``tokens`` rows (the heuristic's, whole device)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return select_config(tokens, 1, 2 * inter // tile_rows(2), sms, "fp8xfp8", hidden=hidden)
+
+
+def _jobs(preset: str) -> list[tuple[str, dict[str, int]]]:
+    """Every kernel variant the preset's points pick: the operator's roles and pre-dispatch (gc-moe-ab's list),
+    role4's W1 / W2 variants (for the default partition's compute SMs; another partition compiles its own at first
+    use) and the standalone GEMM of the separate shared expert."""
+    e, k, h, inter = preset_dims(preset)
+    jobs = kernel_jobs(["fp8xfp8"], SWEEP_TOKENS, 1, k, e)
+    compute_sms = torch.cuda.get_device_properties(0).multi_processor_count - 4  # the default dispatch request
+    for t in SWEEP_TOKENS:
+        for epi, n_w in ((1, 2 * inter), (2, h)):
+            v = role4_shared.role4_variant(t, n_w, epi, compute_sms, mma_type="fp8xfp8")
+            jobs.append((role4_shared.SOURCE, v.defines))
+    for t in SWEEP_TOKENS:
+        c = _separate_config(t, h, inter)
+        for epi, stages in ((EPI_W1, c.stages_w1), (EPI_W2, c.stages_w2)):
+            jobs.append((SOURCE, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
+                                                 cluster=c.cluster)))
+    return jobs
+
+
+def _one_expert_rows(x: torch.Tensor, tokens: int, bm: int, hidden: int) -> GroupedTokens:
+    """The standalone GEMM's input for one expert over the first ``tokens`` staged rows of ``x`` (a view: the
+    separate GEMM reads the staged payload in place; only its scales get their own MN-major array)."""
+    nb = -(-tokens // bm)
+    rows = nb * bm
+    start = torch.arange(0, rows, bm, dtype=torch.int32)
+    blocks = torch.stack([torch.zeros_like(start), (tokens - start).clamp(max=bm), start], 1).cuda()
+    token = torch.arange(rows, dtype=torch.int64)
+    token[tokens:] = -1
+    return GroupedTokens(x=x[:rows], x_sf_t=torch.zeros(hidden // 128, rows, dtype=torch.float32, device="cuda"),
+                         routing_w=torch.ones(rows, dtype=torch.float32, device="cuda"), blocks=blocks,
+                         pair_blocks=blocks, num_blocks=torch.tensor([nb], dtype=torch.int32, device="cuda"),
+                         row_token=token.cuda(), row_slot=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                         counts=torch.tensor([tokens], dtype=torch.int64), bm=bm)
+
+
+class PresetRun:
+    """One preset's weights and buffers (S = 0 and S = 1 facade buffers), built once for its T sweep."""
+
+    def __init__(self, group: dist.ProcessGroup, preset: str) -> None:
+        self.preset = preset
+        self.e, self.k, self.h, self.inter = preset_dims(preset)
+        self.factor = SCALING.get(preset, 1.0)
+        self.weights = make_weights(preset, 0, mma_type="fp8xfp8")
+        w1, w2 = self.weights.w1, self.weights.w2
+        self.l1, self.l2 = (w1.payload, w1.scales), (w2.payload, w2.scales)  # DeepGEMM's SM90 layout: interleaved L1
+        self.shared = make_shared_weights(preset)
+        s1, s2 = self.shared
+        self.shared_pairs = {"shared_l1_weights": (s1.payload, s1.scales),
+                             "shared_l2_weights": (s2.payload, s2.scales)}
+        self.separate_weights = prepare_fp8_weights(s1, s2)
+        self.sym = {s: dg.get_symm_buffer_for_mega_moe(group, self.e, CAPACITY, self.k, self.h, self.inter,
+                                                       num_shared_experts=s, mma_type="fp8xfp4") for s in (0, 1)}
+        self.native = _seam.workspace_of(self.sym[1]).retyped("fp8xfp8")
+
+    def ops(self, tokens: int, seed: int) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor]]:
+        """The four operations of one point on fresh seeded inputs, and the output each writes."""
+        inputs = make_inputs("uniform", tokens, self.e, self.k, self.h, seed)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, self.h, generator=g).to("cuda", torch.bfloat16)
+        idx = inputs.topk_idx.to(torch.int32)  # SGLang hands int32 ids to the pre-dispatch
+        weights = inputs.topk_weights
+        ys = {name: torch.empty(tokens, self.h, dtype=torch.bfloat16, device="cuda") for name in OPS}
+
+        def pre(s: int) -> None:
+            b = self.sym[s]
+            dg.mega_moe_pre_dispatch_sm90(x, idx, weights, b.x, b.x_sf, b.topk_idx, b.topk_weights,
+                                          num_tokens=tokens, routed_scaling_factor=self.factor)
+
+        def layer(y: torch.Tensor) -> None:
+            dg.fp8_mega_moe(y, self.l1, self.l2, self.sym[0], activation_clamp=CLAMP)
+
+        config = _separate_config(tokens, self.h, self.inter)
+        gemm = ExpertGemmSM90(self.separate_weights, config, activation_clamp=CLAMP)
+        grouped = _one_expert_rows(self.sym[0].x, tokens, config.bm, self.h)
+        ws = gemm.workspace(grouped)
+
+        def separate() -> None:
+            pre(0)
+            layer(ys["separate_shared"])
+            grouped.x_sf_t[:, :tokens].copy_(self.sym[0].x_sf[:tokens].t())
+            gemm.run(grouped, ws)
+            ys["separate_shared"].add_(ws.out[:tokens])
+
+        def fused() -> None:
+            pre(1)
+            api.fp8_fp8_gc_moe(ys["fused_shared"], self.weights.w1, self.weights.w2, self.native,
+                               activation_clamp=CLAMP, check_values=False, **self.shared_pairs)
+
+        ops = {"sequence": lambda: (pre(0), layer(ys["sequence"])), "layer": lambda: layer(ys["layer"]),
+               "fused_shared": fused, "separate_shared": separate}
+        return ops, ys
+
+    def accuracy(self, tokens: int, ys: dict[str, torch.Tensor]) -> dict[str, dict[str, float | int]]:
+        """``fused_shared`` against the faithful reference on what the operator read; ``separate_shared`` against
+        ``fused_shared``."""
+        b = self.sym[1]
+        staged = RankInputs(b.x[:tokens].clone(), b.x_sf[:tokens].clone(), b.topk_idx[:tokens].clone(),
+                            b.topk_weights[:tokens].clone())
+        ref = reference_results([staged], [self.weights], shared=self.shared)[0].y
+        return {"fused_shared_vs_reference": accuracy_metrics(ys["fused_shared"].float(), ref.float()),
+                "separate_vs_fused": accuracy_metrics(ys["separate_shared"].float(), ys["fused_shared"].float())}
+
+    def point(self, tokens: int, bandwidth: float, warmup: int, windows: int) -> dict[str, object]:
+        ops, ys = self.ops(tokens, seed=7000 + tokens)
+        latency = {}
+        for name, op in ops.items():
+            op()  # JIT, graphs and conversions outside the capture
+            graph = capture_graph(op)
+            latency[name] = median_graph_window(graph, warmup, windows)
+        active = int(torch.unique(self.sym[0].topk_idx[:tokens]).ge(0).sum())
+        floor = expert_floor_bytes(self.h, self.inter, active, tokens) / bandwidth * 1e6
+        floor_shared = expert_floor_bytes(self.h, self.inter, active + 1, tokens) / bandwidth * 1e6
+        return {"preset": self.preset, "mma_type": "fp8xfp8", "shared": True, "tokens_per_rank": tokens,
+                "routed_scaling_factor": self.factor, "active_experts": active, "latency_us": latency,
+                "per_rank_us": {name: [us] for name, us in latency.items()},
+                "speedup": {"layer_over_sequence": latency["layer"] / latency["sequence"],
+                            "separate_over_fused": latency["separate_shared"] / latency["fused_shared"]},
+                "pre_dispatch_share_us": latency["sequence"] - latency["layer"],
+                "floor_us": floor, "floor_shared_us": floor_shared,
+                "efficiency": {"sequence": floor / latency["sequence"], "layer": floor / latency["layer"],
+                               "fused_shared": floor_shared / latency["fused_shared"],
+                               "separate_shared": floor_shared / latency["separate_shared"]},
+                "accuracy": self.accuracy(tokens, ys)}
+
+
+def plot(points: list[dict[str, object]], presets: list[str], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
+    for ax, preset in zip(axes[0], presets, strict=True):
+        rows = [p for p in points if p["preset"] == preset]
+        t = [p["tokens_per_rank"] for p in rows]
+        for name, style in (("sequence", "o-"), ("layer", "s--"), ("fused_shared", "^-"), ("separate_shared", "v:")):
+            ax.plot(t, [p["latency_us"][name] for p in rows], style, label=name)
+        ax.plot(t, [p["floor_us"] for p in rows], "k-", linewidth=0.8, label="floor (routed)")
+        ax.plot(t, [p["floor_shared_us"] for p in rows], "k:", linewidth=0.8, label="floor (+ shared)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank T")
+        ax.set_ylabel("us per layer (graph replay)")
+        ax.set_title(preset)
+        ax.legend(fontsize=7)
+    fig.suptitle("SGLang's Hopper Mega MoE sequence, one H200, P = 1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/sglang_sequence_sm90.json")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=30)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
+    args = parser.parse_args()
+    group = _group()
+    jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets for src, d in _jobs(preset)}
+    built = prebuild(list(jobs.values()), workers=16)
+    print(f"prebuild: {sum('built' in b for b in built)} built, {sum('cached' in b for b in built)} cached, "
+          f"{sum('FAILED' in b for b in built)} failed", flush=True)
+    bandwidth = copy_bandwidth()
+    points = []
+    for preset in args.presets:
+        run = PresetRun(group, preset)
+        for t in args.tokens:
+            points.append(run.point(t, bandwidth, args.warmup, args.windows))
+            p = points[-1]
+            print(f"{preset} T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in p["latency_us"].items())
+                  + f" us, floor {p['floor_us']:.1f}", flush=True)
+    native = run.native
+    meta = result_meta("bench/sglang_sequence_sm90.py", sys.argv[1:],
+                       {"dispatch_sms": native.dispatch_sms, "compute_sms": native.compute_sms,
+                        "workqueue": "plain SM partitioning (see the run's log)", "mode": native.partition})
+    meta.update({"capacity": CAPACITY, "activation_clamp": CLAMP, "copy_bandwidth_Bps": bandwidth,
+                 "routed_scaling_factor": {p: SCALING.get(p, 1.0) for p in args.presets},
+                 "presets": list(args.presets), "warmup": args.warmup, "windows": args.windows})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    plot(points, args.presets, args.out.with_suffix(".png"))
+    print("| preset | T | sequence | layer | pre-dispatch | floor | fused shared | separate shared | separate/fused "
+          "| fused cos |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for p in points:
+        us = p["latency_us"]
+        print(f"| {p['preset']} | {p['tokens_per_rank']} | {us['sequence']:.1f} | {us['layer']:.1f} | "
+              f"{p['pre_dispatch_share_us']:.1f} | {p['floor_us']:.1f} | {us['fused_shared']:.1f} | "
+              f"{us['separate_shared']:.1f} | {p['speedup']['separate_over_fused']:.3f} | "
+              f"{p['accuracy']['fused_shared_vs_reference']['cosine']:.6f} |")
+
+
+if __name__ == "__main__":
+    main()
