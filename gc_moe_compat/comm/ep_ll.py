@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -290,8 +291,10 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     return max(1, min(cap, -(-warps // (THREADS // 32))))
 
 
+@functools.cache
 def kernel_of(kernel: Kernel) -> jit.Kernel:
-    """The loaded entry point that runs ``kernel`` (compiled or taken from the cache on first use)."""
+    """The loaded entry point that runs ``kernel`` (compiled or taken from the cache on first use, then kept: the
+    cache lookup hashes the sources, far too slow for every launch of a decode step)."""
     return jit.load_module(SOURCE).kernel(_MANGLED[kernel.entry])
 
 
@@ -309,8 +312,8 @@ def load_in(partition: Partition) -> None:
         return
     call(driver.cuCtxPushCurrent, ctx)
     try:
-        for symbol in _MANGLED.values():
-            call(driver.cuKernelGetFunction, jit.load_module(SOURCE).kernel(symbol).handle)
+        for kernel in (Kernel.DISPATCH_SEND, Kernel.COMBINE_SEND):  # one launch of each entry point
+            call(driver.cuKernelGetFunction, kernel_of(kernel).handle)
     finally:
         call(driver.cuCtxPopCurrent)
     _loaded.add(key)

@@ -363,6 +363,15 @@ __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlPar
     const u32 groups = p.hidden / 128;
     for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
         const u32 le = u / (ranks * chunks), src = (u / chunks) % ranks, chunk = u % chunks;
+        if (chunk > 0) {  // a later row unit: one look at its own source's count first (most units hold no rows)
+            u32 n = 0;
+            if (lane == 0) {
+                const u64* count = word(pt, p.off_counts + ((le * ranks + src) * 2 + parity) * 8);
+                if (wait_rank(pt, p, count, gen << 32, status, gc_moe::kLlSiteCount << 16 | src, src) == kArrived)
+                    n = static_cast<u32>(gc_moe::ld_acquire_sys(count));
+            }
+            if (chunk * p.unit_rows >= __shfl_sync(~0u, n, 0)) continue;
+        }
         u32 before = 0, rows = 0, total = 0;
         bool ok = true;
         for (u32 q0 = 0; q0 < ranks; q0 += 32) {
@@ -477,6 +486,7 @@ __device__ __forceinline__ void combine_send(const PeerTable& pt, const EpLlPara
 
 // Whether combine receive sums slot f: the dispatch's checked expert, equal to the caller's checked entry, with a
 // finite weight and an unmasked owner. Reports (when `status` is given) a differing entry or a non-finite weight.
+// (Evaluated once per slot and column unit by one lane, so a token's k slots are decided in parallel.)
 __device__ __forceinline__ bool combine_slot(const PeerTable& pt, const EpLlParams& p, u32 f, float weight,
                                              KernelStatus* status = nullptr) {
     const int dispatched = reinterpret_cast<const int*>(p.routing)[f];
@@ -515,14 +525,15 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     }
     ok = __syncthreads_and(ok);  // the acquires precede every thread's stage reads
     const float* weights = reinterpret_cast<const float*>(p.topk_weights);
-    // The routing checks, once per slot (the reduction below re-evaluates them silently).
-    for (u32 f = blockIdx.x * kThreads + threadIdx.x; ok && f < p.num_tokens * p.topk; f += gridDim.x * kThreads)
-        combine_slot(pt, p, f, weights[f], status);
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
     const u32 units = ok ? p.num_tokens * chunks : 0;
     const u8* stage = reinterpret_cast<const u8*>(pt.base + p.off_combine_stage);
     for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
+        // Lane j decides slot j once for the warp (reported by the token's first column unit only).
+        const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
+                                                           u % chunks == 0 ? status : nullptr);
+        const u32 used_slots = __ballot_sync(~0u, decided);
         if (col >= p.hidden) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
@@ -532,8 +543,8 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
 #pragma unroll
             for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
                 const u32 k = k0 + i;
-                w[i] = k < p.topk ? weights[t * p.topk + k] : 0.f;
-                used[i] = k < p.topk && combine_slot(pt, p, t * p.topk + k, w[i]);
+                used[i] = k < p.topk && (used_slots >> k & 1u);
+                w[i] = used[i] ? weights[t * p.topk + k] : 0.f;
                 if (used[i]) {
                     const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
                     v[i] = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
