@@ -101,6 +101,7 @@ __all__ = [
     "inspect_values",
     "integer",
     "preset_shape",
+    "recipe",
     "shown",
     "tokens_per_expert",
     "validate",
@@ -309,8 +310,9 @@ def check_routing(num_experts: object, num_ranks: object, topk: object, capacity
     _check_range("topk", topk, 1, MAX_COMBINE_SLOTS - num_shared_experts,
                  f"k + num_shared_experts <= {MAX_COMBINE_SLOTS}: {_WHY_SLOTS}")
     _check_range("num_ranks", num_ranks, 1, MAX_RANKS, _WHY_RANKS)
-    _check_range("num_experts", num_experts, topk, MAX_EXPERTS,
-                 f"k <= E for top-k without repetition; E <= {MAX_EXPERTS}: {_WHY_EXPERTS}")
+    _check_range("num_experts", num_experts, 1, MAX_EXPERTS, _WHY_EXPERTS)
+    if topk > num_experts:  # a rule of both: named both
+        raise _fail("topk", f"<= num_experts ({num_experts})", "k <= E: top-k without repetition", topk)
     _check_multiple("num_experts", num_experts, num_ranks,
                     f"num_ranks={num_ranks}: experts are distributed evenly, e = E/P")
     _check_range("num_experts / num_ranks", num_experts // num_ranks, 1, MAX_LOCAL_EXPERTS,
@@ -474,6 +476,17 @@ def finite_float(fn: str, arg: str, value: object, *, positive: bool = False) ->
     if not math.isfinite(result) or (positive and result <= 0):
         raise ValueError(f"{fn}: {arg} must be a finite{' positive' if positive else ''} number, got {shown(value)}")
     return result
+
+
+def recipe(fn: str, value: object, supported: tuple[int, ...]) -> tuple[int, ...]:
+    """A recipe: a tuple or list of ints equal to ``supported``, as a tuple (``TypeError`` for another type or a
+    non-int member, ``ValueError`` for another recipe). The one recipe check of the native API and both facades."""
+    if not isinstance(value, tuple | list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{fn}: recipe must be a tuple of ints {supported}, got {type(value).__name__} "
+                        f"({value!r:.80})")
+    if tuple(value) != supported:
+        raise ValueError(f"{fn}: recipe must be {supported}, got {tuple(value)}")
+    return tuple(value)
 
 
 def boolean(fn: str, arg: str, value: object, *, none_ok: bool = False) -> bool | None:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from gc_moe_compat import config
-from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, finite_float, integer
+from gc_moe_compat.config import MAX_SMS, MMA_TYPES, MoEShape, boolean, finite_float, integer, recipe
 
 __all__ = ["MAX_SMS", "boolean", "choice", "finite_float", "integer", "moe_shape", "recipe", "routing", "tensor",
            "unsupported_feature"]
@@ -65,15 +65,6 @@ def unsupported_feature(fn: str, arg: str, value: object, default: object, what:
     if value is not default and value != default:
         raise NotImplementedError(f"{fn}: {arg}={value!r} is not supported: GC-MoE has no {what}; "
                                   f"pass {default!r}")
-
-
-def recipe(fn: str, value: object, supported: tuple[int, int, int]) -> tuple[int, ...]:
-    """A recipe: a tuple/list of ints equal to ``supported`` (TypeError for another type, ValueError otherwise)."""
-    if not isinstance(value, tuple | list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise TypeError(f"{fn}: recipe must be a tuple of ints {supported}, got {type(value).__name__} "
-                        f"({value!r:.80})")
-    choice(fn, "recipe", tuple(value), (supported,), ())
-    return tuple(value)
 
 
 def routing(fn: str, **fields: object) -> None:

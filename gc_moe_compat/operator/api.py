@@ -30,6 +30,7 @@ import torch
 
 from gc_moe_compat import config
 from gc_moe_compat.config import boolean, finite_float
+from gc_moe_compat.config import recipe as recipe_of
 from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.operator.ring import RingCapacityError, RingModel, RingPlan
@@ -174,13 +175,15 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         l1, l2 = _weights("w1", w1, mma_type, "l1", e), _weights("w2", w2, mma_type, "l2", e)
         inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
         t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
-        if not isinstance(recipe, tuple | list) or tuple(recipe) != RECIPES[mma_type]:
-            raise ValueError(f"recipe: must be {RECIPES[mma_type]} for {mma_type}, got {recipe!r}")
+        if not isinstance(activation, str):
+            raise TypeError(f"activation: must be 'swiglu' (a str), got {type(activation).__name__} "
+                            f"({activation!r:.80})")
         if activation != "swiglu":
             raise ValueError(f"activation: must be 'swiglu' (fused in the W1 epilogue), got {activation!r}")
         recv_stats = _recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
+    recipe_of(fn, recipe, RECIPES[mma_type])
     finite_float(fn, "activation_alpha", activation_alpha)
     if activation_clamp is not None:
         finite_float(fn, "activation_clamp", activation_clamp, positive=True)

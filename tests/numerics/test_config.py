@@ -174,7 +174,7 @@ def test_tokens_per_expert_rejects_negative() -> None:
     ("num_shared_experts", 2, "num_shared_experts", "[0, 1]"),
     ("num_shared_experts", -1, "num_shared_experts", "[0, 1]"),
     ("num_experts", 4096, "num_experts", "2048"),
-    ("num_experts", 1, "num_experts", "k <= E"),
+    ("num_experts", 0, "num_experts", "[1, 2048]"),
     ("num_experts", 9, "num_experts", "multiple of 2"),
     ("num_ranks", 0, "num_ranks", "[1, 72]"),
     ("num_ranks", 73, "num_ranks", "72 offsets"),
@@ -184,6 +184,11 @@ def test_tokens_per_expert_rejects_negative() -> None:
 def test_scalar_rule(field: str, value: int, arg: str, rule: str) -> None:
     with raises(ValueError, f"{arg}:", rule, f"got {value}"):
         tiny(**{field: value})
+
+
+def test_topk_at_most_the_experts_names_both() -> None:
+    with raises(ValueError, "topk:", "<= num_experts (1)", "k <= E", "got 2"):
+        tiny(num_experts=1)
 
 
 def test_topk_31_allowed_without_shared_only() -> None:

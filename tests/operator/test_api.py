@@ -263,7 +263,9 @@ def _call_args(group: dist.ProcessGroup, compute_sms: int = 64) -> dict:
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
-    ({"recipe": (128, 128, 128)}, ValueError, "recipe: must be \\(1, 1, 32\\)"),
+    ({"recipe": (128, 128, 128)}, ValueError, "recipe must be \\(1, 1, 32\\), got \\(128, 128, 128\\)"),
+    ({"recipe": None}, TypeError, "recipe must be a tuple of ints \\(1, 1, 32\\), got NoneType"),
+    ({"activation": 1}, TypeError, "activation: must be 'swiglu' \\(a str\\), got int"),
     ({"activation": "gelu"}, ValueError, "activation: must be 'swiglu'"),
     ({"activation_alpha": float("nan")}, ValueError, "activation_alpha must be a finite number"),
     ({"activation_clamp": 0.0}, ValueError, "activation_clamp must be a finite positive"),
