@@ -26,8 +26,14 @@ caller's staging, while role2's first W1 task cannot start before role1 has pull
 shared expert in that window hides it behind the dispatch, whereas after role2 (before role3) it would add its whole
 latency, and beside role2 (no edge) it would take SMs from role2's persistent grid, whose task order relies on every
 CTA being resident. With the partition off the roles run in sequence: role1 -> role4 -> role4_w2 -> role2 -> role3.
-``bench/sglang_sequence_sm90.py`` measures the fused layer against the routed-only layer plus a separate
-shared-expert GEMM on the same inputs.
+Measured (``bench/results/sglang_sequence_sm90.json``, one H200, P = 1, fused native call against the routed-only
+layer plus this project's standalone FP8 GEMM as a separate shared expert on the same staged tokens): the fused layer
+is 1.01-1.08x faster at T <= 16 on dsv41-flash, glm52 and dsv3 (role4 costs 29-57 us inside the graph, fused minus
+layer, the separate GEMMs 41-55 us), and 0.88-1.00x at T >= 32: there role4's cost inside the graph rises to
+116-146 us at BM = 64 (T = 64, 128) against 71-83 us for the separate GEMMs. The excess grows with BM, which points
+at role4's own W1 stage issue (one thread copies BM token scales per K step, where the standalone GEMM issues one
+bulk copy); staging a block's ``x_sf`` once per task (one TMA box ``[BM, H/128]``) is the next step, not measured
+yet.
 
 Token blocks: one table per ``BM`` covering the buffer's capacity (rows ``(0, min(BM, Tmax - i·BM), i·BM)``) and a
 count ``ceil(T/BM)`` (a pointer into a device ``arange``), so no per-``T`` upload happens; the last block's rows
