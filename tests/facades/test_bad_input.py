@@ -1,7 +1,7 @@
-"""Issue 19, items 8, 9 and 12: bad flags, sizes and SM counts at the facades' entry points raise ``TypeError`` /
-``ValueError`` / ``NotImplementedError`` naming the function, the argument and the value, before any allocation or
-launch; the originals' defaults keep working. CPU only (the deep_ep low-latency Buffer runs on a fake workspace and
-records its launches instead of running them)."""
+"""Issue 19, items 8-12 and the wrong kinds of error: bad flags, sizes, SM counts and views at the facades' entry
+points raise ``TypeError`` / ``ValueError`` / ``NotImplementedError`` naming the function, the argument and the value,
+before any allocation or launch; the originals' defaults keep working. CPU only (the deep_ep low-latency Buffer runs
+on a fake workspace and records its launches instead of running them)."""
 
 from __future__ import annotations
 
@@ -212,6 +212,128 @@ def test_native_sm_counts_named_through_the_facade_buffer(group: dist.ProcessGro
     native bounds; the native refusals of compute_sms / dispatch_sms are tested in tests/operator/test_api.py."""
     buf = dg.get_symm_buffer_for_mega_moe(group, E, 40, K, H, N_I)
     assert 2 <= buf.workspace.compute_sms <= dg._checks.MAX_SMS
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Items 10, 11 and the wrong kind of error: each named as the caller's argument, TypeError / ValueError, before any
+# allocation (values only the device sees: tests/facades/test_predispatch_kernel.py, tests/operator/
+# test_role1_dropped_gpu.py; the fuzz of every entry point: tests/fuzz/)
+
+
+def _pre(buf: dg.SymmBuffer, **kw: object) -> None:
+    x = torch.zeros(5, H, dtype=torch.bfloat16)
+    idx, w = torch.zeros(5, K, dtype=torch.int64), torch.full((5, K), 0.5, dtype=torch.float32)
+    views = dict(buf_x=buf.x, buf_x_sf=buf.x_sf, buf_topk_idx=buf.topk_idx, buf_topk_weights=buf.topk_weights)
+    args = {"x": x, "topk_idx": idx, "topk_weights": w, **views, "num_tokens": 5, **kw}
+    dg.mega_moe_pre_dispatch_sm90(**args)
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"x": torch.zeros(5, 0, dtype=torch.bfloat16)}, ValueError, "x must have a hidden size .* got 0"),  # hidden 0
+    ({"topk_idx": torch.zeros(5, 0, dtype=torch.int64), "topk_weights": torch.zeros(5, 0, dtype=torch.float32)},
+     ValueError, "topk_idx must have 1 to 32 columns"),  # top-k 0
+    ({"x": torch.tensor(1.0, dtype=torch.bfloat16)}, ValueError, "x must be 2-D, got shape \\(\\)"),  # was IndexError
+    ({"topk_idx": torch.full((5, K), 2**32 + 5, dtype=torch.int64)}, ValueError,
+     "topk_idx: must be in \\[-1, 16\\)"),  # item 2: host tensors are checked, not narrowed to expert 5
+    ({"topk_idx": torch.full((5, K), -5, dtype=torch.int64)}, ValueError, "topk_idx: must be in \\[-1, 16\\)"),
+    ({"topk_weights": torch.full((5, K), math.nan, dtype=torch.float32)}, ValueError,
+     "topk_weights \\* routed_scaling_factor: must be finite"),
+    ({"routed_scaling_factor": 1e39}, ValueError, "routed_scaling_factor must be finite in FP32"),  # item 3
+    ({"routed_scaling_factor": 10**400}, ValueError, "routed_scaling_factor must be a finite number, got an int of "
+                                                     "401 digits"),  # was OverflowError
+    ({"topk_weights": torch.full((5, K), 2.0e38, dtype=torch.float32), "routed_scaling_factor": 2.0}, ValueError,
+     "topk_weights \\* routed_scaling_factor: must be finite"),
+])
+def test_pre_dispatch_refusals_name_the_argument(group: dist.ProcessGroup, kw: dict, exc: type, match: str) -> None:
+    buf = dg.get_symm_buffer_for_mega_moe(group, E, 8, K, H, N_I)
+    before = [t.clone() for t in (buf.x.view(torch.uint8), buf.topk_idx, buf.topk_weights)]
+    with pytest.raises(exc, match=f"mega_moe_pre_dispatch_sm90: {match}"):
+        _pre(buf, **kw)
+    after = (buf.x.view(torch.uint8), buf.topk_idx, buf.topk_weights)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing written
+    _pre(buf)  # the baseline stages
+
+
+def test_pre_dispatch_views_must_be_one_buffers_own(group: dist.ProcessGroup) -> None:
+    """Item 10: views swapped (x_sf <-> topk_weights have the same shape here: H/128 == k) or of two buffers."""
+    a, b = (dg.get_symm_buffer_for_mega_moe(group, E, 8, K, H, N_I) for _ in range(2))
+    with pytest.raises(ValueError, match="buf_x_sf must be sym_buffer.x_sf .* got another region of that buffer"):
+        _pre(a, buf_x_sf=a.topk_weights, buf_topk_weights=a.x_sf)
+    with pytest.raises(ValueError, match="buf_topk_idx must be sym_buffer.topk_idx .* got a view of another buffer"):
+        _pre(a, buf_topk_idx=b.topk_idx)
+    with pytest.raises(ValueError, match="mega_moe_pre_dispatch: buf_x_sf is float32, the SM90 layout .*"
+                                         "mega_moe_pre_dispatch_sm90"):  # issue 22 point 3
+        dg.mega_moe_pre_dispatch(torch.zeros(5, H, dtype=torch.bfloat16), torch.zeros(5, K, dtype=torch.int64),
+                                 torch.zeros(5, K, dtype=torch.float32), a.x, a.x_sf, a.topk_idx, a.topk_weights, 5,
+                                 mma_type="fp8xfp4")
+    a.destroy()
+    with pytest.raises(TypeError, match="buf_x must be a torch.Tensor, got None \\(the views of a destroyed"):
+        _pre(a)
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"num_experts": 4096}, ValueError, "num_experts: must be in \\[1, 2048\\]"),
+    ({"num_topk": 64}, ValueError, "num_topk: must be in \\[1, 32\\]"),
+    ({"num_ranks": 1024, "num_experts": 1024}, ValueError, "num_ranks: must be in \\[1, 72\\]"),
+    ({"num_max_tokens_per_rank": 9000, "num_tokens": 1}, ValueError, "num_max_tokens_per_rank: must be in "
+                                                                     "\\[1, 8192\\]"),
+    ({"mma_type": None}, TypeError, "mma_type must be one of .* got NoneType"),
+])
+def test_block_m_answers_only_for_shapes_a_buffer_accepts(kw: dict, exc: type, match: str) -> None:
+    """Item 11: get_block_m_for_mega_moe checks the routing sizes the buffer checks (config.check_routing)."""
+    args = {**dict(num_ranks=8, num_experts=256, num_max_tokens_per_rank=256, num_tokens=16, num_topk=8), **kw}
+    with pytest.raises(exc, match=f"get_block_m_for_mega_moe: {match}"):
+        dg.get_block_m_for_mega_moe(**args)
+
+
+def test_layer_call_refusals_name_the_argument(group: dist.ProcessGroup) -> None:
+    buf = dg.get_symm_buffer_for_mega_moe(group, E, 40, K, H, N_I)
+    l1 = (torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * N_I // 128, H // 128))
+    l2 = (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, N_I // 128))
+    y = torch.empty(3, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8_mega_moe: y.shape\\[0\\] \\(this rank's tokens T\\) must be <= the "
+                                         "buffer's num_max_tokens_per_rank=64 .* got 65"):  # not num_tokens
+        dg.fp8_mega_moe(torch.empty(65, H, dtype=torch.bfloat16), l1, l2, buf)
+    with pytest.raises(TypeError, match="fp8_mega_moe: l1_weights must be a \\(weights, scales\\) pair of tensors, "
+                                        "got None"):  # was 'NoneType' object is not subscriptable
+        dg.fp8_mega_moe(y, None, l2, buf)
+    with pytest.raises(TypeError, match="fp8_mega_moe: recipe must be a tuple of ints"):
+        dg.fp8_mega_moe(y, l1, l2, buf, recipe=None)
+    with pytest.raises(ValueError, match="fp8_fp4_mega_moe: global_num_tokens must be in \\[3, 64\\], got 2"):
+        dg.fp8_fp4_mega_moe(y, l1, l2, buf, global_num_tokens=2)  # below y's rows (item 11)
+    with pytest.raises(RuntimeError, match="fp8_fp8_gc_moe: buffer: lives in host memory"):  # valid: to the launch
+        dg.fp8_mega_moe(y, l1, l2, buf)
+    buf.destroy()
+    with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was destroyed"):
+        dg.fp8_mega_moe(y, l1, l2, buf)
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), [
+    ({"num_max_tokens_per_rank": 8193}, ValueError, "num_max_tokens_per_rank must be in \\[1, 8192\\], got 8193"),
+    ({"hidden": 256 * 2**32}, ValueError, "hidden: must be in \\[1, 8192\\]"),  # was a ~2 PB allocation
+    ({"num_experts": 10**400}, ValueError, "num_experts: must be in \\[1, 2048\\] .* got an int of 401 digits"),
+    ({"mma_type": __import__("numpy").array("fp8xfp4")}, TypeError, "mma_type must be one of .* got ndarray"),
+])
+def test_buffer_refusals_name_the_callers_value(group: dist.ProcessGroup, kw: dict, exc: type, match: str) -> None:
+    args = {**dict(num_experts=E, num_max_tokens_per_rank=40, num_topk=K, hidden=H, intermediate_hidden=N_I), **kw}
+    with pytest.raises(exc, match=match):
+        dg.get_symm_buffer_for_mega_moe(group, **args)
+
+
+def test_wrong_kinds_of_error_are_gone(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TypeError, match="SymmBuffer: group must be a torch.distributed ProcessGroup, got NoneType"):
+        dg.get_symm_buffer_for_mega_moe(None, E, 40, K, H, N_I)  # was AttributeError
+    with pytest.raises(ValueError, match="transform_sf_into_required_layout: recipe's gran_mn must be >= 1, got 0"):
+        dg.transform_sf_into_required_layout(torch.ones(4, 16), 4, 512, (0, 128))  # was ZeroDivisionError
+    with pytest.raises(TypeError, match="transform_sf_into_required_layout: recipe's gran_mn must be an int"):
+        dg.transform_sf_into_required_layout(torch.ones(4, 16), 4, 512, ("a", 128))
+    if not torch.cuda.is_available():  # was "Torch not compiled with CUDA enabled" (AssertionError)
+        with pytest.raises(RuntimeError, match="Buffer: low_latency_mode=True: symmetric workspace: needs a CUDA "
+                                               "device"):
+            Buffer(group, 0, 1 << 20, low_latency_mode=True)
+    monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "100000")  # the variable is named, not the argument
+    with pytest.raises(ValueError, match="GC_MOE_DISPATCH_SMS \\(the dispatch SM request, dispatch_sms=None\\)"):
+        api.get_symm_buffer_for_gc_moe(group, E, 32, K, H, N_I, compute_sms=64)
 
 
 # ------------------------------------------------------------------------------------------------------------------
