@@ -150,10 +150,25 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
         reason = spec.probe()
         lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"
                      + ("" if reason is None else f"\n      why: {reason}"))
+    kernels = kernel_sources()
+    lines.append(f"kernels: {kernels}" if kernels else "kernels: gc_moe_compat.kernels is not importable in this "
+                 f"Python ({sys.executable}): install the package into it (python -m pip install -e .)")
     for name, how in OPTIONAL_PACKAGES.items():
         found = importlib.util.find_spec(name) is not None
         lines.append(f"package {name}: {'found' if found else 'missing: ' + how}")
     return lines
+
+
+def kernel_sources() -> str | None:
+    """Where the CUDA sources the operator compiles are (``gc_moe_compat.kernels``), or None when this Python
+    cannot import them: the package is not installed into this interpreter (``python -m pip install -e .``
+    installs the editable mapping of ``kernels/``; a ``pip`` of another Python does not)."""
+    try:
+        from gc_moe_compat.runtime.jit import kernels_root
+
+        return str(kernels_root())
+    except Exception:  # noqa: BLE001 - ModuleNotFoundError or the JitError of a non-directory resource
+        return None
 
 
 def _default_out(w: Workload) -> Path:
@@ -195,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if gpus == 0:
         print("gc-moe-ab: no CUDA GPU visible; `gc-moe-ab --check ...` says what would run", file=sys.stderr)
         return 1
+    if kernel_sources() is None:
+        print(f"gc-moe-ab: gc_moe_compat.kernels is not importable in {sys.executable}: the operator's CUDA sources "
+              "are missing; install the package into this Python (python -m pip install -e .)", file=sys.stderr)
+        return 2
     world = args.world_size or gpus
     if world > gpus:
         print(f"gc-moe-ab: --world-size {world} exceeds the {gpus} visible GPU(s)", file=sys.stderr)

@@ -149,7 +149,7 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
                  else "grey", label=f"floor {mma} (bytes / copy bandwidth)")
     top.set_xscale("log", base=2)
     top.set_ylabel("latency (µs, slowest rank)")
-    top.legend(fontsize=7)
+    top.legend(fontsize=7)  # the floors are always there
     top.set_title(title, fontsize=9)
     for op in ops:
         key = f"{op}_over_{reference_op}"
@@ -161,7 +161,8 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
     bottom.set_xscale("log", base=2)
     bottom.set_xlabel("tokens per rank")
     bottom.set_ylabel(f"latency ratio over {reference_op} (> 1: {reference_op} faster)")
-    bottom.legend(fontsize=7)
+    if bottom.get_legend_handles_labels()[0]:  # no ratio where the reference operator did not run
+        bottom.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -121,3 +121,21 @@ def test_the_original_probe_names_what_would_install_it(monkeypatch: pytest.Monk
 def test_console_scripts_are_declared() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert 'gc-moe-ab = "gc_moe_compat.ab.cli:main"' in text
+
+
+def test_a_python_without_the_installed_kernels_stops_before_the_run(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Seen on the H200: ``pip`` of another interpreter installed the package, ``python -m gc_moe_compat.ab`` then
+    imported it from the checkout without the editable ``kernels/`` mapping; every operator failed at its first
+    launch. The tool now says so up front (and ``--check`` names where the sources are)."""
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started without the kernel sources")
+
+    monkeypatch.setattr(run, "run", never)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "kernel_sources", lambda: None)
+    assert cli.main(["--preset", "glm52", "--tokens", "1"]) == 2
+    assert "gc_moe_compat.kernels is not importable" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.kernel_sources() == str(REPO / "kernels")  # this checkout's editable install
