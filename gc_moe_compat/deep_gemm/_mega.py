@@ -35,6 +35,7 @@ import torch
 from gc_moe_compat import config, layouts
 from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer
+from gc_moe_compat.operator import api
 
 __all__ = ["bf16_mega_moe", "fp8_fp4_mega_moe", "fp8_mega_moe", "nvfp4_mega_moe"]
 
@@ -96,31 +97,17 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
     if activation_clamp is not None:
         activation_clamp = _checks.finite_float(fn, "activation_clamp", activation_clamp, positive=True)
     _checks.boolean(fn, "fast_math", fast_math)
-    for arg, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
-        if pair is None:
-            raise TypeError(f"{fn}: {arg} must be a (weights, scales) pair of tensors, got None")
     shape = config.MoEShape(
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
         intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,
         capacity=buf.num_max_tokens_per_rank, mma_type=mma_type)
-    y = _checks.tensor(fn, "y", y, (torch.bfloat16,), 2)
-    num_tokens = y.shape[0]
-    if num_tokens > shape.capacity:
-        raise ValueError(f"{fn}: y.shape[0] (this rank's tokens T) must be <= the buffer's num_max_tokens_per_rank="
-                         f"{shape.capacity} (rounded up as DeepGEMM does; ring and combine buffers are sized for it), "
-                         f"got {num_tokens}")
-    try:
-        config.validate(shape, x=buf.x[:num_tokens], x_sf=buf.x_sf[:num_tokens], topk_idx=buf.topk_idx[:num_tokens],
-                        topk_weights=buf.topk_weights[:num_tokens], y=y, l1_weights=l1_weights, l2_weights=l2_weights,
-                        shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
-                        num_tokens=num_tokens, check_values=False)
+    try:  # the native API's call check (one validation layer), on DeepGEMM's views of the workspace
+        inputs = {name: getattr(buf, name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
+        api.validate_call(shape, y, inputs, l1_weights, l2_weights, shared_l1_weights, shared_l2_weights,
+                          check_values=False)
+        stats = api.check_recv_stats(stats, buf.workspace)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
-    if stats is not None:
-        stats = _checks.tensor(fn, "cumulative_local_expert_recv_stats", stats, (torch.int32,), 1)
-        if stats.shape[0] != shape.num_local_experts or stats.device != y.device:
-            raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be int32 [{shape.num_local_experts}] "
-                             f"on {y.device}, got {tuple(stats.shape)} on {stats.device}")
     if shape.num_shared_experts:
         shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights)
     _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,

@@ -41,6 +41,7 @@ from gc_moe_compat.runtime.split import partition_mode
 __all__ = [
     "OPERATOR_MISSING",
     "RECIPES",
+    "check_recv_stats",
     "GcMoeBuffer",
     "GcMoeWeights",
     "fp8_fp4_gc_moe",
@@ -89,17 +90,25 @@ def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Ten
     """``config.validate`` of one call against ``shape``; returns ``T = y.shape[0]``.
 
     ``inputs`` holds the full-capacity staging views ``x``, ``x_sf``, ``topk_idx``, ``topk_weights``; their ``[:T]``
-    slices are checked. With a fused shared expert the shared weight pairs are required.
+    slices are checked. Both routed weight pairs are required, and with a fused shared expert the shared ones. The
+    one call check of the native API and the deep_gemm facade's layer calls (which prefix its errors with their
+    name).
     """
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise TypeError(f"y: must be a 2-D bfloat16 tensor [T, H], got {y!r:.80}")
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y: must be a 2-D bfloat16 tensor [T, H], got {type(y).__name__}")
+    if y.dim() != 2:
+        raise ValueError(f"y: must be a 2-D bfloat16 tensor [T, H], got shape {tuple(y.shape)}")
+    for arg, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+        if pair is None:
+            raise TypeError(f"{arg}: must be a (weights, scales) pair of tensors, got None")
     if shape.num_shared_experts and (shared_l1_weights is None or shared_l2_weights is None):
         raise ValueError("shared_l1_weights/shared_l2_weights: must be given (the buffer has a fused shared "
                          "expert, combine slot k), got None")
     t = y.shape[0]
     if t > shape.capacity:
-        raise ValueError(f"y.shape[0] (tokens T): must be <= capacity={shape.capacity} (the buffer's Tmax; ring and "
-                         f"combine buffers are sized for it), got {t}")
+        raise ValueError(f"y.shape[0] (tokens T): must be <= capacity={shape.capacity} (the buffer's Tmax, a facade "
+                         f"buffer's num_max_tokens_per_rank rounded up; ring and combine buffers are sized for it), "
+                         f"got {t}")
     config.validate(shape, **{name: view[:t] for name, view in inputs.items()}, y=y, l1_weights=l1_weights,
                     l2_weights=l2_weights, shared_l1_weights=shared_l1_weights, shared_l2_weights=shared_l2_weights,
                     num_tokens=t, check_values=check_values)
@@ -144,8 +153,9 @@ def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: i
     return w.pair
 
 
-def _recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
-    """``cumulative_local_expert_recv_stats``: None or a contiguous int32 ``[e]`` on the buffer's device."""
+def check_recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
+    """``cumulative_local_expert_recv_stats``: None or a contiguous int32 ``[e]`` on the buffer's device (the native
+    calls' and the deep_gemm facade's one check)."""
     if stats is None:
         return None
     e = buffer.shape.num_local_experts
@@ -180,7 +190,7 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
                             f"({activation!r:.80})")
         if activation != "swiglu":
             raise ValueError(f"activation: must be 'swiglu' (fused in the W1 epilogue), got {activation!r}")
-        recv_stats = _recv_stats(recv_stats, buffer)
+        recv_stats = check_recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
     recipe_of(fn, recipe, RECIPES[mma_type])

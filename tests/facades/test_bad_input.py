@@ -291,11 +291,11 @@ def test_layer_call_refusals_name_the_argument(group: dist.ProcessGroup) -> None
     l1 = (torch.zeros(E, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * N_I // 128, H // 128))
     l2 = (torch.zeros(E, H, N_I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, N_I // 128))
     y = torch.empty(3, H, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fp8_mega_moe: y.shape\\[0\\] \\(this rank's tokens T\\) must be <= the "
-                                         "buffer's num_max_tokens_per_rank=64 .* got 65"):  # not num_tokens
+    with pytest.raises(ValueError, match="fp8_mega_moe: y.shape\\[0\\] \\(tokens T\\): must be <= capacity=64 .*"
+                                         "num_max_tokens_per_rank rounded up.* got 65"):  # not num_tokens
         dg.fp8_mega_moe(torch.empty(65, H, dtype=torch.bfloat16), l1, l2, buf)
-    with pytest.raises(TypeError, match="fp8_mega_moe: l1_weights must be a \\(weights, scales\\) pair of tensors, "
-                                        "got None"):  # was 'NoneType' object is not subscriptable
+    with pytest.raises(TypeError, match="fp8_mega_moe: l1_weights: must be a \\(weights, scales\\) pair of "
+                                        "tensors, got None"):  # was 'NoneType' object is not subscriptable
         dg.fp8_mega_moe(y, None, l2, buf)
     with pytest.raises(TypeError, match="fp8_mega_moe: recipe must be a tuple of ints"):
         dg.fp8_mega_moe(y, l1, l2, buf, recipe=None)
@@ -306,6 +306,11 @@ def test_layer_call_refusals_name_the_argument(group: dist.ProcessGroup) -> None
     buf.destroy()
     with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was destroyed"):
         dg.fp8_mega_moe(y, l1, l2, buf)
+    stats = torch.zeros(3, dtype=torch.int32)  # [e] = [16] expected
+    with pytest.raises(ValueError, match="fp8_mega_moe: cumulative_local_expert_recv_stats: must be a contiguous "
+                                         "int32 tensor \\[16\\]"):  # the native call's one check
+        dg.fp8_mega_moe(y, l1, l2, dg.get_symm_buffer_for_mega_moe(group, E, 40, K, H, N_I),
+                        cumulative_local_expert_recv_stats=stats)
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
