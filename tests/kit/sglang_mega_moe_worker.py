@@ -98,15 +98,17 @@ SUITES = {
 
 
 def _host_launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, *, fast_math=True,
-                 recv_stats=None) -> None:
+                 recv_stats=None, shared=None) -> None:
     """Stand-in for ``api._launch`` on a host without CUDA (``--simulate-launch``): one rank's layer from the
-    staged rows and the operator's weights (L1 de-interleaved back) by the reference, and the statistics update."""
+    staged rows and the operator's weights (L1 de-interleaved back; ``shared``: the canonical shared pairs, role4)
+    by the reference, and the statistics update."""
     idx, e = buffer.topk_idx[:t], buffer.shape.num_experts
     l1 = ExpertWeights("fp8_block128", layouts.deinterleave_gate_up(w1.payload), w1.scales)
     l2 = ExpertWeights("fp8_block128", w2.payload, w2.scales)
+    shared = None if shared is None else tuple(ExpertWeights("fp8_block128", *pair) for pair in shared)
     result = expert_parallel_reference([(buffer.x[:t], buffer.x_sf[:t])], [idx], [buffer.topk_weights[:t]], [l1],
-                                       [l2], activation_clamp=activation_clamp, activation_alpha=activation_alpha,
-                                       intermediate_quant="fp32_128")[0]
+                                       [l2], shared=shared, activation_clamp=activation_clamp,
+                                       activation_alpha=activation_alpha, intermediate_quant="fp32_128")[0]
     y.copy_(result.y)
     if recv_stats is not None:
         recv_stats += recv_counts(dispatch_plan([idx], e))[0]
