@@ -6,7 +6,8 @@ role4's own output (combine slot k, rows < T) against the reference's slot-k par
 against the reference (BENCH_PROTOCOL.md reference-1 targets); and ``y`` bit for bit equal to the slot-order FP32 sum
 of this rank's combine slots (the valid routed slots, then slot k) rounded to BF16: role3 adds the shared partial
 last. T = 0, 1, odd, capacity; partition on and off; eager vs graph replay bit-identical; the refusals (K32 shared
-scales, a first call inside capture) before anything runs. Tests are parametrized by ``mma_type``."""
+scales, a first call inside capture) before anything runs; the deep_gemm facade's ``fp8_fp4_mega_moe`` with shared
+weights bit-identical to the native call. Tests are parametrized by ``mma_type``."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ from operator_kit import (
     stage,
 )
 
+import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import layouts, quant
+from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.sm90 import layer, role2_gemm, role4_shared
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.operator_workload import make_shared_weights, reference_results
+from gc_moe_compat.testing.operator_workload import CLAMP, make_expert_weights, make_shared_weights, reference_results
 from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
 
 pytestmark = pytest.mark.gpu
@@ -199,3 +203,30 @@ def test_refusals_before_anything_runs(group: dist.ProcessGroup, weights: dict[s
         CALLS[mma_type](y, w.w1, w.w2, buf, **fresh)
     torch.cuda.synchronize()
     assert bool(y.isnan().all())
+
+
+def test_facade_fp8_fp4_mega_moe_matches_the_native_call(group: dist.ProcessGroup, weights: dict[str, RankWeights],
+                                                        shared: dict[str, _Shared], mma_type: str) -> None:
+    """``deep_gemm.fp8_fp4_mega_moe`` on a ``num_shared_experts=1`` facade buffer, with the originals' routed layout
+    (transform_weights_for_mega_moe of the same canonical MXFP4 weights) and the SM90 shared form (L1 interleaved by
+    8, FP32 block scales): the same bits as ``fp8_fp4_gc_moe`` on the same staged tokens."""
+    if mma_type != "fp8xfp4":
+        pytest.skip("fp8_mega_moe keeps the original's signature: no shared-expert arguments (refusal: CPU test)")
+    preset, tokens = "tiny", 37
+    e, k, h, inter = preset_dims(preset)
+    sym = dg.get_symm_buffer_for_mega_moe(group, e, CAPACITY, k, h, inter, num_shared_experts=1, mma_type=mma_type)
+    native, w, sw = _buffer(group, preset, mma_type), weights[preset], shared[preset]
+    inputs = make_inputs("uniform", tokens, e, k, h, seed=11)
+    stage(native, inputs)
+    stage(_seam.workspace_of(sym), inputs)
+    y_native, y_facade = poisoned_y(tokens, h), poisoned_y(tokens, h)
+    _run(native, w, sw, y_native)
+    l1, l2 = make_expert_weights(preset, 0, fmt="mxfp4")
+    r1, r2 = dg.transform_weights_for_mega_moe((l1.payload, quant.pack_ue8m0_k32(l1.scales)),
+                                               (l2.payload, quant.pack_ue8m0_k32(l2.scales)))
+    s1 = (layouts.interleave_gate_up(sw[0].payload), sw[0].scales)
+    dg.fp8_fp4_mega_moe(y_facade, r1, r2, sym, shared_l1_weights=s1, shared_l2_weights=(sw[1].payload, sw[1].scales),
+                        activation_clamp=CLAMP)
+    torch.cuda.synchronize()
+    assert_bits_equal(y_facade, y_native, "facade vs native with a shared expert")
+    check_accuracy(y_facade, reference_results([inputs], [w], shared=sw)[0].y, "facade fp8_fp4_mega_moe", preset)
