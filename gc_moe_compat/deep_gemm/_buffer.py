@@ -12,8 +12,8 @@ attribute             dtype               shape            strides
 ``x_sf``              float32             ``[T, H/128]``   ``(H/128, 1)`` (K-major, FP32 1x128 scales)
 ``topk_idx``          int64               ``[T, k]``       ``(k, 1)``
 ``topk_weights``      float32             ``[T, k]``       ``(k, 1)``
-``shared_l1_acts``    ``x`` itself (the shared expert reads the local tokens, zero copy)
-``shared_l1_acts_sf`` ``x_sf`` itself with a shared expert, else an empty byte tensor
+``shared_l1_acts``    ``x`` itself (the shared expert, role4, reads the local tokens, zero copy)
+``shared_l1_acts_sf`` ``x_sf`` itself with a shared expert (no Eq. (3) restaging on SM90), else an empty byte tensor
 ``x_scales``          empty byte tensor (NVFP4 only, absent as in SGLang's pin)
 ``buffer``            int8                the whole workspace (``handle.buffer_ptrs``: every rank's base)
 ====================  ==================  ===============  =========================================
@@ -24,6 +24,8 @@ rounded up to ``TOKEN_ALIGNMENT``. ``topk_idx`` is int64 as in DeepGEMM 2.8.2; S
 pre-dispatch, which converts them (the operator reads either width, the facade keeps DeepGEMM's). The layout is the
 SM90 operator's for both ``mma_type`` values ("E4M3FN with contiguous FP32 K128 scales", what SGLang's SM90 pin hands
 its Hopper kernel): SGLang creates its Hopper buffer with ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe`` on it.
+``num_shared_experts=1`` is accepted on SM90 (SGLang's pin asserts 0 there): ``fp8_fp4_mega_moe`` then runs the fused
+shared expert (:mod:`gc_moe_compat.deep_gemm._mega` says which weight form it takes).
 
 The operator's own regions (token ring and L2 activations: ``l1_acts``, ``l1_acts_sf``, ``l2_acts``, ``l2_acts_sf``,
 and with a shared expert ``shared_l2_acts``, ``shared_l2_acts_sf``) are readable as attributes through
