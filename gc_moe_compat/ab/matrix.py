@@ -26,24 +26,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
 from gc_moe_compat.ab.protocol import REPO, result_meta
 
-__all__ = ["KNOWN_DIVERGENCES", "Cell", "cpu_cells", "main", "markdown", "signature_cells", "swap_cells",
-           "validation_cells", "versions"]
+__all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
+           "signature_cells", "surface", "swap_cells", "validation_cells", "versions"]
 
 DATA_DIR = REPO / "tests" / "data"
 SIGNATURE_FILES = {"deep_gemm": "deep_gemm_mega_moe.json", "deep_ep": "deep_ep_buffer.json"}
@@ -112,50 +116,119 @@ def _fmt(rec: tuple[str, str, object]) -> str:
     return f"{name}" + ("" if default is inspect.Parameter.empty else f"={default!r}") + f" [{kind}]"
 
 
+def _compare(entry: str, version: str, rec: dict | None, ours: list[tuple[str, str, object]],
+             divergence: str = "fail") -> Cell:
+    """One version's parameters (``rec`` as ``tests/data`` records them) against the facade's ``ours``: they bind
+    when they are a prefix of ours. A divergence is ``divergence`` (``fail`` for a pinned version the facade
+    mirrors, ``not supported`` for a checkout's newer form)."""
+    axes = {"version": version}
+    if rec is None:
+        return Cell("signature", entry, version, "pass", "absent in this version (the facade adds it)", axes)
+    if rec["params"] is None:
+        return Cell("signature", entry, version, "pass", "compiled in this version (no Python signature to "
+                    "compare)", axes)
+    theirs, mine = _recorded(rec["params"]), ours
+    if theirs and theirs[0][0] == "self":  # a method: drop self
+        theirs = theirs[1:]
+        mine = ours[1:] if ours and ours[0][0] == "self" else ours
+    diffs = [f"{_fmt(t)} vs facade {_fmt(m) if m else 'missing'}"
+             for t, m in zip(theirs, [*mine, *[None] * len(theirs)], strict=False) if t != m]
+    if diffs:
+        return Cell("signature", entry, version, divergence, "; ".join(diffs), axes)
+    extra = [r[0] for r in mine[len(theirs):]]
+    return Cell("signature", entry, version, "pass",
+                f"{len(theirs)} parameters bind" + (f"; the facade adds {extra}" if extra else ""), axes)
+
+
+def _facade_records(module: str, name: str) -> list[tuple[str, str, object]] | str:
+    try:
+        return _records(inspect.signature(_resolve(module, name)))
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"facade: {type(exc).__name__}: {exc}"
+
+
+def surface(data_dir: Path = DATA_DIR) -> dict[str, dict[str, dict[str, dict | None]]]:
+    """``{module: {name: {version: record}}}`` of the recorded signature files (the facades' surfaces)."""
+    return {module: json.loads((data_dir / filename).read_text())["names"]
+            for module, filename in SIGNATURE_FILES.items()}
+
+
 def signature_cells(data_dir: Path = DATA_DIR) -> list[Cell]:
-    """Every recorded (entry point, version): is that version's parameter list a prefix of the facade's?"""
+    """Every recorded (entry point, version): is that version's parameter list a prefix of the facade's? Plus the
+    known divergences of versions not recorded there."""
     cells = []
-    for module, filename in SIGNATURE_FILES.items():
-        data = json.loads((data_dir / filename).read_text())
-        for name, per_version in data["names"].items():
-            entry = f"{module}.{name}"
-            try:
-                ours = _records(inspect.signature(_resolve(module, name)))
-            except (AttributeError, TypeError, ValueError) as exc:
-                for version in per_version:
-                    cells.append(Cell("signature", entry, version, "fail", f"facade: {type(exc).__name__}: {exc}",
-                                      {"version": version}))
-                continue
+    for module, names in surface(data_dir).items():
+        for name, per_version in names.items():
+            ours = _facade_records(module, name)
             for version, rec in per_version.items():
-                axes = {"version": version}
-                if rec is None:
-                    cells.append(Cell("signature", entry, version, "pass", "absent in this version (the facade "
-                                      "adds it)", axes))
-                    continue
-                if rec["params"] is None:
-                    cells.append(Cell("signature", entry, version, "pass", "compiled in this version (no Python "
-                                      "signature to compare)", axes))
-                    continue
-                theirs = _recorded(rec["params"])
-                mine = ours
-                if "." in name and theirs and theirs[0][0] == "self":  # a method: drop self
-                    theirs = theirs[1:]
-                    mine = ours[1:] if ours and ours[0][0] == "self" else ours
-                diffs = [f"{_fmt(t)} vs facade {_fmt(m) if m else 'missing'}"
-                         for t, m in zip(theirs, [*mine, *[None] * len(theirs)], strict=False) if t != m]
-                if diffs:
-                    cells.append(Cell("signature", entry, version, "fail", "; ".join(diffs), axes))
+                if isinstance(ours, str):
+                    cells.append(Cell("signature", f"{module}.{name}", version, "fail", ours, {"version": version}))
                 else:
-                    extra = [r[0] for r in mine[len(theirs):]]
-                    cells.append(Cell("signature", entry, version, "pass",
-                                      f"{len(theirs)} parameters bind" + (f"; the facade adds {extra}" if extra
-                                                                          else ""), axes))
+                    cells.append(_compare(f"{module}.{name}", version, rec, ours))
     for div in KNOWN_DIVERGENCES:
         ok = div.check()
         cells.append(Cell("signature", div.entry, div.version, "pass" if ok else "not supported",
                           f"{div.what}: {'accepted' if ok else 'not accepted by the facade yet'}",
                           {"version": div.version}))
     return cells
+
+
+def _signature_reader() -> ModuleType | None:
+    """``scripts/gen_signatures.py`` of this checkout (its source readers), or None outside a checkout."""
+    path = REPO / "scripts" / "gen_signatures.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("gen_signatures", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gen_signatures", module)  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _package_root(module: str, root: Path) -> Iterator[Path]:
+    """The tree whose ``<module>/__init__.py`` is the package a user imports: ``root`` itself, or for an
+    sgl-project/DeepGEMM checkout (``sgl_deep_gemm/__init__.py`` is what installs as ``deep_gemm``) a temporary
+    copy laid out as its wheel is."""
+    if module != "deep_gemm" or not (root / "sgl_deep_gemm" / "__init__.py").is_file():
+        yield root
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        pkg = Path(tmp) / "deep_gemm"
+        shutil.copytree(root / "deep_gemm", pkg, ignore=shutil.ignore_patterns("include", "*.so"))
+        shutil.copy2(root / "sgl_deep_gemm" / "__init__.py", pkg / "__init__.py")
+        yield Path(tmp)
+
+
+def checkout_signature_cells(module: str, root: Path, label: str) -> list[Cell]:
+    """The facade's surface against a source checkout's signatures (read with ``scripts/gen_signatures.py``'s
+    readers, never imported): a divergence is ``not supported``, with what differs."""
+    reader = _signature_reader()
+    version = f"{label} checkout {_git_head(root)}"
+    if reader is None:
+        return [Cell("signature", module, version, "not run", "needs this repository's scripts/gen_signatures.py")]
+    try:
+        with _package_root(module, root) as tree:
+            found = (reader._deep_ep_classes(tree) if module == "deep_ep" else reader._deep_gemm_bindings(tree))[0]
+    except Exception as exc:  # noqa: BLE001 - the checkout is not what the flag says
+        return [Cell("signature", module, version, "fail", f"reading {root}: {type(exc).__name__}: {exc}")]
+    cells = []
+    for name in surface()[module]:
+        ours = _facade_records(module, name)
+        if isinstance(ours, str):
+            cells.append(Cell("signature", f"{module}.{name}", version, "fail", ours, {"version": version}))
+        else:
+            cells.append(_compare(f"{module}.{name}", version, found.get(name), ours, divergence="not supported"))
+    return cells
+
+
+def _git_head(root: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return f"{root.name} (not a git checkout)"
+    return out
 
 
 @contextlib.contextmanager
@@ -454,10 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where compat_matrix.md / .json go (default bench/results of the checkout, else .)")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU cells (what CI runs)")
-    parser.add_argument("--deepep-src", type=Path, help="a DeepEP checkout: run its tests/legacy/ unmodified")
-    parser.add_argument("--deepgemm-src", type=Path, help="a DeepGEMM checkout: run tests/test_mega_moe.py")
+    parser.add_argument("--deepep-src", type=Path,
+                        help="a DeepEP checkout: its Buffer signatures, and its tests/legacy/ run unmodified")
+    parser.add_argument("--deepgemm-src", type=Path,
+                        help="a DeepGEMM checkout: its Mega MoE signatures, and tests/test_mega_moe.py")
     parser.add_argument("--sgl-deepgemm-src", type=Path,
-                        help="an sgl-project/DeepGEMM checkout: run tests/test_mega_moe_hopper.py (SM90)")
+                        help="an sgl-project/DeepGEMM checkout (any branch, e.g. dev): its signatures, and "
+                             "tests/test_mega_moe_hopper.py (SM90)")
     parser.add_argument("--suite-timeout", type=int, default=600, help="seconds per original test file")
     return parser
 
@@ -465,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     cells = cpu_cells()
+    for module, root, label in (("deep_ep", args.deepep_src, "DeepEP"), ("deep_gemm", args.deepgemm_src, "DeepGEMM"),
+                                ("deep_gemm", args.sgl_deepgemm_src, "sgl-project/DeepGEMM")):
+        if root is not None:
+            cells += checkout_signature_cells(module, root, label)
     if not args.cpu_only:
         from gc_moe_compat.ab import matrix_gpu
 

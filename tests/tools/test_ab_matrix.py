@@ -73,3 +73,37 @@ def test_gpu_and_suite_cells_say_why_they_did_not_run() -> None:
 def test_a_cell_result_is_one_of_four() -> None:
     with pytest.raises(ValueError, match="result: must be one of"):
         matrix.Cell("layer", "x", "y", "ok")
+
+
+def test_a_checkouts_signatures_are_compared_without_importing_it(tmp_path: Path) -> None:
+    """A source tree (never imported: read with scripts/gen_signatures.py's readers) with the dev branch's
+    ``use_fp4_acts`` spelling: that entry point is ``not supported`` with the difference, the rest bind."""
+    import inspect
+
+    from gc_moe_compat import deep_gemm
+
+    facade_sig = str(inspect.signature(deep_gemm.get_num_sms))
+    (tmp_path / "deep_gemm" / "mega").mkdir(parents=True)
+    (tmp_path / "deep_gemm" / "__init__.py").write_text("from .mega import get_num_sms, mega_moe_pre_dispatch\n")
+    (tmp_path / "deep_gemm" / "mega" / "__init__.py").write_text(
+        "def mega_moe_pre_dispatch(x, topk_idx, topk_weights, buf_x, buf_x_sf, buf_topk_idx, buf_topk_weights,\n"
+        "                          num_tokens, group_size=32, use_fp4_acts=False):\n    pass\n"
+        f"def get_num_sms{facade_sig}:\n    pass\n")
+    cells = {c.entry: c for c in matrix.checkout_signature_cells("deep_gemm", tmp_path, "sgl dev")}
+    pre = cells["deep_gemm.mega_moe_pre_dispatch"]
+    assert pre.result == "not supported" and pre.case.startswith("sgl dev checkout ")
+    assert "use_fp4_acts=False [POSITIONAL_OR_KEYWORD] vs facade mma_type='fp8xfp4'" in pre.detail
+    assert cells["deep_gemm.get_num_sms"].result == "pass"
+    assert cells["deep_gemm.fp8_mega_moe"].detail == "absent in this version (the facade adds it)"
+    assert matrix.checkout_signature_cells("deep_gemm", tmp_path / "nope", "x")[0].result == "fail"
+
+
+DEEPEP = Path(__file__).resolve().parents[2] / ".carry" / "DeepEP"
+
+
+@pytest.mark.skipif(not (DEEPEP / "deep_ep" / "buffers" / "legacy.py").is_file(),
+                    reason="no DeepEP checkout in .carry/DeepEP (scripts/fetch_device_deps.sh puts one there)")
+def test_deepep_legacy_checkout_signatures() -> None:
+    cells = {c.entry: c for c in matrix.checkout_signature_cells("deep_ep", DEEPEP, "DeepEP")}
+    assert cells["deep_ep.Buffer.low_latency_combine"].result == "pass"
+    assert all(c.result in ("pass", "not supported") for c in cells.values())
