@@ -223,12 +223,13 @@ def checkout_signature_cells(module: str, root: Path, label: str) -> list[Cell]:
 
 
 def _git_head(root: Path) -> str:
+    """The checkout's short commit; a folder inside another repository (or none) is named, not given its SHA."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        top, head = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                   capture_output=True, text=True, check=True, timeout=30).stdout.split()
+    except (OSError, ValueError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return f"{root.name} (not a git checkout)"
-    return out
+    return head if Path(top).resolve() == root.resolve() else f"{root.name} (not a git checkout)"
 
 
 @contextlib.contextmanager
