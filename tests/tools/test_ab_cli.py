@@ -139,3 +139,23 @@ def test_a_python_without_the_installed_kernels_stops_before_the_run(monkeypatch
     assert "gc_moe_compat.kernels is not importable" in capsys.readouterr().err
     monkeypatch.undo()
     assert cli.kernel_sources() == str(REPO / "kernels")  # this checkout's editable install
+
+
+def test_several_gpus_start_one_process_per_gpu_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def call(cmd: list[str], env: dict[str, str]) -> int:
+        seen.update(cmd=cmd, env=env)
+        return 0
+
+    monkeypatch.setattr(cli.subprocess, "call", call)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "kernel_sources", lambda: "/kernels")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cli.main(["--preset", "glm52", "--tokens", "1", "8", "--quick"]) == 0
+    assert seen["cmd"][1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                               "gc_moe_compat.ab", "--preset", "glm52", "--tokens", "1", "8", "--quick"]
+    assert seen["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and seen["env"]["NCCL_NVLS_ENABLE"] == "0"
+    _, w, problems = cli.parse(["--preset", "glm52", "--world-size", "2"])
+    assert problems == [] and w.shape(2).num_experts == 64  # the per-rank share on two GPUs
