@@ -150,12 +150,10 @@ def _measure(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], 
 
 def _build(specs: Sequence[OperatorSpec], ctx: Context, ranks: Ranks, unavailable: dict[str, str]
            ) -> dict[str, Runner]:
-    """Probe and build every operator on every rank; one that cannot run anywhere is recorded and left out."""
+    """Build every operator that passed its probe on every rank; a setup failure is recorded and left out."""
     runners: dict[str, Runner] = {}
     for spec in specs:
-        reason = ranks.first_error(spec.probe())
-        if reason:
-            unavailable[spec.name] = reason
+        if spec.name in unavailable:
             continue
         runner, error = None, None
         try:
@@ -201,7 +199,11 @@ def run(cfg: RunConfig) -> int:
                       file=sys.stderr, flush=True)
     bandwidths = ranks.gather(protocol.copy_bandwidth())
     unavailable: dict[str, str] = {}
-    probed = [s for s in cfg.ops if ranks.first_error(s.probe()) is None]
+    for spec in cfg.ops:  # a probe that fails on any rank leaves the operator out on all of them
+        reason = ranks.first_error(spec.probe())
+        if reason:
+            unavailable[spec.name] = reason
+    probed = [s for s in cfg.ops if s.name not in unavailable]
     formats = {s.weight_format for s in probed}
     t0 = time.monotonic()
     if lead:  # one rank compiles every variant the points can pick, in parallel; the others wait
