@@ -105,4 +105,23 @@ __device__ __forceinline__ u64 arrive_generation(u64* counter, u32 blocks, bool*
     return old / blocks + 1;
 }
 
+// True in every thread of the CTA that arrives last at `counter` (which that CTA resets for the next launch of the
+// phase): a generation-free grid arrival. Fences on both sides of the atomic make every CTA's stores visible (system
+// scope) to whatever the last CTA publishes next. Call it from every thread of every CTA (it synchronizes the CTA).
+__device__ __forceinline__ bool last_cta(u64* counter) {
+    __shared__ u32 is_last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u64 old = atomicAdd(counter, 1ull);
+        is_last = old == gridDim.x - 1;
+        if (is_last) {
+            atomicExch(counter, 0ull);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return is_last != 0;
+}
+
 }  // namespace gc_moe

@@ -57,6 +57,7 @@ using gc_moe::KernelStatus;
 using gc_moe::PeerTable;
 using gc_moe::peer_ptr;
 using gc_moe::u32;
+using gc_moe::last_cta;
 using gc_moe::u64;
 typedef unsigned char u8;
 
@@ -131,25 +132,6 @@ __device__ __forceinline__ Wait wait_consumed(const PeerTable& pt, const EpLlPar
         }
     }
     return static_cast<Wait>(__shfl_sync(~0u, outcome, 0));
-}
-
-// Generation-free grid arrival: true in every thread of the CTA that arrives last (which also resets the counter
-// for the next launch of this phase and parity). Fences on both sides of the atomic make every CTA's stores
-// visible (system scope) to whatever the last CTA publishes next.
-__device__ __forceinline__ bool last_cta(u64* counter) {
-    __shared__ u32 is_last;
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 old = atomicAdd(counter, 1ull);
-        is_last = old == gridDim.x - 1;
-        if (is_last) {
-            atomicExch(counter, 0ull);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
-    return is_last != 0;
 }
 
 __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {

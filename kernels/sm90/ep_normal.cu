@@ -35,6 +35,7 @@ using gc_moe::KernelStatus;
 using gc_moe::PeerTable;
 using gc_moe::peer_ptr;
 using gc_moe::u32;
+using gc_moe::last_cta;
 using gc_moe::u64;
 typedef unsigned char u8;
 
@@ -72,24 +73,6 @@ __device__ __forceinline__ bool wait_all_ranks(const PeerTable& pt, u64 offset, 
 __device__ __forceinline__ void publish(const PeerTable& pt, u64 offset, u64 value) {
     for (u32 q = threadIdx.x; q < static_cast<u32>(pt.world_size); q += kThreads)
         gc_moe::st_release_sys(reinterpret_cast<u64*>(base_of(pt, q, offset)) + pt.rank, value);
-}
-
-// True in every thread of the CTA that arrives last at `counter` (which it resets for the next launch). Fences on
-// both sides of the atomic make every CTA's stores visible (system scope) to what the last CTA publishes next.
-__device__ __forceinline__ bool last_cta(u64* counter) {
-    __shared__ u32 is_last;
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 old = atomicAdd(counter, 1ull);
-        is_last = old == gridDim.x - 1;
-        if (is_last) {
-            atomicExch(counter, 0ull);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
-    return is_last != 0;
 }
 
 // Copies the six status records into the pinned host mirror, so that the host sees errors without synchronizing.

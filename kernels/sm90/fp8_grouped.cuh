@@ -10,46 +10,12 @@
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
-#ifndef GC_BM
-#define GC_BM 16
-#endif
-#ifndef GC_M_SUB
-#define GC_M_SUB 2
-#endif
-#ifndef GC_STAGES
-#define GC_STAGES 5
-#endif
-#ifndef GC_PRODUCER_WG
-#define GC_PRODUCER_WG 1
-#endif
-#ifndef GC_EPI
-#define GC_EPI 1
-#endif
-#ifndef GC_FAST_MATH
-#define GC_FAST_MATH 1
-#endif
-#ifndef GC_CLUSTER
-#define GC_CLUSTER 0
-#endif
+#include "sm90/gemm_variant.cuh"
 
 namespace gc_moe {
 namespace sm90 {
 
-constexpr int kBM = GC_BM;
-constexpr int kMSub = GC_M_SUB;
-constexpr int kStages = GC_STAGES;
-constexpr int kProducerWG = GC_PRODUCER_WG;
-constexpr int kEpi = GC_EPI;
-// Cluster pairs (standalone, pipelined): the two CTAs of a cluster run the same weight tile against an expert's two
-// ring blocks and stream it once (PairTask in grouped.cuh; each CTA's producer loads half the tile, multicast to
-// both), so each stage is written by both producers and freed by both CTAs' consumers.
-constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
-constexpr int kConsumerWGs = 2;
-[[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
-constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
 constexpr int kRows = kConsumerWGs * kMSub * 64;
-constexpr int kBK = 128;
-constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thread (m64nBMk32)
 constexpr u32 kWBytes = kRows * kBK;
 constexpr u32 kXBytes = kBM * kBK;
 constexpr u32 kSBytes = kBM * 4;

@@ -42,47 +42,15 @@
 #include "sm90/role2_ring.cuh"
 #endif
 
-#ifndef GC_BM
-#define GC_BM 16
-#endif
-#ifndef GC_M_SUB
-#define GC_M_SUB 2
-#endif
-#ifndef GC_STAGES
-#define GC_STAGES 5
-#endif
-#ifndef GC_PRODUCER_WG
-#define GC_PRODUCER_WG 1
-#endif
-#ifndef GC_EPI
-#define GC_EPI 1
-#endif
-#ifndef GC_FAST_MATH
-#define GC_FAST_MATH 1
-#endif
-#ifndef GC_CLUSTER
-#define GC_CLUSTER 0
-#endif
+#include "sm90/gemm_variant.cuh"
 
 namespace gc_moe {
 namespace sm90 {
 
-constexpr int kBM = GC_BM;
-constexpr int kMSub = GC_M_SUB;
-constexpr int kStages = GC_STAGES;
-constexpr int kProducerWG = GC_PRODUCER_WG;
-constexpr int kEpi = GC_EPI;
-// Cluster pairs (standalone, pipelined), as in role2_gemm_fp8xfp8.cu: the two CTAs of a cluster run the same weight
-// units against an expert's two ring blocks and stream them once (each producer loads half the task's slabs,
-// multicast to both), and each CTA decodes the whole stage for its own block.
-constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
-constexpr int kConsumerWGs = 2;
-[[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
-constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
+// Cluster pairs (kCluster, gemm_variant.cuh): each producer loads half of the task's slabs, and each CTA decodes the
+// whole stage for its own block.
 constexpr int kSlabs = kConsumerWGs * kMSub;  // 64-row slabs per task
 constexpr int kRows = kSlabs * 64;
-constexpr int kBK = 128;
-constexpr int kAcc = kBM / 2;               // accumulator registers per 64-row slab and thread (m64nBMk32)
 constexpr u32 kCodeBytes = 64 * kBK / 2;    // FP4 codes of one slab and K128 step
 constexpr u32 kUnitBytes = kCodeBytes + 64 * kBK / 32;  // + one d byte per row and K32 group
 constexpr int kUnitRows = kUnitBytes / 128;  // rows of the 128-byte tensor-map view per unit
