@@ -243,11 +243,26 @@ def mega_moe_pre_dispatch(x: torch.Tensor,
                           group_size: int = 32,
                           mma_type: str = 'fp8xfp4',
                           buf_x_scales: torch.Tensor | None = None,
-                          expert_scales: torch.Tensor | None = None) -> None:
+                          expert_scales: torch.Tensor | None = None,
+                          *,
+                          use_fp4_acts: bool | None = None) -> None:
     """FP8 activations with packed UE8M0 K32 scales (``group_size`` 32); FP4-activation kinds raise. The facade's
     SM90 buffer (FP32 1x128 ``x_sf``, what SGLang's Hopper path creates for either ``mma_type``) is refused: it is
-    staged by ``mega_moe_pre_dispatch_sm90``."""
+    staged by ``mega_moe_pre_dispatch_sm90``.
+
+    ``use_fp4_acts`` is sgl-project/DeepGEMM's dev-branch spelling of the activation kind (it stands where the pin
+    has ``mma_type``): accepted as a keyword, ``False`` meaning FP8 activations, ``True`` (FP4 activations) raising
+    NotImplementedError like an FP4-activation ``mma_type``. A bool passed positionally lands in ``mma_type`` and is
+    refused as a TypeError that names both spellings."""
     fn = "mega_moe_pre_dispatch"
+    if isinstance(mma_type, bool):
+        raise TypeError(f"{fn}: mma_type must be a str (the pin's spelling, e.g. 'fp8xfp4'), got the bool "
+                        f"{mma_type!r}: pass sgl-project/DeepGEMM dev's flag by keyword, use_fp4_acts={mma_type!r}")
+    if use_fp4_acts is not None:
+        _checks.boolean(fn, "use_fp4_acts", use_fp4_acts)
+        if use_fp4_acts:
+            raise NotImplementedError(f"{fn}: use_fp4_acts=True stages FP4 (E2M1) activations: GC-MoE has no "
+                                      "FP4-activation path (only FP8 activations)")
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
     _checks.choice(fn, "group_size", group_size, (32,), (16,))
     _checks.unsupported_feature(fn, "buf_x_scales", buf_x_scales, None, "per-token outer scales (NVFP4 only)")

@@ -92,3 +92,29 @@ def test_refusals_before_any_launch(change: dict, error: type, match: str) -> No
     with pytest.raises(error, match=match):
         dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=4)
     assert all(torch.equal(a, b) for a, b in zip(views, before, strict=True))  # nothing the caller owns changed
+
+
+def _k32_views(tokens: int, hidden: int = 256) -> tuple[torch.Tensor, ...]:
+    """An SM100-layout staging target: FP8 x, packed int32 UE8M0 K32 scales, int64 routing, FP32 weights."""
+    return (torch.zeros(tokens, hidden, dtype=torch.float8_e4m3fn),
+            torch.zeros(tokens, hidden // 128, dtype=torch.int32), torch.full((tokens, 2), 9, dtype=torch.int64),
+            torch.full((tokens, 2), 9.0))
+
+
+def test_dev_branch_use_fp4_acts_spelling() -> None:
+    """sgl-project/DeepGEMM dev's ``use_fp4_acts=False`` by keyword stages exactly what the pin's default
+    ``mma_type`` does; ``True`` is FP4 activations (NotImplementedError); a non-bool or a positional bool in the
+    pin's ``mma_type`` place is a TypeError naming the spellings; nothing is written by a refused call."""
+    x = torch.randn(3, 256).bfloat16()
+    idx, w = torch.tensor([[0, 1], [2, -1], [3, 3]], dtype=torch.int64), torch.rand(3, 2)
+    pin, dev = _k32_views(4), _k32_views(4)
+    dg.mega_moe_pre_dispatch(x, idx, w, *pin, num_tokens=3)
+    dg.mega_moe_pre_dispatch(x, idx, w, *dev, num_tokens=3, use_fp4_acts=False)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pin, dev, strict=True))
+    for kwargs, error, match in (({"use_fp4_acts": True}, NotImplementedError, "use_fp4_acts=True stages FP4"),
+                                 ({"use_fp4_acts": 1}, TypeError, "use_fp4_acts must be a bool"),
+                                 ({"mma_type": False}, TypeError, "use_fp4_acts=False")):
+        views = _k32_views(4)
+        with pytest.raises(error, match=match):
+            dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=3, **kwargs)
+        assert views[2].eq(9).all() and views[3].eq(9.0).all()
