@@ -44,6 +44,7 @@ from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_met
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat.ab.prebuild import kernel_jobs, prebuild
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.config import PRESETS as CONFIG_PRESETS
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
@@ -71,8 +72,6 @@ from gc_moe_compat.testing.standalone_gemm import (
 )
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
-SCALING = {"dsv3": 2.5}
-"""Routed scaling factor of the pre-dispatch per preset (1.0 where absent)."""
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")
 
 
@@ -132,7 +131,7 @@ class PresetRun:
     def __init__(self, group: dist.ProcessGroup, preset: str) -> None:
         self.preset = preset
         self.e, self.k, self.h, self.inter = preset_dims(preset)
-        self.factor = SCALING.get(preset, 1.0)
+        self.factor = CONFIG_PRESETS[preset].routed_scaling_factor
         self.weights = make_weights(preset, 0, mma_type="fp8xfp8")
         w1, w2 = self.weights.w1, self.weights.w2
         self.l1, self.l2 = (w1.payload, w1.scales), (w2.payload, w2.scales)  # DeepGEMM's SM90 layout: interleaved L1
@@ -265,7 +264,7 @@ def main() -> None:
                        {"dispatch_sms": native.dispatch_sms, "compute_sms": native.compute_sms,
                         "workqueue": "plain SM partitioning (see the run's log)", "mode": native.partition})
     meta.update({"capacity": CAPACITY, "activation_clamp": CLAMP, "copy_bandwidth_Bps": bandwidth,
-                 "routed_scaling_factor": {p: SCALING.get(p, 1.0) for p in args.presets},
+                 "routed_scaling_factor": {p: CONFIG_PRESETS[p].routed_scaling_factor for p in args.presets},
                  "presets": list(args.presets), "warmup": args.warmup, "windows": args.windows})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")

@@ -196,7 +196,8 @@ class MoEPreset:
     """One workload of BENCH_PROTOCOL.md, defined per rank so it scales to any rank count.
 
     ``shared_weight_k_group`` is the K granularity of the shared-expert weight scales: 32 (per-row UE8M0 K32,
-    recipe (1, 1, 32)) or 128 (128x128 FP32 blocks, recipe (1, 128, 128)).
+    recipe (1, 1, 32)) or 128 (128x128 FP32 blocks, recipe (1, 128, 128)). ``routed_scaling_factor`` is the model's
+    (SGLang's pre-dispatch multiplies the routing weights by it); ``activation_clamp`` its SwiGLU limit (None: none).
     """
 
     name: str
@@ -208,8 +209,9 @@ class MoEPreset:
     shared_weight_k_group: int
     capacity: int = 256
     activation_alpha: float = 1.0
-    activation_clamp: float = 10.0
+    activation_clamp: float | None = 10.0
     fast_math: bool = True
+    routed_scaling_factor: float = 1.0
 
     def shape(self, num_ranks: int, *, mma_type: str = "fp8xfp4", with_shared: bool = True) -> MoEShape:
         """The operator shape at ``num_ranks`` ranks: ``E = e·P`` (per-rank-equivalent rule).
@@ -238,6 +240,10 @@ PRESETS: Mapping[str, MoEPreset] = MappingProxyType({
                   shared_weight_k_group=128),
         MoEPreset("tiny", hidden=512, intermediate=256, local_experts=4, topk=2, shared_experts=1,
                   shared_weight_k_group=128),
+        # DeepSeek-V3's per-rank load at EP8: 256 routed experts / 8 ranks, top-8, one shared expert, routed scaling
+        # 2.5, no SwiGLU limit (issue 22's sequence benchmark, gc-moe-ab's --preset dsv3).
+        MoEPreset("dsv3", hidden=7168, intermediate=2048, local_experts=32, topk=8, shared_experts=1,
+                  shared_weight_k_group=128, activation_clamp=None, routed_scaling_factor=2.5),
     )
 })
 

@@ -2,8 +2,9 @@
 
 Three sources, one result (:class:`Workload`):
 
-* ``--preset``: BENCH_PROTOCOL.md's per-rank presets (``dsv41-flash``, ``glm52``, from :data:`config.PRESETS`) and
-  DeepSeek-V3 (``dsv3``: H 7168, I 2048, 256 routed experts, top-8, one shared expert, routed scaling 2.5).
+* ``--preset``: the per-rank presets of :data:`config.PRESETS`: BENCH_PROTOCOL.md's ``dsv41-flash`` and ``glm52``, and
+  ``dsv3``, DeepSeek-V3's load at EP8 (H 7168, I 2048, 32 of 256 routed experts, top-8, one shared expert, routed
+  scaling 2.5).
 * ``--model-config PATH``: a HuggingFace ``config.json`` (DeepSeek V3/R1/V4, Kimi K2, Qwen3-MoE, GLM-4.5/5,
   Mixtral-style names; a multimodal ``text_config`` is followed), read by :func:`from_hf_config`.
 * explicit ``--hidden --intermediate --experts --topk``.
@@ -15,8 +16,9 @@ of the dispatch traffic changes. :meth:`Workload.shape` builds the operator's :c
 construction runs the operator's own constraint checks (config.py is the one validation layer): a shape the
 operator cannot run fails there, naming the rule, before anything is allocated.
 
-Shared experts are recorded but not part of the compared layer: SGLang's Hopper Mega MoE path runs them outside
-``fp8_mega_moe`` (its pin refuses ``num_shared_experts > 0`` on SM90), and GC-MoE's fused shared expert is pending.
+Shared experts are recorded but not yet part of the compared layer: SGLang's Hopper Mega MoE path runs them outside
+``fp8_mega_moe`` (its pin refuses ``num_shared_experts > 0`` on SM90); comparing GC-MoE's fused shared expert (role4)
+against a separate shared-expert GEMM is bench/sglang_sequence_sm90.py's today, not this tool's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from gc_moe_compat import config
 
-__all__ = ["DEFAULT_EP_SIZE", "MODEL_PRESETS", "PRESET_NAMES", "Workload", "explicit", "from_hf_config", "preset"]
+__all__ = ["DEFAULT_EP_SIZE", "PRESET_NAMES", "Workload", "explicit", "from_hf_config", "preset"]
 
 DEFAULT_EP_SIZE = 8
 """The deployment's expert-parallel size when none is given (the paper's EP8)."""
@@ -117,30 +119,21 @@ class Workload:
                 "activation_clamp": self.activation_clamp, "capacity": self.capacity, "fields": dict(self.fields)}
 
 
-MODEL_PRESETS: Mapping[str, Workload] = {
-    "dsv3": Workload("dsv3 (DeepSeek-V3)", hidden=7168, intermediate=2048, num_experts=256, topk=8, shared_experts=1,
-                     routed_scaling_factor=2.5, activation_clamp=None, fields={"source": "preset:dsv3"}),
-}
-"""Whole-model presets (global expert counts) besides BENCH_PROTOCOL.md's per-rank ones."""
-PRESET_NAMES = (*(n for n in config.PRESETS if n != "tiny"), *MODEL_PRESETS)
+PRESET_NAMES = tuple(n for n in config.PRESETS if n != "tiny")
+"""The presets a run can name: :data:`config.PRESETS` without the test preset."""
 
 
 def preset(name: str, ep_size: int | None = None, capacity: int = 256) -> Workload:
-    """A named workload. BENCH_PROTOCOL.md's presets are per rank (``e`` local experts; ``E = e·ep_size``), the
-    model presets global (``e = E/ep_size``). ``ep_size`` defaults to :data:`DEFAULT_EP_SIZE`."""
+    """A named workload: presets are per rank (``e`` local experts; ``E = e·ep_size``); ``ep_size`` defaults to
+    :data:`DEFAULT_EP_SIZE`."""
     ep = DEFAULT_EP_SIZE if ep_size is None else ep_size
-    if name in MODEL_PRESETS:
-        base = MODEL_PRESETS[name]
-        return Workload(base.name, base.hidden, base.intermediate, base.num_experts, base.topk, ep,
-                        base.shared_experts, base.routed_scaling_factor, base.activation_clamp, capacity,
-                        base.fields)
-    if name not in config.PRESETS or name == "tiny":
+    if name not in PRESET_NAMES:
         raise ValueError(f"preset: must be one of {list(PRESET_NAMES)}, got {name!r}")
     p = config.PRESETS[name]
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep_size: must be a positive int, got {ep!r}")
-    return Workload(name, p.hidden, p.intermediate, p.local_experts * ep, p.topk, ep, p.shared_experts, 1.0,
-                    p.activation_clamp, capacity, {"source": f"preset:{name}"})
+    return Workload(name, p.hidden, p.intermediate, p.local_experts * ep, p.topk, ep, p.shared_experts,
+                    p.routed_scaling_factor, p.activation_clamp, capacity, {"source": f"preset:{name}"})
 
 
 def explicit(hidden: int, intermediate: int, experts: int, topk: int, *, ep_size: int | None = None,

@@ -74,12 +74,9 @@ class RankWeights:
 WORKLOADS: Mapping[str, MoEPreset] = MappingProxyType({
     **PRESETS,
     "tiny-max-i": dataclasses.replace(PRESETS["tiny"], name="tiny-max-i", intermediate=MAX_INTERMEDIATE),
-    "dsv3": MoEPreset("dsv3", hidden=7168, intermediate=2048, local_experts=32, topk=8, shared_experts=1,
-                      shared_weight_k_group=128),
 })
-"""The BENCH_PROTOCOL.md presets plus the accuracy suite's "I at its maximum" boundary case (``tiny`` with
-``I = config.MAX_INTERMEDIATE``) and ``dsv3``, DeepSeek-V3's per-rank load at EP8 (H 7168, I 2048, 256 routed
-experts / 8 = 32 local, top-8, one shared expert; ``gc-moe-ab``'s ``dsv3`` workload, which adds routed scaling 2.5)."""
+"""The presets of :data:`config.PRESETS` plus the accuracy suite's "I at its maximum" boundary case (``tiny`` with
+``I = config.MAX_INTERMEDIATE``)."""
 
 
 def preset_dims(preset: str) -> tuple[int, int, int, int]:

@@ -85,9 +85,12 @@ def test_presets_match_bench_protocol() -> None:
         "dsv41-flash": (5120, 2304, 48, 6, 1, 32),
         "glm52": (6144, 2048, 32, 8, 1, 128),
         "tiny": (512, 256, 4, 2, 1, 128),
+        "dsv3": (7168, 2048, 32, 8, 1, 128),
     }
     for p in PRESETS.values():
-        assert (p.capacity, p.activation_alpha, p.activation_clamp, p.fast_math) == (256, 1.0, 10.0, True)
+        model = (p.activation_clamp, p.routed_scaling_factor)
+        assert model == ((None, 2.5) if p.name == "dsv3" else (10.0, 1.0)), p.name  # DeepSeek-V3: no SwiGLU limit
+        assert (p.capacity, p.activation_alpha, p.fast_math) == (256, 1.0, True)
     assert SWEEP_TOKENS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     with pytest.raises(TypeError):
         PRESETS["x"] = PRESETS["tiny"]  # type: ignore[index]
