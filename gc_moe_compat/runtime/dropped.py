@@ -38,6 +38,8 @@ class DroppedSite(StatusSite):
     PREDISPATCH_WEIGHT = 2, ("pre-dispatch: topk_weights * routed_scaling_factor is not finite in FP32 (observed: its "
                              "bits; expected: the entry's index token * k + slot)")
     ROLE1_EXPERT = 3, "role1 dispatch: a staged topk_idx entry (observed) outside [-1, num_experts) (expected)"
+    ROLE1_WEIGHT = 4, ("role1 dispatch: a staged topk_weights entry is not finite (observed: its FP32 bits; "
+                       "expected: the entry's index token * k + slot)")
 
 
 _SIGNED = {DroppedSite.PREDISPATCH_ID, DroppedSite.ROLE1_EXPERT}

@@ -16,6 +16,7 @@ enum DroppedSite : unsigned int {
     kDroppedPredispatchId = 1,      // pre-dispatch: a topk_idx entry (observed) outside [-1, id_max] (expected: the largest valid id, the buffer's num_experts - 1 or, for views of no facade buffer, buf_topk_idx's integer maximum)
     kDroppedPredispatchWeight = 2,  // pre-dispatch: topk_weights * routed_scaling_factor is not finite in FP32 (observed: its bits; expected: the entry's index token * k + slot)
     kDroppedRole1Expert = 3,        // role1 dispatch: a staged topk_idx entry (observed) outside [-1, num_experts) (expected)
+    kDroppedRole1Weight = 4,        // role1 dispatch: a staged topk_weights entry is not finite (observed: its FP32 bits; expected: the entry's index token * k + slot)
 };
 // END GENERATED
 

@@ -115,15 +115,22 @@ __device__ __forceinline__ u32 last_at_most(const u32* prefix, u32 n, u32 v) {
     return lo;
 }
 
-// Global expert of routing entry f, or -1 for an unused slot. An id outside [-1, E) is skipped like an unused slot
-// and reported in the device's record of dropped inputs (common/dropped.cuh), not in role1's status record: the
-// protocol goes on (every CTA skips the same entries, so counts stay consistent) and no wait gives up.
-__device__ __forceinline__ int expert_of(const void* idx, u32 idx_bytes, u32 f, const DispatchParams& p) {
+// Global expert of routing entry f, or -1 for an unused slot. An id outside [-1, E), or a valid id whose routing
+// weight is not finite, is skipped like an unused slot and reported in the device's record of dropped inputs
+// (common/dropped.cuh), not in role1's status record: the protocol goes on (every CTA skips the same entries, so
+// counts stay consistent) and no wait gives up. role3 applies the same rule to the same local entries.
+__device__ __forceinline__ int expert_of(const void* idx, const float* weights, u32 idx_bytes, u32 f,
+                                         const DispatchParams& p) {
     const long long x = idx_bytes == 8 ? static_cast<const long long*>(idx)[f] : static_cast<const int*>(idx)[f];
     if (x == -1) return -1;
     if (x < -1 || x >= p.num_experts) {
         gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedRole1Expert,
                                static_cast<unsigned long long>(x), p.num_experts);
+        return -1;
+    }
+    const float w = weights[f];
+    if (!isfinite(w)) {
+        gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedRole1Weight, __float_as_uint(w), f);
         return -1;
     }
     return static_cast<int>(x);
@@ -182,11 +189,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (u32 x = tid; x < num_e; x += kThreads) s_first[x] = 0;
     __syncthreads();
     const void* idx = base + off.topk_idx;
+    const float* topk_w = reinterpret_cast<const float*>(base + off.topk_weights);
     const u32 entries = p.num_tokens * k;
     const u32 span = (entries + grid - 1) / grid;
     const u32 begin = min(cta * span, entries), end = min(begin + span, entries);
     for (u32 f = tid; f < begin; f += kThreads) {
-        const int x = expert_of(idx, p.idx_bytes, f, p);
+        const int x = expert_of(idx, topk_w, p.idx_bytes, f, p);
         if (x >= 0) atomicAdd(&s_first[x], 1u);
     }
     __syncthreads();
@@ -194,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     for (u32 chunk = begin; chunk < end; chunk += kThreads) {
         const u32 f = chunk + tid;
-        const int x = f < end ? expert_of(idx, p.idx_bytes, f, p) : -1;
+        const int x = f < end ? expert_of(idx, topk_w, p.idx_bytes, f, p) : -1;
         const u32 same = __match_any_sync(~0u, x);
         const u32 leader = __ffs(same) - 1;
         u32 first = 0;

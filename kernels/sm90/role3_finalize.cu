@@ -179,7 +179,8 @@ __device__ __forceinline__ void combine_unit(const Args& a, u32 t, u32 c, u32 la
         const u64 at = (u64)t * k + lane;
         const long long idx = a.p.idx_bytes == 8 ? region<const long long>(a, a.off.topk_idx)[at]
                                                   : (long long)region<const int>(a, a.off.topk_idx)[at];
-        valid = idx >= 0 && idx < a.p.num_experts;  // role1 dropped ids outside [-1, E): no partial
+        // role1 dropped ids outside [-1, E) and entries with a non-finite weight (its expert_of): no partial
+        valid = idx >= 0 && idx < a.p.num_experts && isfinite(region<const float>(a, a.off.topk_weights)[at]);
     }
     u32 slots = __ballot_sync(0xffffffffu, valid);
     if (a.p.num_shared) slots |= 1u << k;

@@ -1,7 +1,7 @@
-"""Role1 with expert ids outside ``[-1, E)`` staged directly into the buffer (the native API with
-``check_values=False``, or the deep_gemm facade's ``fp8_mega_moe``, which never reads the values on the host): the
-kernel skips them like unused slots, role3 sums no partial for them, the layer completes (no wait gives up, so the
-buffer keeps working), and the eager call raises ``DeviceCheckError`` naming the dropped id
+"""Role1 with expert ids outside ``[-1, E)`` or non-finite routing weights staged directly into the buffer (the
+native API with ``check_values=False``, or the deep_gemm facade's ``fp8_mega_moe``, which never reads the values on
+the host): the kernel skips them like unused slots, role3 sums no partial for them, the layer completes (no wait
+gives up, so the buffer keeps working), and the eager call raises ``DeviceCheckError`` naming the dropped value
 (:mod:`gc_moe_compat.runtime.dropped`). Every call starts from poisoned payload regions and ``y``."""
 
 from __future__ import annotations
@@ -57,4 +57,31 @@ def test_role1_drops_staged_ids_outside_the_experts(group: dist.ProcessGroup, id
     api.fp8_fp8_gc_moe(y, w.w1, w.w2, buf, check_values=False)
     torch.cuda.synchronize()
     assert_bits_equal(y, first, "sanitized routing after the drop")
+    buf.destroy()
+
+
+def test_role1_drops_staged_non_finite_weights(group: dist.ProcessGroup) -> None:
+    """NaN / +Inf / -Inf routing weights of valid ids: the entries are skipped (no ring row, no partial), the rest of
+    the layer is the reference's on the routing with those slots unused, and the eager call names the weight's bits
+    and the entry."""
+    e, k, h, inter = preset_dims("tiny")
+    buf = api.get_symm_buffer_for_gc_moe(group, e, CAPACITY, k, h, inter, "fp8xfp8")
+    w = make_weights("tiny", 0, mma_type="fp8xfp8")
+    tokens = 37
+    inputs = make_inputs("uniform", tokens, e, k, h, seed=12)
+    bad_w = inputs.topk_weights.clone()
+    bad_w[2, 1], bad_w[9, 0], bad_w[36, 1] = float("nan"), float("inf"), float("-inf")
+    sanitized_idx, sanitized_w = inputs.topk_idx.clone(), bad_w.clone()
+    for t, slot in ((2, 1), (9, 0), (36, 1)):
+        sanitized_idx[t, slot], sanitized_w[t, slot] = -1, 0.0
+    clean = dataclasses.replace(inputs, topk_idx=sanitized_idx, topk_weights=sanitized_w)
+    stage(buf, dataclasses.replace(inputs, topk_weights=bad_w))
+    poison(buf)
+    y = poisoned_y(tokens, h)
+    with pytest.raises(DeviceCheckError, match="fp8_fp8_gc_moe: running the layer: .*dropped an invalid input .*"
+                                               "role1 dispatch: a staged topk_weights entry is not finite .*"
+                                               "expected (5|18|73)"):
+        api.fp8_fp8_gc_moe(y, w.w1, w.w2, buf, check_values=False)
+    assert torch.isfinite(y.float()).all()
+    check_accuracy(y, reference_ys([clean], [w])[0], "non-finite weights dropped by role1", "tiny")
     buf.destroy()

@@ -81,7 +81,8 @@ class DispatchParams(ctypes.Structure):
     ``num_tokens`` is this rank's ``T``; ``idx_bytes`` the width of ``topk_idx`` (8 or 4); ``ring_blocks`` ``R``
     and ``w1_tasks`` / ``w2_tasks`` (``t1``/``t2``) come from the call's :class:`~gc_moe_compat.operator.ring.RingPlan`.
     ``dropped`` / ``dropped_mirror``: the device's record of dropped inputs (:mod:`gc_moe_compat.runtime.dropped`),
-    where an expert id outside ``[-1, E)`` staged in ``topk_idx`` is reported; the slot is skipped, the call goes on.
+    where an expert id outside ``[-1, E)`` or a non-finite routing weight staged in the buffer is reported; the slot
+    is skipped (role3 sums no partial for it), the call goes on.
     """
 
     _fields_ = [
