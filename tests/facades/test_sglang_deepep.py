@@ -2,9 +2,10 @@
 
 Each test runs ``sglang_deepep_worker.py`` under torchrun with ``GC_MOE_SWAP=deep_ep``: SGLang's ``DeepEPDispatcher``
 from the real ``token_dispatcher/deepep.py`` builds its buffer and dispatches / combines decode batches through the
-facade, checked bit for bit against the torch references, on one rank and on two; ``--deepep-mode auto`` must fail
-with the facade's message. The SGLang files come from ``$GC_MOE_SGLANG_SRC`` or ``.carry/sglang-0.5.23``
-(``bash scripts/fetch_device_deps.sh --sglang``); the tests skip, saying so, only when they are absent.
+facade, checked bit for bit against the torch references, on one rank and on two, in ``--deepep-mode low_latency``
+and in SGLang's default ``--deepep-mode auto`` (one buffer sized for both modes; decode batches in low-latency
+mode). The SGLang files come from ``$GC_MOE_SGLANG_SRC`` or ``.carry/sglang-0.5.23`` (``bash
+scripts/fetch_device_deps.sh --sglang``); the tests skip, saying so, only when they are absent.
 """
 
 from __future__ import annotations
@@ -37,5 +38,5 @@ def test_sglang_deepep_low_latency(nproc: int) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
-def test_sglang_deepep_auto_mode_names_low_latency(nproc: int) -> None:
-    run_worker("auto", nproc, "--deepep-mode auto -> NotImplementedError")
+def test_sglang_deepep_auto_mode_decodes_through_a_two_mode_buffer(nproc: int) -> None:
+    assert run_worker("auto", nproc, BIT_EXACT, "--deepep-mode auto buffer").count(BIT_EXACT) == nproc

@@ -4,8 +4,8 @@ the swapped ``deep_ep`` (``GC_MOE_SWAP=deep_ep``), bit for bit against :mod:`gc_
 Per rank: SGLang builds its DeepEP buffer (``DeepEPBuffer.get_deepep_buffer``: ``Buffer.get_low_latency_rdma_size_hint``
 and ``Buffer(...)``), dispatches decode tokens (FP8 with FP32 1x128 scales, as on Hopper with DeepGEMM, and BF16),
 the test stands in for the expert GEMMs, and SGLang combines; with and without SGLang's receive hooks, over several
-batches. ``--suite auto`` checks that ``--deepep-mode auto`` (which needs DeepEP's normal mode) fails with the
-facade's NotImplementedError naming ``--deepep-mode low_latency``.
+batches. ``--suite auto``: SGLang's default ``--deepep-mode auto`` sizes one buffer for both modes (normal-mode
+``num_nvl_bytes`` as well as the low-latency RDMA bytes) and runs its decode batches in low-latency mode through it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sglang_deepep_kit as kit
 import sglang_kit
 import torch
 import torch.distributed as dist
-from two_rank import raises, run_suite
+from two_rank import run_suite
 
 from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
@@ -50,12 +50,13 @@ def expert_stand_in(hidden: torch.Tensor, scales: torch.Tensor | None, counts: t
     return torch.where(valid.unsqueeze(-1), out, torch.full_like(out, float("nan")))
 
 
-def run_batches(deepep: object, rank: int, ranks: int, use_fp8: bool, hook: bool) -> None:
+def run_batches(deepep: object, rank: int, ranks: int, use_fp8: bool, hook: bool,
+                mode: object = kit.DeepEPMode.LOW_LATENCY) -> None:
     kit.DEPLOYMENT.output_dtype = kit.DispatcherOutputDtype.FP8 if use_fp8 else kit.DispatcherOutputDtype.BF16
     dispatcher = deepep.DeepEPDispatcher(
         dist.group.WORLD, router_topk=TOPK, permute_fusion=True, num_experts=EXPERTS_PER_RANK * ranks,
         num_local_experts=EXPERTS_PER_RANK, hidden_size=HIDDEN, params_dtype=torch.bfloat16,
-        deepep_mode=kit.DeepEPMode.LOW_LATENCY, return_recv_hook=hook)
+        deepep_mode=mode, return_recv_hook=hook)
     assert dispatcher._low_latency_dispatcher.use_fp8 == use_fp8
     for step, tokens in enumerate((TMAX, 1, 37, 0, TMAX)):
         xs, ids, ws = batch(100 * step + 7 * use_fp8 + hook, ranks, tokens)
@@ -84,7 +85,7 @@ def run_batches(deepep: object, rank: int, ranks: int, use_fp8: bool, hook: bool
         want = combine_reference(rank, ids[rank], ws[rank], [g.cpu() for g in gathered], plan)
         assert not combined.isnan().any(), "combine read a row past masked_m or left an element unwritten"
         assert torch.equal(combined.cpu().view(torch.int16), want.view(torch.int16)), f"combine, batch {step}"
-    print(f"rank {rank}: SGLang DeepEPDispatcher low_latency use_fp8={use_fp8} hook={hook}: 5 batches bit-exact",
+    print(f"rank {rank}: SGLang DeepEPDispatcher {mode} use_fp8={use_fp8} hook={hook}: 5 batches bit-exact",
           flush=True)
 
 
@@ -106,13 +107,11 @@ def suite_low_latency(rank: int, ranks: int) -> None:
 
 def suite_auto(rank: int, ranks: int) -> None:
     deepep = load_deepep()
-    dispatcher = deepep.DeepEPDispatcher(
-        dist.group.WORLD, router_topk=TOPK, num_experts=EXPERTS_PER_RANK * ranks,
-        num_local_experts=EXPERTS_PER_RANK, hidden_size=HIDDEN, params_dtype=torch.bfloat16,
-        deepep_mode=kit.DeepEPMode.AUTO)
-    xs, ids, ws = batch(1, ranks, 4)
-    with raises(NotImplementedError, rank, "--deepep-mode auto", "--deepep-mode low_latency"):
-        dispatcher.dispatch(xs[rank].cuda(), kit.TopKOutput(ws[rank].cuda(), ids[rank].cuda(), None))
+    run_batches(deepep, rank, ranks, use_fp8=True, hook=False, mode=kit.DeepEPMode.AUTO)
+    buffer = deepep.DeepEPBuffer._state().buffer
+    assert buffer.num_nvl_bytes > 0 and buffer.num_rdma_bytes > 0, (buffer.num_nvl_bytes, buffer.num_rdma_bytes)
+    print(f"rank {rank}: --deepep-mode auto buffer num_nvl_bytes={buffer.num_nvl_bytes} "
+          f"num_rdma_bytes={buffer.num_rdma_bytes}", flush=True)
 
 
 if __name__ == "__main__":
