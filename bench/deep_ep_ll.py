@@ -38,7 +38,9 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _common import PER_WINDOW, REPO, pyplot, result_meta
-from operator_sm90 import WORLD, Ranks, capture, time_replays
+from operator_sm90 import WORLD, Ranks
+
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 
 TMAX = 128
 TOKENS = (1, 4, 16, 32, 64, 128)
@@ -153,16 +155,18 @@ def run_ranks(args: argparse.Namespace) -> None:
             eager = facade().clone()
             want = combine_reference(rank, mine.topk_idx.cpu(), mine.topk_weights.cpu(), stand_ins, plan)
             record["facade_bit_exact"] = torch.equal(eager.cpu().view(torch.int16), want.view(torch.int16))
-            graph = capture(facade)
-            record["latency_us"]["deep_ep_facade"] = time_replays(graph, ranks, args.warmup, args.windows)
+            graph = capture_graph(facade)
+            record["latency_us"]["deep_ep_facade"] = median_graph_window(graph, args.warmup, args.windows,
+                                                                          ranks.align)
             record["replay_bit_exact"] = torch.equal(out.view(torch.int16), eager.view(torch.int16))
             del graph
 
             plans = [base.plan_all_to_all([i.topk_idx for i in inputs], experts, r) for r in range(WORLD)]
             nccl = NcclExchange(group, plans[rank], mine, h)
             nccl.run()
-            graph = capture(nccl.run)
-            record["latency_us"]["nccl_all_to_all"] = time_replays(graph, ranks, args.warmup, args.windows)
+            graph = capture_graph(nccl.run)
+            record["latency_us"]["nccl_all_to_all"] = median_graph_window(graph, args.warmup, args.windows,
+                                                                           ranks.align)
             del graph, nccl
             record["received_rows"] = sum(counts)
             records = gather(record)

@@ -40,7 +40,6 @@ import math
 import multiprocessing
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -51,8 +50,9 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
 
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
@@ -354,27 +354,6 @@ class Ranks:
         return out
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn`` (already run eagerly). ``thread_local`` capture mode: NCCL's and torch's watchdog
-    threads may query events meanwhile."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, ranks: Ranks, warmup: int, windows: int) -> float:
-    """Median window (µs per replay) of ``graph`` on this rank."""
-
-    def window() -> None:
-        for _ in range(PER_WINDOW):
-            graph.replay()
-
-    return statistics.median(timed_windows(window, warmup, windows, before_window=ranks.align)[0])
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -391,7 +370,7 @@ def measure_op(name: str, run: Callable[[], torch.Tensor], y_ref: torch.Tensor, 
         torch.cuda.synchronize()
         record["accuracy"][name] = accuracy_metrics(y.float(), y_ref.float())
         eager = y.clone()
-        graph = capture(run)
+        graph = capture_graph(run)
     except Exception as err:  # noqa: BLE001 - recorded (both ranks skip the timing together)
         error = f"{type(err).__name__}: {err}"
         traceback.print_exc()
@@ -399,7 +378,7 @@ def measure_op(name: str, run: Callable[[], torch.Tensor], y_ref: torch.Tensor, 
     if errors:
         record["unavailable"][name] = f"failed: {errors[0]}"
         return
-    latency = time_replays(graph, ranks, args.warmup, args.windows)
+    latency = median_graph_window(graph, args.warmup, args.windows, ranks.align)
     torch.cuda.synchronize()
     del graph
     try:

@@ -619,6 +619,9 @@ class _FakeRanks:
     def gather(self, obj: object) -> list[object]:
         return [obj, self.peer]
 
+    def align(self) -> None:
+        """The barrier before each timed window: nothing to wait for here."""
+
 
 class _FakeGraph:
     def __init__(self, fn: object) -> None:
@@ -633,8 +636,8 @@ def test_measure_op_records_latency_or_why_not(case: str, monkeypatch: pytest.Mo
     """measure_op's decisions with the device parts faked: eager accuracy, capture, timing, the post-replay check
     and the bit-identity of replayed and eager y; any rank's failure makes the op unavailable on both."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
-    monkeypatch.setattr(bench, "capture", _FakeGraph)
-    monkeypatch.setattr(bench, "time_replays", lambda graph, *_: (graph.replay(), 42.5)[1])
+    monkeypatch.setattr(bench, "capture_graph", _FakeGraph)
+    monkeypatch.setattr(bench, "median_graph_window", lambda graph, *_: (graph.replay(), 42.5)[1])
     y_ref = torch.randn(3, 8).to(torch.bfloat16)
     y = y_ref.clone()
     calls = []
