@@ -40,7 +40,7 @@ import torch
 from _common import PER_WINDOW, REPO, pyplot, result_meta
 from operator_sm90 import WORLD, Ranks
 
-from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
 
 TMAX = 128
 TOKENS = (1, 4, 16, 32, 64, 128)
@@ -249,10 +249,7 @@ def main() -> int:
     if torch.cuda.device_count() < WORLD:
         print(f"deep_ep_ll: needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}", file=sys.stderr)
         return 1
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD)
     return subprocess.run(cmd, env=env, timeout=540).returncode
 
 

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from _common import REPO, pyplot, result_meta, timed_windows
 
+from gc_moe_compat.ab.protocol import torchrun_command
+
 TMAX = 128
 TOKENS = (16, 128)
 PRESETS = ("dsv41-flash", "glm52")
@@ -230,10 +232,7 @@ def main() -> int:
         run(args)
         sys.stdout.flush()
         os._exit(0)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], 1)
     return subprocess.run(cmd, env=env, timeout=540).returncode
 
 

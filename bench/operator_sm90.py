@@ -52,7 +52,7 @@ import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
 
-from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
@@ -641,10 +641,7 @@ def main() -> int:
         return 1
     if args.prebuild_workers > 0:
         prebuild(args.presets, args.tokens, args.prebuild_workers)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1", **{DEADLINE_ENV: repr(deadline)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD, {DEADLINE_ENV: repr(deadline)})
     limit = max(60.0, deadline + GRACE_S - time.time())
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a stop reaches the ranks too
     try:

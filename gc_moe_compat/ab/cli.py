@@ -181,10 +181,9 @@ def _default_out(w: Workload) -> Path:
 
 def _launch_ranks(world: int, argv: Sequence[str]) -> int:
     """Re-run this command under ``torch.distributed.run`` with one process per GPU."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "gc_moe_compat.ab", *argv]
+    from gc_moe_compat.ab.protocol import torchrun_command
+
+    cmd, env = torchrun_command(["-m", "gc_moe_compat.ab", *argv], world)
     return subprocess.call(cmd, env=env)
 
 

@@ -13,7 +13,9 @@ time the same way:
 * the GPU should be idle: :func:`idle_gpu_check` reports other compute processes or a busy GPU (a warning, the run
   goes on);
 * every result file carries :func:`result_meta` (git SHA, dirty tree, GPU, driver, torch, CUDA, world size,
-  partition, and the command that re-runs it).
+  partition, and the command that re-runs it);
+* a multi-rank run starts one process per GPU under ``torch.distributed.run`` with NVLink multicast off
+  (:func:`torchrun_command`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import os
 import shlex
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -42,12 +45,15 @@ __all__ = [
     "result_meta",
     "slowest_rank",
     "timed_windows",
+    "torchrun_command",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout this package runs from (an editable install); git provenance is read there when it is one."""
 PER_WINDOW = 100  # launches (or graph replays) per timed window
 L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off on the lent machines (KINDS.md): every rank process inherits these."""
 IDLE_UTILIZATION_PCT = 5
 """A GPU reporting more utilization than this before the run is not idle (nvidia-smi's sampled figure)."""
 
@@ -79,6 +85,16 @@ def timed_windows(window: Callable[[], None], warmup: int, windows: int,
             device_us.append(start.elapsed_time(end) * 1e3 / launches)
             host_us.append((t1 - t0) * 1e6 / launches)
     return device_us, statistics.median(host_us)
+
+
+def torchrun_command(target: Sequence[str], nproc: int,
+                     extra_env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``target`` (a script path or ``-m module``, then its arguments) once per
+    GPU, ``nproc`` processes, under ``torch.distributed.run --standalone``: multicast off (:data:`MULTICAST_OFF`),
+    unbuffered output, plus ``extra_env``. The caller starts it (with its own timeout or process-group handling)."""
+    env = dict(os.environ, **MULTICAST_OFF, PYTHONUNBUFFERED="1", **(extra_env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
+    return cmd, env
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
