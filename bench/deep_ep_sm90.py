@@ -34,6 +34,7 @@ from _common import REPO, copy_bandwidth, pyplot, result_meta, timed_windows
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.testing.single_rank import single_rank_group
 
 PRESETS = {"dsv41-flash": (5120, 6, 48), "glm52": (6144, 8, 32)}
 """Preset: (hidden H, top-k, experts at one rank)."""
@@ -122,13 +123,18 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls per timed window")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args()
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    with single_rank_group() as group:
+        _run(args, group)
+
+
+def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
+    """Both presets' T sweep through one Buffer on this one-rank group, then the result file, the PNG and the table."""
     bandwidth = copy_bandwidth()
     hidden_bytes = 2 * max(h for h, _, _ in PRESETS.values())
     rows = max(args.tokens)
     nvl_bytes = max(deep_ep.Config(NUM_SMS, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, 1),
                     (rows * (hidden_bytes + 16 + 4 * 64 + 12 * 8) + (1 << 20)))
-    buf = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0)
+    buf = deep_ep.Buffer(group, nvl_bytes, 0)
     points = [point(buf, p, t, bandwidth, args.warmup, args.windows, args.calls) for p in PRESETS for t in args.tokens]
     meta = result_meta("bench/deep_ep_sm90.py", sys.argv[1:], get_partition(NUM_SMS).describe(),
                        env_keys=("GC_MOE_PARTITION",))
@@ -146,7 +152,6 @@ def main() -> None:
             print(f"| {p['preset']} | {p['tokens_per_rank']} | {op} | {p['latency_us'][op]:.1f} | "
                   f"{p['floor_us'][op]:.1f} | {p['efficiency'][op]:.2f} | {p['algo_GBps'][op]:.0f} | "
                   f"{'yes' if p['accuracy']['bit_exact'][op] else 'NO'} |")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

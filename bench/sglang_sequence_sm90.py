@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +61,7 @@ from gc_moe_compat.testing.operator_workload import (
     reference_results,
 )
 from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.testing.single_rank import single_rank_group
 from gc_moe_compat.testing.standalone_gemm import (
     EPI_W1,
     EPI_W2,
@@ -73,15 +73,6 @@ from gc_moe_compat.testing.standalone_gemm import (
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")
-
-
-def _group() -> dist.ProcessGroup:
-    """A one-rank gloo group on a free local port (the operator's buffer is one rank's symmetric memory)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return dist.group.WORLD
 
 
 def _separate_config(tokens: int, hidden: int, inter: int) -> object:
@@ -237,15 +228,8 @@ def plot(points: list[dict[str, object]], presets: list[str], path: Path) -> Non
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/sglang_sequence_sm90.json")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--windows", type=int, default=30)
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
-    args = parser.parse_args()
-    group = _group()
+def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
+    """Every preset's T sweep on this one-rank group, then the result file, the PNG and the table."""
     jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets for src, d in _jobs(preset)}
     built = prebuild(list(jobs.values()), workers=16)
     print(f"prebuild: {sum('built' in b for b in built)} built, {sum('cached' in b for b in built)} cached, "
@@ -278,6 +262,19 @@ def main() -> None:
               f"{p['pre_dispatch_share_us']:.1f} | {p['floor_us']:.1f} | {us['fused_shared']:.1f} | "
               f"{us['separate_shared']:.1f} | {p['speedup']['separate_over_fused']:.3f} | "
               f"{p['accuracy']['fused_shared_vs_reference']['cosine']:.6f} |")
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/sglang_sequence_sm90.json")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=30)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
+    args = parser.parse_args()
+    with single_rank_group() as group:
+        _run(args, group)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ Tests are grouped by concept (numerics/, runtime/, operator/, facades/, tools/);
 (helpers, the two-rank protocol and the torchrun worker scripts), put on ``sys.path`` here for every test.
 """
 
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from gc_moe_compat.testing.single_rank import single_rank_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kit"))
 
@@ -34,11 +35,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def group() -> Iterator[dist.ProcessGroup]:
     """A single-rank gloo group on 127.0.0.1 (a free port), destroyed after the session."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with single_rank_group() as group:
+        yield group

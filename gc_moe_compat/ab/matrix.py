@@ -32,7 +32,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
 from gc_moe_compat.ab.protocol import REPO, result_meta
+from gc_moe_compat.testing.single_rank import single_rank_group
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
            "signature_cells", "surface", "swap_cells", "validation_cells", "versions"]
@@ -230,24 +230,6 @@ def _git_head(root: Path) -> str:
     except (OSError, ValueError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return f"{root.name} (not a git checkout)"
     return head if Path(top).resolve() == root.resolve() else f"{root.name} (not a git checkout)"
-
-
-@contextlib.contextmanager
-def _gloo_group() -> Iterator[object]:
-    """A one-rank gloo group (the facades' buffers are host memory without CUDA); destroyed after the block."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _expect(kind: str, entry: str, case: str, call: Callable[[], object], exc_type: type[BaseException],
@@ -449,7 +431,7 @@ def swap_cells() -> list[Cell]:
 def cpu_cells() -> list[Cell]:
     """Every CPU cell (what CI runs)."""
     cells = signature_cells()
-    with _gloo_group() as group:
+    with single_rank_group() as group:
         cells += validation_cells(group)
         cells += predispatch_cells(group)
     return cells + swap_cells()

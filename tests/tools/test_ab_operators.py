@@ -4,7 +4,6 @@ reaches the launch (which needs the GPU), the references and floors of a point, 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -12,20 +11,14 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.ab import inputs, model_config, operators, prebuild, protocol, run
+from gc_moe_compat.testing.single_rank import single_rank_group
 
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[dist.ProcessGroup]:
     """A gloo group of one for this module (destroyed after it, so other tests can create their own)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with single_rank_group() as group:
+        yield group
 
 
 WORKLOAD = model_config.explicit(512, 256, 8, 2, ep_size=2, routed_scaling_factor=2.5, activation_clamp=10.0,
