@@ -24,18 +24,11 @@ constexpr u32 kOffX = kStages * kWBytes;
 constexpr u32 kOffS = kOffX + kStages * kXBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
 constexpr u32 kOffOut = kOffRed + kConsumerWGs * 4 * kBM * 4;  // after the amax of each consumer warp per column
-// Operator mode: the W2 epilogue's BF16 tile [kBM tokens][kRows] (rows padded by 16 bytes against bank conflicts)
-// for 16-byte scatter stores, and 16 bytes holding the pool block count and the producer's stop slot.
-constexpr u32 kOutPitch = kRows * 2 + 16;
-constexpr u32 kOutBytes = GC_OPERATOR ? kBM * kOutPitch + 16 : 0;
-constexpr u32 kOffBar = kOffOut + kOutBytes;
-constexpr u32 kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
+constexpr u32 kOutPitch = out_pitch(kRows);  // the operator-mode W2 tile (gemm_variant.cuh)
+constexpr u32 kOffBar = kOffOut + out_bytes(kRows);
+constexpr u32 kSmemBytes = smem_bytes(kOffBar);
 
-static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a multiple of 8 up to 64");
-static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");
-static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
-static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;
 

@@ -47,5 +47,17 @@ constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thread (m64nBMk32)
 
+// The shared-memory tail after a kernel's stages and amax scratch: in operator mode the W2 epilogue's BF16 tile
+// [kBM tokens][rows] (rows padded by 16 bytes against bank conflicts) for 16-byte scatter stores, and 16 bytes holding
+// the pool block count and the producer's stop slot; then the stage barriers and slack to align the base to 1024.
+constexpr u32 out_pitch(int rows) { return rows * 2 + 16; }
+constexpr u32 out_bytes(int rows) { return GC_OPERATOR ? kBM * out_pitch(rows) + 16 : 0; }
+constexpr u32 smem_bytes(u32 off_bar) { return off_bar + 2 * kStages * 8 + 1024; }
+
+static_assert(kBM % 8 == 0 && kBM >= 8 && kBM <= 64, "GC_BM: WGMMA N must be a multiple of 8 up to 64");
+static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");
+static_assert(kEpi == 1 || kEpi == 2, "GC_EPI: 1 (W1) or 2 (W2)");
+static_assert(!kCluster || kProducerWG, "GC_CLUSTER: the pipelined variant only");
+
 }  // namespace sm90
 }  // namespace gc_moe
