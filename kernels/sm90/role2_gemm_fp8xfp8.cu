@@ -99,14 +99,6 @@ __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline
     issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
 }
 
-template <typename WaitFull, typename Load>
-__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int /*warp*/, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
-                         load);
-}
-
 #include "sm90/standalone_gemm.cuh"
 
 }  // namespace sm90

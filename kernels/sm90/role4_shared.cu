@@ -72,14 +72,6 @@ __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline
     }
 }
 
-template <typename WaitFull, typename Load>
-__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int /*warp*/, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
-                         load);
-}
-
 #include "sm90/standalone_gemm.cuh"
 
 }  // namespace sm90
