@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, check_rank_count, required_bytes
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_RANKS, check_rank_count, required_bytes
 from gc_moe_compat.config import boolean, integer
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
@@ -138,11 +138,12 @@ class Buffer:
         are checked as the calls check them (``ValueError`` / ``TypeError`` naming the argument), so the hint is
         never negative, fractional, NaN or smaller than a call of these sizes needs."""
         fn = "get_low_latency_rdma_size_hint"
-        check_rank_count(integer(fn, "num_ranks", num_ranks, 0))  # 0: check_rank_count names the rule
+        integer(fn, "num_ranks", num_ranks, 1, MAX_RANKS)  # the low-latency kernels' readiness table
         try:
-            shape = _low_latency.ll_shape(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, HINT_TOPK)
-        except ValueError as exc:
-            raise ValueError(f"{fn}: {exc}") from exc
+            shape = _low_latency.ll_shape(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, HINT_TOPK,
+                                          ranks_arg="num_ranks")
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{fn}: {exc}") from exc
         return required_bytes(shape, zero_copy=True)
 
     def get_comm_stream(self) -> torch.Stream:

@@ -44,7 +44,7 @@ from gc_moe_compat.comm.ep_ll import (
     raise_for_mirrored_status,
     required_bytes,
 )
-from gc_moe_compat.config import boolean, integer
+from gc_moe_compat.config import boolean, integer, shown
 from gc_moe_compat.runtime.green import Partition, get_partition
 from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
@@ -133,8 +133,11 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
 
 
 def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+    """A Python int (not bool) ``>= minimum``: ``TypeError`` for another type (1.5, NaN, True), ``ValueError`` below."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {shown(value)!r}")
     return value
 
 
@@ -152,16 +155,18 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
     return t
 
 
-def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: object, topk: int) -> LlShape:
+def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: object, topk: int,
+             ranks_arg: str = "the group size") -> LlShape:
     """The checked sizes of low-latency calls: ``Tmax`` and experts positive ints, hidden a positive multiple of
     128 (the FP8 scale group), experts a multiple of the ranks and <= ``MAX_EXPERTS``. The one check of the calls
-    and of :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses."""
+    and of :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses;
+    ``ranks_arg`` is what the caller calls the rank count (the hint's ``num_ranks``)."""
     max_tokens = _int("num_max_dispatch_tokens_per_rank", max_tokens, 1)
     if _int("hidden", hidden, 1) % 128:
         raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
     experts = _int("num_experts", num_experts, 1)
     if experts % num_ranks or experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts: must be a multiple of the group size {num_ranks} and <= {MAX_EXPERTS}, got "
+        raise ValueError(f"num_experts: must be a multiple of {ranks_arg} {num_ranks} and <= {MAX_EXPERTS}, got "
                          f"{experts}")
     return LlShape(num_ranks, experts, max_tokens, hidden, topk)
 
@@ -173,9 +178,10 @@ def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_e
     need, have = required_bytes(shape, zero_copy), workspace.buffer.numel()
     if need > have:
         what = ", zero-copy" if zero_copy else ""
-        raise ValueError(f"num_rdma_bytes: this call (Tmax={max_tokens}, hidden={hidden}, num_experts={experts}, "
-                         f"topk={topk}, {ranks} ranks{what}) needs {need} bytes, the Buffer has {have}; size it with "
-                         f"Buffer.get_low_latency_rdma_size_hint (which provisions top-k <= 16 and zero-copy)")
+        raise ValueError(f"num_rdma_bytes: this call (Tmax={shown(max_tokens)}, hidden={hidden}, "
+                         f"num_experts={experts}, topk={topk}, {ranks} ranks{what}) needs {shown(need)} bytes, the "
+                         f"Buffer has {have}; size it with Buffer.get_low_latency_rdma_size_hint (which provisions "
+                         "top-k <= 16 and zero-copy)")
     return shape
 
 

@@ -151,12 +151,12 @@ def test_deep_gemm_flags_must_be_bools(group: dist.ProcessGroup) -> None:
 @pytest.mark.parametrize(("kw", "exc", "match"), [
     ({"tokens": -1}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got -1"),
     ({"tokens": 0}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got 0"),
-    ({"tokens": 1.5}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got 1.5"),
-    ({"tokens": math.nan}, ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got nan"),
+    ({"tokens": 1.5}, TypeError, r"num_max_dispatch_tokens_per_rank: must be an int, got float \(1.5\)"),
+    ({"tokens": math.nan}, TypeError, r"num_max_dispatch_tokens_per_rank: must be an int, got float \(nan\)"),
     ({"hidden": 200}, ValueError, "hidden: must be a positive multiple of 128, got 200"),
     ({"hidden": 0}, ValueError, "hidden: must be an int >= 1, got 0"),
-    ({"experts": 9}, ValueError, "num_experts: must be a multiple of the group size 8 and <= 1024, got 9"),
-    ({"experts": 2048}, ValueError, "num_experts: must be a multiple of the group size 8 and <= 1024, got 2048"),
+    ({"experts": 9}, ValueError, "num_experts: must be a multiple of num_ranks 8 and <= 1024, got 9"),
+    ({"experts": 2048}, ValueError, "num_experts: must be a multiple of num_ranks 8 and <= 1024, got 2048"),
     ({"ranks": True}, TypeError, "get_low_latency_rdma_size_hint: num_ranks must be an int, got bool \\(True\\)"),
     ({"ranks": 8.0}, TypeError, "num_ranks must be an int, got float"),
 ])

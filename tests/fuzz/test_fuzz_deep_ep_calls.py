@@ -1,0 +1,184 @@
+"""Fuzz of the deep_ep facade's size and option arguments beyond ``Buffer`` construction (see
+test_fuzz_native_and_deep_ep.py for that): ``get_low_latency_rdma_size_hint``, the sizes of ``low_latency_dispatch``,
+the flags of ``low_latency_combine``, and normal mode's ``get_dispatch_layout`` / ``dispatch`` options, each against
+the model of valid inputs (tests/kit/fuzz_model.py): one argument of a valid baseline replaced by a drawn value, the
+model's verdict asserted. CPU only: the workspaces are host stand-ins; a low-latency launch is recorded, a
+normal-mode call that passes every check stops at the launch boundary (``_begin``), which counts as accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from fuzz_model import Flag, Int, Spec, check, expect, values
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gc_moe_compat.comm.ep_ll import MAX_EXPERTS as LL_MAX_EXPERTS
+from gc_moe_compat.comm.ep_ll import MAX_RANKS as LL_MAX_RANKS
+from gc_moe_compat.comm.ep_ll import required_bytes
+from gc_moe_compat.deep_ep import Buffer, Config, _buffer, _low_latency, _normal
+
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+LAUNCH = "normal-mode launch boundary"
+T, H, K, E, TMAX = 6, 256, 4, 8, 8
+
+
+def _draw(specs: dict[str, Spec]) -> st.SearchStrategy[tuple[str, object]]:
+    return st.sampled_from(sorted(specs)).flatmap(lambda name: values(specs[name]).map(lambda v: (name, v)))
+
+
+class HostWorkspace:
+    """Host stand-in for ``SymmetricWorkspace`` (what both modes read); one rank."""
+
+    def __init__(self, layout: object, group: dist.ProcessGroup | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.world_size, self.rank = 1, 0
+        self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
+        self.peer_table = "peer table"
+
+    def region(self, name: str) -> torch.Tensor:
+        return self.buffer
+
+
+@pytest.fixture
+def host_buffers(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, Buffer, list]:
+    """A low-latency Buffer whose launches are recorded and a normal-mode Buffer whose launches stop the call."""
+    launched: list = []
+    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: launched.append(kernel))
+    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)
+    monkeypatch.setattr(_buffer, "SymmetricWorkspace", HostWorkspace)
+    monkeypatch.setattr(_normal, "SymmetricWorkspace", HostWorkspace)
+
+    def boundary(*args: object) -> None:
+        raise RuntimeError(LAUNCH)
+
+    monkeypatch.setattr(_normal.NormalMode, "_begin", boundary)
+    ll = Buffer(group, 0, LL_BYTES, low_latency_mode=True)
+    return ll, Buffer(group, 1 << 20, 0), launched
+
+
+HINT_BASE = dict(num_max_dispatch_tokens_per_rank=TMAX, hidden=H, num_ranks=1, num_experts=E)
+HINT_SPECS: dict[str, Spec] = {
+    "num_max_dispatch_tokens_per_rank": Int(1, None, draw_max=4096),
+    "hidden": Int(1, None, multiple=128, draw_max=16384),
+    "num_ranks": Int(1, LL_MAX_RANKS, extra=lambda p: E % p == 0),
+    "num_experts": Int(1, LL_MAX_EXPERTS),
+}
+
+
+@FUZZ
+@given(case=_draw(HINT_SPECS))
+def test_low_latency_size_hint(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
+    """Every accepted size gives a positive int of bytes; every refused one names its argument."""
+    name, value = case
+    kwargs = {**HINT_BASE, name: value}
+    want = expect(HINT_SPECS[name], value)
+    got: list[object] = []
+    check(lambda: got.append(Buffer.get_low_latency_rdma_size_hint(**kwargs)), want, (name,),
+          what=f"get_low_latency_rdma_size_hint({name}={value!r})")
+    if want is None:
+        assert type(got[0]) is int and got[0] > 0, got
+
+
+LL_BYTES = Buffer.get_low_latency_rdma_size_hint(TMAX, H, 1, E)
+
+
+def _fits(max_tokens: int) -> bool:
+    """The documented size rule of a call: its workspace bytes (the hint's formula) within the Buffer's."""
+    return required_bytes(_low_latency.ll_shape(1, max_tokens, H, E, K)) <= LL_BYTES
+
+
+LL_DISPATCH_SPECS: dict[str, Spec] = {
+    "num_max_dispatch_tokens_per_rank": Int(T, None, extra=_fits, draw_max=4 * TMAX),  # >= the tokens, fits
+    "num_experts": Int(K, LL_MAX_EXPERTS, extra=lambda e: e <= E),  # >= top-k (every id < E); sized for E
+}
+
+
+@FUZZ
+@given(case=_draw(LL_DISPATCH_SPECS))
+def test_low_latency_dispatch_sizes(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
+                                    case: tuple[str, object]) -> None:
+    name, value = case
+    ll, _, launched = host_buffers
+    x = torch.randn(T, H, dtype=torch.float32).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(K, dtype=torch.int64) for _ in range(T)])  # ids < K: valid for every E >= K
+    kwargs = {"num_max_dispatch_tokens_per_rank": TMAX, "num_experts": E, name: value}
+    before = len(launched)
+    want = expect(LL_DISPATCH_SPECS[name], value)
+    check(lambda: ll.low_latency_dispatch(x, idx, **kwargs), want, (name, "num_rdma_bytes", "topk_idx"),
+          what=f"low_latency_dispatch({name}={value!r})")
+    assert (len(launched) > before) == (want is None)  # refused: nothing launched
+
+
+LL_COMBINE_SPECS: dict[str, Spec] = {
+    "use_logfmt": Flag(refused=(True,), refused_with=NotImplementedError),
+    "zero_copy": Flag(),
+    "return_recv_hook": Flag(),
+}
+"""async_finish=True makes a CUDA event: its type check is in tests/facades/test_bad_input.py."""
+
+
+@FUZZ
+@given(case=_draw(LL_COMBINE_SPECS))
+def test_low_latency_combine_flags(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
+                                   case: tuple[str, object]) -> None:
+    name, value = case
+    ll, _, launched = host_buffers
+    x = torch.randn(T, H, dtype=torch.float32).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, dtype=torch.int64)[:K] for _ in range(T)])
+    w = torch.rand(T, K, dtype=torch.float32)
+    _, _, handle, _, _ = ll.low_latency_dispatch(x, idx, TMAX, E, use_fp8=False)
+    expert_out = torch.zeros(E, TMAX, H, dtype=torch.bfloat16)
+    before = len(launched)
+    want = expect(LL_COMBINE_SPECS[name], value)
+    check(lambda: ll.low_latency_combine(expert_out, idx, w, handle, **{name: value}), want, (name,),
+          what=f"low_latency_combine({name}={value!r})")
+    assert (len(launched) > before) == (want is None)
+
+
+NORMAL_LAYOUT_SPECS: dict[str, Spec] = {
+    # the host rule; ids >= num_experts are values only the device sees (the layout kernel reports them)
+    "num_experts": Int(1, _normal.MAX_EXPERTS),
+    "async_finish": Flag(),
+}
+
+
+@FUZZ
+@given(case=_draw(NORMAL_LAYOUT_SPECS))
+def test_normal_get_dispatch_layout(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
+                                    case: tuple[str, object]) -> None:
+    name, value = case
+    _, normal, _ = host_buffers
+    idx = torch.randint(-1, E, (T, K), dtype=torch.int64)
+    kwargs = {"num_experts": E, name: value}
+    want = expect(NORMAL_LAYOUT_SPECS[name], value)
+    check(lambda: normal.get_dispatch_layout(idx, **kwargs), want, (name,), boundary=LAUNCH,
+          what=f"get_dispatch_layout({name}={value!r})")
+
+
+NORMAL_DISPATCH_SPECS: dict[str, Spec] = {
+    "expert_alignment": Int(1, 1 << 20),
+    "num_worst_tokens": Int(0, (1 << 31) - 1, draw_max=64),
+    "async_finish": Flag(),
+    "allocate_on_comm_stream": Flag(refused=(True,)),  # DeepEP's rule: needs a previous_event and async_finish
+}
+
+
+@FUZZ
+@given(case=_draw(NORMAL_DISPATCH_SPECS))
+def test_normal_dispatch_options(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
+                                 case: tuple[str, object]) -> None:
+    name, value = case
+    _, normal, _ = host_buffers
+    x = torch.randn(T, H, dtype=torch.float32).to(torch.bfloat16)
+    idx = torch.randint(-1, E, (T, K), dtype=torch.int64)
+    layout = dict(num_tokens_per_rank=torch.zeros(1, dtype=torch.int32),
+                  is_token_in_rank=torch.zeros(T, 1, dtype=torch.bool),
+                  num_tokens_per_expert=torch.zeros(E, dtype=torch.int32))
+    kwargs = {**layout, "topk_idx": idx, "topk_weights": torch.rand(T, K, dtype=torch.float32),
+              "config": Config(8, 6, 256), name: value}
+    want = expect(NORMAL_DISPATCH_SPECS[name], value)
+    check(lambda: normal.dispatch(x, **kwargs), want, (name,), boundary=LAUNCH,
+          what=f"dispatch({name}={value!r})")
