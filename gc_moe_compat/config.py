@@ -99,6 +99,7 @@ __all__ = [
     "check_topk_values",
     "finite_float",
     "inspect_values",
+    "int_in_range",
     "integer",
     "preset_shape",
     "recipe",
@@ -257,7 +258,7 @@ def preset_shape(name: str, num_ranks: int, *, mma_type: str = "fp8xfp4", with_s
 
 def tokens_per_expert(num_tokens: int, shape: MoEShape) -> float:
     """Mean routed tokens per expert under balanced routing: ``T·k·P/E`` (``= T·k/e``)."""
-    _check_range("num_tokens", num_tokens, 0, None, "tokens per rank")
+    int_in_range("num_tokens", num_tokens, 0, None, "tokens per rank")
     return num_tokens * shape.topk * shape.num_ranks / shape.num_experts
 
 
@@ -282,11 +283,15 @@ def shown(value: object) -> object:
     return value
 
 
-def _check_range(arg: str, value: object, lo: int, hi: int | None, why: str) -> None:
+def int_in_range(arg: str, value: object, lo: int, hi: int | None, why: str) -> int:
+    """A Python int (not bool) in ``[lo, hi]`` (``hi`` None: unbounded): ``TypeError`` for another type, ``ValueError``
+    out of range, each naming ``arg``, the rule, ``why`` and the value. The size check of the shape rules and of the
+    calls that word their errors without a function name (the ``deep_ep`` low-latency sizes)."""
     _check_int(arg, value)
     if value < lo or (hi is not None and value > hi):
         rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise _fail(arg, rule, why, shown(value))
+    return value
 
 
 def _check_multiple(arg: str, value: int, of: int, why: str) -> None:
@@ -300,9 +305,9 @@ def _check_shape(shape: MoEShape) -> None:
         raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type), TypeError)
     if shape.mma_type not in MMA_TYPES:
         raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type))
-    _check_range("hidden", shape.hidden, 1, MAX_HIDDEN, _WHY_H_MAX)
+    int_in_range("hidden", shape.hidden, 1, MAX_HIDDEN, _WHY_H_MAX)
     _check_multiple("hidden", shape.hidden, HIDDEN_ALIGN, _WHY_H)
-    _check_range("intermediate", shape.intermediate, 1, MAX_INTERMEDIATE, _WHY_I)
+    int_in_range("intermediate", shape.intermediate, 1, MAX_INTERMEDIATE, _WHY_I)
     _check_multiple("intermediate", shape.intermediate, INTERMEDIATE_ALIGN, _WHY_I)
     check_routing(shape.num_experts, shape.num_ranks, shape.topk, shape.capacity, shape.num_shared_experts)
 
@@ -312,18 +317,18 @@ def check_routing(num_experts: object, num_ranks: object, topk: object, capacity
     """The routing rules of the module table (experts, ranks, top-k, shared experts, capacity), each error naming
     the ``MoEShape`` field: part of :class:`MoEShape`'s check, and the whole check of calls that take only these
     sizes (the facade's ``get_block_m_for_mega_moe``), so they answer only for shapes a buffer accepts."""
-    _check_range("num_shared_experts", num_shared_experts, 0, 1, "at most one fused shared expert")
-    _check_range("topk", topk, 1, MAX_COMBINE_SLOTS - num_shared_experts,
+    int_in_range("num_shared_experts", num_shared_experts, 0, 1, "at most one fused shared expert")
+    int_in_range("topk", topk, 1, MAX_COMBINE_SLOTS - num_shared_experts,
                  f"k + num_shared_experts <= {MAX_COMBINE_SLOTS}: {_WHY_SLOTS}")
-    _check_range("num_ranks", num_ranks, 1, MAX_RANKS, _WHY_RANKS)
-    _check_range("num_experts", num_experts, 1, MAX_EXPERTS, _WHY_EXPERTS)
+    int_in_range("num_ranks", num_ranks, 1, MAX_RANKS, _WHY_RANKS)
+    int_in_range("num_experts", num_experts, 1, MAX_EXPERTS, _WHY_EXPERTS)
     if topk > num_experts:  # a rule of both: named both
         raise _fail("topk", f"<= num_experts ({num_experts})", "k <= E: top-k without repetition", topk)
     _check_multiple("num_experts", num_experts, num_ranks,
                     f"num_ranks={num_ranks}: experts are distributed evenly, e = E/P")
-    _check_range("num_experts / num_ranks", num_experts // num_ranks, 1, MAX_LOCAL_EXPERTS,
+    int_in_range("num_experts / num_ranks", num_experts // num_ranks, 1, MAX_LOCAL_EXPERTS,
                  "lane-held per-expert counters")
-    _check_range("capacity", capacity, 1, MAX_CAPACITY, _WHY_CAPACITY)
+    int_in_range("capacity", capacity, 1, MAX_CAPACITY, _WHY_CAPACITY)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,7 +410,7 @@ class _TensorChecker:
 
     def _tokens(self, arg: str, count: int) -> None:
         if self.tokens is None:
-            _check_range(f"{arg}.shape[0] (tokens)", count, 0, self.shape.capacity, _WHY_CAPACITY)
+            int_in_range(f"{arg}.shape[0] (tokens)", count, 0, self.shape.capacity, _WHY_CAPACITY)
             self.tokens, self.tokens_from = count, f"{arg}.shape[0]"
         elif count != self.tokens:
             raise _fail(f"{arg}.shape[0]", f"equal to {self.tokens_from}={self.tokens}",
@@ -540,7 +545,7 @@ def validate(
         raise _fail("shape", "an MoEShape", "describes the operator instance", type(shape).__name__, TypeError)
     _check_shape(shape)
     if num_tokens is not None:
-        _check_range("num_tokens", num_tokens, 0, shape.capacity, _WHY_CAPACITY)
+        int_in_range("num_tokens", num_tokens, 0, shape.capacity, _WHY_CAPACITY)
     chk = _TensorChecker(shape, num_tokens)
     tokens_h: _Dims = (("T", None), ("H", shape.hidden))
     tokens_k: _Dims = (("T", None), ("k", shape.topk))

@@ -44,7 +44,7 @@ from gc_moe_compat.comm.ep_ll import (
     raise_for_mirrored_status,
     required_bytes,
 )
-from gc_moe_compat.config import boolean, integer, shown
+from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.runtime.green import Partition, get_partition
 from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
@@ -132,15 +132,6 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
     return {"partition": "on", **part.describe()}
 
 
-def _int(name: str, value: object, minimum: int) -> int:
-    """A Python int (not bool) ``>= minimum``: ``TypeError`` for another type (1.5, NaN, True), ``ValueError`` below."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {shown(value)!r}")
-    return value
-
-
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
@@ -161,10 +152,10 @@ def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: ob
     128 (the FP8 scale group), experts a multiple of the ranks and <= ``MAX_EXPERTS``. The one check of the calls
     and of :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses;
     ``ranks_arg`` is what the caller calls the rank count (the hint's ``num_ranks``)."""
-    max_tokens = _int("num_max_dispatch_tokens_per_rank", max_tokens, 1)
-    if _int("hidden", hidden, 1) % 128:
+    max_tokens = int_in_range("num_max_dispatch_tokens_per_rank", max_tokens, 1, None, "tokens a rank sends at most")
+    if int_in_range("hidden", hidden, 1, None, "the token width") % 128:
         raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
-    experts = _int("num_experts", num_experts, 1)
+    experts = int_in_range("num_experts", num_experts, 1, None, "the routed experts")
     if experts % num_ranks or experts > MAX_EXPERTS:
         raise ValueError(f"num_experts: must be a multiple of {ranks_arg} {num_ranks} and <= {MAX_EXPERTS}, got "
                          f"{experts}")

@@ -362,8 +362,9 @@ DISPATCH_ERRORS = [
      "use_ue8m0: needs use_fp8=True and round_scale=True"),
     ("T > Tmax", dict(inputs=_inputs(tokens=T_MAX + 1)), ValueError,
      r"x.shape\[0\] \(tokens\): must be <= num_max_dispatch_tokens_per_rank=8, got 9"),
-    ("Tmax 0", dict(tmax=0), ValueError, "num_max_dispatch_tokens_per_rank: must be an int >= 1, got 0"),
-    ("Tmax bool", dict(tmax=True), TypeError, r"num_max_dispatch_tokens_per_rank: must be an int, got bool \(True\)"),
+    ("Tmax 0", dict(tmax=0), ValueError, "num_max_dispatch_tokens_per_rank: must be >= 1 .*, got 0"),
+    ("Tmax bool", dict(tmax=True), TypeError,
+     "num_max_dispatch_tokens_per_rank: must be an int .*, got True of type bool"),
     ("experts > 1024", dict(experts=2048), ValueError, "num_experts: must be a multiple of the group size 1 and "
      "<= 1024, got 2048"),
     ("stats int64", dict(cumulative_local_expert_recv_stats=torch.zeros(EXPERTS, dtype=torch.int64)), ValueError,
