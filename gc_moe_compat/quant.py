@@ -60,6 +60,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from gc_moe_compat.config import integer
+
 __all__ = [
     "AMAX_FLOOR",
     "E2M1_MAX",
@@ -238,14 +240,6 @@ def _require_finite(fn: str, name: str, x: Tensor) -> None:
         raise ValueError(f"{fn}: {name} must be finite, found {int(bad.sum())} non-finite value(s), e.g. {first}")
 
 
-def _require_pos_int(fn: str, name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__} ({v!r})")
-    if v <= 0:
-        raise ValueError(f"{fn}: {name} must be positive, got {v}")
-    return v
-
-
 def _require_code_range(fn: str, name: str, codes: Tensor, limit: int) -> None:
     if not _can_inspect(codes):
         return
@@ -413,7 +407,7 @@ def quantize_fp8_groups(x: Tensor, group_size: int, scale_format: str = "fp32") 
     """
     fn = "quantize_fp8_groups"
     x = _require_float(fn, "x", x)
-    group_size = _require_pos_int(fn, "group_size", group_size)
+    group_size = integer(fn, "group_size", group_size, 1)
     if scale_format not in _SCALE_FORMATS:
         raise ValueError(f"{fn}: scale_format must be one of {_SCALE_FORMATS}, got {scale_format!r}")
     _require_ndim(fn, "x", x, 1)
@@ -502,7 +496,7 @@ def quantize_fp8_blocks(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     """
     fn = "quantize_fp8_blocks"
     w = _require_float(fn, "w", w)
-    block = _require_pos_int(fn, "block", block)
+    block = integer(fn, "block", block, 1)
     _require_ndim(fn, "w", w, 2)
     _require_finite(fn, "w", w)
     n, k, nb, kb = _block_grid(w.shape, block)
@@ -520,7 +514,7 @@ def dequantize_fp8_blocks(q: Tensor, scales: Tensor, block: int = 128) -> Tensor
     fn = "dequantize_fp8_blocks"
     q = _require_dtype(fn, "q", q, torch.float8_e4m3fn)
     scales = _require_float(fn, "scales", scales)
-    block = _require_pos_int(fn, "block", block)
+    block = integer(fn, "block", block, 1)
     _require_ndim(fn, "q", q, 2)
     n, k, nb, kb = _block_grid(q.shape, block)
     expected = (*q.shape[:-2], nb, kb)
@@ -603,7 +597,7 @@ def quantize_mxfp4(w: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """
     fn = "quantize_mxfp4"
     w = _require_float(fn, "w", w)
-    block = _require_pos_int(fn, "block", block)
+    block = integer(fn, "block", block, 1)
     _require_ndim(fn, "w", w, 1)
     k = w.shape[-1]
     if k % block != 0 or k % 2 != 0:

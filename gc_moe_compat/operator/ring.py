@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gc_moe_compat.config import MoEShape
+from gc_moe_compat.config import MoEShape, int_in_range
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES
 
 __all__ = [
@@ -75,14 +75,6 @@ class RingCapacityError(ValueError):
     """An allocated token ring is smaller than the live-block need of the partition it would run on."""
 
 
-def _positive_int(arg: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{arg}: must be an int, got {value!r} of type {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{arg}: must be >= 1, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class TaskGeometry:
     """How role2 cuts one ring block into GEMM tasks, and how far its scheduler looks ahead.
@@ -98,7 +90,7 @@ class TaskGeometry:
 
     def __post_init__(self) -> None:
         for arg in ("w1_rows", "w2_rows", "l1_waves"):
-            _positive_int(f"TaskGeometry.{arg}", getattr(self, arg))
+            int_in_range(f"TaskGeometry.{arg}", getattr(self, arg), 1, None, "a task size or wave count")
         for arg in ("w1_rows", "w2_rows"):
             if getattr(self, arg) % 64:
                 raise ValueError(f"TaskGeometry.{arg}: must be a multiple of 64 (WGMMA M slabs), got "
@@ -123,7 +115,7 @@ class RingModel:
             raise TypeError(f"shape: must be an MoEShape, got {type(self.shape).__name__}")
         if self.block_m not in BLOCK_M_CANDIDATES:
             raise ValueError(f"block_m: must be one of {BLOCK_M_CANDIDATES} (SM90 WGMMA N), got {self.block_m!r}")
-        _positive_int("compute_sms", self.compute_sms)
+        int_in_range("compute_sms", self.compute_sms, 1, None, "SMs of the compute partition")
         if not isinstance(self.geometry, TaskGeometry):
             raise TypeError(f"geometry: must be a TaskGeometry, got {type(self.geometry).__name__}")
         for n, rows, arg in ((2 * self.shape.intermediate, self.geometry.w1_rows, "w1_rows"),
@@ -190,7 +182,7 @@ class RingPlan:
 
     def __post_init__(self) -> None:
         for arg in ("block_m", "ring_blocks", "w1_tasks_per_block", "w2_tasks_per_block", "w1_tiles"):
-            _positive_int(f"RingPlan.{arg}", getattr(self, arg))
+            int_in_range(f"RingPlan.{arg}", getattr(self, arg), 1, None, "a count of ring blocks or tasks")
         if self.w1_tiles > 64:
             raise ValueError(f"RingPlan.w1_tiles: must be <= 64 (bits of l2_full_mask), got {self.w1_tiles}")
 
@@ -245,7 +237,7 @@ def check_ring(model: RingModel, ring_blocks: int) -> RingPlan:
 
     Call before any launch with the *actual* compute-partition SM count in ``model``.
     """
-    _positive_int("ring_blocks", ring_blocks)
+    int_in_range("ring_blocks", ring_blocks, 1, None, "blocks of the token ring")
     need = model.required_ring_blocks
     if ring_blocks < need:
         raise RingCapacityError(

@@ -540,7 +540,7 @@ INF = torch.tensor([[1.0, float("inf"), 0.0, 0.0]])
         (
             lambda: qt.quantize_fp8_groups(F32, 0),
             ValueError,
-            r"quantize_fp8_groups: group_size must be positive, got 0",
+            r"quantize_fp8_groups: group_size must be >= 1, got 0",
         ),
         (lambda: qt.quantize_fp8_groups(F32[0, 0], 1), ValueError, r"quantize_fp8_groups: x must have at least 1"),
         (
@@ -554,7 +554,7 @@ INF = torch.tensor([[1.0, float("inf"), 0.0, 0.0]])
         (lambda: qt.dequantize_fp8_groups(F8[0, 0], F32), ValueError, r"dequantize_fp8_groups: q must have at least 1"),
         (lambda: qt.dequantize_fp8_groups(F8, F32[0, 0]), ValueError, r"dequantize_fp8_groups: scales must have at"),
         (lambda: qt.quantize_fp8_blocks(F32[0]), ValueError, r"quantize_fp8_blocks: w must have at least 2 dim"),
-        (lambda: qt.quantize_fp8_blocks(F32, -1), ValueError, r"quantize_fp8_blocks: block must be positive, got -1"),
+        (lambda: qt.quantize_fp8_blocks(F32, -1), ValueError, r"quantize_fp8_blocks: block must be >= 1, got -1"),
         (lambda: qt.dequantize_fp8_blocks(F8[0], F32), ValueError, r"dequantize_fp8_blocks: q must have at least 2"),
         (
             lambda: qt.dequantize_fp8_blocks(F8, F32, 2),
@@ -566,7 +566,7 @@ INF = torch.tensor([[1.0, float("inf"), 0.0, 0.0]])
         (lambda: qt.unpack_fp4(U8[0, 0]), ValueError, r"unpack_fp4: packed must have at least 1 dim"),
         (lambda: qt.quantize_mxfp4(F32, 3), ValueError, r"quantize_mxfp4: w.shape\[-1\] \(K=4\).*block=3"),
         (lambda: qt.quantize_mxfp4(F32[:, :1], 1), ValueError, r"quantize_mxfp4: w.shape\[-1\] \(K=1\) must be even"),
-        (lambda: qt.quantize_mxfp4(F32, 0), ValueError, r"quantize_mxfp4: block must be positive"),
+        (lambda: qt.quantize_mxfp4(F32, 0), ValueError, r"quantize_mxfp4: block must be >= 1"),
         (lambda: qt.quantize_mxfp4(F32[0, 0]), ValueError, r"quantize_mxfp4: w must have at least 1 dim"),
         (lambda: qt.dequantize_mxfp4(U8[0, 0], U8), ValueError, r"dequantize_mxfp4: packed must have at least 1"),
         (lambda: qt.dequantize_mxfp4(U8, U8[0, 0]), ValueError, r"dequantize_mxfp4: scale_codes must have at least"),
