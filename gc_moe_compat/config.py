@@ -100,6 +100,7 @@ __all__ = [
     "finite_float",
     "inspect_values",
     "int_in_range",
+    "mma_type_of",
     "integer",
     "preset_shape",
     "recipe",
@@ -299,12 +300,19 @@ def _check_multiple(arg: str, value: int, of: int, why: str) -> None:
         raise _fail(arg, f"a multiple of {of}", why, value)
 
 
+def mma_type_of(value: object) -> str:
+    """``value`` if it names a compute path of :data:`MMA_TYPES`: ``TypeError`` for a non-str, ``ValueError`` for
+    another string. The one ``mma_type`` check of the shape rules, the weight transform and role2's variants."""
+    if not isinstance(value, str):
+        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(value), TypeError)
+    if value not in MMA_TYPES:
+        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(value))
+    return value
+
+
 def _check_shape(shape: MoEShape) -> None:
     """Scalar rules of the module table (run by ``MoEShape.__post_init__`` and by ``validate``)."""
-    if not isinstance(shape.mma_type, str):
-        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type), TypeError)
-    if shape.mma_type not in MMA_TYPES:
-        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(shape.mma_type))
+    mma_type_of(shape.mma_type)
     int_in_range("hidden", shape.hidden, 1, MAX_HIDDEN, _WHY_H_MAX)
     _check_multiple("hidden", shape.hidden, HIDDEN_ALIGN, _WHY_H)
     int_in_range("intermediate", shape.intermediate, 1, MAX_INTERMEDIATE, _WHY_I)

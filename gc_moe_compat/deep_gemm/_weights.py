@@ -164,7 +164,9 @@ def transform_scales_for_mega_moe(l1_scales: torch.Tensor, l2_scales: torch.Tens
 def _recipe(fn: str, recipe: object, is_sfa: bool | None) -> tuple[int, int]:
     """(gran_mn, gran_k) from a 2-tuple recipe, or a 3-tuple plus ``is_sfa`` (DeepGEMM's rule)."""
     _checks.boolean(fn, "is_sfa", is_sfa, none_ok=True)
-    if not isinstance(recipe, tuple | list) or len(recipe) not in (2, 3):
+    if not isinstance(recipe, tuple | list):
+        raise TypeError(f"{fn}: recipe must be a 2- or 3-tuple, got {type(recipe).__name__} ({recipe!r})")
+    if len(recipe) not in (2, 3):
         raise ValueError(f"{fn}: recipe must be a 2- or 3-tuple, got {recipe!r}")
     if len(recipe) == 3:
         if is_sfa is None:

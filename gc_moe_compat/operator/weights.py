@@ -124,8 +124,7 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
     code 255; skipped on meta tensors). Raises ``TypeError`` / ``ValueError`` naming the argument on any violation,
     before transforming anything.
     """
-    if not isinstance(mma_type, str) or mma_type not in config.MMA_TYPES:
-        raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
+    config.mma_type_of(mma_type)
     l1, l2 = _pair("l1_weights", l1_weights), _pair("l2_weights", l2_weights)
     shape = _shape_of(l1, mma_type)
     config.validate(shape, l1_weights=l1, l2_weights=l2)

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 from cuda.bindings import driver
 
+from gc_moe_compat.config import mma_type_of
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
     MAX_STAGES,
-    MMA_TYPES,
     SMEM_LIMIT,
     W1_SLABS,
     smem_bytes,
@@ -148,17 +148,11 @@ def grouped_header() -> str:
     return Role2Site.c_declaration("GroupedSite", "kSite", _GROUPED_SITES)
 
 
-def _check_mma_type(mma_type: object) -> str:
-    if mma_type not in MMA_TYPES:
-        raise ValueError(f"mma_type: must be one of {MMA_TYPES}, got {mma_type!r}")
-    return mma_type
-
-
 def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of an operator-mode variant (``kSmemBytes`` with ``GC_OPERATOR=1``): the standalone
     W1 layout of the ``mma_type`` kernel (:func:`~gc_moe_compat.operator.heuristics.smem_bytes`, 256-row tasks) plus the
     W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and 16 bytes of shared words."""
-    return smem_bytes(bm, W1_SLABS, stages, _check_mma_type(mma_type)) + bm * (TASK_ROWS * 2 + 16) + 16
+    return smem_bytes(bm, W1_SLABS, stages, mma_type_of(mma_type)) + bm * (TASK_ROWS * 2 + 16) + 16
 
 
 def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
@@ -192,7 +186,7 @@ class Role2Variant:
     mma_type: str = "fp8xfp8"
 
     def __post_init__(self) -> None:
-        _check_mma_type(self.mma_type)
+        mma_type_of(self.mma_type)
 
     @property
     def source(self) -> str:
