@@ -27,10 +27,8 @@ class Config:
                       num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
                       num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
                       num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Config: {name} must be a non-negative int, got {value!r}")
-            setattr(self, name, value)
+        for name, value in values.items():  # DeepEP keeps them as C ints
+            setattr(self, name, integer("Config", name, value, 0, (1 << 31) - 1))
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer bytes: its chunked queues (``num_sms / 2`` channels per NVLink rank, each of

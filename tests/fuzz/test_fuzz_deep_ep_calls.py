@@ -182,3 +182,41 @@ def test_normal_dispatch_options(host_buffers: tuple[Buffer, Buffer, list], defa
     want = expect(NORMAL_DISPATCH_SPECS[name], value)
     check(lambda: normal.dispatch(x, **kwargs), want, (name,), boundary=LAUNCH,
           what=f"dispatch({name}={value!r})")
+
+
+CONFIG_SPECS: dict[str, Spec] = {name: Int(0, (1 << 31) - 1, draw_max=1024) for name in (
+    "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+    "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")}
+HINT_NVL_SPECS: dict[str, Spec] = {"hidden_bytes": Int(1, None, draw_max=1 << 16),
+                                   "num_ranks": Int(1, None, extra=lambda p: p <= 8 or p % 8 == 0, draw_max=64)}
+CONFIG_TABLE = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+
+
+@FUZZ
+@given(case=_draw(CONFIG_SPECS))
+def test_config(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
+    name, value = case
+    check(lambda: Config(**{name: value}), expect(CONFIG_SPECS[name], value), (name,), what=f"Config({name}={value!r})")
+
+
+@FUZZ
+@given(case=_draw(HINT_NVL_SPECS))
+def test_nvl_buffer_size_hint(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
+    """Every accepted size gives a positive int of bytes; every refused one names its argument."""
+    name, value = case
+    kwargs = {"hidden_bytes": 2 * H, "num_ranks": 8, name: value}
+    got: list[object] = []
+    want = expect(HINT_NVL_SPECS[name], value)
+    check(lambda: got.append(Config(24, 8, 256).get_nvl_buffer_size_hint(**kwargs)), want, (name,),
+          what=f"get_nvl_buffer_size_hint({name}={value!r})")
+    if got:
+        assert type(got[0]) is int and got[0] > 0, got
+
+
+@FUZZ
+@given(ranks=values(Int(1, None, extra=lambda p: p in CONFIG_TABLE, draw_max=200)))
+def test_recommended_configs(default_dtype: torch.dtype, ranks: object) -> None:
+    """DeepEP's recommended configs exist for its table of rank counts; another count names num_ranks."""
+    want = expect(Int(1, None, extra=lambda p: p in CONFIG_TABLE), ranks)
+    for get in (Buffer.get_dispatch_config, Buffer.get_combine_config):
+        check(lambda get=get: get(ranks), want, ("num_ranks",), what=f"{get.__name__}({ranks!r})")
