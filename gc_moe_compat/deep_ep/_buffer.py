@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_RANKS, check_rank_count, required_bytes
-from gc_moe_compat.config import boolean, integer
+from gc_moe_compat.config import MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
@@ -121,8 +121,9 @@ class Buffer:
         """Sets the SM count of the communication kernels: the low-latency kernels' green-partition request (the
         communication side gets at least this many SMs, driver-aligned; the compute side the rest). Set it before
         a CUDA graph capture: a new request makes a new partition on the next call."""
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"new_num_sms: the SM count must be a positive even int, got {new_num_sms!r}")
+        if integer("set_num_sms", "new_num_sms", new_num_sms, 2, MAX_SMS) % 2:
+            raise ValueError(f"set_num_sms: new_num_sms must be even (two SMs per channel, DeepEP's rule), got "
+                             f"{new_num_sms}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gc_moe_compat.comm.ep_ll import MAX_EXPERTS as LL_MAX_EXPERTS
 from gc_moe_compat.comm.ep_ll import MAX_RANKS as LL_MAX_RANKS
 from gc_moe_compat.comm.ep_ll import required_bytes
+from gc_moe_compat.config import MAX_SMS
 from gc_moe_compat.deep_ep import Buffer, Config, _buffer, _low_latency, _normal
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
@@ -85,9 +86,9 @@ def test_low_latency_size_hint(default_dtype: torch.dtype, case: tuple[str, obje
 LL_BYTES = Buffer.get_low_latency_rdma_size_hint(TMAX, H, 1, E)
 
 
-def _fits(max_tokens: int) -> bool:
+def _fits(max_tokens: int = TMAX, hidden: int = H, experts: int = E, topk: int = K) -> bool:
     """The documented size rule of a call: its workspace bytes (the hint's formula) within the Buffer's."""
-    return required_bytes(_low_latency.ll_shape(1, max_tokens, H, E, K)) <= LL_BYTES
+    return required_bytes(_low_latency.ll_shape(1, max_tokens, hidden, experts, topk)) <= LL_BYTES
 
 
 LL_DISPATCH_SPECS: dict[str, Spec] = {
@@ -220,3 +221,36 @@ def test_recommended_configs(default_dtype: torch.dtype, ranks: object) -> None:
     want = expect(Int(1, None, extra=lambda p: p in CONFIG_TABLE), ranks)
     for get in (Buffer.get_dispatch_config, Buffer.get_combine_config):
         check(lambda get=get: get(ranks), want, ("num_ranks",), what=f"{get.__name__}({ranks!r})")
+
+
+@FUZZ
+@given(sms=values(Int(2, MAX_SMS, multiple=2)))
+def test_set_num_sms(default_dtype: torch.dtype, sms: object) -> None:
+    """The communication SM request: an even int in [2, MAX_SMS]; a refused one leaves the request as it was."""
+    before = Buffer.num_sms
+    try:
+        check(lambda: Buffer.set_num_sms(sms), expect(Int(2, MAX_SMS, multiple=2), sms), ("new_num_sms",),
+              what=f"set_num_sms({sms!r})")
+        if expect(Int(2, MAX_SMS, multiple=2), sms) is not None:
+            assert Buffer.num_sms == before
+    finally:
+        Buffer.num_sms = before
+
+
+CLEAN_SPECS: dict[str, Spec] = {
+    "num_max_dispatch_tokens_per_rank": Int(1, None, extra=lambda t: _fits(t, topk=1), draw_max=4 * TMAX),
+    "hidden": Int(1, None, multiple=128, extra=lambda h: _fits(hidden=h, topk=1), draw_max=4 * H),
+    "num_experts": Int(1, LL_MAX_EXPERTS, extra=lambda e: _fits(experts=e, topk=1)),
+}
+"""clean_low_latency_buffer checks calls of top-k 1 against the workspace."""
+
+
+@FUZZ
+@given(case=_draw(CLEAN_SPECS))
+def test_clean_low_latency_buffer(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
+                                  case: tuple[str, object]) -> None:
+    name, value = case
+    ll, _, _ = host_buffers
+    kwargs = {"num_max_dispatch_tokens_per_rank": TMAX, "hidden": H, "num_experts": E, name: value}
+    check(lambda: ll.clean_low_latency_buffer(**kwargs), expect(CLEAN_SPECS[name], value), (name, "num_rdma_bytes"),
+          what=f"clean_low_latency_buffer({name}={value!r})")
