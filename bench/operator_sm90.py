@@ -52,6 +52,7 @@ import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
 
+from gc_moe_compat.ab import results
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
@@ -198,42 +199,16 @@ def summarize_targets(points: Sequence[dict[str, object]]) -> dict[str, object]:
 
 def validate_result(data: dict[str, object]) -> None:
     """Raises ``ValueError`` naming the first field where ``data`` departs from BENCH_PROTOCOL.md's result schema
-    (plus this benchmark's fields)."""
+    (:func:`gc_moe_compat.ab.results.validate_result`, with this benchmark's ops) plus this benchmark's fields."""
     meta = data.get("meta")
-    if not isinstance(meta, dict):
-        raise ValueError("meta: missing")
-    for key in ("git_sha", "dirty", "date", "gpu", "driver", "torch", "cuda", "world_size", "partition", "command"):
-        if key not in meta:
-            raise ValueError(f"meta.{key}: missing")
-    for key in ("dispatch_sms", "compute_sms", "workqueue"):
-        if key not in meta["partition"]:
-            raise ValueError(f"meta.partition.{key}: missing")
-    if meta["world_size"] != WORLD:
-        raise ValueError(f"meta.world_size: must be {WORLD}, got {meta['world_size']}")
-    if not isinstance(meta["command"], str) or "bench/operator_sm90.py" not in meta["command"]:
-        raise ValueError(f"meta.command: must run bench/operator_sm90.py, got {meta['command']!r}")
-    if "targets" not in meta:
-        raise ValueError("meta.targets: missing")
-    points = data.get("points")
-    if not isinstance(points, list):
-        raise ValueError("points: must be a list")
-    for i, p in enumerate(points):
-        for key in ("preset", "mma_type", "shared", "tokens_per_rank", "latency_us", "per_rank_us", "speedup",
-                    "floor_us", "efficiency", "accuracy"):
-            if key not in p:
-                raise ValueError(f"points[{i}].{key}: missing")
-        for op, us in p["latency_us"].items():
-            if op not in OPS or not (isinstance(us, float) and us > 0 and math.isfinite(us)):
-                raise ValueError(f"points[{i}].latency_us.{op}: must be a known op with a positive latency, got {us}")
-            ranks = p["per_rank_us"].get(op)
-            if not isinstance(ranks, list) or len(ranks) != WORLD or max(ranks) != us:
-                raise ValueError(f"points[{i}].per_rank_us.{op}: must list {WORLD} ranks whose maximum is the "
-                                 f"latency {us}, got {ranks}")
-            if op not in p["accuracy"]:
-                raise ValueError(f"points[{i}].accuracy.{op}: missing")
-        missing = set(OPS) - set(p["latency_us"]) - set(p.get("unavailable", {}))
-        if missing:
-            raise ValueError(f"points[{i}]: ops {sorted(missing)} neither measured nor marked unavailable")
+    if isinstance(meta, dict):
+        if meta.get("world_size") != WORLD:
+            raise ValueError(f"meta.world_size: must be {WORLD}, got {meta.get('world_size')}")
+        if not isinstance(meta.get("command"), str) or "bench/operator_sm90.py" not in meta["command"]:
+            raise ValueError(f"meta.command: must run bench/operator_sm90.py, got {meta.get('command')!r}")
+        if "targets" not in meta:
+            raise ValueError("meta.targets: missing")
+    results.validate_result(data, known_ops=OPS)
 
 
 # ------------------------------------------------------------------------------------------------- prebuild (host)

@@ -10,7 +10,7 @@ and ``floor_bytes`` (mma type -> the bytes this rank must stream). Pure Python: 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from gc_moe_compat.ab.protocol import mean_of_ratios, slowest_rank
 
@@ -103,8 +103,9 @@ def summarize(points: Sequence[Mapping[str, object]], reference_op: str) -> dict
     return out
 
 
-def validate_result(data: Mapping[str, object]) -> None:
-    """Raises ``ValueError`` naming the first field where ``data`` departs from BENCH_PROTOCOL.md's schema."""
+def validate_result(data: Mapping[str, object], known_ops: Collection[str] | None = None) -> None:
+    """Raises ``ValueError`` naming the first field where ``data`` departs from BENCH_PROTOCOL.md's schema. The ops
+    every point must measure or mark unavailable are ``meta.ops``'s, or ``known_ops`` (then no other op is allowed)."""
     meta = data.get("meta")
     if not isinstance(meta, Mapping):
         raise ValueError("meta: missing")
@@ -117,12 +118,14 @@ def validate_result(data: Mapping[str, object]) -> None:
     points = data.get("points")
     if not isinstance(points, list):
         raise ValueError("points: must be a list")
-    ops = meta.get("ops", {})
+    ops = meta.get("ops", {}) if known_ops is None else known_ops
     for i, p in enumerate(points):
         for key in POINT_KEYS:
             if key not in p:
                 raise ValueError(f"points[{i}].{key}: missing")
         for op, us in p["latency_us"].items():
+            if known_ops is not None and op not in known_ops:
+                raise ValueError(f"points[{i}].latency_us.{op}: must be one of {sorted(known_ops)}")
             if not (isinstance(us, float) and us > 0 and math.isfinite(us)):
                 raise ValueError(f"points[{i}].latency_us.{op}: must be a positive latency, got {us}")
             ranks = p["per_rank_us"].get(op)
