@@ -34,7 +34,7 @@ from _common import REPO, copy_bandwidth, pyplot, result_meta, timed_windows
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.green import get_partition
-from gc_moe_compat.testing.single_rank import single_rank_group
+from gc_moe_compat.runtime.single_rank import single_rank_group
 
 PRESETS = {"dsv41-flash": (5120, 6, 48), "glm52": (6144, 8, 32)}
 """Preset: (hidden H, top-k, experts at one rank)."""

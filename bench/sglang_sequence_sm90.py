@@ -49,6 +49,7 @@ from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.heuristics import select_config, tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
+from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.operator_workload import (
     CAPACITY,
@@ -61,7 +62,6 @@ from gc_moe_compat.testing.operator_workload import (
     reference_results,
 )
 from gc_moe_compat.testing.reference import accuracy_metrics
-from gc_moe_compat.testing.single_rank import single_rank_group
 from gc_moe_compat.testing.standalone_gemm import (
     EPI_W1,
     EPI_W2,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.testing.single_rank import single_rank_group
+from gc_moe_compat.runtime.single_rank import single_rank_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kit"))
 

@@ -44,7 +44,7 @@ import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
 from gc_moe_compat.ab.protocol import REPO, result_meta
-from gc_moe_compat.testing.single_rank import single_rank_group
+from gc_moe_compat.runtime.single_rank import single_rank_group
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
            "signature_cells", "surface", "swap_cells", "validation_cells", "versions"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.ab import inputs, model_config, operators, prebuild, protocol, run
-from gc_moe_compat.testing.single_rank import single_rank_group
+from gc_moe_compat.runtime.single_rank import single_rank_group
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""A one-rank torch process group for code that takes a ``group`` (buffers, facades) outside ``torchrun``: the tests'
-``group`` fixture, the compatibility matrix's CPU cells, the single-GPU benchmarks."""
+"""A one-rank torch process group for code that takes a ``group`` (buffers, facades) outside ``torchrun``: the
+compatibility matrix's CPU cells, the tests' ``group`` fixture, the single-GPU benchmarks."""
 
 from __future__ import annotations
 
