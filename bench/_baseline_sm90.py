@@ -1,15 +1,10 @@
 """The DeepGEMM baselines of the SM90 benchmarks: one masked-GEMM pipeline with a fused activation, and the composed
 expert-parallel layer (torch.distributed all-to-all + that pipeline) of bench/operator_sm90.py.
 
-* :class:`DeepGemmMasked`: DeepGEMM 2.8.2's ``m_grouped_fp8_gemm_nt_masked`` W1 -> fused activation -> W2 on FP8
-  weights with FP32 128x128 block scales (recipe ``(1, 128, 128)``: per-token 1x128 FP32 activation scales), the
-  path SGLang's DeepEP low-latency MoE runs on Hopper. Activation scales are kept MN-major and TMA-aligned
-  (``[e, G, max_m]`` storage, passed transposed), the layout DeepGEMM's SM90 kernel reads, so no transpose kernel
-  runs inside the pipeline. The activation is ONE Triton kernel (:func:`swiglu_quant_masked`): clamped SwiGLU
-  (``min(gate, c)``, ``clamp(up, -c, c)``, ``alpha``), times the row's routing weight, per-token 1x128 FP8 requant
-  with FP32 scales ``max(amax, 1e-10) / 448`` (correctly rounded division, as :mod:`gc_moe_compat.quant`), reading
-  ``masked_m`` on the device and touching only valid rows (an unfused torch chain over the padded buffer costs
-  ~400 µs and would flatter the operator).
+* :class:`DeepGemmMasked` (home: :mod:`gc_moe_compat.ab.masked_gemm`, shared with gc-moe-ab's composed DeepEP +
+  DeepGEMM operator): DeepGEMM's masked W1 -> one fused Triton SwiGLU + routing weight + 1x128 FP8 requant kernel
+  (:func:`swiglu_quant_masked`) -> masked W2 on FP8 weights with FP32 128x128 block scales, the path SGLang's
+  DeepEP low-latency MoE runs on Hopper.
 * :class:`ComposedBaseline`: one rank of the expert-parallel layer: pack the rank's (token, slot) rows (FP8 payload,
   FP32 scales, routing weight: one int32-word row each), ``all_to_all_single`` (NCCL, graph-capturable), unpack into
   DeepGEMM's masked layout, :class:`DeepGemmMasked`, gather the BF16 partials back in arrival order,
@@ -31,17 +26,17 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from gc_moe_compat.ab.masked_gemm import AMAX_FLOOR, E4M3_MAX, DeepGemmMasked, next_pow2, swiglu_quant_masked
 from gc_moe_compat.testing.reference import ExpertWeights
+
+__all__ = ["AMAX_FLOOR", "E4M3_MAX", "A2APlan", "AllToAllExchange", "ComposedBaseline", "DeepGemmMasked",
+           "combine_slots", "gather_rows", "import_deep_gemm", "masked_geometry", "pack_rows", "plan_all_to_all",
+           "row_words", "swiglu_quant_masked", "unpack_rows"]
 
 MASKED_ROW_ALIGN = 128
 """DeepGEMM masked layout: rows per expert (``max_m``) rounded up to this (and at least this)."""
 ROW_ALIGN_WORDS = 4
 """Packed dispatch rows are padded to 16 bytes."""
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-10  # gc_moe_compat.quant.AMAX_FLOOR: the FP32 1x128 recipe's scale floor
-ACT_PROGRAMS_PER_SM = 4
-"""The activation kernel's grid: ``e`` experts x ``ceil(ACT_PROGRAMS_PER_SM * SMs / e)`` row programs."""
-
 
 def import_deep_gemm() -> ModuleType:
     """The real DeepGEMM, never this library's facade (which ``GC_MOE_SWAP=deep_gemm`` would put under the name
@@ -171,47 +166,13 @@ def plan_all_to_all(topk_idx_per_rank: Sequence[torch.Tensor], num_experts: int,
 _KERNELS: SimpleNamespace | None = None
 
 
-def _p2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def kernels() -> SimpleNamespace:
-    """The Triton kernels, defined on first use (Triton is imported here, not at module import)."""
+    """The exchange's Triton kernels, defined on first use (Triton is imported here, not at module import)."""
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def swiglu_quant(d1, rw, masked_m, a2, a2_sf, max_m, row_programs, clamp, alpha, inter: tl.constexpr,
-                     groups: tl.constexpr, groups_p2: tl.constexpr, store_fp32: tl.constexpr):
-        # one program per (expert, row program); rows r = p, p + row_programs, ... < masked_m[e]
-        e = tl.program_id(0)
-        p = tl.program_id(1)
-        m = tl.load(masked_m + e)
-        grp = tl.arange(0, groups_p2)
-        c = tl.arange(0, 128)
-        col = grp[:, None] * 128 + c[None, :]
-        gmask = grp < groups
-        mask = gmask[:, None] & (c[None, :] < 128)
-        e64 = e.to(tl.int64)
-        for r in range(p, m, row_programs):
-            row = e64 * max_m + r
-            gate = tl.load(d1 + row * (2 * inter) + col, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(d1 + row * (2 * inter) + inter + col, mask=mask, other=0.0).to(tl.float32)
-            gate = tl.minimum(gate, clamp)
-            up = tl.minimum(tl.maximum(up, -clamp), clamp)
-            act = gate * tl.sigmoid(alpha * gate) * up * tl.load(rw + row)
-            amax = tl.max(tl.abs(act), axis=1)
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-10), tl.full([groups_p2], 448.0, tl.float32))
-            q = tl.math.div_rn(act, tl.broadcast_to(scale[:, None], (groups_p2, 128)))
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-            if store_fp32:  # the host interpreter test: its fp8 cast mis-rounds where a carry crosses a power of 2
-                tl.store(a2 + row * inter + col, q, mask=mask)
-            else:
-                tl.store(a2 + row * inter + col, q.to(tl.float8e4nv), mask=mask)
-            tl.store(a2_sf + e64 * groups * max_m + grp * max_m + r, scale, mask=gmask)
 
     @triton.jit
     def pack_rows(x, sf, w, token, slot, out, xw: tl.constexpr, groups: tl.constexpr, topk: tl.constexpr,
@@ -263,7 +224,7 @@ def kernels() -> SimpleNamespace:
             acc += tl.load(rows + j * hidden + o, mask=m & (j >= 0), other=0.0).to(tl.float32)
         tl.store(y + t * hidden + o, acc.to(tl.bfloat16), mask=m)
 
-    _KERNELS = SimpleNamespace(swiglu_quant=swiglu_quant, pack_rows=pack_rows, unpack_rows=unpack_rows,
+    _KERNELS = SimpleNamespace(pack_rows=pack_rows, unpack_rows=unpack_rows,
                                gather_rows=gather_rows, combine=combine)
     return _KERNELS
 
@@ -271,23 +232,6 @@ def kernels() -> SimpleNamespace:
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` reinterpreted as int32 words along its last dimension (contiguous rows of 4-byte multiples)."""
     return t.view(torch.int32)
-
-
-def swiglu_quant_masked(d1: torch.Tensor, rw: torch.Tensor, masked_m: torch.Tensor, a2: torch.Tensor,
-                        a2_sf_t: torch.Tensor, clamp: float, alpha: float = 1.0, row_programs: int | None = None
-                        ) -> None:
-    """The fused activation: ``d1 [e, max_m, 2I]`` BF16 (gate columns then up) and routing weights ``rw [e, max_m]``
-    -> ``a2 [e, max_m, I]`` E4M3 (or FP32: the interpreter test) and MN-major scales ``a2_sf_t [e, I/128, max_m]``,
-    for rows ``< masked_m[e]`` only."""
-    e, max_m, two_i = d1.shape
-    inter = two_i // 2
-    if row_programs is None:
-        sms = torch.cuda.get_device_properties(d1.device).multi_processor_count if d1.is_cuda else 8
-        row_programs = max(1, min(max_m, -(-ACT_PROGRAMS_PER_SM * sms // e)))
-    groups = inter // 128
-    kernels().swiglu_quant[(e, row_programs)](
-        d1, rw, masked_m, a2, a2_sf_t, max_m, row_programs, float(clamp), float(alpha), inter=inter, groups=groups,
-        groups_p2=_p2(groups), store_fp32=a2.dtype == torch.float32, num_warps=8)
 
 
 def pack_rows(x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,
@@ -299,7 +243,8 @@ def pack_rows(x: torch.Tensor, x_sf: torch.Tensor, weights: torch.Tensor, token:
     h, g, k = x.shape[1], x_sf.shape[1], weights.shape[1]
     xw = h // 4
     kernels().pack_rows[(token.numel(),)](_words(x), _words(x_sf), _words(weights), token, slot, out, xw=xw,
-                                          groups=g, topk=k, row_w=out.shape[1], bx=_p2(xw), bg=_p2(g), num_warps=4)
+                                          groups=g, topk=k, row_w=out.shape[1], bx=next_pow2(xw), bg=next_pow2(g),
+                                          num_warps=4)
 
 
 def unpack_rows(recv: torch.Tensor, dest: torch.Tensor, x: torch.Tensor, x_sf_t: torch.Tensor,
@@ -311,7 +256,8 @@ def unpack_rows(recv: torch.Tensor, dest: torch.Tensor, x: torch.Tensor, x_sf_t:
     e, max_m, h = x.shape
     xw, g = h // 4, h // 128
     kernels().unpack_rows[(dest.numel(),)](recv, dest, _words(x), _words(x_sf_t), _words(rw), max_m, xw=xw,
-                                           groups=g, row_w=recv.shape[1], bx=_p2(xw), bg=_p2(g), num_warps=4)
+                                           groups=g, row_w=recv.shape[1], bx=next_pow2(xw), bg=next_pow2(g),
+                                           num_warps=4)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
@@ -319,7 +265,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> No
     if index.numel() == 0:
         return
     words = _words(out).shape[1]
-    kernels().gather_rows[(index.numel(),)](_words(src), index, _words(out), words=words, bw=_p2(words),
+    kernels().gather_rows[(index.numel(),)](_words(src), index, _words(out), words=words, bw=next_pow2(words),
                                             num_warps=4)
 
 
@@ -330,64 +276,6 @@ def combine_slots(rows: torch.Tensor, index: torch.Tensor, y: torch.Tensor, bloc
         return
     h = y.shape[1]
     kernels().combine[(t, -(-h // block))](rows, index, y, hidden=h, topk=k, block=block, num_warps=4)
-
-
-# ----------------------------------------------------------------------------------------------- DeepGEMM pipeline
-class DeepGemmMasked:
-    """DeepGEMM 2.8.2's SM90 masked pipeline on one rank's canonical FP8 weights (gate rows then up rows in L1).
-
-    Buffers (static, zero-initialized, so a CUDA graph may capture any method): ``x [e, max_m, H]`` E4M3 and its
-    MN-major scales ``x_sf_t [e, H/128, max_m]``, routing weights ``rw [e, max_m]``, ``d1 [e, max_m, 2I]`` BF16,
-    ``a2 [e, max_m, I]`` E4M3 with ``a2_sf_t [e, I/128, max_m]``, ``d2 [e, max_m, H]`` BF16. The caller fills the
-    first ``masked_m[e]`` rows of ``x``, ``x_sf_t``, ``rw`` per expert.
-    """
-
-    def __init__(self, dg: object, l1: ExpertWeights, l2: ExpertWeights, masked_m: torch.Tensor, max_m: int,
-                 expected_m: int, clamp: float, alpha: float = 1.0) -> None:
-        self.dg, self.l1, self.l2 = dg, l1, l2
-        e, two_i, h = l1.payload.shape
-        inter = two_i // 2
-        dev = l1.payload.device
-        self.num_experts, self.hidden, self.inter = e, h, inter
-        self.max_m, self.expected_m, self.clamp, self.alpha = max_m, expected_m, clamp, alpha
-        self.masked_m = masked_m.to(device=dev, dtype=torch.int32).contiguous()
-        fp8 = torch.float8_e4m3fn
-        self.x = torch.zeros(e, max_m, h, dtype=fp8, device=dev)
-        self.x_sf_t = torch.zeros(e, h // 128, max_m, dtype=torch.float32, device=dev)
-        self.rw = torch.zeros(e, max_m, dtype=torch.float32, device=dev)
-        self.d1 = torch.zeros(e, max_m, two_i, dtype=torch.bfloat16, device=dev)
-        self.a2 = torch.zeros(e, max_m, inter, dtype=fp8, device=dev)
-        self.a2_sf_t = torch.zeros(e, inter // 128, max_m, dtype=torch.float32, device=dev)
-        self.d2 = torch.zeros(e, max_m, h, dtype=torch.bfloat16, device=dev)
-        self.common = dict(recipe=(1, 128, 128), disable_ue8m0_cast=True)
-
-    @property
-    def x_sf(self) -> torch.Tensor:
-        """``[e, max_m, H/128]`` view of the MN-major scales (what DeepGEMM is given)."""
-        return self.x_sf_t.transpose(1, 2)
-
-    def gemm1(self) -> None:
-        self.dg.m_grouped_fp8_gemm_nt_masked((self.x, self.x_sf), (self.l1.payload, self.l1.scales), self.d1,
-                                             self.masked_m, self.expected_m, **self.common)
-
-    def act(self) -> None:
-        swiglu_quant_masked(self.d1, self.rw, self.masked_m, self.a2, self.a2_sf_t, self.clamp, self.alpha)
-
-    def gemm2(self) -> None:
-        self.dg.m_grouped_fp8_gemm_nt_masked((self.a2, self.a2_sf_t.transpose(1, 2)),
-                                             (self.l2.payload, self.l2.scales), self.d2, self.masked_m,
-                                             self.expected_m, **self.common)
-
-    def pipeline(self) -> None:
-        """W1, fused activation, W2."""
-        self.gemm1()
-        self.act()
-        self.gemm2()
-
-    def gemms(self) -> None:
-        """The two masked GEMMs alone (a lower bound of any DeepGEMM pipeline)."""
-        self.gemm1()
-        self.gemm2()
 
 
 # ------------------------------------------------------------------------------------------- composed EP baseline

@@ -17,9 +17,13 @@ tokens outside the graph (:meth:`Runner.stage`) and runs the layer (:meth:`Runne
 * ``original_deep_gemm`` - the installed original ``deep_gemm``'s ``fp8_mega_moe`` (SGLang's ``sgl-deep-gemm``,
   or a build of sgl-project/DeepGEMM's SM90 Mega MoE: ``scripts/build_sgl_deep_gemm.sh``), loaded beside the facade
   by :mod:`gc_moe_compat.originals`; its own pre-dispatch where it has one.
-* ``composed_deepep_deepgemm`` - SGLang's ``--moe-a2a-backend deepep`` low-latency path: DeepEP
-  ``low_latency_dispatch`` -> DeepGEMM ``m_grouped_fp8_gemm_nt_masked`` W1 -> SwiGLU + FP8 requant -> masked W2 ->
-  ``low_latency_combine``. Not built into this tool yet: its probe says so (and what it needs).
+* ``composed_deepep_deepgemm`` - SGLang's ``--moe-a2a-backend deepep`` low-latency path
+  (``DeepEPMoE.forward_deepgemm_masked``): DeepEP ``low_latency_dispatch`` (BF16 in, FP8 1x128 out; the original
+  ``deep_ep`` where it imports, else this library's ``gc_moe_compat.deep_ep`` facade: the runner's ``partition()``
+  says which) -> the original DeepGEMM's masked FP8 grouped GEMM W1 -> SwiGLU + FP8 per-token-group(128) requant
+  (:func:`gc_moe_compat.ab.masked_gemm.swiglu_quant_masked`, our Triton kernel of the arithmetic of SGLang's
+  ``silu_and_mul_masked_post_quant_fwd``, with the model's SwiGLU clamp; SGLang itself is not imported) -> masked
+  W2 -> ``low_latency_combine`` (routing weights applied there, as DeepEP does). FP8 128x128-block experts.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ import torch.distributed as dist
 
 from gc_moe_compat import config, quant
 from gc_moe_compat.ab.inputs import LayerWeights, Tokens
+from gc_moe_compat.ab.masked_gemm import masked_gemm_of
 from gc_moe_compat.ab.model_config import Workload
 
-__all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "Context", "MegaMoeSequence", "NativeFp8Fp4", "OperatorSpec", "Runner",
-           "default_ops", "operator_specs", "select"]
+__all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context", "MegaMoeSequence",
+           "NativeFp8Fp4", "OperatorSpec", "Runner", "composed_expected_m", "default_ops", "operator_specs", "select"]
 
 DISPATCH_SWEEP = (4, 8, 16, 24)
 """The dispatch SM requests of ``--partition-sweep``."""
@@ -50,8 +55,9 @@ SGLANG_BUFFER_MMA_TYPE = "fp8xfp4"
 """The ``mma_type`` SGLang 0.5.23 creates its Hopper Mega MoE buffer with (and then calls ``fp8_mega_moe``)."""
 DEEPGEMM_INSTALL = ("build sgl-project/DeepGEMM's SM90 Mega MoE with scripts/build_sgl_deep_gemm.sh SRC DEST and put "
                     "DEST on PYTHONPATH (SGLang's prebuilt sgl-deep-gemm wheels need torch 2.14)")
-COMPOSED_MISSING = ("the composed DeepEP low-latency + DeepGEMM masked-GEMM adapter is not built into gc-moe-ab yet "
-                    "(bench/operator_sm90.py measures the NCCL all-to-all + DeepGEMM variant on two GPUs)")
+COMPOSED_ACTIVATION = ("gc_moe_compat.ab.masked_gemm.swiglu_quant_masked: our fused Triton SwiGLU (model clamp) + "
+                       "FP8 1x128 requant, the arithmetic of SGLang's silu_and_mul_masked_post_quant_fwd (SGLang is "
+                       "not imported)")
 
 
 @dataclass(frozen=True)
@@ -309,17 +315,81 @@ def _probe_original_mega_moe() -> str | None:
 
 def _probe_composed() -> str | None:
     try:
-        dg = _original_deep_gemm()
+        masked_gemm_of(_original_deep_gemm())
     except ImportError as exc:
-        return (f"needs the original DeepGEMM for m_grouped_fp8_gemm_nt_masked ({exc}): deepinfer-gemm==2.8.2 built "
-                "from its sdist (scripts/device_check.sh builds it from .whl/); and " + COMPOSED_MISSING)
-    if not hasattr(dg, "m_grouped_fp8_gemm_nt_masked"):
-        return f"the original deep_gemm has no m_grouped_fp8_gemm_nt_masked; and {COMPOSED_MISSING}"
-    return COMPOSED_MISSING
+        return (f"needs the original DeepGEMM's masked FP8 grouped GEMM ({exc}); to run it: {DEEPGEMM_INSTALL} "
+                "(or install deepinfer-gemm==2.8.2 built from its sdist)")
+    except AttributeError as exc:
+        return f"{exc}; to run it: {DEEPGEMM_INSTALL}"
+    return None
 
 
-def _build_composed(ctx: Context) -> Runner:
-    raise NotImplementedError(f"composed_deepep_deepgemm: {COMPOSED_MISSING}")
+def _deep_ep() -> tuple[ModuleType, str]:
+    """The original ``deep_ep`` where it imports, else this library's facade; and a line saying which (and why)."""
+    from gc_moe_compat import originals
+
+    try:
+        ep = originals.load("deep_ep")
+        return ep, f"original deep_ep at {getattr(ep, '__file__', '?')}"
+    except ImportError as exc:
+        from gc_moe_compat import deep_ep
+
+        return deep_ep, f"gc_moe_compat.deep_ep facade (the original deep_ep is not importable: {exc})"
+
+
+def composed_expected_m(tokens: int, world_size: int, topk: int, num_experts: int) -> int:
+    """DeepGEMM's ``expected_m`` hint as a DeepEP low-latency caller knows it before the dispatch (no counts on the
+    host): the mean rows per expert, ``ceil(T * P * k / E)``, at least 1."""
+    return max(1, -(-tokens * world_size * topk // num_experts))
+
+
+class ComposedDeepEpDeepGemm:
+    """SGLang's DeepEP low-latency MoE (module docstring): one low-latency ``Buffer`` sized for the capacity, the
+    original DeepGEMM's masked pipeline (:class:`~gc_moe_compat.ab.masked_gemm.MaskedExperts`) on DeepEP's
+    ``[E/P, P * capacity, H]`` receive layout; per step: dispatch, W1, activation, W2, combine (all captured)."""
+
+    def __init__(self, ctx: Context) -> None:
+        from gc_moe_compat.ab.masked_gemm import MaskedExperts
+
+        self.ctx = ctx
+        w = ctx.workload
+        self.num_experts = ctx.shape("fp8xfp8").num_experts
+        self.ep, self.ep_source = _deep_ep()
+        hint = self.ep.Buffer.get_low_latency_rdma_size_hint(w.capacity, w.hidden, ctx.world_size, self.num_experts)
+        self.buf = self.ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=w.local_experts)
+        dg = _original_deep_gemm()
+        l1, l2 = ctx.weights["fp8_block128"]
+        self.experts = MaskedExperts(dg, l1, l2, ctx.world_size * w.capacity, 1, w.activation_clamp)
+        self.dg_source = getattr(dg, "__file__", "?")
+        self.x: torch.Tensor | None = None
+
+    def stage(self, tokens: Tokens) -> None:
+        staged, dev = tokens.staged, self.ctx.device
+        self.x = tokens.x.to(device=dev, dtype=torch.bfloat16).clone()
+        self.topk_idx = staged.topk_idx.to(device=dev, dtype=torch.int64).clone()
+        self.topk_weights = staged.topk_weights.to(device=dev, dtype=torch.float32).clone()
+        self.y = torch.zeros(tokens.count, self.ctx.workload.hidden, dtype=torch.bfloat16, device=dev)
+        self.experts.expected_m = composed_expected_m(tokens.count, self.ctx.world_size, self.ctx.workload.topk,
+                                                      self.num_experts)
+
+    def run(self) -> torch.Tensor:
+        (x, x_sf), count, handle, _, _ = self.buf.low_latency_dispatch(
+            self.x, self.topk_idx, self.ctx.workload.capacity, self.num_experts, use_fp8=True)
+        out = self.experts(x, x_sf, count)
+        self.buf.low_latency_combine(out, self.topk_idx, self.topk_weights, handle, out=self.y)
+        return self.y
+
+    def partition(self) -> dict[str, object]:
+        return {"partition": "composed (DeepEP low-latency kernels + DeepGEMM on the whole device)",
+                "deep_ep": self.ep_source, "deep_gemm": self.dg_source, "activation": COMPOSED_ACTIVATION,
+                "expected_m": "ceil(T * P * k / E) per point"}
+
+    def check(self, what: str) -> None:
+        torch.cuda.synchronize()  # a sticky CUDA error of the dispatch / GEMM kernels surfaces here
+
+    def close(self) -> None:
+        """Drop the buffer and the pipeline (DeepEP frees a Buffer not created with explicitly_destroy on GC)."""
+        self.buf = self.experts = None
 
 
 def _always() -> None:
@@ -343,9 +413,11 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
                      "SM90 Mega MoE), SGLang's Hopper sequence on it; timed: its pre-dispatch (where the build has "
                      "one) + fp8_mega_moe", "fp8_block128",
                      lambda ctx: MegaMoeSequence(_original_deep_gemm(), ctx), _probe_original_mega_moe),
-        OperatorSpec("composed_deepep_deepgemm", "SGLang's deepep low-latency path: DeepEP low_latency_dispatch -> "
-                     "DeepGEMM masked W1 -> SwiGLU + FP8 requant -> masked W2 -> low_latency_combine",
-                     "fp8_block128", _build_composed, _probe_composed),
+        OperatorSpec("composed_deepep_deepgemm", "SGLang's deepep low-latency path: DeepEP low_latency_dispatch "
+                     "(original deep_ep if importable, else the gc_moe_compat.deep_ep facade: meta.partition says "
+                     "which) -> original DeepGEMM masked FP8 W1 -> SwiGLU + FP8 1x128 requant (our Triton kernel of "
+                     "SGLang's arithmetic) -> masked W2 -> low_latency_combine; timed: all five steps",
+                     "fp8_block128", ComposedDeepEpDeepGemm, _probe_composed),
     ]
     if partition_sweep:
         specs += [

@@ -94,11 +94,15 @@ def test_every_operator_is_labelled_and_the_sweep_adds_the_dispatch_requests() -
     assert [s.name for s in operators.select(["native_fp8xfp4", "facade"], False)] == ["facade", "native_fp8xfp4"]
 
 
-def test_the_composed_baseline_is_reported_not_faked() -> None:
-    spec = {s.name: s for s in operators.operator_specs()}["composed_deepep_deepgemm"]
-    assert "not built into gc-moe-ab yet" in spec.probe()
-    with pytest.raises(NotImplementedError, match="composed_deepep_deepgemm: the composed DeepEP low-latency"):
-        spec.build(None)
+def test_the_composed_baseline_without_an_original_deep_gemm_says_what_would_install_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> None:
+        raise ImportError("no original deep_gemm package is installed on sys.path")
+
+    monkeypatch.setattr(operators, "_original_deep_gemm", missing)
+    reason = {s.name: s for s in operators.operator_specs()}["composed_deepep_deepgemm"].probe()
+    assert "masked FP8 grouped GEMM" in reason and "no original deep_gemm package is installed" in reason
+    assert "build_sgl_deep_gemm.sh" in reason and "deepinfer-gemm==2.8.2" in reason
 
 
 def test_the_original_probe_names_what_would_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,108 @@
+"""gc-moe-ab's composed DeepEP low-latency + DeepGEMM masked baseline (SGLang's deepep path): the masked GEMM's
+names across the originals, the expected_m hint, where deep_ep comes from, the probe; and on the GPU (with an
+original DeepGEMM importable) the layer against the quantization-faithful reference."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from gc_moe_compat.ab import inputs, masked_gemm, model_config, operators
+
+
+@pytest.mark.parametrize("name", masked_gemm.MASKED_GEMM_NAMES)
+def test_the_masked_gemm_is_found_under_each_originals_name(name: str) -> None:
+    def fn() -> None:
+        return None
+
+    dg = types.ModuleType("deep_gemm")
+    setattr(dg, name, fn)
+    assert masked_gemm.masked_gemm_of(dg) is fn
+
+
+def test_a_deep_gemm_without_a_masked_gemm_is_named_with_the_spellings_looked_for() -> None:
+    dg = types.ModuleType("deep_gemm")
+    dg.__file__ = "/somewhere/deep_gemm/__init__.py"
+    with pytest.raises(AttributeError, match="/somewhere/deep_gemm.*m_grouped_fp8_gemm_nt_masked, "
+                                             "m_grouped_fp8_fp4_gemm_nt_masked, fp8_m_grouped_gemm_nt_masked"):
+        masked_gemm.masked_gemm_of(dg)
+
+
+def test_the_probe_reports_an_original_without_the_masked_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(operators, "_original_deep_gemm", lambda: types.ModuleType("deep_gemm"))
+    reason = operators._probe_composed()
+    assert "exports no masked FP8 grouped GEMM" in reason and "build_sgl_deep_gemm.sh" in reason
+
+
+def test_the_probe_passes_with_an_original_masked_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    dg = types.ModuleType("deep_gemm")
+    dg.fp8_m_grouped_gemm_nt_masked = lambda *a, **k: None
+    monkeypatch.setattr(operators, "_original_deep_gemm", lambda: dg)
+    assert operators._probe_composed() is None
+
+
+@pytest.mark.parametrize(("tokens", "world", "topk", "experts", "want"),
+                         [(1, 1, 8, 32, 1), (8, 1, 8, 32, 2), (256, 1, 8, 32, 64), (256, 2, 6, 96, 32),
+                          (7, 1, 6, 48, 1), (9, 1, 6, 48, 2)])
+def test_expected_m_is_the_mean_rows_per_expert_rounded_up(tokens: int, world: int, topk: int, experts: int,
+                                                           want: int) -> None:
+    assert operators.composed_expected_m(tokens, world, topk, experts) == want
+
+
+def test_deep_ep_falls_back_to_the_facade_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat import deep_ep, originals
+
+    def missing(name: str) -> None:
+        raise ImportError(f"no original {name} package is installed on sys.path")
+
+    monkeypatch.setattr(originals, "load", missing)
+    ep, source = operators._deep_ep()
+    assert ep is deep_ep
+    assert source.startswith("gc_moe_compat.deep_ep facade") and "no original deep_ep package" in source
+
+
+def test_deep_ep_prefers_the_original(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat import originals
+
+    real = types.ModuleType("deep_ep")
+    real.__file__ = "/site/deep_ep/__init__.py"
+    monkeypatch.setattr(originals, "load", lambda name: real)
+    assert operators._deep_ep() == (real, "original deep_ep at /site/deep_ep/__init__.py")
+
+
+def _original_masked_gemm_or_skip() -> None:
+    try:
+        masked_gemm.masked_gemm_of(operators._original_deep_gemm())
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"no original DeepGEMM masked GEMM importable here: {exc}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_the_composed_layer_matches_the_quantization_faithful_reference(group: object, tokens: int) -> None:
+    """One rank, glm52's per-rank shape: dispatch (FP8 by DeepEP's rule) -> masked W1 -> activation -> W2 ->
+    combine against the FP32 reference of the FP8 block-scaled experts; eager and graph replay bit-identical."""
+    from gc_moe_compat.ab import protocol
+    from gc_moe_compat.ab.run import _references
+    from gc_moe_compat.testing.reference import accuracy_metrics
+
+    _original_masked_gemm_or_skip()
+    w = model_config.preset("glm52", None, 256)
+    device = torch.device("cuda", torch.cuda.current_device())
+    shape = w.shape(1, "fp8xfp8")
+    weights = inputs.make_weights(w.local_experts, w.hidden, w.intermediate, 0, ("fp8_block128",), device)
+    op = operators.ComposedDeepEpDeepGemm(operators.Context(group, w, 1, 0, weights, device))
+    toks = inputs.make_tokens(tokens, shape.num_experts, w.topk, w.hidden, 0, 1, w.routed_scaling_factor, device)
+    op.stage(toks)
+    eager = op.run().clone()
+    torch.cuda.synchronize()
+    ref = _references([toks], [weights], {"fp8_block128"}, w.activation_clamp, 0)["fp8_block128"]
+    metrics = accuracy_metrics(eager.float(), ref["faithful"].float())
+    assert metrics["cosine"] >= 0.999, metrics
+    assert accuracy_metrics(eager.float(), ref["bf16_model"].float())["cosine"] >= 0.99
+    graph = protocol.capture_graph(op.run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(op.y.view(torch.int16), eager.view(torch.int16))
