@@ -17,6 +17,7 @@ single-batch-overlap signals.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from gc_moe_compat.config import MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["Buffer"]
@@ -50,6 +53,28 @@ def _missing(what: str) -> NotImplementedError:
 
 def _event(async_finish: bool) -> EventOverlap:
     return EventOverlap(EventHandle() if async_finish else None)
+
+
+def _local_view(fn: str, region: torch.Tensor, dtype: torch.dtype, size: object, offset: object) -> torch.Tensor:
+    """``region`` (bytes) from byte ``offset`` as ``dtype``, shaped ``size`` or 1-D to the end; ``TypeError`` /
+    ``ValueError`` naming ``offset`` or ``size`` for an offset outside the region or not a multiple of the element
+    size, a shape that is not a sequence of ints >= 0, or one that does not fit."""
+    nbytes, itemsize = region.numel(), dtype.itemsize
+    integer(fn, "offset", offset, 0, nbytes)
+    if offset % itemsize:
+        raise ValueError(f"{fn}: offset must be a multiple of {dtype}'s {itemsize} bytes (element alignment), got "
+                         f"{offset}")
+    room = (nbytes - offset) // itemsize
+    if size is None:
+        return region[offset:offset + room * itemsize].view(dtype)
+    if not isinstance(size, tuple | list):
+        raise TypeError(f"{fn}: size must be a torch.Size (a shape) or None, got {type(size).__name__} ({size!r})")
+    dims = [integer(fn, f"size[{i}]", d, 0, nbytes) for i, d in enumerate(size)]
+    numel = math.prod(dims)
+    if numel > room:
+        raise ValueError(f"{fn}: size must fit the NVL buffer: {list(dims)} is {numel} elements of {dtype}, "
+                         f"{room} fit after offset {offset} of {nbytes} bytes")
+    return region[offset:offset + numel * itemsize].view(dtype).view(dims)
 
 
 class Buffer:
@@ -147,14 +172,67 @@ class Buffer:
             raise type(exc)(f"{fn}: {exc}") from exc
         return required_bytes(shape, zero_copy=True)
 
-    def get_comm_stream(self) -> torch.Stream:
-        """Not implemented: the facade runs on the caller's stream and has no communication stream."""
-        raise _missing("get_comm_stream (the kernels run on the caller's current stream)")
+    def _device(self, fn: str) -> torch.device:
+        """The CUDA device the Buffer's kernels run on: its workspace's, else torch's current CUDA device."""
+        for workspace in (self.workspace, None if self.normal is None else self.normal.workspace):
+            if workspace is not None:
+                device = workspace.device
+                break
+        else:
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"{fn}: needs a CUDA device (the communication kernels run on one); none is "
+                                   "visible to this process")
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            raise RuntimeError(f"{fn}: needs a CUDA device (the communication kernels run on one), the Buffer's "
+                               f"workspace is on {device}")
+        return device
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream the communication kernels of both modes run on (DeepEP's communication stream).
+
+        Partition on (the default): the stream of the communication green context of the partition that
+        ``Buffer.num_sms`` requests on this thread (:func:`gc_moe_compat.runtime.green.get_partition`), as a
+        ``torch.cuda.ExternalStream``; torch work queued on it runs on that partition's SMs. As with DeepEP, a call's
+        kernels are queued on it after the caller's stream (or ``previous_event``) and after what was queued on it
+        before; work queued on it after the call runs after them. The caller's stream waits for them (normal mode
+        without ``async_finish``, and the low-latency mode always) or the call's event marks their end (normal mode
+        with ``async_finish``). A normal-mode ``config`` whose ``num_sms`` differs from ``Buffer.num_sms`` requests
+        another partition, whose stream this is not.
+
+        ``GC_MOE_PARTITION=off``: the kernels run on the caller's current stream (DeepEP has a stream of its own;
+        here the ordering it promises holds trivially), so this is torch's current stream on the Buffer's device:
+        the one a call made now from this stream context runs on.
+        """
+        device = self._device("get_comm_stream")
+        if partition_mode() == "off":
+            return torch.cuda.current_stream(device)
+        return get_partition(Buffer.num_sms, device.index).comm.torch_stream(device.index)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """Not implemented: the workspace layout is internal."""
-        raise _missing("get_local_buffer_tensor")
+        """A view of this rank's NVL buffer (the ``num_nvl_bytes`` of the normal mode's symmetric workspace region)
+        as ``dtype``, starting at byte ``offset``: shaped ``size`` (a ``torch.Size`` or a sequence of ints), or 1-D
+        over the whole elements from ``offset`` to the end when ``size`` is None. Writes through it are writes into
+        the workspace (DeepEP's raw-buffer access); its first ``HEADER_BYTES`` hold the normal-mode kernels'
+        persistent synchronization words and status records (:mod:`gc_moe_compat.comm.ep_normal`), the rest one
+        call's exchanged counts and rows, so write only between calls, as with DeepEP.
+
+        Divergence: DeepEP's default view has ``num_nvl_bytes // itemsize`` elements whatever ``offset`` (it runs
+        ``offset`` bytes past the buffer); this one ends at the buffer's end. ``use_rdma_buffer=True`` raises
+        ``NotImplementedError``: DeepEP's RDMA buffer is NVSHMEM memory."""
+        fn = "get_local_buffer_tensor"
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{fn}: dtype must be a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
+        boolean(fn, "use_rdma_buffer", use_rdma_buffer)
+        if use_rdma_buffer:
+            raise _missing(f"{fn}(use_rdma_buffer=True) (DeepEP's RDMA buffer is NVSHMEM/RDMA memory; the facade has "
+                           "none)")
+        if self.normal is None:
+            if self.num_nvl_bytes:
+                raise ValueError(f"{fn}: the Buffer was destroyed")
+            raise ValueError(f"{fn}: the NVL buffer needs a Buffer with num_nvl_bytes > 0, got num_nvl_bytes=0")
+        return _local_view(fn, self.normal.buffer, dtype, size, offset)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -105,13 +105,6 @@ def test_low_latency_methods_on_a_normal_buffer_name_low_latency_mode(normal: Bu
             call()
 
 
-def test_unimplemented_buffer_methods_say_so(normal: Buffer) -> None:
-    for call, what in ((normal.get_comm_stream, "get_comm_stream"),
-                       (lambda: normal.get_local_buffer_tensor(torch.uint8), "get_local_buffer_tensor")):
-        with pytest.raises(NotImplementedError, match=what):
-            call()
-
-
 def test_constructor_checks(group: dist.ProcessGroup) -> None:
     with pytest.raises(ValueError, match="group: either 'group' or 'comm' must be provided"):
         Buffer(None)

@@ -182,3 +182,54 @@ def test_internode_is_not_implemented(buf: Buffer) -> None:
     for call in (buf.internode_dispatch, buf.internode_combine):
         with pytest.raises(NotImplementedError, match="NVSHMEM/RDMA"):
             call(torch.zeros(1, H, dtype=torch.bfloat16), None)
+
+
+def test_local_buffer_tensor_views_the_nvl_buffer(buf: Buffer) -> None:
+    """DeepEP's semantics: from byte ``offset``, shaped ``size`` or 1-D to the end (not past it), a view (writes land
+    in the normal mode's workspace region)."""
+    region = buf.normal.buffer
+    nbytes = region.numel()
+    whole = buf.get_local_buffer_tensor(torch.uint8)
+    assert whole.data_ptr() == region.data_ptr() and whole.shape == (nbytes,) == (1 << 20,)
+    rest = buf.get_local_buffer_tensor(torch.float32, offset=1024)
+    assert rest.shape == ((nbytes - 1024) // 4,) and rest.data_ptr() == region.data_ptr() + 1024
+    shaped = buf.get_local_buffer_tensor(torch.bfloat16, torch.Size([3, 4]), offset=64)
+    assert shaped.shape == (3, 4) and shaped.dtype == torch.bfloat16 and shaped.is_contiguous()
+    shaped.fill_(1.5)
+    assert torch.equal(region[64:88].view(torch.bfloat16), torch.full((12,), 1.5, dtype=torch.bfloat16))
+    assert buf.get_local_buffer_tensor(torch.int64, [2, 0]).shape == (2, 0)
+    assert buf.get_local_buffer_tensor(torch.uint8, offset=nbytes).shape == (0,)
+    assert buf.get_local_buffer_tensor(torch.float64, torch.Size([nbytes // 8])).shape == (nbytes // 8,)
+    assert buf.get_local_buffer_tensor(torch.int32, offset=nbytes - 8).shape == (2,)
+
+
+def test_local_buffer_tensor_checks(buf: Buffer, group: dist.ProcessGroup) -> None:
+    nbytes = buf.normal.buffer.numel()
+    fn = "get_local_buffer_tensor"
+    cases = [
+        (TypeError, f"{fn}: dtype must be a torch.dtype, got str", dict(dtype="float32")),
+        (TypeError, f"{fn}: offset must be an int, got float", dict(dtype=torch.uint8, offset=8.0)),
+        (ValueError, rf"{fn}: offset must be in \[0, {nbytes}\], got -1", dict(dtype=torch.uint8, offset=-1)),
+        (ValueError, rf"{fn}: offset must be in \[0, {nbytes}\], got {nbytes + 1}",
+         dict(dtype=torch.uint8, offset=nbytes + 1)),
+        (ValueError, f"{fn}: offset must be a multiple of torch.float32's 4 bytes .* got 6",
+         dict(dtype=torch.float32, offset=6)),
+        (TypeError, f"{fn}: size must be a torch.Size \\(a shape\\) or None, got int", dict(dtype=torch.uint8, size=4)),
+        (TypeError, rf"{fn}: size\[1\] must be an int, got float", dict(dtype=torch.uint8, size=(2, 2.0))),
+        (ValueError, rf"{fn}: size\[0\] must be in \[0, {nbytes}\], got -2", dict(dtype=torch.uint8, size=[-2])),
+        (ValueError, f"{fn}: size must fit the NVL buffer: \\[2, {nbytes // 8}\\] is {nbytes // 4} elements",
+         dict(dtype=torch.float64, size=torch.Size([2, nbytes // 8]))),
+        (ValueError, f"{fn}: size must fit .* 0 fit after offset {nbytes}",
+         dict(dtype=torch.uint8, size=(1,), offset=nbytes)),
+        (TypeError, f"{fn}: use_rdma_buffer must be a bool, got int", dict(dtype=torch.uint8, use_rdma_buffer=1)),
+        (NotImplementedError, r"use_rdma_buffer=True.*NVSHMEM/RDMA", dict(dtype=torch.uint8, use_rdma_buffer=True)),
+    ]
+    for error, needle, kwargs in cases:
+        with pytest.raises(error, match=needle):
+            buf.get_local_buffer_tensor(**kwargs)
+    with pytest.raises(ValueError, match=f"{fn}: the NVL buffer needs a Buffer with num_nvl_bytes > 0"):
+        Buffer(group, 0, 0).get_local_buffer_tensor(torch.uint8)
+    destroyed = Buffer(group, 1 << 20, 0, explicitly_destroy=True)
+    destroyed.destroy()
+    with pytest.raises(ValueError, match=f"{fn}: the Buffer was destroyed"):
+        destroyed.get_local_buffer_tensor(torch.uint8)
