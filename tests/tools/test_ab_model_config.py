@@ -151,3 +151,15 @@ def test_workload_rejects_bad_values() -> None:
         model_config.explicit(512, 256, 8, 2, routed_scaling_factor=float("nan"))
     with pytest.raises(ValueError, match="activation_clamp: must be a positive finite float or None, got -1.0"):
         model_config.explicit(512, 256, 8, 2, activation_clamp=-1.0)
+
+
+def test_the_committed_deepseek_v3_fixture_is_the_dsv3_share() -> None:
+    """tests/data/deepseek_v3/config.json (what `gc-moe-ab --model-config` ran for bench/results/ab_DeepSeek-V3.json)
+    holds the same MoE fields as the in-test DeepSeek-V3 config and reads as the dsv3 preset's per-rank load."""
+    path = Path(__file__).resolve().parents[1] / "data" / "deepseek_v3" / "config.json"
+    fixture = json.loads(path.read_text())
+    shared = [k for k in DEEPSEEK_V3 if k in fixture]
+    assert len(shared) >= 10 and all(fixture[k] == DEEPSEEK_V3[k] for k in shared)
+    w = from_hf_config(path)
+    assert w.name == "deepseek-ai/DeepSeek-V3" and w.shape(1) == model_config.preset("dsv3").shape(1)
+    assert w.activation_clamp is None and w.routed_scaling_factor == 2.5
