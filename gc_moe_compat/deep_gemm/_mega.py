@@ -16,12 +16,22 @@ converted for the operator once per weight tensor (see :func:`gc_moe_compat.deep
 Fused shared expert (``fp8_fp4_mega_moe`` on a buffer made with ``num_shared_experts=1``; ``fp8_mega_moe`` keeps the
 original's signature, which has no shared-expert arguments, and refuses such a buffer): the operator's role4, on the
 local tokens the buffer's ``shared_l1_acts`` / ``shared_l1_acts_sf`` are (``x`` / ``x_sf`` themselves: on SM90 no
-Eq. (3) restaging), its partial in combine slot ``k``. The shared weights are the SM90 form, as
-``transform_weights_for_mega_moe_sm90`` leaves an FP8 pair: E4M3 ``[1, 2I, H]`` with L1 rows interleaved gate/up by
-8 and FP32 128x128 block scales ``[1, N/128, K/128]`` (natural order), L2 as is; the L1 payload is de-interleaved
-into the native API's canonical layout once per weight tensor (:func:`_native_shared`). DeepGEMM's SM100 shared
-recipe (per-row UE8M0 K32 scales, packed int32 / UTCCP order) raises NotImplementedError naming it. SGLang's pin
-asserts ``num_shared_experts == 0`` on SM90; this facade accepts 1 (the native operator fuses it on Hopper).
+Eq. (3) restaging), its partial in combine slot ``k``. Two shared weight forms are read, told apart by the scales'
+dtype:
+
+* DeepGEMM's shared recipe, as its tests/test_mega_moe.py builds it: ``per_token_cast_to_fp8(w, use_ue8m0=True,
+  gran_k=32, use_packed_ue8m0=True)`` (E4M3 ``[N, K]``, per-row UE8M0 K32 scales packed four per int32
+  ``[N, K/128]``) through ``transform_weights_for_mega_moe(shared_l1, shared_l2)``: L1 rows interleaved gate/up by
+  8, both int32 scale tensors in UTCCP row order, any strides (DeepGEMM's are MN-major), ``[N, K']`` or
+  ``[1, N, K']``. That layout only (uint8 codes cannot be it: the originals transpose int32 only); converted once
+  per weight tensor into the native API's canonical pairs (:func:`_seam.canonical_pair`, the routed weights' rule),
+  which role4 reads with its K32-promoting mainloop.
+* The SM90 form, as ``transform_weights_for_mega_moe_sm90`` leaves an FP8 pair: E4M3 ``[1, 2I, H]`` with L1 rows
+  interleaved gate/up by 8 and FP32 128x128 block scales ``[1, N/128, K/128]`` (natural order), L2 as is; the L1
+  payload is de-interleaved once per weight tensor.
+
+:func:`_native_shared` does both. SGLang's pin asserts ``num_shared_experts == 0`` on SM90; this facade accepts 1
+(the native operator fuses it on Hopper).
 DeepGEMM options GC-MoE lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming
 the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 """
@@ -32,7 +42,7 @@ import weakref
 
 import torch
 
-from gc_moe_compat import config, layouts
+from gc_moe_compat import config, layouts, quant
 from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer
 from gc_moe_compat.operator import api
@@ -52,40 +62,85 @@ def _live_buffer(fn: str, sym_buffer: object) -> SymmBuffer:
 
 
 _shared_caches: weakref.WeakKeyDictionary[object, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
-"""Per primary workspace: the de-interleaved shared L1 pair by the identity of its source tensors (sources, their
-version counters and the canonical pair kept)."""
+"""Per primary workspace: a converted shared pair by its argument and the identity of its source tensors (sources,
+their version counters and the canonical pair kept)."""
+
+_SHARED_GEMMS = {"shared_l1_weights": "l1", "shared_l2_weights": "l2"}
 
 
-def _native_shared(fn: str, buf: SymmBuffer, shared_l1: _Pair, shared_l2: _Pair) -> tuple[_Pair, _Pair]:
-    """The native API's canonical shared pairs for the facade's SM90 ones (module docstring): L1's payload
-    de-interleaved, once per source tensor and buffer (rebuilt when its version counter moves; the same tensors are
-    returned otherwise, so the operator's own per-weight conversion is cached too). The K32 recipe raises
-    ``NotImplementedError``; an inference-mode L1 payload (no version counter, so its copy could go stale unseen) and
-    a first conversion inside CUDA graph capture raise."""
-    for arg, pair in (("shared_l1_weights", shared_l1), ("shared_l2_weights", shared_l2)):
-        if pair[1].dtype != torch.float32:
-            raise NotImplementedError(
-                f"{fn}: {arg}[1] is {pair[1].dtype}: DeepGEMM's SM100 shared recipe (per-row UE8M0 K32 scales) has no "
-                "SM90 kernel; pass FP32 128x128 block scales [1, N/128, K/128] (transform_weights_for_mega_moe_sm90's "
-                "form)")
-    payload, scales = shared_l1
-    if payload.is_inference():
-        raise ValueError(f"{fn}: shared_l1_weights[0]: is an inference tensor (made under torch.inference_mode()), "
-                         "which has no version counter, so an in-place update of it could not be seen and its "
-                         "de-interleaved copy would silently go stale; make the weights outside inference mode, or "
-                         "clone them there once")
-    workspace = _seam.workspace_of(buf)
-    cache = _shared_caches.setdefault(workspace.alias_of or workspace, {})
-    key = (_seam._identity(payload), _seam._identity(scales))
-    entry = cache.get(key)
-    if entry is None or entry[1] != _seam._versions(shared_l1):
-        if payload.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{fn}: shared_l1_weights: de-interleaving them for the operator needs a device copy, "
-                               "which a CUDA graph capture would record; make one eager call with these weights "
-                               "before capturing")
-        entry = ((payload, scales), _seam._versions(shared_l1), (layouts.deinterleave_gate_up(payload), scales))
-        cache[key] = entry
-    return entry[2], shared_l2
+def _k32_pair(fn: str, arg: str, pair: object, rows: int, k: int) -> _Pair:
+    """One of DeepGEMM's K32 shared pairs (module docstring), checked: a pair of tensors, E4M3 ``[N, K]`` and int32
+    ``[N, K/128]`` (both without or both with a leading 1), on one device; the rest of the rules are checked on the
+    canonical pair by the native API's call check."""
+    if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)):
+        raise TypeError(f"{fn}: {arg} must be a (weights, scale factors) pair of tensors, got {type(pair).__name__}")
+    payload, sf = pair
+    if payload.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{fn}: {arg}[0] must be float8_e4m3fn (DeepGEMM's shared recipe), got {payload.dtype}")
+    if sf.dtype != torch.int32:
+        raise TypeError(f"{fn}: {arg}[1] must be int32 (4 packed UE8M0 K32 scales per word, in "
+                        f"transform_weights_for_mega_moe's UTCCP row order: the originals' layout), or float32 128x128 "
+                        f"block scales (the SM90 form), got {sf.dtype}")
+    for i, (t, want) in enumerate(((payload, (rows, k)), (sf, (rows, k // 128)))):
+        if tuple(t.shape) not in (want, (1, *want)):
+            raise ValueError(f"{fn}: {arg}[{i}] must have shape {list(want)} or {[1, *want]} (one shared expert, "
+                             f"N = {rows} rows, K = {k}), got {list(t.shape)}")
+    if payload.dim() != sf.dim() or payload.device != sf.device:
+        raise ValueError(f"{fn}: {arg} must be two tensors of one rank on one device, got {tuple(payload.shape)} on "
+                         f"{payload.device} and {tuple(sf.shape)} on {sf.device}")
+    return payload, sf
+
+
+def _is_k32_form(*pairs: object) -> bool:
+    """Whether the shared pairs are meant as DeepGEMM's K32 form: some pair's scales are a tensor of another dtype
+    than the SM90 form's float32 (:func:`_k32_pair` then names what is wrong with either pair)."""
+    return any(isinstance(p, tuple | list) and len(p) == 2 and isinstance(p[1], torch.Tensor)
+               and p[1].dtype != torch.float32 for p in pairs)
+
+
+def _native_shared(fn: str, buf: SymmBuffer, shared_l1: object, shared_l2: object, *,
+                   k32: bool) -> tuple[_Pair, _Pair]:
+    """The native API's canonical shared pairs for the facade's (module docstring), converted once per source tensor
+    and buffer (rebuilt when a version counter moves; the same tensors are returned otherwise, so role4's own
+    per-weight conversion is cached too). ``k32``: DeepGEMM's K32 form, checked (:func:`_k32_pair`, then no UE8M0
+    code 255 and no E4M3 NaN) and converted through :func:`_seam.canonical_pair`, both pairs, before the native
+    call check; else the SM90 form, after that check: the L1 payload de-interleaved, L2 as it is. A conversion
+    that copies an inference tensor (no version counter, so its copy could go stale unseen) and a first conversion
+    inside CUDA graph capture raise."""
+    h, inter = buf.hidden, buf.intermediate_hidden
+    out = []
+    for arg, pair, (rows, k) in (("shared_l1_weights", shared_l1, (2 * inter, h)),
+                                 ("shared_l2_weights", shared_l2, (h, inter))):
+        if k32:
+            pair = _k32_pair(fn, arg, pair, rows, k)
+        elif arg == "shared_l2_weights":
+            out.append(pair)
+            continue
+        for i, t in enumerate(pair if k32 else pair[:1]):
+            if t.is_inference():
+                raise ValueError(f"{fn}: {arg}[{i}]: is an inference tensor (made under torch.inference_mode()), "
+                                 "which has no version counter, so an in-place update of it could not be seen and "
+                                 "its converted copy would silently go stale; make the weights outside inference "
+                                 "mode, or clone them there once")
+        workspace = _seam.workspace_of(buf)
+        cache = _shared_caches.setdefault(workspace.alias_of or workspace, {})
+        key = (arg, _seam._identity(pair[0]), _seam._identity(pair[1]))
+        entry = cache.get(key)
+        if entry is None or entry[1] != _seam._versions(pair):
+            if pair[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{fn}: {arg}: converting them for the operator needs a device copy, which a CUDA "
+                                   "graph capture would record; make one eager call with these weights before "
+                                   "capturing")
+            if k32:
+                quant.check_weight_values(fn, arg, pair)
+                grouped = tuple(t if t.dim() == 3 else t.unsqueeze(0) for t in pair)
+                canonical = tuple(t.contiguous() for t in _seam.canonical_pair(_SHARED_GEMMS[arg], grouped))
+            else:
+                canonical = (layouts.deinterleave_gate_up(pair[0]), pair[1])
+            entry = (pair, _seam._versions(pair), canonical)
+            cache[key] = entry
+        out.append(entry[2])
+    return out[0], out[1]
 
 
 def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
@@ -101,6 +156,9 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
         intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,
         capacity=buf.num_max_tokens_per_rank, mma_type=mma_type)
+    k32 = bool(shape.num_shared_experts) and _is_k32_form(shared_l1_weights, shared_l2_weights)
+    if k32:
+        shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=True)
     try:  # the native API's call check (one validation layer), on DeepGEMM's views of the workspace
         inputs = {name: getattr(buf, name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
         api.validate_call(shape, y, inputs, l1_weights, l2_weights, shared_l1_weights, shared_l2_weights,
@@ -108,8 +166,8 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         stats = api.check_recv_stats(stats, buf.workspace)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
-    if shape.num_shared_experts:
-        shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights)
+    if shape.num_shared_experts and not k32:
+        shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=False)
     _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
                       shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
                       recipe=recipe, activation_clamp=activation_clamp, fast_math=fast_math)

@@ -4,7 +4,10 @@
 // stage issue of a K128 step (weights, tokens, the tokens' FP32 1x128 scales), the WGMMAs of a step, the promotion
 // with w_scale * x_scale and the consumer K loop (consume) live here once; each kernel source adds its grid body and
 // epilogues. Defines: GC_BM, GC_M_SUB, GC_STAGES, GC_PRODUCER_WG, GC_EPI, GC_FAST_MATH, GC_CLUSTER, GC_OPERATOR
-// (role2_gemm_fp8xfp8.cu's header comment says what each selects).
+// (role2_gemm_fp8xfp8.cu's header comment says what each selects), and GC_W_K32 (role4 only, default 0): the
+// weights' scale form. 0: FP32 128x128 block scales, one promotion per K128 step. 1: per-row UE8M0 K32 scales
+// (DeepGEMM's shared-expert recipe), four codes per int32 word, transposed to [K/128, N] words (word of K step kb
+// and weight row r at kb * N + r): one promotion per K32 MMA (consume_n_k32).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -12,9 +15,14 @@
 #include "sm90/grouped.cuh"
 #include "sm90/gemm_variant.cuh"
 
+#ifndef GC_W_K32
+#define GC_W_K32 0
+#endif
+
 namespace gc_moe {
 namespace sm90 {
 
+constexpr bool kWeightK32 = GC_W_K32 != 0;
 constexpr int kRows = kConsumerWGs * kMSub * 64;
 constexpr u32 kWBytes = kRows * kBK;
 constexpr u32 kXBytes = kBM * kBK;
@@ -128,6 +136,80 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
     return true;
 }
 
+// UE8M0 code -> its FP32 value 2^(code - 127) (code 0, 2^-127, is the one subnormal; 255 is refused on the host).
+__device__ __forceinline__ float ue8m0_value(u32 code) {
+    return __uint_as_float(code ? code << 23 : 0x00400000u);
+}
+
+// The K32 promotion of one MMA's N columns (one slab, K32 group k): acc += tmp * (2^w[row] * x_scale[col]), the
+// register's row half h = (i / 2) % 2 picking the word of row +0 or +8.
+template <int N>
+__device__ __forceinline__ void promote_k32(float (&acc)[kAcc], const float (&tmp)[N / 2], u32 w0, u32 w1, int k,
+                                            const float (&xsr)[N / 4]) {
+    const float ws0 = ue8m0_value((w0 >> (8 * k)) & 0xFFu), ws1 = ue8m0_value((w1 >> (8 * k)) & 0xFFu);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        acc[i] = fmaf(tmp[i], ((i & 2) ? ws1 : ws0) * xsr[2 * (i / 4) + (i & 1)], acc[i]);
+    }
+}
+
+// The consumer K loop of one task with N token columns and per-row K32 weight scales (kWeightK32). A K128 step is
+// kMSub * 4 MMA units (slab s, K32 group k), each into its own temporary accumulator and promoted with its rows'
+// K32 scale: a block-scaled MMA does this inside the instruction on SM100, WGMMA has no scale operand, so every K32
+// result leaves the tensor core before the next scale applies. Two temporaries alternate so that a unit's promotion
+// overlaps the next unit's MMA (wait_group 1): the same registers as the K128 loop's kMSub slabs. `words` points at
+// this thread's first row in the [K/128, N] word array; its rows are +0/+8 of each slab (+64 per slab).
+template <int N, typename WaitFull, typename Load>
+__device__ __forceinline__ bool consume_n_k32(const Pipeline& pipe, const u8* smem, u32& it, int kb_count,
+                                             const u32* words, int n_w, int cw, int lane, int local_tid,
+                                             float (&acc)[kMSub][kAcc], WaitFull& wait_full, Load& load) {
+    constexpr int kUnits = 4 * kMSub;
+    for (int kb = 0; kb < kb_count; ++kb, ++it) {
+        u32 w[kMSub][2];
+#pragma unroll
+        for (int s = 0; s < kMSub; ++s) {
+            w[s][0] = __ldg(words + static_cast<size_t>(kb) * n_w + s * 64);
+            w[s][1] = __ldg(words + static_cast<size_t>(kb) * n_w + s * 64 + 8);
+        }
+        const u32 stage = it % kStages;
+        if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
+        const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
+        float xsr[N / 4];
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+        const u32 a_base = pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK;
+        const u32 b_base = pipe.base + kOffX + stage * kXBytes;
+        float tmp[2][N / 2];
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+            const int s = u % kMSub, k = u / kMSub;
+#pragma unroll
+            for (int i = 0; i < N / 2; ++i) tmp[u & 1][i] = 0.0f;  // a fresh accumulator: see with_wgmma_n
+            fence_operands(tmp);
+            wgmma_fence();
+            Wgmma<N>::mma(tmp[u & 1], smem_desc_sw128(a_base + s * 64 * kBK + k * 32), smem_desc_sw128(b_base + k * 32),
+                          0);
+            wgmma_commit();
+            if (u > 0) {
+                wgmma_wait<1>();
+                fence_operands(tmp);
+                const int sp = (u - 1) % kMSub, kp = (u - 1) / kMSub;
+                promote_k32<N>(acc[sp], tmp[(u - 1) & 1], w[sp][0], w[sp][1], kp, xsr);
+            }
+        }
+        wgmma_wait<0>();
+        fence_operands(tmp);
+        __syncwarp();
+        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
+        if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+            if (!load(it + kStages, kb + kStages)) return false;
+        }
+        __syncwarp();
+        promote_k32<N>(acc[kMSub - 1], tmp[(kUnits - 1) & 1], w[kMSub - 1][0], w[kMSub - 1][1], 3, xsr);
+    }
+    return true;
+}
+
 // The consumer warpgroups' K loop of one task for epilogue Epi, accumulating into `acc` (zeroed here); the
 // standalone kernel and role2 (operator mode: one grid runs both GEMMs) share it.
 // `wait_full(bar, parity)` waits for a filled stage; `load(slot, kb)` issues K step kb into pipeline slot `slot`
@@ -143,9 +225,20 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     }
     __syncwarp();
     zero(acc);
+    bool ok = true;
+    if constexpr (kWeightK32) {
+        // This thread's first row: slab 0 of its warpgroup, row +0 of its quad (acc_col's row map).
+        const int n_w = row_blocks * 128;
+        const u32* words = reinterpret_cast<const u32*>(w_sf) + static_cast<size_t>(t.expert) * kb_count * n_w +
+                           t.tile * kRows + cw * kMSub * 64 + (local_tid / 32 % 4) * 16 + lane / 4;
+        with_wgmma_n<kBM>(wgmma_n8<kBM>(t.valid), [&](auto n) {
+            ok = consume_n_k32<decltype(n)::value>(pipe, smem, it, kb_count, words, n_w, cw, lane, local_tid, acc,
+                                                   wait_full, load);
+        });
+        return ok;
+    }
     const float* ws_row[2];
     scale_rows<Epi>(t, cw, row_blocks, kb_count, w_sf, ws_row);
-    bool ok = true;
     with_wgmma_n<kBM>(wgmma_n8<kBM>(t.valid), [&](auto n) {
         ok = consume_n<Epi, decltype(n)::value>(pipe, smem, it, kb_count, ws_row, cw, lane, local_tid, acc, wait_full,
                                                 load);

@@ -17,6 +17,11 @@
 // (L1-resident after the first step: a token's H/128 scales are 2 cache lines) and shared stores before its
 // arrive.expect_tx (release at CTA scope: the consumers' acquire on the full barrier sees them), then issues the
 // weight and token TMA loads (expect_tx counts only their bytes).
+//
+// Shared weight scales (GC_W_K32): 0, FP32 128x128 block scales [1, N/128, K/128] (recipe (1, 128, 128)), one
+// promotion per K128 step; 1, DeepGEMM's shared recipe, per-row UE8M0 K32 scales as int32 words [K/128, N] (four
+// codes each; role4_shared.Role4Weights transposes the packed [N, K/128] once), promoted per K32 MMA
+// (fp8_grouped.cuh's consume_n_k32). The activations' FP32 1x128 scales (W2: the W1 epilogue's) apply per K128 in both.
 #include "sm90/fp8_grouped.cuh"
 
 #ifndef GC_SHARED_UE8M0
@@ -25,6 +30,9 @@
 
 #if GC_OPERATOR || GC_CLUSTER
 #error "role4_shared.cu: standalone grid body without cluster pairs (GC_OPERATOR=0, GC_CLUSTER=0)"
+#endif
+#if GC_W_K32 && GC_CLUSTER
+#error "GC_W_K32: the K32 loop has no cluster-pair weight split"
 #endif
 #ifndef GC_ROLE4_SMEM_BYTES
 #error "GC_ROLE4_SMEM_BYTES: the host's shared-memory formula (role4_shared.Role4Variant.smem) must be defined"
@@ -81,9 +89,9 @@ using namespace gc_moe;
 using namespace gc_moe::sm90;
 
 // GC_EPI=1 (W1): tm_w the shared W1 [2I, H] E4M3 (interleaved, box 128 x 256), tm_x the buffer's x [Tmax, H] (box
-// 128 x GC_BM), w_sf FP32 [1, 2I/128, H/128], x_sf_t the buffer's x_sf [Tmax, H/128], routing_w FP32 ones [>= T],
+// 128 x GC_BM), w_sf FP32 [1, 2I/128, H/128] (GC_W_K32: int32 words [H/128, 2I], rows interleaved), x_sf_t the buffer's x_sf [Tmax, H/128], routing_w FP32 ones [>= T],
 // out shared_l2_acts [Tmax, I], out_sf_t shared_l2_acts_sf [I/128, Tmax], n_w = 2I, k = H, rows_total = Tmax.
 // GC_EPI=2 (W2): tm_w the shared W2 [H, I] (box 128 x kRows), tm_x shared_l2_acts (box 128 x GC_BM), w_sf FP32
-// [1, H/128, I/128], x_sf_t shared_l2_acts_sf, out combine[k] [Tmax, H] BF16, n_w = H, k = I. blocks: int32 [*, 3]
+// [1, H/128, I/128] (GC_W_K32: int32 words [I/128, H]), x_sf_t shared_l2_acts_sf, out combine[k] [Tmax, H] BF16, n_w = H, k = I. blocks: int32 [*, 3]
 // (0, valid rows, first token), *num_blocks of them live; status: the workspace's role4 record.
 GC_STANDALONE_ENTRY(gc_sm90_role4_shared)

@@ -239,21 +239,23 @@ def test_fp8_fp4_mega_moe_reaches_the_operator(group: dist.ProcessGroup, kw: dic
 
 
 def test_fp8_fp4_mega_moe_with_a_shared_expert(group: dist.ProcessGroup) -> None:
-    """The SM90 shared form (E4M3, L1 interleaved, FP32 128x128 block scales) reaches the native call with role4
-    (which stops on CPU at the launch); DeepGEMM's SM100 K32 recipe raises NotImplementedError naming it."""
+    """Both shared forms reach the native call with role4 (which stops on CPU at the launch): the SM90 form (E4M3, L1
+    interleaved, FP32 128x128 block scales) and DeepGEMM's K32 recipe (int32 packed UE8M0 K32, UTCCP order); uint8
+    K32 codes cannot be the originals' layout and raise TypeError naming it
+    (tests/facades/test_deep_gemm_shared_k32.py checks the K32 conversion)."""
     l1, l2 = _fp4_deepgemm()
     y = torch.empty(3, H, dtype=torch.bfloat16)
     shared = _sym(group, num_shared_experts=1)
     codes = torch.uint8
     s1 = (torch.zeros(1, 2 * N_I, H, dtype=torch.float8_e4m3fn), torch.full((1, 2 * N_I, H // 32), 127, dtype=codes))
     s2 = (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), torch.full((1, H, N_I // 32), 127, dtype=codes))
-    with pytest.raises(NotImplementedError, match=r"fp8_fp4_mega_moe: shared_l1_weights\[1\] is torch.uint8: "
-                                                  "DeepGEMM's SM100 shared recipe"):
+    with pytest.raises(TypeError, match=r"fp8_fp4_mega_moe: shared_l1_weights\[1\] must be int32 .* UTCCP"):
         dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=s1, shared_l2_weights=s2)
-    b1 = (s1[0], torch.ones(1, 2 * N_I // 128, H // 128))
-    b2 = (s2[0], torch.ones(1, H // 128, N_I // 128))
-    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
-        dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=b1, shared_l2_weights=b2)
+    p1, p2 = ((s[0], quant.pack_ue8m0_k32(s[1])) for s in (s1, s2))
+    for b1, b2 in ((p1, p2), ((s1[0], torch.ones(1, 2 * N_I // 128, H // 128)), (s2[0], torch.ones(1, H // 128,
+                                                                                                  N_I // 128)))):
+        with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+            dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=b1, shared_l2_weights=b2)
 
 
 # ------------------------------------------------------------------------------------------------------------------

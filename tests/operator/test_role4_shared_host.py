@@ -1,7 +1,7 @@
 """Role4 (the fused shared expert, operator/sm90/role4_shared.py <-> kernels/sm90/role4_shared.cu) on the host: its
 status sites are the standalone body's, the block-size and variant rules, the shared-memory formula against the
 kernel's own (a compile-time assert), every variant builds without spills or serialized WGMMAs, the weight-form
-and inference-tensor refusals."""
+and inference-tensor refusals, the K32 weights' conversion to the kernel's words."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
-from gc_moe_compat import quant
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.operator.sm90 import layer, role2_gemm, role4_shared
 from gc_moe_compat.operator.sm90.role4_shared import Role4Site, Role4Variant
@@ -61,13 +61,13 @@ def test_shared_memory_fits_with_at_least_two_stages(bm: int, epi: int) -> None:
     assert v.defines["GC_ROLE4_SMEM_BYTES"] == v.smem and v.threads == 384
 
 
-_VARIANTS = [Role4Variant(bm, epi, p, ue8m0=u) for bm in (8, 64) for epi in (1, 2) for p in (True, False)
-             for u in ((False, True) if epi == 1 and bm == 64 else (False,))]
+_VARIANTS = [Role4Variant(bm, epi, p, ue8m0=u, k32=k) for bm in (8, 64) for epi in (1, 2) for p in (True, False)
+             for u in ((False, True) if epi == 1 and bm == 64 else (False,)) for k in (False, True)]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("variant", _VARIANTS,
-                         ids=lambda v: f"bm{v.bm}-epi{v.epi}-prod{int(v.pipelined)}-ue{int(v.ue8m0)}")
+                         ids=lambda v: f"bm{v.bm}-epi{v.epi}-prod{int(v.pipelined)}-ue{int(v.ue8m0)}-k32{int(v.k32)}")
 def test_variants_compile_without_spills(variant: Role4Variant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                          ) -> None:
     """Builds for sm_90a (which asserts kSmemBytes == Role4Variant.smem): no stack, no spills, no serialized WGMMA,
@@ -90,19 +90,50 @@ def test_a_drifted_smem_formula_fails_to_compile(tmp_path: Path, monkeypatch: py
 
 def _shared_pairs(scale_form: str = "block") -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(1, 2 * N_I, H, generator=g), torch.randn(1, H, N_I, generator=g)
     if scale_form == "block":
-        return (quant.quantize_fp8_blocks(torch.randn(1, 2 * N_I, H, generator=g)),
-                quant.quantize_fp8_blocks(torch.randn(1, H, N_I, generator=g)))
-    codes = {n: torch.full((1, n, k // 32), 127, dtype=torch.uint8) for n, k in ((2 * N_I, H), (H, N_I))}
-    return ((torch.zeros(1, 2 * N_I, H, dtype=torch.float8_e4m3fn), codes[2 * N_I]),
-            (torch.zeros(1, H, N_I, dtype=torch.float8_e4m3fn), codes[H]))
+        return quant.quantize_fp8_blocks(w1), quant.quantize_fp8_blocks(w2)
+    out = []
+    for w in (w1, w2):
+        payload, sf = quant.quantize_fp8_groups(w, 32, "ue8m0")
+        codes = quant.ue8m0_encode(sf)
+        out.append((payload, codes if scale_form == "k32" else quant.pack_ue8m0_k32(codes)))
+    return tuple(out)
 
 
-def test_k32_shared_scales_are_not_implemented() -> None:
-    """DeepGEMM's SM100 shared recipe (per-row UE8M0 K32) is refused by name before any conversion."""
-    l1, l2 = _shared_pairs("k32")
-    with pytest.raises(NotImplementedError, match="shared_l1_weights: the SM90 shared expert .* K32"):
-        role4_shared.Role4Weights(l1, l2)
+def _words_model(codes: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The kernel's int32 words [1, K/128, N] by loops over rows: word (kb, r) packs the codes of K32 groups
+    4kb..4kb+3 of source row src(r) (gate row 8j + i / up row I + 8j + i at interleaved row 16j + i / 16j + 8 + i),
+    group 4kb + b in byte b."""
+    _, n, groups = codes.shape
+    out = torch.zeros(1, groups // 4, n, dtype=torch.int64)
+    for r in range(n):
+        j, i = divmod(r, 16)
+        src = (j * 8 + i if i < 8 else n // 2 + j * 8 + i - 8) if interleave else r
+        for kb in range(groups // 4):
+            out[0, kb, r] = sum(int(codes[0, src, 4 * kb + b]) << (8 * b) for b in range(4))
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("form", ["k32", "k32_packed"])
+def test_k32_shared_weights_become_transposed_words(form: str) -> None:
+    """DeepGEMM's shared recipe (per-row UE8M0 K32, uint8 codes or packed int32): the payload interleaved for L1
+    only, the scales as int32 words [1, K/128, N] in the payload's row order (checked against a loop model)."""
+    l1, l2 = _shared_pairs(form)
+    for gemm, (payload, sf), interleave in (("l1", l1, True), ("l2", l2, False)):
+        codes = quant.unpack_ue8m0_k32(sf) if sf.dtype == torch.int32 else sf
+        got_payload, words = role4_shared._k32_words(gemm, (payload, sf))
+        want_payload = layouts.interleave_gate_up(payload) if interleave else payload
+        assert torch.equal(got_payload.view(torch.uint8), want_payload.view(torch.uint8))
+        assert words.dtype == torch.int32 and words.is_contiguous()
+        assert torch.equal(words, _words_model(codes, interleave)), gemm
+
+
+def test_mixed_shared_scale_forms_are_refused() -> None:
+    """One pair with block scales and the other with K32 scales: ValueError naming both, before any conversion."""
+    (b1, _), (_, k2) = _shared_pairs(), _shared_pairs("k32")
+    with pytest.raises(ValueError, match="both pairs must use one scale form"):
+        role4_shared.Role4Weights(b1, k2)
 
 
 def test_shared_key_follows_versions_and_refuses_inference_tensors() -> None:

@@ -6,13 +6,27 @@ reference's semantics 7). Inputs are read in place (zero copy): the staged ``x``
 FP32 1x128 scales ``x_sf [Tmax, H/128]`` token-major. Eq. (3)'s ``shared_l1_acts_sf`` staging is the SM100 (UTCCP)
 layout; on SM90 the kernel reads ``x_sf`` as the caller staged it, so nothing is restaged.
 
-Weight recipe: FP8 E4M3 with FP32 128x128 block scales (recipe ``(1, 128, 128)``, ``config._shared_pair_forms``'
-float32 form), on both routed formats: it is the SM90 FP8 recipe the WGMMA mainloop already streams, and the
-conversion is :func:`~gc_moe_compat.operator.weights.transform_weights_for_gc_moe` ``(…, "fp8xfp8")`` (gate/up
-interleave by 8) once per weight tensor. The per-row UE8M0 K32 forms (DeepGEMM's SM100 shared recipe) raise
-``NotImplementedError``: one scale per row and 32 columns needs a promotion per K32 MMA, another mainloop. The
-W1 epilogue is the routed path's of the buffer's format: clamp, alpha, BF16 rounding, routing weight 1.0, then the
-intermediate requant (FP32 ``amax/448`` for ``fp8xfp8``, UE8M0 for ``fp8xfp4``: ``GC_SHARED_UE8M0``).
+Weight recipes (both routed formats; ``Role4Weights`` converts once per weight tensor):
+
+* FP8 E4M3 with FP32 128x128 block scales (recipe ``(1, 128, 128)``, ``config._shared_pair_forms``' float32 form):
+  the SM90 FP8 recipe the WGMMA mainloop already streams, converted by
+  :func:`~gc_moe_compat.operator.weights.transform_weights_for_gc_moe` ``(…, "fp8xfp8")`` (gate/up interleave by 8).
+  One promotion per K128 step.
+* DeepGEMM's shared recipe: FP8 E4M3 with per-row UE8M0 K32 scales (``per_token_cast_to_fp8(w, use_ue8m0=True,
+  gran_k=32)``; uint8 codes ``[1, N, K/32]`` or packed int32 ``[1, N, K/128]``, canonical row order). L1 payload and
+  scale rows interleaved gate/up by 8, the scales packed and transposed to int32 words ``[1, K/128, N]`` (a K step's
+  words of a warp's rows are then contiguous: one 32-byte sector per load). The kernel variant ``k32``
+  (``GC_W_K32=1``) promotes per K32 MMA: each WGMMA k32 lands in a temporary accumulator and is added with
+  ``2^code[row, k32] * x_scale[token, k128]`` (``fp8_grouped.cuh``'s ``consume_n_k32``). Why this and not the FP4
+  mainloop's trick (folding the K32 exponent into the E4M3 operand in registers, exact only because E2M1 values
+  have 3 bits of range; an E4M3 weight times ``2^(e_k32 - e_max)`` can leave E4M3's range and round): WGMMA has no
+  per-K32 scale operand, so an exact K32 scale must be applied between K32 MMAs, and a promotion of a K32 result is
+  the cheapest exact place. Two temporaries alternate (the next K32 MMA runs while the last one is promoted), which
+  takes exactly the registers of the K128 loop's two slabs, so every variant compiles without spills; the cost is
+  four promotions (a multiply and an FMA per accumulator register) per K128 step instead of one.
+
+The W1 epilogue is the routed path's of the buffer's format: clamp, alpha, BF16 rounding, routing weight 1.0, then
+the intermediate requant (FP32 ``amax/448`` for ``fp8xfp8``, UE8M0 for ``fp8xfp4``: ``GC_SHARED_UE8M0``).
 
 Kernel: ``kernels/sm90/role4_shared.cu``, the FP8 mainloop of ``sm90/fp8_grouped.cuh`` and the standalone grid body
 (``sm90/standalone_gemm.cuh``) with role4's own W1 stage issue (token-major scales). Two graph nodes of that source,
@@ -52,6 +66,7 @@ from dataclasses import dataclass
 import torch
 from cuda.bindings import driver
 
+from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
@@ -62,7 +77,7 @@ from gc_moe_compat.operator.heuristics import (
     smem_bytes,
     tile_rows,
 )
-from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_gc_moe
+from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
 from gc_moe_compat.operator.workspace import StatusRecord
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call, device
@@ -114,14 +129,16 @@ def block_m_for_shared(num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Role4Variant:
-    """One compiled variant: ``bm``, epilogue (1: W1, 2: W2), producer warpgroup or not, fast-math sigmoid and the
-    intermediate's scale rule (``ue8m0``: the FP8xFP4 path's)."""
+    """One compiled variant: ``bm``, epilogue (1: W1, 2: W2), producer warpgroup or not, fast-math sigmoid, the
+    intermediate's scale rule (``ue8m0``: the FP8xFP4 path's) and the weights' scale form (``k32``: per-row UE8M0
+    K32 words, promoted per K32 MMA; else FP32 128x128 blocks)."""
 
     bm: int
     epi: int
     pipelined: bool
     fast_math: bool = True
     ue8m0: bool = False
+    k32: bool = False
 
     def __post_init__(self) -> None:
         if self.bm not in BLOCK_M_CANDIDATES or self.epi not in (EPI_W1, EPI_W2):
@@ -150,7 +167,7 @@ class Role4Variant:
     def defines(self) -> dict[str, int]:
         return {"GC_BM": self.bm, "GC_EPI": self.epi, "GC_M_SUB": self.slabs, "GC_PRODUCER_WG": int(self.pipelined),
                 "GC_STAGES": self.stages, "GC_FAST_MATH": int(self.fast_math), "GC_SHARED_UE8M0": int(self.ue8m0),
-                "GC_ROLE4_SMEM_BYTES": self.smem}
+                "GC_W_K32": int(self.k32), "GC_ROLE4_SMEM_BYTES": self.smem}
 
 
 def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
@@ -158,12 +175,13 @@ def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
 
 
 def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_type: str,
-                  fast_math: bool = True) -> Role4Variant:
+                  fast_math: bool = True, k32: bool = False) -> Role4Variant:
     """The variant of one role4 GEMM (``n_w`` weight rows: 2I for W1, H for W2): :func:`block_m_for_shared`, the
-    producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``."""
+    producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``,
+    the weights' scale form (``k32``: :attr:`Role4Weights.k32`)."""
     bm = block_m_for_shared(num_tokens)
     pipelined = _tasks(num_tokens, bm, n_w, epi) > compute_sms
-    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4")
+    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4", k32)
 
 
 def _kernel(variant: Role4Variant) -> jit.Kernel:
@@ -173,24 +191,28 @@ def _kernel(variant: Role4Variant) -> jit.Kernel:
     return k
 
 
-def _fp8_block_pair(arg: str, pair: _Pair) -> _Pair:
-    scales = pair[1]
-    if scales.dtype != torch.float32:
-        raise NotImplementedError(
-            f"{arg}: the SM90 shared expert (role4) reads FP8 weights with FP32 128x128 block scales (recipe (1, 128, "
-            f"128)); the per-row UE8M0 K32 form ({scales.dtype} scales, DeepGEMM's SM100 shared recipe) needs a "
-            "K32-promoting mainloop that does not exist on SM90")
-    return pair
+def _k32_words(gemm: str, pair: _Pair) -> _Pair:
+    """DeepGEMM's shared recipe (per-row UE8M0 K32 scales, canonical rows) in the kernel's form: the payload
+    (L1 rows interleaved gate/up by 8) and int32 words ``[1, K/128, N]`` (four codes each, byte ``j`` = K32 group
+    ``4i + j`` of word ``i``; L1 rows interleaved like the payload), transposed so that a K step's words are
+    contiguous over the rows."""
+    payload, scales = pair
+    words = scales if scales.dtype == torch.int32 else quant.pack_ue8m0_k32(scales)
+    if gemm == "l1":
+        payload, words = layouts.interleave_gate_up(payload), layouts.interleave_gate_up(words)
+    return payload.contiguous(), words.transpose(1, 2).contiguous()
 
 
 class Role4Weights:
-    """One shared weight pair's kernel view, built once: the transformed FP8 weights
-    (:func:`transform_weights_for_gc_moe` ``fp8xfp8``: W1 rows interleaved gate/up by 8, block scales kept), the W1
-    map (256-row boxes) and W2 map (128-row boxes), and their FP32 block scales.
+    """One shared weight pair's kernel view, built once: the FP8 payloads (W1 rows interleaved gate/up by 8), the W1
+    map (256-row boxes) and W2 map (128-row boxes), and their scales in the kernel's form, by the pair's scale form
+    (module docstring): FP32 block scales as they are (:func:`transform_weights_for_gc_moe` ``fp8xfp8``), or
+    per-row UE8M0 K32 scales as int32 words ``[1, K/128, N]`` (``k32``).
 
-    ``shared_l1`` / ``shared_l2``: ``(E4M3 [1, 2I, H], float32 [1, 2I/128, H/128])`` and ``([1, H, I], [1, H/128,
-    I/128])``, already checked by :func:`gc_moe_compat.config.validate`. Must be built outside graph capture (the
-    interleave is a device copy).
+    ``shared_l1`` / ``shared_l2``: ``(E4M3 [1, 2I, H], scales)`` and ``([1, H, I], scales)`` with scales float32
+    ``[1, N/128, K/128]``, uint8 ``[1, N, K/32]`` or int32 ``[1, N, K/128]``, both of one form, already checked by
+    :func:`gc_moe_compat.config.validate` (and their values where the weights entered). Must be built outside graph
+    capture (the conversion is a device copy).
     """
 
     def __init__(self, shared_l1: _Pair, shared_l2: _Pair) -> None:
@@ -198,20 +220,21 @@ class Role4Weights:
             raise RuntimeError("shared_l1_weights/shared_l2_weights: the shared expert's weights are converted for "
                                "role4 on their first call on a buffer, which cannot happen while a stream is "
                                "capturing: make one eager call with these weights on this buffer before capturing")
-        l1 = _fp8_block_pair("shared_l1_weights", shared_l1)
-        l2 = _fp8_block_pair("shared_l2_weights", shared_l2)
-        self.w1, self.w2 = transform_weights_for_gc_moe(l1, l2, "fp8xfp8")
-        _, two_i, hidden = self.w1.payload.shape
+        forms = {shared_l1[1].dtype == torch.float32, shared_l2[1].dtype == torch.float32}
+        if len(forms) > 1:
+            raise ValueError(f"shared_l1_weights/shared_l2_weights: both pairs must use one scale form (FP32 128x128 "
+                             f"blocks, or per-row UE8M0 K32), got {shared_l1[1].dtype} and {shared_l2[1].dtype}")
+        self.k32 = not forms.pop()
+        if self.k32:
+            (w1, self.w1_sf), (w2, self.w2_sf) = _k32_words("l1", shared_l1), _k32_words("l2", shared_l2)
+        else:
+            t1, t2 = transform_weights_for_gc_moe(shared_l1, shared_l2, "fp8xfp8")
+            (w1, self.w1_sf), (w2, self.w2_sf) = t1.pair, t2.pair
+        _, two_i, hidden = w1.shape
         self.hidden, self.inter = hidden, two_i // 2
-        self.tm_w1 = encode_2d(self.w1.payload.reshape(two_i, hidden).view(torch.uint8), tile_rows(W1_SLABS))
-        self.tm_w2 = encode_2d(self.w2.payload.reshape(hidden, self.inter).view(torch.uint8), tile_rows(W2_SLABS))
-        self.w1_sf = self.w1.scales.float().contiguous()
-        self.w2_sf = self.w2.scales.float().contiguous()
-
-    @property
-    def transformed(self) -> tuple[GcMoeWeights, GcMoeWeights]:
-        """The converted pair (what the kernel reads)."""
-        return self.w1, self.w2
+        self.w1, self.w2 = w1, w2
+        self.tm_w1 = encode_2d(w1.reshape(two_i, hidden).view(torch.uint8), tile_rows(W1_SLABS))
+        self.tm_w2 = encode_2d(w2.reshape(hidden, self.inter).view(torch.uint8), tile_rows(W2_SLABS))
 
 
 class Role4Tables:
@@ -281,7 +304,8 @@ def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables,
     nodes = []
     for name, epi, n_w, after in ((NODE_NAMES[0], EPI_W1, 2 * s.intermediate, tuple(deps)),
                                   (NODE_NAMES[1], EPI_W2, s.hidden, (NODE_NAMES[0],))):
-        variant = role4_variant(num_tokens, n_w, epi, sms, mma_type=s.mma_type, fast_math=fast_math)
+        variant = role4_variant(num_tokens, n_w, epi, sms, mma_type=s.mma_type, fast_math=fast_math,
+                                k32=weights.k32)
         grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, epi), sms))
         count = tables.count(num_tokens, variant.bm)
         args = _args(buffer, weights, tables, variant, count, clamp, activation_alpha, timeout_ns)
