@@ -80,7 +80,7 @@ def _original_masked_gemm_or_skip() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 37, 256])
+@pytest.mark.parametrize("tokens", [1, 8, 256])
 def test_the_composed_layer_matches_the_quantization_faithful_reference(group: object, tokens: int) -> None:
     """One rank, glm52's per-rank shape: dispatch (FP8 by DeepEP's rule) -> masked W1 -> activation -> W2 ->
     combine against the FP32 reference of the FP8 block-scaled experts; eager and graph replay bit-identical."""

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# gc-moe-ab and gc-moe-matrix on the lent GPU machine (device tool `run` with carry [".carry"]), from the repository
+# root:
+#   bash scripts/ab_device.sh [--ab WORKLOAD]... [--ab-args "ARGS"] [--matrix] [--matrix-args "ARGS"] [--pytest EXPR]
+#   WORKLOAD: a gc-moe-ab workload's arguments, e.g. "--preset glm52" or "--model-config tests/data/deepseek_v3/config.json"
+#   --ab-args     appended to every gc-moe-ab run (e.g. "--quick --tokens 1 8")
+#   --matrix      run gc-moe-matrix (GPU + CPU cells) with --matrix-args (e.g. "--deepep-src .carry/DeepEP")
+#   --pytest EXPR run the gpu tests of tests/tools/test_ab_*.py matching EXPR first
+#   --parallel    run the gc-moe-ab workloads at the same time (a smoke run that compiles every kernel variant of
+#                 every workload at once; its latencies are not measurements)
+#   --deadline S  end every step by S seconds after the start (the device call's limit minus a margin) and still
+#                 pack what came back
+# Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/sgl_deep_gemm by
+# scripts/build_sgl_deep_gemm.sh (its _C.so and both JIT caches live there); each gc-moe-ab run writes its default
+# bench/results/ab_<workload>.json + PNG (so meta.command is the plain command), the matrix bench/results/compat_matrix.*.
+# $OUT gets few files (the device tool brings back at most 8): results.tar.gz (those result files and every log),
+# carry_c.tar.gz (the built _C.so) and carry_jit.tar.gz (DeepGEMM's JIT kernels, tvm_ffi's addon, GC-MoE's cubins
+# in .carry/gc_moe_cache): restore both with tar xzf FILE -C .carry for the next call. A summary with the seconds
+# of each step is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export OUT="${OUT:-$PWD/device_out}"
+export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-$PWD/.carry/gc_moe_cache}"
+PY="${PYTHON:-python3}"
+workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0
+while (($#)); do
+  case "$1" in
+    --ab) workloads+=("$2"); shift ;;
+    --ab-args) ab_args="$2"; shift ;;
+    --matrix) matrix=1 ;;
+    --matrix-args) matrix_args="$2"; shift ;;
+    --pytest) pytest_k="$2"; shift ;;
+    --parallel) parallel=1 ;;
+    --deadline) deadline="$2"; shift ;;
+    *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+  shift
+done
+LOGS=/tmp/ab_device_logs
+rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS" "$GC_MOE_CACHE_DIR"
+PACK_RESERVE=10  # seconds kept for packing at the deadline
+summary=()
+left() {  # seconds a step may still take (a large number without --deadline)
+  if ((deadline)); then echo $((deadline - PACK_RESERVE - SECONDS)); else echo 100000; fi
+}
+run_step() {  # run_step NAME LOG COMMAND...: run under the deadline, record the exit status and seconds
+  local name="$1" log="$2" start=$SECONDS rc budget
+  shift 2
+  budget=$(left)
+  if ((budget < 5)); then summary+=("$(printf '%-44s skipped: the deadline' "$name")"); return 124; fi
+  echo "== $name $(date -u +%T) (up to ${budget} s)"
+  timeout -k 3 "$budget" "$@" >"$LOGS/$log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-44s rc=%-3s %4d s  %s' "$name" "$rc" $((SECONDS - start)) "$log")")
+  tail -n 3 "$LOGS/$log"
+  return $rc
+}
+pack() {  # the result files, the logs and the caches into $OUT (few files)
+  cp bench/results/ab_* bench/results/compat_matrix.* "$LOGS/" 2>/dev/null
+  tar czf "$OUT/results.tar.gz" -C "$LOGS" . 2>/dev/null
+  (cd .carry && tar czf "$OUT/carry_c.tar.gz" sgl_deep_gemm/deep_gemm/_C.so 2>/dev/null
+   tar czf "$OUT/carry_jit.tar.gz" sgl_deep_gemm/cache gc_moe_cache 2>/dev/null)
+}
+
+run_step setup setup.log "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || {
+  cat "$LOGS/setup.log"; exit 1; }
+dg=.carry/sgl_deep_gemm
+if [[ -f $dg/deep_gemm/VERSION ]]; then
+  run_step "original SM90 Mega MoE build" build_sgl_deep_gemm.log bash scripts/build_sgl_deep_gemm.sh --build \
+    --dest "$dg"
+  eval "$(bash scripts/build_sgl_deep_gemm.sh --env --dest "$dg")"
+  cp "$dg/build.log" "$LOGS/sgl_deep_gemm_build.log" 2>/dev/null
+  pack
+else
+  summary+=("original SM90 Mega MoE: not staged ($dg; scripts/build_sgl_deep_gemm.sh)")
+fi
+if [[ -n $pytest_k ]]; then
+  run_step "pytest -k $pytest_k" pytest.log "$PY" -m pytest -q -rs -m gpu tests/tools -k "$pytest_k"
+fi
+pids=()
+for w in "${workloads[@]}"; do
+  log="ab_$(echo "$w" | tr -c 'A-Za-z0-9_-' _).log"
+  # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
+  if ((parallel)); then
+    run_step "gc-moe-ab $w (parallel)" "$log" gc-moe-ab $w $ab_args &
+    pids+=($!)
+  else
+    run_step "gc-moe-ab $w" "$log" gc-moe-ab $w $ab_args
+  fi
+done
+((${#pids[@]})) && wait "${pids[@]}"
+((parallel)) && for w in "${workloads[@]}"; do
+  log="ab_$(echo "$w" | tr -c 'A-Za-z0-9_-' _).log"; summary+=("$(printf '%-44s %s' "gc-moe-ab $w (parallel)" \
+  "$(grep -c 'T=' "$LOGS/$log") lines with T=; $(tail -n 1 "$LOGS/$log" | cut -c1-80)")"); done
+if ((matrix)); then
+  # shellcheck disable=SC2086
+  run_step "gc-moe-matrix $matrix_args" matrix.log gc-moe-matrix $matrix_args
+fi
+printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
+pack
+echo "== summary"
+cat "$LOGS/summary.txt"
+ls -la "$OUT"
