@@ -250,6 +250,11 @@ class NormalMode:
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
     def _begin(self, fn: str, num_sms: int) -> _Stream:
+        """Where a checked call's kernels run (the launch boundary); refuses what no launch can serve: a workspace
+        off the GPU, graph capture, an internode group."""
+        if self.device.type != "cuda":
+            raise RuntimeError(f"{fn}: the Buffer's workspace lives on {self.device}, not a CUDA device; running the "
+                               "normal-mode kernels needs the GPU")
         if torch.cuda.is_current_stream_capturing():
             raise NotImplementedError(f"{fn}: CUDA graph capture of normal-mode calls (the uncached dispatch "
                                       "synchronizes the CPU; run normal mode eagerly)")

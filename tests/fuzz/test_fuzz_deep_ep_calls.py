@@ -2,62 +2,39 @@
 test_fuzz_native_and_deep_ep.py for that): ``get_low_latency_rdma_size_hint``, the sizes of ``low_latency_dispatch``,
 the flags of ``low_latency_combine``, and normal mode's ``get_dispatch_layout`` / ``dispatch`` options, each against
 the model of valid inputs (tests/kit/fuzz_model.py): one argument of a valid baseline replaced by a drawn value, the
-model's verdict asserted. CPU only: the workspaces are host stand-ins; a low-latency launch is recorded, a
-normal-mode call that passes every check stops at the launch boundary (``_begin``), which counts as accepted."""
+model's verdict asserted. CPU only: the workspaces are host stand-ins (tests/fuzz/conftest.py); a low-latency launch
+is recorded, a normal-mode call that passes every check stops at its launch's GPU refusal, which counts as
+accepted."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
-import torch.distributed as dist
-from fuzz_model import Flag, Int, Spec, check, expect, values
+from fuzz_model import NEEDS_GPU, Flag, Int, Spec, check, draw, expect, values
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from gc_moe_compat.comm.ep_ll import MAX_EXPERTS as LL_MAX_EXPERTS
 from gc_moe_compat.comm.ep_ll import MAX_RANKS as LL_MAX_RANKS
 from gc_moe_compat.comm.ep_ll import required_bytes
 from gc_moe_compat.config import MAX_SMS
-from gc_moe_compat.deep_ep import Buffer, Config, _buffer, _low_latency, _normal
+from gc_moe_compat.deep_ep import Buffer, Config, _low_latency, _normal
+
+if TYPE_CHECKING:
+    from conftest import DeepEpHost
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-LAUNCH = "normal-mode launch boundary"
 T, H, K, E, TMAX = 6, 256, 4, 8, 8
 
 
-def _draw(specs: dict[str, Spec]) -> st.SearchStrategy[tuple[str, object]]:
-    return st.sampled_from(sorted(specs)).flatmap(lambda name: values(specs[name]).map(lambda v: (name, v)))
-
-
-class HostWorkspace:
-    """Host stand-in for ``SymmetricWorkspace`` (what both modes read); one rank."""
-
-    def __init__(self, layout: object, group: dist.ProcessGroup | None = None) -> None:
-        self.device = torch.device("cpu")
-        self.world_size, self.rank = 1, 0
-        self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
-        self.peer_table = "peer table"
-
-    def region(self, name: str) -> torch.Tensor:
-        return self.buffer
-
-
 @pytest.fixture
-def host_buffers(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, Buffer, list]:
-    """A low-latency Buffer whose launches are recorded and a normal-mode Buffer whose launches stop the call."""
-    launched: list = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: launched.append(kernel))
-    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)
-    monkeypatch.setattr(_buffer, "SymmetricWorkspace", HostWorkspace)
-    monkeypatch.setattr(_normal, "SymmetricWorkspace", HostWorkspace)
-
-    def boundary(*args: object) -> None:
-        raise RuntimeError(LAUNCH)
-
-    monkeypatch.setattr(_normal.NormalMode, "_begin", boundary)
-    ll = Buffer(group, 0, LL_BYTES, low_latency_mode=True)
-    return ll, Buffer(group, 1 << 20, 0), launched
+def host_buffers(deep_ep_host: DeepEpHost) -> tuple[Buffer, Buffer, list]:
+    """A low-latency Buffer whose launches are recorded and a normal-mode Buffer whose calls stop at the GPU refusal
+    of their launch."""
+    return deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True), deep_ep_host.buffer(1 << 20, 0), \
+        deep_ep_host.launched
 
 
 HINT_BASE = dict(num_max_dispatch_tokens_per_rank=TMAX, hidden=H, num_ranks=1, num_experts=E)
@@ -70,7 +47,7 @@ HINT_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(HINT_SPECS))
+@given(case=draw(HINT_SPECS))
 def test_low_latency_size_hint(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     """Every accepted size gives a positive int of bytes; every refused one names its argument."""
     name, value = case
@@ -98,7 +75,7 @@ LL_DISPATCH_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(LL_DISPATCH_SPECS))
+@given(case=draw(LL_DISPATCH_SPECS))
 def test_low_latency_dispatch_sizes(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
                                     case: tuple[str, object]) -> None:
     name, value = case
@@ -122,7 +99,7 @@ LL_COMBINE_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(LL_COMBINE_SPECS))
+@given(case=draw(LL_COMBINE_SPECS))
 def test_low_latency_combine_flags(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
                                    case: tuple[str, object]) -> None:
     name, value = case
@@ -147,7 +124,7 @@ NORMAL_LAYOUT_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(NORMAL_LAYOUT_SPECS))
+@given(case=draw(NORMAL_LAYOUT_SPECS))
 def test_normal_get_dispatch_layout(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
                                     case: tuple[str, object]) -> None:
     name, value = case
@@ -155,7 +132,7 @@ def test_normal_get_dispatch_layout(host_buffers: tuple[Buffer, Buffer, list], d
     idx = torch.randint(-1, E, (T, K), dtype=torch.int64)
     kwargs = {"num_experts": E, name: value}
     want = expect(NORMAL_LAYOUT_SPECS[name], value)
-    check(lambda: normal.get_dispatch_layout(idx, **kwargs), want, (name,), boundary=LAUNCH,
+    check(lambda: normal.get_dispatch_layout(idx, **kwargs), want, (name,), boundary=NEEDS_GPU,
           what=f"get_dispatch_layout({name}={value!r})")
 
 
@@ -168,7 +145,7 @@ NORMAL_DISPATCH_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(NORMAL_DISPATCH_SPECS))
+@given(case=draw(NORMAL_DISPATCH_SPECS))
 def test_normal_dispatch_options(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
                                  case: tuple[str, object]) -> None:
     name, value = case
@@ -181,7 +158,7 @@ def test_normal_dispatch_options(host_buffers: tuple[Buffer, Buffer, list], defa
     kwargs = {**layout, "topk_idx": idx, "topk_weights": torch.rand(T, K, dtype=torch.float32),
               "config": Config(8, 6, 256), name: value}
     want = expect(NORMAL_DISPATCH_SPECS[name], value)
-    check(lambda: normal.dispatch(x, **kwargs), want, (name,), boundary=LAUNCH,
+    check(lambda: normal.dispatch(x, **kwargs), want, (name,), boundary=NEEDS_GPU,
           what=f"dispatch({name}={value!r})")
 
 
@@ -194,14 +171,14 @@ CONFIG_TABLE = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 
 
 @FUZZ
-@given(case=_draw(CONFIG_SPECS))
+@given(case=draw(CONFIG_SPECS))
 def test_config(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     name, value = case
     check(lambda: Config(**{name: value}), expect(CONFIG_SPECS[name], value), (name,), what=f"Config({name}={value!r})")
 
 
 @FUZZ
-@given(case=_draw(HINT_NVL_SPECS))
+@given(case=draw(HINT_NVL_SPECS))
 def test_nvl_buffer_size_hint(default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     """Every accepted size gives a positive int of bytes; every refused one names its argument."""
     name, value = case
@@ -246,7 +223,7 @@ CLEAN_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(CLEAN_SPECS))
+@given(case=draw(CLEAN_SPECS))
 def test_clean_low_latency_buffer(host_buffers: tuple[Buffer, Buffer, list], default_dtype: torch.dtype,
                                   case: tuple[str, object]) -> None:
     name, value = case

@@ -75,6 +75,8 @@ class Recipe:
 
 
 Spec = Int | Flag | Choice | Real | Recipe
+NEEDS_GPU = "needs the GPU"
+"""What the launch boundary of a call on a host stand-in says (a CPU host has no kernels to run)."""
 
 
 def _is_int(v: object) -> bool:
@@ -150,6 +152,15 @@ def values(spec: Spec) -> st.SearchStrategy[object]:
         near = st.lists(st.sampled_from([0, 1, 16, 32, 128, -1]), min_size=2, max_size=3).map(tuple)
         return st.one_of(st.just(spec.value), st.just(list(spec.value)), near, JUNK)
     raise AssertionError(spec)
+
+
+def draw(specs: dict[str, Spec], drawn: dict[str, st.SearchStrategy[object]] | None = None
+         ) -> st.SearchStrategy[tuple[str, object]]:
+    """``(argument, value)``: an argument of ``specs`` (each as often) and a value drawn for it by :func:`values`, or
+    by ``drawn[argument]`` where the test draws its own (one argument of a valid baseline replaced per example)."""
+    drawn = drawn or {}
+    return st.sampled_from(sorted(specs)).flatmap(
+        lambda name: (drawn[name] if name in drawn else values(specs[name])).map(lambda v: (name, v)))
 
 
 @dataclass
