@@ -303,6 +303,28 @@ class NormalMode:
             raise ValueError(f"{fn}: topk_idx must have 1 to {MAX_TOPK} columns (top-k), got {topk_idx.shape[1]}")
         return topk_idx
 
+    def _handle(self, fn: str, handle: object, source: str, config: Config) -> NormalHandle:
+        """``handle`` checked as what an uncached dispatch of this group over ``config``'s channels returns: DeepEP's
+        six tensors (the kernels index them densely by this group's ranks), on the Buffer's device. ``source``: what
+        the message calls that dispatch. A handle of another Buffer of the same group serves, as with DeepEP (it
+        holds the routing only; the rows it needs are checked against this Buffer's bytes)."""
+        if not isinstance(handle, NormalHandle):
+            raise TypeError(f"{fn}: handle must be the handle {source} returned, got {type(handle).__name__}")
+        if len(handle) != 6:
+            raise ValueError(f"{fn}: handle must hold the dispatch's 6 tensors (DeepEP's handle), got {len(handle)}")
+        ranks, i32 = self.ranks, (torch.int32,)
+        _tensor(fn, "handle[0] (rank_prefix_matrix)", handle[0], i32, (ranks, ranks), self.device)
+        channel_prefix = _tensor(fn, "handle[1] (channel_prefix_matrix)", handle[1], i32, (ranks, None), self.device)
+        if channel_prefix.shape[1] != config.num_sms // 2:
+            raise ValueError(f"{fn}: config.num_sms must be the dispatch's (2 x {channel_prefix.shape[1]} channels), "
+                             f"got {config.num_sms}")
+        _tensor(fn, "handle[2] (recv_channel_prefix_matrix)", handle[2], i32, (ranks, channel_prefix.shape[1]),
+                self.device)
+        _tensor(fn, "handle[3] (recv_src_idx)", handle[3], i32, (None,), self.device)
+        in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (torch.bool,), (None, ranks), self.device)
+        _tensor(fn, "handle[5] (send_head)", handle[5], i32, (in_rank.shape[0], ranks), self.device)
+        return handle
+
     def _experts(self, fn: str, arg: str, num_experts: object) -> int:
         integer(fn, arg, num_experts, 1, MAX_EXPERTS)
         if num_experts % self.ranks:
@@ -349,16 +371,11 @@ class NormalMode:
                                       "implemented; pass the None get_dispatch_layout returns")
         cached = handle is not None
         if cached:
-            if not isinstance(handle, NormalHandle):
-                raise TypeError(f"{fn}: handle must be the handle an uncached dispatch returned, got "
-                                f"{type(handle).__name__}")
+            rank_prefix, channel_prefix, _, recv_src_idx, in_rank, send_head = self._handle(
+                fn, handle, "an uncached dispatch", config)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{fn}: a cached dispatch (handle=...) takes no topk_idx / topk_weights (DeepEP's "
                                  "rule); they were given")
-            rank_prefix, channel_prefix, _, recv_src_idx, in_rank, send_head = handle
-            if tuple(channel_prefix.shape) != (self.ranks, channels):
-                raise ValueError(f"{fn}: config.num_sms must be the handle's (2 x {channel_prefix.shape[1]} channels), "
-                                 f"got {config.num_sms}")
             if tuple(send_head.shape) != (tokens, self.ranks):
                 raise ValueError(f"{fn}: x must have the handle's {send_head.shape[0]} tokens, got {tokens}")
             experts, topk, num_recv, most_sent = self.ranks, 0, recv_src_idx.shape[0], handle.most_sent
@@ -460,13 +477,8 @@ class NormalMode:
         fn = "combine"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
         config = _check_config(fn, config)
-        if not isinstance(handle, NormalHandle):
-            raise TypeError(f"{fn}: handle must be the handle dispatch returned, got {type(handle).__name__}")
-        rank_prefix, channel_prefix, _, recv_src_idx, _, send_head = handle
+        rank_prefix, channel_prefix, _, recv_src_idx, _, send_head = self._handle(fn, handle, "dispatch", config)
         channels = config.num_sms // 2
-        if channel_prefix.shape[1] != channels:
-            raise ValueError(f"{fn}: config.num_sms must be the dispatch's (2 x {channel_prefix.shape[1]} channels), "
-                             f"got {config.num_sms}")
         rows = recv_src_idx.shape[0]
         x = _tensor(fn, "x", x, (torch.bfloat16,), (rows, None), self.device)
         tokens, hidden = send_head.shape[0], x.shape[1]
@@ -482,10 +494,13 @@ class NormalMode:
             biases: tuple = (None, None)
         elif isinstance(bias, torch.Tensor):
             biases = (bias, None)
-        elif isinstance(bias, tuple) and len(bias) == 2:
-            biases = bias
-        else:
+        elif not isinstance(bias, tuple):
             raise TypeError(f"{fn}: bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
+        elif len(bias) != 2:
+            raise ValueError(f"{fn}: bias must be a pair (bias_0, bias_1) when a tuple (DeepEP's rule), got a tuple of "
+                             f"{len(bias)}")
+        else:
+            biases = bias
         biases = tuple(None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
                                                       self.device) for i, b in enumerate(biases))
         transient = data_offset(self.ranks, 1, channels)

@@ -4,7 +4,10 @@ Each scalar argument of an entry point has a :data:`Spec`: the rule its value mu
 of the library's checks. :func:`expect` says what a call with that value must do (``None``: accept; else the
 exception type it must raise, naming the argument), and :func:`values` draws values for it: valid ones, the boundaries
 of the rule on both sides, and junk of every other kind (None, bools, huge and negative ints, NaN / inf, strings,
-numpy scalars and arrays, 0-d tensors). :func:`check` runs one call and asserts the model's verdict: a refusal of
+numpy scalars and arrays, 0-d tensors). Tensor arguments have a :class:`Tensor` rule (dtype, shape, device,
+layout), handles an :class:`Items` rule (their kind, then a :class:`Tensor` rule per member), and :func:`values`
+draws tensors by mutating a valid one (another dtype, a dimension more or less, an extent off by one, the meta
+device, a strided or misaligned view). :func:`check` runs one call and asserts the model's verdict: a refusal of
 the right type whose message names the argument, or an acceptance (the call returns, or reaches the launch
 boundary the caller names: a CPU host stops there with its "needs the GPU" error).
 """
@@ -74,7 +77,50 @@ class Recipe:
     non_tuple_error: type[Exception] = TypeError
 
 
-Spec = Int | Flag | Choice | Real | Recipe
+@dataclass(frozen=True)
+class Instance:
+    """An instance of ``kinds`` (``none_ok``: or None), e.g. an event; another type: TypeError. ``examples``: valid
+    instances to draw."""
+
+    kinds: type | tuple[type, ...]
+    examples: tuple[object, ...]
+    none_ok: bool = False
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A ``torch.Tensor`` of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; ``dense``: also
+    contiguous and 16-byte aligned (read by the kernels' vector accesses); ``extra``: a rule on the tensor (e.g. a
+    row width in bytes); ``none_ok``: None accepted. Another type: TypeError; another dtype, shape, device, layout, or
+    ``extra`` not met: ValueError."""
+
+    dtypes: tuple[torch.dtype, ...]
+    shape: tuple[int | None, ...]
+    device: str = "cpu"
+    dense: bool = True
+    extra: Callable[[torch.Tensor], bool] | None = None
+    none_ok: bool = False
+
+
+@dataclass(frozen=True)
+class TensorOrPair:
+    """DeepEP's ``bias``: None, a tensor meeting ``member``, or a tuple of two, each None or such a tensor. Another
+    type (a list included): TypeError; a tuple of another length: ValueError."""
+
+    member: Tensor
+
+
+@dataclass(frozen=True)
+class Items:
+    """A handle: an instance of ``kind`` (a tuple subclass) with one member per rule of ``items`` (another type, a
+    plain tuple included: TypeError; another length: ValueError; a member judged by its :class:`Tensor` rule)."""
+
+    kind: type
+    items: tuple[Tensor, ...]
+    make: Callable[[tuple[object, ...]], object] = tuple  # builds a ``kind`` from members (what _handles draws)
+
+
+Spec = Int | Flag | Choice | Real | Recipe | Instance | Tensor | TensorOrPair | Items
 NEEDS_GPU = "needs the GPU"
 """What the launch boundary of a call on a host stand-in says (a CPU host has no kernels to run)."""
 
@@ -122,7 +168,44 @@ def expect(spec: Spec, v: object) -> type[Exception] | None:
         if not all(_is_int(x) for x in v):
             return TypeError
         return None if tuple(v) == spec.value else ValueError
+    if isinstance(spec, Instance):
+        return None if (v is None and spec.none_ok) or isinstance(v, spec.kinds) else TypeError
+    if isinstance(spec, Tensor):
+        return _expect_tensor(spec, v)
+    if isinstance(spec, TensorOrPair):
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor):
+            return _expect_tensor(spec.member, v)
+        if not isinstance(v, tuple):
+            return TypeError
+        if len(v) != 2:
+            return ValueError
+        member = Tensor(**{**vars(spec.member), "none_ok": True})
+        return next((e for e in (_expect_tensor(member, b) for b in v) if e is not None), None)
+    if isinstance(spec, Items):
+        if not isinstance(v, spec.kind):
+            return TypeError
+        if len(v) != len(spec.items):
+            return ValueError
+        return next((e for e in (_expect_tensor(r, t) for r, t in zip(spec.items, v, strict=True)) if e is not None),
+                    None)
     raise AssertionError(spec)
+
+
+def _expect_tensor(spec: Tensor, v: object) -> type[Exception] | None:
+    if v is None and spec.none_ok:
+        return None
+    if not isinstance(v, torch.Tensor):
+        return TypeError
+    if v.dtype not in spec.dtypes or v.dim() != len(spec.shape) or any(
+            s is not None and s != d for s, d in zip(spec.shape, v.shape, strict=True)):
+        return ValueError
+    if v.device != torch.device(spec.device):
+        return ValueError
+    if spec.dense and (not v.is_contiguous() or (v.numel() and v.data_ptr() % 16)):
+        return ValueError
+    return ValueError if spec.extra is not None and not spec.extra(v) else None
 
 
 JUNK = st.sampled_from([
@@ -151,6 +234,17 @@ def values(spec: Spec) -> st.SearchStrategy[object]:
     if isinstance(spec, Recipe):
         near = st.lists(st.sampled_from([0, 1, 16, 32, 128, -1]), min_size=2, max_size=3).map(tuple)
         return st.one_of(st.just(spec.value), st.just(list(spec.value)), near, JUNK)
+    if isinstance(spec, Instance):
+        return st.one_of(st.sampled_from(spec.examples), JUNK)
+    if isinstance(spec, Tensor):  # tensors twice as often as junk (None among it)
+        return st.one_of(_tensors(spec), _tensors(spec), JUNK)
+    if isinstance(spec, TensorOrPair):
+        member = st.one_of(st.none(), _tensors(spec.member))
+        return st.one_of(st.none(), _tensors(spec.member), st.tuples(member, member),
+                         st.lists(member, min_size=1, max_size=3).flatmap(lambda m: st.sampled_from([m, tuple(m)])),
+                         JUNK)
+    if isinstance(spec, Items):
+        return _handles(spec)
     raise AssertionError(spec)
 
 
@@ -161,6 +255,62 @@ def draw(specs: dict[str, Spec], drawn: dict[str, st.SearchStrategy[object]] | N
     drawn = drawn or {}
     return st.sampled_from(sorted(specs)).flatmap(
         lambda name: (drawn[name] if name in drawn else values(specs[name])).map(lambda v: (name, v)))
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int32,
+          torch.int64, torch.uint8, torch.bool)
+FREE_EXTENTS = (8, 0, 1, 3, 4, 32, 256)
+"""Extents drawn where a rule leaves one free (None): zero, odd, and the widths the kernels' row rules test."""
+
+
+def _make(shape: tuple[int, ...], dtype: torch.dtype, how: str) -> torch.Tensor:
+    """A zero-filled tensor of ``shape`` and ``dtype``: ``dense``, ``meta`` (another device), ``strided`` (a view of
+    every other column of a wider tensor) or ``misaligned`` (a view one element into a larger allocation)."""
+    if how == "meta":
+        return torch.zeros(shape, dtype=dtype, device="meta")
+    if how == "strided" and shape:
+        return torch.zeros((*shape[:-1], 2 * shape[-1]), dtype=dtype, device="cpu")[..., ::2]
+    if how == "misaligned":
+        n = math.prod(shape)
+        return torch.zeros(n + 1, dtype=dtype, device="cpu")[1:].view(shape)
+    return torch.zeros(shape, dtype=dtype, device="cpu")
+
+
+@st.composite
+def _tensors(draw: st.DrawFn, spec: Tensor) -> torch.Tensor:
+    """A tensor of the rule's form (free extents drawn), then at most one mutation of dtype, rank, extent or
+    layout (none 4 times in 10), so valid tensors and each kind of invalid one are all drawn often."""
+    shape = [draw(st.sampled_from(FREE_EXTENTS)) if s is None else s for s in spec.shape]
+    dtype = draw(st.sampled_from(spec.dtypes))
+    mutation = draw(st.sampled_from(("none",) * 4 + ("dtype", "rank", "extent", "meta", "strided", "misaligned")))
+    if mutation == "dtype":
+        dtype = draw(st.sampled_from(DTYPES))
+    elif mutation == "rank":
+        shape = shape[:-1] if shape and draw(st.booleans()) else [*shape, draw(st.sampled_from((1, 2)))]
+    elif mutation == "extent" and shape:
+        i = draw(st.integers(0, len(shape) - 1))
+        shape[i] = max(0, shape[i] + draw(st.sampled_from((-1, 1))))
+    how = mutation if mutation in ("meta", "strided", "misaligned") else "dense"
+    return _make(tuple(shape), dtype, how)
+
+
+@st.composite
+def _handles(draw: st.DrawFn, spec: Items) -> object:
+    """A handle built by ``spec.make`` from valid members (free extents 1) but for at most one drawn member (any
+    tensor or junk), or with a member dropped or added; a plain tuple of the members; or junk."""
+    members: list[object] = [_make(tuple(1 if s is None else s for s in r.shape), r.dtypes[0], "dense")
+                             for r in spec.items]
+    form = draw(st.sampled_from(("valid", "member", "member", "length", "plain", "junk")))
+    if form == "member":
+        i = draw(st.integers(0, len(members) - 1))
+        members[i] = draw(st.one_of(_tensors(spec.items[i]), JUNK))
+    elif form == "length":
+        members = members[:-1] if draw(st.booleans()) else [*members, members[-1]]
+    elif form == "plain":
+        return tuple(members)
+    elif form == "junk":
+        return draw(JUNK)
+    return spec.make(tuple(members))
 
 
 @dataclass
