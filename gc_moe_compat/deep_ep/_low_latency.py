@@ -132,12 +132,19 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
     return {"partition": "on", **part.describe()}
 
 
-def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
+def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
+            dense: bool = True) -> torch.Tensor:
+    """``t`` as an ``ndim``-D tensor of one of ``dtypes`` on ``device``; ``dense`` (what the kernels read or write):
+    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes or t.dim() != ndim:
         raise ValueError(f"{name}: must be a {ndim}-D tensor of {' or '.join(map(str, dtypes))}, got "
                          f"{tuple(t.shape)} {t.dtype}")
+    if not dense and t.device != device:
+        raise ValueError(f"{name}: must be on {device} (the buffer's device), got {t.device}")
+    if not dense:
+        return t
     if t.device != device or not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous on {device} (the buffer's device), got {t.device}, "
                          f"contiguous={t.is_contiguous()}")
@@ -358,9 +365,9 @@ def update_mask(workspace: SymmetricWorkspace, rank_to_mask: object, mask: objec
 
 def query_mask(workspace: SymmetricWorkspace, mask_status: object) -> None:
     """DeepEP's ``low_latency_query_mask_buffer``: copies this rank's mask (1 = masked) into ``mask_status``, an
-    int32 ``[num_ranks]`` tensor on the buffer's device."""
+    int32 ``[num_ranks]`` tensor on the buffer's device (of any strides: a torch copy writes it)."""
     fn = "low_latency_query_mask_buffer"
-    out = _tensor(f"{fn}: mask_status", mask_status, (torch.int32,), 1, workspace.device)
+    out = _tensor(f"{fn}: mask_status", mask_status, (torch.int32,), 1, workspace.device, dense=False)
     if out.shape[0] != workspace.world_size:
         raise ValueError(f"{fn}: mask_status must have num_ranks={workspace.world_size} entries, got {out.shape[0]}")
     out.copy_(mask_words(workspace.buffer, workspace.world_size).ne(0).to(torch.int32))

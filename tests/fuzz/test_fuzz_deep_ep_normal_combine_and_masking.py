@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from fuzz_model import (
+    JUNK,
     NEEDS_GPU,
     Flag,
     Instance,
@@ -23,11 +24,13 @@ from fuzz_model import (
     check,
     draw,
     expect,
+    values,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap
+from gc_moe_compat.comm.ep_ll import required_bytes
+from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _low_latency
 from gc_moe_compat.deep_ep._normal import MAX_TOPK, NormalHandle
 
 if TYPE_CHECKING:
@@ -136,3 +139,132 @@ def test_combine_needs_a_normal_mode_buffer(deep_ep_host: DeepEpHost, default_dt
     normal = deep_ep_host.buffer(NVL_BYTES, 0)
     check(lambda: normal.combine(**{**kwargs, "handle": ll_handle}), TypeError, ("handle",),
           what="combine(handle=a low-latency handle)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rank masking: low_latency_update_mask_buffer / low_latency_query_mask_buffer / low_latency_clean_mask_buffer
+
+RANKS = 4
+MASK_SPECS: dict[str, Spec] = {
+    "rank_to_mask": Int(0, RANKS - 1),
+    "mask": Flag(),
+    "mask_status": Tensor((torch.int32,), (RANKS,), dense=False),  # torch writes it: any strides and alignment
+}
+_OPS = st.one_of(
+    st.tuples(st.just("update"), values(MASK_SPECS["rank_to_mask"]), values(MASK_SPECS["mask"])),
+    st.tuples(st.just("query"), values(MASK_SPECS["mask_status"])),
+    st.tuples(st.just("clean")),
+)
+
+
+@settings(FUZZ, max_examples=150)
+@given(ops=st.lists(_OPS, min_size=1, max_size=8))
+def test_rank_masking(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, ops: list[tuple]) -> None:
+    """A sequence of masking calls on a 4-rank Buffer with enable_shrink against the model's mask: each refused
+    call (the model's exception naming its argument) changes neither the mask nor the caller's tensor; each query
+    writes the model's mask (1 = masked) and nothing else."""
+    buf = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, enable_shrink=True, ranks=RANKS)
+    model = [0] * RANKS
+    for op, *args in ops:
+        if op == "update":
+            rank, mask = args
+            want = expect(MASK_SPECS["rank_to_mask"], rank) or expect(MASK_SPECS["mask"], mask)
+            names = ("rank_to_mask",) if expect(MASK_SPECS["rank_to_mask"], rank) else ("mask",)
+            check(lambda rank=rank, mask=mask: buf.low_latency_update_mask_buffer(rank, mask), want, names,
+                  what=f"update({rank!r}, {mask!r})")
+            if want is None:
+                model[rank] = int(mask)
+        elif op == "query":
+            (status,) = args
+            want = expect(MASK_SPECS["mask_status"], status)
+            snapshot = _snapshot(status)
+            check(lambda status=status: buf.low_latency_query_mask_buffer(status), want, ("mask_status",),
+                  what=f"query({status!r:.80})")
+            if want is None:
+                assert status.tolist() == model, (status.tolist(), model)
+            else:
+                _unchanged(snapshot, "a refused query")
+        else:
+            buf.low_latency_clean_mask_buffer()
+            model = [0] * RANKS
+    final = torch.full((RANKS,), 7, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(final)
+    assert final.tolist() == model
+
+
+def test_rank_masking_needs_a_shrink_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype) -> None:
+    """Each masking call on a Buffer that cannot mask names why: enable_shrink=False, low_latency_mode=False, or
+    destroyed; the caller's mask_status stays as it was."""
+    no_shrink = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True)
+    normal = deep_ep_host.buffer(NVL_BYTES, 0)
+    destroyed = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, enable_shrink=True, explicitly_destroy=True)
+    destroyed.destroy()
+    status = torch.full((1,), 5, dtype=torch.int32)
+    for buf, why in ((no_shrink, "enable_shrink"), (normal, "low_latency_mode"), (destroyed, "destroyed")):
+        for what, call in (("update", lambda b=buf: b.low_latency_update_mask_buffer(0, True)),
+                           ("query", lambda b=buf: b.low_latency_query_mask_buffer(status)),
+                           ("clean", lambda b=buf: b.low_latency_clean_mask_buffer())):
+            check(call, ValueError, (why,), what=f"{what} on a Buffer without {why}")
+    assert status.tolist() == [5]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# get_next_low_latency_combine_buffer (the zero-copy combine)
+
+TMAX, E = 8, 8
+LL_BYTES = Buffer.get_low_latency_rdma_size_hint(TMAX, H, 1, E)
+_HANDLES = ("valid", "valid", "plain tuple", "another Buffer's", "normal-mode handle", "no zero-copy room",
+            "destroyed", "junk")
+
+
+@FUZZ
+@given(form=st.sampled_from(_HANDLES), junk=JUNK, tokens=st.integers(0, TMAX), topk=st.integers(1, E),
+       max_tokens=st.integers(1, TMAX), experts=st.sampled_from([1, 2, 4, 8]))
+def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, form: str,
+                                         junk: object, tokens: int, topk: int, max_tokens: int,
+                                         experts: int) -> None:
+    """The handle of a dispatch of drawn sizes, or another kind of handle. Valid: a BF16 ``[E/P, P*Tmax, H]`` view of
+    the Buffer's workspace, the rows the next zero-copy combine sends (its launch reads them, not ``x``). Refused:
+    another type (TypeError naming handle), a handle of another Buffer (ValueError naming handle), a Buffer without
+    the zero-copy rows (ValueError naming num_rdma_bytes), a destroyed Buffer."""
+    tokens, topk = min(tokens, max_tokens), min(topk, experts)
+    no_room = required_bytes(_low_latency.ll_shape(1, TMAX, H, E, E))  # every call of these sizes, no zero-copy rows
+    buf = deep_ep_host.buffer(0, no_room if form == "no zero-copy room" else LL_BYTES, low_latency_mode=True,
+                              explicitly_destroy=True)
+    x = torch.randn(tokens, H, dtype=torch.float32).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, dtype=torch.int64)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, topk, dtype=torch.int64)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, experts, use_fp8=False)
+    names: tuple[str, ...] = ("handle",)
+    want: type[Exception] | None = TypeError
+    if form == "plain tuple":
+        handle = tuple(handle)
+    elif form == "another Buffer's":
+        other = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True)
+        _, _, handle, _, _ = other.low_latency_dispatch(x, idx, max_tokens, experts, use_fp8=False)
+        want = ValueError
+    elif form == "normal-mode handle":
+        handle = HANDLE.make(tuple(torch.zeros(r.shape, dtype=r.dtypes[0]) for r in HANDLE.items))
+    elif form == "no zero-copy room":  # refused where the zero-copy rows of these sizes (the size rule) do not fit
+        zero_copy = required_bytes(_low_latency.ll_shape(1, max_tokens, H, experts, topk), zero_copy=True)
+        want, names = (ValueError if zero_copy > no_room else None), ("num_rdma_bytes",)
+    elif form == "destroyed":
+        buf.destroy()
+        want, names = ValueError, ("destroyed",)
+    elif form == "junk":
+        handle = junk
+    else:
+        want = None
+    got: list[torch.Tensor] = []
+    check(lambda: got.append(buf.get_next_low_latency_combine_buffer(handle)), want, names,
+          what=f"get_next_low_latency_combine_buffer({form})")
+    if want is not None:
+        return
+    rows = got[0]
+    assert isinstance(handle, LowLatencyHandle)
+    assert (rows.dtype, tuple(rows.shape)) == (torch.bfloat16, (experts, max_tokens, H))
+    ws = buf.workspace.buffer
+    assert ws.data_ptr() <= rows.data_ptr() and rows.data_ptr() + rows.numel() * 2 <= ws.data_ptr() + ws.numel()
+    expert_out = torch.zeros(experts, max_tokens, H, dtype=torch.bfloat16)
+    buf.low_latency_combine(expert_out, idx, torch.rand(tokens, topk, dtype=torch.float32), handle, zero_copy=True)
+    assert deep_ep_host.launched[-1][1].x == rows.data_ptr()  # the zero-copy combine sends these rows
