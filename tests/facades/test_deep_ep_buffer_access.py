@@ -165,8 +165,9 @@ def test_low_latency_comm_stream_ordering(group: dist.ProcessGroup, partition: s
     expert_out = torch.zeros_like(recv)
     for e in range(E):
         expert_out[e, :int(count[e])] = recv[e, :int(count[e])] * 2
+    # Queued after an async call: runs after its kernels, which run after the caller's (sleeping) stream.
     torch.cuda._sleep(SLEEP_CYCLES)
-    combined, _, _ = buf.low_latency_combine(expert_out, idx, w, handle)
+    combined, _, _ = buf.low_latency_combine(expert_out, idx, w, handle, async_finish=True)
     with torch.cuda.stream(comm):
         seen = combined.clone()
     comm.synchronize()
