@@ -174,8 +174,13 @@ def run_normal(group: dist.ProcessGroup, bandwidth: float, args: argparse.Namesp
     nvl_bytes = max(deep_ep.Config(NUM_SMS, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, 1),
                     rows * (hidden_bytes + 16 + 4 * 64 + 12 * 8) + (1 << 20))
     buf = deep_ep.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
+    points = []
     try:
-        points = [normal_point(buf, p, t, bandwidth, args) for p in PRESETS for t in args.tokens]
+        for preset in PRESETS:
+            for t in args.tokens:
+                points.append(normal_point(buf, preset, t, bandwidth, args))
+                print(f"normal {preset} T={t}: " + ", ".join(f"{op} {us:.1f} us" for op, us in
+                                                             points[-1]["latency_us"].items()), flush=True)
     finally:
         buf.destroy()
     return points
