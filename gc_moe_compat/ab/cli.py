@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quick", action="store_true",
                      help=f"smoke run: {QUICK_WINDOWS[0]} + {QUICK_WINDOWS[1]} windows instead of the protocol's")
     run.add_argument("--out", type=Path, default=None, help="result JSON (a PNG is written next to it)")
+    run.add_argument("--prebuild-only", action="store_true",
+                     help="compile every kernel the run would use (GC-MoE's and the originals' JIT kernels, in "
+                          "parallel) and exit without timing: run several of these at once before timed runs")
     run.add_argument("--check", action="store_true", help="print what would run and what is missing; exit 0")
     return parser
 
@@ -226,5 +229,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or _default_out(w)
     cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
                         args.partition_sweep)), warmup=warmup, windows=windows, out=out,
-                        command=tuple(command), quick=args.quick)
+                        command=tuple(command), quick=args.quick, prebuild_only=args.prebuild_only)
     return run.main_ranks(cfg)

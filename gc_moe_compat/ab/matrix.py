@@ -480,7 +480,10 @@ def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, 
     """``compat_matrix.md``: the versions, the counts, one table per kind of cell, the checked versions."""
     lines = ["# GC-MoE compatibility matrix", "",
              f"Produced by `{info.get('command', 'gc-moe-matrix')}` at {info.get('git_sha', '?')} "
-             f"({info.get('date', '?')}).", "", "| what | version |", "|---|---|"]
+             f"({info.get('date', '?')}).", ""]
+    if info.get("complete") is False:
+        lines += ["**Incomplete**: written before every stage ran (the run was cut short after these cells).", ""]
+    lines += ["| what | version |", "|---|---|"]
     v = info["versions"]
     for key in ("torch", "cuda", "driver", "gpu", "gpus"):
         lines.append(f"| {key} | {v[key]} |")
@@ -518,11 +521,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an sgl-project/DeepGEMM checkout (any branch, e.g. dev): its signatures, and "
                              "tests/test_mega_moe_hopper.py (SM90)")
     parser.add_argument("--suite-timeout", type=int, default=600, help="seconds per original test file")
+    parser.add_argument("--suites-not-run", metavar="REASON", default=None,
+                        help="record the originals' test suites as 'not run' with REASON instead of running them "
+                             "(the checkouts still give their signature cells)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    out_dir = args.out_dir or (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd())
+    command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
+    meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
+    info = {**meta, "versions": versions()}
     cells = cpu_cells()
     for module, root, label in (("deep_ep", args.deepep_src, "DeepEP"), ("deep_gemm", args.deepgemm_src, "DeepGEMM"),
                                 ("deep_gemm", args.sgl_deepgemm_src, "sgl-project/DeepGEMM")):
@@ -531,19 +541,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.cpu_only:
         from gc_moe_compat.ab import matrix_gpu
 
+        _write(out_dir, cells, info, complete=False)  # a run cut short keeps the cells it has
         cells += matrix_gpu.layer_cells()
-        cells += matrix_gpu.suite_cells(args.deepep_src, args.deepgemm_src, args.sgl_deepgemm_src,
-                                        args.suite_timeout)
-    out_dir = args.out_dir or (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd())
-    command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
-    meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
-    info = {**meta, "versions": versions()}
-    checked = checked_versions(cells)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compat_matrix.json").write_text(json.dumps(
-        {"meta": info, "checked_versions": checked, "cells": [asdict(c) for c in cells]}, indent=1, default=str)
-        + "\n")
-    (out_dir / "compat_matrix.md").write_text(markdown(cells, info, checked))
+        _write(out_dir, cells, info, complete=False)
+        if args.suites_not_run:
+            cells += [Cell("suite", name, "-", "not run", args.suites_not_run) for name in matrix_gpu.SUITES]
+        else:
+            cells += matrix_gpu.suite_cells(args.deepep_src, args.deepgemm_src, args.sgl_deepgemm_src,
+                                            args.suite_timeout)
+    _write(out_dir, cells, info, complete=True)
     counts = {r: sum(c.result == r for c in cells) for r in RESULTS}
     print(f"compat matrix: {len(cells)} cells: " + ", ".join(f"{n} {r}" for r, n in counts.items())
           + f"; wrote {out_dir / 'compat_matrix.md'} and .json")
@@ -551,3 +557,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if c.result == "fail":
             print(f"FAIL {c.kind} {c.entry} {c.case}: {c.detail[:300]}")
     return 1 if counts["fail"] else 0
+
+
+def _write(out_dir: Path, cells: list[Cell], info: dict[str, object], *, complete: bool) -> None:
+    """``compat_matrix.json`` + ``.md`` of the cells so far (``meta.complete`` says whether every stage ran)."""
+    checked = checked_versions(cells)
+    meta = {**info, "complete": complete}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compat_matrix.json").write_text(json.dumps(
+        {"meta": meta, "checked_versions": checked, "cells": [asdict(c) for c in cells]}, indent=1, default=str)
+        + "\n")
+    (out_dir / "compat_matrix.md").write_text(markdown(cells, meta, checked))

@@ -30,12 +30,14 @@ from gc_moe_compat.ab.cells import Cell
 from gc_moe_compat.ab.protocol import REPO
 from gc_moe_compat.ab.results import COSINE_FAITHFUL, PROCESSED_FAITHFUL
 
-__all__ = ["LAYER_TOKENS", "layer_cells", "suite_cells"]
+__all__ = ["LAYER_TOKENS", "SUITES", "layer_cells", "suite_cells"]
 
 SHAPE = {"hidden": 512, "intermediate": 256, "experts": 4, "topk": 2, "capacity": 64}
 LAYER_TOKENS = (0, 1, 7, SHAPE["capacity"])
 CLAMP, SCALING = 10.0, 2.5
 SETUP_ERRORS = (NotImplementedError, ValueError, TypeError)
+SUITES = ("DeepEP tests/legacy", "DeepGEMM tests", "sgl-project/DeepGEMM SM90 tests")
+"""The originals' test suites :func:`suite_cells` runs (the entry of their cells)."""
 
 
 def _group() -> object:
@@ -222,7 +224,7 @@ def suite_cells(deepep: Path | None, deepgemm: Path | None, sgl_deepgemm: Path |
     """The originals' test files, unmodified, under the swap (one cell per file); ``not run`` without a checkout."""
     cells = []
     if deepep is None:
-        cells.append(Cell("suite", "DeepEP tests/legacy", "-", "not run", "no checkout given (--deepep-src)"))
+        cells.append(Cell("suite", SUITES[0], "-", "not run", "no checkout given (--deepep-src)"))
     else:
         logs = Path(os.environ.get("OUT", "/tmp")) / "matrix_deepep_legacy"
         proc = subprocess.run(["bash", str(REPO / "scripts" / "run_deepep_legacy_tests.sh"), "--deepep", str(deepep),
@@ -230,23 +232,22 @@ def suite_cells(deepep: Path | None, deepgemm: Path | None, sgl_deepgemm: Path |
                               check=False)
         verdicts = re.findall(r"^(PASS|FAIL) (\S+) rc=(-?\d+) \((.*)\)$", proc.stdout, flags=re.M)
         if not verdicts:
-            cells.append(Cell("suite", "DeepEP tests/legacy", "-", "fail", f"rc={proc.returncode}: "
+            cells.append(Cell("suite", SUITES[0], "-", "fail", f"rc={proc.returncode}: "
                               f"{(proc.stdout + proc.stderr)[-600:]}"))
         for verdict, test, rc, log in verdicts:
             tail = " / ".join(Path(log).read_text(errors="replace").strip().splitlines()[-4:]) if Path(
                 log).is_file() else ""
-            cells.append(Cell("suite", "DeepEP tests/legacy", test, "pass" if verdict == "PASS" else "fail",
+            cells.append(Cell("suite", SUITES[0], test, "pass" if verdict == "PASS" else "fail",
                               f"rc={rc} (GC_MOE_SWAP=deep_ep, --num-processes 1): {tail[-500:]}"))
     env = dict(os.environ, GC_MOE_SWAP="deep_gemm", PYTHONUNBUFFERED="1")
-    for name, root, pattern in (("DeepGEMM", deepgemm, "test_mega_moe.py"),
-                                ("sgl-project/DeepGEMM SM90", sgl_deepgemm, "test_mega_moe_hopper.py")):
-        flag = "--deepgemm-src" if name == "DeepGEMM" else "--sgl-deepgemm-src"
+    for name, root, pattern, flag in ((SUITES[1], deepgemm, "test_mega_moe.py", "--deepgemm-src"),
+                                      (SUITES[2], sgl_deepgemm, "test_mega_moe_hopper.py", "--sgl-deepgemm-src")):
         if root is None:
-            cells.append(Cell("suite", f"{name} tests", "-", "not run", f"no checkout given ({flag})"))
+            cells.append(Cell("suite", name, "-", "not run", f"no checkout given ({flag})"))
             continue
         files = sorted((root / "tests").glob(pattern))
         if not files:
-            cells.append(Cell("suite", f"{name} tests", pattern, "fail", f"no tests/{pattern} under {root}"))
+            cells.append(Cell("suite", name, pattern, "fail", f"no tests/{pattern} under {root}"))
         for f in files:
-            cells.append(_run_file(f"{name} tests", f.name, [sys.executable, str(f)], f.parent, env, timeout))
+            cells.append(_run_file(name, f.name, [sys.executable, str(f)], f.parent, env, timeout))
     return cells

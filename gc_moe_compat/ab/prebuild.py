@@ -1,26 +1,44 @@
-"""Compile, before a run starts, every kernel variant its points can pick, in parallel threads (nvcc runs as
-subprocesses, so threads overlap). A fresh machine otherwise compiles each variant at its first eager call, one
-after the other, inside the run. Failures are not raised here: the operator that needs the kernel reports them
-itself at its first call (and the run records it as unavailable)."""
+"""Compile, before a run starts, every kernel its points can pick, in parallel. A fresh machine otherwise compiles
+each variant at its first eager call, one after the other, inside the run. Failures are not raised here: the
+operator that needs the kernel reports them itself at its first call (and the run records it as unavailable).
+
+* GC-MoE's kernels (:func:`kernel_jobs`, :func:`prebuild`): nvcc runs as subprocesses, so threads overlap.
+* The originals' JIT kernels (:func:`prebuild_originals`): DeepGEMM compiles a kernel inside its first call of each
+  configuration (its heuristics pick the configuration from the token count), so one child process per point
+  (``python -m gc_moe_compat.ab.prebuild <the run's gc-moe-ab arguments> --tokens T``) builds the operator as the
+  run does, on zero weights, and calls it once at that T; the kernels land in the originals' JIT caches
+  (``DG_JIT_CACHE_DIR``, Triton's cache) that the timed run then reads.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterable, Sequence
 
-__all__ = ["kernel_jobs", "prebuild"]
+__all__ = ["ORIGINAL_OPS", "kernel_jobs", "main", "prebuild", "prebuild_originals"]
+
+ORIGINAL_OPS = ("original_deep_gemm", "composed_deepep_deepgemm")
+"""The operators whose kernels the originals JIT-compile at their first call of each configuration."""
 
 
-def kernel_jobs(mma_types: Iterable[str], tokens: Sequence[int], num_ranks: int, topk: int, num_experts: int
-                ) -> list[tuple[str, dict[str, int]]]:
+def kernel_jobs(mma_types: Iterable[str], tokens: Sequence[int], num_ranks: int, topk: int, num_experts: int,
+                low_latency: bool = False) -> list[tuple[str, dict[str, int]]]:
     """``(source, defines)`` of role1, role3, the pre-dispatch and every role2 variant (block size of each T per
-    the operator's rule, with and without the producer warpgroup) of ``mma_types``."""
+    the operator's rule, with and without the producer warpgroup) of ``mma_types``; with ``low_latency`` also the
+    ``deep_ep`` facade's low-latency kernels (the composed baseline on the facade)."""
+    from gc_moe_compat.comm import ep_ll
     from gc_moe_compat.deep_gemm import _predispatch
     from gc_moe_compat.operator.heuristics import block_m_for_call
     from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize
 
     jobs: list[tuple[str, dict[str, int]]] = [(role1_dispatch.SOURCE, {}), (role3_finalize.SOURCE, {}),
                                               (_predispatch.SOURCE, {})]
+    if low_latency:
+        jobs.append((ep_ll.SOURCE, {}))
     bms = sorted({block_m_for_call(t, num_ranks, topk, num_experts) for t in tokens})
     for mma in sorted(set(mma_types)):
         for bm in bms:
@@ -44,3 +62,90 @@ def prebuild(jobs: Sequence[tuple[str, dict[str, int]]], workers: int = 8) -> li
 
     with cf.ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
         return list(pool.map(one, jobs))
+
+
+def child_command(argv: Sequence[str], tokens: int) -> list[str]:
+    """The child process of one point: the run's own ``gc-moe-ab`` arguments, the point's ``--tokens`` last (it
+    replaces the run's list), ``--ops`` limited to :data:`ORIGINAL_OPS` by the child itself."""
+    return [sys.executable, "-m", "gc_moe_compat.ab.prebuild", *argv, "--tokens", str(tokens)]
+
+
+def prebuild_originals(argv: Sequence[str], tokens: Sequence[int], workers: int = 6,
+                       timeout: float = 900.0) -> list[str]:
+    """One child per point (module docstring), ``workers`` at a time; one line per point (its time, or how it
+    failed: the run goes on and the operator reports its own error at its first call)."""
+    def one(t: int) -> str:
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(child_command(argv, t), capture_output=True, text=True, timeout=timeout,
+                                  check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        except subprocess.TimeoutExpired:
+            return f"originals T={t}: timed out after {timeout:.0f} s"
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        status = "ok" if proc.returncode == 0 else f"rc={proc.returncode}: {tail[0][:300]}"
+        return f"originals T={t}: {status} ({time.monotonic() - start:.1f} s)"
+
+    with cf.ThreadPoolExecutor(max(1, min(workers, len(tokens)))) as pool:
+        return list(pool.map(one, tokens))
+
+
+def _zero_weights(local_experts: int, hidden: int, intermediate: int, device: object) -> object:
+    """FP8 128x128-block experts of zeros (unit scales): the shapes the originals compile for, nothing to compute."""
+    import torch
+
+    from gc_moe_compat.ab.inputs import LayerWeights
+    from gc_moe_compat.testing.reference import ExpertWeights
+
+    def one(n: int, k: int) -> ExpertWeights:
+        payload = torch.zeros(local_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.ones(local_experts, n // 128, k // 128, dtype=torch.float32, device=device)
+        return ExpertWeights("fp8_block128", payload, scales)
+
+    return LayerWeights({"fp8_block128": (one(2 * intermediate, hidden), one(hidden, intermediate))})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """A child of :func:`prebuild_originals`: build each runnable original operator of the workload on zero
+    weights as the run does and call it once at the (single) ``--tokens`` value."""
+    import torch
+
+    from gc_moe_compat.ab import cli, operators
+    from gc_moe_compat.ab.inputs import make_tokens
+    from gc_moe_compat.ab.run import Ranks
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, w, problems = cli.parse(argv)
+    if problems:
+        print(f"prebuild: constraint: {problems}", file=sys.stderr)
+        return 2
+    specs = [s for s in operators.select(args.ops, args.partition_sweep) if s.name in ORIGINAL_OPS]
+    if (args.world_size or 1) > 1:  # one rank here would pick the one-rank configurations: leave it to the run
+        print("prebuild: originals are prebuilt for one-GPU runs only; the run compiles them at first use")
+        return 0
+    ranks = Ranks()
+    shape = w.shape(ranks.world, "fp8xfp8")
+    ctx = operators.Context(ranks.group, w, ranks.world, ranks.rank,
+                            _zero_weights(w.local_experts, w.hidden, w.intermediate, ranks.device), ranks.device)
+    code = 0
+    for t in args.tokens:
+        tokens = make_tokens(t, shape.num_experts, w.topk, w.hidden, ranks.rank, ranks.world,
+                             w.routed_scaling_factor, ranks.device)
+        for spec in specs:
+            if spec.probe() is not None:
+                continue
+            try:
+                runner = spec.build(ctx)
+                runner.stage(tokens)
+                runner.run()
+                torch.cuda.synchronize()
+                runner.close()
+            except Exception as exc:  # noqa: BLE001 - reported; the timed run reports its own error
+                print(f"prebuild: {spec.name} T={t}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # FACTS.md: destroy_process_group() after NCCL use can hang at exit
+
+
+if __name__ == "__main__":
+    main()

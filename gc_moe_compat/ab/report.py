@@ -1,6 +1,12 @@
 """What a ``gc-moe-ab`` run shows and writes: a ``rich`` progress bar and table in the terminal, the JSON result file
 and a PNG in the paper's style (latency with the floor, and speedup, against tokens per rank, one line per
-operator).
+operator); and the README's results rows generated from result files::
+
+    python -m gc_moe_compat.ab.report --readme-table bench/results/ab_*.json            # print the rows
+    python -m gc_moe_compat.ab.report --readme-table bench/results/ab_*.json --write README.md
+
+``--write`` replaces the rows between the ``<!-- ab-table:begin -->`` and ``<!-- ab-table:end -->`` comments (inline
+in the first and the last generated row, so the markdown table stays one table) and nothing else.
 
 ``rich`` and ``matplotlib`` are imported when first used. Without ``rich`` (a machine where it is not installed)
 the progress and the table are printed as plain lines, with one note saying so; without ``matplotlib`` no PNG is
@@ -9,6 +15,7 @@ written, with a note. The measurements never depend on either.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -17,7 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["Progress", "plot", "progress", "pyplot", "table", "write_json"]
+__all__ = ["README_BEGIN", "README_END", "Progress", "main", "plot", "progress", "pyplot", "readme_rows",
+           "replace_readme_rows", "table", "write_json"]
+
+README_BEGIN, README_END = "<!-- ab-table:begin -->", "<!-- ab-table:end -->"
 
 
 def _rich() -> ModuleType | None:
@@ -168,3 +178,83 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _range(values: Sequence[float], spec: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{format(lo, spec)}–{format(hi, spec)}"
+
+
+def readme_row(data: Mapping[str, object], name: str) -> str:
+    """One results row of a gc-moe-ab result file (``name``: the file's name): the workload and how it was run,
+    then per compared operator the mean of the per-point ratios over the reference operator with their range and
+    point count (or why it did not run), the reference operator's efficiency range and its worst cosine against
+    the quantization-faithful reference."""
+    meta, points = data["meta"], data["points"]
+    ref = meta["reference_op"]
+    w = meta["workload"]
+    ts = [p["tokens_per_rank"] for p in points]
+    what = (f"gc-moe-ab {w['name']} (H {w['hidden']}, I {w['intermediate']}, {w['local_experts']} experts per rank, "
+            f"top-{w['topk']}), {meta['world_size']}× {meta['gpu']}, T = {_range(ts, 'd').replace('–', '…')} "
+            f"(`{name}`; `{' '.join(meta['command'])}`{'' if meta.get('complete') else '; incomplete'})")
+    parts = []
+    summary = meta.get("summary", {})
+    for op, info in meta["ops"].items():
+        if op == ref:
+            continue
+        s = summary.get(f"{op}_over_{ref}")
+        if s:
+            parts.append(f"{ref} {s['mean_of_ratios']:.2f}× `{op}` (mean of {s['points']}, "
+                         f"{_range([s['min'], s['max']], '.2f')})")
+        else:
+            status = str(info.get("status", "not run"))
+            parts.append(f"`{op}` {status.split(':')[0]}" if status.startswith("not run") else f"`{op}` {status}")
+    eff = [p["efficiency"][ref] for p in points if ref in p.get("efficiency", {})]
+    cos = [p["accuracy"][ref]["faithful"]["cosine_min"] for p in points
+           if "faithful" in p.get("accuracy", {}).get(ref, {})]
+    if eff:
+        parts.append(f"{ref} efficiency {_range(eff, '.2f')}")
+    if cos:
+        parts.append(f"cosine ≥ {min(cos):.5f} vs the faithful reference")
+    return f"| {what} | {'; '.join(parts)} |"
+
+
+def readme_rows(files: Sequence[Path]) -> list[str]:
+    """The README rows of ``files`` (one each, in the given order), the markers inline in the first and last."""
+    rows = [readme_row(json.loads(Path(f).read_text()), Path(f).name) for f in files]
+    if rows:
+        rows[0] = rows[0].replace("| ", f"| {README_BEGIN}", 1)
+        rows[-1] = rows[-1][: -len(" |")] + f" {README_END} |"
+    return rows
+
+
+def replace_readme_rows(text: str, rows: Sequence[str]) -> str:
+    """``text`` with the lines from the one holding :data:`README_BEGIN` to the one holding :data:`README_END`
+    replaced by ``rows``; ``ValueError`` where the markers are not there once each, in that order."""
+    lines = text.split("\n")
+    begin = [i for i, line in enumerate(lines) if README_BEGIN in line]
+    end = [i for i, line in enumerate(lines) if README_END in line]
+    if len(begin) != 1 or len(end) != 1 or end[0] < begin[0]:
+        raise ValueError(f"README: needs one {README_BEGIN} line and one {README_END} line after it, found "
+                         f"{len(begin)} and {len(end)}")
+    return "\n".join([*lines[: begin[0]], *rows, *lines[end[0] + 1:]])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gc_moe_compat.ab.report",
+                                     description="README results rows from gc-moe-ab result files")
+    parser.add_argument("--readme-table", nargs="+", type=Path, required=True, metavar="RESULT_JSON")
+    parser.add_argument("--write", type=Path, default=None, metavar="README",
+                        help="replace the rows between the ab-table markers of this file")
+    args = parser.parse_args(argv)
+    rows = readme_rows(sorted(args.readme_table, key=lambda p: p.name))
+    if args.write is None:
+        print("\n".join(rows))
+        return 0
+    args.write.write_text(replace_readme_rows(args.write.read_text(), rows))
+    print(f"{args.write}: {len(rows)} row(s) between the ab-table markers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

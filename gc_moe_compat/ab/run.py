@@ -45,6 +45,7 @@ class RunConfig:
     out: Path
     command: tuple[str, ...]
     quick: bool = False
+    prebuild_only: bool = False
 
 
 class Ranks:
@@ -207,11 +208,20 @@ def run(cfg: RunConfig) -> int:
     formats = {s.weight_format for s in probed}
     t0 = time.monotonic()
     if lead:  # one rank compiles every variant the points can pick, in parallel; the others wait
-        jobs = prebuild.kernel_jobs({s.mma_type for s in probed}, cfg.tokens, world, w.topk, shape.num_experts)
+        names = {s.name for s in probed}
+        jobs = prebuild.kernel_jobs({s.mma_type for s in probed}, cfg.tokens, world, w.topk, shape.num_experts,
+                                    low_latency="composed_deepep_deepgemm" in names)
         for line in prebuild.prebuild(jobs):
             print(f"prebuild: {line}", flush=True)
+        if world == 1 and names & set(prebuild.ORIGINAL_OPS):
+            for line in prebuild.prebuild_originals(cfg.command[1:], cfg.tokens):
+                print(f"prebuild: {line}", flush=True)
         print(f"prebuild: {time.monotonic() - t0:.1f} s", flush=True)
     dist.barrier()
+    if cfg.prebuild_only:
+        if lead:
+            print("prebuild only: every kernel of the run is compiled; nothing timed", flush=True)
+        return 0
     weights = [make_weights(w.local_experts, w.hidden, w.intermediate, r, tuple(sorted(formats)), ranks.device)
                for r in range(world)]
     ctx = Context(ranks.group, w, world, rank, weights[rank], ranks.device)

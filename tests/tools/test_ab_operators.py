@@ -85,3 +85,25 @@ def test_prebuild_lists_every_variant_the_points_can_pick() -> None:
     assert sources[:3] == ["sm90/role1_dispatch.cu", "sm90/role3_finalize.cu", "sm90/predispatch.cu"]
     assert {"sm90/role2_gemm_fp8xfp8.cu", "sm90/role2_gemm_fp8xfp4.cu"} <= set(sources)
     assert len({(s, tuple(sorted(d.items()))) for s, d in jobs}) == len(jobs)
+
+
+def test_prebuild_adds_the_low_latency_kernels_for_the_composed_baseline() -> None:
+    from gc_moe_compat.comm import ep_ll
+
+    plain = prebuild.kernel_jobs(["fp8xfp8"], [1, 8], 1, 8, 32)
+    with_ll = prebuild.kernel_jobs(["fp8xfp8"], [1, 8], 1, 8, 32, low_latency=True)
+    assert (ep_ll.SOURCE, {}) in with_ll and (ep_ll.SOURCE, {}) not in plain
+    assert [j for j in with_ll if j != (ep_ll.SOURCE, {})] == plain
+
+
+def test_the_originals_prebuild_runs_one_child_per_point_and_reports_its_failure() -> None:
+    """A child replays the run's own arguments with the point's --tokens last; here (no GPU) each child fails at
+    its process group and the line says so instead of raising."""
+    import sys
+
+    argv = ["--preset", "glm52", "--tokens", "1", "8", "--quick"]
+    assert prebuild.child_command(argv, 8) == [sys.executable, "-m", "gc_moe_compat.ab.prebuild", *argv,
+                                               "--tokens", "8"]
+    lines = prebuild.prebuild_originals(argv, [1, 8], workers=2, timeout=120)
+    assert [line.split(":")[0] for line in lines] == ["originals T=1", "originals T=8"]
+    assert all("rc=" in line for line in lines), lines
