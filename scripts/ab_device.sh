@@ -4,8 +4,12 @@
 #   bash scripts/ab_device.sh [--ab WORKLOAD]... [--ab-args "ARGS"] [--matrix] [--matrix-args "ARGS"] [--pytest EXPR]
 #   WORKLOAD: a gc-moe-ab workload's arguments, e.g. "--preset glm52" or "--model-config tests/data/deepseek_v3/config.json"
 #   --ab-args     appended to every gc-moe-ab run (e.g. "--quick --tokens 1 8")
-#   --matrix      run gc-moe-matrix (GPU + CPU cells) with --matrix-args (e.g. "--deepep-src .carry/DeepEP")
+#   --matrix      run gc-moe-matrix (GPU + CPU cells) with --matrix-args (e.g. "--deepep-src .carry/DeepEP"; shell
+#                 quoting inside it is honoured)
 #   --pytest EXPR run the gpu tests of tests/tools/test_ab_*.py matching EXPR first
+#   --prebuild S  first, at the same time and for at most S seconds: `gc-moe-ab WORKLOAD --prebuild-only` of every
+#                 workload (GC-MoE's kernels and the originals' JIT kernels of every point), the matrix and the
+#                 pytest run (neither is timed); then the gc-moe-ab runs one after the other on the idle GPU
 #   --parallel    run the gc-moe-ab workloads at the same time (a smoke run that compiles every kernel variant of
 #                 every workload at once; its latencies are not measurements)
 #   --deadline S  end every step by S seconds after the start (the device call's limit minus a margin) and still
@@ -23,7 +27,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OUT="${OUT:-$PWD/device_out}"
 export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-$PWD/.carry/gc_moe_cache}"
 PY="${PYTHON:-python3}"
-workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0
+workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0
 while (($#)); do
   case "$1" in
     --ab) workloads+=("$2"); shift ;;
@@ -33,6 +37,7 @@ while (($#)); do
     --pytest) pytest_k="$2"; shift ;;
     --parallel) parallel=1 ;;
     --deadline) deadline="$2"; shift ;;
+    --prebuild) prebuild="$2"; shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
@@ -41,9 +46,14 @@ LOGS=/tmp/ab_device_logs
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS" "$GC_MOE_CACHE_DIR"
 PACK_RESERVE=10  # seconds kept for packing at the deadline
 summary=()
+phase_end=0  # while > 0: steps end by then too (the --prebuild phase)
 left() {  # seconds a step may still take (a large number without --deadline)
-  if ((deadline)); then echo $((deadline - PACK_RESERVE - SECONDS)); else echo 100000; fi
+  local end=100000
+  ((deadline)) && end=$((deadline - PACK_RESERVE))
+  ((phase_end && phase_end < end)) && end=$phase_end
+  echo $((end - SECONDS))
 }
+log_name() { echo "ab_$(echo "$*" | tr -c 'A-Za-z0-9_-' _).log"; }
 run_step() {  # run_step NAME LOG COMMAND...: run under the deadline, record the exit status and seconds
   local name="$1" log="$2" start=$SECONDS rc budget
   shift 2
@@ -75,27 +85,50 @@ if [[ -f $dg/deep_gemm/VERSION ]]; then
 else
   summary+=("original SM90 Mega MoE: not staged ($dg; scripts/build_sgl_deep_gemm.sh)")
 fi
+pids=()
+if ((prebuild)); then  # untimed work at the same time: compiles, the matrix's cells, the tests
+  phase_end=$((SECONDS + prebuild))
+  for w in "${workloads[@]}"; do
+    # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
+    run_step "gc-moe-ab $w --prebuild-only" "prebuild_$(log_name "$w")" gc-moe-ab $w $ab_args --prebuild-only &
+    pids+=($!)
+  done
+  if ((matrix)); then
+    run_step gc-moe-matrix matrix.log bash -c "gc-moe-matrix $matrix_args" &
+    pids+=($!)
+    matrix=0
+  fi
+  if [[ -n $pytest_k ]]; then
+    run_step "pytest -k $pytest_k" pytest.log "$PY" -m pytest -q -rs -m gpu tests/tools -k "$pytest_k" &
+    pids+=($!)
+    pytest_k=
+  fi
+  wait "${pids[@]}"
+  summary+=("$(printf '%-44s %4d s (every step below ran alone on the GPU)' "prebuild phase" "$SECONDS")")
+  for f in "$LOGS"/prebuild_* "$LOGS"/matrix.log "$LOGS"/pytest.log; do
+    [[ -f $f ]] && summary+=("  $(basename "$f"): $(grep -E 'prebuild: [0-9.]+ s|compat matrix:|passed|failed' "$f" \
+      | tail -n 1 | cut -c1-100)")
+  done
+  phase_end=0 pids=()
+fi
 if [[ -n $pytest_k ]]; then
   run_step "pytest -k $pytest_k" pytest.log "$PY" -m pytest -q -rs -m gpu tests/tools -k "$pytest_k"
 fi
-pids=()
 for w in "${workloads[@]}"; do
-  log="ab_$(echo "$w" | tr -c 'A-Za-z0-9_-' _).log"
   # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
   if ((parallel)); then
-    run_step "gc-moe-ab $w (parallel)" "$log" gc-moe-ab $w $ab_args &
+    run_step "gc-moe-ab $w (parallel)" "$(log_name "$w")" gc-moe-ab $w $ab_args &
     pids+=($!)
   else
-    run_step "gc-moe-ab $w" "$log" gc-moe-ab $w $ab_args
+    run_step "gc-moe-ab $w" "$(log_name "$w")" gc-moe-ab $w $ab_args
   fi
 done
 ((${#pids[@]})) && wait "${pids[@]}"
 ((parallel)) && for w in "${workloads[@]}"; do
-  log="ab_$(echo "$w" | tr -c 'A-Za-z0-9_-' _).log"; summary+=("$(printf '%-44s %s' "gc-moe-ab $w (parallel)" \
-  "$(grep -c 'T=' "$LOGS/$log") lines with T=; $(tail -n 1 "$LOGS/$log" | cut -c1-80)")"); done
+  summary+=("$(printf '%-44s %s' "gc-moe-ab $w (parallel)" "$(grep -c 'T=' "$LOGS/$(log_name "$w")") lines with T=")")
+done
 if ((matrix)); then
-  # shellcheck disable=SC2086
-  run_step "gc-moe-matrix $matrix_args" matrix.log gc-moe-matrix $matrix_args
+  run_step gc-moe-matrix matrix.log bash -c "gc-moe-matrix $matrix_args"
 fi
 printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
 pack

@@ -23,7 +23,8 @@
 # Where the build and its caches live (all under DEST, so that bringing DEST back from a GPU host skips them next
 # time): _C.so in DEST/deep_gemm/; tvm_ffi's torch DLPack addon in TVM_FFI_CACHE_DIR (DEST/cache/tvm_ffi; tvm_ffi's
 # default ~/.cache/tvm-ffi); DeepGEMM's JIT kernels in DG_JIT_CACHE_DIR (DEST/cache/deep_gemm; its default
-# ~/.deep_gemm), compiled at first use per kernel shape. `--env` prints these exports plus PYTHONPATH.
+# ~/.deep_gemm), compiled at first use per kernel configuration. `--env` prints these exports plus PYTHONPATH and
+# LD_PRELOAD of the system libstdc++ (DeepGEMM's JIT crashes in std::regex under the torch image's one, FACTS.md).
 # Then: eval "$(bash scripts/build_sgl_deep_gemm.sh --env)"; gc-moe-ab ... (the tool loads the original through
 # gc_moe_compat.originals, beside the facade). Layout (what sgl_deep_gemm's __init__ expects, the package's parent as
 # its root): DEST/deep_gemm/ (__init__.py and VERSION from sgl_deep_gemm/, utils testing legacy mega,
@@ -53,6 +54,10 @@ exports() {
   echo "export PYTHONPATH=$dest/site:$dest\${PYTHONPATH:+:\$PYTHONPATH}"
   echo "export DG_JIT_CACHE_DIR=$dest/cache/deep_gemm TVM_FFI_CACHE_DIR=$dest/cache/tvm_ffi"
   echo "export CUDA_HOME=\${CUDA_HOME:-/usr/local/cuda}"
+  # FACTS.md: DeepGEMM's JIT (std::regex on the nvcc version) crashes under the torch image's libstdc++ otherwise
+  local stdcxx=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
+  [[ -f $stdcxx ]] && echo "export LD_PRELOAD=$stdcxx"
+  return 0
 }
 if ((env)); then exports; exit 0; fi
 
