@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import pytest
 import torch
 from fuzz_model import (
     JUNK,
@@ -110,15 +111,21 @@ def _combine_case(name: str, value: object) -> tuple[dict[str, object], type[Exc
     return kwargs, want
 
 
+@pytest.fixture
+def normal_buffer(deep_ep_host: DeepEpHost) -> Buffer:
+    """One normal-mode Buffer for every example of a test (a refused or GPU-refused call changes nothing in it)."""
+    return deep_ep_host.buffer(NVL_BYTES, 0)
+
+
 @settings(FUZZ, max_examples=300)
 @given(case=draw(COMBINE_SPECS, {"config.num_sms": st.one_of(st.just(2 * CHANNELS), st.integers(0, 64)),
                                   "handle.most_sent": st.sampled_from([None, 0, ROWS, NVL_BYTES // (2 * H) + 1,
                                                                        10**9])}))
-def test_normal_combine(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, case: tuple[str, object]) -> None:
+def test_normal_combine(normal_buffer: Buffer, default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     """Each argument of a valid combine replaced by a drawn value: refused with the model's exception naming it (and
     the caller's tensors unchanged), or accepted up to the launch's GPU refusal."""
     name, value = case
-    buf = deep_ep_host.buffer(NVL_BYTES, 0)
+    buf = normal_buffer
     kwargs, want = _combine_case(name, value)
     if name == "handle.most_sent" and value is None:
         want = None  # a num_worst_tokens dispatch's handle: the device checks the rows
@@ -157,13 +164,20 @@ _OPS = st.one_of(
 )
 
 
+@pytest.fixture
+def shrink_buffer(deep_ep_host: DeepEpHost) -> Buffer:
+    """One 4-rank low-latency Buffer with enable_shrink for every example of a test (each starts by cleaning it)."""
+    return deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, enable_shrink=True, ranks=RANKS)
+
+
 @settings(FUZZ, max_examples=150)
 @given(ops=st.lists(_OPS, min_size=1, max_size=8))
-def test_rank_masking(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, ops: list[tuple]) -> None:
-    """A sequence of masking calls on a 4-rank Buffer with enable_shrink against the model's mask: each refused
-    call (the model's exception naming its argument) changes neither the mask nor the caller's tensor; each query
-    writes the model's mask (1 = masked) and nothing else."""
-    buf = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, enable_shrink=True, ranks=RANKS)
+def test_rank_masking(shrink_buffer: Buffer, default_dtype: torch.dtype, ops: list[tuple]) -> None:
+    """A sequence of masking calls on a 4-rank Buffer with enable_shrink, from a clean mask, against the model's
+    mask: each refused call (the model's exception naming its argument) changes neither the mask nor the caller's
+    tensor; each query writes the model's mask (1 = masked) and nothing else."""
+    buf = shrink_buffer
+    buf.low_latency_clean_mask_buffer()
     model = [0] * RANKS
     for op, *args in ops:
         if op == "update":
@@ -217,20 +231,30 @@ _HANDLES = ("valid", "valid", "plain tuple", "another Buffer's", "normal-mode ha
             "destroyed", "junk")
 
 
+@pytest.fixture
+def ll_buffers(deep_ep_host: DeepEpHost) -> dict[str, Buffer]:
+    """Low-latency Buffers for every example of a test: sized by the hint (``hint``, and ``other`` for another
+    Buffer's handles) and ``no_room`` (every call of these sizes, without the zero-copy rows)."""
+    no_room = required_bytes(_low_latency.ll_shape(1, TMAX, H, E, E))
+    return {"hint": deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True),
+            "other": deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True),
+            "no_room": deep_ep_host.buffer(0, no_room, low_latency_mode=True)}
+
+
 @FUZZ
 @given(form=st.sampled_from(_HANDLES), junk=JUNK, tokens=st.integers(0, TMAX), topk=st.integers(1, E),
        max_tokens=st.integers(1, TMAX), experts=st.sampled_from([1, 2, 4, 8]))
-def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, form: str,
-                                         junk: object, tokens: int, topk: int, max_tokens: int,
-                                         experts: int) -> None:
+def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, ll_buffers: dict[str, Buffer],
+                                         default_dtype: torch.dtype, form: str, junk: object, tokens: int, topk: int,
+                                         max_tokens: int, experts: int) -> None:
     """The handle of a dispatch of drawn sizes, or another kind of handle. Valid: a BF16 ``[E/P, P*Tmax, H]`` view of
     the Buffer's workspace, the rows the next zero-copy combine sends (its launch reads them, not ``x``). Refused:
     another type (TypeError naming handle), a handle of another Buffer (ValueError naming handle), a Buffer without
     the zero-copy rows (ValueError naming num_rdma_bytes), a destroyed Buffer."""
     tokens, topk = min(tokens, max_tokens), min(topk, experts)
-    no_room = required_bytes(_low_latency.ll_shape(1, TMAX, H, E, E))  # every call of these sizes, no zero-copy rows
-    buf = deep_ep_host.buffer(0, no_room if form == "no zero-copy room" else LL_BYTES, low_latency_mode=True,
-                              explicitly_destroy=True)
+    buf = ll_buffers["no_room" if form == "no zero-copy room" else "hint"]
+    if form == "destroyed":
+        buf = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, explicitly_destroy=True)
     x = torch.randn(tokens, H, dtype=torch.float32).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(experts, dtype=torch.int64)[:topk] for _ in range(tokens)]) if tokens else \
         torch.zeros(0, topk, dtype=torch.int64)
@@ -240,14 +264,13 @@ def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, default_dtype
     if form == "plain tuple":
         handle = tuple(handle)
     elif form == "another Buffer's":
-        other = deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True)
-        _, _, handle, _, _ = other.low_latency_dispatch(x, idx, max_tokens, experts, use_fp8=False)
+        _, _, handle, _, _ = ll_buffers["other"].low_latency_dispatch(x, idx, max_tokens, experts, use_fp8=False)
         want = ValueError
     elif form == "normal-mode handle":
         handle = HANDLE.make(tuple(torch.zeros(r.shape, dtype=r.dtypes[0]) for r in HANDLE.items))
     elif form == "no zero-copy room":  # refused where the zero-copy rows of these sizes (the size rule) do not fit
         zero_copy = required_bytes(_low_latency.ll_shape(1, max_tokens, H, experts, topk), zero_copy=True)
-        want, names = (ValueError if zero_copy > no_room else None), ("num_rdma_bytes",)
+        want, names = (ValueError if zero_copy > buf.num_rdma_bytes else None), ("num_rdma_bytes",)
     elif form == "destroyed":
         buf.destroy()
         want, names = ValueError, ("destroyed",)
