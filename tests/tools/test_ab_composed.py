@@ -4,6 +4,7 @@ original DeepGEMM importable) the layer against the quantization-faithful refere
 
 from __future__ import annotations
 
+import importlib.util
 import types
 
 import pytest
@@ -106,3 +107,42 @@ def test_the_composed_layer_matches_the_quantization_faithful_reference(group: o
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(op.y.view(torch.int16), eager.view(torch.int16))
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (its CPU interpreter runs the kernel)")
+def test_the_activation_without_routing_weights_in_the_triton_interpreter() -> None:
+    """The composed path's activation (routing weights applied later, in DeepEP's combine), with and without a
+    SwiGLU clamp, against test_bench_operator's oracle with unit weights (TRITON_INTERPRET=1 in a subprocess: the
+    flag is read at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = """
+import torch, test_bench_operator as t
+from gc_moe_compat.ab import masked_gemm
+t._numpy2_scalar_index()
+gen = torch.Generator().manual_seed(0)
+e, max_m, inter = 3, 8, 384
+d1 = (torch.randn(e, max_m, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
+masked_m = torch.tensor([5, 0, 8], dtype=torch.int32)
+for clamp in (3.0, None):
+    a2, sf_t = torch.full((e, max_m, inter), -7.0), torch.full((e, inter // 128, max_m), -7.0)
+    masked_gemm.swiglu_quant_masked(d1, None, masked_m, a2, sf_t, clamp=clamp, alpha=1.5, row_programs=3)
+    q, scale = t._act_oracle(d1, torch.ones(e, max_m), float("inf") if clamp is None else clamp, 1.5)
+    for ex, n in enumerate(masked_m.tolist()):
+        torch.testing.assert_close(sf_t[ex, :, :n].T, scale[ex, :n], rtol=1e-6, atol=0)
+        torch.testing.assert_close(a2[ex, :n], q[ex, :n], rtol=1e-5, atol=1e-4)
+        assert (a2[ex, n:] == -7.0).all() and (sf_t[ex, :, n:] == -7.0).all()
+print("interpreter ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), str(here.parents[1] / "bench"),
+                                                      env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
