@@ -13,7 +13,14 @@ Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCO
 * ``separate_shared``: the pre-dispatch, the routed-only ``fp8_mega_moe``, then the shared expert as its own GEMMs
   on the same staged tokens (this project's standalone SM90 FP8 grouped GEMM, W1 with the fused SwiGLU + requant
   epilogue and W2, one expert, the whole device; the FP32 scales transposed into the MN-major layout it reads) and
-  the shared output added to ``y``.
+  the shared output added to ``y``;
+* ``fused_shared_k32``: ``fused_shared`` with the shared expert in DeepGEMM's shared recipe (E4M3 with per-row UE8M0
+  K32 scales: role4's K32-promoting mainloop), the same draws;
+* role4 alone, its nodes as the fused call's graph holds them (on the compute partition, the staged tokens of
+  ``fused_shared``), to name what role4 costs inside the layer: ``role4`` (W1 + W2 nodes), ``role4_w1`` (the W1
+  node), ``role4_k32`` (both nodes, K32 weights) and ``role4_stage_scales`` / ``role4_w1_stage_scales`` (W1 copying
+  each K step's token scales with one thread instead of the block's scales once per task: the code before the
+  task-scale region, ``role4_shared.role4_nodes(task_scales=False)``).
 
 ``floor_us``: BENCH_PROTOCOL.md's floor of the routed layer (unique active experts' FP8 weights + block scales, the
 tokens in and out) over the copy bandwidth measured in the same run; ``floor_shared_us`` adds the shared expert's
@@ -25,7 +32,9 @@ Presets: ``dsv41-flash``, ``glm52`` and ``dsv3`` (DeepSeek-V3 at EP8's per-rank 
 256 experts, top-8, one shared expert, routed scaling 2.5; the other two scale by 1.0), P = 1, capacity 256,
 clamp 10, T = 1..256 (``config.SWEEP_TOKENS``).
 
-``python bench/sglang_sequence_sm90.py --out bench/results/sglang_sequence_sm90.json``
+``python bench/sglang_sequence_sm90.py --out bench/results/sglang_sequence_sm90.json``; ``--ops`` times a subset
+(the accuracy and the derived fields need ``fused_shared``, and ``sequence`` / ``layer`` / ``separate_shared`` for
+the speedups and the pre-dispatch share; a subset's file is not a protocol result of this file).
 """
 
 from __future__ import annotations
@@ -41,14 +50,18 @@ import torch.distributed as dist
 from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
 
 import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import quant
 from gc_moe_compat.ab.prebuild import kernel_jobs, prebuild
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 from gc_moe_compat.config import PRESETS as CONFIG_PRESETS
-from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.config import SWEEP_TOKENS, preset_shape
 from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.heuristics import select_config, tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
+from gc_moe_compat.runtime.cuda import as_stream
+from gc_moe_compat.runtime.graph import get_graph
+from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.operator_workload import (
@@ -61,7 +74,7 @@ from gc_moe_compat.testing.operator_workload import (
     preset_dims,
     reference_results,
 )
-from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
 from gc_moe_compat.testing.standalone_gemm import (
     EPI_W1,
     EPI_W2,
@@ -73,6 +86,10 @@ from gc_moe_compat.testing.standalone_gemm import (
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")
+ROLE4_OPS = {"role4": ("block", True, 2), "role4_w1": ("block", True, 1), "role4_k32": ("k32", True, 2),
+             "role4_stage_scales": ("block", False, 2), "role4_w1_stage_scales": ("block", False, 1)}
+"""role4 alone: (shared weights' form, task-scale region, nodes: W1 only or W1 + W2)."""
+ALL_OPS = (*OPS, "fused_shared_k32", *ROLE4_OPS)
 
 
 def _separate_config(tokens: int, hidden: int, inter: int) -> object:
@@ -81,18 +98,19 @@ def _separate_config(tokens: int, hidden: int, inter: int) -> object:
     return select_config(tokens, 1, 2 * inter // tile_rows(2), sms, "fp8xfp8", hidden=hidden)
 
 
-def _jobs(preset: str) -> list[tuple[str, dict[str, int]]]:
+def _jobs(preset: str, tokens: list[int]) -> list[tuple[str, dict[str, int]]]:
     """Every kernel variant the preset's points pick: the operator's roles and pre-dispatch (gc-moe-ab's list),
-    role4's W1 / W2 variants (for the default partition's compute SMs; another partition compiles its own at first
-    use) and the standalone GEMM of the separate shared expert."""
+    role4's W1 / W2 variants of both weight forms and both token-scale paths (for the default partition's compute
+    SMs; another partition compiles its own at first use) and the standalone GEMM of the separate shared expert."""
     e, k, h, inter = preset_dims(preset)
-    jobs = kernel_jobs(["fp8xfp8"], SWEEP_TOKENS, 1, k, e)
+    jobs = kernel_jobs(["fp8xfp8"], tokens, 1, k, e)
     compute_sms = torch.cuda.get_device_properties(0).multi_processor_count - 4  # the default dispatch request
-    for t in SWEEP_TOKENS:
-        for epi, n_w in ((1, 2 * inter), (2, h)):
-            v = role4_shared.role4_variant(t, n_w, epi, compute_sms, mma_type="fp8xfp8")
-            jobs.append((role4_shared.SOURCE, v.defines))
-    for t in SWEEP_TOKENS:
+    shape = preset_shape(preset, 1, mma_type="fp8xfp8")
+    for t in tokens:
+        for k32, task_scales in ((False, True), (True, True), (False, False)):
+            for v in role4_shared.role4_variants(shape, t, compute_sms, k32=k32, task_scales=task_scales):
+                jobs.append((role4_shared.SOURCE, v.defines))
+    for t in tokens:
         c = _separate_config(t, h, inter)
         for epi, stages in ((EPI_W1, c.stages_w1), (EPI_W2, c.stages_w2)):
             jobs.append((SOURCE, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
@@ -130,19 +148,36 @@ class PresetRun:
         s1, s2 = self.shared
         self.shared_pairs = {"shared_l1_weights": (s1.payload, s1.scales),
                              "shared_l2_weights": (s2.payload, s2.scales)}
+        self.shared_k32 = tuple(ExpertWeights.quantize(w.payload, "fp8_k32")
+                                for w in make_shared_weights(preset, fmt="bf16"))
+        self.shared_pairs_k32 = {name: (w.payload, quant.ue8m0_encode(w.scales))
+                                 for name, w in zip(self.shared_pairs, self.shared_k32, strict=True)}
         self.separate_weights = prepare_fp8_weights(s1, s2)
         self.sym = {s: dg.get_symm_buffer_for_mega_moe(group, self.e, CAPACITY, self.k, self.h, self.inter,
                                                        num_shared_experts=s, mma_type="fp8xfp4") for s in (0, 1)}
         self.native = _seam.workspace_of(self.sym[1]).retyped("fp8xfp8")
+        self.role4_weights = {"block": role4_shared.Role4Weights(*self.shared_pairs.values()),
+                              "k32": role4_shared.Role4Weights(*self.shared_pairs_k32.values())}
+        self.role4_tables = role4_shared.Role4Tables(self.native)
+        self.partition = get_partition(self.native.dispatch_sms) if self.native.partition == "on" else None
+
+    def role4_op(self, tokens: int, name: str) -> Callable[[], None]:
+        """Role4 alone (:data:`ROLE4_OPS`): its nodes for ``tokens`` tokens as one graph on the compute partition."""
+        form, task_scales, count = ROLE4_OPS[name]
+        nodes = role4_shared.role4_nodes(self.native, self.role4_weights[form], self.role4_tables, tokens,
+                                         activation_clamp=CLAMP, task_scales=task_scales)[:count]
+        graph = get_graph(nodes, self.partition)
+        return lambda: graph.launch(as_stream(torch.cuda.current_stream().cuda_stream))
 
     def ops(self, tokens: int, seed: int) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor]]:
-        """The four operations of one point on fresh seeded inputs, and the output each writes."""
+        """The operations of one point on fresh seeded inputs (:data:`ALL_OPS`), and the output each writes."""
         inputs = make_inputs("uniform", tokens, self.e, self.k, self.h, seed)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(tokens, self.h, generator=g).to("cuda", torch.bfloat16)
         idx = inputs.topk_idx.to(torch.int32)  # SGLang hands int32 ids to the pre-dispatch
         weights = inputs.topk_weights
-        ys = {name: torch.empty(tokens, self.h, dtype=torch.bfloat16, device="cuda") for name in OPS}
+        ys = {name: torch.empty(tokens, self.h, dtype=torch.bfloat16, device="cuda")
+              for name in (*OPS, "fused_shared_k32")}
 
         def pre(s: int) -> None:
             b = self.sym[s]
@@ -164,51 +199,67 @@ class PresetRun:
             gemm.run(grouped, ws)
             ys["separate_shared"].add_(ws.out[:tokens])
 
-        def fused() -> None:
-            pre(1)
-            api.fp8_fp8_gc_moe(ys["fused_shared"], self.weights.w1, self.weights.w2, self.native,
-                               activation_clamp=CLAMP, check_values=False, **self.shared_pairs)
+        def fused(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+            def run() -> None:
+                pre(1)
+                api.fp8_fp8_gc_moe(ys[name], self.weights.w1, self.weights.w2, self.native, activation_clamp=CLAMP,
+                                   check_values=False, **pairs)
+            return run
 
         ops = {"sequence": lambda: (pre(0), layer(ys["sequence"])), "layer": lambda: layer(ys["layer"]),
-               "fused_shared": fused, "separate_shared": separate}
+               "fused_shared": fused("fused_shared", self.shared_pairs), "separate_shared": separate,
+               "fused_shared_k32": fused("fused_shared_k32", self.shared_pairs_k32)}
+        ops.update({name: self.role4_op(tokens, name) for name in ROLE4_OPS})
+        pre(1)  # role4 alone reads these staged tokens
         return ops, ys
 
-    def accuracy(self, tokens: int, ys: dict[str, torch.Tensor]) -> dict[str, dict[str, float | int]]:
-        """``fused_shared`` against the faithful reference on what the operator read; ``separate_shared`` against
-        ``fused_shared``."""
+    def accuracy(self, tokens: int, ys: dict[str, torch.Tensor], timed: set[str]) -> dict[str, dict[str, float | int]]:
+        """Of the timed ops: ``fused_shared`` (and ``fused_shared_k32``) against the faithful reference on what the
+        operator read; ``separate_shared`` against ``fused_shared``."""
         b = self.sym[1]
         staged = RankInputs(b.x[:tokens].clone(), b.x_sf[:tokens].clone(), b.topk_idx[:tokens].clone(),
                             b.topk_weights[:tokens].clone())
-        ref = reference_results([staged], [self.weights], shared=self.shared)[0].y
-        return {"fused_shared_vs_reference": accuracy_metrics(ys["fused_shared"].float(), ref.float()),
-                "separate_vs_fused": accuracy_metrics(ys["separate_shared"].float(), ys["fused_shared"].float())}
+        out = {}
+        for name, shared in (("fused_shared", self.shared), ("fused_shared_k32", self.shared_k32)):
+            if name in timed:
+                ref = reference_results([staged], [self.weights], shared=shared)[0].y
+                out[f"{name}_vs_reference"] = accuracy_metrics(ys[name].float(), ref.float())
+        if {"separate_shared", "fused_shared"} <= timed:
+            out["separate_vs_fused"] = accuracy_metrics(ys["separate_shared"].float(), ys["fused_shared"].float())
+        return out
 
-    def point(self, tokens: int, bandwidth: float, warmup: int, windows: int) -> dict[str, object]:
+    def point(self, tokens: int, bandwidth: float, warmup: int, windows: int,
+              timed: tuple[str, ...] = ALL_OPS) -> dict[str, object]:
         ops, ys = self.ops(tokens, seed=7000 + tokens)
         latency = {}
-        for name, op in ops.items():
+        for name in timed:
+            op = ops[name]
             op()  # JIT, graphs and conversions outside the capture
             graph = capture_graph(op)
             latency[name] = median_graph_window(graph, warmup, windows)
-        active = int(torch.unique(self.sym[0].topk_idx[:tokens]).ge(0).sum())
+        active = int(torch.unique(self.sym[1].topk_idx[:tokens]).ge(0).sum())
         floor = expert_floor_bytes(self.h, self.inter, active, tokens) / bandwidth * 1e6
         floor_shared = expert_floor_bytes(self.h, self.inter, active + 1, tokens) / bandwidth * 1e6
-        return {"preset": self.preset, "mma_type": "fp8xfp8", "shared": True, "tokens_per_rank": tokens,
-                "routed_scaling_factor": self.factor, "active_experts": active, "latency_us": latency,
-                "per_rank_us": {name: [us] for name, us in latency.items()},
+        point = {"preset": self.preset, "mma_type": "fp8xfp8", "shared": True, "tokens_per_rank": tokens,
+                 "role4_block_m": role4_shared.block_m_for_shared(tokens),
+                 "routed_scaling_factor": self.factor, "active_experts": active, "latency_us": latency,
+                 "per_rank_us": {name: [us] for name, us in latency.items()},
+                 "floor_us": floor, "floor_shared_us": floor_shared,
+                 "accuracy": self.accuracy(tokens, ys, set(timed))}
+        if set(OPS) <= set(timed):
+            point.update({
                 "speedup": {"layer_over_sequence": latency["layer"] / latency["sequence"],
                             "separate_over_fused": latency["separate_shared"] / latency["fused_shared"]},
                 "pre_dispatch_share_us": latency["sequence"] - latency["layer"],
-                "floor_us": floor, "floor_shared_us": floor_shared,
                 "efficiency": {"sequence": floor / latency["sequence"], "layer": floor / latency["layer"],
                                "fused_shared": floor_shared / latency["fused_shared"],
-                               "separate_shared": floor_shared / latency["separate_shared"]},
-                "accuracy": self.accuracy(tokens, ys)}
+                               "separate_shared": floor_shared / latency["separate_shared"]}})
+        return point
 
 
 def plot(points: list[dict[str, object]], presets: list[str], path: Path) -> None:
     plt = pyplot()
-    if plt is None:
+    if plt is None or not set(OPS) <= set(points[0]["latency_us"]):
         return
     fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
     for ax, preset in zip(axes[0], presets, strict=True):
@@ -230,7 +281,8 @@ def plot(points: list[dict[str, object]], presets: list[str], path: Path) -> Non
 
 def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
     """Every preset's T sweep on this one-rank group, then the result file, the PNG and the table."""
-    jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets for src, d in _jobs(preset)}
+    jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets
+            for src, d in _jobs(preset, args.tokens)}
     built = prebuild(list(jobs.values()), workers=16)
     print(f"prebuild: {sum('built' in b for b in built)} built, {sum('cached' in b for b in built)} cached, "
           f"{sum('FAILED' in b for b in built)} failed", flush=True)
@@ -239,7 +291,7 @@ def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
     for preset in args.presets:
         run = PresetRun(group, preset)
         for t in args.tokens:
-            points.append(run.point(t, bandwidth, args.warmup, args.windows))
+            points.append(run.point(t, bandwidth, args.warmup, args.windows, tuple(args.ops)))
             p = points[-1]
             print(f"{preset} T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in p["latency_us"].items())
                   + f" us, floor {p['floor_us']:.1f}", flush=True)
@@ -249,10 +301,21 @@ def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
                         "workqueue": "plain SM partitioning (see the run's log)", "mode": native.partition})
     meta.update({"capacity": CAPACITY, "activation_clamp": CLAMP, "copy_bandwidth_Bps": bandwidth,
                  "routed_scaling_factor": {p: CONFIG_PRESETS[p].routed_scaling_factor for p in args.presets},
-                 "presets": list(args.presets), "warmup": args.warmup, "windows": args.windows})
+                 "presets": list(args.presets), "warmup": args.warmup, "windows": args.windows,
+                 "ops": list(args.ops)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
     plot(points, args.presets, args.out.with_suffix(".png"))
+    print("| preset | T | BM | " + " | ".join(args.ops) + " |")
+    print("|---|---|---|" + "---|" * len(args.ops))
+    for p in points:
+        print(f"| {p['preset']} | {p['tokens_per_rank']} | {p['role4_block_m']} | "
+              + " | ".join(f"{p['latency_us'][name]:.1f}" for name in args.ops) + " |")
+    for p in points:
+        print(f"{p['preset']} T={p['tokens_per_rank']} accuracy: " + ", ".join(
+            f"{k} cos {m['cosine']:.6f}" for k, m in p["accuracy"].items()))
+    if not set(OPS) <= set(args.ops):
+        return
     print("| preset | T | sequence | layer | pre-dispatch | floor | fused shared | separate shared | separate/fused "
           "| fused cos |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -272,6 +335,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=30)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
+    parser.add_argument("--ops", nargs="+", default=list(ALL_OPS), choices=ALL_OPS,
+                        help="operations to time (module docstring; default all)")
     args = parser.parse_args()
     with single_rank_group() as group:
         _run(args, group)

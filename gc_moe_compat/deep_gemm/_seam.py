@@ -19,8 +19,9 @@ hold and runs the native operator (:mod:`gc_moe_compat.operator.api`):
   when its source's version counter moves; inference tensors have none, so their copies are refused
   (:func:`operator_weights` says why).
 * **Options.** ``activation_clamp`` and ``fast_math`` are the operator's; ``cumulative_local_expert_recv_stats`` is
-  incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert (role4, not built) raises
-  ``NotImplementedError`` from the native API, naming it.
+  incremented by role3. SwiGLU alpha is 1 (DeepGEMM has no alpha). A fused shared expert's pairs arrive here in the
+  native API's canonical form (the facade's ``_mega._native_shared`` converts DeepGEMM's, the K32 recipe through
+  :func:`canonical_pair` like the routed weights) and run as role4.
 """
 
 from __future__ import annotations

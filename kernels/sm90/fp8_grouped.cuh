@@ -7,7 +7,11 @@
 // (role2_gemm_fp8xfp8.cu's header comment says what each selects), and GC_W_K32 (role4 only, default 0): the
 // weights' scale form. 0: FP32 128x128 block scales, one promotion per K128 step. 1: per-row UE8M0 K32 scales
 // (DeepGEMM's shared-expert recipe), four codes per int32 word, transposed to [K/128, N] words (word of K step kb
-// and weight row r at kb * N + r): one promotion per K32 MMA (consume_n_k32).
+// and weight row r at kb * N + r): one promotion per K32 MMA (consume_n_k32). GC_TASK_SCALES (role4's W1 only,
+// default 0): 0, the tokens' FP32 1x128 scales of a K step come with its stage (the issue's bulk copy of a
+// transposed [K/128, rows] array); G > 0, a task's token block has its G = K/128 scales per token copied once, by
+// the consumer warpgroups at the task's start, from token-major x_sf [rows, K/128] into a region [G][BM] after the
+// amax scratch (copy_task_scales), and every K step reads them there.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -17,6 +21,9 @@
 
 #ifndef GC_W_K32
 #define GC_W_K32 0
+#endif
+#ifndef GC_TASK_SCALES
+#define GC_TASK_SCALES 0
 #endif
 
 namespace gc_moe {
@@ -33,12 +40,27 @@ constexpr u32 kOffS = kOffX + kStages * kXBytes;
 constexpr u32 kOffRed = kOffS + kStages * kSBytes;
 constexpr u32 kOffOut = kOffRed + kConsumerWGs * 4 * kBM * 4;  // after the amax of each consumer warp per column
 constexpr u32 kOutPitch = out_pitch(kRows);  // the operator-mode W2 tile (gemm_variant.cuh)
-constexpr u32 kOffBar = kOffOut + out_bytes(kRows);
+constexpr int kTaskScaleGroups = GC_TASK_SCALES;
+constexpr bool kTaskScales = kTaskScaleGroups > 0;
+constexpr u32 kOffTaskScales = kOffOut + out_bytes(kRows);  // [kTaskScaleGroups][kBM] FP32, GC_TASK_SCALES only
+constexpr u32 kOffBar = kOffTaskScales + kTaskScaleGroups * kBM * 4;
 constexpr u32 kSmemBytes = smem_bytes(kOffBar);
 
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
 
+static_assert(!kTaskScales || (kEpi == 1 && !GC_OPERATOR), "GC_TASK_SCALES: role4's W1 (standalone) only");
+
 using Pipeline = StagePipeline<kOffBar, kStages>;
+
+// The token scales of K step kb for this thread's first N accumulator columns: from the stage, or from the task's
+// region (kTaskScales).
+template <int N>
+__device__ __forceinline__ void token_scales(const u8* smem, u32 stage, int kb, int lane, float (&xsr)[N / 4]) {
+    const float* xs = kTaskScales ? reinterpret_cast<const float*>(smem + kOffTaskScales) + kb * kBM
+                                  : reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+}
 
 // Issues the weight tile, token tile and token scales of K step kb into stage `it % kStages` (which is free); in a
 // cluster pair, half the weight tile per CTA (load_weights_pair, grouped.cuh).
@@ -113,10 +135,8 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
         const u32 stage = it % kStages;
         if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
-        const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
         float xsr[N / 4];
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+        token_scales<N>(smem, stage, kb, lane, xsr);
         float tmp[kMSub][N / 2];
         zero(tmp);
         fence_operands(tmp);
@@ -173,26 +193,29 @@ __device__ __forceinline__ bool consume_n_k32(const Pipeline& pipe, const u8* sm
         }
         const u32 stage = it % kStages;
         if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
-        const float* xs = reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes);
         float xsr[N / 4];
-#pragma unroll
-        for (int c = 0; c < N / 4; ++c) xsr[c] = xs[acc_col(4 * (c / 2) + (c & 1), lane)];
+        token_scales<N>(smem, stage, kb, lane, xsr);
         const u32 a_base = pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK;
         const u32 b_base = pipe.base + kOffX + stage * kXBytes;
         float tmp[2][N / 2];
 #pragma unroll
         for (int u = 0; u < kUnits; ++u) {
             const int s = u % kMSub, k = u / kMSub;
+            // A fresh accumulator (see with_wgmma_n); only this unit's registers are fenced, the other set may
+            // still be written by the MMA in flight.
 #pragma unroll
-            for (int i = 0; i < N / 2; ++i) tmp[u & 1][i] = 0.0f;  // a fresh accumulator: see with_wgmma_n
-            fence_operands(tmp);
+            for (int i = 0; i < N / 2; ++i) {
+                tmp[u & 1][i] = 0.0f;
+                fence_operand(tmp[u & 1][i]);
+            }
             wgmma_fence();
             Wgmma<N>::mma(tmp[u & 1], smem_desc_sw128(a_base + s * 64 * kBK + k * 32), smem_desc_sw128(b_base + k * 32),
                           0);
             wgmma_commit();
             if (u > 0) {
                 wgmma_wait<1>();
-                fence_operands(tmp);
+#pragma unroll
+                for (int i = 0; i < N / 2; ++i) fence_operand(tmp[(u - 1) & 1][i]);
                 const int sp = (u - 1) % kMSub, kp = (u - 1) / kMSub;
                 promote_k32<N>(acc[sp], tmp[(u - 1) & 1], w[sp][0], w[sp][1], kp, xsr);
             }
@@ -246,11 +269,34 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     return ok;
 }
 
+// The task-scale copy (kTaskScales), before the task's K loop (inside it, after the first stage loads, the K32 loop
+// at BM = 64 spilled): the consumer threads copy the block's token scales from token-major x_sf [rows, kb_count]
+// into the region [kb_count][kBM] (0 past the valid rows; consecutive threads read consecutive words of a token's
+// row), then meet at the W1 epilogue's barrier. The previous task's readers are past it: they
+// left their K loop and met at that barrier at the end of their epilogue. A kb_count beyond the region is reported
+// (kSiteSmem: the variant's region is smaller than the GEMM's K needs) and nothing is copied.
+__device__ __forceinline__ void copy_task_scales(u8* region, const Task& t, const float* x_sf, int kb_count,
+                                                 int local_tid, KernelStatus* status) {
+    if (kb_count > kTaskScaleGroups) {
+        if (local_tid == 0) report_status(status, kStatusMismatch, kSiteSmem, kb_count, kTaskScaleGroups);
+    } else {
+        float* ts = reinterpret_cast<float*>(region);
+        for (int e = local_tid; e < kBM * kb_count; e += kConsumerThreads) {
+            const int c = e / kb_count, g = e - c * kb_count;
+            ts[g * kBM + c] = c < t.valid ? __ldg(x_sf + static_cast<size_t>(t.row_off + c) * kb_count + g) : 0.0f;
+        }
+    }
+    named_barrier(1, kConsumerThreads);
+}
+
 // standalone_gemm.cuh's consumer hook for the FP8 kernels (the standalone grouped GEMM and role4).
 template <typename WaitFull, typename Load>
 __device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
                                            const Task& t, int cw, int /*warp*/, int lane, int local_tid,
                                            float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+    if constexpr (kTaskScales) {
+        copy_task_scales(const_cast<u8*>(smem) + kOffTaskScales, t, a.x_sf_t, a.k / kBK, local_tid, a.status);
+    }
     return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
                          load);
 }

@@ -13,10 +13,13 @@
 // w_scale * x_scale promotion), the W1 epilogue (sm90/epilogue_w1.cuh), the standalone grid body (task walk, warpgroup
 // roles, bounded mbarrier waits, status sites 1-3: sm90/standalone_gemm.cuh). What is role4's own is the W1 stage
 // issue: the mainloop's issue bulk-copies a K step's token scales from a transposed [K/128, rows] array, but x_sf
-// is token-major, so the producer thread copies the block's BM scales of step kb into the stage with plain loads
-// (L1-resident after the first step: a token's H/128 scales are 2 cache lines) and shared stores before its
-// arrive.expect_tx (release at CTA scope: the consumers' acquire on the full barrier sees them), then issues the
-// weight and token TMA loads (expect_tx counts only their bytes).
+// is token-major. With GC_TASK_SCALES = H/128 (the host's default) the consumer warpgroups copy the block's whole
+// [BM, H/128] scales once per task into shared memory (fp8_grouped.cuh's copy_task_scales, coalesced), and a stage
+// brings only the weight and token tiles. With GC_TASK_SCALES = 0 (kept to measure the difference) the issuing
+// thread copies the block's BM scales of step kb into the stage with plain loads (L1-resident after the first step)
+// and shared stores before its arrive.expect_tx (release at CTA scope: the consumers' acquire on the full barrier
+// sees them): BM dependent load/store pairs per K step on one thread, in the consumer warpgroup's own K loop when
+// there is no producer warpgroup (bench/README.md, "SGLang's Hopper sequence", measured both).
 //
 // Shared weight scales (GC_W_K32): 0, FP32 128x128 block scales [1, N/128, K/128] (recipe (1, 128, 128)), one
 // promotion per K128 step; 1, DeepGEMM's shared recipe, per-row UE8M0 K32 scales as int32 words [K/128, N] (four
@@ -33,6 +36,9 @@
 #endif
 #if GC_W_K32 && GC_CLUSTER
 #error "GC_W_K32: the K32 loop has no cluster-pair weight split"
+#endif
+#if GC_TASK_SCALES && GC_EPI != 1
+#error "GC_TASK_SCALES: the W1 variant only (W2 reads the transposed shared_l2_acts_sf through the mainloop's issue)"
 #endif
 #ifndef GC_ROLE4_SMEM_BYTES
 #error "GC_ROLE4_SMEM_BYTES: the host's shared-memory formula (role4_shared.Role4Variant.smem) must be defined"
@@ -51,18 +57,21 @@ __device__ __forceinline__ void st_shared_f32(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-// W1 stage issue: the block's token scales of K step kb copied from x_sf [rows, k_groups] (token-major) into the
-// stage (0 past the block's valid rows), then the arrival with the TMA bytes and the weight / token tile loads.
+// W1 stage issue: without task scales, the block's token scales of K step kb copied from x_sf [rows, k_groups]
+// (token-major) into the stage (0 past the block's valid rows); then the arrival with the TMA bytes and the weight /
+// token tile loads.
 __device__ __forceinline__ void issue_w1_token_major(const Pipeline& pipe, u32 it, const Task& t, int kb,
                                                      const TensorMap* tm_w, const TensorMap* tm_x, const float* x_sf,
                                                      int k_groups, int n_w, u64 policy_w, u64 policy_x) {
     const u32 stage = it % kStages;
     const u32 full = pipe.full(stage);
-    const u32 s_dst = pipe.base + kOffS + stage * kSBytes;
+    if constexpr (!kTaskScales) {
+        const u32 s_dst = pipe.base + kOffS + stage * kSBytes;
 #pragma unroll 8
-    for (int c = 0; c < kBM; ++c) {
-        const float v = c < t.valid ? __ldg(x_sf + static_cast<size_t>(t.row_off + c) * k_groups + kb) : 0.0f;
-        st_shared_f32(s_dst + 4 * c, v);
+        for (int c = 0; c < kBM; ++c) {
+            const float v = c < t.valid ? __ldg(x_sf + static_cast<size_t>(t.row_off + c) * k_groups + kb) : 0.0f;
+            st_shared_f32(s_dst + 4 * c, v);
+        }
     }
     mbar_arrive_expect_tx(full, kWBytes + kXBytes);
     tma_load_2d(pipe.base + stage * kWBytes, tm_w, kb * kBK, t.expert * n_w + t.tile * kRows, full, policy_w);

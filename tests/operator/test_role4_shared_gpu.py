@@ -5,8 +5,8 @@ Every checked call starts from poisoned ring payloads, combine slots, role4's in
 role4's own output (combine slot k, rows < T) against the reference's slot-k partials (cosine >= 0.9999); ``y``
 against the reference (BENCH_PROTOCOL.md reference-1 targets); and ``y`` bit for bit equal to the slot-order FP32 sum
 of this rank's combine slots (the valid routed slots, then slot k) rounded to BF16: role3 adds the shared partial
-last. T = 0, 1, odd, capacity; partition on and off; eager vs graph replay bit-identical; the refusals (K32 shared
-scales, a first call inside capture) before anything runs; the deep_gemm facade's ``fp8_fp4_mega_moe`` with shared
+last. T = 0, 1, odd, capacity; partition on and off; eager vs graph replay bit-identical; the refusal of a first
+call inside capture before anything runs; the deep_gemm facade's ``fp8_fp4_mega_moe`` with shared
 weights bit-identical to the native call. Tests are parametrized by ``mma_type``."""
 
 from __future__ import annotations
@@ -86,13 +86,11 @@ def compiled(group: dist.ProcessGroup, mma_type: str) -> None:
     processes; the JIT cache then serves every launch)."""
     builds = set()
     for preset, partition in [(p, "on") for p in PRESETS] + [(OFF_PRESET, "off")]:
-        _, _, h, inter = preset_dims(preset)
         buf = _buffer(group, preset, mma_type, partition)
         for t in (*TOKENS, GRAPH_TOKENS):
             v2 = role2_gemm.role2_variant(api.ring_model(buf, t), t)
             builds.add((v2.source, tuple(sorted(v2.defines.items()))))
-            for epi, n_w in ((1, 2 * inter), (2, h)):
-                v4 = role4_shared.role4_variant(t, n_w, epi, buf.current_compute_sms(), mma_type=mma_type)
+            for v4 in role4_shared.role4_variants(buf.shape, t, buf.current_compute_sms()):
                 builds.add((role4_shared.SOURCE, tuple(sorted(v4.defines.items()))))
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda b: jit.compile_cubin(b[0], dict(b[1])), sorted(builds)))
@@ -185,18 +183,13 @@ def test_eager_and_graph_bit_identical(group: dist.ProcessGroup, weights: dict[s
 
 def test_refusals_before_anything_runs(group: dist.ProcessGroup, weights: dict[str, RankWeights],
                                        shared: dict[str, _Shared], mma_type: str) -> None:
-    """K32 UE8M0 shared scales: NotImplementedError naming the recipe; new shared weights first seen inside a
-    capture: RuntimeError asking for one eager call. y stays poisoned in both."""
+    """New shared weights first seen inside a capture: RuntimeError asking for one eager call; y stays poisoned
+    (the K32 recipe runs: tests/operator/test_role4_shared_k32_gpu.py)."""
     preset = "tiny"
     buf, w, sw = _buffer(group, preset, mma_type), weights[preset], shared[preset]
     e, k, h, _ = preset_dims(preset)
     stage(buf, make_inputs("uniform", 5, e, k, h, seed=9))
     y = poisoned_y(5, h)
-    codes = {name: torch.full((1, p.shape[1], p.shape[2] // 32), 127, dtype=torch.uint8, device="cuda")
-             for name, (p, _) in _pairs(sw).items()}
-    k32 = {name: (p, codes[name]) for name, (p, _) in _pairs(sw).items()}
-    with pytest.raises(NotImplementedError, match="shared_l1_weights: the SM90 shared expert"):
-        CALLS[mma_type](y, w.w1, w.w2, buf, **k32)
     fresh = {name: (p.clone(), s.clone()) for name, (p, s) in _pairs(sw).items()}
     outer = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="make one eager call"), torch.cuda.graph(outer):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
-from gc_moe_compat import layouts, quant
+from gc_moe_compat import config, layouts, quant
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.operator.sm90 import layer, role2_gemm, role4_shared
 from gc_moe_compat.operator.sm90.role4_shared import Role4Site, Role4Variant
@@ -61,13 +61,42 @@ def test_shared_memory_fits_with_at_least_two_stages(bm: int, epi: int) -> None:
     assert v.defines["GC_ROLE4_SMEM_BYTES"] == v.smem and v.threads == 384
 
 
-_VARIANTS = [Role4Variant(bm, epi, p, ue8m0=u, k32=k) for bm in (8, 64) for epi in (1, 2) for p in (True, False)
-             for u in ((False, True) if epi == 1 and bm == 64 else (False,)) for k in (False, True)]
+@pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
+def test_task_scale_region_takes_stages_only_when_it_must(bm: int) -> None:
+    """The W1 task-scale region (4 * BM * H/128 bytes) sits beside the stages; a stage goes only when it does not
+    fit (H = 7168: never; a region of 512 groups at BM 64: down to 2 stages), beyond that the variant is refused."""
+    plain = Role4Variant(bm, 1, True)
+    for groups in (56, 64):
+        v = Role4Variant(bm, 1, True, task_scales=groups)
+        assert v.stages == plain.stages and v.smem == plain.smem + 4 * bm * groups <= SMEM_LIMIT
+        assert v.defines["GC_TASK_SCALES"] == groups
+    big = Role4Variant(64, 1, True, task_scales=512)
+    assert big.stages == 2 and big.smem <= SMEM_LIMIT
+    with pytest.raises(ValueError, match="task_scales=1024 at bm=64 needs"):
+        Role4Variant(64, 1, True, task_scales=1024)
+    for bad, epi in ((4, 2), (-1, 1), (True, 1), (1.5, 1)):
+        with pytest.raises(ValueError, match="variant: task_scales must be an int >= 0"):
+            Role4Variant(bm, epi, True, task_scales=bad)
+
+
+def test_variants_of_a_call() -> None:
+    """role4_variants: W1 with H/128 task-scale groups (none with task_scales=False), W2 without; both with the
+    weights' scale form."""
+    shape = config.preset_shape("dsv3", 8, mma_type="fp8xfp8")
+    w1, w2 = role4_shared.role4_variants(shape, 64, 112, k32=True)
+    assert (w1.epi, w1.task_scales, w1.k32, w2.epi, w2.task_scales, w2.k32) == (1, 56, True, 2, 0, True)
+    assert role4_shared.role4_variants(shape, 64, 112, task_scales=False)[0].task_scales == 0
+
+
+_VARIANTS = [Role4Variant(bm, epi, p, ue8m0=u, k32=k, task_scales=56 if epi == 1 else 0) for bm in (8, 64)
+             for epi in (1, 2) for p in (True, False) for u in ((False, True) if epi == 1 and bm == 64 else (False,))
+             for k in (False, True)] + [Role4Variant(64, 1, p, k32=k) for p in (True, False) for k in (False, True)]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("variant", _VARIANTS,
-                         ids=lambda v: f"bm{v.bm}-epi{v.epi}-prod{int(v.pipelined)}-ue{int(v.ue8m0)}-k32{int(v.k32)}")
+                         ids=lambda v: f"bm{v.bm}-epi{v.epi}-prod{int(v.pipelined)}-ue{int(v.ue8m0)}-k32{int(v.k32)}"
+                                       f"-ts{v.task_scales}")
 def test_variants_compile_without_spills(variant: Role4Variant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                          ) -> None:
     """Builds for sm_90a (which asserts kSmemBytes == Role4Variant.smem): no stack, no spills, no serialized WGMMA,

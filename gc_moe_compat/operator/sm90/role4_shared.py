@@ -29,7 +29,16 @@ The W1 epilogue is the routed path's of the buffer's format: clamp, alpha, BF16 
 the intermediate requant (FP32 ``amax/448`` for ``fp8xfp8``, UE8M0 for ``fp8xfp4``: ``GC_SHARED_UE8M0``).
 
 Kernel: ``kernels/sm90/role4_shared.cu``, the FP8 mainloop of ``sm90/fp8_grouped.cuh`` and the standalone grid body
-(``sm90/standalone_gemm.cuh``) with role4's own W1 stage issue (token-major scales). Two graph nodes of that source,
+(``sm90/standalone_gemm.cuh``) with role4's own W1 stage issue (token-major scales). Token scales of W1: ``x_sf``
+is token-major, and the mainloop's issue bulk-copies a K step's scales from a transposed ``[K/128, rows]`` array.
+The W1 variant therefore has a task-scale region (``task_scales = H/128``, ``4 * BM * H/128`` bytes of shared
+memory, beside the stages: no stage is lost at H <= 8192): at a task's start its consumer warpgroups copy the
+block's ``[BM, H/128]`` scales once, coalesced, and every K step reads them there, while a stage brings only the
+weight and token tiles. The earlier form (``task_scales = 0``: the issuing thread copies the block's BM scales of
+each K step into the stage, BM dependent load/store pairs per step on one thread, inside the consumer warpgroup's
+K loop when there is no producer warpgroup) is kept as a variant only to measure the difference
+(``role4_nodes(task_scales=False)``, bench/sglang_sequence_sm90.py's ``*_stage_scales`` ops). Two graph nodes of that
+source,
 :data:`NODE_NAMES`: ``role4`` (W1 variant, into ``shared_l2_acts`` / ``shared_l2_acts_sf``) and ``role4_w2`` (W2
 variant, into ``combine[k]``), because a W2 task needs every W1 tile of its token block and the standalone body has
 no grid-wide handshake (the edge between the nodes is that handshake).
@@ -43,11 +52,9 @@ CTA being resident. With the partition off the roles run in sequence: role1 -> r
 Measured (``bench/results/sglang_sequence_sm90.json``, one H200, P = 1, fused native call against the routed-only
 layer plus this project's standalone FP8 GEMM as a separate shared expert on the same staged tokens): the fused layer
 is 1.01-1.08x faster at T <= 16 on dsv41-flash, glm52 and dsv3 (role4 costs 29-57 us inside the graph, fused minus
-layer, the separate GEMMs 41-55 us), and 0.88-1.00x at T >= 32: there role4's cost inside the graph rises to
-116-146 us at BM = 64 (T = 64, 128) against 71-83 us for the separate GEMMs. The excess grows with BM, which points
-at role4's own W1 stage issue (one thread copies BM token scales per K step, where the standalone GEMM issues one
-bulk copy); staging a block's ``x_sf`` once per task (one TMA box ``[BM, H/128]``) is the next step, not measured
-yet.
+layer, the separate GEMMs 41-55 us), and 0.88-1.00x at T >= 32: there role4's cost inside the graph rose to
+116-146 us at BM = 64 (T = 64, 128) against 71-83 us for the separate GEMMs, with the per-stage token-scale copy.
+bench/README.md ("SGLang's Hopper sequence") has role4 alone per BM with both token-scale forms.
 
 Token blocks: one table per ``BM`` covering the buffer's capacity (rows ``(0, min(BM, Tmax - i·BM), i·BM)``) and a
 count ``ceil(T/BM)`` (a pointer into a device ``arange``), so no per-``T`` upload happens; the last block's rows
@@ -67,10 +74,12 @@ import torch
 from cuda.bindings import driver
 
 from gc_moe_compat import layouts, quant
+from gc_moe_compat.config import MoEShape
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
+    SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
     max_stages,
@@ -99,6 +108,7 @@ __all__ = [
     "raise_for_role4_status",
     "role4_nodes",
     "role4_variant",
+    "role4_variants",
 ]
 
 SOURCE = "sm90/role4_shared.cu"
@@ -130,8 +140,10 @@ def block_m_for_shared(num_tokens: int) -> int:
 @dataclass(frozen=True)
 class Role4Variant:
     """One compiled variant: ``bm``, epilogue (1: W1, 2: W2), producer warpgroup or not, fast-math sigmoid, the
-    intermediate's scale rule (``ue8m0``: the FP8xFP4 path's) and the weights' scale form (``k32``: per-row UE8M0
-    K32 words, promoted per K32 MMA; else FP32 128x128 blocks)."""
+    intermediate's scale rule (``ue8m0``: the FP8xFP4 path's), the weights' scale form (``k32``: per-row UE8M0
+    K32 words, promoted per K32 MMA; else FP32 128x128 blocks) and where W1 finds the token scales
+    (``task_scales``: ``H/128``, the block's scales copied once per task into a shared region of ``4 * BM * H/128``
+    bytes; 0, copied per stage by the issuing thread, kept to measure the difference: module docstring)."""
 
     bm: int
     epi: int
@@ -139,10 +151,18 @@ class Role4Variant:
     fast_math: bool = True
     ue8m0: bool = False
     k32: bool = False
+    task_scales: int = 0
 
     def __post_init__(self) -> None:
         if self.bm not in BLOCK_M_CANDIDATES or self.epi not in (EPI_W1, EPI_W2):
             raise ValueError(f"variant: bm in {BLOCK_M_CANDIDATES} and epi in (1, 2), got {self.bm}, {self.epi}")
+        if isinstance(self.task_scales, bool) or not isinstance(self.task_scales, int) or self.task_scales < 0 or (
+                self.task_scales and self.epi != EPI_W1):
+            raise ValueError(f"variant: task_scales must be an int >= 0 (H/128, or 0), and 0 for W2, got "
+                             f"{self.task_scales!r} with epi {self.epi}")
+        if self.smem > SMEM_LIMIT:
+            raise ValueError(f"variant: task_scales={self.task_scales} at bm={self.bm} needs {self.smem} bytes of "
+                             f"shared memory with 2 stages, more than the {SMEM_LIMIT} a CTA may use")
 
     @property
     def slabs(self) -> int:
@@ -152,12 +172,19 @@ class Role4Variant:
 
     @property
     def stages(self) -> int:
-        return max_stages(self.bm, self.slabs, "fp8xfp8")
+        """The standalone FP8 layout's most stages, fewer while the task-scale region does not fit beside them."""
+        stages = max_stages(self.bm, self.slabs, "fp8xfp8")
+        while stages > 2 and self._smem(stages) > SMEM_LIMIT:
+            stages -= 1
+        return stages
 
     @property
     def smem(self) -> int:
-        """``kSmemBytes`` of the standalone FP8 layout (role4 adds nothing to it)."""
-        return smem_bytes(self.bm, self.slabs, self.stages, "fp8xfp8")
+        """``kSmemBytes``: the standalone FP8 layout plus the task-scale region (``fp8_grouped.cuh``)."""
+        return self._smem(self.stages)
+
+    def _smem(self, stages: int) -> int:
+        return smem_bytes(self.bm, self.slabs, stages, "fp8xfp8") + 4 * self.bm * self.task_scales
 
     @property
     def threads(self) -> int:
@@ -167,7 +194,7 @@ class Role4Variant:
     def defines(self) -> dict[str, int]:
         return {"GC_BM": self.bm, "GC_EPI": self.epi, "GC_M_SUB": self.slabs, "GC_PRODUCER_WG": int(self.pipelined),
                 "GC_STAGES": self.stages, "GC_FAST_MATH": int(self.fast_math), "GC_SHARED_UE8M0": int(self.ue8m0),
-                "GC_W_K32": int(self.k32), "GC_ROLE4_SMEM_BYTES": self.smem}
+                "GC_W_K32": int(self.k32), "GC_TASK_SCALES": self.task_scales, "GC_ROLE4_SMEM_BYTES": self.smem}
 
 
 def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
@@ -175,13 +202,25 @@ def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
 
 
 def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_type: str,
-                  fast_math: bool = True, k32: bool = False) -> Role4Variant:
+                  fast_math: bool = True, k32: bool = False, task_scales: int = 0) -> Role4Variant:
     """The variant of one role4 GEMM (``n_w`` weight rows: 2I for W1, H for W2): :func:`block_m_for_shared`, the
     producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``,
-    the weights' scale form (``k32``: :attr:`Role4Weights.k32`)."""
+    the weights' scale form (``k32``: :attr:`Role4Weights.k32`), ``task_scales`` as :class:`Role4Variant`'s."""
     bm = block_m_for_shared(num_tokens)
     pipelined = _tasks(num_tokens, bm, n_w, epi) > compute_sms
-    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4", k32)
+    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4", k32, task_scales)
+
+
+def role4_variants(shape: MoEShape, num_tokens: int, compute_sms: int, *, fast_math: bool = True, k32: bool = False,
+                   task_scales: bool = True) -> tuple[Role4Variant, Role4Variant]:
+    """The W1 and W2 variants of a call with ``num_tokens`` tokens on ``compute_sms`` SMs (what :func:`role4_nodes`
+    launches; the tests and benchmarks prebuild them): W1 with the task-scale region of ``H/128`` groups unless
+    ``task_scales`` is False (the per-stage copy)."""
+    groups = shape.hidden // 128 if task_scales else 0
+    return (role4_variant(num_tokens, 2 * shape.intermediate, EPI_W1, compute_sms, mma_type=shape.mma_type,
+                          fast_math=fast_math, k32=k32, task_scales=groups),
+            role4_variant(num_tokens, shape.hidden, EPI_W2, compute_sms, mma_type=shape.mma_type,
+                          fast_math=fast_math, k32=k32))
 
 
 def _kernel(variant: Role4Variant) -> jit.Kernel:
@@ -291,10 +330,13 @@ def _check_buffer(buffer: GcMoeBuffer, weights: Role4Weights) -> None:
 
 def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables, num_tokens: int, *,
                 deps: Sequence[str] = (), activation_clamp: float | None = 10.0, activation_alpha: float = 1.0,
-                fast_math: bool = True, timeout_ms: float | None = None) -> list[KernelNode]:
+                fast_math: bool = True, timeout_ms: float | None = None,
+                task_scales: bool = True) -> list[KernelNode]:
     """Role4's two nodes for ``num_tokens`` local tokens: ``role4`` (W1, after ``deps``) and ``role4_w2`` (after it),
     on the compute green context when the buffer is partitioned; each a persistent grid of at most one CTA per
-    compute SM (a standalone grid walks its tasks with the grid's stride, so any grid size is correct)."""
+    compute SM (a standalone grid walks its tasks with the grid's stride, so any grid size is correct).
+    ``task_scales=False`` builds W1 with the per-stage token-scale copy instead (:func:`role4_variants`; the
+    operator never does, the sequence benchmark times both)."""
     _check_buffer(buffer, weights)
     s = buffer.shape
     role = Role.COMPUTE if buffer.partition == "on" else None
@@ -302,11 +344,10 @@ def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables,
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     timeout_ns = spin_timeout_ns(timeout_ms)
     nodes = []
-    for name, epi, n_w, after in ((NODE_NAMES[0], EPI_W1, 2 * s.intermediate, tuple(deps)),
-                                  (NODE_NAMES[1], EPI_W2, s.hidden, (NODE_NAMES[0],))):
-        variant = role4_variant(num_tokens, n_w, epi, sms, mma_type=s.mma_type, fast_math=fast_math,
-                                k32=weights.k32)
-        grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, epi), sms))
+    variants = role4_variants(s, num_tokens, sms, fast_math=fast_math, k32=weights.k32, task_scales=task_scales)
+    for name, variant, n_w, after in ((NODE_NAMES[0], variants[0], 2 * s.intermediate, tuple(deps)),
+                                      (NODE_NAMES[1], variants[1], s.hidden, (NODE_NAMES[0],))):
+        grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, variant.epi), sms))
         count = tables.count(num_tokens, variant.bm)
         args = _args(buffer, weights, tables, variant, count, clamp, activation_alpha, timeout_ns)
         warm = _args(buffer, weights, tables, variant, tables.count(0, variant.bm), clamp, activation_alpha,
