@@ -245,6 +245,8 @@ class Buffer:
         return _normal.combine_config(num_ranks, Buffer.num_sms)
 
     def _normal_mode(self, fn: str) -> _normal.NormalMode:
+        if self.normal is None and self.num_nvl_bytes:
+            raise ValueError(f"{fn}: the Buffer was destroyed")
         if self.normal is None:
             raise ValueError(f"{fn}: the normal mode needs a Buffer with num_nvl_bytes > 0 (size it with "
                              f"Config.get_nvl_buffer_size_hint), got num_nvl_bytes={self.num_nvl_bytes}")

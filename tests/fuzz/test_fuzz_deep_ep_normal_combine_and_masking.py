@@ -108,6 +108,8 @@ def _combine_case(name: str, value: object) -> tuple[dict[str, object], type[Exc
     want = expect(COMBINE_SPECS[name], value)
     if name == "config" and want is None:  # None: DeepEP's recommended config, whose num_sms is Buffer.num_sms
         want = expect(COMBINE_SPECS["config.num_sms"], (value or Buffer.get_combine_config(1)).num_sms)
+    if name == "handle.most_sent" and value is None:
+        want = None  # a num_worst_tokens dispatch's handle (no CPU wait, so no count): the device checks the rows
     return kwargs, want
 
 
@@ -127,8 +129,6 @@ def test_normal_combine(normal_buffer: Buffer, default_dtype: torch.dtype, case:
     name, value = case
     buf = normal_buffer
     kwargs, want = _combine_case(name, value)
-    if name == "handle.most_sent" and value is None:
-        want = None  # a num_worst_tokens dispatch's handle: the device checks the rows
     snapshot = _snapshot(*kwargs.values())
     what = f"combine({name}={value!r:.120})"
     check(lambda: buf.combine(**kwargs), want, NAMES.get(name, (name.split(".")[0],)), boundary=NEEDS_GPU, what=what)
@@ -136,11 +136,14 @@ def test_normal_combine(normal_buffer: Buffer, default_dtype: torch.dtype, case:
 
 
 def test_combine_needs_a_normal_mode_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype) -> None:
-    """A Buffer without num_nvl_bytes (low-latency only) refuses combine naming num_nvl_bytes; a low-latency
-    handle is not a normal-mode one."""
+    """A Buffer without num_nvl_bytes (low-latency only) refuses combine naming num_nvl_bytes, a destroyed one says
+    so; a low-latency handle is not a normal-mode one."""
     ll = deep_ep_host.buffer(0, Buffer.get_low_latency_rdma_size_hint(8, H, 1, 8), low_latency_mode=True)
     kwargs, _ = _combine_case("async_finish", False)
     check(lambda: ll.combine(**kwargs), ValueError, ("num_nvl_bytes",), what="combine on a low-latency Buffer")
+    destroyed = deep_ep_host.buffer(NVL_BYTES, 0, explicitly_destroy=True)
+    destroyed.destroy()
+    check(lambda: destroyed.combine(**kwargs), ValueError, ("destroyed",), what="combine on a destroyed Buffer")
     x = torch.randn(T, H, dtype=torch.float32).to(torch.bfloat16)
     _, _, ll_handle, _, _ = ll.low_latency_dispatch(x, torch.zeros(T, 1, dtype=torch.int64), 8, 8, use_fp8=False)
     normal = deep_ep_host.buffer(NVL_BYTES, 0)
