@@ -59,7 +59,6 @@ from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.heuristics import select_config, tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
-from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.graph import get_graph
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
@@ -167,7 +166,7 @@ class PresetRun:
         nodes = role4_shared.role4_nodes(self.native, self.role4_weights[form], self.role4_tables, tokens,
                                          activation_clamp=CLAMP, task_scales=task_scales)[:count]
         graph = get_graph(nodes, self.partition)
-        return lambda: graph.launch(as_stream(torch.cuda.current_stream().cuda_stream))
+        return lambda: graph.launch()  # on torch's current stream; attached as a child graph while it captures
 
     def ops(self, tokens: int, seed: int) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor]]:
         """The operations of one point on fresh seeded inputs (:data:`ALL_OPS`), and the output each writes."""

@@ -108,6 +108,12 @@ def _native_shared(fn: str, buf: SymmBuffer, shared_l1: object, shared_l2: objec
     that copies an inference tensor (no version counter, so its copy could go stale unseen) and a first conversion
     inside CUDA graph capture raise."""
     h, inter = buf.hidden, buf.intermediate_hidden
+    if k32:
+        dtypes = [p[1].dtype for p in (shared_l1, shared_l2)
+                  if isinstance(p, tuple | list) and len(p) == 2 and isinstance(p[1], torch.Tensor)]
+        if torch.float32 in dtypes:
+            raise TypeError(f"{fn}: shared_l1_weights/shared_l2_weights must both be DeepGEMM's K32 form (int32 "
+                            f"scales) or both the SM90 form (float32 block scales), got scales of {dtypes}")
     out = []
     for arg, pair, (rows, k) in (("shared_l1_weights", shared_l1, (2 * inter, h)),
                                  ("shared_l2_weights", shared_l2, (h, inter))):

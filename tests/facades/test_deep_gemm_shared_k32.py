@@ -113,6 +113,8 @@ def test_k32_shared_refusals(group: dist.ProcessGroup) -> None:
         (t1, (t2[0], t2[1][:, :1]), ValueError, r"shared_l2_weights\[1\] must have shape \[512, 2\]"),
         (t1, (t2[0][None], t2[1]), ValueError, "shared_l2_weights must be two tensors of one rank"),
         (t1, t2[0], TypeError, "shared_l2_weights must be a .* pair of tensors"),
+        (t1, (t2[0], torch.ones(H // 128, N_I // 128)), TypeError, "shared_l1_weights/shared_l2_weights must both be "
+         "DeepGEMM's K32 form"),
     ]
     for s1, s2, exc, match in cases:
         with pytest.raises(exc, match=f"{FN}: {match}"):
