@@ -272,9 +272,9 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 // The task-scale copy (kTaskScales), before the task's K loop (inside it, after the first stage loads, the K32 loop
 // at BM = 64 spilled): the consumer threads copy the block's token scales from token-major x_sf [rows, kb_count]
 // into the region [kb_count][kBM] (0 past the valid rows; consecutive threads read consecutive words of a token's
-// row), then meet at the W1 epilogue's barrier. The previous task's readers are past it: they
-// left their K loop and met at that barrier at the end of their epilogue. A kb_count beyond the region is reported
-// (kSiteSmem: the variant's region is smaller than the GEMM's K needs) and nothing is copied.
+// row), then meet at the W1 epilogue's barrier. The previous task's readers are past it: they left their K loop
+// and met at that barrier at the end of their epilogue. A kb_count beyond the region is reported (kSiteSmem: the
+// variant's region is smaller than the GEMM's K needs) and nothing is copied.
 __device__ __forceinline__ void copy_task_scales(u8* region, const Task& t, const float* x_sf, int kb_count,
                                                  int local_tid, KernelStatus* status) {
     if (kb_count > kTaskScaleGroups) {

@@ -98,9 +98,11 @@ using namespace gc_moe;
 using namespace gc_moe::sm90;
 
 // GC_EPI=1 (W1): tm_w the shared W1 [2I, H] E4M3 (interleaved, box 128 x 256), tm_x the buffer's x [Tmax, H] (box
-// 128 x GC_BM), w_sf FP32 [1, 2I/128, H/128] (GC_W_K32: int32 words [H/128, 2I], rows interleaved), x_sf_t the buffer's x_sf [Tmax, H/128], routing_w FP32 ones [>= T],
-// out shared_l2_acts [Tmax, I], out_sf_t shared_l2_acts_sf [I/128, Tmax], n_w = 2I, k = H, rows_total = Tmax.
+// 128 x GC_BM), w_sf FP32 [1, 2I/128, H/128] (GC_W_K32: int32 words [H/128, 2I], rows interleaved), x_sf_t the
+// buffer's x_sf [Tmax, H/128], routing_w FP32 ones [>= T], out shared_l2_acts [Tmax, I], out_sf_t
+// shared_l2_acts_sf [I/128, Tmax], n_w = 2I, k = H, rows_total = Tmax.
 // GC_EPI=2 (W2): tm_w the shared W2 [H, I] (box 128 x kRows), tm_x shared_l2_acts (box 128 x GC_BM), w_sf FP32
-// [1, H/128, I/128] (GC_W_K32: int32 words [I/128, H]), x_sf_t shared_l2_acts_sf, out combine[k] [Tmax, H] BF16, n_w = H, k = I. blocks: int32 [*, 3]
-// (0, valid rows, first token), *num_blocks of them live; status: the workspace's role4 record.
+// [1, H/128, I/128] (GC_W_K32: int32 words [I/128, H]), x_sf_t shared_l2_acts_sf, out combine[k] [Tmax, H] BF16,
+// n_w = H, k = I. blocks: int32 [*, 3] (0, valid rows, first token), *num_blocks of them live; status: the
+// workspace's role4 record.
 GC_STANDALONE_ENTRY(gc_sm90_role4_shared)
