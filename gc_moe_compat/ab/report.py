@@ -187,33 +187,35 @@ def _range(values: Sequence[float], spec: str) -> str:
 
 def readme_row(data: Mapping[str, object], name: str) -> str:
     """One results row of a gc-moe-ab result file (``name``: the file's name): the workload and how it was run,
-    then per compared operator the mean of the per-point ratios over the reference operator with their range and
-    point count (or why it did not run), the reference operator's efficiency range and its worst cosine against
-    the quantization-faithful reference."""
+    then each compared operator's latency over the reference operator's (the mean of the per-point ratios, their
+    range and count; > 1: the reference is faster) or why it did not run, the reference operator's efficiency
+    range and its worst cosine against the quantization-faithful reference."""
     meta, points = data["meta"], data["points"]
     ref = meta["reference_op"]
     w = meta["workload"]
     ts = [p["tokens_per_rank"] for p in points]
+    command = meta["command"] if isinstance(meta["command"], str) else " ".join(meta["command"])
     what = (f"gc-moe-ab {w['name']} (H {w['hidden']}, I {w['intermediate']}, {w['local_experts']} experts per rank, "
             f"top-{w['topk']}), {meta['world_size']}× {meta['gpu']}, T = {_range(ts, 'd').replace('–', '…')} "
-            f"(`{name}`; `{' '.join(meta['command'])}`{'' if meta.get('complete') else '; incomplete'})")
-    parts = []
+            f"(`{name}`; `{command}`{'' if meta.get('complete') else '; incomplete'})")
+    ratios, missing = [], []
     summary = meta.get("summary", {})
     for op, info in meta["ops"].items():
         if op == ref:
             continue
         s = summary.get(f"{op}_over_{ref}")
         if s:
-            parts.append(f"{ref} {s['mean_of_ratios']:.2f}× `{op}` (mean of {s['points']}, "
-                         f"{_range([s['min'], s['max']], '.2f')})")
+            ratios.append(f"`{op}` {s['mean_of_ratios']:.2f} ({_range([s['min'], s['max']], '.2f')}, {s['points']})")
         else:
-            status = str(info.get("status", "not run"))
-            parts.append(f"`{op}` {status.split(':')[0]}" if status.startswith("not run") else f"`{op}` {status}")
+            missing.append(f"`{op}` {str(info.get('status', 'not run')).split(':')[0]}")
+    parts = [f"latency over `{ref}` (mean of the per-point ratios, range, points): {', '.join(ratios)}"] if ratios \
+        else []
+    parts += missing
     eff = [p["efficiency"][ref] for p in points if ref in p.get("efficiency", {})]
     cos = [p["accuracy"][ref]["faithful"]["cosine_min"] for p in points
            if "faithful" in p.get("accuracy", {}).get(ref, {})]
     if eff:
-        parts.append(f"{ref} efficiency {_range(eff, '.2f')}")
+        parts.append(f"`{ref}` efficiency {_range(eff, '.2f')}")
     if cos:
         parts.append(f"cosine ≥ {min(cos):.5f} vs the faithful reference")
     return f"| {what} | {'; '.join(parts)} |"

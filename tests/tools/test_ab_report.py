@@ -19,7 +19,7 @@ def _result(complete: bool = True) -> dict[str, object]:
                 "accuracy": {"facade": {"faithful": {"cosine_min": 0.99995 - 0.00001 * t}}}}
 
     return {"meta": {"reference_op": "facade", "world_size": 1, "gpu": "NVIDIA H200", "complete": complete,
-                     "command": ["gc-moe-ab", "--preset", "glm52"],
+                     "command": "gc-moe-ab --preset glm52",
                      "workload": {"name": "glm52", "hidden": 6144, "intermediate": 2048, "local_experts": 32,
                                   "topk": 8},
                      "ops": {"facade": {"status": "measured"}, "original_deep_gemm": {"status": "measured"},
@@ -33,9 +33,10 @@ def test_a_row_names_the_workload_the_command_the_ratios_and_what_did_not_run() 
     row = report.readme_row(_result(), "ab_glm52.json")
     assert row.startswith("| gc-moe-ab glm52 (H 6144, I 2048, 32 experts per rank, top-8), 1× NVIDIA H200, T = 1…2 ")
     assert "(`ab_glm52.json`; `gc-moe-ab --preset glm52`)" in row
-    assert "facade 1.15× `original_deep_gemm` (mean of 2, 1.10–1.20)" in row
+    assert "latency over `facade` (mean of the per-point ratios, range, points): `original_deep_gemm` 1.15 " \
+           "(1.10–1.20, 2)" in row
     assert "`composed_deepep_deepgemm` not run" in row
-    assert "facade efficiency 0.10–0.20" in row and "cosine ≥ 0.99993 vs the faithful reference" in row
+    assert "`facade` efficiency 0.10–0.20" in row and "cosine ≥ 0.99993 vs the faithful reference" in row
     assert "incomplete" in report.readme_row(_result(complete=False), "ab_glm52.json")
 
 
