@@ -23,6 +23,9 @@ __all__ = ["ORIGINAL_OPS", "kernel_jobs", "main", "prebuild", "prebuild_original
 
 ORIGINAL_OPS = ("original_deep_gemm", "composed_deepep_deepgemm")
 """The operators whose kernels the originals JIT-compile at their first call of each configuration."""
+PORT_RETRIES = 2
+"""Reruns of a child whose one-rank process group lost its free port to a sibling (EADDRINUSE: the port is picked
+by binding port 0 and released before the group binds it)."""
 
 
 def kernel_jobs(mma_types: Iterable[str], tokens: Sequence[int], num_ranks: int, topk: int, num_experts: int,
@@ -76,11 +79,14 @@ def prebuild_originals(argv: Sequence[str], tokens: Sequence[int], workers: int 
     failed: the run goes on and the operator reports its own error at its first call)."""
     def one(t: int) -> str:
         start = time.monotonic()
-        try:
-            proc = subprocess.run(child_command(argv, t), capture_output=True, text=True, timeout=timeout,
-                                  check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        except subprocess.TimeoutExpired:
-            return f"originals T={t}: timed out after {timeout:.0f} s"
+        for _ in range(PORT_RETRIES + 1):
+            try:
+                proc = subprocess.run(child_command(argv, t), capture_output=True, text=True, timeout=timeout,
+                                      check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            except subprocess.TimeoutExpired:
+                return f"originals T={t}: timed out after {timeout:.0f} s"
+            if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+                break
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
         status = "ok" if proc.returncode == 0 else f"rc={proc.returncode}: {tail[0][:300]}"
         return f"originals T={t}: {status} ({time.monotonic() - start:.1f} s)"

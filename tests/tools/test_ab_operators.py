@@ -5,6 +5,7 @@ reaches the launch (which needs the GPU), the references and floors of a point, 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,17 @@ def test_the_originals_prebuild_runs_one_child_per_point_and_reports_its_failure
     lines = prebuild.prebuild_originals(argv, [1, 8], workers=2, timeout=120)
     assert [line.split(":")[0] for line in lines] == ["originals T=1", "originals T=8"]
     assert all("rc=" in line for line in lines), lines
+
+
+def test_a_child_that_lost_its_port_to_a_sibling_is_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt fails as a port race does (EADDRINUSE), the rerun succeeds; any other failure is final."""
+    import sys
+
+    marker = tmp_path / "tried"
+    code = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); first = not m.exists(); m.touch(); "
+            "print('DistNetworkError: EADDRINUSE, address already in use' if first else 'ok'); sys.exit(int(first))")
+    monkeypatch.setattr(prebuild, "child_command", lambda argv, t: [sys.executable, "-c", code, str(marker)])
+    assert prebuild.prebuild_originals([], [1], workers=1)[0].startswith("originals T=1: ok")
+    fail = "import sys; print('RuntimeError: something else'); sys.exit(3)"
+    monkeypatch.setattr(prebuild, "child_command", lambda argv, t: [sys.executable, "-c", fail])
+    assert "rc=3: RuntimeError: something else" in prebuild.prebuild_originals([], [2], workers=1)[0]
