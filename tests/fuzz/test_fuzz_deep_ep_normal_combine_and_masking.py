@@ -37,7 +37,7 @@ from gc_moe_compat.deep_ep._normal import MAX_TOPK, NormalHandle
 if TYPE_CHECKING:
     from conftest import DeepEpHost
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 NVL_BYTES = 1 << 20
 ROWS, T, H, CHANNELS = 5, 6, 256, 4
@@ -119,7 +119,7 @@ def normal_buffer(deep_ep_host: DeepEpHost) -> Buffer:
     return deep_ep_host.buffer(NVL_BYTES, 0)
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=200)
 @given(case=draw(COMBINE_SPECS, {"config.num_sms": st.one_of(st.just(2 * CHANNELS), st.integers(0, 64)),
                                   "handle.most_sent": st.sampled_from([None, 0, ROWS, NVL_BYTES // (2 * H) + 1,
                                                                        10**9])}))
@@ -173,7 +173,7 @@ def shrink_buffer(deep_ep_host: DeepEpHost) -> Buffer:
     return deep_ep_host.buffer(0, LL_BYTES, low_latency_mode=True, enable_shrink=True, ranks=RANKS)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=100)
 @given(ops=st.lists(_OPS, min_size=1, max_size=8))
 def test_rank_masking(shrink_buffer: Buffer, default_dtype: torch.dtype, ops: list[tuple]) -> None:
     """A sequence of masking calls on a 4-rank Buffer with enable_shrink, from a clean mask, against the model's
