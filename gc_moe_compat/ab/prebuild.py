@@ -5,8 +5,8 @@ operator that needs the kernel reports them itself at its first call (and the ru
 * GC-MoE's kernels (:func:`kernel_jobs`, :func:`prebuild`): nvcc runs as subprocesses, so threads overlap.
 * The originals' JIT kernels (:func:`prebuild_originals`): DeepGEMM compiles a kernel inside its first call of each
   configuration (its heuristics pick the configuration from the token count), so one child process per point
-  (``python -m gc_moe_compat.ab.prebuild <the run's gc-moe-ab arguments> --tokens T``) builds the operator as the
-  run does, on zero weights, and calls it once at that T; the kernels land in the originals' JIT caches
+  (``python -m gc_moe_compat.ab.prebuild_child <the run's gc-moe-ab arguments> --tokens T``) builds the operator
+  as the run does, on zero weights, and calls it once at that T; the kernels land in the originals' JIT caches
   (``DG_JIT_CACHE_DIR``, Triton's cache) that the timed run then reads.
 """
 
@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ORIGINAL_OPS", "kernel_jobs", "main", "prebuild", "prebuild_originals"]
+__all__ = ["ORIGINAL_OPS", "PORT_RETRIES", "child_command", "kernel_jobs", "prebuild", "prebuild_originals"]
 
 ORIGINAL_OPS = ("original_deep_gemm", "composed_deepep_deepgemm")
 """The operators whose kernels the originals JIT-compile at their first call of each configuration."""
@@ -70,7 +70,7 @@ def prebuild(jobs: Sequence[tuple[str, dict[str, int]]], workers: int = 8) -> li
 def child_command(argv: Sequence[str], tokens: int) -> list[str]:
     """The child process of one point: the run's own ``gc-moe-ab`` arguments, the point's ``--tokens`` last (it
     replaces the run's list), ``--ops`` limited to :data:`ORIGINAL_OPS` by the child itself."""
-    return [sys.executable, "-m", "gc_moe_compat.ab.prebuild", *argv, "--tokens", str(tokens)]
+    return [sys.executable, "-m", "gc_moe_compat.ab.prebuild_child", *argv, "--tokens", str(tokens)]
 
 
 def prebuild_originals(argv: Sequence[str], tokens: Sequence[int], workers: int = 6,
@@ -93,65 +93,3 @@ def prebuild_originals(argv: Sequence[str], tokens: Sequence[int], workers: int 
 
     with cf.ThreadPoolExecutor(max(1, min(workers, len(tokens)))) as pool:
         return list(pool.map(one, tokens))
-
-
-def _zero_weights(local_experts: int, hidden: int, intermediate: int, device: object) -> object:
-    """FP8 128x128-block experts of zeros (unit scales): the shapes the originals compile for, nothing to compute."""
-    import torch
-
-    from gc_moe_compat.ab.inputs import LayerWeights
-    from gc_moe_compat.testing.reference import ExpertWeights
-
-    def one(n: int, k: int) -> ExpertWeights:
-        payload = torch.zeros(local_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
-        scales = torch.ones(local_experts, n // 128, k // 128, dtype=torch.float32, device=device)
-        return ExpertWeights("fp8_block128", payload, scales)
-
-    return LayerWeights({"fp8_block128": (one(2 * intermediate, hidden), one(hidden, intermediate))})
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """A child of :func:`prebuild_originals`: build each runnable original operator of the workload on zero
-    weights as the run does and call it once at the (single) ``--tokens`` value."""
-    import torch
-
-    from gc_moe_compat.ab import cli, operators
-    from gc_moe_compat.ab.inputs import make_tokens
-    from gc_moe_compat.ab.run import Ranks
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, w, problems = cli.parse(argv)
-    if problems:
-        print(f"prebuild: constraint: {problems}", file=sys.stderr)
-        return 2
-    specs = [s for s in operators.select(args.ops, args.partition_sweep) if s.name in ORIGINAL_OPS]
-    if (args.world_size or 1) > 1:  # one rank here would pick the one-rank configurations: leave it to the run
-        print("prebuild: originals are prebuilt for one-GPU runs only; the run compiles them at first use")
-        return 0
-    ranks = Ranks()
-    shape = w.shape(ranks.world, "fp8xfp8")
-    ctx = operators.Context(ranks.group, w, ranks.world, ranks.rank,
-                            _zero_weights(w.local_experts, w.hidden, w.intermediate, ranks.device), ranks.device)
-    code = 0
-    for t in args.tokens:
-        tokens = make_tokens(t, shape.num_experts, w.topk, w.hidden, ranks.rank, ranks.world,
-                             w.routed_scaling_factor, ranks.device)
-        for spec in specs:
-            if spec.probe() is not None:
-                continue
-            try:
-                runner = spec.build(ctx)
-                runner.stage(tokens)
-                runner.run()
-                torch.cuda.synchronize()
-                runner.close()
-            except Exception as exc:  # noqa: BLE001 - reported; the timed run reports its own error
-                print(f"prebuild: {spec.name} T={t}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # FACTS.md: destroy_process_group() after NCCL use can hang at exit
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -103,7 +103,7 @@ def test_the_originals_prebuild_runs_one_child_per_point_and_reports_its_failure
     import sys
 
     argv = ["--preset", "glm52", "--tokens", "1", "8", "--quick"]
-    assert prebuild.child_command(argv, 8) == [sys.executable, "-m", "gc_moe_compat.ab.prebuild", *argv,
+    assert prebuild.child_command(argv, 8) == [sys.executable, "-m", "gc_moe_compat.ab.prebuild_child", *argv,
                                                "--tokens", "8"]
     lines = prebuild.prebuild_originals(argv, [1, 8], workers=2, timeout=120)
     assert [line.split(":")[0] for line in lines] == ["originals T=1", "originals T=8"]
@@ -122,3 +122,11 @@ def test_a_child_that_lost_its_port_to_a_sibling_is_rerun(tmp_path: Path, monkey
     fail = "import sys; print('RuntimeError: something else'); sys.exit(3)"
     monkeypatch.setattr(prebuild, "child_command", lambda argv, t: [sys.executable, "-c", fail])
     assert "rc=3: RuntimeError: something else" in prebuild.prebuild_originals([], [2], workers=1)[0]
+
+
+def test_the_prebuild_child_refuses_a_workload_outside_the_constraints_before_any_allocation(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gc_moe_compat.ab import prebuild_child
+
+    assert prebuild_child.main(["--preset", "glm52", "--tokens", "999"]) == 2
+    assert "--tokens: every T must lie in [1, --capacity=256], got [999]" in capsys.readouterr().err
