@@ -228,11 +228,7 @@ class Buffer:
         if use_rdma_buffer:
             raise _missing(f"{fn}(use_rdma_buffer=True) (DeepEP's RDMA buffer is NVSHMEM/RDMA memory; the facade has "
                            "none)")
-        if self.normal is None:
-            if self.num_nvl_bytes:
-                raise ValueError(f"{fn}: the Buffer was destroyed")
-            raise ValueError(f"{fn}: the NVL buffer needs a Buffer with num_nvl_bytes > 0, got num_nvl_bytes=0")
-        return _local_view(fn, self.normal.buffer, dtype, size, offset)
+        return _local_view(fn, self._normal_mode(fn).buffer, dtype, size, offset)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -227,7 +227,7 @@ def test_local_buffer_tensor_checks(buf: Buffer, group: dist.ProcessGroup) -> No
     for error, needle, kwargs in cases:
         with pytest.raises(error, match=needle):
             buf.get_local_buffer_tensor(**kwargs)
-    with pytest.raises(ValueError, match=f"{fn}: the NVL buffer needs a Buffer with num_nvl_bytes > 0"):
+    with pytest.raises(ValueError, match=f"{fn}: the normal mode needs a Buffer with num_nvl_bytes > 0"):
         Buffer(group, 0, 0).get_local_buffer_tensor(torch.uint8)
     destroyed = Buffer(group, 1 << 20, 0, explicitly_destroy=True)
     destroyed.destroy()
