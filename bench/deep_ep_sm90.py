@@ -112,9 +112,12 @@ class ExpertRows:
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical (NaNs included), on ``a``'s device."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.to(a.device).contiguous().view(
-        torch.uint8))
+    """Bit-identical (NaNs included), on ``a``'s device, of any layout: made contiguous, then flattened (an empty view
+    keeps its strides under ``contiguous()``; flattening gives it unit stride)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.to(a.device).contiguous().reshape(-1).view(torch.uint8))
 
 
 # -- part 1: normal mode -----------------------------------------------------------------------------------------------
@@ -444,7 +447,8 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], partitions: dict[str, object],
                  bandwidth: float) -> None:
     meta = result_meta("bench/deep_ep_sm90.py", sys.argv[1:], partitions, env_keys=("GC_MOE_PARTITION",))
-    meta |= {"copy_bandwidth_Bps": bandwidth, "parts": [p for p in PARTS if p in args.parts],
+    meta |= {"copy_bandwidth_Bps": bandwidth, "parts_requested": [p for p in PARTS if p in args.parts],
+             "parts_measured": [p for p in PARTS if any(point["part"] == p for point in points)],
              "timing": {"warmup_windows": args.warmup, "windows": args.windows,
                         "normal": f"eager calls (the uncached dispatch waits on the CPU), {args.calls} per window",
                         "low_latency": f"CUDA-graph replays, {PER_WINDOW} per window",
