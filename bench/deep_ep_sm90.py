@@ -402,27 +402,21 @@ def run_overlap(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict
 # -- the result file ---------------------------------------------------------------------------------------------------
 
 
-def plot(points: list[dict[str, object]], path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
-    ax = axes[0]
-    for p_name in PRESETS:
-        rows = [p for p in points if p["part"] == "normal" and p["preset"] == p_name]
+def _plot_normal(ax: object, points: list[dict[str, object]]) -> None:
+    for preset in PRESETS:
+        rows = [p for p in points if p["preset"] == preset]
         for op, mark in zip(OPS, ("o", "s", "x"), strict=True):
             ax.plot([p["tokens_per_rank"] for p in rows], [p["efficiency"][op] for p in rows], marker=mark,
-                    label=f"{p_name} {op}")
+                    label=f"{preset} {op}")
     ax.axhline(0.5, color="grey", linestyle=":", label="two copies per row (ceiling)")
     ax.set(yscale="log", xlabel="tokens per rank T", ylabel="floor / latency",
            title=f"normal mode, {NUM_SMS}-SM partition (eager)")
     ax.set_xscale("log", base=2)
-    ax.legend(fontsize=6)
-    ax = axes[1]
+
+
+def _plot_low_latency(ax: object, points: list[dict[str, object]]) -> None:
     for shape in LL_SHAPES:
-        rows = [p for p in points if p["part"] == "low_latency" and p["preset"] == shape]
-        if not rows:
-            continue
+        rows = [p for p in points if p["preset"] == shape]
         ts = [p["tokens_per_rank"] for p in rows]
         for op, style in zip(LL_OPS, ("-", "--"), strict=True):
             line, = ax.plot(ts, [p["latency_us"][op] for p in rows], style, marker="o", label=f"{shape} {op}")
@@ -430,16 +424,31 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
     ax.set(yscale="log", xlabel="tokens per rank T", ylabel="µs per call (CUDA-graph replay)",
            title=f"low-latency, Tmax {LL_TMAX}, {deep_ep.Buffer.num_sms}-SM request (dotted: floor)")
     ax.set_xscale("log", base=2)
-    ax.legend(fontsize=6)
-    ax = axes[2]
-    rows = [p for p in points if p["part"] == "overlap"]
-    xs = range(len(rows))
+
+
+def _plot_overlap(ax: object, points: list[dict[str, object]]) -> None:
+    xs = range(len(points))
     for i, (mode, what) in enumerate((m, w) for m in MODES for w in ("step", "ll")):
-        ax.bar([x + 0.2 * i for x in xs], [p["latency_us"][f"{mode}_{what}"] for p in rows], 0.2,
+        ax.bar([x + 0.2 * i for x in xs], [p["latency_us"][f"{mode}_{what}"] for p in points], 0.2,
                label=f"{mode} {'step' if what == 'step' else 'dispatch+combine done'}")
-    ax.set_xticks([x + 0.3 for x in xs], [f"{p['preset']}\nT={p['tokens_per_rank']}" for p in rows], fontsize=7)
+    ax.set_xticks([x + 0.3 for x in xs], [f"{p['preset']}\nT={p['tokens_per_rank']}" for p in points], fontsize=7)
     ax.set(ylabel="µs", title="GEMM stand-in || dispatch+combine (two-batch overlap)")
-    ax.legend(fontsize=6)
+
+
+def plot(points: list[dict[str, object]], path: Path) -> None:
+    """One panel per part; a part without points (not run, or not reached) says so instead of an empty plot."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(PARTS), figsize=(6 * len(PARTS), 4.5))
+    for ax, part, draw in zip(axes, PARTS, (_plot_normal, _plot_low_latency, _plot_overlap), strict=True):
+        rows = [p for p in points if p["part"] == part]
+        if rows:
+            draw(ax, rows)
+            ax.legend(fontsize=6)
+        else:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"{part}: not measured in this run", ha="center", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
