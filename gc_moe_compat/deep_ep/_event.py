@@ -26,8 +26,9 @@ class EventOverlap:
     """DeepEP's overlap helper: ``current_stream_wait()``, an optional hook after the wait, and ``with`` use (the
     current stream waits for the event when the block exits).
 
-    The facade's kernels run on the caller's current stream, so waiting on their event is ordered already; the
-    event still marks the point a caller may record or wait on, as with DeepEP.
+    As in DeepEP, the event marks the end of a call's kernels, which run on the communication stream
+    (``Buffer.get_comm_stream()``: the communication partition's green stream, or the caller's stream with the
+    partition off); waiting on it orders the caller's stream after them.
     """
 
     def __init__(self, event: EventHandle | None = None, extra_tensors: tuple[torch.Tensor, ...] | None = None) -> None:
