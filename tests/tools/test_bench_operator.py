@@ -382,7 +382,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def test_baseline_kernels_in_the_triton_interpreter() -> None:
     """The baseline's five Triton kernels in TRITON_INTERPRET=1 (a subprocess: the flag is read at import)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     code = "import test_bench_operator as t; t.interpreter_checks(); print('interpreter ok')"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
