@@ -209,7 +209,8 @@ class PresetRun:
                "fused_shared": fused("fused_shared", self.shared_pairs), "separate_shared": separate,
                "fused_shared_k32": fused("fused_shared_k32", self.shared_pairs_k32)}
         ops.update({name: self.role4_op(tokens, name) for name in ROLE4_OPS})
-        pre(1)  # role4 alone reads these staged tokens
+        pre(0)  # ``layer`` and role4 alone time what is staged: this point's tokens, whichever ops run before them
+        pre(1)
         return ops, ys
 
     def accuracy(self, tokens: int, ys: dict[str, torch.Tensor], timed: set[str]) -> dict[str, dict[str, float | int]]:
