@@ -54,7 +54,9 @@ layer plus this project's standalone FP8 GEMM as a separate shared expert on the
 is 1.01-1.08x faster at T <= 16 on dsv41-flash, glm52 and dsv3 (role4 costs 29-57 us inside the graph, fused minus
 layer, the separate GEMMs 41-55 us), and 0.88-1.00x at T >= 32: there role4's cost inside the graph rose to
 116-146 us at BM = 64 (T = 64, 128) against 71-83 us for the separate GEMMs, with the per-stage token-scale copy.
-bench/README.md ("SGLang's Hopper sequence") has role4 alone per BM with both token-scale forms.
+Role4 alone on dsv3 (bench/README.md, "SGLang's Hopper sequence", short windows): the per-stage copy cost W1
+7 / 21 / 41 / 87 us at BM 8 / 16 / 32 / 64; with the task-scale region role4 takes 41-65 us and the fused layer is
+1.04-1.10x over routed + separate shared GEMM at T = 1..128. The K32 recipe takes role4 1.3-1.7x longer (55-114 us).
 
 Token blocks: one table per ``BM`` covering the buffer's capacity (rows ``(0, min(BM, Tmax - i·BM), i·BM)``) and a
 count ``ceil(T/BM)`` (a pointer into a device ``arange``), so no per-``T`` upload happens; the last block's rows
