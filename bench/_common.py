@@ -16,10 +16,11 @@ from gc_moe_compat.ab.protocol import (
     expert_floor_bytes,
     result_meta,
     timed_windows,
+    write_partial_result,
 )
 from gc_moe_compat.ab.report import pyplot
 
 __all__ = ["L2_FLUSH_BYTES", "PER_WINDOW", "REPO", "copy_bandwidth", "expert_floor_bytes", "pyplot", "result_meta",
-           "timed_windows"]
+           "timed_windows", "write_partial_result"]
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,20 +34,21 @@ clamp 10, T = 1..256 (``config.SWEEP_TOKENS``).
 
 ``python bench/sglang_sequence_sm90.py --out bench/results/sglang_sequence_sm90.json``; ``--ops`` times a subset
 (the accuracy and the derived fields need ``fused_shared``, and ``sequence`` / ``layer`` / ``separate_shared`` for
-the speedups and the pre-dispatch share; a subset's file is not a protocol result of this file).
+the speedups and the pre-dispatch share; a subset's file is not a protocol result of this file). The file is rewritten
+after each preset's sweep: ``meta.presets_measured`` names the presets it holds and ``meta.complete`` is false until
+every requested preset ran (a run cut by its limit keeps the presets it finished).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
+from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, write_partial_result
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
@@ -279,23 +280,8 @@ def plot(points: list[dict[str, object]], presets: list[str], path: Path) -> Non
     fig.savefig(path, dpi=120)
 
 
-def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
-    """Every preset's T sweep on this one-rank group, then the result file, the PNG and the table."""
-    jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets
-            for src, d in _jobs(preset, args.tokens)}
-    built = prebuild(list(jobs.values()), workers=16)
-    print(f"prebuild: {sum('built' in b for b in built)} built, {sum('cached' in b for b in built)} cached, "
-          f"{sum('FAILED' in b for b in built)} failed", flush=True)
-    bandwidth = copy_bandwidth()
-    points = []
-    for preset in args.presets:
-        run = PresetRun(group, preset)
-        for t in args.tokens:
-            points.append(run.point(t, bandwidth, args.warmup, args.windows, tuple(args.ops)))
-            p = points[-1]
-            print(f"{preset} T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in p["latency_us"].items())
-                  + f" us, floor {p['floor_us']:.1f}", flush=True)
-    native = run.native
+def write_result(args: argparse.Namespace, points: list[dict[str, object]], native: object, bandwidth: float) -> None:
+    """The result file of the presets finished so far (``meta.presets_measured``, ``meta.complete``) and its PNG."""
     meta = result_meta("bench/sglang_sequence_sm90.py", sys.argv[1:],
                        {"dispatch_sms": native.dispatch_sms, "compute_sms": native.compute_sms,
                         "workqueue": "plain SM partitioning (see the run's log)", "mode": native.partition})
@@ -303,9 +289,12 @@ def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
                  "routed_scaling_factor": {p: CONFIG_PRESETS[p].routed_scaling_factor for p in args.presets},
                  "presets": list(args.presets), "warmup": args.warmup, "windows": args.windows,
                  "ops": list(args.ops)})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
-    plot(points, args.presets, args.out.with_suffix(".png"))
+    write_partial_result(args.out, meta, points, unit="presets", key="preset", requested=args.presets)
+    plot(points, [p for p in args.presets if any(q["preset"] == p for q in points)], args.out.with_suffix(".png"))
+
+
+def print_tables(args: argparse.Namespace, points: list[dict[str, object]]) -> None:
+    """The latency table per point, the accuracy lines and, when every op of :data:`OPS` ran, the speedup table."""
     print("| preset | T | BM | " + " | ".join(args.ops) + " |")
     print("|---|---|---|" + "---|" * len(args.ops))
     for p in points:
@@ -326,6 +315,26 @@ def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
               f"{us['separate_shared']:.1f} | {p['speedup']['separate_over_fused']:.3f} | "
               f"{p['accuracy']['fused_shared_vs_reference']['cosine']:.6f} |")
 
+
+def _run(args: argparse.Namespace, group: dist.ProcessGroup) -> None:
+    """Every preset's T sweep on this one-rank group, the result file rewritten after each preset (a run cut by its
+    limit keeps the presets it finished), then the tables."""
+    jobs = {(src, tuple(sorted(d.items()))): (src, d) for preset in args.presets
+            for src, d in _jobs(preset, args.tokens)}
+    built = prebuild(list(jobs.values()), workers=16)
+    print(f"prebuild: {sum('built' in b for b in built)} built, {sum('cached' in b for b in built)} cached, "
+          f"{sum('FAILED' in b for b in built)} failed", flush=True)
+    bandwidth = copy_bandwidth()
+    points = []
+    for preset in args.presets:
+        run = PresetRun(group, preset)
+        for t in args.tokens:
+            points.append(run.point(t, bandwidth, args.warmup, args.windows, tuple(args.ops)))
+            p = points[-1]
+            print(f"{preset} T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in p["latency_us"].items())
+                  + f" us, floor {p['floor_us']:.1f}", flush=True)
+        write_result(args, points, run.native, bandwidth)
+    print_tables(args, points)
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ time the same way:
 * the GPU should be idle: :func:`idle_gpu_check` reports other compute processes or a busy GPU (a warning, the run
   goes on);
 * every result file carries :func:`result_meta` (git SHA, dirty tree, GPU, driver, torch, CUDA, world size,
-  partition, and the command that re-runs it);
+  partition, and the command that re-runs it); a script that measures in parts rewrites its file after each part
+  (:func:`write_partial_result`), so a run cut by its limit keeps what it finished and says so;
 * a multi-rank run starts one process per GPU under ``torch.distributed.run`` with NVLink multicast off
   (:func:`torchrun_command`).
 """
@@ -21,6 +22,7 @@ time the same way:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import statistics
@@ -46,6 +48,7 @@ __all__ = [
     "slowest_rank",
     "timed_windows",
     "torchrun_command",
+    "write_partial_result",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,3 +240,17 @@ def result_meta(script: str, argv: list[str], partition: dict[str, object], *, w
         "partition": partition,
         "command": " ".join([*env, *(shlex.quote(w) for w in words)]),
     }
+
+
+def write_partial_result(path: Path, meta: dict[str, object], points: Sequence[Mapping[str, object]], *, unit: str,
+                         key: str, requested: Sequence[str]) -> None:
+    """Write the result file ``{"meta", "points"}`` of the points measured so far (parents created).
+
+    A script that measures in parts (presets, modes) calls it after each part, so a run cut by its limit leaves the
+    parts it finished. ``meta`` gains ``<unit>_requested`` (``requested``), ``<unit>_measured`` (those with a point
+    whose ``key`` names them, in requested order) and ``complete`` (every requested one measured)."""
+    measured = [r for r in requested if any(p[key] == r for p in points)]
+    meta = {**meta, f"{unit}_requested": list(requested), f"{unit}_measured": measured,
+            "complete": measured == list(requested)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "points": list(points)}, indent=1) + "\n")
