@@ -18,8 +18,9 @@ the next eager call). Both compute paths have all three roles (role2: :mod:`gc_m
 picks the
 FP8xFP8 or the FP8xFP4 grouped-GEMM kernel by ``mma_type``), and a buffer with ``num_shared_experts=1`` runs the
 shared expert as role4 on the call's ``shared_l1_weights`` / ``shared_l2_weights`` (FP8 E4M3 with FP32 128x128 block
-scales, canonical layout: gate rows then up rows; converted once per weight tensor and buffer, so the first call with
-them must be eager, not captured) into combine slot ``k``, which role3 sums after the routed slots.
+scales, or DeepGEMM's per-row UE8M0 K32 scales as uint8 codes or packed int32; canonical layout: gate rows then up
+rows; converted once per weight tensor and buffer, so the first call with them must be eager, not captured) into
+combine slot ``k``, which role3 sums after the routed slots.
 """
 
 from __future__ import annotations
