@@ -11,7 +11,7 @@ through it). The argument checks of get_local_buffer_tensor are test_deep_ep_nor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -118,30 +118,43 @@ def _check_stream(buf: Buffer, partition: str) -> torch.cuda.Stream:
     return comm
 
 
+def _tokens_queued_before(comm: torch.cuda.Stream, x_real: torch.Tensor) -> torch.Tensor:
+    """Zeros that ``comm`` (after the caller's queued work) fills with ``x_real`` behind a sleep, the caller's stream
+    not waiting for it: a call whose kernels run on ``comm`` in order reads ``x_real`` from them."""
+    x = torch.zeros_like(x_real)
+    comm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(comm):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.copy_(x_real)
+    return x
+
+
+def _read_queued_after(comm: torch.cuda.Stream, call: Callable[[], tuple]) -> tuple[torch.Tensor, tuple]:
+    """The caller's stream put to sleep, then ``call()`` (an async call; its output first), then a copy of that
+    output queued on ``comm``: the copy once ``comm`` finished, and what the call returned."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    result = call()
+    with torch.cuda.stream(comm):
+        seen = result[0].clone()
+    comm.synchronize()
+    return seen, result
+
+
 @pytest.mark.gpu
 def test_normal_mode_comm_stream_ordering(group: dist.ProcessGroup, partition: str) -> None:
     x_real, idx, w = _routing()
     buf = Buffer(group, 1 << 24, 0)
     comm = _check_stream(buf, partition)
-    x = torch.zeros_like(x_real)
-    comm.wait_stream(torch.cuda.current_stream())
-    # Queued on the stream before the calls (behind a sleep; the caller's stream does not wait for it): the
-    # dispatch's kernels, queued on the same stream, read the tokens it writes.
-    with torch.cuda.stream(comm):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        x.copy_(x_real)
+    # Queued on the stream before the calls: the dispatch's kernels, queued on the same stream, read the tokens it
+    # writes.
+    x = _tokens_queued_before(comm, x_real)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     recv, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
     torch.cuda.synchronize()
     assert torch.equal(recv, x_real)  # one rank: every token once, in order
     # Queued after an async call: runs after its kernels, which run after the caller's (sleeping) stream.
-    torch.cuda._sleep(SLEEP_CYCLES)
-    doubled = recv * 2
-    combined, _, event = buf.combine(doubled, handle, async_finish=True)
-    with torch.cuda.stream(comm):
-        seen = combined.clone()
-    comm.synchronize()
+    seen, (combined, _, event) = _read_queued_after(comm, lambda: buf.combine(recv * 2, handle, async_finish=True))
     assert torch.equal(seen, x_real * 2)
     event.current_stream_wait()
     assert torch.equal(combined, x_real * 2)
@@ -152,11 +165,7 @@ def test_low_latency_comm_stream_ordering(group: dist.ProcessGroup, partition: s
     x_real, idx, w = _routing()
     buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True)
     comm = _check_stream(buf, partition)
-    x = torch.zeros_like(x_real)
-    comm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(comm):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        x.copy_(x_real)
+    x = _tokens_queued_before(comm, x_real)
     recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     torch.cuda.synchronize()
     for e in range(E):
@@ -166,11 +175,8 @@ def test_low_latency_comm_stream_ordering(group: dist.ProcessGroup, partition: s
     for e in range(E):
         expert_out[e, :int(count[e])] = recv[e, :int(count[e])] * 2
     # Queued after an async call: runs after its kernels, which run after the caller's (sleeping) stream.
-    torch.cuda._sleep(SLEEP_CYCLES)
-    combined, _, _ = buf.low_latency_combine(expert_out, idx, w, handle, async_finish=True)
-    with torch.cuda.stream(comm):
-        seen = combined.clone()
-    comm.synchronize()
+    seen, (combined, _, _) = _read_queued_after(
+        comm, lambda: buf.low_latency_combine(expert_out, idx, w, handle, async_finish=True))
     want = (x_real.float() * 2 * w.sum(dim=1, keepdim=True)).to(torch.bfloat16)
     torch.testing.assert_close(seen.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.cuda.synchronize()

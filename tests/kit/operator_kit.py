@@ -1,5 +1,6 @@
 """Shared helpers of the operator's GPU tests (one and two ranks): preset weights of either compute path, routings,
-staging, poisoning, the P-rank quantization-faithful reference and the BENCH_PROTOCOL.md accuracy check.
+staging, poisoning (:func:`start_call`: both, and the NaN ``y``), the P-rank quantization-faithful reference and the
+BENCH_PROTOCOL.md accuracy check.
 
 The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations the
 kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
@@ -9,6 +10,8 @@ approximate.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +36,10 @@ SWEEP = tuple(SWEEP_TOKENS)
 POISONED = ("l1_acts", "l1_acts_sf", "l1_routing_weights", "l1_source", "l2_acts", "l2_acts_sf", "combine")
 """Payload regions filled with 0xFF (FP8/FP32/BF16 NaN, source -1) before a checked call: a padding row or an
 unwritten combine slot that leaked into y would show up as NaN."""
+SHARED_POISONED = ("shared_l2_acts", "shared_l2_acts_sf")
+"""Role4's intermediate in a shared-expert buffer, poisoned too where a test checks role4 (``poison(shared=True)``)."""
+CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}
+"""The native API's call of each compute path."""
 COSINE_MIN, PROCESSED_MAX = 0.9999, 1e-4
 """BENCH_PROTOCOL.md reference-1 targets, checked as they are for the protocol's workload presets."""
 TINY_COSINE_MIN, TINY_PROCESSED_MAX = 0.9995, 5e-4
@@ -43,15 +50,24 @@ truncation on tiny's shapes (1 token, 300 seeds) gave processed diffs up to 3.4e
 while an exact FP32 re-ordering stays <= 1.7e-5. Wider presets average such flips out and keep the protocol targets."""
 
 
-def poison(buffer: api.GcMoeBuffer) -> None:
-    """0xFF into every payload region of :data:`POISONED` (never the protocol counters)."""
-    for name in POISONED:
+def poison(buffer: api.GcMoeBuffer, *, shared: bool = False) -> None:
+    """0xFF into every payload region of :data:`POISONED`, and of :data:`SHARED_POISONED` with ``shared`` (never the
+    protocol counters)."""
+    for name in POISONED + (SHARED_POISONED if shared else ()):
         buffer.view(name).view(torch.uint8).fill_(0xFF)
 
 
 def poisoned_y(tokens: int, hidden: int) -> torch.Tensor:
     """``y [T, H]`` BF16 filled with NaN."""
     return torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def start_call(buffer: api.GcMoeBuffer, inputs: RankInputs, *, shared: bool = False) -> torch.Tensor:
+    """How a checked call starts: ``inputs`` staged into ``buffer``, its payload regions poisoned (:func:`poison`)
+    and a NaN ``y [T, H]`` (:func:`poisoned_y`) returned for the call to write."""
+    stage(buffer, inputs)
+    poison(buffer, shared=shared)
+    return poisoned_y(inputs.tokens, inputs.x.shape[1])
 
 
 def check_accuracy(y: torch.Tensor, y_ref: torch.Tensor, what: str, preset: str) -> dict[str, float | int]:

@@ -16,16 +16,17 @@ import os
 import torch
 import torch.distributed as dist
 from operator_kit import (
+    CALLS,
     CAPACITY,
     SWEEP,
     check_accuracy,
     make_inputs,
     make_weights,
-    poison,
     poisoned_y,
     preset_dims,
     reference_ys,
     stage,
+    start_call,
 )
 from two_rank import MISSING_PEER_TIMEOUT_MS, join, raises, report_pass, spin_timeout
 
@@ -34,7 +35,7 @@ from gc_moe_compat.runtime.status import DeviceTimeoutError
 
 WORLD = 2
 MMA_TYPE = os.environ.get("GC_MOE_TEST_MMA_TYPE", "fp8xfp8")
-CALL = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}[MMA_TYPE]
+CALL = CALLS[MMA_TYPE]
 CASES = [("uniform", (t, t)) for t in SWEEP] + [
     ("uniform", (0, 5)), ("uniform", (37, 0)), ("uniform", (0, 0)), ("zipf", (CAPACITY, 64)),
     ("one_expert", (CAPACITY, CAPACITY)), ("holes", (1, 200)), ("zipf", (3, CAPACITY)),
@@ -51,9 +52,7 @@ def _round(buf: api.GcMoeBuffer, weights: list, preset: str, kind: str, tokens: 
            rank: int) -> None:
     e, k, h, _ = preset_dims_of(buf)
     inputs = [make_inputs(kind, t, e * WORLD, k, h, seed=seed * WORLD + r) for r, t in enumerate(tokens)]
-    stage(buf, inputs[rank])
-    poison(buf)
-    y = poisoned_y(tokens[rank], h)
+    y = start_call(buf, inputs[rank])
     torch.cuda.synchronize()
     dist.barrier()  # no peer scatters into this rank's combine buffer before it is poisoned
     CALL(y, weights[rank].w1, weights[rank].w2, buf)

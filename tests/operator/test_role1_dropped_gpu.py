@@ -17,11 +17,9 @@ from operator_kit import (
     check_accuracy,
     make_inputs,
     make_weights,
-    poison,
-    poisoned_y,
     preset_dims,
     reference_ys,
-    stage,
+    start_call,
 )
 
 from gc_moe_compat.operator import api
@@ -42,18 +40,14 @@ def test_role1_drops_staged_ids_outside_the_experts(group: dist.ProcessGroup, id
     sanitized = bad_idx.clone()
     sanitized[3, 0] = sanitized[5, 1] = sanitized[36, 0] = -1
     clean = dataclasses.replace(inputs, topk_idx=sanitized)
-    stage(buf, dataclasses.replace(inputs, topk_idx=bad_idx))
-    poison(buf)
-    y = poisoned_y(tokens, h)
+    y = start_call(buf, dataclasses.replace(inputs, topk_idx=bad_idx))
     with pytest.raises(DeviceCheckError, match="fp8_fp8_gc_moe: running the layer: .*dropped an invalid input .*"
                                                "role1 dispatch: a staged topk_idx entry .*observed (-7|4|7), "
                                                "expected 4"):
         api.fp8_fp8_gc_moe(y, w.w1, w.w2, buf, check_values=False)
     check_accuracy(y, reference_ys([clean], [w])[0], "ids dropped by role1", "tiny")
     first = y.clone()
-    stage(buf, clean)  # the buffer keeps working: the same layer on the sanitized routing, no error
-    poison(buf)
-    y = poisoned_y(tokens, h)
+    y = start_call(buf, clean)  # the buffer keeps working: the same layer on the sanitized routing, no error
     api.fp8_fp8_gc_moe(y, w.w1, w.w2, buf, check_values=False)
     torch.cuda.synchronize()
     assert_bits_equal(y, first, "sanitized routing after the drop")
@@ -75,9 +69,7 @@ def test_role1_drops_staged_non_finite_weights(group: dist.ProcessGroup) -> None
     for t, slot in ((2, 1), (9, 0), (36, 1)):
         sanitized_idx[t, slot], sanitized_w[t, slot] = -1, 0.0
     clean = dataclasses.replace(inputs, topk_idx=sanitized_idx, topk_weights=sanitized_w)
-    stage(buf, dataclasses.replace(inputs, topk_weights=bad_w))
-    poison(buf)
-    y = poisoned_y(tokens, h)
+    y = start_call(buf, dataclasses.replace(inputs, topk_weights=bad_w))
     with pytest.raises(DeviceCheckError, match="fp8_fp8_gc_moe: running the layer: .*dropped an invalid input .*"
                                                "role1 dispatch: a staged topk_weights entry is not finite .*"
                                                "expected (5|18|73)"):
