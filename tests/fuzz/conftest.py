@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency, _normal
+from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -23,18 +24,15 @@ def default_dtype(request: pytest.FixtureRequest) -> Iterator[torch.dtype]:
         torch.set_default_dtype(before)
 
 
-class HostWorkspace:
-    """Host stand-in for ``SymmetricWorkspace`` (what both deep_ep modes read): a zeroed CPU byte buffer of a
-    ``ranks``-rank workspace seen from rank 0 (the calls read only the rank count and the bytes)."""
+class HostWorkspace(SymmetricWorkspace):
+    """Host stand-in for ``SymmetricWorkspace`` (what both deep_ep modes read): the real region layout (``region`` /
+    ``offset``, so a view's bounds are its region's, as on the GPU) over a zeroed CPU byte buffer of a ``ranks``-rank
+    workspace seen from rank 0 (the calls read only the rank count, the regions and the bytes)."""
 
-    def __init__(self, layout: object, ranks: int = 1) -> None:
-        self.device = torch.device("cpu")
-        self.world_size, self.rank = ranks, 0
+    def __init__(self, layout: LayoutPlanner, ranks: int = 1) -> None:  # no rendezvous: nothing of the GPU's
+        self.regions, self.device, self.world_size, self.rank = layout.regions, torch.device("cpu"), ranks, 0
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
         self.peer_table = "peer table"
-
-    def region(self, name: str) -> torch.Tensor:
-        return self.buffer
 
 
 class DeepEpHost:
@@ -51,7 +49,7 @@ class DeepEpHost:
     def buffer(self, *args: object, ranks: int = 1, **kwargs: object) -> Buffer:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""
 
-        def workspace(layout: object, group: dist.ProcessGroup | None = None) -> HostWorkspace:
+        def workspace(layout: LayoutPlanner, group: dist.ProcessGroup | None = None) -> HostWorkspace:
             return HostWorkspace(layout, ranks)
 
         self.monkeypatch.setattr(_buffer, "SymmetricWorkspace", workspace)

@@ -6,22 +6,24 @@ tuple / list / ``torch.Size`` of ints in ``[0, nbytes]`` whose product fits the 
 Two tests: one argument of a valid baseline replaced by any drawn value (junk included: the verdict and the argument
 the message names), and every argument drawn from the well-typed ranges around the bounds, where an accepted call's
 view is checked against the model (dtype, shape, start address, and that a write through it changes exactly its
-bytes of the region). CPU only: the workspace is a host allocation carved by the real region layout, so the view's
-bounds are the region's ``num_nvl_bytes`` (odd sizes included), as on the GPU."""
+bytes of the region). CPU only: the workspace is conftest's host allocation carved by the real region layout, so the
+view's bounds are the region's ``num_nvl_bytes`` (odd sizes included), as on the GPU."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-import torch.distributed as dist
 from fuzz_model import JUNK, Flag, Int, check, expect, values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gc_moe_compat.deep_ep import Buffer, _normal
-from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
+from gc_moe_compat.deep_ep import Buffer
+
+if TYPE_CHECKING:
+    from conftest import DeepEpHost
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -30,19 +32,9 @@ NVL_BYTES = 4100
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
-class HostWorkspace(SymmetricWorkspace):
-    """The real workspace's region layout (``region`` / ``offset``) over a zeroed host allocation of one rank."""
-
-    def __init__(self, layout: LayoutPlanner, group: dist.ProcessGroup | None = None) -> None:
-        self.regions, self.device, self.world_size, self.rank = layout.regions, torch.device("cpu"), 1, 0
-        self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
-        self.peer_table = None
-
-
 @pytest.fixture
-def buf(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Buffer:
-    monkeypatch.setattr(_normal, "SymmetricWorkspace", HostWorkspace)
-    buffer = Buffer(group, NVL_BYTES, 0)
+def buf(deep_ep_host: DeepEpHost) -> Buffer:
+    buffer = deep_ep_host.buffer(NVL_BYTES, 0)
     assert buffer.normal.buffer.numel() == NVL_BYTES
     return buffer
 

@@ -7,29 +7,30 @@ recorded, not run. Every test runs under default dtype float32 and bfloat16."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 import torch.distributed as dist
-from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, expect, values
+from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, draw, expect
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gc_moe_compat import quant
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES
-from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency
+from gc_moe_compat.deep_ep import Buffer
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator import buffer as op_buffer
 from gc_moe_compat.runtime.workspace import make_peer_table
+
+if TYPE_CHECKING:
+    from conftest import DeepEpHost
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 HOST_LAUNCH = "lives in host memory .*needs the GPU"
 H, N_I, E, K, T, TMAX = 512, 256, 16, 4, 3, 32
 MAX_BUFFER_BYTES = 8 << 30
-
-
-def _draw(specs: dict[str, Spec]) -> st.SearchStrategy[tuple[str, object]]:
-    return st.sampled_from(sorted(specs)).flatmap(lambda name: values(specs[name]).map(lambda v: (name, v)))
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ OPTIONAL = {"dispatch_sms": (None,), "partition": (None, True, False)}
 
 
 @FUZZ
-@given(case=_draw(NATIVE_SPECS))
+@given(case=draw(NATIVE_SPECS))
 def test_native_buffer_creation(group: dist.ProcessGroup, meta_allocation: list[int], default_dtype: torch.dtype,
                                 case: tuple[str, object]) -> None:
     name, value = case
@@ -109,7 +110,7 @@ CALL_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(CALL_SPECS))
+@given(case=draw(CALL_SPECS))
 def test_native_call_options(native_call: dict[str, object], default_dtype: torch.dtype,
                              case: tuple[str, object]) -> None:
     name, value = case
@@ -143,25 +144,6 @@ def test_native_call_routing_values(native_call: dict[str, object], default_dtyp
 # deep_ep Buffer and low_latency_dispatch's host checks
 
 
-class FakeWorkspace:
-    """Host stand-in for ``SymmetricWorkspace`` (what the facade reads)."""
-
-    def __init__(self, layout: object, group: dist.ProcessGroup | None = None) -> None:
-        self.device = torch.device("cpu")
-        self.world_size = dist.get_world_size(group) if group is not None else 1
-        self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
-        self.peer_table = "peer table"
-
-
-@pytest.fixture
-def fake_ll(monkeypatch: pytest.MonkeyPatch) -> list:
-    launched: list = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: launched.append(kernel))
-    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)
-    monkeypatch.setattr(_buffer, "SymmetricWorkspace", FakeWorkspace)
-    return launched
-
-
 EP_BASE = dict(num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True, num_qps_per_rank=24,
                allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=None, explicitly_destroy=False,
                enable_shrink=False)
@@ -177,15 +159,14 @@ EP_SPECS: dict[str, Spec] = {
 
 
 @FUZZ
-@given(case=_draw(EP_SPECS))
-def test_deep_ep_buffer(group: dist.ProcessGroup, fake_ll: list, default_dtype: torch.dtype,
-                        case: tuple[str, object]) -> None:
+@given(case=draw(EP_SPECS))
+def test_deep_ep_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     name, value = case
     kwargs = {**EP_BASE, name: value}
     want = expect(EP_SPECS[name], value)
     if name == "num_rdma_bytes" and type(value) is int and 0 <= value < HEADER_BYTES:
         want = ValueError  # a valid byte count, too small for the low-latency header
-    check(lambda: Buffer(group, **kwargs), want, (name,), what=f"Buffer({name}={value!r})")
+    check(lambda: deep_ep_host.buffer(**kwargs), want, (name,), what=f"Buffer({name}={value!r})")
 
 
 DISPATCH_SPECS: dict[str, Spec] = {"use_fp8": Flag(), "return_recv_hook": Flag()}
@@ -194,15 +175,15 @@ tests/facades/test_bad_input.py)."""
 
 
 @FUZZ
-@given(case=_draw(DISPATCH_SPECS))
-def test_low_latency_dispatch_flags(group: dist.ProcessGroup, fake_ll: list, default_dtype: torch.dtype,
+@given(case=draw(DISPATCH_SPECS))
+def test_low_latency_dispatch_flags(deep_ep_host: DeepEpHost, default_dtype: torch.dtype,
                                     case: tuple[str, object]) -> None:
     name, value = case
-    ll = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(8, 256, 1, 8), low_latency_mode=True)
+    ll = deep_ep_host.buffer(0, Buffer.get_low_latency_rdma_size_hint(8, 256, 1, 8), low_latency_mode=True)
     x = torch.randn(5, 256, dtype=torch.float32).to(torch.bfloat16)
     idx = torch.randint(-1, 8, (5, 4), dtype=torch.int64)
-    before = len(fake_ll)
+    before = len(deep_ep_host.launched)
     want = expect(DISPATCH_SPECS[name], value)
     check(lambda: ll.low_latency_dispatch(x, idx, 8, 8, **{name: value}), want, (name,),
           what=f"low_latency_dispatch({name}={value!r})")
-    assert (len(fake_ll) > before) == (want is None)  # refused: nothing launched
+    assert (len(deep_ep_host.launched) > before) == (want is None)  # refused: nothing launched
