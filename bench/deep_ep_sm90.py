@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows, write_partial_result
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
@@ -457,8 +456,7 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], partitions: dict[str, object],
                  bandwidth: float) -> None:
     meta = result_meta("bench/deep_ep_sm90.py", sys.argv[1:], partitions, env_keys=("GC_MOE_PARTITION",))
-    meta |= {"copy_bandwidth_Bps": bandwidth, "parts_requested": [p for p in PARTS if p in args.parts],
-             "parts_measured": [p for p in PARTS if any(point["part"] == p for point in points)],
+    meta |= {"copy_bandwidth_Bps": bandwidth,
              "timing": {"warmup_windows": args.warmup, "windows": args.windows,
                         "normal": f"eager calls (the uncached dispatch waits on the CPU), {args.calls} per window",
                         "low_latency": f"CUDA-graph replays, {PER_WINDOW} per window",
@@ -471,8 +469,8 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                                       "partition's stream",
                              "ordinary": "GC_MOE_PARTITION=off: LL kernels on the whole device, both on ordinary "
                                          "streams"}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_partial_result(args.out, meta, points, unit="parts", key="part",
+                         requested=[p for p in PARTS if p in args.parts])
     plot(points, args.out.with_suffix(".png"))
 
 
