@@ -8,6 +8,9 @@ Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCO
   ``mega_moe_pre_dispatch_sm90`` (BF16 tokens -> FP8 + FP32 1x128 scales, routing copied and scaled, the fused
   kernel) then ``fp8_mega_moe`` (FP8xFP8, routed experts only: SGLang's pin refuses shared experts on SM90);
 * ``layer``: ``fp8_mega_moe`` alone on the staged tokens;
+* ``layer_after_spin``: a ~3 µs spin kernel (``torch.cuda._sleep``, no memory traffic: as long as the pre-dispatch)
+  then ``layer``: it separates what the pre-dispatch costs from what a gap between two replays of the layer changes
+  (the sequence measured below the layer alone at T >= 128); ``spin``: the spin kernel alone;
 * ``fused_shared``: the pre-dispatch into a ``num_shared_experts=1`` buffer, then the native ``fp8_fp8_gc_moe`` with
   the shared expert's weights (role4 in the operator's graph, its partial in combine slot k);
 * ``separate_shared``: the pre-dispatch, the routed-only ``fp8_mega_moe``, then the shared expert as its own GEMMs
@@ -89,7 +92,9 @@ OPS = ("sequence", "layer", "fused_shared", "separate_shared")
 ROLE4_OPS = {"role4": ("block", True, 2), "role4_w1": ("block", True, 1), "role4_k32": ("k32", True, 2),
              "role4_stage_scales": ("block", False, 2), "role4_w1_stage_scales": ("block", False, 1)}
 """role4 alone: (shared weights' form, task-scale region, nodes: W1 only or W1 + W2)."""
-ALL_OPS = (*OPS, "fused_shared_k32", *ROLE4_OPS)
+ALL_OPS = (*OPS, "layer_after_spin", "spin", "fused_shared_k32", *ROLE4_OPS)
+SPIN_CYCLES = 6000
+"""``layer_after_spin``'s spin: ~3 µs at the H200's 1.98 GHz SM clock, the fused pre-dispatch's length at T = 256."""
 
 
 def _separate_config(tokens: int, hidden: int, inter: int) -> object:
@@ -207,6 +212,8 @@ class PresetRun:
             return run
 
         ops = {"sequence": lambda: (pre(0), layer(ys["sequence"])), "layer": lambda: layer(ys["layer"]),
+               "layer_after_spin": lambda: (torch.cuda._sleep(SPIN_CYCLES), layer(ys["layer"])),
+               "spin": lambda: torch.cuda._sleep(SPIN_CYCLES),
                "fused_shared": fused("fused_shared", self.shared_pairs), "separate_shared": separate,
                "fused_shared_k32": fused("fused_shared_k32", self.shared_pairs_k32)}
         ops.update({name: self.role4_op(tokens, name) for name in ROLE4_OPS})
