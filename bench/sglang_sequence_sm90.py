@@ -11,6 +11,10 @@ Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCO
 * ``layer_after_spin``: a ~3 µs spin kernel (``torch.cuda._sleep``, no memory traffic: as long as the pre-dispatch)
   then ``layer``: it separates what the pre-dispatch costs from what a gap between two replays of the layer changes
   (the sequence measured below the layer alone at T >= 128); ``spin``: the spin kernel alone;
+* probes, only with ``--ops`` (:data:`PROBE_OPS`): ``layer_after_restage`` (the staged tokens, scales and routing
+  copied back over themselves from clones, the pre-dispatch's writes without its arithmetic) and ``layer_after_read``
+  (the staged FP8 tokens read into a scratch tensor) before ``layer``: whether the layer's dispatch gains from finding
+  its tokens in L2;
 * ``fused_shared``: the pre-dispatch into a ``num_shared_experts=1`` buffer, then the native ``fp8_fp8_gc_moe`` with
   the shared expert's weights (role4 in the operator's graph, its partial in combine slot k);
 * ``separate_shared``: the pre-dispatch, the routed-only ``fp8_mega_moe``, then the shared expert as its own GEMMs
@@ -93,6 +97,8 @@ ROLE4_OPS = {"role4": ("block", True, 2), "role4_w1": ("block", True, 1), "role4
              "role4_stage_scales": ("block", False, 2), "role4_w1_stage_scales": ("block", False, 1)}
 """role4 alone: (shared weights' form, task-scale region, nodes: W1 only or W1 + W2)."""
 ALL_OPS = (*OPS, "layer_after_spin", "spin", "fused_shared_k32", *ROLE4_OPS)
+PROBE_OPS = ("layer_after_restage", "layer_after_read")
+"""Chosen with ``--ops`` only (not in the default run): what the pre-dispatch's memory traffic does to the layer."""
 SPIN_CYCLES = 6000
 """``layer_after_spin``'s spin: ~3 µs at the H200's 1.98 GHz SM clock, the fused pre-dispatch's length at T = 256."""
 
@@ -211,14 +217,24 @@ class PresetRun:
                                    check_values=False, **pairs)
             return run
 
+        pre(0)  # ``layer`` and role4 alone time what is staged: this point's tokens, whichever ops run before them
+        pre(1)
+        b = self.sym[0]
+        staged = [(t[:tokens], t[:tokens].clone()) for t in (b.x, b.x_sf, b.topk_idx, b.topk_weights)]
+        scratch = torch.empty_like(b.x[:tokens])
+
+        def restage() -> None:
+            for dst, src in staged:
+                dst.copy_(src)
+
         ops = {"sequence": lambda: (pre(0), layer(ys["sequence"])), "layer": lambda: layer(ys["layer"]),
                "layer_after_spin": lambda: (torch.cuda._sleep(SPIN_CYCLES), layer(ys["layer"])),
                "spin": lambda: torch.cuda._sleep(SPIN_CYCLES),
+               "layer_after_restage": lambda: (restage(), layer(ys["layer"])),
+               "layer_after_read": lambda: (scratch.copy_(b.x[:tokens]), layer(ys["layer"])),
                "fused_shared": fused("fused_shared", self.shared_pairs), "separate_shared": separate,
                "fused_shared_k32": fused("fused_shared_k32", self.shared_pairs_k32)}
         ops.update({name: self.role4_op(tokens, name) for name in ROLE4_OPS})
-        pre(0)  # ``layer`` and role4 alone time what is staged: this point's tokens, whichever ops run before them
-        pre(1)
         return ops, ys
 
     def accuracy(self, tokens: int, ys: dict[str, torch.Tensor], timed: set[str]) -> dict[str, dict[str, float | int]]:
@@ -351,7 +367,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=30)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
-    parser.add_argument("--ops", nargs="+", default=list(ALL_OPS), choices=ALL_OPS,
+    parser.add_argument("--ops", nargs="+", default=list(ALL_OPS), choices=(*ALL_OPS, *PROBE_OPS),
                         help="operations to time (module docstring; default all)")
     args = parser.parse_args()
     with single_rank_group() as group:
