@@ -1,4 +1,7 @@
-"""Cost of SGLang's Hopper pre-dispatch (``deep_gemm.mega_moe_pre_dispatch_sm90``) under CUDA-graph replay.
+"""Cost of the facade's two pre-dispatch functions under CUDA-graph replay: SGLang's Hopper call
+``deep_gemm.mega_moe_pre_dispatch_sm90`` (FP32 1x128 scales) and DeepGEMM's ``mega_moe_pre_dispatch`` (UE8M0 K32
+scales packed four per int32, the SM100-layout views; ``mma_type='fp8xfp4'``, routed scaling 1 as its signature has
+none). Each ``function`` is one ``recipe`` of ``kernels/sm90/predispatch.cu``.
 
 Two implementations of the same staging on identical inputs, timed as a serving engine's captured decode step pays
 them: 100 calls captured in one CUDA graph, the graph replayed once per window, latency = window / 100
@@ -11,7 +14,7 @@ bench/results/runtime_sm90.json), the upper bound of a call outside a larger gra
   facade's host path: ``quant.quantize_fp8_pre_dispatch``, the routing copies and the padding fills), the form the
   facade had before the kernel.
 
-Per point: BF16 tokens ``[T, H]`` (int32 ids, FP32 weights, routed scaling 2.5 as SGLang's DeepSeek-V3 config) into
+Per point: BF16 tokens ``[T, H]`` (int32 ids, FP32 weights; :data:`FUNCTIONS` names each call's scaling) into
 views of ``capacity`` rows (SGLang's default 8192, so the padding fill of ``(capacity - T) * k`` slots is included).
 ``floor_us``: the bytes the call must move (tokens in, payload and scales out, routing in and out, padding) over the
 copy bandwidth measured in the same run. ``bit_exact``: the two outputs agree in every byte. Target: fused <= 4 us at
@@ -39,26 +42,35 @@ from gc_moe_compat.deep_gemm import _predispatch
 SHAPES = {"dsv41-flash": (5120, 6), "glm52": (6144, 8), "deepseek-v3": (7168, 8)}
 """Preset: (hidden H, top-k)."""
 CAPACITY = 8192
-FACTOR = 2.5
+FUNCTIONS = {"mega_moe_pre_dispatch_sm90": ("fp32x128", torch.float32, 2.5),
+             "mega_moe_pre_dispatch": ("ue8m0x32", torch.int32, 1.0)}
+"""Function: (kernel recipe, ``buf_x_sf`` dtype, routed scaling factor: SGLang's DeepSeek-V3 2.5 for the Hopper call;
+DeepGEMM's call has no factor)."""
 TARGET_US = 4.0
 
 
-def make_call(name: str, hidden: int, topk: int, tokens: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
-    """The staging call ``name`` for one point, with its inputs and output views (allocated once)."""
+def make_call(function: str, name: str, hidden: int, topk: int,
+              tokens: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """The staging call ``name`` (``fused`` / ``torch_ops``) of ``function`` for one point, with its inputs and
+    output views (allocated once)."""
+    recipe, sf_dtype, factor = FUNCTIONS[function]
     g = torch.Generator().manual_seed(tokens * 131 + hidden)
     x = (torch.randn(tokens, hidden, generator=g) * 3.0).to("cuda", torch.bfloat16)
     idx = torch.randint(0, 256, (tokens, topk), generator=g, dtype=torch.int32).cuda()
     w = torch.rand(tokens, topk, generator=g).cuda()
     views = [torch.empty(CAPACITY, hidden, dtype=torch.float8_e4m3fn, device="cuda"),
-             torch.empty(CAPACITY, hidden // 128, dtype=torch.float32, device="cuda"),
+             torch.empty(CAPACITY, hidden // 128, dtype=sf_dtype, device="cuda"),
              torch.empty(CAPACITY, topk, dtype=torch.int64, device="cuda"),
              torch.empty(CAPACITY, topk, dtype=torch.float32, device="cuda")]
 
     def fused() -> None:
-        dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=tokens, routed_scaling_factor=FACTOR)
+        if recipe == "fp32x128":
+            dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=tokens, routed_scaling_factor=factor)
+        else:
+            dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=tokens, mma_type="fp8xfp4")
 
     def torch_ops() -> None:
-        _predispatch.stage_with_torch("fp32x128", x, idx, w, *views, tokens, FACTOR)
+        _predispatch.stage_with_torch(recipe, x, idx, w, *views, tokens, factor)
 
     return {"fused": fused, "torch_ops": torch_ops}[name], views
 
@@ -87,18 +99,20 @@ def floor_bytes(hidden: int, topk: int, tokens: int) -> int:
     return tokens * (2 * hidden + hidden + 4 * hidden // 128 + 8 * topk) + CAPACITY * topk * 12
 
 
-def point(preset: str, tokens: int, bandwidth: float, warmup: int, windows: int) -> dict[str, object]:
+def point(function: str, preset: str, tokens: int, bandwidth: float, warmup: int,
+          windows: int) -> dict[str, object]:
     hidden, topk = SHAPES[preset]
     latency: dict[str, float] = {}
     outputs = {}
     for name in ("fused", "torch_ops"):
-        call, views = make_call(name, hidden, topk, tokens)
+        call, views = make_call(function, name, hidden, topk, tokens)
         latency[name] = replay_us(call, warmup, windows, calls_per_graph=PER_WINDOW)
         if name == "fused":
             latency["fused_alone"] = replay_us(call, warmup, windows, calls_per_graph=1)
         bx, bsf, bidx, bw = views
         outputs[name] = [t.view(torch.uint8).clone() for t in (bx[:tokens], bsf[:tokens], bidx, bw)]
-    return {"preset": preset, "tokens_per_rank": tokens, "hidden": hidden, "topk": topk, "latency_us": latency,
+    return {"function": function, "recipe": FUNCTIONS[function][0], "preset": preset, "tokens_per_rank": tokens,
+            "hidden": hidden, "topk": topk, "latency_us": latency,
             "floor_us": floor_bytes(hidden, topk, tokens) / bandwidth * 1e6,
             "speedup": latency["torch_ops"] / latency["fused"], "meets_target": latency["fused"] <= TARGET_US,
             "bit_exact": all(torch.equal(a, b) for a, b in zip(outputs["fused"], outputs["torch_ops"], strict=True))}
@@ -108,19 +122,21 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for preset in SHAPES:
-        rows = [p for p in points if p["preset"] == preset]
-        t = [p["tokens_per_rank"] for p in rows]
-        ax.plot(t, [p["latency_us"]["fused"] for p in rows], marker="o", label=f"{preset} fused")
-        ax.plot(t, [p["latency_us"]["torch_ops"] for p in rows], marker="x", linestyle="--",
-                label=f"{preset} torch ops")
-    ax.axhline(TARGET_US, color="grey", linestyle=":", label="target 4 us")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per rank T")
-    ax.set_ylabel("us per call (100 calls in one graph)")
-    ax.set_title(f"mega_moe_pre_dispatch_sm90, capacity {CAPACITY}, one H200")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(FUNCTIONS), figsize=(6 * len(FUNCTIONS), 4), squeeze=False)
+    for ax, function in zip(axes[0], FUNCTIONS, strict=True):
+        for preset in SHAPES:
+            rows = [p for p in points if p["preset"] == preset and p["function"] == function]
+            t = [p["tokens_per_rank"] for p in rows]
+            ax.plot(t, [p["latency_us"]["fused"] for p in rows], marker="o", label=f"{preset} fused")
+            ax.plot(t, [p["latency_us"]["torch_ops"] for p in rows], marker="x", linestyle="--",
+                    label=f"{preset} torch ops")
+        ax.axhline(TARGET_US, color="grey", linestyle=":", label="target 4 us")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank T")
+        ax.set_ylabel("us per call (100 calls in one graph)")
+        ax.set_title(f"{function}, capacity {CAPACITY}")
+        ax.legend(fontsize=7)
+    fig.suptitle("The facade's pre-dispatch kernels, one H200")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -132,19 +148,20 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    points = [point(p, t, bandwidth, args.warmup, args.windows) for p in SHAPES for t in SWEEP_TOKENS]
+    points = [point(f, p, t, bandwidth, args.warmup, args.windows)
+              for f in FUNCTIONS for p in SHAPES for t in SWEEP_TOKENS]
     meta = result_meta("bench/predispatch_sm90.py", sys.argv[1:], {"mode": "whole device (no partition)"})
-    meta.update({"capacity": CAPACITY, "routed_scaling_factor": FACTOR, "copy_bandwidth_Bps": bandwidth,
-                 "target_us": TARGET_US})
+    meta.update({"capacity": CAPACITY, "routed_scaling_factor": {f: v[2] for f, v in FUNCTIONS.items()},
+                 "copy_bandwidth_Bps": bandwidth, "target_us": TARGET_US})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
     plot(points, args.out.with_suffix(".png"))
-    print("| preset | T | fused us | fused alone us | torch ops us | floor us | x torch ops | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| function | preset | T | fused us | fused alone us | torch ops us | floor us | x torch ops | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in points:
         us = p["latency_us"]
-        print(f"| {p['preset']} | {p['tokens_per_rank']} | {us['fused']:.2f} | {us['fused_alone']:.2f} | "
-              f"{us['torch_ops']:.2f} | {p['floor_us']:.2f} | {p['speedup']:.1f} | "
+        print(f"| {p['function']} | {p['preset']} | {p['tokens_per_rank']} | {us['fused']:.2f} | "
+              f"{us['fused_alone']:.2f} | {us['torch_ops']:.2f} | {p['floor_us']:.2f} | {p['speedup']:.1f} | "
               f"{'yes' if p['bit_exact'] else 'NO'} |")
 
 
