@@ -381,7 +381,9 @@ class Buffer:
         _low_latency.update_mask(self._shrink_workspace("low_latency_update_mask_buffer"), rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Writes every rank's mask status (1 = masked) into ``mask_status`` (int32 ``[num_ranks]``)."""
+        """Writes every rank's mask status (1 = masked) into ``mask_status``: an int32 tensor of ``num_ranks``
+        elements (DeepEP checks the element count, not the shape: rank ``r`` lands in element ``r`` in row-major
+        order) on the Buffer's device, of any strides whose elements do not alias."""
         _low_latency.query_mask(self._shrink_workspace("low_latency_query_mask_buffer"), mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:

@@ -271,7 +271,10 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
 
 
 def _handle(workspace: SymmetricWorkspace, handle: object, fn: str) -> LowLatencyHandle:
-    """``handle`` checked as one that ``low_latency_dispatch`` on this workspace returned (with DeepEP's contents)."""
+    """``handle`` checked as one that ``low_latency_dispatch`` on this workspace returned (with DeepEP's contents).
+    As for every tensor the facade checks (normal mode's handle members included, ``NormalMode._handle``), another
+    type is a ``TypeError`` (not a handle, a member not a tensor) and a tensor of another dtype, rank, shape or
+    device a ``ValueError``: a bad handle raises the same exception type in both modes."""
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"handle: must be the handle low_latency_dispatch returned ({fn}), got "
                         f"{type(handle).__name__}")
@@ -281,9 +284,11 @@ def _handle(workspace: SymmetricWorkspace, handle: object, fn: str) -> LowLatenc
     src_info, layout_range = handle[0], handle[1]
     for name, t, dtype in (("handle[0] (src_info)", src_info, torch.int32),
                            ("handle[1] (layout_range)", layout_range, torch.int64)):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2:
-            raise TypeError(f"{fn}: {name} must be a 2-D {dtype} tensor (the dispatch's), got "
-                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor (the dispatch's), got {type(t).__name__}")
+        if t.dtype != dtype or t.dim() != 2:
+            raise ValueError(f"{fn}: {name} must be a 2-D {dtype} tensor (the dispatch's), got "
+                             f"{list(t.shape)} {t.dtype}")
     return handle
 
 
@@ -363,14 +368,45 @@ def update_mask(workspace: SymmetricWorkspace, rank_to_mask: object, mask: objec
     mask_words(workspace.buffer, workspace.world_size)[rank].fill_(int(mask))
 
 
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share a memory location (its shape and strides only; ``t``'s elements are
+    few: a rank count). A broadcast (stride 0) or ``as_strided`` view can alias; a transposed or sliced one cannot."""
+    if t.is_contiguous():
+        return True
+    offsets = torch.zeros((), dtype=torch.int64, device="cpu")  # host arithmetic on the strides: no device work
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device="cpu") * stride
+    return offsets.unique().numel() == t.numel()
+
+
 def query_mask(workspace: SymmetricWorkspace, mask_status: object) -> None:
-    """DeepEP's ``low_latency_query_mask_buffer``: copies this rank's mask (1 = masked) into ``mask_status``, an
-    int32 ``[num_ranks]`` tensor on the buffer's device (of any strides: a torch copy writes it)."""
+    """DeepEP's ``low_latency_query_mask_buffer``: copies this rank's mask (1 = masked) into ``mask_status``.
+
+    DeepEP checks ``mask_status.numel() == num_ranks`` and ``scalar_type() == kInt32``, nothing else (not the
+    shape, strides or device: csrc/legacy/buffer.hpp ``low_latency_query_mask_buffer``), so any int32 tensor of
+    ``num_ranks`` elements is accepted whatever its shape: rank ``r`` goes to its ``r``-th element in row-major
+    order (DeepEP's ``data_ptr()[r]`` for a contiguous tensor). A torch copy writes it, so a non-contiguous view gets
+    each rank in its own element too (DeepEP's kernel would write ``num_ranks`` consecutive words from
+    ``data_ptr()``, outside such a view). Refused before anything is written (``ValueError``, as every tensor rule
+    of the facade): another dtype or element count (DeepEP's two checks), a tensor off the buffer's device (DeepEP's
+    kernel writes through the pointer on that device; elsewhere it is an illegal address), and elements that share
+    memory (a broadcast view: no word per rank; DeepEP's kernel would write past it)."""
     fn = "low_latency_query_mask_buffer"
-    out = _tensor(f"{fn}: mask_status", mask_status, (torch.int32,), 1, workspace.device, dense=False)
-    if out.shape[0] != workspace.world_size:
-        raise ValueError(f"{fn}: mask_status must have num_ranks={workspace.world_size} entries, got {out.shape[0]}")
-    out.copy_(mask_words(workspace.buffer, workspace.world_size).ne(0).to(torch.int32))
+    if not isinstance(mask_status, torch.Tensor):
+        raise TypeError(f"{fn}: mask_status must be a torch.Tensor, got {type(mask_status).__name__}")
+    ranks = workspace.world_size
+    if mask_status.dtype != torch.int32:
+        raise ValueError(f"{fn}: mask_status must be a torch.int32 tensor (DeepEP's check), got {mask_status.dtype}")
+    if mask_status.numel() != ranks:
+        raise ValueError(f"{fn}: mask_status must have numel() == num_ranks={ranks} (any shape, DeepEP's check), "
+                         f"got {mask_status.numel()} elements of shape {list(mask_status.shape)}")
+    if mask_status.device != workspace.device:
+        raise ValueError(f"{fn}: mask_status must be on {workspace.device} (the buffer's device), got "
+                         f"{mask_status.device}")
+    if not _distinct_elements(mask_status):
+        raise ValueError(f"{fn}: mask_status's {ranks} elements must be distinct memory (one word per rank), got "
+                         f"shape {list(mask_status.shape)} with strides {list(mask_status.stride())}")
+    mask_status.copy_(mask_words(workspace.buffer, ranks).ne(0).to(torch.int32).view(mask_status.shape))
 
 
 def clean_mask(workspace: SymmetricWorkspace) -> None:

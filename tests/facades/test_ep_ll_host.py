@@ -298,8 +298,10 @@ def test_handle_holds_deepep_contents_and_what_the_combine_needs(launches: list)
 
 
 def test_host_visible_bad_routing_and_handles_are_refused_before_any_launch(launches: list) -> None:
-    """k > experts; a handle of another Buffer, a plain tuple, a non-int32 src_info: each names the argument, the
-    rule and the value, and nothing is launched. (Values of the tensors are the device's: GPU tests.)"""
+    """k > experts; a handle of another Buffer, a plain tuple, a member of another dtype or rank or type: each names
+    the argument, the rule and the value, and nothing is launched. As for normal mode's handle members, a member
+    that is a tensor of the wrong dtype or rank is a ValueError, one that is no tensor a TypeError (combine and the
+    zero-copy buffer alike). (Values of the tensors are the device's: GPU tests.)"""
     ws, other = _workspace(), _workspace()
     with pytest.raises(ValueError, match=r"topk_idx: its k .* must be <= num_experts=2, got k=4"):
         _dispatch(_workspace(), torch.zeros(TOKENS, TOPK, dtype=torch.int64), experts=2)
@@ -312,11 +314,22 @@ def test_host_visible_bad_routing_and_handles_are_refused_before_any_launch(laun
         _low_latency.next_combine_buffer(other, handle)
     with pytest.raises(TypeError, match="handle: must be the handle low_latency_dispatch returned .* got tuple"):
         _combine(ws, tuple(handle), topk_idx)
-    forged = LowLatencyHandle((handle[0].float(), *handle[1:]), topk=TOPK, num_tokens=TOKENS,
-                              src_route=handle.src_route, routing=handle.routing, workspace=ws)
-    with pytest.raises(TypeError, match=r"handle\[0\] \(src_info\) must be a 2-D torch.int32 tensor .* got "
-                                        "torch.float32"):
-        _combine(ws, forged, topk_idx)
+    src_info, layout_range = handle[0], handle[1]
+    for member, error, match in (
+            (0, (src_info.float(), layout_range), rf"handle\[0\] \(src_info\) must be a 2-D torch.int32 tensor "
+                                                  rf"\(the dispatch's\), got \[{EXPERTS}, {T_MAX}\] torch.float32"),
+            (1, (src_info, layout_range.int()), r"handle\[1\] \(layout_range\) must be a 2-D torch.int64 tensor .* "
+                                                r"got \[\d+, 1\] torch.int32"),
+            (2, (src_info[0], layout_range), rf"handle\[0\] \(src_info\) must be a 2-D torch.int32 tensor .* got "
+                                             rf"\[{T_MAX}\] torch.int32"),
+            (3, (src_info.tolist(), layout_range), r"handle\[0\] \(src_info\) must be a torch.Tensor .* got list")):
+        forged = LowLatencyHandle((*error, *handle[2:]), topk=TOPK, num_tokens=TOKENS, src_route=handle.src_route,
+                                  routing=handle.routing, workspace=ws)
+        want = TypeError if member == 3 else ValueError
+        with pytest.raises(want, match=f"low_latency_combine: {match}"):
+            _combine(ws, forged, topk_idx)
+        with pytest.raises(want, match=f"get_next_low_latency_combine_buffer: {match}"):
+            _low_latency.next_combine_buffer(ws, forged)
     assert launches == []
 
 
@@ -363,10 +376,40 @@ def test_rank_mask_update_query_clean_and_their_checks(launches: list) -> None:
             _low_latency.update_mask(ws, bad, True)
     with pytest.raises(TypeError, match="low_latency_update_mask_buffer: mask must be a bool, got str"):
         _low_latency.update_mask(ws, 1, "yes")
-    with pytest.raises(ValueError, match="mask_status: must be a 1-D tensor of torch.int32"):
-        _low_latency.query_mask(ws, torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="mask_status must have num_ranks=4 entries, got 3"):
-        _low_latency.query_mask(ws, torch.zeros(3, dtype=torch.int32))
+    _low_latency.update_mask(ws, 1, True)
+    _low_latency.update_mask(ws, 2, True)
+    # DeepEP checks numel() == num_ranks and int32 only: any shape, rank r in row-major element r; views get their
+    # own elements (the rest of the base stays as it was).
+    for shape in ((2, 2), (4, 1), (1, 4), (1, 2, 1, 2)):
+        status = torch.full(shape, 9, dtype=torch.int32)
+        _low_latency.query_mask(ws, status)
+        assert status.flatten().tolist() == [0, 1, 1, 0], shape
+    transposed = torch.full((2, 2), 9, dtype=torch.int32).t()
+    _low_latency.query_mask(ws, transposed)
+    assert transposed.tolist() == [[0, 1], [1, 0]] and transposed.t().tolist() == [[0, 1], [1, 0]]
+    base = torch.full((3, 4), 9, dtype=torch.int32)
+    _low_latency.query_mask(ws, base[1:, 1::2])
+    assert base.tolist() == [[9, 9, 9, 9], [9, 0, 9, 1], [9, 1, 9, 0]]
+    single = _workspace(ranks=1)
+    scalar = torch.tensor(9, dtype=torch.int32)
+    _low_latency.query_mask(single, scalar)
+    assert scalar.item() == 0
+    fn = "low_latency_query_mask_buffer: mask_status"
+    wide = torch.full((8,), 9, dtype=torch.int32)
+    for bad, error, match in (
+            ([0, 0, 0, 0], TypeError, " must be a torch.Tensor, got list"),
+            (torch.zeros(4, dtype=torch.int64), ValueError, r" must be a torch.int32 tensor .* got torch.int64"),
+            (torch.zeros(2, 2, dtype=torch.float32), ValueError, r" must be a torch.int32 tensor .* got torch.float32"),
+            (torch.zeros(3, dtype=torch.int32), ValueError,
+             r" must have numel\(\) == num_ranks=4 \(any shape, DeepEP's check\), got 3 elements of shape \[3\]"),
+            (torch.zeros(2, 4, dtype=torch.int32), ValueError, r" must have numel\(\) .* got 8 elements"),
+            (torch.zeros(4, dtype=torch.int32, device="meta"), ValueError, " must be on cpu .* got meta"),
+            (wide[:1].expand(4), ValueError, r"'s 4 elements must be distinct .* shape \[4\] with strides \[0\]"),
+            (wide[:2].view(2, 1).expand(2, 2), ValueError, r"'s 4 elements must be distinct .* strides \[1, 0\]"),
+            (wide.as_strided((2, 2), (1, 1)), ValueError, r"'s 4 elements must be distinct .* strides \[1, 1\]")):
+        with pytest.raises(error, match=f"{fn}{match}"):
+            _low_latency.query_mask(ws, bad)
+    assert wide.tolist() == [9] * 8  # a refused query writes nothing
     _dispatch(_workspace(), shrink=True)
     assert launches[-1][1].flags & ep_ll.FLAG_SHRINK and launches[-1][1].off_mask == ep_ll._MASK
     assert _low_latency.comm_partition(ws, 20) is None  # not a CUDA workspace: the caller's stream

@@ -8,11 +8,14 @@ refused call leaves the caller's tensors as they were."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from fuzz_model import (
+    DTYPES,
     JUNK,
     NEEDS_GPU,
     Flag,
@@ -158,11 +161,59 @@ RANKS = 4
 MASK_SPECS: dict[str, Spec] = {
     "rank_to_mask": Int(0, RANKS - 1),
     "mask": Flag(),
-    "mask_status": Tensor((torch.int32,), (RANKS,), dense=False),  # torch writes it: any strides and alignment
+    "mask_status": Tensor((torch.int32,), (RANKS,), dense=False),  # the [num_ranks] DeepEP documents (drawn)
 }
+
+
+def _distinct(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share a memory location (every index's offset, from its strides)."""
+    offsets = {sum(i * s for i, s in zip(index, t.stride(), strict=True))
+               for index in itertools.product(*map(range, t.shape))}
+    return len(offsets) == t.numel()
+
+
+def _mask_status_rule(v: object) -> Tensor:
+    """DeepEP's rule for ``mask_status`` (csrc/legacy/buffer.hpp: ``numel() == num_ranks`` and int32, no shape,
+    stride or device check): an int32 tensor of RANKS elements of any shape, on the Buffer's device, of any strides
+    (torch writes it) whose elements do not alias (one word per rank)."""
+    dims = v.dim() if isinstance(v, torch.Tensor) else 1
+    return Tensor((torch.int32,), (None,) * dims, dense=False, extra=lambda t: t.numel() == RANKS and _distinct(t))
+
+
+@st.composite
+def _shaped_statuses(draw: st.DrawFn) -> torch.Tensor:
+    """Tensors of other shapes than ``[RANKS]`` (RANKS elements or not, 0-d included), mostly int32, in a base
+    filled with 7: dense, transposed, every other element, one element in, or broadcast (aliasing elements)."""
+    shape = draw(st.sampled_from(((2, 2), (4, 1), (1, 4), (1, 2, 1, 2), (), (1,), (2, 3), (8,))))
+    dtype = draw(st.sampled_from((torch.int32,) * 3 + (torch.int64, torch.float32)))
+    layout = draw(st.sampled_from(("dense", "transposed", "strided", "offset", "broadcast")))
+    n = math.prod(shape)
+    base = torch.full((2 * n + 1,), 7, dtype=dtype)
+    if layout == "transposed":
+        return base[:n].view(shape[::-1]).permute(tuple(reversed(range(len(shape)))))
+    if layout == "strided":
+        return base[:2 * n:2].view(shape)
+    if layout == "offset":
+        return base[1:n + 1].view(shape)
+    if layout == "broadcast":
+        return base[:1].view((1,) * len(shape)).expand(shape)
+    return base[:n].view(shape)
+
+
+def _outside(t: object) -> list[int] | None:
+    """The values of the base of view ``t`` outside ``t`` (None for a tensor that is not a view)."""
+    base = t._base if isinstance(t, torch.Tensor) else None
+    if base is None:
+        return None
+    assert base.is_contiguous() and base.storage_offset() == 0
+    inside = {t.storage_offset() + sum(i * s for i, s in zip(index, t.stride(), strict=True))
+              for index in itertools.product(*map(range, t.shape))}
+    return [v for i, v in enumerate(base.flatten().tolist()) if i not in inside]
+
+
 _OPS = st.one_of(
     st.tuples(st.just("update"), values(MASK_SPECS["rank_to_mask"]), values(MASK_SPECS["mask"])),
-    st.tuples(st.just("query"), values(MASK_SPECS["mask_status"])),
+    st.tuples(st.just("query"), st.one_of(values(MASK_SPECS["mask_status"]), _shaped_statuses())),
     st.tuples(st.just("clean")),
 )
 
@@ -178,7 +229,8 @@ def shrink_buffer(deep_ep_host: DeepEpHost) -> Buffer:
 def test_rank_masking(shrink_buffer: Buffer, default_dtype: torch.dtype, ops: list[tuple]) -> None:
     """A sequence of masking calls on a 4-rank Buffer with enable_shrink, from a clean mask, against the model's
     mask: each refused call (the model's exception naming its argument) changes neither the mask nor the caller's
-    tensor; each query writes the model's mask (1 = masked) and nothing else."""
+    tensor; each query writes the model's mask (1 = masked: rank r in row-major element r, whatever the shape and
+    strides) and nothing else (a view's base keeps its other elements)."""
     buf = shrink_buffer
     buf.low_latency_clean_mask_buffer()
     model = [0] * RANKS
@@ -193,12 +245,13 @@ def test_rank_masking(shrink_buffer: Buffer, default_dtype: torch.dtype, ops: li
                 model[rank] = int(mask)
         elif op == "query":
             (status,) = args
-            want = expect(MASK_SPECS["mask_status"], status)
-            snapshot = _snapshot(status)
+            want = expect(_mask_status_rule(status), status)
+            snapshot, outside = _snapshot(status), _outside(status)
             check(lambda status=status: buf.low_latency_query_mask_buffer(status), want, ("mask_status",),
                   what=f"query({status!r:.80})")
             if want is None:
-                assert status.tolist() == model, (status.tolist(), model)
+                assert status.flatten().tolist() == model, (status.flatten().tolist(), model)
+                assert _outside(status) == outside
             else:
                 _unchanged(snapshot, "a refused query")
         else:
@@ -231,7 +284,7 @@ def test_rank_masking_needs_a_shrink_buffer(deep_ep_host: DeepEpHost, default_dt
 TMAX, E = 8, 8
 LL_BYTES = Buffer.get_low_latency_rdma_size_hint(TMAX, H, 1, E)
 _HANDLES = ("valid", "valid", "plain tuple", "another Buffer's", "normal-mode handle", "no zero-copy room",
-            "destroyed", "junk")
+            "destroyed", "junk", "member dtype", "member junk")
 
 
 @pytest.fixture
@@ -246,14 +299,17 @@ def ll_buffers(deep_ep_host: DeepEpHost) -> dict[str, Buffer]:
 
 @FUZZ
 @given(form=st.sampled_from(_HANDLES), junk=JUNK, tokens=st.integers(0, TMAX), topk=st.integers(1, E),
-       max_tokens=st.integers(1, TMAX), experts=st.sampled_from([1, 2, 4, 8]))
+       max_tokens=st.integers(1, TMAX), experts=st.sampled_from([1, 2, 4, 8]), member=st.integers(0, 1),
+       member_dtype=st.sampled_from(DTYPES))
 def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, ll_buffers: dict[str, Buffer],
                                          default_dtype: torch.dtype, form: str, junk: object, tokens: int, topk: int,
-                                         max_tokens: int, experts: int) -> None:
+                                         max_tokens: int, experts: int, member: int, member_dtype: torch.dtype) -> None:
     """The handle of a dispatch of drawn sizes, or another kind of handle. Valid: a BF16 ``[E/P, P*Tmax, H]`` view of
     the Buffer's workspace, the rows the next zero-copy combine sends (its launch reads them, not ``x``). Refused:
     another type (TypeError naming handle), a handle of another Buffer (ValueError naming handle), a Buffer without
-    the zero-copy rows (ValueError naming num_rdma_bytes), a destroyed Buffer."""
+    the zero-copy rows (ValueError naming num_rdma_bytes), a destroyed Buffer; a handle whose src_info (int32) or
+    layout_range (int64) is a tensor of another dtype (ValueError naming handle, as normal mode's handle members)
+    or no tensor (TypeError naming handle); the same verdicts from low_latency_combine."""
     tokens, topk = min(tokens, max_tokens), min(topk, experts)
     buf = ll_buffers["no_room" if form == "no zero-copy room" else "hint"]
     if form == "destroyed":
@@ -279,6 +335,19 @@ def test_next_low_latency_combine_buffer(deep_ep_host: DeepEpHost, ll_buffers: d
         want, names = ValueError, ("destroyed",)
     elif form == "junk":
         handle = junk
+    elif form.startswith("member"):
+        own = (torch.int32, torch.int64)[member]
+        forged = handle[member].to(member_dtype) if form == "member dtype" else junk
+        members = (*handle[:member], forged, *handle[member + 1:])
+        handle = LowLatencyHandle(members, topk=handle.topk, num_tokens=handle.num_tokens,
+                                  src_route=handle.src_route, routing=handle.routing, workspace=buf.workspace)
+        want = expect(Tensor((own,), (None, None), dense=False), forged)  # a 2-D tensor of the dispatch's dtype
+        names = ("handle[0] (src_info)", "handle[1] (layout_range)")[member:member + 1]
+        if want is not None:
+            combine_x = torch.zeros(experts, max_tokens, H, dtype=torch.bfloat16)
+            weights = torch.rand(tokens, topk, dtype=torch.float32)
+            check(lambda: buf.low_latency_combine(combine_x, idx, weights, handle), want, names,
+                  what=f"low_latency_combine({form} {member})")
     else:
         want = None
     got: list[torch.Tensor] = []
