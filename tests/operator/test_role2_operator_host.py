@@ -22,6 +22,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -367,6 +368,38 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
     wrong = dataclasses.replace(call, variant=dataclasses.replace(call.variant, mma_type=other.mma_type))
     with pytest.raises(ValueError, match=f"variant: the {other.mma_type} kernel on a buffer of mma_type"):
         layer.layer_nodes(buf, y, fakes, wrong)
+
+
+@pytest.mark.parametrize(("partition", "reserve"), [("on", 8), ("on", 0), ("off", 8)])
+def test_layer_nodes_place_role4_beside_or_before_role2(group: dist.ProcessGroup, fakes: _FakeWeights,
+                                                        monkeypatch: pytest.MonkeyPatch, partition: str,
+                                                        reserve: int) -> None:
+    """With a shared expert: beside role2 (no edge, role2 on the compute SMs minus role4's reserve, role4's grid
+    capped at it, role3 after both) when reserve_sms says so on a partitioned buffer; before role2 otherwise (on
+    every compute SM; in sequence with the partition off)."""
+    seen = {}
+
+    def role4_nodes(buffer, weights, tables, num_tokens, *, deps=(), max_grid=None, **kw):  # noqa: ANN001, ANN202
+        seen.update(deps=tuple(deps), max_grid=max_grid)
+        return [SimpleNamespace(name="role4", deps=tuple(deps)), SimpleNamespace(name="role4_w2", deps=("role4",))]
+
+    monkeypatch.setattr(layer.role4_shared, "role4_nodes", role4_nodes)
+    monkeypatch.setattr(layer.role4_shared, "reserve_sms", lambda shape, t, sms: reserve)
+    buf = _buffer(group, partition)
+    call = _call(buf, 5)
+    nodes = layer.layer_nodes(buf, torch.empty(5, H, dtype=torch.bfloat16), fakes, call, shared=(None, None))
+    assert [n.name for n in nodes] == ["role1", "role4", "role4_w2", "role2", "role3"]
+    r2, r3 = nodes[3], nodes[4]
+    sms = call.model.compute_sms
+    if partition == "off":
+        assert (seen["deps"], r2.deps, r3.deps, r2.grid[0], seen["max_grid"]) == (("role1",), ("role4_w2",),
+                                                                                   ("role2",), sms, None)
+    elif reserve:
+        assert (seen["deps"], r2.deps, r3.deps) == ((), (), ("role1", "role2", "role4_w2"))
+        assert (r2.grid[0], seen["max_grid"]) == (sms - reserve, reserve)
+    else:
+        assert (seen["deps"], r2.deps, r3.deps, r2.grid[0], seen["max_grid"]) == ((), ("role4_w2",),
+                                                                                   ("role1", "role2"), sms, None)
 
 
 def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fakes: _FakeWeights) -> None:

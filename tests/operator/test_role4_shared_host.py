@@ -175,3 +175,15 @@ def test_shared_key_follows_versions_and_refuses_inference_tensors() -> None:
         frozen = (l2[0].clone(), l2[1].clone())
     with pytest.raises(ValueError, match=r"shared_l2_weights\[0\]: is an inference tensor"):
         layer._shared_key(l1, frozen)
+
+
+def test_reserve_rule() -> None:
+    """Beside role2 up to one role4 token block (T <= 64): role4's larger GEMM's tasks, at most a quarter of the
+    compute SMs; above one block, or without tokens, 0 (before role2)."""
+    dsv3 = config.MoEShape(num_experts=256, num_ranks=8, capacity=256, topk=8, hidden=7168, intermediate=2048)
+    # W1: 2I / 256 = 16 tasks per block, W2: H / 128 = 56: capped at 128 // 4 = 32
+    assert [role4_shared.reserve_sms(dsv3, t, 128) for t in (0, 1, 8, 9, 16, 33, 64, 65, 128, 256)] == \
+        [0, 32, 32, 32, 32, 32, 32, 0, 0, 0]
+    assert role4_shared.reserve_sms(dsv3, 1, 112) == 28
+    small = config.MoEShape(num_experts=8, num_ranks=1, capacity=64, topk=2, hidden=H, intermediate=N_I)
+    assert role4_shared.reserve_sms(small, 5, 128) == H // 128  # W2 4 tasks, W1 2: the whole role4 grid

@@ -4,9 +4,11 @@
 Partitioned (``GC_MOE_PARTITION=on``): role1 (:mod:`.role1_dispatch`) on the communication green context and role2
 (:mod:`.role2_gemm`) on the compute one are concurrent roots with no edge between them (they handshake through the
 ring signals); role3 (:mod:`.role3_finalize`) on the compute context depends on both. With a fused shared expert,
-role4 (:mod:`.role4_shared`, two nodes: W1 then W2 into combine slot ``k``) is the compute context's root instead
-and role2 waits for it ("role2 optionally waits on role4"; its module docstring argues the placement), so the
-shared expert runs while role1 dispatches. Unpartitioned (``off``): the same kernels on the whole device in
+role4 (:mod:`.role4_shared`, two nodes: W1 then W2 into combine slot ``k``) is a compute-context root too, placed
+by :func:`~.role4_shared.reserve_sms` (its module docstring gives the measurement): up to one role4 token block
+(T <= 64) *beside* role2, role4's grid on a reserve of the compute SMs and role2's on the rest, no edge between them,
+role3 after both; above it *before* role2 ("role2 optionally waits on role4"), on every compute SM while role1
+dispatches. Unpartitioned (``off``): the same kernels on the whole device in
 sequence, role1 -> (role4 -> role4_w2 ->) role2 -> role3 (the buffer's ring then holds the whole pool, so role1 never
 waits for a refill that only role2 could grant).
 
@@ -65,15 +67,21 @@ def layer_nodes(buffer: GcMoeBuffer, y: torch.Tensor, weights: role2_gemm.Role2W
     r1 = role1_dispatch.dispatch_node(buffer, call.plan, call.num_tokens, timeout_ms=call.timeout_ms,
                                       name=NODE_NAMES[0])
     r4: list[KernelNode] = []
+    reserve = role4_shared.reserve_sms(buffer.shape, call.num_tokens, call.model.compute_sms) if (
+        shared is not None and partitioned) else 0
+    beside = reserve > 0
     if shared is not None:
         r4 = role4_shared.role4_nodes(buffer, *shared, call.num_tokens, deps=() if partitioned else (NODE_NAMES[0],),
                                       activation_clamp=call.activation_clamp, activation_alpha=call.activation_alpha,
-                                      fast_math=call.variant.fast_math, timeout_ms=call.timeout_ms)
-    before_r2 = (r4[-1].name,) if r4 else () if partitioned else (NODE_NAMES[0],)
+                                      fast_math=call.variant.fast_math, timeout_ms=call.timeout_ms,
+                                      max_grid=reserve or None)
+    before_r2 = () if beside else (r4[-1].name,) if r4 else () if partitioned else (NODE_NAMES[0],)
     r2 = role2_gemm.role2_node(buffer, weights, call.model, call.plan, call.variant, name=NODE_NAMES[1],
                           deps=before_r2, activation_clamp=call.activation_clamp,
-                          activation_alpha=call.activation_alpha, timeout_ms=call.timeout_ms)
-    r3 = role3_finalize.finalize_node(buffer, y, deps=NODE_NAMES[:2] if partitioned else NODE_NAMES[1:2],
+                          activation_alpha=call.activation_alpha, timeout_ms=call.timeout_ms,
+                          grid=call.model.compute_sms - reserve)
+    r3_deps = NODE_NAMES[:2] if partitioned else NODE_NAMES[1:2]
+    r3 = role3_finalize.finalize_node(buffer, y, deps=(*r3_deps, r4[-1].name) if beside else r3_deps,
                                 recv_stats=call.recv_stats, timeout_ms=call.timeout_ms, name=NODE_NAMES[2])
     return [r1, *r4, r2, r3]
 

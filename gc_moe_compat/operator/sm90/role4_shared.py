@@ -43,26 +43,21 @@ source,
 variant, into ``combine[k]``), because a W2 task needs every W1 tile of its token block and the standalone body has
 no grid-wide handshake (the edge between the nodes is that handshake).
 
-Placement (the design choice): both nodes run on the compute partition BEFORE role2 (``role2`` depends on
-``role4_w2``), concurrently with role1 on the communication partition. Cost argument: role4 depends on nothing but the
-caller's staging, while role2's first W1 task cannot start before role1 has pulled its first ring block; running the
-shared expert in that window hides it behind the dispatch, whereas after role2 (before role3) it would add its whole
-latency, and beside role2 (no edge) it would take SMs from role2's persistent grid, whose task order relies on every
-CTA being resident. With the partition off the roles run in sequence: role1 -> role4 -> role4_w2 -> role2 -> role3.
-Measured (``bench/results/sglang_sequence_sm90.json``, one H200, P = 1, fused native call against the routed-only
-layer plus this project's standalone FP8 GEMM as a separate shared expert on the same staged tokens): the fused layer
-is 1.01-1.08x faster at T <= 16 on dsv41-flash, glm52 and dsv3 (role4 costs 29-57 us inside the graph, fused minus
-layer, the separate GEMMs 41-55 us), and 0.88-1.00x at T >= 32: there role4's cost inside the graph rose to
-116-146 us at BM = 64 (T = 64, 128) against 71-83 us for the separate GEMMs, with the per-stage token-scale copy.
-Role4 alone on dsv3 (bench/README.md, "SGLang's Hopper sequence", short windows): the per-stage copy cost W1
-7 / 21 / 41 / 87 us at BM 8 / 16 / 32 / 64; with the task-scale region role4 takes 41-65 us and the fused layer is
-1.04-1.10x over routed + separate shared GEMM at T = 1..128. The K32 recipe takes role4 1.3-1.7x longer (55-114 us).
-
-Token blocks: one table per ``BM`` covering the buffer's capacity (rows ``(0, min(BM, Tmax - i·BM), i·BM)``) and a
-count ``ceil(T/BM)`` (a pointer into a device ``arange``), so no per-``T`` upload happens; the last block's rows
-beyond ``T`` are computed and stored into rows ``>= T`` of ``shared_l2_acts`` / ``combine[k]``, which nothing reads
-(role3 sums rows ``< T``; peers write only rows ``< T`` of this rank's other slots). Errors land in role4's status
-record (:class:`Role4Site`, the standalone body's sites 1-3); :func:`raise_for_role4_status` reads it.
+Placement (the design choice, :func:`reserve_sms`): both nodes run on the compute partition, concurrently with role1 on
+the communication partition, and role4 depends on nothing but the caller's staging. Up to one role4 token block (T <=
+64) they run *beside* role2: role4's grid capped at a reserve of a quarter of the compute SMs (32 of 128), role2's
+persistent grid on the rest (it walks every task with any grid size; all its CTAs stay resident because the two grids
+fit the partition together), no edge between them, role3 after both. Above one block they run *before* role2 on every
+compute SM (``role2`` depends on ``role4_w2``): role4's work grows with T there and would be cut to the reserve, while
+the routed GEMM moves from weight streaming towards its K steps. With the partition off the roles run in sequence: role1
+-> role4 -> role4_w2 -> role2 -> role3. Measured (one H200, P = 1, dsv41-flash / glm52 / dsv3, fused native call,
+protocol windows, tree of 20007e5 plus this change with a reserve of 28; bench/README.md, "SGLang's Hopper sequence"):
+beside instead of before took the fused layer from 110.3 / 133.1 / 147.6 to 103.5 / 124.9 / 140.6 us at T = 1, from
+395.4 / 340.9 / 397.8 to 387.5 / 334.7 / 383.1 at T = 16 and from 490.1 / 387.2 / 455.5 to 462.2 / 361.2 / 413.3 at T =
+64 (role4's cost inside the layer, fused minus layer, 28-63 us before, 20-30 us beside); at T = 256 it moved -6.5 /
++29.6 / -5.8 us (the points' run-to-run spread is 3-5 %), so above one block it stays before (T = 65..128 was not
+measured beside). The earlier before-only numbers (the token-scale copy per stage, then per task) are in
+bench/README.md.
 """
 
 from __future__ import annotations
@@ -108,6 +103,7 @@ __all__ = [
     "Role4Weights",
     "block_m_for_shared",
     "raise_for_role4_status",
+    "reserve_sms",
     "role4_nodes",
     "role4_variant",
     "role4_variants",
@@ -201,6 +197,24 @@ class Role4Variant:
 
 def _tasks(num_tokens: int, bm: int, rows: int, epi: int) -> int:
     return -(-num_tokens // bm) * (rows // tile_rows(W1_SLABS if epi == EPI_W1 else W2_SLABS))
+
+
+def reserve_sms(shape: MoEShape, num_tokens: int, compute_sms: int) -> int:
+    """The compute SMs kept off role2's grid so that role4 runs beside it, or 0 (role4 before role2).
+
+    Role4 goes beside role2 while the tokens fill one role4 token block (``num_tokens <= BM`` of
+    :func:`block_m_for_shared`: T <= 64): it then gets its larger GEMM's tasks (``max(2I, H)`` rows in 256-row W1 /
+    128-row W2 tiles), at most a quarter of the compute SMs, and role2 the rest; the routed GEMM, bound by weight
+    streaming at these token counts, loses little to the smaller grid, while role4 no longer delays its start. With
+    more token blocks role4's work grows with T and the routed GEMM becomes bound by its K steps, so role4 runs before
+    role2 on every compute SM. The module docstring gives the measurement."""
+    if num_tokens <= 0:
+        return 0
+    bm = block_m_for_shared(num_tokens)
+    if num_tokens > bm:
+        return 0
+    need = max(_tasks(num_tokens, bm, 2 * shape.intermediate, EPI_W1), _tasks(num_tokens, bm, shape.hidden, EPI_W2))
+    return min(need, compute_sms // 4)
 
 
 def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_type: str,
@@ -333,12 +347,13 @@ def _check_buffer(buffer: GcMoeBuffer, weights: Role4Weights) -> None:
 def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables, num_tokens: int, *,
                 deps: Sequence[str] = (), activation_clamp: float | None = 10.0, activation_alpha: float = 1.0,
                 fast_math: bool = True, timeout_ms: float | None = None,
-                task_scales: bool = True) -> list[KernelNode]:
+                task_scales: bool = True, max_grid: int | None = None) -> list[KernelNode]:
     """Role4's two nodes for ``num_tokens`` local tokens: ``role4`` (W1, after ``deps``) and ``role4_w2`` (after it),
     on the compute green context when the buffer is partitioned; each a persistent grid of at most one CTA per
     compute SM (a standalone grid walks its tasks with the grid's stride, so any grid size is correct).
     ``task_scales=False`` builds W1 with the per-stage token-scale copy instead (:func:`role4_variants`; the
-    operator never does, the sequence benchmark times both)."""
+    operator never does, the sequence benchmark times both). ``max_grid``: at most that many CTAs (the
+    :func:`reserve_sms` of a role4 beside role2)."""
     _check_buffer(buffer, weights)
     s = buffer.shape
     role = Role.COMPUTE if buffer.partition == "on" else None
@@ -349,7 +364,7 @@ def role4_nodes(buffer: GcMoeBuffer, weights: Role4Weights, tables: Role4Tables,
     variants = role4_variants(s, num_tokens, sms, fast_math=fast_math, k32=weights.k32, task_scales=task_scales)
     for name, variant, n_w, after in ((NODE_NAMES[0], variants[0], 2 * s.intermediate, tuple(deps)),
                                       (NODE_NAMES[1], variants[1], s.hidden, (NODE_NAMES[0],))):
-        grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, variant.epi), sms))
+        grid = max(1, min(_tasks(num_tokens, variant.bm, n_w, variant.epi), sms, max_grid or sms))
         count = tables.count(num_tokens, variant.bm)
         args = _args(buffer, weights, tables, variant, count, clamp, activation_alpha, timeout_ns)
         warm = _args(buffer, weights, tables, variant, tables.count(0, variant.bm), clamp, activation_alpha,
