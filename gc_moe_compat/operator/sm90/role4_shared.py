@@ -56,8 +56,9 @@ beside instead of before took the fused layer from 110.3 / 133.1 / 147.6 to 103.
 395.4 / 340.9 / 397.8 to 387.5 / 334.7 / 383.1 at T = 16 and from 490.1 / 387.2 / 455.5 to 462.2 / 361.2 / 413.3 at T =
 64 (role4's cost inside the layer, fused minus layer, 28-63 us before, 20-30 us beside); at T = 256 it moved -6.5 /
 +29.6 / -5.8 us (the points' run-to-run spread is 3-5 %), so above one block it stays before (T = 65..128 was not
-measured beside). The earlier before-only numbers (the token-scale copy per stage, then per task) are in
-bench/README.md.
+measured beside). The rule as shipped (a reserve of 32) in bench/results/sglang_sequence_sm90.json (8c79cb3): fused
+1.07-1.29x routed + a separate shared GEMM at T <= 64, and the K32 recipe as fast as the block one there (role4 hidden
+beside role2). The earlier before-only numbers (the token-scale copy per stage, then per task) are in bench/README.md.
 """
 
 from __future__ import annotations
