@@ -6,8 +6,9 @@ scales, FP32 1x128 intermediate requant) and ``kernels/sm90/role2_gemm_fp8xfp4.c
 ``fp8xfp4``: window-repacked MXFP4 weights decoded to E4M3 in registers, UE8M0 1x128 intermediate requant, its
 power-of-two scales stored as FP32 in ``l2_acts_sf`` like the FP8 path's). Their standalone variants
 (``GC_OPERATOR`` unset) are unchanged byte for byte. Both share the grid body, ring handshake and W2 scatter
-(``kernels/sm90/role2_gemm.cuh``, ``role2_ring.cuh``). One persistent grid of one CTA per compute SM acquires
-``pool_header`` (role1), reads the block table from ``pool_table`` and walks the task sequence of
+(``kernels/sm90/role2_gemm.cuh``, ``role2_ring.cuh``). One persistent grid of one CTA per compute SM (less the
+SMs a fused shared expert beside it reserves, :func:`~.role4_shared.reserve_sms`) acquires ``pool_header``
+(role1), reads the block table from ``pool_table`` and walks the task sequence of
 :func:`task_sequence`: W1 tiles of ring blocks as role1 fills them (``l1_full_count``), W1 epilogue into ``l2_acts`` /
 ``l2_acts_sf`` toggling ``l2_full_mask`` and releasing ``l1_empty_count``, W2 tiles once their intermediate tiles are
 there, W2 epilogue storing BF16 partial rows straight into the source rank's ``combine`` slot ``(slot, src_token)``
