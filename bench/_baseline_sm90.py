@@ -221,7 +221,9 @@ def kernels() -> SimpleNamespace:
         acc = tl.zeros([block], dtype=tl.float32)
         for s in tl.static_range(topk):
             j = tl.load(index + t * topk + s)
-            acc += tl.load(rows + j * hidden + o, mask=m & (j >= 0), other=0.0).to(tl.float32)
+            # a [block] bool mask: Triton 3.9's interpreter refuses a block mask & a scalar condition as a load mask
+            valid = m & (tl.zeros([block], dtype=tl.int64) + j >= 0)
+            acc += tl.load(rows + j * hidden + o, mask=valid, other=0.0).to(tl.float32)
         tl.store(y + t * hidden + o, acc.to(tl.bfloat16), mask=m)
 
     _KERNELS = SimpleNamespace(pack_rows=pack_rows, unpack_rows=unpack_rows,
