@@ -67,22 +67,26 @@ def layer_nodes(buffer: GcMoeBuffer, y: torch.Tensor, weights: role2_gemm.Role2W
     r1 = role1_dispatch.dispatch_node(buffer, call.plan, call.num_tokens, timeout_ms=call.timeout_ms,
                                       name=NODE_NAMES[0])
     r4: list[KernelNode] = []
-    reserve = role4_shared.reserve_sms(buffer.shape, call.num_tokens, call.model.compute_sms) if (
-        shared is not None and partitioned) else 0
-    beside = reserve > 0
+    reserve = 0  # compute SMs of a role4 beside role2 (0: role4, if any, before role2)
     if shared is not None:
+        if partitioned:
+            reserve = role4_shared.reserve_sms(buffer.shape, call.num_tokens, call.model.compute_sms)
         r4 = role4_shared.role4_nodes(buffer, *shared, call.num_tokens, deps=() if partitioned else (NODE_NAMES[0],),
                                       activation_clamp=call.activation_clamp, activation_alpha=call.activation_alpha,
                                       fast_math=call.variant.fast_math, timeout_ms=call.timeout_ms,
                                       max_grid=reserve or None)
-    before_r2 = () if beside else (r4[-1].name,) if r4 else () if partitioned else (NODE_NAMES[0],)
+    r2_deps = (NODE_NAMES[0],) if not partitioned else ()  # role1 first on the whole device
+    r3_deps = NODE_NAMES[:2] if partitioned else NODE_NAMES[1:2]
+    if r4 and reserve:  # beside: no edge to role2, role3 waits for role4 too
+        r3_deps = (*r3_deps, r4[-1].name)
+    elif r4:  # before role2
+        r2_deps = (r4[-1].name,)
     r2 = role2_gemm.role2_node(buffer, weights, call.model, call.plan, call.variant, name=NODE_NAMES[1],
-                          deps=before_r2, activation_clamp=call.activation_clamp,
+                          deps=r2_deps, activation_clamp=call.activation_clamp,
                           activation_alpha=call.activation_alpha, timeout_ms=call.timeout_ms,
                           grid=call.model.compute_sms - reserve)
-    r3_deps = NODE_NAMES[:2] if partitioned else NODE_NAMES[1:2]
-    r3 = role3_finalize.finalize_node(buffer, y, deps=(*r3_deps, r4[-1].name) if beside else r3_deps,
-                                recv_stats=call.recv_stats, timeout_ms=call.timeout_ms, name=NODE_NAMES[2])
+    r3 = role3_finalize.finalize_node(buffer, y, deps=r3_deps, recv_stats=call.recv_stats,
+                                timeout_ms=call.timeout_ms, name=NODE_NAMES[2])
     return [r1, *r4, r2, r3]
 
 
