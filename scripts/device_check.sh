@@ -3,6 +3,8 @@
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
+#                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests, and
+#                                                   DeepEP's legacy tests with --num-processes P)
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
 # prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
@@ -28,7 +30,7 @@ NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy=
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy= shared_gpu=
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
@@ -37,6 +39,7 @@ while (($#)); do
     --bench) picked+=("$2"); shift ;;  # a benchmark's name, then any arguments of its own (e.g. a part of it)
     -k) pytest_k=(-k "$2"); shift ;;
     --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
+    --shared-gpu) shared_gpu="$2"; shift ;;  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
     --counters) counters+=("$2"); shift ;;
@@ -101,17 +104,26 @@ elif ((need_dg)) && compgen -G ".whl/deepinfer_gemm-*.tar.gz" >/dev/null; then
 fi
 
 test_rc=0
+markers="gpu or multigpu" legacy_procs=1
+if [[ -n "$shared_gpu" ]]; then
+  # P processes share the GPU: MPS runs them concurrently (stopped on every exit path by its EXIT trap).
+  source scripts/mps.sh
+  mps_start >>"$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
+  export GC_MOE_TEST_SHARED_GPU="$shared_gpu"
+  markers="multigpu" legacy_procs="$shared_gpu"
+  BENCHES=() RESULTS=()
+fi
 if ((run_tests)); then
   timeout_opt=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=300)
-  "$PY" -m pytest -m "gpu or multigpu" -v -s -rA "${timeout_opt[@]}" "${pytest_k[@]}" \
+  "$PY" -m pytest -m "$markers" -v -s -rA "${timeout_opt[@]}" "${pytest_k[@]}" \
     --junitxml="$OUT/pytest.xml" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
 fi
 
 if [[ -n "$deepep_legacy" ]]; then
   PYTHON="$PY" bash scripts/run_deepep_legacy_tests.sh --deepep "$deepep_legacy" --logs "$OUT/deepep_legacy" \
-    >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
+    --num-processes "$legacy_procs" >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
   tail -n 3 "$OUT/deepep_legacy.log"
 fi
 

@@ -13,6 +13,8 @@
 #                        its submodule path, so deep_ep/utils/*.py are DeepEP's own files.
 #   deep_ep/_C.py        DeepEP's compiled extension as its utils import it: EventHandle (the facade's) only; the
 #                        NCCL/topology functions envs.py and comm.py wrap are not called by the legacy tests.
+#   deep_ep/_shared_gpu.py  with more processes than GPUs (several ranks on one GPU: start CUDA MPS first, as
+#                        scripts/device_check.sh --shared-gpu P does): init_dist on a gloo group, NCCL refusing that.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 deepep= nproc=1 logs="${OUT:-$PWD}/deepep_legacy" tests="test_intranode.py test_low_latency.py" limit=900 extra=()
@@ -37,6 +39,8 @@ mkdir -p "$logs"
 PY="${PYTHON:-python3}"
 export GC_MOE_SWAP=deep_ep GC_MOE_DEEPEP_DIR="$deepep" PYTHONUNBUFFERED=1
 export PYTHONPATH="$here/deepep_shims${PYTHONPATH:+:$PYTHONPATH}"
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if ((nproc > gpus)); then export GC_MOE_DEEPEP_SHARED_GPU=1; fi  # ranks share GPUs: the gloo init_dist shim
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off
 "$PY" -m gc_moe_compat.swap --check >"$logs/swap_check.log" 2>&1
 summary=() failed=0

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kit"))
+from two_rank import shared_gpu_ranks  # noqa: E402 - kit/ is on the path from the line above
 
 
 def _gpu_count() -> int:
@@ -23,12 +24,14 @@ def _gpu_count() -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = _gpu_count()
-    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (scripts/device_check.sh runs it on the lent H200)")
-    few_gpus = pytest.mark.skip(reason=f"needs >= 2 GPUs, found {gpus} (nvidia-h200-x2)")
+    shared = shared_gpu_ranks()
+    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (scripts/device_check.sh runs it on one)")
+    few_gpus = pytest.mark.skip(reason=f"needs >= 2 GPUs on one host, found {gpus} (or one GPU shared by several "
+                                       "ranks: scripts/device_check.sh --shared-gpu P)")
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(no_gpu)
-        if "multigpu" in item.keywords and gpus < 2:
+        if "multigpu" in item.keywords and gpus < 2 and not (shared and gpus):
             item.add_marker(few_gpus)
 
 

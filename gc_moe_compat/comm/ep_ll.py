@@ -327,11 +327,12 @@ def launch_args(kernel: Kernel, table: PeerTable, params: EpLlParams) -> KernelA
 
 
 def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int, stream: int,
-              partition: Partition | None = None) -> None:
+              partition: Partition | None = None, max_ctas: int = MAX_SMS) -> None:
     """Launches one low-latency kernel in the order of ``stream`` (torch's current stream handle, or a capture's):
     on the communication side of ``partition`` with a grid of at most its SMs, or, without a partition, on
-    ``stream`` with the full-device grid."""
-    cap = MAX_SMS if partition is None else partition.dispatch_sms
+    ``stream`` with the full-device grid; never more than ``max_ctas`` CTAs (a rank's share of a GPU that several
+    ranks share, :attr:`gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`)."""
+    cap = min(max_ctas, MAX_SMS if partition is None else partition.dispatch_sms)
     launch_on(partition, Role.COMM, kernel_of(kernel), ll_grid(kernel, shape, num_tokens, cap), THREADS,
               launch_args(kernel, table, params), stream)
 

@@ -45,6 +45,7 @@ from gc_moe_compat.comm.ep_ll import (
     required_bytes,
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
+from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.green import Partition, get_partition
 from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
@@ -107,7 +108,8 @@ class _Call:
 
     def launch(self, kernel: Kernel) -> None:
         launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens,
-                  torch.cuda.current_stream(self.workspace.device).cuda_stream, self.partition)
+                  torch.cuda.current_stream(self.workspace.device).cuda_stream, self.partition,
+                  self.workspace.sm_share)
 
 
 def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | None:
@@ -125,11 +127,13 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
     """Where the kernels run: ``partition`` (``on`` / ``off``), ``dispatch_sms`` (the SMs they may use) and
     ``compute_sms`` (the SMs left to the compute partition, which they never take), ``requested_dispatch_sms``."""
     part = comm_partition(workspace, request)
+    where = {} if workspace.device.type != "cuda" else colocation.describe(workspace.placement,
+                                                                           workspace.device.index)
     if part is None:
-        sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count \
-            if workspace.device.type == "cuda" else 0
-        return {"partition": "off", "dispatch_sms": sms, "compute_sms": sms, "requested_dispatch_sms": request}
-    return {"partition": "on", **part.describe()}
+        sms = workspace.sm_share if workspace.device.type == "cuda" else 0
+        return {"partition": "off", "dispatch_sms": sms, "compute_sms": sms, "requested_dispatch_sms": request,
+                **where}
+    return {"partition": "on", **part.describe(), **where}
 
 
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import threading
 import weakref
@@ -34,12 +35,16 @@ import torch.distributed as dist
 from gc_moe_compat import config
 from gc_moe_compat.config import MAX_SMS, integer
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
+from gc_moe_compat.runtime import colocation
+from gc_moe_compat.runtime.colocation import Placement, placement
 from gc_moe_compat.runtime.dropped import dropped_record
 from gc_moe_compat.runtime.green import device_sms
 from gc_moe_compat.runtime.split import DISPATCH_ENV, MIN_DISPATCH_SMS, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
 __all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
+
+log = logging.getLogger(__name__)
 
 
 def _dispatch_request(dispatch_sms: object) -> int:
@@ -56,37 +61,43 @@ def _dispatch_request(dispatch_sms: object) -> int:
     return request
 
 
-def _allocate(layout: OperatorLayout, group: dist.ProcessGroup) -> tuple[torch.Tensor, PeerTable]:
-    """Zeroed storage for ``layout`` and its peer table (symmetric memory on CUDA, host memory for one rank)."""
+def _allocate(layout: OperatorLayout, group: dist.ProcessGroup,
+              where: Placement | None) -> tuple[torch.Tensor, PeerTable, SymmetricWorkspace | None]:
+    """Zeroed storage for ``layout``, its peer table and workspace (symmetric memory on CUDA, host memory for one
+    rank without a workspace)."""
     if torch.cuda.is_available():
-        ws = SymmetricWorkspace(layout.planner(), group)
-        return ws.buffer, ws.peer_table
+        ws = SymmetricWorkspace(layout.planner(), group, where=where)
+        return ws.buffer, ws.peer_table, ws
     if group.size() != 1:
         raise RuntimeError(f"group: a group of {group.size()} ranks needs CUDA symmetric memory; no CUDA device "
                            "is visible")
     storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device="cpu")
-    return storage, make_peer_table([storage.data_ptr()], 0)
+    return storage, make_peer_table([storage.data_ptr()], 0), None
 
 
 class GcMoeBuffer:
     """The operator's symmetric buffer: shape, partition plan, layout, storage, peer table and region views.
 
     Attributes: ``shape`` (:class:`~gc_moe_compat.config.MoEShape`), ``group``, ``partition`` (``"on"``/``"off"``),
-    ``dispatch_sms`` / ``compute_sms`` (what the ring was sized for), ``layout``, ``storage`` (uint8),
-    ``peer_table``, ``offsets`` (:class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`), ``views`` (name ->
-    tensor) and one attribute per region.
+    ``dispatch_sms`` / ``compute_sms`` (what the ring was sized for), ``placement`` (where the group's ranks run;
+    None without CUDA), ``partition_reason`` (why the partition is off when it was forced), ``layout``, ``storage``
+    (uint8), ``peer_table``, ``offsets`` (:class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`), ``views``
+    (name -> tensor) and one attribute per region.
     """
 
     def __init__(self, group: dist.ProcessGroup, shape: config.MoEShape, layout: OperatorLayout, partition: str,
-                 dispatch_sms: int, compute_sms: int) -> None:
+                 dispatch_sms: int, compute_sms: int, where: Placement | None = None,
+                 partition_reason: str | None = None) -> None:
         self.group: dist.ProcessGroup | None = group
         self.shape = shape
         self.layout = layout
         self.partition = partition
         self.dispatch_sms = dispatch_sms
         self.compute_sms = compute_sms
+        self.placement = where
+        self.partition_reason = partition_reason
         self.storage: torch.Tensor | None
-        self.storage, self.peer_table = _allocate(layout, group)
+        self.storage, self.peer_table, self._workspace = _allocate(layout, group, where)
         dropped_record(self.storage.device)  # allocated now, eagerly: role1 reports dropped ids there, also captured
         self.offsets: WorkspaceOffsets = layout.offsets()
         self.views: Mapping[str, torch.Tensor] = MappingProxyType(
@@ -142,11 +153,18 @@ class GcMoeBuffer:
         self._require_live()
         if not self.storage.is_cuda:
             return self.compute_sms
-        return device_sms(self.partition, self.dispatch_sms)[1]
+        return device_sms(self.partition, self.dispatch_sms, self.ranks_on_device)[1]
+
+    @property
+    def ranks_on_device(self) -> int:
+        """Ranks of the group on this rank's GPU (1 without CUDA)."""
+        return 1 if self.placement is None else self.placement.ranks_on_device
 
     def describe(self) -> dict[str, object]:
         """The plan recorded in benchmark metadata: partition, SM counts, ring capacity, total bytes."""
-        return {"partition": self.partition, "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms,
+        where = {} if self.placement is None else colocation.describe(self.placement, self.storage.device.index)
+        return {"partition": self.partition, "partition_reason": self.partition_reason, **where,
+                "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms,
                 "ring_rows": self.layout.ring.rows, "ring_blocks": self.layout.ring.blocks,
                 "pool_blocks": self.layout.pool_blocks, "total_bytes": self.layout.total_bytes}
 
@@ -160,6 +178,7 @@ class GcMoeBuffer:
             setattr(self, name, None)
         self.views = MappingProxyType({})
         self.storage = None
+        self._workspace = None
         self.group = None
         for alias in self._aliases.values():
             alias.destroy()
@@ -213,8 +232,14 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
         if compute_sms % 2:
             raise ValueError(f"get_symm_buffer_for_gc_moe: compute_sms must be even (the compute partition is "
                              f"allocated in SM pairs), got {compute_sms}")
+    where, reason = None, None
     if torch.cuda.is_available():
-        dispatch, device_compute = device_sms(mode, request)
+        where = placement(group, torch.cuda.current_device())
+        if where.shares_device and mode == "on":
+            mode, reason = "off", (f"{where.ranks_on_device} ranks share this GPU: green contexts do not confine "
+                                   "under CUDA MPS, so the roles run in sequence on this rank's share of the SMs")
+            log.warning("get_symm_buffer_for_gc_moe: partition off: %s", reason)
+        dispatch, device_compute = device_sms(mode, request, where.ranks_on_device)
     elif compute_sms is None:
         raise ValueError("compute_sms: required on a host without CUDA (the ring is sized from the compute "
                          "partition's SM count), got None")
@@ -222,4 +247,4 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
         dispatch, device_compute = request, compute_sms
     planned = device_compute if compute_sms is None else compute_sms
     layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off")
-    return GcMoeBuffer(group, shape, layout, mode, dispatch, planned)
+    return GcMoeBuffer(group, shape, layout, mode, dispatch, planned, where, reason)

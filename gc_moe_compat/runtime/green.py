@@ -19,7 +19,7 @@ import torch
 from cuda.bindings import driver
 
 from .cuda import CudaError, call, current_context, device
-from .split import PartitionError, SplitPlan, dispatch_request, plan_split, validate_split
+from .split import PartitionError, SplitPlan, dispatch_request, plan_split, shared_device_sms, validate_split
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +217,19 @@ def get_partition(dispatch_sms: int | None = None, device_index: int | None = No
         return part
 
 
-def device_sms(mode: str, request: int) -> tuple[int, int]:
+def device_sms(mode: str, request: int, ranks_on_device: int = 1) -> tuple[int, int]:
     """``(dispatch_sms, compute_sms)`` the roles get on the current CUDA device in partition ``mode``.
 
     ``on``: the cached green partition for ``request`` (driver-aligned). ``off``: role1 keeps a grid of ``request``
-    CTAs and role2/role3 get every SM.
+    CTAs and role2/role3 get every SM, or this rank's share of them when ``ranks_on_device`` ranks share the GPU
+    (:func:`.split.shared_device_sms`; only the partition off runs there).
     """
     if mode == "off":
-        return request, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        return request, total if ranks_on_device == 1 else shared_device_sms(total, ranks_on_device, request)
+    if ranks_on_device > 1:
+        raise PartitionError(f"partition 'on' with {ranks_on_device} ranks on one GPU: green contexts do not confine "
+                             "under CUDA MPS; ranks sharing a GPU run with the partition off")
     part = get_partition(request)
     return part.dispatch_sms, part.compute_sms
 

@@ -96,6 +96,23 @@ def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> Split
     return SplitPlan(total_sms=total_sms, dispatch_sms=dispatch_sms, compute_sms=compute_sms)
 
 
+def shared_device_sms(total_sms: int, ranks_on_device: int, dispatch_sms: int) -> int:
+    """The SMs one rank's kernels may fill when ``ranks_on_device`` ranks share a ``total_sms`` GPU: an even
+    ``floor(total / ranks)``.
+
+    Why this bound is the partition rule there: green contexts do not confine under CUDA MPS, and with the partition
+    off a rank has one kernel resident at a time (role1 with ``dispatch_sms`` CTAs, then role2, then role3, each at
+    most this many). The ranks' kernels together then hold at most ``total_sms`` CTAs, each fitting an empty SM, so
+    every CTA that spins for a peer and every CTA it waits for are resident at once: none can starve another."""
+    if ranks_on_device < 1:
+        raise PartitionError(f"ranks on one device must be >= 1, got {ranks_on_device}")
+    share = total_sms // ranks_on_device // 2 * 2
+    if share < MIN_DISPATCH_SMS or dispatch_sms > share:
+        raise PartitionError(f"{ranks_on_device} ranks on one {total_sms}-SM GPU leave {share} SMs per rank, fewer "
+                             f"than role1's {max(dispatch_sms, MIN_DISPATCH_SMS)} CTAs (the dispatch SM request)")
+    return share
+
+
 def plan_split(total_sms: int, alignment: int, min_partition: int, request: int) -> SplitPlan:
     """Plans the driver-aligned split for a dispatch request.
 

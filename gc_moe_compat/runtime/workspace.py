@@ -1,24 +1,32 @@
 """The operator's symmetric workspace: one allocation per operator instance, named regions, and a peer table.
 
-With more than one rank the buffer comes from torch symmetric memory (``empty`` + ``rendezvous``), so every rank
-can address every peer's copy; kernels get a by-value :class:`PeerTable` (base address, per-rank offsets for up to
-72 ranks, own rank) and reach rank ``r``'s region at ``base + offsets[r] + region_offset``. A group of one rank uses
-a plain allocation. Regions are carved with alignment by :class:`LayoutPlanner`. A workspace is single-instance:
-:meth:`SymmetricWorkspace.exclusive` rejects overlapping use.
+With more than one rank every rank maps every peer's copy: through torch symmetric memory (``empty`` +
+``rendezvous``) when each rank has a GPU of its own, through CUDA IPC handles (``cuIpcGetMemHandle`` /
+``cuIpcOpenMemHandle``, exchanged over the group) when ranks share a GPU, which torch symmetric memory refuses
+(:mod:`gc_moe_compat.runtime.colocation`). Kernels get a by-value :class:`PeerTable` (base address, per-rank offsets
+for up to 72 ranks, own rank) and reach rank ``r``'s region at ``base + offsets[r] + region_offset``. A group of one
+rank uses a plain allocation. Regions are carved with alignment by :class:`LayoutPlanner`. A workspace is
+single-instance: :meth:`SymmetricWorkspace.exclusive` rejects overlapping use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from cuda.bindings import driver
 
 from gc_moe_compat.config import MAX_RANKS
+
+from .colocation import Placement, placement
+from .cuda import CudaError, call
+from .split import MIN_DISPATCH_SMS, shared_device_sms
 
 DEFAULT_ALIGNMENT = 256
 
@@ -90,6 +98,38 @@ class LayoutPlanner:
         return max(1, -(-self._end // self._max_alignment)) * self._max_alignment
 
 
+_ipc_opened: dict[bytes, list[int]] = {}
+"""Peer allocations mapped into this process: handle bytes -> [address, users]. The driver maps one allocation once
+per process, and torch's caching allocator may place two workspaces of a peer in one allocation."""
+_ipc_lock = threading.Lock()
+
+
+def _open_ipc(raw: bytes) -> int:
+    """The address of the peer allocation whose IPC handle is ``raw``, mapped on first use."""
+    with _ipc_lock:
+        entry = _ipc_opened.get(raw)
+        if entry is None:
+            handle = driver.CUipcMemHandle()
+            ctypes.memmove(handle.getPtr(), raw, driver.CU_IPC_HANDLE_SIZE)
+            flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            entry = _ipc_opened[raw] = [int(call(driver.cuIpcOpenMemHandle, handle, flags)), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_ipc(raw: bytes) -> None:
+    """Drops one use of a mapped peer allocation, unmapping it after the last (results ignored: at interpreter
+    exit the driver may already be gone)."""
+    with _ipc_lock:
+        entry = _ipc_opened.get(raw)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _ipc_opened[raw]
+            driver.cuIpcCloseMemHandle(entry[0])
+
+
 class WorkspaceBusyError(RuntimeError):
     """A call tried to use a workspace that another call is using (the workspace is single-instance)."""
 
@@ -102,6 +142,7 @@ class SymmetricWorkspace:
         layout: LayoutPlanner,
         group: dist.ProcessGroup | None = None,
         device: torch.device | int | None = None,
+        where: Placement | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("symmetric workspace: needs a CUDA device (torch symmetric memory, peer stores over "
@@ -115,19 +156,66 @@ class SymmetricWorkspace:
         if self.world_size > MAX_RANKS:
             raise ValueError(f"workspace supports up to {MAX_RANKS} ranks, group has {self.world_size}")
         self._busy = threading.Lock()
+        self.placement = where if where is not None else placement(group, self.device.index)
+        self._ipc_peers: list[bytes] = []
         if self.world_size == 1:
             self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
             addresses = [self.buffer.data_ptr()]
+        elif self.placement.shares_device:
+            self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
+            addresses = self._ipc_rendezvous(group)
         else:
             from torch.distributed import _symmetric_memory as symm_mem
 
             self.buffer = symm_mem.empty(layout.size, dtype=torch.uint8, device=self.device)
             handle = symm_mem.rendezvous(self.buffer, group)
             self.buffer.zero_()
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group)
             addresses = [int(p) for p in handle.buffer_ptrs]
+        if self.world_size > 1:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group)  # every copy is zeroed before any peer writes into it
         self.peer_table = make_peer_table(addresses, self.rank)
+
+    @functools.cached_property
+    def sm_share(self) -> int:
+        """The most SMs one launch of this rank may fill: every SM, or this rank's share when ranks share the GPU
+        (:func:`gc_moe_compat.runtime.split.shared_device_sms`), so that the ranks' spinning kernels are all
+        resident at once."""
+        total = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if not self.placement.shares_device:
+            return total
+        return shared_device_sms(total, self.placement.ranks_on_device, MIN_DISPATCH_SMS)
+
+    @property
+    def rendezvous(self) -> str:
+        """``local``, ``cuda-ipc`` or ``torch-symm-mem``: how this workspace maps its peers."""
+        return self.placement.rendezvous
+
+    def _ipc_rendezvous(self, group: dist.ProcessGroup | None) -> list[int]:
+        """Every rank's copy mapped into this process through CUDA IPC: this rank's allocation handle and the
+        buffer's offset in it are gathered over ``group``, each peer's opened here. Returns the addresses by rank."""
+        base, _ = call(driver.cuMemGetAddressRange, self.buffer.data_ptr())
+        try:
+            handle = call(driver.cuIpcGetMemHandle, base)
+        except CudaError as err:
+            raise RuntimeError(f"symmetric workspace: the buffer cannot be shared through CUDA IPC ({err.name}); "
+                               "ranks that share a GPU need torch's default caching allocator "
+                               "(PYTORCH_CUDA_ALLOC_CONF without expandable_segments)") from err
+        mine = (ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE), self.buffer.data_ptr() - int(base))
+        shared: list[object] = [None] * self.world_size
+        dist.all_gather_object(shared, mine, group=group)
+        addresses = []
+        for r, (raw, offset) in enumerate(shared):
+            if r == self.rank:
+                addresses.append(self.buffer.data_ptr())
+                continue
+            self._ipc_peers.append(raw)
+            addresses.append(_open_ipc(raw) + offset)
+        return addresses
+
+    def __del__(self) -> None:
+        for raw in getattr(self, "_ipc_peers", ()):
+            _close_ipc(raw)
 
     def offset(self, name: str) -> int:
         """Byte offset of region ``name`` (what kernels add to a peer's base address)."""

@@ -15,7 +15,7 @@ harness sets it; the facade's allocations must name their device).
 from __future__ import annotations
 
 import pytest
-from two_rank import run_ranks
+from two_rank import MULTI_RANKS, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +27,14 @@ def run_suite(suite: str, nproc: int, *expected: str) -> str:
     return run_ranks(WORKER, nproc, TIMEOUT_S, *expected, args=("--suite", suite))
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_modes(nproc: int) -> None:
     out = run_suite("modes", nproc, "mode cases bit-exact", "two dispatches in flight bit-exact",
                     "200 consecutive calls bit-exact", "cumulative_local_expert_recv_stats = reference")
     assert out.count("200 consecutive calls bit-exact") == nproc
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_cuda_graph(nproc: int) -> None:
     out = run_suite("graph", nproc, "100 graph replays with fresh inputs bit-exact",
                     "1000 captured replays bit-identical")

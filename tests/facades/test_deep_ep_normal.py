@@ -9,7 +9,7 @@ the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` nami
 from __future__ import annotations
 
 import pytest
-from two_rank import run_ranks
+from two_rank import MULTI_RANKS, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales
          "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact")
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize("partition", ["on", "off"])
 def test_deep_ep_normal_cases(nproc: int, partition: str) -> None:
     out = run_ranks(WORKER, nproc, TIMEOUT_S, *CASES, env={"GC_MOE_PARTITION": partition}, args=("--suite", "cases"))

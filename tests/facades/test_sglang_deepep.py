@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import sglang_deepep_kit
 import sglang_kit
-from two_rank import run_ranks
+from two_rank import MULTI_RANKS, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -32,11 +32,11 @@ def run_worker(suite: str, nproc: int, *expected: str) -> str:
     return run_ranks(WORKER, nproc, TIMEOUT_S, *expected, env=env, args=("--suite", suite))
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_sglang_deepep_low_latency(nproc: int) -> None:
     assert run_worker("low_latency", nproc, BIT_EXACT).count(BIT_EXACT) == 4 * nproc
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_sglang_deepep_auto_mode_decodes_through_a_two_mode_buffer(nproc: int) -> None:
     assert run_worker("auto", nproc, BIT_EXACT, "--deepep-mode auto buffer").count(BIT_EXACT) == nproc

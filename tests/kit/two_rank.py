@@ -1,5 +1,9 @@
-"""The two-rank protocol of the ``multigpu`` tests: the pytest side starts a worker script under torchrun on both
-GPUs and checks it; the worker side joins the NCCL group and reports ``PASS rank <r>``.
+"""The multi-rank protocol of the ``multigpu`` tests: the pytest side starts a worker script under torchrun and
+checks it; the worker side joins the group and reports ``PASS rank <r>``.
+
+Ranks run one per GPU, or P on one GPU when :data:`SHARED_GPU_ENV` is P (``scripts/device_check.sh --shared-gpu P``
+starts CUDA MPS for it): then the tests of :data:`MULTI_RANKS` ranks run P processes on the GPU, the two-rank
+workers two, and the group is gloo (:func:`gc_moe_compat.runtime.colocation.init_rank_group`).
 
 The tests call :func:`run_ranks` / :func:`run_two_ranks`. Workers are scripts (torchrun runs them with this folder on
 ``sys.path``) that take their scaffolding from here, so that each holds only its own test logic:
@@ -23,8 +27,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+
+from gc_moe_compat.runtime.colocation import init_rank_group
+
+SHARED_GPU_ENV = "GC_MOE_TEST_SHARED_GPU"
+"""P ranks share one GPU in the multi-rank tests (unset: one rank per GPU)."""
+
+
+def shared_gpu_ranks() -> int:
+    """:data:`SHARED_GPU_ENV` as a rank count (0 when unset)."""
+    raw = os.environ.get(SHARED_GPU_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) < 2:
+        raise ValueError(f"{SHARED_GPU_ENV} must be a rank count >= 2, got {raw!r}")
+    return int(raw)
+
+
+MULTI_RANKS = shared_gpu_ranks() or 2
+"""The rank count of the tests that run at any P (the operator, both DeepEP modes, SGLang's dispatcher)."""
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off on the lent machines (KINDS.md)."""
@@ -61,10 +83,9 @@ def run_two_ranks(worker: str, timeout_s: float, *expected: str) -> str:
 
 
 def join() -> int:
-    """Worker side: bind this process to its local GPU and join the NCCL group; returns the rank."""
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    """Worker side: bind this process to its GPU and join the group (NCCL, or gloo when ranks share a GPU);
+    returns the rank."""
+    init_rank_group()
     return dist.get_rank()
 
 

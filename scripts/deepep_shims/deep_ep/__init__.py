@@ -14,3 +14,5 @@ _checkout = os.environ.get("GC_MOE_DEEPEP_DIR")
 if not _checkout or not os.path.isdir(os.path.join(_checkout, "deep_ep", "utils")):
     raise ImportError(f"GC_MOE_DEEPEP_DIR must name a DeepEP checkout (with deep_ep/utils/), got {_checkout!r}")
 __path__.append(os.path.join(_checkout, "deep_ep"))
+if os.environ.get("GC_MOE_DEEPEP_SHARED_GPU") == "1":
+    from . import _shared_gpu  # noqa: F401 - installs the shared-GPU init_dist into utils.envs
