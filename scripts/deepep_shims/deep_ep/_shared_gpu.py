@@ -29,7 +29,8 @@ def _gloo_all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, grou
                                  async_op: bool = False) -> object:
     if dist.get_backend(group) != "gloo":
         return _all_gather_into_tensor(output, input, group=group, async_op=async_op)
-    return dist.all_gather(list(output.chunk(dist.get_world_size(group))), input, group=group, async_op=async_op)
+    chunks = list(output.view(dist.get_world_size(group), *input.shape).unbind(0))  # rank r's rows, input's shape
+    return dist.all_gather(chunks, input, group=group, async_op=async_op)
 
 
 def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int, int, dist.ProcessGroup]:
