@@ -29,8 +29,8 @@ from gc_moe_compat.config import MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.runtime.colocation import partition_mode_of
 from gc_moe_compat.runtime.green import get_partition
-from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["Buffer"]
@@ -205,7 +205,8 @@ class Buffer:
         the one a call made now from this stream context runs on.
         """
         device = self._device("get_comm_stream")
-        if partition_mode() == "off":
+        spaces = (self.workspace, None if self.normal is None else self.normal.workspace)
+        if partition_mode_of(next((w.placement for w in spaces if w is not None), None)) == "off":
             return torch.cuda.current_stream(device)
         return get_partition(Buffer.num_sms, device.index).comm.torch_stream(device.index)
 

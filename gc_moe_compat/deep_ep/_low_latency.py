@@ -47,7 +47,6 @@ from gc_moe_compat.comm.ep_ll import (
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.green import Partition, get_partition
-from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
 __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_partition", "dispatch", "ll_shape",
@@ -116,7 +115,7 @@ def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | N
     """The green partition whose communication side runs the kernels (``request``: its SM request, DeepEP's
     ``Buffer.num_sms``), or None where they run on the caller's stream: ``GC_MOE_PARTITION=off``, or a workspace
     not on a CUDA device (the host tests' stand-in)."""
-    if workspace.device.type != "cuda" or partition_mode() == "off":
+    if workspace.device.type != "cuda" or colocation.partition_mode_of(workspace.placement) == "off":
         return None
     partition = get_partition(request, workspace.device.index)
     load_in(partition)

@@ -47,9 +47,9 @@ from gc_moe_compat.comm.ep_normal import (
 from gc_moe_compat.config import MAX_EXPERTS, boolean, integer
 from gc_moe_compat.deep_ep._config import INTERNODE_MISSING, MAX_NVL_RANKS, Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.runtime.colocation import partition_mode_of
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import get_partition
-from gc_moe_compat.runtime.split import partition_mode
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
@@ -262,7 +262,7 @@ class NormalMode:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
         raise_for_mirrored_status(self.buffer, self.mirror, self.ranks)
         self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
-        if partition_mode() == "off":
+        if partition_mode_of(self.workspace.placement) == "off":
             return _Stream(torch.cuda.current_stream(self.device).cuda_stream, None)
         side = get_partition(num_sms, self.device.index).comm
         return _Stream(int(side.stream), side.ctx)

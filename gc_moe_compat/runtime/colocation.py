@@ -24,6 +24,7 @@ import torch.distributed as dist
 from cuda.bindings import driver
 
 from .cuda import call, device
+from .split import partition_mode
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,14 @@ def placement(group: dist.ProcessGroup | None, index: int) -> Placement:
             "that share a GPU need a gloo group (NCCL refuses two ranks on one device): "
             "gc_moe_compat.runtime.colocation.init_rank_group picks the backend") from err
     return Placement(rank=dist.get_rank(group), device_uuids=tuple(str(u) for u in uuids))
+
+
+def partition_mode_of(where: Placement | None) -> str:
+    """The partition mode of kernels whose workspace is at ``where``: ``GC_MOE_PARTITION``'s
+    (:func:`~gc_moe_compat.runtime.split.partition_mode`), and ``off`` wherever ranks share the GPU: green contexts do
+    not confine under MPS, and the ranks' grids are sized to their share of the SMs instead."""
+    mode = partition_mode()
+    return "off" if where is not None and where.shares_device else mode
 
 
 def mps_enabled(index: int) -> bool:

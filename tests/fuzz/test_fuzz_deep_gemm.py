@@ -42,9 +42,9 @@ def meta_allocation() -> object:
     """Buffer storage on the meta device (the layout and views are real, no bytes): records each request's size."""
     requested: list[int] = []
 
-    def allocate(layout: object, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
+    def allocate(layout: object, group: dist.ProcessGroup, where: object) -> tuple[torch.Tensor, object, None]:
         requested.append(layout.total_bytes)
-        return torch.empty(layout.total_bytes, dtype=torch.uint8, device="meta"), make_peer_table([0], 0)
+        return torch.empty(layout.total_bytes, dtype=torch.uint8, device="meta"), make_peer_table([0], 0), None
 
     mp = pytest.MonkeyPatch()
     mp.setattr(op_buffer, "_allocate", allocate)

@@ -37,9 +37,9 @@ MAX_BUFFER_BYTES = 8 << 30
 def meta_allocation(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     requested: list[int] = []
 
-    def allocate(layout: object, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
+    def allocate(layout: object, group: dist.ProcessGroup, where: object) -> tuple[torch.Tensor, object, None]:
         requested.append(layout.total_bytes)
-        return torch.empty(layout.total_bytes, dtype=torch.uint8, device="meta"), make_peer_table([0], 0)
+        return torch.empty(layout.total_bytes, dtype=torch.uint8, device="meta"), make_peer_table([0], 0), None
 
     monkeypatch.setattr(op_buffer, "_allocate", allocate)
     return requested
