@@ -109,6 +109,8 @@ if [[ -n "$shared_gpu" ]]; then
   # P processes share the GPU: MPS runs them concurrently (stopped on every exit path by its EXIT trap).
   source scripts/mps.sh
   mps_start >>"$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
+  # One client first: P clients arriving while the server still starts get "MPS server is not ready" (error 807).
+  "$PY" -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" >>"$OUT/setup.log" 2>&1
   export GC_MOE_TEST_SHARED_GPU="$shared_gpu"
   markers="multigpu" legacy_procs="$shared_gpu"
   BENCHES=() RESULTS=()
