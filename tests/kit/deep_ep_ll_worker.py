@@ -151,8 +151,8 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
 def suite_modes(rank: int, ranks: int) -> None:
     buf = ll_buffer(ranks, num_qps_per_rank=experts_for(ranks) // ranks)
     full = [TMAX] * ranks
-    uneven = [TMAX, 7][:ranks]
-    idle = [0, 11][:ranks] if ranks > 1 else [0]
+    uneven = [(TMAX, 7)[r % 2] for r in range(ranks)]  # every other rank sends 7 tokens
+    idle = [(0, 11)[r % 2] for r in range(ranks)] if ranks > 1 else [0]  # every other rank sends none
     stats = torch.zeros(experts_for(ranks) // ranks, dtype=torch.int32, device="cuda")
     case = 0
     for mode in ("plain", "round", "ue8m0", "bf16"):
