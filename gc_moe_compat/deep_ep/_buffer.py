@@ -127,6 +127,15 @@ class Buffer:
                 raise RuntimeError(f"{fn}: low_latency_mode=True: {exc}") from exc
             _low_latency.comm_partition(self.workspace, Buffer.num_sms)  # made now, not first inside a capture
 
+    def __repr__(self) -> str:
+        """The modes this Buffer serves and where its kernels run: the partition mode, how its workspace maps the
+        peers and how many ranks share this GPU."""
+        spaces = [w for w in (self.workspace, None if self.normal is None else self.normal.workspace) if w is not None]
+        where = f", rendezvous={spaces[0].rendezvous!r}, ranks_on_device={spaces[0].placement.ranks_on_device}, " \
+                f"partition={partition_mode_of(spaces[0].placement)!r}" if spaces else ""
+        return (f"Buffer(rank={self.rank}, num_ranks={self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, "
+                f"num_rdma_bytes={self.num_rdma_bytes}, low_latency_mode={self.low_latency_mode}{where})")
+
     def destroy(self) -> None:
         """Releases the workspace (only for a Buffer created with ``explicitly_destroy=True``, as with DeepEP)."""
         if not self.explicitly_destroy:

@@ -154,6 +154,11 @@ class SymmBuffer:
                                      "it only with num_shared_experts=1") from exc
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __repr__(self) -> str:
+        """DeepGEMM's sizes and the operator buffer under them (its partition and how it maps the peers)."""
+        return (f"SymmBuffer(num_experts={self.num_experts}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, "
+                f"mma_type={self.mma_type!r}, workspace={self.__dict__.get('workspace')!r})")
+
     def destroy(self):
         """Drop the references to the workspace (DeepGEMM's semantics); the buffer is unusable afterwards. The
         memory is freed once nothing else (a ``base`` sharer, a captured graph's caller) holds it."""

@@ -160,6 +160,17 @@ class GcMoeBuffer:
         """Ranks of the group on this rank's GPU (1 without CUDA)."""
         return 1 if self.placement is None else self.placement.ranks_on_device
 
+    def __repr__(self) -> str:
+        """The shape and where it runs: partition, how peers are mapped and how many ranks share this GPU."""
+        if self.storage is None:
+            return "GcMoeBuffer(destroyed)"
+        s = self.shape
+        where = "" if self.placement is None else (f", rendezvous={self.placement.rendezvous!r}, "
+                                                   f"ranks_on_device={self.placement.ranks_on_device}")
+        return (f"GcMoeBuffer(ranks={s.num_ranks}, experts={s.num_experts}, hidden={s.hidden}, "
+                f"intermediate={s.intermediate}, topk={s.topk}, mma_type={s.mma_type!r}, partition={self.partition!r}"
+                f"{where}, dispatch_sms={self.dispatch_sms}, compute_sms={self.compute_sms})")
+
     def describe(self) -> dict[str, object]:
         """The plan recorded in benchmark metadata: partition, SM counts, ring capacity, total bytes."""
         where = {} if self.placement is None else colocation.describe(self.placement, self.storage.device.index)

@@ -142,3 +142,14 @@ def test_mps_start_failure_is_reported_and_cleaned_up(tmp_path: Path) -> None:
 def test_mps_start_without_the_control_binary(tmp_path: Path) -> None:
     out = _run(tmp_path, "mps_start || echo failed=$?", MPS_CONTROL="no-such-mps-control")
     assert "failed=1" in out.stdout and "is not on PATH" in out.stderr
+
+
+def test_operator_buffer_repr_says_where_it_runs(group: dist.ProcessGroup) -> None:
+    from gc_moe_compat.operator import api
+
+    buf = api.get_symm_buffer_for_gc_moe(group, 8, 64, 2, 512, 256, "fp8xfp8", partition="off", compute_sms=112)
+    assert repr(buf) == ("GcMoeBuffer(ranks=1, experts=8, hidden=512, intermediate=256, topk=2, mma_type='fp8xfp8', "
+                         "partition='off', dispatch_sms=4, compute_sms=112)")
+    assert buf.describe()["partition_reason"] is None
+    buf.destroy()
+    assert repr(buf) == "GcMoeBuffer(destroyed)"
