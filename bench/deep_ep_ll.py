@@ -37,7 +37,7 @@ from pathlib import Path
 
 import _baseline_sm90 as base
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta
+from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta
 from operator_sm90 import WORLD, Ranks
 
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
@@ -246,9 +246,7 @@ def main() -> int:
         run_ranks(args)
         sys.stdout.flush()
         os._exit(0)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
-    if torch.cuda.device_count() < WORLD:
-        print(f"deep_ep_ll: needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}", file=sys.stderr)
-        return 1
+    require_gpus("deep_ep_ll", WORLD)
     cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD)
     return subprocess.run(cmd, env=env, timeout=540).returncode
 

@@ -51,7 +51,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows, write_partial_result
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    pyplot,
+    require_gpus,
+    result_meta,
+    timed_windows,
+    write_partial_result,
+)
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
@@ -543,6 +552,7 @@ def main() -> int:
     print("\n".join(plan_lines(args)), flush=True)
     if args.dry_run:
         return 0
+    require_gpus("deep_ep_sm90", hint="--dry-run prints the plan without one")
     with single_rank_group() as group:
         bandwidth = copy_bandwidth()
         points: list[dict[str, object]] = []

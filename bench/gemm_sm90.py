@@ -42,7 +42,16 @@ from pathlib import Path
 
 import torch
 from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    expert_floor_bytes,
+    pyplot,
+    require_gpus,
+    result_meta,
+    timed_windows,
+)
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
@@ -222,6 +231,7 @@ def main() -> None:
         args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
     if os.environ.get("GC_MOE_BENCH_TOKENS"):  # "T,T,...": a subset of the sweep inside a device lease
         args.tokens = [int(v) for v in os.environ["GC_MOE_BENCH_TOKENS"].split(",")]
+    require_gpus("gemm_sm90")
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:

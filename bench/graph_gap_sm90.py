@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 from _baseline_sm90 import import_deep_gemm
-from _common import REPO, result_meta
+from _common import REPO, require_gpus, result_meta
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
@@ -352,6 +352,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10)
     args = parser.parse_args()
+    require_gpus("graph_gap_sm90")
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gpu = visible_gpu()

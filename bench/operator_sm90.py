@@ -50,7 +50,7 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
+from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, require_gpus, result_meta
 
 from gc_moe_compat.ab import results
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
@@ -610,10 +610,7 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(0)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
     deadline = time.time() + args.budget_s
-    gpus = torch.cuda.device_count()
-    if gpus < WORLD:
-        print(f"operator_sm90: needs {WORLD} GPUs (nvidia-h200-x2), found {gpus}", file=sys.stderr)
-        return 1
+    require_gpus("operator_sm90", WORLD)
     if args.prebuild_workers > 0:
         prebuild(args.presets, args.tokens, args.prebuild_workers)
     cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD, {DEADLINE_ENV: repr(deadline)})

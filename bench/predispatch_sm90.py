@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, require_gpus, result_meta, timed_windows
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat.config import SWEEP_TOKENS
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
+    require_gpus("predispatch_sm90")
     bandwidth = copy_bandwidth()
     points = [point(f, p, t, bandwidth, args.warmup, args.windows)
               for f in FUNCTIONS for p in SHAPES for t in SWEEP_TOKENS]

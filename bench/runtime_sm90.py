@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta, timed_windows
 
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, get_graph
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
+    require_gpus("runtime_sm90")
 
     part = get_partition(args.dispatch_sms)
     points = []

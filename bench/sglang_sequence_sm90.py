@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, write_partial_result
+from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, require_gpus, result_meta, write_partial_result
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
@@ -370,6 +370,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=list(ALL_OPS), choices=(*ALL_OPS, *PROBE_OPS),
                         help="operations to time (module docstring; default all)")
     args = parser.parse_args()
+    require_gpus("sglang_sequence_sm90")
     with single_rank_group() as group:
         _run(args, group)
 

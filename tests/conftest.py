@@ -23,8 +23,8 @@ def _gpu_count() -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = _gpu_count()
-    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (scripts/device_check.sh runs it on the lent H200)")
-    few_gpus = pytest.mark.skip(reason=f"needs >= 2 GPUs, found {gpus} (nvidia-h200-x2)")
+    no_gpu = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (scripts/device_check.sh runs these on an H200)")
+    few_gpus = pytest.mark.skip(reason=f"needs 2 GPUs on one host, found {gpus}")
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(no_gpu)
