@@ -17,8 +17,9 @@ GPU, fewer GPUs than the cell's world size, no checkout given). Kinds of cells:
   each run against the quantization-faithful reference.
 * ``suite`` (GPU): the originals' own test files from checkouts the user points to, run unmodified under the swap.
 
-Writes ``compat_matrix.md`` and ``compat_matrix.json`` with the versions of torch, CUDA, the driver, the GPU and
-each original found. ``--cpu-only`` runs the CPU cells (what CI runs).
+Writes ``compat_matrix.md`` and ``compat_matrix.json`` (into ``--out-dir``, default the working directory) with
+the versions of torch, CUDA, the driver, the GPU and each original found. ``--cpu-only`` runs the CPU cells (what CI
+runs).
 """
 
 from __future__ import annotations
@@ -510,8 +511,9 @@ def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gc-moe-matrix", description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where compat_matrix.md / .json go (default bench/results of the checkout, else .)")
+    parser.add_argument("--out-dir", type=Path, default=Path(),
+                        help="where compat_matrix.md / .json go (default: the working directory; the checkout's "
+                             "committed bench/results/ only when named here)")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU cells (what CI runs)")
     parser.add_argument("--deepep-src", type=Path,
                         help="a DeepEP checkout: its Buffer signatures, and its tests/legacy/ run unmodified")
@@ -529,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    out_dir = args.out_dir or (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd())
+    out_dir = args.out_dir
     command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
     meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
     info = {**meta, "versions": versions()}

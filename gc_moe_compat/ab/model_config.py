@@ -164,6 +164,19 @@ def _pick(cfg: Mapping[str, object], what: str, path: str, required: bool) -> tu
     return None, None
 
 
+def _refuse_dense(moe: Mapping[str, object], cfg: Mapping[str, object], path: str) -> None:
+    """``ValueError`` naming a dense (non-MoE) model as such: no routed-expert count (or fewer than two experts)
+    and no top-k field. A config with only one of them is an MoE config missing a field (:func:`_pick` names it)."""
+    experts = next((moe[n] for n in _FIELDS["experts"] if moe.get(n) is not None), None)
+    topk = next((moe[n] for n in _FIELDS["topk"] if moe.get(n) is not None), None)
+    few = isinstance(experts, int) and not isinstance(experts, bool) and experts < 2
+    if (experts is None and topk is None) or few:
+        model = cfg.get("model_type") or moe.get("model_type") or "unknown model_type"
+        raise ValueError(f"{path}: a dense model ({model}): it has no routed experts (looked for "
+                         f"{list(_FIELDS['experts'])}{'' if experts is None else f', found {experts}'}); gc-moe-ab "
+                         "compares Mixture-of-Experts layers only")
+
+
 def _int(path: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
@@ -193,6 +206,7 @@ def from_hf_config(source: str | Path | Mapping[str, object], ep_size: int | Non
         if not isinstance(cfg, Mapping):
             raise ValueError(f"--model-config: {path} must hold a JSON object, got {type(cfg).__name__}")
     moe = _moe_section(cfg)
+    _refuse_dense(moe, cfg, path)
     fields: dict[str, str] = {"source": path}
     values: dict[str, object] = {}
     for what in ("hidden", "experts", "topk"):
