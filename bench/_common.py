@@ -18,11 +18,12 @@ from gc_moe_compat.ab.protocol import (
     result_meta,
     timed_windows,
     write_partial_result,
+    write_result,
 )
 from gc_moe_compat.ab.report import pyplot
 
 __all__ = ["L2_FLUSH_BYTES", "PER_WINDOW", "REPO", "copy_bandwidth", "expert_floor_bytes", "gpu_shortfall", "pyplot",
-           "require_gpus", "result_meta", "timed_windows", "write_partial_result"]
+           "require_gpus", "result_meta", "timed_windows", "write_partial_result", "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 

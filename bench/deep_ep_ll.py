@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta
+from _common import write_result as write_file
 from operator_sm90 import WORLD, Ranks
 
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
@@ -202,7 +202,7 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], band
                      "nccl_all_to_all": "pre-quantized FP8 rows: Triton pack -> all_to_all_single -> unpack -> "
                                         "gather -> all_to_all_single -> combine (host-planned splits)"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_file(args.out, {"meta": meta, "points": points})
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(args.presets), figsize=(6 * len(args.presets), 4), squeeze=False)

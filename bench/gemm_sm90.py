@@ -51,6 +51,7 @@ from _common import (
     require_gpus,
     result_meta,
     timed_windows,
+    write_result,
 )
 
 from gc_moe_compat.config import SWEEP_TOKENS
@@ -321,14 +322,14 @@ def main() -> None:
                 "accuracy": accuracy,
             }
             points.append(point)
-            args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
+            write_result(args.out, {"meta": meta, "points": points})  # partial results survive
             keys = ("preset", "tokens_per_rank", "config", "latency_us", "latency_split_us", "floor_us", "floor_fp4_us")
             print(json.dumps({k: point[k] for k in keys}))
             del gemm, ws, gemm4, ws4, grouped
         del layer, fp4
         torch.cuda.empty_cache()
     meta["sass"] = sass_record(used)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
 

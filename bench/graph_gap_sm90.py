@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 from _baseline_sm90 import import_deep_gemm
-from _common import REPO, require_gpus, result_meta
+from _common import REPO, require_gpus, result_meta, write_result
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
@@ -376,7 +376,7 @@ def main() -> None:
         point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg, args.trace_dir,
                               args.parts)
         points.append(point)
-        args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
+        write_result(args.out, {"meta": meta, "points": points})  # partial results survive
         print(report(spec, point))
         torch.cuda.empty_cache()
     print(f"wrote {args.out}")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import math
 import multiprocessing
 import os
@@ -50,10 +49,19 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, require_gpus, result_meta
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    expert_floor_bytes,
+    pyplot,
+    require_gpus,
+    result_meta,
+)
+from _common import write_result as write_file
 
 from gc_moe_compat.ab import results
-from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, portable_path, torchrun_command
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
@@ -510,8 +518,8 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                         "the baseline",
             "env": "scripts/device_check.sh builds DeepGEMM into /tmp/deepgemm and runs with LD_PRELOAD of the "
                    "system libstdc++ (FACTS.md)",
-            "module": getattr(sys.modules.get("gc_moe_compat.originals.deep_gemm", sys.modules.get("deep_gemm")),
-                              "__file__", None),
+            "module": portable_path(getattr(sys.modules.get("gc_moe_compat.originals.deep_gemm",
+                                                            sys.modules.get("deep_gemm")), "__file__", None)),
         },
         "targets": summarize_targets(points),
         "complete": final and not skipped,
@@ -524,7 +532,7 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
         meta["schema_error"] = str(err)
         print(f"operator_sm90: result schema check failed: {err}", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    write_file(args.out, data)
     if final:
         plot(points, args.out.with_suffix(".png"))
 

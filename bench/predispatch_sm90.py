@@ -26,14 +26,13 @@ every T <= 256.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, require_gpus, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, require_gpus, result_meta, timed_windows, write_result
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat.config import SWEEP_TOKENS
@@ -155,7 +154,7 @@ def main() -> None:
     meta.update({"capacity": CAPACITY, "routed_scaling_factor": {f: v[2] for f, v in FUNCTIONS.items()},
                  "copy_bandwidth_Bps": bandwidth, "target_us": TARGET_US})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print("| function | preset | T | fused us | fused alone us | torch ops us | floor us | x torch ops | bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -14,14 +14,13 @@ Run on the lent H200 (scripts/device_check.sh does):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta, timed_windows, write_result
 
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, get_graph
@@ -119,7 +118,7 @@ def main() -> None:
     meta = result_meta("bench/runtime_sm90.py", sys.argv[1:], part.describe())
     meta["protocol"] = f"{args.warmup} warm-up + {args.windows} measured windows of {PER_WINDOW} launches, L2 flushed"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print(f"partition: {part.describe()}")
     print(f"{'case':<18} {'launch':<9} {'median µs':>10} {'p10':>7} {'p90':>7} {'host µs':>8}")

@@ -44,7 +44,7 @@ from types import ModuleType
 import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
-from gc_moe_compat.ab.protocol import REPO, result_meta
+from gc_moe_compat.ab.protocol import REPO, portable_path, portable_text, result_meta, write_result
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
@@ -454,7 +454,7 @@ def versions() -> dict[str, object]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "originals_installed": found,
-        "originals_on_path": {name: originals.location(name) for name in originals.NAMES},
+        "originals_on_path": {name: portable_path(originals.location(name)) for name in originals.NAMES},
     }
 
 
@@ -565,8 +565,6 @@ def _write(out_dir: Path, cells: list[Cell], info: dict[str, object], *, complet
     """``compat_matrix.json`` + ``.md`` of the cells so far (``meta.complete`` says whether every stage ran)."""
     checked = checked_versions(cells)
     meta = {**info, "complete": complete}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compat_matrix.json").write_text(json.dumps(
-        {"meta": meta, "checked_versions": checked, "cells": [asdict(c) for c in cells]}, indent=1, default=str)
-        + "\n")
-    (out_dir / "compat_matrix.md").write_text(markdown(cells, meta, checked))
+    write_result(out_dir / "compat_matrix.json",
+                 {"meta": meta, "checked_versions": checked, "cells": [asdict(c) for c in cells]})
+    (out_dir / "compat_matrix.md").write_text(portable_text(markdown(cells, meta, checked)))

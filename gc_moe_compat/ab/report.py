@@ -148,8 +148,10 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
 
 
 def write_json(path: Path, data: Mapping[str, object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    """The result file (:func:`gc_moe_compat.ab.protocol.write_result`: paths inside the checkout, relative)."""
+    from gc_moe_compat.ab.protocol import write_result
+
+    write_result(path, data)
 
 
 def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str, title: str,

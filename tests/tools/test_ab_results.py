@@ -150,3 +150,44 @@ def test_the_table_of_a_real_run_fits_120_columns(monkeypatch: pytest.MonkeyPatc
     assert len(rows) == len(ops) * len(data["points"]) == 45
     for row in rows:  # each row's cells on one line
         assert sum(all(cell in line for cell in row[1:4]) for line in lines) >= 1, row
+
+
+def test_result_files_name_files_inside_the_checkout_by_relative_paths(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = protocol.REPO
+    monkeypatch.chdir(tmp_path)
+    assert protocol.portable_path(repo / ".carry/sgl_deep_gemm/deep_gemm/__init__.py") == \
+        ".carry/sgl_deep_gemm/deep_gemm/__init__.py"
+    assert protocol.portable_path(tmp_path / "cfg" / "config.json") == "cfg/config.json"  # the working directory
+    assert protocol.portable_path("/opt/elsewhere/deep_gemm/__init__.py") == \
+        "<outside the checkout>/deep_gemm/__init__.py"
+    assert protocol.portable_path("tests/data/x.json") == "tests/data/x.json" and protocol.portable_path(None) is None
+    data = {"meta": {"deep_gemm": str(repo / ".carry/dg/__init__.py"),
+                     "status": f"the original deep_gemm at {repo}/x/deep_gemm/__init__.py failed"}}
+    protocol.write_result(tmp_path / "out" / "r.json", data)
+    text = (tmp_path / "out" / "r.json").read_text()
+    assert str(repo) not in text and str(tmp_path) not in text
+    assert json.loads(text)["meta"] == {"deep_gemm": ".carry/dg/__init__.py",
+                                        "status": "the original deep_gemm at x/deep_gemm/__init__.py failed"}
+
+
+def test_the_committed_results_carry_no_absolute_paths() -> None:
+    results_dir = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for f in sorted(results_dir.glob("*.json")) + sorted(results_dir.glob("*.md")):
+        text = f.read_text()
+        for prefix in ('"/work/', '"/tmp/', '"/home/', '"/root/', " /work/", " /tmp/"):
+            assert prefix not in text, f"{f.name} holds an absolute path ({prefix.strip()}...)"
+
+
+def test_dirty_is_the_trees_state_when_the_process_first_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that rewrites a tracked result file part by part does not call its own later parts dirty."""
+    answers = iter(["", " M bench/results/x.json"])
+    monkeypatch.delenv("GC_MOE_GIT_DIRTY", raising=False)
+    monkeypatch.setattr(protocol, "_git", lambda *args: next(answers))
+    protocol._tree_dirty_at_start.cache_clear()
+    try:
+        assert protocol._dirty() is False and protocol._dirty() is False
+    finally:
+        protocol._tree_dirty_at_start.cache_clear()
+    monkeypatch.setenv("GC_MOE_GIT_DIRTY", "1")
+    assert protocol._dirty() is True
