@@ -12,7 +12,7 @@ run and one result file:
    facade moves each row twice, so 0.5 is its ceiling; ``algo_GBps`` is DeepEP's figure (received bytes / time).
    Accuracy: the received rows are the tokens (bit for bit), and so is their combine.
 2. ``low_latency``: ``low_latency_dispatch`` (BF16 in, FP8 1x128 out, DeepEP's default) and ``low_latency_combine``
-   latency per T (BENCH_PROTOCOL's sweep 1..256, ``Tmax`` = 256, the per-rank capacity), for DeepEP's test shape
+   latency per T (docs/bench_protocol.md's sweep 1..256, ``Tmax`` = 256, the per-rank capacity), for DeepEP's test shape
    (``deepep-test``: H 7168, top-8, 288 experts, as ``tests/legacy/test_low_latency.py``) and the presets', each op
    captured in its own CUDA graph (the kernels on the ``Buffer.num_sms`` = 20 communication partition) and timed by
    replay. Floor: the bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and
@@ -25,13 +25,13 @@ run and one result file:
    ``green`` (dispatch + combine in one CUDA graph with the kernels on the communication partition, the GEMM on the
    compute partition's stream) against ``ordinary`` (the same graph captured with ``GC_MOE_PARTITION=off``, both on
    ordinary streams). The GEMM is a stand-in, labelled so: ``torch.bmm`` of BF16 ``[e, 128, H] x [e, H, 2I]``
-   (DeepGEMM's masked grouped L1 GEMM shape, one 128-row block per expert, in BF16; DeepGEMM does not load on these
-   machines, FACTS.md). A step forks both streams from the main one and joins them; windows of ``--steps`` steps.
+   (DeepGEMM's masked grouped L1 GEMM shape, one 128-row block per expert, in BF16, so this part needs no DeepGEMM
+   build). A step forks both streams from the main one and joins them; windows of ``--steps`` steps.
    Reported per mode: ``step`` (both done), ``ll`` (step start to the combine's end: the communication's latency
    under the GEMM), ``ll_alone`` per T, ``gemm_alone`` per preset. Accuracy: both modes' combine bit for bit against
    the reference.
 
-Timing: :mod:`gc_moe_compat.ab.protocol` (BENCH_PROTOCOL.md): 10 warm-up + 30 measured windows, L2 flushed and the
+Timing: :mod:`gc_moe_compat.ab.protocol` (docs/bench_protocol.md): 10 warm-up + 30 measured windows, L2 flushed and the
 device synchronized before each, the median window; graphs by :func:`~gc_moe_compat.ab.protocol.capture_graph` /
 :func:`~gc_moe_compat.ab.protocol.median_graph_window` (100 replays a window). The result file is rewritten after each
 part, so an interrupted run keeps the parts it finished. The PNG beside it answers the question a decode deployment

@@ -1,6 +1,6 @@
 """SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
 
-Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep): the rank-0 share of
+Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (docs/bench_protocol.md sweep): the rank-0 share of
 ``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.testing.gemm_workload). Operators, each
 captured in
 a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
@@ -24,7 +24,7 @@ itself, which flatters W1 where its token tiles are large (up to 17 µs at glm52
 NOTES session 8); the graph's time is what a model sees.
 ``GC_MOE_BENCH_TOKENS`` ("64,128,256") restricts the sweep, ``GC_MOE_BENCH_WINDOWS`` the windows (short leases).
 
-Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
+Run on an H200 (scripts/device_check.sh does, with DeepGEMM built there):
 ``python bench/gemm_sm90.py --out bench/results/gemm_sm90.json``
 """
 

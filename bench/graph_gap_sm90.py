@@ -27,7 +27,7 @@ benchmark's config (:func:`gemm_sm90.point_config`), the parts (``--parts``, def
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
 
-Run on the lent H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
+Run on an H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
 (``python bench/graph_gap_sm90.py --out bench/results/graph_gap_sm90.json``); one part, e.g. the probes:
 ``--bench 'graph_gap_sm90 --parts probes'``.
 """

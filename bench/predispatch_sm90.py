@@ -5,7 +5,7 @@ none). Each ``function`` is one ``recipe`` of ``kernels/sm90/predispatch.cu``.
 
 Two implementations of the same staging on identical inputs, timed as a serving engine's captured decode step pays
 them: 100 calls captured in one CUDA graph, the graph replayed once per window, latency = window / 100
-(BENCH_PROTOCOL.md windows: 10 warm-up + 30 measured, L2 flushed between windows). ``fused_alone``: the fused call
+(docs/bench_protocol.md windows: 10 warm-up + 30 measured, L2 flushed between windows). ``fused_alone``: the fused call
 as the only node of its graph, replayed 100 times per window (each replay a host launch, ~2.3 us on an H200:
 bench/results/runtime_sm90.json), the upper bound of a call outside a larger graph.
 

@@ -5,9 +5,9 @@ depending on both, the operator's graph shape), ``one_kernel_green`` (one node o
 ``one_kernel_plain`` (one node in the caller's undivided context). Each is timed two ways: ``direct`` (100
 ``cuGraphLaunch`` calls per window on torch's stream) and ``captured`` (the graph attached 100 times inside one
 outer ``torch.cuda.graph``, replayed once per window: the cost inside a serving engine's captured layer).
-BENCH_PROTOCOL.md timing: 10 warm-up and 30 measured windows, L2 flushed between windows, median window.
+docs/bench_protocol.md timing: 10 warm-up and 30 measured windows, L2 flushed between windows, median window.
 
-Run on the lent H200 (scripts/device_check.sh does):
+Run on an H200 (scripts/device_check.sh does):
 ``python bench/runtime_sm90.py --out bench/results/runtime_sm90.json``
 """
 

@@ -58,7 +58,7 @@ DISTRIBUTIONS = ("sgl-deep-gemm", "deepinfer-gemm", "deep-gemm", "sgl-deep-ep", 
 
 @dataclass(frozen=True)
 class Divergence:
-    """A difference of an original version that ``tests/data`` does not record (API_SURFACE.md)."""
+    """A difference of an original version that ``tests/data`` does not record (docs/data_contracts.md)."""
 
     entry: str
     version: str

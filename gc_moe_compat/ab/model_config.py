@@ -2,15 +2,15 @@
 
 Three sources, one result (:class:`Workload`):
 
-* ``--preset``: the per-rank presets of :data:`config.PRESETS`: BENCH_PROTOCOL.md's ``dsv41-flash`` and ``glm52``, and
-  ``dsv3``, DeepSeek-V3's load at EP8 (H 7168, I 2048, 32 of 256 routed experts, top-8, one shared expert, routed
+* ``--preset``: the per-rank presets of :data:`config.PRESETS` (docs/bench_protocol.md): ``dsv41-flash``, ``glm52``
+  and ``dsv3``, DeepSeek-V3's load at EP8 (H 7168, I 2048, 32 of 256 routed experts, top-8, one shared expert, routed
   scaling 2.5).
 * ``--model-config PATH``: a HuggingFace ``config.json`` (DeepSeek V3/R1/V4, Kimi K2, Qwen3-MoE, GLM-4.5/5,
   Mixtral-style names; a multimodal ``text_config`` is followed), read by :func:`from_hf_config`.
 * explicit ``--hidden --intermediate --experts --topk``.
 
 The deployment spreads the model's ``E`` routed experts over ``ep_size`` ranks, so one rank holds ``e = E/ep_size``
-experts. A run on ``W`` GPUs keeps that per-rank share (BENCH_PROTOCOL.md's per-rank-equivalent rule): ``E = e·W``
+experts. A run on ``W`` GPUs keeps that per-rank share (docs/bench_protocol.md's per-rank-equivalent rule): ``E = e·W``
 experts, the same tokens per expert and the same per-rank weight bytes as the deployment; only the remote fraction
 of the dispatch traffic changes. :meth:`Workload.shape` builds the operator's :class:`config.MoEShape`, whose
 construction runs the operator's own constraint checks (config.py is the one validation layer): a shape the

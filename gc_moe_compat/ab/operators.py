@@ -50,7 +50,7 @@ __all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context"
 DISPATCH_SWEEP = (4, 8, 16, 24)
 """The dispatch SM requests of ``--partition-sweep``."""
 REFERENCE_OP = "facade"
-"""The operator every speedup divides by (BENCH_PROTOCOL.md: speedup = baseline / ours)."""
+"""The operator every speedup divides by (docs/bench_protocol.md: speedup = baseline / ours)."""
 SGLANG_BUFFER_MMA_TYPE = "fp8xfp4"
 """The ``mma_type`` SGLang 0.5.23 creates its Hopper Mega MoE buffer with (and then calls ``fp8_mega_moe``)."""
 DEEPGEMM_INSTALL = ("build sgl-project/DeepGEMM's SM90 Mega MoE with scripts/build_sgl_deep_gemm.sh SRC DEST and put "

@@ -1,4 +1,4 @@
-"""BENCH_PROTOCOL.md's timing protocol and result provenance: the one home of what every measurement shares.
+"""docs/bench_protocol.md's timing protocol and result provenance: the one home of what every measurement shares.
 
 ``gc-moe-ab`` and the benchmark scripts of ``bench/`` (through ``bench/_common.py``, which re-exports these names)
 time the same way:
@@ -62,7 +62,8 @@ REPO = Path(__file__).resolve().parents[2]
 PER_WINDOW = 100  # launches (or graph replays) per timed window
 L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off on the lent machines (KINDS.md): every rank process inherits these."""
+"""NVLink multicast stays off on the machines the project is tested on (docs/platform_notes.md): every rank process
+inherits these."""
 IDLE_UTILIZATION_PCT = 5
 """A GPU reporting more utilization than this before the run is not idle (nvidia-smi's sampled figure)."""
 
@@ -156,7 +157,7 @@ def copy_bandwidth() -> float:
 
 
 def expert_floor_bytes(hidden: int, inter: int, active_experts: int, rows: int, mma_type: str = "fp8xfp8") -> int:
-    """BENCH_PROTOCOL.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
+    """docs/bench_protocol.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
     block scales, or FP4 ``1.5 H I`` with one UE8M0 byte per 32 values), plus ``rows`` token rows in (FP8 + FP32
     1x128 scales) and out (BF16)."""
     h = hidden
@@ -264,7 +265,7 @@ def idle_gpu_check(device: int = 0) -> dict[str, object]:
 
 def result_meta(script: str, argv: list[str], partition: dict[str, object], *, world_size: int = 1,
                 env_keys: tuple[str, ...] = (), command: Sequence[str] | None = None) -> dict[str, object]:
-    """The ``meta`` block of BENCH_PROTOCOL.md "Result files": provenance, machine, partition and the command that
+    """The ``meta`` block of docs/bench_protocol.md "Result files": provenance, machine, partition and the command that
     re-runs the run: ``python script argv``, or ``command`` (a console script's words) when given; the ``env_keys``
     that are set are written in front of it."""
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in env_keys if os.environ.get(k)]
