@@ -1,9 +1,10 @@
 """The ``deep_ep`` facade's low-latency dispatch + combine on two H200s, against an NCCL all-to-all exchange.
 
-No original DeepEP loads on the lent machines (FACTS.md), so the comparison is the exchange of the operator
-benchmark's composed baseline. Per preset (``dsv41-flash``, ``glm52``: hidden ``H``, top-k ``k``, ``E = 2e`` experts at
-EP2) and tokens per rank ``T``, with ``Tmax = 128`` (SGLang's default ``num_max_dispatch_tokens_per_rank``) and
-uniform top-k routing, each op captured in one CUDA graph and timed by replay:
+The original DeepEP's low-latency mode does not run on the machines this was measured on (it needs a network card for
+NVSHMEM: docs/platform_notes.md), so the comparison is the exchange of the operator benchmark's composed baseline.
+Per preset (``dsv41-flash``, ``glm52``: hidden ``H``, top-k ``k``, ``E = 2e`` experts at EP2) and tokens per rank
+``T``, with ``Tmax = 128`` (SGLang's default ``num_max_dispatch_tokens_per_rank``) and uniform top-k routing, each
+op captured in one CUDA graph and timed by replay:
 
 * ``deep_ep_facade``: ``Buffer.low_latency_dispatch`` (BF16 tokens, FP8 1x128 quantization inside the kernel, DeepEP's
   ``[e, P*Tmax, H]`` layout) then ``Buffer.low_latency_combine`` of a fixed BF16 expert output (the expert GEMMs are
@@ -12,7 +13,7 @@ uniform top-k routing, each op captured in one CUDA graph and timed by replay:
   ``all_to_all_single``, unpack into DeepGEMM's masked layout, gather the fixed expert output back,
   ``all_to_all_single``, slot-order combine; its split sizes are planned on the host before capture (favours it).
 
-Timing (BENCH_PROTOCOL.md): windows of 100 replays, 10 warm-up + 30 measured, L2 flushed and both ranks aligned
+Timing (docs/bench_protocol.md): windows of 100 replays, 10 warm-up + 30 measured, L2 flushed and both ranks aligned
 (device all-reduce) before each window; a point's latency is the slowest rank's median window. Floor per point: the
 bytes one rank must move over NVLink (rows to the other rank: FP8 + FP32 scales out, BF16 back), the larger of the two
 ranks, over the peer copy bandwidth measured in the same run. Accuracy: the facade's combined output of the eager run
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import _baseline_sm90 as base
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta
+from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta
+from _common import write_result as write_file
 from operator_sm90 import WORLD, Ranks
 
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
@@ -202,7 +203,7 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], band
                      "nccl_all_to_all": "pre-quantized FP8 rows: Triton pack -> all_to_all_single -> unpack -> "
                                         "gather -> all_to_all_single -> combine (host-planned splits)"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_file(args.out, {"meta": meta, "points": points})
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(args.presets), figsize=(6 * len(args.presets), 4), squeeze=False)
@@ -245,10 +246,8 @@ def main() -> int:
     if "LOCAL_RANK" in os.environ:
         run_ranks(args)
         sys.stdout.flush()
-        os._exit(0)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
-    if torch.cuda.device_count() < WORLD:
-        print(f"deep_ep_ll: needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}", file=sys.stderr)
-        return 1
+        os._exit(0)  # docs/platform_notes.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
+    require_gpus("deep_ep_ll", WORLD)
     cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD)
     return subprocess.run(cmd, env=env, timeout=540).returncode
 

@@ -12,7 +12,7 @@ run and one result file:
    facade moves each row twice, so 0.5 is its ceiling; ``algo_GBps`` is DeepEP's figure (received bytes / time).
    Accuracy: the received rows are the tokens (bit for bit), and so is their combine.
 2. ``low_latency``: ``low_latency_dispatch`` (BF16 in, FP8 1x128 out, DeepEP's default) and ``low_latency_combine``
-   latency per T (BENCH_PROTOCOL's sweep 1..256, ``Tmax`` = 256, the per-rank capacity), for DeepEP's test shape
+   latency per T (docs/bench_protocol.md's sweep 1..256, ``Tmax`` = 256, the per-rank capacity), for DeepEP's test shape
    (``deepep-test``: H 7168, top-8, 288 experts, as ``tests/legacy/test_low_latency.py``) and the presets', each op
    captured in its own CUDA graph (the kernels on the ``Buffer.num_sms`` = 20 communication partition) and timed by
    replay. Floor: the bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and
@@ -25,16 +25,18 @@ run and one result file:
    ``green`` (dispatch + combine in one CUDA graph with the kernels on the communication partition, the GEMM on the
    compute partition's stream) against ``ordinary`` (the same graph captured with ``GC_MOE_PARTITION=off``, both on
    ordinary streams). The GEMM is a stand-in, labelled so: ``torch.bmm`` of BF16 ``[e, 128, H] x [e, H, 2I]``
-   (DeepGEMM's masked grouped L1 GEMM shape, one 128-row block per expert, in BF16; DeepGEMM does not load on these
-   machines, FACTS.md). A step forks both streams from the main one and joins them; windows of ``--steps`` steps.
+   (DeepGEMM's masked grouped L1 GEMM shape, one 128-row block per expert, in BF16, so this part needs no DeepGEMM
+   build). A step forks both streams from the main one and joins them; windows of ``--steps`` steps.
    Reported per mode: ``step`` (both done), ``ll`` (step start to the combine's end: the communication's latency
    under the GEMM), ``ll_alone`` per T, ``gemm_alone`` per preset. Accuracy: both modes' combine bit for bit against
    the reference.
 
-Timing: :mod:`gc_moe_compat.ab.protocol` (BENCH_PROTOCOL.md): 10 warm-up + 30 measured windows, L2 flushed and the
+Timing: :mod:`gc_moe_compat.ab.protocol` (docs/bench_protocol.md): 10 warm-up + 30 measured windows, L2 flushed and the
 device synchronized before each, the median window; graphs by :func:`~gc_moe_compat.ab.protocol.capture_graph` /
 :func:`~gc_moe_compat.ab.protocol.median_graph_window` (100 replays a window). The result file is rewritten after each
-part, so an interrupted run keeps the parts it finished. ``--dry-run`` prints the plan without a GPU.
+part, so an interrupted run keeps the parts it finished. The PNG beside it answers the question a decode deployment
+asks (the time of one low-latency dispatch and combine call per batch size, :func:`plot`); the normal and overlap
+parts are tables (:func:`print_tables`, bench/README.md). ``--dry-run`` prints the plan without a GPU.
 
 ``python bench/deep_ep_sm90.py --out bench/results/deep_ep_sm90.json``
 """
@@ -51,7 +53,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows, write_partial_result
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    pyplot,
+    require_gpus,
+    result_meta,
+    timed_windows,
+    write_partial_result,
+)
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
@@ -402,55 +413,46 @@ def run_overlap(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict
 # -- the result file ---------------------------------------------------------------------------------------------------
 
 
-def _plot_normal(ax: object, points: list[dict[str, object]]) -> None:
-    for preset in PRESETS:
-        rows = [p for p in points if p["preset"] == preset]
-        for op, mark in zip(OPS, ("o", "s", "x"), strict=True):
-            ax.plot([p["tokens_per_rank"] for p in rows], [p["efficiency"][op] for p in rows], marker=mark,
-                    label=f"{preset} {op}")
-    ax.axhline(0.5, color="grey", linestyle=":", label="two copies per row (ceiling)")
-    ax.set(yscale="log", xlabel="tokens per rank T", ylabel="floor / latency",
-           title=f"normal mode, {NUM_SMS}-SM partition (eager)")
-    ax.set_xscale("log", base=2)
-
-
-def _plot_low_latency(ax: object, points: list[dict[str, object]]) -> None:
-    for shape in LL_SHAPES:
-        rows = [p for p in points if p["preset"] == shape]
-        ts = [p["tokens_per_rank"] for p in rows]
-        for op, style in zip(LL_OPS, ("-", "--"), strict=True):
-            line, = ax.plot(ts, [p["latency_us"][op] for p in rows], style, marker="o", label=f"{shape} {op}")
-            ax.plot(ts, [p["floor_us"][op] for p in rows], ":", color=line.get_color(), linewidth=0.8)
-    ax.set(yscale="log", xlabel="tokens per rank T", ylabel="µs per call (CUDA-graph replay)",
-           title=f"low-latency, Tmax {LL_TMAX}, {deep_ep.Buffer.num_sms}-SM request (dotted: floor)")
-    ax.set_xscale("log", base=2)
-
-
-def _plot_overlap(ax: object, points: list[dict[str, object]]) -> None:
-    xs = range(len(points))
-    for i, (mode, what) in enumerate((m, w) for m in MODES for w in ("step", "ll")):
-        ax.bar([x + 0.2 * i for x in xs], [p["latency_us"][f"{mode}_{what}"] for p in points], 0.2,
-               label=f"{mode} {'step' if what == 'step' else 'dispatch+combine done'}")
-    ax.set_xticks([x + 0.3 for x in xs], [f"{p['preset']}\nT={p['tokens_per_rank']}" for p in points], fontsize=7)
-    ax.set(ylabel="µs", title="GEMM stand-in || dispatch+combine (two-batch overlap)")
+SHAPE_LABELS = {
+    "deepep-test": "DeepEP's test shape (hidden 7168, top-8, 288 experts)",
+    "dsv41-flash": "DeepSeek-V4.1-Flash, one GPU of 8 (hidden 5120, top-6, 48 experts)",
+    "glm52": "GLM-5.2, one GPU of 8 (hidden 6144, top-8, 32 experts)",
+}
+"""How the PNG names each low-latency shape (:data:`LL_SHAPES`)."""
 
 
 def plot(points: list[dict[str, object]], path: Path) -> None:
-    """One panel per part; a part without points (not run, or not reached) says so instead of an empty plot."""
+    """The PNG answers one question: how long does one low-latency dispatch and one combine take on one H200 as the
+    decode batch grows? One panel per call, latency per call against tokens per GPU, one line per model shape. The
+    normal mode and the overlap part are tables (print_tables, bench/README.md)."""
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, len(PARTS), figsize=(6 * len(PARTS), 4.5))
-    for ax, part, draw in zip(axes, PARTS, (_plot_normal, _plot_low_latency, _plot_overlap), strict=True):
-        rows = [p for p in points if p["part"] == part]
-        if rows:
-            draw(ax, rows)
-            ax.legend(fontsize=6)
-        else:
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, f"{part}: not measured in this run", ha="center", va="center")
+    rows = [p for p in points if p["part"] == "low_latency"]
+    fig, axes = plt.subplots(1, len(LL_OPS), figsize=(11, 4.4), sharey=True)
+    for ax, op in zip(axes, LL_OPS, strict=True):
+        for shape, marker in zip(LL_SHAPES, ("o", "s", "^"), strict=True):
+            mine = [p for p in rows if p["preset"] == shape]
+            if mine:
+                ax.plot([p["tokens_per_rank"] for p in mine], [p["latency_us"][op] for p in mine], marker=marker,
+                        label=SHAPE_LABELS[shape])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(LL_TOKENS), [str(t) for t in LL_TOKENS])
+        ax.set_xlabel("tokens per GPU (decode batch)")
+        ax.set_title(f"low_latency_{op}: BF16 in, FP8 out" if op == "dispatch" else f"low_latency_{op}: BF16",
+                     fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if not rows:
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+    axes[0].set_ylabel("time per call (µs)")
+    axes[0].set_ylim(bottom=0)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(loc="upper left", fontsize=8)
+    fig.suptitle("deep_ep facade on one H200: time of one low-latency dispatch / combine call\n(one GPU, so no NVLink "
+                 "traffic; CUDA-graph replay)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], partitions: dict[str, object],
@@ -543,6 +545,7 @@ def main() -> int:
     print("\n".join(plan_lines(args)), flush=True)
     if args.dry_run:
         return 0
+    require_gpus("deep_ep_sm90", hint="--dry-run prints the plan without one")
     with single_rank_group() as group:
         bandwidth = copy_bandwidth()
         points: list[dict[str, object]] = []

@@ -1,6 +1,6 @@
 """SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
 
-Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep): the rank-0 share of
+Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (docs/bench_protocol.md sweep): the rank-0 share of
 ``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.testing.gemm_workload). Operators, each
 captured in
 a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
@@ -24,7 +24,7 @@ itself, which flatters W1 where its token tiles are large (up to 17 µs at glm52
 NOTES session 8); the graph's time is what a model sees.
 ``GC_MOE_BENCH_TOKENS`` ("64,128,256") restricts the sweep, ``GC_MOE_BENCH_WINDOWS`` the windows (short leases).
 
-Run on the lent H200 (scripts/device_check.sh does, with DeepGEMM built there):
+Run on an H200 (scripts/device_check.sh does, with DeepGEMM built there):
 ``python bench/gemm_sm90.py --out bench/results/gemm_sm90.json``
 """
 
@@ -42,7 +42,17 @@ from pathlib import Path
 
 import torch
 from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    expert_floor_bytes,
+    pyplot,
+    require_gpus,
+    result_meta,
+    timed_windows,
+    write_result,
+)
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
@@ -222,6 +232,7 @@ def main() -> None:
         args.warmup, args.windows = (int(v) for v in os.environ["GC_MOE_BENCH_WINDOWS"].split(","))
     if os.environ.get("GC_MOE_BENCH_TOKENS"):  # "T,T,...": a subset of the sweep inside a device lease
         args.tokens = [int(v) for v in os.environ["GC_MOE_BENCH_TOKENS"].split(",")]
+    require_gpus("gemm_sm90")
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
@@ -311,14 +322,14 @@ def main() -> None:
                 "accuracy": accuracy,
             }
             points.append(point)
-            args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
+            write_result(args.out, {"meta": meta, "points": points})  # partial results survive
             keys = ("preset", "tokens_per_rank", "config", "latency_us", "latency_split_us", "floor_us", "floor_fp4_us")
             print(json.dumps({k: point[k] for k in keys}))
             del gemm, ws, gemm4, ws4, grouped
         del layer, fp4
         torch.cuda.empty_cache()
     meta["sass"] = sass_record(used)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
 

@@ -27,7 +27,7 @@ benchmark's config (:func:`gemm_sm90.point_config`), the parts (``--parts``, def
   replays, and ``nvidia-smi`` samples (SM clock, power draw, the SW power cap clock-event reason) every SAMPLE_MS
   over the same time (clocks are only read, never set): how the time per replay follows the clock under the cap.
 
-Run on the lent H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
+Run on an H200: ``bash scripts/device_check.sh --bench-only --bench graph_gap_sm90``
 (``python bench/graph_gap_sm90.py --out bench/results/graph_gap_sm90.json``); one part, e.g. the probes:
 ``--bench 'graph_gap_sm90 --parts probes'``.
 """
@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 from _baseline_sm90 import import_deep_gemm
-from _common import REPO, result_meta
+from _common import REPO, require_gpus, result_meta, write_result
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
@@ -352,6 +352,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10)
     args = parser.parse_args()
+    require_gpus("graph_gap_sm90")
     torch.cuda.init()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gpu = visible_gpu()
@@ -375,7 +376,7 @@ def main() -> None:
         point = measure_point(preset, int(tokens), num_sms, gpu, args.warmup, args.windows, dg, args.trace_dir,
                               args.parts)
         points.append(point)
-        args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1))  # partial results survive
+        write_result(args.out, {"meta": meta, "points": points})  # partial results survive
         print(report(spec, point))
         torch.cuda.empty_cache()
     print(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """The FP8xFP8 GC-MoE operator on two H200s (issue 5) against its partition-off ablation and the composed baseline.
 
-Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep), world size 2,
+Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (docs/bench_protocol.md sweep), world size 2,
 ``E = 2e`` experts, per-rank capacity 256, FP8 weights with FP32 128x128 block scales (recipe (128, 128, 128)),
 uniform top-k routing without repetition (seeded per rank and T), every rank's inputs identical for all three
 operators, each captured in a CUDA graph and timed by replay:
@@ -14,7 +14,7 @@ operators, each captured in a CUDA graph and timed by replay:
   permutations are planned on the host before capture, which favours it. Recorded as unavailable, with the
   reason, where ``import deep_gemm`` fails.
 
-Timing (BENCH_PROTOCOL.md): windows of 100 replays, ``--warmup`` / ``--windows`` (10 / 30) windows, L2 flushed
+Timing (docs/bench_protocol.md): windows of 100 replays, ``--warmup`` / ``--windows`` (10 / 30) windows, L2 flushed
 and the device synchronized between windows, a device-side all-reduce aligning both ranks' window starts; each
 rank's median window, a point's latency the slowest rank's. Floor per point: per rank, its unique active experts'
 FP8 weights + block scales plus its received rows in (FP8 + FP32 scales) and out (BF16 partials), over the copy
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import math
 import multiprocessing
 import os
@@ -50,10 +49,19 @@ from pathlib import Path
 import _baseline_sm90 as base
 import torch
 from _baseline_sm90 import A2APlan, plan_all_to_all
-from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta
+from _common import (
+    PER_WINDOW,
+    REPO,
+    copy_bandwidth,
+    expert_floor_bytes,
+    pyplot,
+    require_gpus,
+    result_meta,
+)
+from _common import write_result as write_file
 
 from gc_moe_compat.ab import results
-from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
+from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, portable_path, torchrun_command
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
 from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
@@ -69,7 +77,7 @@ GRACE_S = 45
 DEADLINE_ENV = "GC_MOE_BENCH_DEADLINE"
 """Set by the launcher for the ranks: the budget's end (``time.time()`` seconds)."""
 COSINE_FAITHFUL, PROCESSED_FAITHFUL = 0.9999, 1e-4
-"""BENCH_PROTOCOL.md reference-1 targets (the operator)."""
+"""docs/bench_protocol.md reference-1 targets (the operator)."""
 COSINE_BASELINE = 0.99
 """The composed baseline's numerics check against the same faithful reference."""
 TARGETS = {
@@ -95,7 +103,7 @@ def point_routing(preset: str, tokens: int) -> list[torch.Tensor]:
 
 
 def rank_floor_bytes(plan: A2APlan, hidden: int, inter: int) -> int:
-    """BENCH_PROTOCOL.md floor bytes of one rank: its unique active experts' FP8 weights + block scales, plus the
+    """docs/bench_protocol.md floor bytes of one rank: its unique active experts' FP8 weights + block scales, plus the
     rows it computes in (FP8 + FP32 1x128 scales) and out (BF16 partials)."""
     return expert_floor_bytes(hidden, inter, plan.active_experts, plan.rows_received, "fp8xfp8")
 
@@ -198,7 +206,7 @@ def summarize_targets(points: Sequence[dict[str, object]]) -> dict[str, object]:
 
 
 def validate_result(data: dict[str, object]) -> None:
-    """Raises ``ValueError`` naming the first field where ``data`` departs from BENCH_PROTOCOL.md's result schema
+    """Raises ``ValueError`` naming the first field where ``data`` departs from docs/bench_protocol.md's result schema
     (:func:`gc_moe_compat.ab.results.validate_result`, with this benchmark's ops) plus this benchmark's fields."""
     meta = data.get("meta")
     if isinstance(meta, dict):
@@ -509,9 +517,9 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                         "before capture (no on-device count exchange, no worst-case expert sizing): this favours "
                         "the baseline",
             "env": "scripts/device_check.sh builds DeepGEMM into /tmp/deepgemm and runs with LD_PRELOAD of the "
-                   "system libstdc++ (FACTS.md)",
-            "module": getattr(sys.modules.get("gc_moe_compat.originals.deep_gemm", sys.modules.get("deep_gemm")),
-                              "__file__", None),
+                   "system libstdc++ (docs/platform_notes.md)",
+            "module": portable_path(getattr(sys.modules.get("gc_moe_compat.originals.deep_gemm",
+                                                            sys.modules.get("deep_gemm")), "__file__", None)),
         },
         "targets": summarize_targets(points),
         "complete": final and not skipped,
@@ -524,7 +532,7 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
         meta["schema_error"] = str(err)
         print(f"operator_sm90: result schema check failed: {err}", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    write_file(args.out, data)
     if final:
         plot(points, args.out.with_suffix(".png"))
 
@@ -608,12 +616,9 @@ def main() -> int:
     if "LOCAL_RANK" in os.environ:  # one of the two ranks
         run_ranks(args)
         sys.stdout.flush()
-        os._exit(0)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
+        os._exit(0)  # docs/platform_notes.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
     deadline = time.time() + args.budget_s
-    gpus = torch.cuda.device_count()
-    if gpus < WORLD:
-        print(f"operator_sm90: needs {WORLD} GPUs (nvidia-h200-x2), found {gpus}", file=sys.stderr)
-        return 1
+    require_gpus("operator_sm90", WORLD)
     if args.prebuild_workers > 0:
         prebuild(args.presets, args.tokens, args.prebuild_workers)
     cmd, env = torchrun_command([str(Path(__file__).resolve()), *sys.argv[1:]], WORLD, {DEADLINE_ENV: repr(deadline)})

@@ -5,7 +5,7 @@ none). Each ``function`` is one ``recipe`` of ``kernels/sm90/predispatch.cu``.
 
 Two implementations of the same staging on identical inputs, timed as a serving engine's captured decode step pays
 them: 100 calls captured in one CUDA graph, the graph replayed once per window, latency = window / 100
-(BENCH_PROTOCOL.md windows: 10 warm-up + 30 measured, L2 flushed between windows). ``fused_alone``: the fused call
+(docs/bench_protocol.md windows: 10 warm-up + 30 measured, L2 flushed between windows). ``fused_alone``: the fused call
 as the only node of its graph, replayed 100 times per window (each replay a host launch, ~2.3 us on an H200:
 bench/results/runtime_sm90.json), the upper bound of a call outside a larger graph.
 
@@ -26,14 +26,13 @@ every T <= 256.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, require_gpus, result_meta, timed_windows, write_result
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat.config import SWEEP_TOKENS
@@ -147,6 +146,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
+    require_gpus("predispatch_sm90")
     bandwidth = copy_bandwidth()
     points = [point(f, p, t, bandwidth, args.warmup, args.windows)
               for f in FUNCTIONS for p in SHAPES for t in SWEEP_TOKENS]
@@ -154,7 +154,7 @@ def main() -> None:
     meta.update({"capacity": CAPACITY, "routed_scaling_factor": {f: v[2] for f, v in FUNCTIONS.items()},
                  "copy_bandwidth_Bps": bandwidth, "target_us": TARGET_US})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print("| function | preset | T | fused us | fused alone us | torch ops us | floor us | x torch ops | bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|")

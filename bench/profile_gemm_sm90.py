@@ -22,6 +22,7 @@ import argparse
 
 import torch
 from _baseline_sm90 import import_deep_gemm
+from _common import require_gpus
 from gemm_sm90 import capture, gemm_steps, point_config
 
 from gc_moe_compat.config import MMA_TYPES
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--graph", type=int, default=0, metavar="N",
                         help="capture the sequence as one graph and replay it N times, profiled alone")
     args = parser.parse_args()
+    require_gpus("profile_gemm_sm90")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     layer = make_layer(args.preset, torch.device("cuda"), seed=1)
     weights = make_fp4_layer(layer.l1_bf16, layer.l2_bf16).prepared if args.format == "fp8xfp4" else layer.prepared

@@ -5,23 +5,22 @@ depending on both, the operator's graph shape), ``one_kernel_green`` (one node o
 ``one_kernel_plain`` (one node in the caller's undivided context). Each is timed two ways: ``direct`` (100
 ``cuGraphLaunch`` calls per window on torch's stream) and ``captured`` (the graph attached 100 times inside one
 outer ``torch.cuda.graph``, replayed once per window: the cost inside a serving engine's captured layer).
-BENCH_PROTOCOL.md timing: 10 warm-up and 30 measured windows, L2 flushed between windows, median window.
+docs/bench_protocol.md timing: 10 warm-up and 30 measured windows, L2 flushed between windows, median window.
 
-Run on the lent H200 (scripts/device_check.sh does):
+Run on an H200 (scripts/device_check.sh does):
 ``python bench/runtime_sm90.py --out bench/results/runtime_sm90.json``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import PER_WINDOW, REPO, pyplot, result_meta, timed_windows
+from _common import PER_WINDOW, REPO, pyplot, require_gpus, result_meta, timed_windows, write_result
 
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, get_graph
@@ -103,6 +102,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--windows", type=int, default=30)
     args = parser.parse_args()
+    require_gpus("runtime_sm90")
 
     part = get_partition(args.dispatch_sms)
     points = []
@@ -118,7 +118,7 @@ def main() -> None:
     meta = result_meta("bench/runtime_sm90.py", sys.argv[1:], part.describe())
     meta["protocol"] = f"{args.warmup} warm-up + {args.windows} measured windows of {PER_WINDOW} launches, L2 flushed"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "points": points}, indent=1) + "\n")
+    write_result(args.out, {"meta": meta, "points": points})
     plot(points, args.out.with_suffix(".png"))
     print(f"partition: {part.describe()}")
     print(f"{'case':<18} {'launch':<9} {'median µs':>10} {'p10':>7} {'p90':>7} {'host µs':>8}")

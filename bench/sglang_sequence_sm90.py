@@ -1,7 +1,7 @@
 """SGLang's whole Hopper Mega MoE sequence on one H200, against the layer alone, the floor, and (with a shared
 expert) the fused operator against routed-only plus a separate shared-expert GEMM on the same inputs.
 
-Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCOL.md says (100 replays per window,
+Operations per point, each captured in one CUDA graph and timed as docs/bench_protocol.md says (100 replays per window,
 10 warm-up + 30 measured windows, L2 flushed between windows; median window):
 
 * ``sequence``: what SGLang's Hopper path runs per MoE layer through the ``deep_gemm`` facade,
@@ -29,7 +29,7 @@ Operations per point, each captured in one CUDA graph and timed as BENCH_PROTOCO
   each K step's token scales with one thread instead of the block's scales once per task: the code before the
   task-scale region, ``role4_shared.role4_nodes(task_scales=False)``).
 
-``floor_us``: BENCH_PROTOCOL.md's floor of the routed layer (unique active experts' FP8 weights + block scales, the
+``floor_us``: docs/bench_protocol.md's floor of the routed layer (unique active experts' FP8 weights + block scales, the
 tokens in and out) over the copy bandwidth measured in the same run; ``floor_shared_us`` adds the shared expert's
 weights. ``efficiency`` = floor / latency of ``sequence`` (and ``fused_shared``). Accuracy per point: ``fused_shared``'s
 ``y`` against the quantization-faithful reference with the shared expert (the staged FP8 tokens the operator read,
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, write_partial_result
+from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, require_gpus, result_meta, write_partial_result
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
@@ -370,6 +370,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=list(ALL_OPS), choices=(*ALL_OPS, *PROBE_OPS),
                         help="operations to time (module docstring; default all)")
     args = parser.parse_args()
+    require_gpus("sglang_sequence_sm90")
     with single_rank_group() as group:
         _run(args, group)
 

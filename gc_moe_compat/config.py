@@ -2,7 +2,7 @@
 
 Three things live here, all pure Python/torch with no device code:
 
-* ``MoEPreset`` / ``PRESETS`` / ``preset_shape``: the workloads of ``docs/BENCH_PROTOCOL.md``. A preset fixes the
+* ``MoEPreset`` / ``PRESETS`` / ``preset_shape``: the workloads of ``docs/bench_protocol.md``. A preset fixes the
   *per-rank* load (``e`` local experts, top-k, H, I); ``preset_shape(name, P)`` scales the global expert count as
   ``E = e·P`` so tokens per expert (``T·k·P/E = T·k/e``) and per-rank weight bytes are the same at every P
   ("per-rank-equivalent rule"); only the remote fraction of dispatch traffic, ``(P−1)/P``, changes.
@@ -195,7 +195,7 @@ class MoEShape:
 
 @dataclass(frozen=True)
 class MoEPreset:
-    """One workload of BENCH_PROTOCOL.md, defined per rank so it scales to any rank count.
+    """One workload of docs/bench_protocol.md, defined per rank so it scales to any rank count.
 
     ``shared_weight_k_group`` is the K granularity of the shared-expert weight scales: 32 (per-row UE8M0 K32,
     recipe (1, 1, 32)) or 128 (128x128 FP32 blocks, recipe (1, 128, 128)). ``routed_scaling_factor`` is the model's
@@ -253,7 +253,7 @@ PRESETS: Mapping[str, MoEPreset] = MappingProxyType({
 def preset_shape(name: str, num_ranks: int, *, mma_type: str = "fp8xfp4", with_shared: bool = True) -> MoEShape:
     """Shape of preset ``name`` at ``num_ranks`` ranks (``E = e·P``); see ``MoEPreset.shape``."""
     if name not in PRESETS:
-        raise ValueError(f"name: must be one of {sorted(PRESETS)} (BENCH_PROTOCOL.md presets), got {name!r}")
+        raise ValueError(f"name: must be one of {sorted(PRESETS)} (docs/bench_protocol.md presets), got {name!r}")
     return PRESETS[name].shape(num_ranks, mma_type=mma_type, with_shared=with_shared)
 
 

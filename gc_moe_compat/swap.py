@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import site
 import sys
+from pathlib import Path
 
 from gc_moe_compat._swap_hook import (
     ENV,
@@ -40,7 +42,8 @@ from gc_moe_compat._swap_hook import (
     uninstall,
 )
 
-__all__ = ["ENV", "MODULES", "SwapConfigError", "SwapFinder", "check", "install", "installed", "parse", "uninstall"]
+__all__ = ["ENV", "MODULES", "PTH_NAME", "SwapConfigError", "SwapFinder", "check", "install", "installed", "parse",
+           "pth_location", "uninstall"]
 
 
 def _describe(name: str) -> str:
@@ -58,18 +61,48 @@ def _describe(name: str) -> str:
     return f"original ({source})"
 
 
+PTH_NAME = "gc_moe_compat_swap.pth"
+"""The start-up hook ``pip install`` puts at the top of site-packages (``shims/``)."""
+
+
+def pth_location() -> str | None:
+    """Where this interpreter's site directories hold :data:`PTH_NAME`, or None (the package's install lacks it)."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    return next((str(Path(d) / PTH_NAME) for d in dict.fromkeys(dirs) if d and (Path(d) / PTH_NAME).is_file()), None)
+
+
+def _hook_line(value: str | None) -> tuple[str, int]:
+    """The hook's state as ``--check`` says it, and the exit status (2: a bad value, or a swap asked for that the
+    missing ``.pth`` cannot have installed)."""
+    finder = installed()
+    if finder is not None and finder.error is not None:
+        return f"hook: installed, configuration error: {finder.error}", 2
+    if finder is not None:
+        return f"hook: installed, swapping {', '.join(finder.swapped) or 'nothing'}", 0
+    pth = pth_location()
+    try:
+        asked = parse(value)
+    except SwapConfigError as exc:
+        asked, bad = (), exc
+    else:
+        bad = None
+    if pth is None and (asked or bad):
+        return (f"hook: not installed: {ENV} is set but {PTH_NAME} is missing from site-packages; reinstall the "
+                "package into this Python (python -m pip install -e .)"), 2
+    if pth is None:
+        return (f"off: the real packages load; {PTH_NAME} is missing from site-packages, so {ENV}=1 would not swap "
+                "either: reinstall the package into this Python (python -m pip install -e .)"), 0
+    return f"off: the real packages load; set {ENV}=1 to swap", 0
+
+
 def check() -> int:
     """Print the variable, the active swap and each module's source; 0 when consistent, 2 on a bad value."""
     value = os.environ.get(ENV)
-    finder = installed()
     print(f"{ENV}={value!r}")
-    if finder is None:
-        print("hook: not installed (variable unset/0 at interpreter start, or the .pth is missing)")
-    elif finder.error is not None:
-        print(f"hook: installed, configuration error: {finder.error}")
-        return 2
-    else:
-        print(f"hook: installed, swapping {', '.join(finder.swapped) or 'nothing'}")
+    line, status = _hook_line(value)
+    print(line)
+    if status:
+        return status
     for name in MODULES:
         print(f"{name}: {_describe(name)}")
     return 0

@@ -16,7 +16,8 @@
 #                 pack what came back
 # Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/sgl_deep_gemm by
 # scripts/build_sgl_deep_gemm.sh (its _C.so and both JIT caches live there); each gc-moe-ab run writes its default
-# bench/results/ab_<workload>.json + PNG (so meta.command is the plain command), the matrix bench/results/compat_matrix.*.
+# ./ab_<workload>.json + PNG in the repository root (so meta.command is the plain command), the matrix
+# ./compat_matrix.*; copy the ones to keep into bench/results/ by hand.
 # $OUT gets few files (the device tool brings back at most 8): results.tar.gz (those result files and every log),
 # carry_c.tar.gz (the built _C.so) and carry_jit.tar.gz (DeepGEMM's JIT kernels, tvm_ffi's addon, GC-MoE's cubins
 # in .carry/gc_moe_cache): restore both with tar xzf FILE -C .carry for the next call. A summary with the seconds
@@ -67,7 +68,7 @@ run_step() {  # run_step NAME LOG COMMAND...: run under the deadline, record the
   return $rc
 }
 pack() {  # the result files, the logs and the caches into $OUT (few files)
-  cp bench/results/ab_* bench/results/compat_matrix.* "$LOGS/" 2>/dev/null
+  cp ab_*.json ab_*.png compat_matrix.* "$LOGS/" 2>/dev/null
   tar czf "$OUT/results.tar.gz" -C "$LOGS" . 2>/dev/null
   (cd .carry && tar czf "$OUT/carry_c.tar.gz" sgl_deep_gemm/deep_gemm/_C.so 2>/dev/null
    tar czf "$OUT/carry_jit.tar.gz" sgl_deep_gemm/cache gc_moe_cache 2>/dev/null)

@@ -2,7 +2,7 @@
 # Builds the original SM90 Mega MoE (sgl-project/DeepGEMM's SM90 branch, refs/pull/36/head "Add SM90 MegaMoE support
 # with TVM FFI bindings": sgl_deep_gemm/__init__.py, csrc/apis/sm90_mega.hpp, impls/sm90_fp8_mega_moe.cuh) from a
 # source tree you point to, into a git-ignored folder, so that gc-moe-ab can compare against it (its
-# original_deep_gemm and composed_deepep_deepgemm operators; FACTS.md: SGLang's prebuilt sgl-deep-gemm wheels need
+# original_deep_gemm and composed_deepep_deepgemm operators; docs/platform_notes.md: SGLang's prebuilt sgl-deep-gemm wheels need
 # torch 2.14):
 #   bash scripts/build_sgl_deep_gemm.sh (--src DIR | --git-dir DIR --ref REF) [--cutlass DIR] [--fmt DIR]
 #                                       [--tvm-ffi WHEEL] [--dest DIR] [--build]
@@ -24,7 +24,7 @@
 # time): _C.so in DEST/deep_gemm/; tvm_ffi's torch DLPack addon in TVM_FFI_CACHE_DIR (DEST/cache/tvm_ffi; tvm_ffi's
 # default ~/.cache/tvm-ffi); DeepGEMM's JIT kernels in DG_JIT_CACHE_DIR (DEST/cache/deep_gemm; its default
 # ~/.deep_gemm), compiled at first use per kernel configuration. `--env` prints these exports plus PYTHONPATH and
-# LD_PRELOAD of the system libstdc++ (DeepGEMM's JIT crashes in std::regex under the torch image's one, FACTS.md).
+# LD_PRELOAD of the system libstdc++ (DeepGEMM's JIT crashes in std::regex under the torch image's one, docs/platform_notes.md).
 # Then: eval "$(bash scripts/build_sgl_deep_gemm.sh --env)"; gc-moe-ab ... (the tool loads the original through
 # gc_moe_compat.originals, beside the facade). Layout (what sgl_deep_gemm's __init__ expects, the package's parent as
 # its root): DEST/deep_gemm/ (__init__.py and VERSION from sgl_deep_gemm/, utils testing legacy mega,
@@ -54,7 +54,7 @@ exports() {
   echo "export PYTHONPATH=$dest/site:$dest\${PYTHONPATH:+:\$PYTHONPATH}"
   echo "export DG_JIT_CACHE_DIR=$dest/cache/deep_gemm TVM_FFI_CACHE_DIR=$dest/cache/tvm_ffi"
   echo "export CUDA_HOME=\${CUDA_HOME:-/usr/local/cuda}"
-  # FACTS.md: DeepGEMM's JIT (std::regex on the nvcc version) crashes under the torch image's libstdc++ otherwise
+  # docs/platform_notes.md: DeepGEMM's JIT (std::regex on the nvcc version) crashes under the torch image's libstdc++ otherwise
   local stdcxx=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
   [[ -f $stdcxx ]] && echo "export LD_PRELOAD=$stdcxx"
   return 0

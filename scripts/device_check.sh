@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# NVLink multicast stays off on the lent machines (KINDS.md): every process started below inherits this.
+# NVLink multicast stays off (docs/platform_notes.md): every process started below inherits this.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-$PWD/device_out}"
@@ -81,7 +81,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH="/tmp/site${PYTHON
 if ((setup_rc)); then cat "$OUT/setup.log"; echo "setup failed ($setup_rc)"; exit "$setup_rc"; fi
 grep "^wheel ok" "$OUT/setup.log"
 
-# DeepGEMM 2.8.2 (the SM90 GEMM baseline, FACTS.md): built from the carried sdist in the background while the tests
+# DeepGEMM 2.8.2 (SM90 baseline; docs/platform_notes.md): built from the carried sdist in the background while the tests
 # run; the benchmarks import it from /tmp/deepgemm with libstdc++ preloaded (its JIT crashes otherwise).
 dg_pid=
 need_dg=$run_bench

@@ -7,7 +7,7 @@
 #                                                 # torch 2.11, cuda-bindings 13.3, pytest, hypothesis, setuptools
 #   bash scripts/fetch_device_deps.sh --deepgemm  # the DeepGEMM baseline (later issues): the deepinfer-gemm 2.8.2
 #                                                 # sdist and Debian's libdw-dev / libelf-dev (elfutils headers its
-#                                                 # build needs); see FACTS.md for how to build and run it there
+#                                                 # build needs); see docs/platform_notes.md for how to build and run it there
 #   bash scripts/fetch_device_deps.sh --sglang    # SGLang 0.5.23's sources for tests/facades/test_sglang_*.py:
 #                                                 # only mega_moe_sm90.py, mega_moe.py and token_dispatcher/
 #                                                 # {base,deepep}.py, read out of the registry wheel (cached in

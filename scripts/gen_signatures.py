@@ -42,7 +42,7 @@ from pathlib import Path
 INDEX = "https://pypi.org/simple"
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
-# Top-level ``deep_gemm`` names of the Mega MoE surface (API_SURFACE.md), plus the class methods callers use.
+# Top-level ``deep_gemm`` names of the Mega MoE surface (docs/data_contracts.md), plus the class methods callers use.
 FUNCTIONS: tuple[str, ...] = (
     "get_symm_buffer_for_mega_moe",
     "get_symm_buffer_for_sm90_mega_moe",

@@ -25,7 +25,7 @@ def _gpu_count() -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = _gpu_count()
     shared = shared_gpu_ranks()
-    no_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (scripts/device_check.sh runs it on one)")
+    no_gpu = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (scripts/device_check.sh runs these on an H200)")
     few_gpus = pytest.mark.skip(reason=f"needs >= 2 GPUs on one host, found {gpus} (or one GPU shared by several "
                                        "ranks: scripts/device_check.sh --shared-gpu P)")
     for item in items:

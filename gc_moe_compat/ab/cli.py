@@ -5,13 +5,14 @@ Usage (``python -m gc_moe_compat.ab`` is the same)::
     gc-moe-ab --preset glm52 [--tokens 1 8 64] [--ops facade native_fp8xfp4 ...] [--partition-sweep]
     gc-moe-ab --model-config path/to/config.json --ep-size 8
     gc-moe-ab --hidden 7168 --intermediate 2048 --experts 256 --topk 8 [--ep-size 8]
-    gc-moe-ab --check ...          # what would run and what is missing; no GPU needed, exits 0
+    gc-moe-ab --check ...          # what would run and what is missing; no GPU needed
     gc-moe-ab matrix ...           # the compatibility matrix (the same as gc-moe-matrix)
 
 The workload is checked against the operator's constraints before anything is allocated (a failing rule is
-printed, exit code 2). On a machine with several GPUs the tool starts one process per GPU itself (``torchrun``,
-``--world-size`` to choose fewer), or runs under an existing ``torchrun``. Results: ``--out`` (default
-``bench/results/ab_<workload>.json``) plus a PNG next to it, and a table in the terminal.
+printed, exit code 2; ``--check`` prints it and exits 2 as well). On a machine with several GPUs the tool starts one
+process per GPU itself (``torchrun``, ``--world-size`` to choose fewer), or runs under an existing ``torchrun``.
+Results: ``--out`` (default ``ab_<workload>.json`` in the working directory, never the checkout's committed
+``bench/results/`` unless ``--out`` names it) plus a PNG next to it, and a table in the terminal.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from gc_moe_compat.ab import model_config
 from gc_moe_compat.ab.model_config import Workload
 from gc_moe_compat.config import SWEEP_TOKENS
 
-__all__ = ["build_parser", "main", "parse", "plan_lines", "workload_from_args"]
+__all__ = ["build_parser", "default_out", "main", "parse", "plan_lines", "workload_from_args"]
 
 QUICK_WINDOWS = (3, 10)
 """``--quick``: (warm-up, measured) windows of a smoke run; the protocol's 10 + 30 otherwise."""
@@ -40,37 +42,76 @@ OPTIONAL_PACKAGES = {
 }
 
 
+DESCRIPTION = "Run the original Mega MoE kernels and GC-MoE side by side on identical inputs."
+USAGE = """gc-moe-ab (--preset NAME | --model-config PATH | --hidden H --intermediate I --experts E --topk K) [options]
+       gc-moe-ab matrix [--cpu-only] [...]   (the compatibility matrix: gc-moe-ab matrix --help)"""
+
+
+def _epilog() -> str:
+    """``--help``'s end: the subcommand, every operator ``--ops`` can name with what it is, the output and the exit
+    status."""
+    from gc_moe_compat.ab import operators
+
+    lines = ["subcommand:", "  matrix: the compatibility matrix of the facades on this machine (= gc-moe-matrix; "
+             "gc-moe-ab matrix --help)", "",
+             f"operators (--ops NAME ...; default: every one below but facade_dispatch_sms_N; speedups divide by "
+             f"{operators.REFERENCE_OP}):"]
+    for spec in operators.operator_specs(partition_sweep=True):
+        if spec.name.startswith("facade_dispatch_sms_") and not spec.name.endswith(f"_{operators.DISPATCH_SWEEP[0]}"):
+            continue
+        sweep = ", ".join(map(str, operators.DISPATCH_SWEEP))
+        name = (f"facade_dispatch_sms_N (N = {sweep}; --partition-sweep adds all)"
+                if spec.name.startswith("facade_dispatch_sms_") else spec.name)
+        label = spec.label.replace(f"={operators.DISPATCH_SWEEP[0]}", "=N").replace(
+            f"request {operators.DISPATCH_SWEEP[0]} SMs", "request N SMs")
+        lines += textwrap.wrap(f"{name}: {label}", 116, initial_indent="  ", subsequent_indent="      ")
+    lines += ["", "output: --out (default ab_<workload>.json in the working directory) and a PNG beside it; the "
+              "committed", "bench/results/ of a checkout is written only when --out names it.",
+              "exit status: 0 done (--check: every requested point is inside the operator's constraints); 1 no CUDA "
+              "GPU;", "2 a bad argument or a constraint that blocks a requested point."]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gc-moe-ab", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gc-moe-ab", usage=USAGE, description=DESCRIPTION,
+                                     epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_argument_group("workload (one of --preset, --model-config, or the explicit sizes)")
-    src.add_argument("--preset", choices=model_config.PRESET_NAMES)
-    src.add_argument("--model-config", type=Path, metavar="PATH", help="a HuggingFace config.json")
-    src.add_argument("--hidden", type=int)
-    src.add_argument("--intermediate", type=int, help="one routed expert's intermediate width")
+    src.add_argument("--preset", choices=model_config.PRESET_NAMES, help="a per-rank workload of config.PRESETS")
+    src.add_argument("--model-config", type=Path, metavar="PATH", help="a HuggingFace config.json of an MoE model")
+    src.add_argument("--hidden", type=int, help="the model's hidden size H")
+    src.add_argument("--intermediate", type=int, help="one routed expert's intermediate width I")
     src.add_argument("--experts", type=int, help="the model's routed experts (global)")
-    src.add_argument("--topk", type=int)
-    src.add_argument("--shared-experts", type=int, default=0)
-    src.add_argument("--routed-scaling-factor", type=float, default=None)
-    src.add_argument("--activation-clamp", type=float, default=None, help="SwiGLU clamp (the model's swiglu_limit)")
+    src.add_argument("--topk", type=int, help="routed experts per token")
+    src.add_argument("--shared-experts", type=int, default=0,
+                     help="shared experts (recorded, outside the compared layer; default 0)")
+    src.add_argument("--routed-scaling-factor", type=float, default=None,
+                     help="default: the config's routed_scaling_factor, else 1.0")
+    src.add_argument("--activation-clamp", type=float, default=None,
+                     help="SwiGLU clamp (default: the config's swiglu_limit, else none)")
     src.add_argument("--ep-size", type=int, default=None,
                      help=f"ranks the deployment spreads the experts over (default {model_config.DEFAULT_EP_SIZE}); "
                           "each GPU of the run holds one rank's share")
-    src.add_argument("--capacity", type=int, default=256, help="tokens per rank the buffers hold")
+    src.add_argument("--capacity", type=int, default=256, help="tokens per rank the buffers hold (default 256)")
     run = parser.add_argument_group("run")
-    run.add_argument("--tokens", type=int, nargs="+", default=list(SWEEP_TOKENS), help="tokens per rank")
-    run.add_argument("--ops", nargs="+", default=None, help="operators to compare (default: all)")
+    run.add_argument("--tokens", type=int, nargs="+", default=list(SWEEP_TOKENS),
+                     help=f"tokens per rank (default {' '.join(map(str, SWEEP_TOKENS))})")
+    run.add_argument("--ops", nargs="+", default=None, metavar="NAME",
+                     help="operators to compare (default: all; the list is below)")
     run.add_argument("--partition-sweep", action="store_true",
                      help="add the facade at dispatch SM requests 4/8/16/24 (GC_MOE_DISPATCH_SMS)")
     run.add_argument("--world-size", type=int, default=None, help="GPUs to use (default: every visible one)")
-    run.add_argument("--warmup", type=int, default=10)
-    run.add_argument("--windows", type=int, default=30)
+    run.add_argument("--warmup", type=int, default=10, help="warm-up windows (default 10)")
+    run.add_argument("--windows", type=int, default=30, help="measured windows of 100 graph replays (default 30)")
     run.add_argument("--quick", action="store_true",
                      help=f"smoke run: {QUICK_WINDOWS[0]} + {QUICK_WINDOWS[1]} windows instead of the protocol's")
-    run.add_argument("--out", type=Path, default=None, help="result JSON (a PNG is written next to it)")
+    run.add_argument("--out", type=Path, default=None,
+                     help="result JSON (default ./ab_<workload>.json; a PNG is written next to it)")
     run.add_argument("--prebuild-only", action="store_true",
                      help="compile every kernel the run would use (GC-MoE's and the originals' JIT kernels, in "
                           "parallel) and exit without timing: run several of these at once before timed runs")
-    run.add_argument("--check", action="store_true", help="print what would run and what is missing; exit 0")
+    run.add_argument("--check", action="store_true",
+                     help="print what would run and what is missing (no GPU needed); exit 2 if a constraint blocks "
+                          "a requested point, else 0")
     return parser
 
 
@@ -174,12 +215,11 @@ def kernel_sources() -> str | None:
         return None
 
 
-def _default_out(w: Workload) -> Path:
-    from gc_moe_compat.ab.protocol import REPO
-
+def default_out(w: Workload) -> Path:
+    """``ab_<workload>.json`` in the working directory: a run never replaces a checkout's committed results unless
+    ``--out`` names them."""
     slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in w.name.split(" ")[0].split("/")[-1])
-    base = REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd()
-    return base / f"ab_{slug}.json"
+    return Path.cwd() / f"ab_{slug}.json"
 
 
 def _launch_ranks(world: int, argv: Sequence[str]) -> int:
@@ -203,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.check:
         print("\n".join(plan_lines(args, w, problems)))
-        return 0
+        return 2 if problems else 0
     if problems:
         for p in problems:
             print(f"gc-moe-ab: constraint: {p}", file=sys.stderr)
@@ -226,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warmup, windows = QUICK_WINDOWS if args.quick else (args.warmup, args.windows)
     command = ["gc-moe-ab", *argv]  # without --out it writes the same default file again
-    out = args.out or _default_out(w)
+    out = args.out or default_out(w)
     cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
                         args.partition_sweep)), warmup=warmup, windows=windows, out=out,
                         command=tuple(command), quick=args.quick, prebuild_only=args.prebuild_only)

@@ -17,8 +17,9 @@ GPU, fewer GPUs than the cell's world size, no checkout given). Kinds of cells:
   each run against the quantization-faithful reference.
 * ``suite`` (GPU): the originals' own test files from checkouts the user points to, run unmodified under the swap.
 
-Writes ``compat_matrix.md`` and ``compat_matrix.json`` with the versions of torch, CUDA, the driver, the GPU and
-each original found. ``--cpu-only`` runs the CPU cells (what CI runs).
+Writes ``compat_matrix.md`` and ``compat_matrix.json`` (into ``--out-dir``, default the working directory) with
+the versions of torch, CUDA, the driver, the GPU and each original found. ``--cpu-only`` runs the CPU cells (what CI
+runs).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from types import ModuleType
 import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
-from gc_moe_compat.ab.protocol import REPO, result_meta
+from gc_moe_compat.ab.protocol import REPO, portable_path, portable_text, result_meta, write_result
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
@@ -57,7 +58,7 @@ DISTRIBUTIONS = ("sgl-deep-gemm", "deepinfer-gemm", "deep-gemm", "sgl-deep-ep", 
 
 @dataclass(frozen=True)
 class Divergence:
-    """A difference of an original version that ``tests/data`` does not record (API_SURFACE.md)."""
+    """A difference of an original version that ``tests/data`` does not record (docs/data_contracts.md)."""
 
     entry: str
     version: str
@@ -453,7 +454,7 @@ def versions() -> dict[str, object]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "originals_installed": found,
-        "originals_on_path": {name: originals.location(name) for name in originals.NAMES},
+        "originals_on_path": {name: portable_path(originals.location(name)) for name in originals.NAMES},
     }
 
 
@@ -510,8 +511,9 @@ def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gc-moe-matrix", description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where compat_matrix.md / .json go (default bench/results of the checkout, else .)")
+    parser.add_argument("--out-dir", type=Path, default=Path(),
+                        help="where compat_matrix.md / .json go (default: the working directory; the checkout's "
+                             "committed bench/results/ only when named here)")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU cells (what CI runs)")
     parser.add_argument("--deepep-src", type=Path,
                         help="a DeepEP checkout: its Buffer signatures, and its tests/legacy/ run unmodified")
@@ -529,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    out_dir = args.out_dir or (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file() else Path.cwd())
+    out_dir = args.out_dir
     command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
     meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
     info = {**meta, "versions": versions()}
@@ -563,8 +565,6 @@ def _write(out_dir: Path, cells: list[Cell], info: dict[str, object], *, complet
     """``compat_matrix.json`` + ``.md`` of the cells so far (``meta.complete`` says whether every stage ran)."""
     checked = checked_versions(cells)
     meta = {**info, "complete": complete}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compat_matrix.json").write_text(json.dumps(
-        {"meta": meta, "checked_versions": checked, "cells": [asdict(c) for c in cells]}, indent=1, default=str)
-        + "\n")
-    (out_dir / "compat_matrix.md").write_text(markdown(cells, meta, checked))
+    write_result(out_dir / "compat_matrix.json",
+                 {"meta": meta, "checked_versions": checked, "cells": [asdict(c) for c in cells]})
+    (out_dir / "compat_matrix.md").write_text(portable_text(markdown(cells, meta, checked)))

@@ -203,7 +203,8 @@ def layer_cells() -> list[Cell]:
         torch.cuda.synchronize()
     gpus = torch.cuda.device_count()
     cells += [Cell("layer", entry, _case(axes, "all", world=2), "not run",
-                   f"two-rank cells run on nvidia-h200-x2 (tests marked multigpu); {gpus} GPU(s) here",
+                   "the matrix runs one rank; the two-rank layer (2 GPUs on one host) is the tests marked "
+                   f"multigpu; {gpus} GPU(s) here",
                    {**axes, "world_size": 2}) for entry, axes, _ in entries]
     return cells
 

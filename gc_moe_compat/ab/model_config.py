@@ -2,15 +2,15 @@
 
 Three sources, one result (:class:`Workload`):
 
-* ``--preset``: the per-rank presets of :data:`config.PRESETS`: BENCH_PROTOCOL.md's ``dsv41-flash`` and ``glm52``, and
-  ``dsv3``, DeepSeek-V3's load at EP8 (H 7168, I 2048, 32 of 256 routed experts, top-8, one shared expert, routed
+* ``--preset``: the per-rank presets of :data:`config.PRESETS` (docs/bench_protocol.md): ``dsv41-flash``, ``glm52``
+  and ``dsv3``, DeepSeek-V3's load at EP8 (H 7168, I 2048, 32 of 256 routed experts, top-8, one shared expert, routed
   scaling 2.5).
 * ``--model-config PATH``: a HuggingFace ``config.json`` (DeepSeek V3/R1/V4, Kimi K2, Qwen3-MoE, GLM-4.5/5,
   Mixtral-style names; a multimodal ``text_config`` is followed), read by :func:`from_hf_config`.
 * explicit ``--hidden --intermediate --experts --topk``.
 
 The deployment spreads the model's ``E`` routed experts over ``ep_size`` ranks, so one rank holds ``e = E/ep_size``
-experts. A run on ``W`` GPUs keeps that per-rank share (BENCH_PROTOCOL.md's per-rank-equivalent rule): ``E = e·W``
+experts. A run on ``W`` GPUs keeps that per-rank share (docs/bench_protocol.md's per-rank-equivalent rule): ``E = e·W``
 experts, the same tokens per expert and the same per-rank weight bytes as the deployment; only the remote fraction
 of the dispatch traffic changes. :meth:`Workload.shape` builds the operator's :class:`config.MoEShape`, whose
 construction runs the operator's own constraint checks (config.py is the one validation layer): a shape the
@@ -164,6 +164,19 @@ def _pick(cfg: Mapping[str, object], what: str, path: str, required: bool) -> tu
     return None, None
 
 
+def _refuse_dense(moe: Mapping[str, object], cfg: Mapping[str, object], path: str) -> None:
+    """``ValueError`` naming a dense (non-MoE) model as such: no routed-expert count (or fewer than two experts)
+    and no top-k field. A config with only one of them is an MoE config missing a field (:func:`_pick` names it)."""
+    experts = next((moe[n] for n in _FIELDS["experts"] if moe.get(n) is not None), None)
+    topk = next((moe[n] for n in _FIELDS["topk"] if moe.get(n) is not None), None)
+    few = isinstance(experts, int) and not isinstance(experts, bool) and experts < 2
+    if (experts is None and topk is None) or few:
+        model = cfg.get("model_type") or moe.get("model_type") or "unknown model_type"
+        raise ValueError(f"{path}: a dense model ({model}): it has no routed experts (looked for "
+                         f"{list(_FIELDS['experts'])}{'' if experts is None else f', found {experts}'}); gc-moe-ab "
+                         "compares Mixture-of-Experts layers only")
+
+
 def _int(path: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
@@ -193,6 +206,7 @@ def from_hf_config(source: str | Path | Mapping[str, object], ep_size: int | Non
         if not isinstance(cfg, Mapping):
             raise ValueError(f"--model-config: {path} must hold a JSON object, got {type(cfg).__name__}")
     moe = _moe_section(cfg)
+    _refuse_dense(moe, cfg, path)
     fields: dict[str, str] = {"source": path}
     values: dict[str, object] = {}
     for what in ("hidden", "experts", "topk"):

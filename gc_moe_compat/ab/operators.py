@@ -50,7 +50,7 @@ __all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context"
 DISPATCH_SWEEP = (4, 8, 16, 24)
 """The dispatch SM requests of ``--partition-sweep``."""
 REFERENCE_OP = "facade"
-"""The operator every speedup divides by (BENCH_PROTOCOL.md: speedup = baseline / ours)."""
+"""The operator every speedup divides by (docs/bench_protocol.md: speedup = baseline / ours)."""
 SGLANG_BUFFER_MMA_TYPE = "fp8xfp4"
 """The ``mma_type`` SGLang 0.5.23 creates its Hopper Mega MoE buffer with (and then calls ``fp8_mega_moe``)."""
 DEEPGEMM_INSTALL = ("build sgl-project/DeepGEMM's SM90 Mega MoE with scripts/build_sgl_deep_gemm.sh SRC DEST and put "
@@ -300,6 +300,13 @@ def _original_deep_gemm() -> ModuleType:
     return originals.load("deep_gemm")
 
 
+def _source(module: ModuleType) -> str:
+    """Where ``module`` was loaded from, as a result file records it (inside the checkout: relative)."""
+    from gc_moe_compat.ab.protocol import portable_path
+
+    return portable_path(getattr(module, "__file__", None)) or "?"
+
+
 def _probe_original_mega_moe() -> str | None:
     try:
         dg = _original_deep_gemm()
@@ -308,7 +315,7 @@ def _probe_original_mega_moe() -> str | None:
     missing = [n for n in ("get_symm_buffer_for_mega_moe", "transform_weights_for_mega_moe_sm90", "fp8_mega_moe")
                if not hasattr(dg, n)]
     if missing:
-        return (f"the original deep_gemm at {getattr(dg, '__file__', '?')} has no SM90 Mega MoE ({', '.join(missing)} "
+        return (f"the original deep_gemm at {_source(dg)} has no SM90 Mega MoE ({', '.join(missing)} "
                 f"missing: DeepGEMM 2.8.2's Mega MoE is SM100-only); to run it: {DEEPGEMM_INSTALL}")
     return None
 
@@ -330,7 +337,7 @@ def _deep_ep() -> tuple[ModuleType, str]:
 
     try:
         ep = originals.load("deep_ep")
-        return ep, f"original deep_ep at {getattr(ep, '__file__', '?')}"
+        return ep, f"original deep_ep at {_source(ep)}"
     except ImportError as exc:
         from gc_moe_compat import deep_ep
 
@@ -360,7 +367,7 @@ class ComposedDeepEpDeepGemm:
         dg = _original_deep_gemm()
         l1, l2 = ctx.weights["fp8_block128"]
         self.experts = MaskedExperts(dg, l1, l2, ctx.world_size * w.capacity, 1, w.activation_clamp)
-        self.dg_source = getattr(dg, "__file__", "?")
+        self.dg_source = _source(dg)
         self.x: torch.Tensor | None = None
 
     def stage(self, tokens: Tokens) -> None:

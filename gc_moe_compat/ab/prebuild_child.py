@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # FACTS.md: destroy_process_group() after NCCL use can hang at exit
+    os._exit(code)  # docs/platform_notes.md: destroy_process_group() after NCCL use can hang at exit
 
 
 if __name__ == "__main__":

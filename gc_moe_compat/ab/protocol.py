@@ -1,4 +1,4 @@
-"""BENCH_PROTOCOL.md's timing protocol and result provenance: the one home of what every measurement shares.
+"""docs/bench_protocol.md's timing protocol and result provenance: the one home of what every measurement shares.
 
 ``gc-moe-ab`` and the benchmark scripts of ``bench/`` (through ``bench/_common.py``, which re-exports these names)
 time the same way:
@@ -15,6 +15,8 @@ time the same way:
 * every result file carries :func:`result_meta` (git SHA, dirty tree, GPU, driver, torch, CUDA, world size,
   partition, and the command that re-runs it); a script that measures in parts rewrites its file after each part
   (:func:`write_partial_result`), so a run cut by its limit keeps what it finished and says so;
+* a result file names files by their path inside the checkout (:func:`write_result`, :func:`portable_path`), never
+  by an absolute path of the machine that made it, and says whether the tree was dirty when the process first asked;
 * a multi-rank run starts one process per GPU under ``torch.distributed.run`` with NVLink multicast off
   (:func:`torchrun_command`).
 """
@@ -22,6 +24,7 @@ time the same way:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -44,11 +47,14 @@ __all__ = [
     "idle_gpu_check",
     "mean_of_ratios",
     "median_graph_window",
+    "portable_path",
+    "portable_text",
     "result_meta",
     "slowest_rank",
     "timed_windows",
     "torchrun_command",
     "write_partial_result",
+    "write_result",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +62,8 @@ REPO = Path(__file__).resolve().parents[2]
 PER_WINDOW = 100  # launches (or graph replays) per timed window
 L2_FLUSH_BYTES = 256 << 20  # >= 2x the H200's 50 MiB L2
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off on the lent machines (KINDS.md): every rank process inherits these."""
+"""NVLink multicast stays off on the machines the project is tested on (docs/platform_notes.md): every rank process
+inherits these."""
 IDLE_UTILIZATION_PCT = 5
 """A GPU reporting more utilization than this before the run is not idle (nvidia-smi's sampled figure)."""
 
@@ -150,7 +157,7 @@ def copy_bandwidth() -> float:
 
 
 def expert_floor_bytes(hidden: int, inter: int, active_experts: int, rows: int, mma_type: str = "fp8xfp8") -> int:
-    """BENCH_PROTOCOL.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
+    """docs/bench_protocol.md floor bytes: ``active_experts`` experts' weights + scales (FP8 ``3 H I`` with FP32 128x128
     block scales, or FP4 ``1.5 H I`` with one UE8M0 byte per 32 values), plus ``rows`` token rows in (FP8 + FP32
     1x128 scales) and out (BF16)."""
     h = hidden
@@ -181,8 +188,43 @@ def _dirty() -> bool | None:
     """Whether tracked files differ from HEAD (``GC_MOE_GIT_DIRTY`` where the copy has no git metadata)."""
     if os.environ.get("GC_MOE_GIT_DIRTY"):
         return os.environ["GC_MOE_GIT_DIRTY"].lower() in ("1", "true", "yes")
+    return _tree_dirty_at_start()
+
+
+@functools.cache
+def _tree_dirty_at_start() -> bool | None:
+    """``git status`` of the checkout when this process first asks, kept for the process: a run that rewrites a
+    tracked result file (``--out bench/results/...``) part by part must not call its own later parts dirty."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     return None if status is None else bool(status)
+
+
+def portable_path(path: str | os.PathLike[str] | None) -> str | None:
+    """``path`` as a result file records it: relative to the checkout (or the working directory) where it lies
+    inside one, else ``<outside the checkout>/<folder>/<file>``; never an absolute path of the machine."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    for base in (REPO, Path.cwd()):
+        if p.is_relative_to(base) and base != Path(base.anchor):
+            return p.relative_to(base).as_posix()
+    return f"<outside the checkout>/{p.parent.name}/{p.name}" if p.parent.name else p.name
+
+
+def portable_text(text: str) -> str:
+    """``text`` with every path inside the checkout (or the working directory) written relative to it."""
+    for base in dict.fromkeys((str(REPO), str(Path.cwd()))):
+        if base != os.sep:
+            text = text.replace(base + os.sep, "")
+    return text
+
+
+def write_result(path: Path, data: Mapping[str, object]) -> None:
+    """Write the result file ``data`` (JSON, parents created) with :func:`portable_text`'s paths."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(portable_text(json.dumps(data, indent=1, default=str)) + "\n")
 
 
 def _driver_version() -> str:
@@ -223,7 +265,7 @@ def idle_gpu_check(device: int = 0) -> dict[str, object]:
 
 def result_meta(script: str, argv: list[str], partition: dict[str, object], *, world_size: int = 1,
                 env_keys: tuple[str, ...] = (), command: Sequence[str] | None = None) -> dict[str, object]:
-    """The ``meta`` block of BENCH_PROTOCOL.md "Result files": provenance, machine, partition and the command that
+    """The ``meta`` block of docs/bench_protocol.md "Result files": provenance, machine, partition and the command that
     re-runs the run: ``python script argv``, or ``command`` (a console script's words) when given; the ``env_keys``
     that are set are written in front of it."""
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in env_keys if os.environ.get(k)]
@@ -252,5 +294,4 @@ def write_partial_result(path: Path, meta: dict[str, object], points: Sequence[M
     measured = [r for r in requested if any(p[key] == r for p in points)]
     meta = {**meta, f"{unit}_requested": list(requested), f"{unit}_measured": measured,
             "complete": measured == list(requested)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "points": list(points)}, indent=1) + "\n")
+    write_result(path, {"meta": meta, "points": list(points)})

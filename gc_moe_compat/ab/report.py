@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["README_BEGIN", "README_END", "Progress", "main", "plot", "progress", "pyplot", "readme_rows",
-           "replace_readme_rows", "table", "write_json"]
+__all__ = ["README_BEGIN", "README_END", "TABLE_WIDTH", "Progress", "main", "plot", "progress", "pyplot",
+           "readme_rows", "replace_readme_rows", "table", "table_rows", "write_json"]
 
 README_BEGIN, README_END = "<!-- ab-table:begin -->", "<!-- ab-table:end -->"
 
@@ -97,25 +97,34 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+TABLE_WIDTH = 120
+"""The terminal table's width at most: one row per (T, operator), so any number of operators fits."""
+TABLE_HEADER = ("T", "operator", "µs", "over {ref}", "efficiency", "cosine")
+
+
 def table_rows(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str) -> list[list[str]]:
-    """The table's cells: T, each op's latency (µs), the floor, the reference op's efficiency, each other op's
-    latency over the reference op's, and the reference op's cosine against the faithful reference."""
+    """The table's cells, one row per point and measured operator (in ``ops`` order): T, the operator, its latency
+    (µs, slowest rank), its latency over the reference op's (> 1: the reference is faster), its efficiency (the
+    floor of its weight format over its latency) and its worst cosine against the quantization-faithful
+    reference."""
     rows = []
     for p in points:
-        lat, sp = p["latency_us"], p["speedup"]
-        acc = p["accuracy"].get(reference_op, {}).get("faithful", {})
-        rows.append([str(p["tokens_per_rank"]), *(_fmt(lat.get(op), ".1f") for op in ops), _fmt(p["floor_us"], ".1f"),
-                     _fmt(p["efficiency"].get(reference_op), ".2f"),
-                     *(_fmt(sp.get(f"{op}_over_{reference_op}"), ".2f") for op in ops if op != reference_op),
-                     _fmt(acc.get("cosine_min"), ".6f")])
+        lat, sp, eff = p["latency_us"], p["speedup"], p["efficiency"]
+        for op in ops:
+            if op not in lat:
+                continue
+            ratio = "1" if op == reference_op else _fmt(sp.get(f"{op}_over_{reference_op}"), ".2f")
+            acc = p["accuracy"].get(op, {}).get("faithful", {})
+            rows.append([str(p["tokens_per_rank"]), op, _fmt(lat[op], ".1f"), ratio, _fmt(eff.get(op), ".2f"),
+                         _fmt(acc.get("cosine_min"), ".6f")])
     return rows
 
 
 def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str,
           unavailable: Mapping[str, str]) -> None:
-    """The terminal table that ends a run, then one line per operator that did not run, with its reason."""
-    header = ["T", *(f"{op} µs" for op in ops), "floor µs", f"eff {reference_op}",
-              *(f"{op}/{reference_op}" for op in ops if op != reference_op), "cos faithful"]
+    """The terminal table that ends a run (at most :data:`TABLE_WIDTH` columns wide), then one line per operator
+    that did not run, with its reason."""
+    header = [h.format(ref=reference_op) for h in TABLE_HEADER]
     rows = table_rows(points, ops, reference_op)
     rich = _rich()
     if rich is None:
@@ -125,19 +134,24 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
             print(" | ".join(row))
     else:
         t = rich.table.Table(title=title)
-        for h in header:
-            t.add_column(h, justify="right")
-        for row in rows:
-            t.add_row(*row)
-        # a log file or pipe gets the whole table instead of rich's 80-column default
-        rich.console.Console(width=None if sys.stdout.isatty() else 240).print(t)
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i == 1 else "right", no_wrap=True)
+        for i, row in enumerate(rows):
+            t.add_row(*row, end_section=i + 1 < len(rows) and rows[i + 1][0] != row[0])  # a rule between the T
+        width = TABLE_WIDTH if not sys.stdout.isatty() else min(TABLE_WIDTH, rich.console.Console().width)
+        rich.console.Console(width=width).print(t)
+    print(f"over {reference_op}: the latency over {reference_op}'s (> 1: {reference_op} faster); efficiency: the floor "
+          "(bytes / copy bandwidth)\nover the latency; cosine: the worst rank's against the quantization-faithful "
+          "reference")
     for op, why in unavailable.items():
         print(f"not run: {op}: {why}")
 
 
 def write_json(path: Path, data: Mapping[str, object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    """The result file (:func:`gc_moe_compat.ab.protocol.write_result`: paths inside the checkout, relative)."""
+    from gc_moe_compat.ab.protocol import write_result
+
+    write_result(path, data)
 
 
 def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str, title: str,

@@ -1,5 +1,5 @@
 """The content of a ``gc-moe-ab`` result file: points assembled from every rank's record, the run's summary, and
-the schema check (BENCH_PROTOCOL.md "Result files").
+the schema check (docs/bench_protocol.md "Result files").
 
 A *rank record* (one per rank and point, JSON-able, gathered to rank 0) holds ``latency_us`` (op -> that rank's
 median window), ``accuracy`` (op -> {reference name -> metrics}), ``pairs`` ("a|b" -> metrics of op a's ``y``
@@ -17,9 +17,9 @@ from gc_moe_compat.ab.protocol import mean_of_ratios, slowest_rank
 __all__ = ["COSINE_FAITHFUL", "PROCESSED_FAITHFUL", "assemble_point", "summarize", "validate_result"]
 
 COSINE_FAITHFUL, PROCESSED_FAITHFUL = 0.9999, 1e-4
-"""BENCH_PROTOCOL.md reference-1 targets."""
+"""docs/bench_protocol.md reference-1 targets."""
 MODEL_COSINE = {"fp8xfp8": 0.99, "fp8xfp4": 0.97}
-"""BENCH_PROTOCOL.md reference-2 (BF16 model) cosine targets per routed-weight format."""
+"""docs/bench_protocol.md reference-2 (BF16 model) cosine targets per routed-weight format."""
 META_KEYS = ("git_sha", "dirty", "date", "gpu", "driver", "torch", "cuda", "world_size", "partition", "command")
 POINT_KEYS = ("preset", "mma_type", "shared", "tokens_per_rank", "latency_us", "per_rank_us", "speedup", "floor_us",
               "efficiency", "accuracy")
@@ -90,7 +90,7 @@ def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, ob
 
 
 def summarize(points: Sequence[Mapping[str, object]], reference_op: str) -> dict[str, object]:
-    """Per compared op: the mean of its per-point speedup ratios over ``reference_op`` (BENCH_PROTOCOL.md), their
+    """Per compared op: the mean of its per-point speedup ratios over ``reference_op`` (docs/bench_protocol.md), their
     range and the points behind them."""
     out: dict[str, object] = {}
     keys = sorted({k for p in points for k in p["speedup"]})
@@ -104,7 +104,7 @@ def summarize(points: Sequence[Mapping[str, object]], reference_op: str) -> dict
 
 
 def validate_result(data: Mapping[str, object], known_ops: Collection[str] | None = None) -> None:
-    """Raises ``ValueError`` naming the first field where ``data`` departs from BENCH_PROTOCOL.md's schema. The ops
+    """Raises ``ValueError`` naming the first field where ``data`` departs from docs/bench_protocol.md's schema. The ops
     every point must measure or mark unavailable are ``meta.ops``'s, or ``known_ops`` (then no other op is allowed)."""
     meta = data.get("meta")
     if not isinstance(meta, Mapping):

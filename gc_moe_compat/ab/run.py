@@ -106,7 +106,7 @@ def _references(tokens: Sequence[Tokens], weights: Sequence[object], formats: se
 
 
 def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int, rank: int) -> dict[str, int]:
-    """This rank's BENCH_PROTOCOL.md floor bytes per mma type: its unique active experts and received rows."""
+    """This rank's docs/bench_protocol.md floor bytes per mma type: its unique active experts and received rows."""
     from gc_moe_compat.testing.reference import dispatch_plan
 
     plan = dispatch_plan([t.topk_idx.to(torch.int64) for t in tokens], num_experts)[rank]
@@ -172,7 +172,7 @@ def _build(specs: Sequence[OperatorSpec], ctx: Context, ranks: Ranks, unavailabl
 
 
 def _partition_meta(runners: dict[str, Runner]) -> dict[str, object]:
-    """``meta.partition``: the reference operator's partition (BENCH_PROTOCOL.md's keys) plus every operator's."""
+    """``meta.partition``: the reference operator's partition (docs/bench_protocol.md's keys) plus every operator's."""
     per_op = {}
     for name, runner in runners.items():
         try:
@@ -330,4 +330,4 @@ def main_ranks(cfg: RunConfig) -> int:
     """Entry of one rank process (every rank parsed the same arguments): run, then leave without teardown."""
     code = run(cfg)
     sys.stdout.flush()
-    os._exit(code)  # FACTS.md: destroy_process_group() after graph-captured NCCL calls can hang at exit
+    os._exit(code)  # docs/platform_notes.md: destroy_process_group() after graph-captured NCCL calls can hang at exit

@@ -305,7 +305,8 @@ _loaded: set[tuple[int, int]] = set()
 def load_in(partition: Partition) -> None:
     """Loads both entry points into ``partition``'s communication green context now (``cuKernelGetFunction`` with
     that context current), so that no first launch there waits for a lazy module load while a peer spins for it
-    (FACTS.md: load every kernel in every context that runs it before two of them depend on each other)."""
+    (docs/platform_notes.md: load every kernel in every context that runs it before two of them depend on each
+    other)."""
     ctx = partition.side(Role.COMM).ctx
     key = (id(partition), int(ctx))
     if key in _loaded:

@@ -34,9 +34,8 @@ import torch
 
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator import api
-from gc_moe_compat.operator.api import OPERATOR_MISSING
 
-__all__ = ["OPERATOR_MISSING", "canonical_pair", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
+__all__ = ["canonical_pair", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
 
 _MMA_OF_RECIPE = {recipe: mma for mma, recipe in api.RECIPES.items()}
 _FACADE_FN = {"fp8xfp4": "fp8_fp4_mega_moe", "fp8xfp8": "fp8_mega_moe"}

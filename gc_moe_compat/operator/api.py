@@ -40,7 +40,6 @@ from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_g
 from gc_moe_compat.runtime.split import partition_mode
 
 __all__ = [
-    "OPERATOR_MISSING",
     "RECIPES",
     "check_recv_stats",
     "GcMoeBuffer",
@@ -48,8 +47,6 @@ __all__ = [
     "fp8_fp4_gc_moe",
     "fp8_fp8_gc_moe",
     "get_symm_buffer_for_gc_moe",
-    "missing_role_kernels",
-    "not_built_error",
     "partition_mode",
     "ring_model",
     "ring_plan",
@@ -57,32 +54,10 @@ __all__ = [
     "validate_call",
 ]
 
-OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) does not cover this configuration yet"
 RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
 """The one recipe of each compute path."""
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
-
-
-def missing_role_kernels(num_shared_experts: int, mma_type: str = "fp8xfp4") -> tuple[str, ...]:
-    """The role kernels a launch of ``mma_type`` with ``num_shared_experts`` needs that do not exist yet.
-
-    Both ``mma_type`` paths have every role (role1 dispatch, role2 operator-mode grouped GEMM of that weight format,
-    role3 finalize, and role4 fused shared expert for ``num_shared_experts=1``): nothing is missing.
-    """
-    if mma_type not in config.MMA_TYPES:
-        raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
-    config.integer("missing_role_kernels", "num_shared_experts", num_shared_experts, 0, 1)
-    return ()
-
-
-def not_built_error(what: str, num_shared_experts: int, detail: str | None = None,
-                    mma_type: str = "fp8xfp4") -> NotImplementedError:
-    """The error a launch raises while a role kernel it needs is missing: ``what``, ``detail`` and every missing
-    kernel (:func:`missing_role_kernels`)."""
-    kernels = "; ".join(missing_role_kernels(num_shared_experts, mma_type)) or "none"
-    extra = f"{detail}; " if detail else ""
-    return NotImplementedError(f"{what}: {OPERATOR_MISSING}: {extra}missing role kernels: {kernels}; nothing ran")
 
 
 def validate_call(shape: config.MoEShape, y: object, inputs: dict[str, torch.Tensor], l1_weights: object,
@@ -202,8 +177,6 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
     with exclusive(buffer):
         model = ring_model(buffer, t)
         plan = ring_plan(buffer, t, model)
-        if missing_role_kernels(shape.num_shared_experts, mma_type):
-            raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
         shared = (shared_l1_weights, shared_l2_weights) if shape.num_shared_experts else None
         _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
                 recv_stats=recv_stats, shared=shared)

@@ -1,4 +1,4 @@
-"""Seeded workloads for the SM90 GEMM tests and benchmark (BENCH_PROTOCOL.md presets, rank-0 share of EP8).
+"""Seeded workloads for the SM90 GEMM tests and benchmark (docs/bench_protocol.md presets, rank-0 share of EP8).
 
 A preset's per-rank load: ``e`` local experts; ``T`` tokens per rank on each of ``P = 8`` ranks are routed top-k
 uniformly without repetition over ``8e`` experts (seeded), routing weights a softmax of random logits; this rank
@@ -20,7 +20,7 @@ from gc_moe_compat.testing.reference import ExpertWeights, moe_reference, quanti
 from gc_moe_compat.testing.standalone_gemm import Fp4Weights, Fp8Weights, prepare_fp4_weights, prepare_fp8_weights
 
 WORLD = 8
-CLAMP = 10.0  # BENCH_PROTOCOL.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
+CLAMP = 10.0  # docs/bench_protocol.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Seeded operator workloads shared by the operator's GPU tests and its benchmark (bench/operator_sm90.py).
 
-One rank's routed experts of a BENCH_PROTOCOL.md preset (random ``randn / sqrt(K)`` weights, seeded by rank,
+One rank's routed experts of a docs/bench_protocol.md preset (random ``randn / sqrt(K)`` weights, seeded by rank,
 quantized expert by expert to ``fp8_block128`` for FP8xFP8 or ``mxfp4`` for FP8xFP4, and transformed for the
 operator), seeded per-rank inputs (E4M3 tokens with FP32 1x128 scales, global top-k ids, softmax routing weights),
 staging into a :class:`~gc_moe_compat.operator.api.GcMoeBuffer`, and every rank's ``y`` from the P-rank
@@ -52,13 +52,13 @@ __all__ = [
     "stage",
 ]
 
-CAPACITY = 256  # BENCH_PROTOCOL.md: per-rank capacity
+CAPACITY = 256  # docs/bench_protocol.md: per-rank capacity
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
 WEIGHT_FORMATS = {"fp8xfp8": "fp8_block128", "fp8xfp4": "mxfp4"}
 """The canonical weight format of each compute path (what its faithful reference dequantizes)."""
 INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_128", "bf16": None}
 """The W1 epilogue's requantization of each weight format's SM90 path (reference.py, semantics 5); none for the
-BF16 model (BENCH_PROTOCOL.md reference 2)."""
+BF16 model (docs/bench_protocol.md reference 2)."""
 
 
 @dataclass(frozen=True)

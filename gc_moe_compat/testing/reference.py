@@ -1,6 +1,6 @@
 """FP32 references for the MoE layer: every kernel of this project is tested against these.
 
-Two references (BENCH_PROTOCOL.md, "Accuracy suite") share ONE core, :func:`expert_parallel_reference`
+Two references (docs/bench_protocol.md, "Accuracy suite") share ONE core, :func:`expert_parallel_reference`
 (:func:`moe_reference` is its one-rank case). They differ only in what they are given and in one flag:
 
 * **Quantization-faithful** (:func:`quantization_faithful_reference`): the exact packed weights
@@ -9,7 +9,8 @@ Two references (BENCH_PROTOCOL.md, "Accuracy suite") share ONE core, :func:`expe
 * **Model** (:func:`model_reference`): unquantized (``"bf16"``/``"fp32"``) weights and float activations, no
   intermediate requantization: the BF16 layer the quantized one approximates.
 
-Semantics modelled (API_SURFACE.md, "Semantics the numbers depend on"; DeepGEMM 2.8.2's SM100 Mega MoE epilogue):
+Semantics modelled (docs/data_contracts.md, "Semantics the numbers depend on"; DeepGEMM 2.8.2's SM100 Mega MoE
+epilogue):
 
 1. **Canonical layout** (before any kernel weight transform; the gate/up interleave by 8 is NOT applied here):
    L1 = ``[E, 2I, H]`` with gate rows ``[0, I)`` and up rows ``[I, 2I)``; L2 = ``[E, H, I]``.
@@ -583,7 +584,7 @@ def model_reference(
 
 # ---------------------------------------------------------------------------------------------------------- metrics
 def accuracy_metrics(y: torch.Tensor, y_ref: torch.Tensor) -> dict[str, float | int]:
-    """Accuracy of ``y`` against ``y_ref`` (same shape), in FP64 (BENCH_PROTOCOL.md, "Accuracy suite").
+    """Accuracy of ``y`` against ``y_ref`` (same shape), in FP64 (docs/bench_protocol.md, "Accuracy suite").
 
     Keys: ``cosine`` (<y,r>/(|y||r|)), ``processed_diff`` (1 - 2<y,r>/(|y|^2+|r|^2)), ``max_abs_err``, ``rel_l2``
     (|y-r|/|r|), ``nonfinite`` (NaN/Inf count in ``y``), ``nonfinite_ref`` (in ``y_ref``). Conventions: two all-zero

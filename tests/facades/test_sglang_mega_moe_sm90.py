@@ -3,8 +3,9 @@
 Each test runs ``sglang_mega_moe_worker.py`` under torchrun with ``GC_MOE_SWAP=deep_gemm`` (so ``import deep_gemm``
 in SGLang's files is gc-moe-compat's facade): SGLang's ``build_sm90_mega_moe_experts_weights``,
 ``run_sm90_mega_routed`` and ``run_mega_routed_experts`` from the real sources, every rank's ``y`` against the
-quantization-faithful reference (cosine >= 0.9999, processed diff <= 1e-4 for dsv41-flash), rank-local and EP2, at the
-BENCH_PROTOCOL.md capacity (256, with a CUDA graph capture) and at SGLang's default capacity (8192). The SGLang files
+quantization-faithful reference (cosine >= 0.9999, processed diff <= 1e-4 for dsv41-flash), rank-local and EP2, at
+the protocol's capacity (256, docs/bench_protocol.md; with a CUDA graph capture) and at SGLang's default capacity
+(8192). The SGLang files
 come from ``$GC_MOE_SGLANG_SRC`` or ``.carry/sglang-0.5.23`` (``bash scripts/fetch_device_deps.sh --sglang``; carry
 ``.carry`` to the device); the tests skip, saying so, only when they are absent.
 """

@@ -210,3 +210,35 @@ def test_check_command_both(originals_dir: Path) -> None:
     assert lines[1] == "hook: installed, swapping deep_gemm, deep_ep"
     assert lines[3].startswith(f"deep_ep: GC-MoE facade {EP_FACADE} (")
     assert lines[3].endswith(f"original: {originals_dir / 'deep_ep' / '__init__.py'}")
+
+
+@pytest.mark.parametrize("swap", [None, "0"])
+def test_check_command_off_says_how_to_swap(originals_dir: Path, swap: str | None) -> None:
+    """Off, the installed hook does nothing: --check says so and names the value that swaps."""
+    proc = _run("from gc_moe_compat.swap import main; raise SystemExit(main(['--check']))", swap, originals_dir)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "off: the real packages load; set GC_MOE_SWAP=1 to swap"
+    assert lines[2] == f"deep_gemm: original ({originals_dir / 'deep_gemm' / '__init__.py'})"
+
+
+@pytest.mark.parametrize(("value", "status", "start"), [
+    (None, 0, "off: the real packages load; gc_moe_compat_swap.pth is missing from site-packages"),
+    ("1", 2, "hook: not installed: GC_MOE_SWAP is set but gc_moe_compat_swap.pth is missing"),
+    ("bogus", 2, "hook: not installed: GC_MOE_SWAP is set but gc_moe_compat_swap.pth is missing"),
+])
+def test_check_without_the_pth_names_the_reinstall(monkeypatch: pytest.MonkeyPatch, value: str | None, status: int,
+                                                   start: str) -> None:
+    from gc_moe_compat import swap
+
+    monkeypatch.setattr(swap, "installed", lambda: None)
+    monkeypatch.setattr(swap, "pth_location", lambda: None)
+    line, got = swap._hook_line(value)
+    assert (got, line.startswith(start), line.endswith("(python -m pip install -e .)")) == (status, True, True)
+
+
+def test_pth_location_is_this_environments_hook() -> None:
+    from gc_moe_compat import swap
+
+    where = swap.pth_location()
+    assert where is not None and Path(where).read_text().startswith("import os; os.environ.get(\"GC_MOE_SWAP\"")

@@ -1,6 +1,6 @@
 """Shared helpers of the operator's GPU tests (one and two ranks): preset weights of either compute path, routings,
 staging, poisoning (:func:`start_call`: both, and the NaN ``y``), the P-rank quantization-faithful reference and the
-BENCH_PROTOCOL.md accuracy check.
+docs/bench_protocol.md accuracy check.
 
 The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations the
 kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
@@ -41,7 +41,7 @@ SHARED_POISONED = ("shared_l2_acts", "shared_l2_acts_sf")
 CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}
 """The native API's call of each compute path."""
 COSINE_MIN, PROCESSED_MAX = 0.9999, 1e-4
-"""BENCH_PROTOCOL.md reference-1 targets, checked as they are for the protocol's workload presets."""
+"""docs/bench_protocol.md reference-1 targets, checked as they are for the protocol's workload presets."""
 TINY_COSINE_MIN, TINY_PROCESSED_MAX = 0.9995, 5e-4
 """The test-only ``tiny`` preset (I = 256, top-2): a rank with one token and one or two valid slots has a single
 256-wide FP8 intermediate, so one E4M3 rounding flip moves the processed diff by ~1e-4. Hopper's FP8 WGMMA keeps
@@ -71,7 +71,7 @@ def start_call(buffer: api.GcMoeBuffer, inputs: RankInputs, *, shared: bool = Fa
 
 
 def check_accuracy(y: torch.Tensor, y_ref: torch.Tensor, what: str, preset: str) -> dict[str, float | int]:
-    """No NaN/Inf; BENCH_PROTOCOL.md reference 1 targets (cosine >= 0.9999, processed diff <= 1e-4) for the
+    """No NaN/Inf; docs/bench_protocol.md reference 1 targets (cosine >= 0.9999, processed diff <= 1e-4) for the
     workload presets, :data:`TINY_COSINE_MIN` / :data:`TINY_PROCESSED_MAX` for ``tiny``."""
     m = accuracy_metrics(y.float(), y_ref.float())
     assert m["nonfinite"] == 0 and m["nonfinite_ref"] == 0, f"{what}: non-finite values {m}"

@@ -61,7 +61,7 @@ def main() -> None:
     def plan_of(bm: int, ring_blocks: int) -> RingPlan:
         return RingPlan.for_model(RingModel(buf.shape, bm, buf.compute_sms), ring_blocks)
 
-    # First launches can serialize (FACTS.md): every kernel once in the context that will run it.
+    # First launches can serialize (docs/platform_notes.md): every kernel once in the context that will run it.
     scratch, status = CaptureBuffers.allocate(buf, 8), new_status("cuda")
     launch(consume, 1, 256, consume_args(buf, scratch, plan_of(8, 1), status, warmup=True), part.compute.stream)
     launch(finalize, 1, 256, finalize_args(buf, status, warmup=True), part.compute.stream)

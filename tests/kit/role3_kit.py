@@ -135,7 +135,8 @@ def scatter(rows: torch.Tensor, data: torch.Tensor, buffer: GcMoeBuffer, stream:
 
 def warm_up(buffer: GcMoeBuffer, *streams: object) -> None:
     """Launches role3 (warm-up flag: no effect) and the stand-ins once on every stream and waits: lazy module loading
-    serializes a kernel's first launch in a context (FACTS.md), which would stall a kernel another one spins for."""
+    serializes a kernel's first launch in a context (docs/platform_notes.md), which would stall a kernel another one
+    spins for."""
     y = torch.empty(0, buffer.shape.hidden, dtype=torch.bfloat16, device=buffer.storage.device)
     none = ctypes.c_uint64(0)
     for stream in streams:

@@ -51,7 +51,7 @@ def main() -> None:
     shape, part = buf.shape, get_partition()
     stream = part.compute.stream
 
-    warm_up(buf, stream)  # first launches can serialize (FACTS.md)
+    warm_up(buf, stream)  # first launches can serialize (docs/platform_notes.md)
     dist.barrier()
 
     stats = torch.zeros(shape.num_local_experts, dtype=torch.int32, device="cuda")

@@ -35,7 +35,7 @@ def main() -> None:
     signal, wait = mod.kernel("rt_peer_signal"), mod.kernel("rt_peer_wait")
     table, timeout = ws.peer_table, u64(spin_timeout_ns(10_000))
 
-    # First launches can serialize (FACTS.md): run each kernel once in the context that will run it.
+    # First launches can serialize (docs/platform_notes.md): run each kernel once in the context that will run it.
     scratch = new_status("cuda")
     launch(wait, 1, 256, [table, u64(ws.offset("unused")), u64(0), u32(0), timeout, ptr(scratch)], part.compute.stream)
     launch(signal, 1, 256, [table, i32(rank), u64(ws.offset("unused")), u64(0), u32(0)], part.comm.stream)

@@ -19,8 +19,8 @@ the BF16 hidden states and top-k routing of every rank (seeded) go through one o
 
 Every rank's ``y`` is compared with the quantization-faithful reference of the whole expert-parallel layer
 (``expert_parallel_reference``, FP32 1x128 activations, ``fp32_128`` intermediate, the case's clamp, weights scaled by
-``routed_scaling_factor``) at BENCH_PROTOCOL.md's bounds; the staged buffer rows are checked bit for bit against the
-reference's own quantization. A barrier before each call stands for the collectives SGLang runs between MoE layers.
+``routed_scaling_factor``) at docs/bench_protocol.md's bounds; the staged buffer rows are checked bit for bit against
+the reference's own quantization. A barrier before each call stands for the collectives SGLang runs between MoE layers.
 On a host without CUDA (suite ``dry-run``) every call must stop at the operator launch (host memory) after staging;
 the staging and everything before it is checked. With ``--simulate-launch`` (CPU only) the launch is replaced by the
 reference computed from the staged rows and the operator's weights (:func:`_host_launch`), so the checks after a

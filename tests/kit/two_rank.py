@@ -49,7 +49,7 @@ MULTI_RANKS = shared_gpu_ranks() or 2
 """The rank count of the tests that run at any P (the operator, both DeepEP modes, SGLang's dispatcher)."""
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off on the lent machines (KINDS.md)."""
+"""NVLink multicast stays off on the machines the project is tested on (docs/platform_notes.md)."""
 MISSING_PEER_TIMEOUT_MS = 300
 """The device spin timeout of a worker's missing-peer case: short, so that the case ends quickly."""
 TIMEOUT_CEILING_S = 5

@@ -146,7 +146,7 @@ def test_per_rank_equivalent_rule(name: str, mma_type: str) -> None:
 
 
 def test_routed_weight_bytes_match_floor_formula() -> None:
-    """BENCH_PROTOCOL floor: FP4 1.5·H·I bytes per expert (x2 for W1) + one UE8M0 byte per 32 values."""
+    """docs/bench_protocol.md floor: FP4 1.5·H·I bytes per expert (x2 for W1) + one UE8M0 byte per 32 values."""
     s = preset_shape("dsv41-flash", 8)
     h, i = s.hidden, s.intermediate
     assert s.routed_weight_bytes_per_rank == 48 * (3 * h * i // 2 + 3 * h * i // 32)

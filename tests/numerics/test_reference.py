@@ -27,7 +27,7 @@ def _random_layer(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, 
 
 
 def _random_routing(t: int, e: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform top-k without repetition, softmax routing weights (BENCH_PROTOCOL.md)."""
+    """Uniform top-k without repetition, softmax routing weights (docs/bench_protocol.md)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
     weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)

@@ -1,7 +1,8 @@
 """The operator (role1 -> role2 -> role3 graph) on one H200, for both compute paths: native ``fp8_fp8_gc_moe``
-(FP8xFP8) and ``fp8_fp4_gc_moe`` (FP8xFP4, the register-decoding role2 kernel). The accuracy suite of BENCH_PROTOCOL.md
-against the quantization-faithful reference of each path (FP32 1x128 / UE8M0 1x128 intermediate requant), the BF16
-model reference on one case, eager vs graph bit-identity, 10 000 replays with fresh inputs, partition on and off.
+(FP8xFP8) and ``fp8_fp4_gc_moe`` (FP8xFP4, the register-decoding role2 kernel). The accuracy suite of
+docs/bench_protocol.md against the quantization-faithful reference of each path (FP32 1x128 / UE8M0 1x128
+intermediate requant), the BF16 model reference on one case, eager vs graph bit-identity, 10 000 replays with fresh
+inputs, partition on and off.
 Every checked call starts from poisoned ring payloads, combine buffer and ``y``.
 
 Tests are parametrized by ``mma_type`` (ids ``fp8xfp8`` / ``fp8xfp4``): ``-k fp8xfp4`` runs the FP4 path alone."""
@@ -40,7 +41,7 @@ PRESETS = ("tiny", "dsv41-flash", "glm52")
 MMA_TYPES = ("fp8xfp8", "fp8xfp4")
 CALLS: dict[str, Callable[..., None]] = {"fp8xfp8": api.fp8_fp8_gc_moe, "fp8xfp4": api.fp8_fp4_gc_moe}
 MODEL_COSINE_MIN = {"fp8xfp8": 0.99, "fp8xfp4": 0.97}
-"""BENCH_PROTOCOL.md reference 2 (BF16 model): the paper's thresholds for FP8 and FP4 routed weights."""
+"""docs/bench_protocol.md reference 2 (BF16 model): the paper's thresholds for FP8 and FP4 routed weights."""
 REPLAYS, FRESH_EVERY = 10_000, 1000
 
 
@@ -125,7 +126,7 @@ _max_i_weights: dict[tuple[str, str], RankWeights] = {}
 @pytest.mark.parametrize(("kind", "tokens"), [("uniform", 1), ("uniform", 37), ("holes", 64),
                                                ("one_expert", CAPACITY)])
 def test_intermediate_at_its_maximum(group: dist.ProcessGroup, mma_type: str, kind: str, tokens: int) -> None:
-    """BENCH_PROTOCOL.md boundary case "I at its maximum": ``tiny`` with ``I = config.MAX_INTERMEDIATE`` (32 W1 and
+    """docs/bench_protocol.md boundary case "I at its maximum": ``tiny`` with ``I = config.MAX_INTERMEDIATE`` (32 W1 and
     16 W2 weight tiles per expert, the widest L2 activation rows and scale columns the workspace holds)."""
     preset = "tiny-max-i"
     if (preset, mma_type) not in _max_i_weights:
@@ -137,7 +138,7 @@ def test_intermediate_at_its_maximum(group: dist.ProcessGroup, mma_type: str, ki
 @pytest.mark.parametrize("tokens", (1, 32))
 def test_model_reference(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
                          tokens: int) -> None:
-    """BENCH_PROTOCOL.md reference 2: y against the BF16 layer (the BF16 draws the quantized weights come from,
+    """docs/bench_protocol.md reference 2: y against the BF16 layer (the BF16 draws the quantized weights come from,
     the staged E4M3 activations, no requantization) meets the paper's cosine (>= 0.97 FP4, >= 0.99 FP8)."""
     preset = "dsv41-flash"
     y = _checked_call(_buffer(group, preset, mma_type), weights[preset], preset, "uniform", tokens, seed=4000 + tokens)

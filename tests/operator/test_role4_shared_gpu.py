@@ -3,8 +3,8 @@
 
 Every checked call starts from poisoned ring payloads, combine slots, role4's intermediate and ``y``. Checked per call:
 role4's own output (combine slot k, rows < T) against the reference's slot-k partials (cosine >= 0.9999); ``y``
-against the reference (BENCH_PROTOCOL.md reference-1 targets); and ``y`` bit for bit equal to the slot-order FP32 sum
-of this rank's combine slots (the valid routed slots, then slot k) rounded to BF16: role3 adds the shared partial
+against the reference (docs/bench_protocol.md reference-1 targets); and ``y`` bit for bit equal to the slot-order FP32
+sum of this rank's combine slots (the valid routed slots, then slot k) rounded to BF16: role3 adds the shared partial
 last. T = 0, 1, odd, capacity; partition on and off; eager vs graph replay bit-identical; the refusal of a first
 call inside capture before anything runs; the deep_gemm facade's ``fp8_fp4_mega_moe`` with shared
 weights bit-identical to the native call. Tests are parametrized by ``mma_type``."""

@@ -146,7 +146,8 @@ def test_coresidency_in_one_graph(setter_first):
 
 
 def test_undivided_device_contrast():
-    """The same two kernels on two streams of the undivided device: reported, never failed on (FACTS.md)."""
+    """The same two kernels on two streams of the undivided device: reported, never failed on
+    (docs/platform_notes.md)."""
     mod = module()
     spin, setter = mod.kernel("rt_spin_on_flag"), mod.kernel("rt_set_flag")
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")

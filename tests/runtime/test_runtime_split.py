@@ -15,7 +15,7 @@ from gc_moe_compat.runtime.split import (
 @pytest.mark.parametrize(
     ("total", "alignment", "minimum", "wanted", "dispatch", "compute"),
     [
-        (132, 8, 8, 16, 20, 112),  # FACTS.md: request 16 on an H200 gives 20 / 112
+        (132, 8, 8, 16, 20, 112),  # docs/platform_notes.md: request 16 on an H200 gives 20 / 112
         (132, 8, 8, 4, 4, 128),  # the paper's SM90 default request
         (132, 8, 8, 20, 20, 112),
         (148, 8, 8, 20, 20, 128),  # B300 in the paper

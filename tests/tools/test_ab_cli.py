@@ -1,5 +1,6 @@
-"""gc-moe-ab's command line on a CPU machine: ``--check`` (what would run, what is missing, exit 0), constraint
-failures before anything is allocated (exit 2), the workload sources, the operators' labels and probes."""
+"""gc-moe-ab's command line on a CPU machine: ``--check`` (what would run, what is missing; exit 2 where a constraint
+blocks a requested point), constraint failures before anything is allocated (exit 2), ``--help``, where results go,
+the workload sources, the operators' labels and probes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exits_0() -> None:
+    """No GPU is no constraint: the shape is runnable, so --check exits 0 and says why each operator cannot run."""
     proc = subprocess.run([sys.executable, "-m", "gc_moe_compat.ab", "--check", "--preset", "glm52", "--tokens", "1",
                            "8"], capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -32,12 +34,55 @@ def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exit
     assert "package rich:" in out and "package matplotlib:" in out
 
 
-def test_check_reports_a_failing_constraint_and_still_exits_0(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_reports_a_failing_constraint_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MIXTRAL_8X7B))
-    assert cli.main(["--check", "--model-config", str(path), "--ep-size", "2"]) == 0
-    assert "constraint: mixtral at 1 rank(s), fp8xfp8: intermediate: must be in [1, 4096]" in capsys.readouterr().out
+    assert cli.main(["--check", "--model-config", str(path), "--ep-size", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "constraint: mixtral at 1 rank(s), fp8xfp8: intermediate: must be in [1, 4096]" in out
+    assert "cannot run: facade" in out  # the rest of the report is still printed
+    assert cli.main(["--check", "--preset", "glm52", "--tokens", "1", "300"]) == 2  # one T beyond the capacity
+    assert "--tokens: every T must lie in [1, --capacity=256], got [300]" in capsys.readouterr().out
+    assert cli.main(["--check", "--preset", "glm52", "--tokens", "1", "256"]) == 0
+
+
+def test_help_lists_the_subcommand_the_operators_and_the_defaults() -> None:
+    text = cli.build_parser().format_help()
+    assert "gc-moe-ab matrix" in text and "gc-moe-matrix" in text
+    for spec in operators.operator_specs():
+        assert f"  {spec.name}: " in text
+    assert "facade_dispatch_sms_N (N = 4, 8, 16, 24" in text
+    for default in ("(default 8)", "(default 256)", "(default 1 2 4 8 16 32 64 128 256)", "(default 10)",
+                    "(default 30)", "ab_<workload>.json in the working directory", "every visible one"):
+        assert default in " ".join(text.split()), default
+
+
+def test_results_go_to_the_working_directory_unless_out_names_a_file(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[run.RunConfig] = []
+    monkeypatch.setattr(run, "main_ranks", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "kernel_sources", lambda: "/kernels")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--preset", "glm52", "--tokens", "1"]) == 0
+    assert cli.main(["--model-config", str(REPO / "tests/data/deepseek_v3/config.json"), "--tokens", "1"]) == 0
+    assert cli.main(["--preset", "glm52", "--tokens", "1", "--out", "bench/results/ab_glm52.json"]) == 0
+    assert [c.out for c in seen] == [tmp_path / "ab_glm52.json", tmp_path / "ab_DeepSeek-V3.json",
+                                     Path("bench/results/ab_glm52.json")]
+
+
+def test_the_matrix_writes_to_the_working_directory_by_default(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat.ab import matrix
+
+    committed = (REPO / "bench/results/compat_matrix.json").read_bytes()
+    monkeypatch.setattr(matrix, "cpu_cells", list)  # no cells: only where the files go
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["matrix", "--cpu-only"]) == 0
+    assert json.loads((tmp_path / "compat_matrix.json").read_text())["cells"] == []
+    assert (tmp_path / "compat_matrix.md").is_file()
+    assert (REPO / "bench/results/compat_matrix.json").read_bytes() == committed
 
 
 def test_a_failing_constraint_stops_the_run_before_anything_is_allocated(tmp_path: Path,

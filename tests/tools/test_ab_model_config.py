@@ -130,6 +130,21 @@ def test_a_missing_field_names_the_file_and_the_fields_looked_for(tmp_path: Path
         from_hf_config(tmp_path / "absent.json")
 
 
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_3_8B, {**QWEN3_30B_A3B, "num_experts": 1, "num_experts_per_tok": 1}],
+                         ids=["llama", "one_expert"])
+def test_a_dense_model_is_named_as_such(tmp_path: Path, cfg: dict) -> None:
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=rf"{path}: a dense model \({cfg['model_type']}\): it has no routed experts "
+                                         r"\(looked for \['n_routed_experts'.*gc-moe-ab compares Mixture-of-Experts"):
+        from_hf_config(path)
+
+
 def test_presets() -> None:
     dsv3 = model_config.preset("dsv3")
     assert (dsv3.hidden, dsv3.intermediate, dsv3.num_experts, dsv3.topk, dsv3.shared_experts) == (7168, 2048, 256, 8, 1)

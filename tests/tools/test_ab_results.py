@@ -89,9 +89,11 @@ def test_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     points = [_point(t, facade=40.0 + t) for t in (1, 2, 4)]
     report.table("glm52", points, list(OPS), "facade", {"original_deep_gemm": "not installed"})
     out = capsys.readouterr().out
-    assert "facade_partition_off/facade" in out and "not run: original_deep_gemm: not installed" in out
+    assert "over facade" in out and "not run: original_deep_gemm: not installed" in out
     rows = report.table_rows(points, list(OPS), "facade")
-    assert rows[0][:4] == ["1", "46.0", "60.0", "31.0"] and rows[0][4] == "-"  # the original: not measured
+    assert [r[:4] for r in rows[:3]] == [["1", "facade", "46.0", "1"], ["1", "facade_partition_off", "60.0", "1.30"],
+                                         ["1", "native_fp8xfp4", "31.0", "0.67"]]
+    assert len(rows) == 9 and all(r[1] != "original_deep_gemm" for r in rows)  # the original: not measured
     report.write_json(tmp_path / "ab.json", _data(points))
     results.validate_result(json.loads((tmp_path / "ab.json").read_text()))
     pytest.importorskip("matplotlib")
@@ -130,3 +132,62 @@ def test_result_meta_writes_a_runnable_command(monkeypatch: pytest.MonkeyPatch) 
                                 command=["gc-moe-ab", "--model-config", "/a b/config.json"])
     assert meta["command"] == "GC_MOE_PARTITION=off gc-moe-ab --model-config '/a b/config.json'"
     assert protocol.result_meta("bench/x.py", ["--out", "r.json"], {})["command"] == "python bench/x.py --out r.json"
+
+
+@pytest.mark.parametrize("rich_installed", [True, False])
+def test_the_table_of_a_real_run_fits_120_columns(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str], rich_installed: bool) -> None:
+    """The committed glm52 run (5 operators x 9 T, the longest operator names): every line <= 120 characters and
+    every row on one line."""
+    data = json.loads((Path(__file__).resolve().parents[2] / "bench/results/ab_glm52.json").read_text())
+    ops = list(data["meta"]["ops"])
+    if not rich_installed:
+        monkeypatch.setattr(report, "_rich", lambda: None)
+    report.table("gc-moe-ab glm52", data["points"], ops, "facade", {})
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= report.TABLE_WIDTH
+    rows = report.table_rows(data["points"], ops, "facade")
+    assert len(rows) == len(ops) * len(data["points"]) == 45
+    for row in rows:  # each row's cells on one line
+        assert sum(all(cell in line for cell in row[1:4]) for line in lines) >= 1, row
+
+
+def test_result_files_name_files_inside_the_checkout_by_relative_paths(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = protocol.REPO
+    monkeypatch.chdir(tmp_path)
+    assert protocol.portable_path(repo / ".carry/sgl_deep_gemm/deep_gemm/__init__.py") == \
+        ".carry/sgl_deep_gemm/deep_gemm/__init__.py"
+    assert protocol.portable_path(tmp_path / "cfg" / "config.json") == "cfg/config.json"  # the working directory
+    assert protocol.portable_path("/opt/elsewhere/deep_gemm/__init__.py") == \
+        "<outside the checkout>/deep_gemm/__init__.py"
+    assert protocol.portable_path("tests/data/x.json") == "tests/data/x.json" and protocol.portable_path(None) is None
+    data = {"meta": {"deep_gemm": str(repo / ".carry/dg/__init__.py"),
+                     "status": f"the original deep_gemm at {repo}/x/deep_gemm/__init__.py failed"}}
+    protocol.write_result(tmp_path / "out" / "r.json", data)
+    text = (tmp_path / "out" / "r.json").read_text()
+    assert str(repo) not in text and str(tmp_path) not in text
+    assert json.loads(text)["meta"] == {"deep_gemm": ".carry/dg/__init__.py",
+                                        "status": "the original deep_gemm at x/deep_gemm/__init__.py failed"}
+
+
+def test_the_committed_results_carry_no_absolute_paths() -> None:
+    results_dir = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for f in sorted(results_dir.glob("*.json")) + sorted(results_dir.glob("*.md")):
+        text = f.read_text()
+        for prefix in ('"/work/', '"/tmp/', '"/home/', '"/root/', " /work/", " /tmp/"):
+            assert prefix not in text, f"{f.name} holds an absolute path ({prefix.strip()}...)"
+
+
+def test_dirty_is_the_trees_state_when_the_process_first_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that rewrites a tracked result file part by part does not call its own later parts dirty."""
+    answers = iter(["", " M bench/results/x.json"])
+    monkeypatch.delenv("GC_MOE_GIT_DIRTY", raising=False)
+    monkeypatch.setattr(protocol, "_git", lambda *args: next(answers))
+    protocol._tree_dirty_at_start.cache_clear()
+    try:
+        assert protocol._dirty() is False and protocol._dirty() is False
+    finally:
+        protocol._tree_dirty_at_start.cache_clear()
+    monkeypatch.setenv("GC_MOE_GIT_DIRTY", "1")
+    assert protocol._dirty() is True

@@ -32,33 +32,24 @@ Kernel: ``kernels/sm90/role4_shared.cu``, the FP8 mainloop of ``sm90/fp8_grouped
 (``sm90/standalone_gemm.cuh``) with role4's own W1 stage issue (token-major scales). Token scales of W1: ``x_sf``
 is token-major, and the mainloop's issue bulk-copies a K step's scales from a transposed ``[K/128, rows]`` array.
 The W1 variant therefore has a task-scale region (``task_scales = H/128``, ``4 * BM * H/128`` bytes of shared
-memory, beside the stages: no stage is lost at H <= 8192): at a task's start its consumer warpgroups copy the
-block's ``[BM, H/128]`` scales once, coalesced, and every K step reads them there, while a stage brings only the
-weight and token tiles. The earlier form (``task_scales = 0``: the issuing thread copies the block's BM scales of
-each K step into the stage, BM dependent load/store pairs per step on one thread, inside the consumer warpgroup's
-K loop when there is no producer warpgroup) is kept as a variant only to measure the difference
-(``role4_nodes(task_scales=False)``, bench/sglang_sequence_sm90.py's ``*_stage_scales`` ops). Two graph nodes of that
-source,
-:data:`NODE_NAMES`: ``role4`` (W1 variant, into ``shared_l2_acts`` / ``shared_l2_acts_sf``) and ``role4_w2`` (W2
-variant, into ``combine[k]``), because a W2 task needs every W1 tile of its token block and the standalone body has
-no grid-wide handshake (the edge between the nodes is that handshake).
+memory beside the stages, so no stage is lost at H <= 8192): at a task's start its consumer warpgroups copy the
+block's ``[BM, H/128]`` scales once, coalesced, and every K step reads them there. The per-K-step copy
+(``task_scales = 0``) stays as a variant only to measure the difference (``role4_nodes(task_scales=False)``,
+bench/sglang_sequence_sm90.py's ``*_stage_scales`` ops). Two graph nodes of that source, :data:`NODE_NAMES`:
+``role4`` (W1 variant, into ``shared_l2_acts`` / ``shared_l2_acts_sf``) and ``role4_w2`` (W2 variant, into
+``combine[k]``), because a W2 task needs every W1 tile of its token block and the standalone body has no grid-wide
+handshake (the edge between the nodes is that handshake).
 
-Placement (the design choice, :func:`reserve_sms`): both nodes run on the compute partition, concurrently with role1 on
-the communication partition, and role4 depends on nothing but the caller's staging. Up to one role4 token block (T <=
-64) they run *beside* role2: role4's grid capped at a reserve of a quarter of the compute SMs (32 of 128), role2's
-persistent grid on the rest (it walks every task with any grid size; all its CTAs stay resident because the two grids
-fit the partition together), no edge between them, role3 after both. Above one block they run *before* role2 on every
-compute SM (``role2`` depends on ``role4_w2``): role4's work grows with T there and would be cut to the reserve, while
-the routed GEMM moves from weight streaming towards its K steps. With the partition off the roles run in sequence: role1
--> role4 -> role4_w2 -> role2 -> role3. Measured (one H200, P = 1, dsv41-flash / glm52 / dsv3, fused native call,
-protocol windows, tree of 20007e5 plus this change with a reserve of 28; bench/README.md, "SGLang's Hopper sequence"):
-beside instead of before took the fused layer from 110.3 / 133.1 / 147.6 to 103.5 / 124.9 / 140.6 us at T = 1, from
-395.4 / 340.9 / 397.8 to 387.5 / 334.7 / 383.1 at T = 16 and from 490.1 / 387.2 / 455.5 to 462.2 / 361.2 / 413.3 at T =
-64 (role4's cost inside the layer, fused minus layer, 28-63 us before, 20-30 us beside); at T = 256 it moved -6.5 /
-+29.6 / -5.8 us (the points' run-to-run spread is 3-5 %), so above one block it stays before (T = 65..128 was not
-measured beside). The rule as shipped (a reserve of 32) in bench/results/sglang_sequence_sm90.json (8c79cb3): fused
-1.07-1.29x routed + a separate shared GEMM at T <= 64, and the K32 recipe as fast as the block one there (role4 hidden
-beside role2). The earlier before-only numbers (the token-scale copy per stage, then per task) are in bench/README.md.
+Placement (:func:`reserve_sms`): both nodes run on the compute partition, concurrently with role1 on the
+communication partition, and role4 depends on nothing but the caller's staging. Up to one role4 token block
+(T <= 64) they run *beside* role2: role4's grid is capped at a reserve of a quarter of the compute SMs, role2's
+persistent grid takes the rest (it walks every task with any grid size, and both grids stay resident together), no
+edge between them, role3 after both. Why: at small T role4 has few tasks and role2 is bound by streaming weights,
+so side by side role4's time is mostly hidden. Above one block they run *before* role2 on every compute SM
+(``role2`` depends on ``role4_w2``): role4's work grows with T and a reserve would cut it short. With the partition
+off the roles run in sequence: role1 -> role4 -> role4_w2 -> role2 -> role3. The measurements behind the rule
+(beside against before per preset and T, and the shipped rule's speedups) are in bench/README.md, "SGLang's Hopper
+sequence".
 """
 
 from __future__ import annotations
@@ -208,7 +199,7 @@ def reserve_sms(shape: MoEShape, num_tokens: int, compute_sms: int) -> int:
     128-row W2 tiles), at most a quarter of the compute SMs, and role2 the rest; the routed GEMM, bound by weight
     streaming at these token counts, loses little to the smaller grid, while role4 no longer delays its start. With
     more token blocks role4's work grows with T and the routed GEMM becomes bound by its K steps, so role4 runs before
-    role2 on every compute SM. The module docstring gives the measurement."""
+    role2 on every compute SM. bench/README.md ("SGLang's Hopper sequence") gives the measurement."""
     if num_tokens <= 0:
         return 0
     bm = block_m_for_shared(num_tokens)
