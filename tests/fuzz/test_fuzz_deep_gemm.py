@@ -232,6 +232,25 @@ def test_pre_dispatch_tensor_table(default_dtype: torch.dtype, case: str) -> Non
           (arg, f"{arg} must"), what=f"pre-dispatch {case}")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("fn", ["mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch"])
+def test_pre_dispatch_refuses_non_finite_activations(default_dtype: torch.dtype, value: float, fn: str) -> None:
+    """Issue 32 item 1: host tensors whose staged rows of x hold a NaN or Inf are refused (ValueError naming x and
+    the first such row) before anything is written; a non-finite row past num_tokens is not staged, so accepted.
+    (On the GPU the kernel drops the token and the next eager call reports it: test_predispatch_kernel.py.)"""
+    tensors = _pre_inputs(sf_dtype=torch.float32 if fn == "mega_moe_pre_dispatch_sm90" else torch.int32)
+    tensors[0][3, 100] = value
+    tensors[0][4, 7] = value
+    before = [t.clone() for t in tensors[3:]]
+    call = getattr(dg, fn)
+    with pytest.raises(ValueError, match=r"x must be finite .*2 row\(s\).* the first row 3"):
+        call(*tensors, 5)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors[3:], before,
+                                                                                       strict=True))
+    call(*tensors, 3)  # rows 3 and 4 are not staged
+    assert torch.equal(tensors[5][:3], tensors[1][:3])
+
+
 def test_pre_dispatch_views_of_a_facade_buffer(group: dist.ProcessGroup, default_dtype: torch.dtype) -> None:
     """The facade buffer's own views are accepted; ids past its E, swapped views, views of two buffers are not."""
     a = dg.get_symm_buffer_for_mega_moe(group, E, 8, K, H, N_I)
