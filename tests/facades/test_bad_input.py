@@ -149,12 +149,12 @@ def test_deep_gemm_flags_must_be_bools(group: dist.ProcessGroup) -> None:
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
-    ({"tokens": -1}, ValueError, "num_max_dispatch_tokens_per_rank: must be >= 1 .*, got -1"),
-    ({"tokens": 0}, ValueError, "num_max_dispatch_tokens_per_rank: must be >= 1 .*, got 0"),
+    ({"tokens": -1}, ValueError, "num_max_dispatch_tokens_per_rank: must be in \\[1, 2147483647\\] .*, got -1"),
+    ({"tokens": 0}, ValueError, "num_max_dispatch_tokens_per_rank: must be in \\[1, 2147483647\\] .*, got 0"),
     ({"tokens": 1.5}, TypeError, "num_max_dispatch_tokens_per_rank: must be an int .*, got 1.5 of type float"),
     ({"tokens": math.nan}, TypeError, "num_max_dispatch_tokens_per_rank: must be an int .*, got nan of type float"),
     ({"hidden": 200}, ValueError, "hidden: must be a positive multiple of 128, got 200"),
-    ({"hidden": 0}, ValueError, "hidden: must be >= 1 .*, got 0"),
+    ({"hidden": 0}, ValueError, "hidden: must be in \\[1, 2147483647\\] .*, got 0"),
     ({"experts": 9}, ValueError, "num_experts: must be a multiple of num_ranks 8 and <= 1024, got 9"),
     ({"experts": 2048}, ValueError, "num_experts: must be a multiple of num_ranks 8 and <= 1024, got 2048"),
     ({"ranks": True}, TypeError, "get_low_latency_rdma_size_hint: num_ranks must be an int, got bool \\(True\\)"),
