@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import quant
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import buffer as op_buffer
 from gc_moe_compat.runtime.workspace import make_peer_table
@@ -323,6 +324,22 @@ def test_fp8_mega_moe_tensor_table(host_buffer: dg.SymmBuffer, default_dtype: to
     y = change_y(torch.empty(T, H, dtype=torch.bfloat16))
     check(lambda: dg.fp8_mega_moe(y, change_l1(l1), l2, host_buffer), want, (arg,), boundary=HOST_LAUNCH,
           what=f"fp8_mega_moe {case}")
+
+
+def test_layer_calls_name_the_function_called(host_buffer: dg.SymmBuffer, default_dtype: torch.dtype) -> None:
+    """Issue 32 item 7: a valid fp8_mega_moe / fp8_fp4_mega_moe stops at the launch (a host buffer) with a message
+    naming the facade function the caller called, not the native call it runs on."""
+    g = torch.Generator().manual_seed(1)
+    fp4 = [(torch.randint(-128, 128, (E, n, k // 2), generator=g, dtype=torch.int8),
+            quant.pack_ue8m0_k32(torch.randint(120, 135, (E, n, k // 32), generator=g, dtype=torch.uint8)))
+           for n, k in ((2 * N_I, H), (H, N_I))]
+    y = torch.empty(T, H, dtype=torch.bfloat16)
+    for fn, call in (("fp8_mega_moe", lambda: dg.fp8_mega_moe(y, *_fp8_weights(), host_buffer)),
+                     ("fp8_fp4_mega_moe",
+                      lambda: dg.fp8_fp4_mega_moe(y, *dg.transform_weights_for_mega_moe(*fp4), host_buffer))):
+        with pytest.raises(RuntimeError, match=HOST_LAUNCH) as info:
+            call()
+        assert str(info.value).startswith(f"{fn}: ") and "gc_moe" not in str(info.value), str(info.value)
 
 
 def test_fp8_mega_moe_on_meta_buffer(group: dist.ProcessGroup, meta_allocation: list,

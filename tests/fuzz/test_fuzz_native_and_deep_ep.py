@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.distributed as dist
-from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, draw, expect
+from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, draw, expect, values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gc_moe_compat import quant
+from gc_moe_compat import config, quant
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES
 from gc_moe_compat.deep_ep import Buffer
 from gc_moe_compat.operator import api
@@ -119,6 +119,18 @@ def test_native_call_options(native_call: dict[str, object], default_dtype: torc
     check(lambda: api.fp8_fp8_gc_moe(y, native_call["w1"], native_call["w2"], native_call["buffer"],
                                      **{name: value}),
           expect(CALL_SPECS[name], value), (name,), boundary=HOST_LAUNCH, what=f"fp8_fp8_gc_moe({name}={value!r})")
+
+
+@FUZZ
+@given(value=values(Flag()))
+def test_validate_check_values_is_a_bool(default_dtype: torch.dtype, value: object) -> None:
+    """Issue 32 item 6: config.validate's check_values must be a bool (None would skip the value checks): staged ids
+    past E are refused with True, accepted with False, and anything else is a TypeError naming check_values."""
+    shape = config.MoEShape(E, 1, H, N_I, K)
+    idx = torch.full((T, K), E, dtype=torch.int64)
+    want = expect(Flag(refused=(True,)), value)
+    check(lambda: config.validate(shape, topk_idx=idx, check_values=value), want,
+          ("check_values",) if want is TypeError else ("topk_idx",), what=f"validate(check_values={value!r})")
 
 
 @pytest.mark.parametrize(("idx", "weight", "want", "arg"), [
