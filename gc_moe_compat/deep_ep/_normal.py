@@ -244,9 +244,9 @@ class NormalMode:
         self.buffer = self.workspace.region("normal")
         self.ranks, self.rank = self.workspace.world_size, self.workspace.rank
         self.device = self.workspace.device
+        # the largest config.num_sms: the device's SMs (MAX_SMS, no GPU has more, for a workspace off the GPU)
         self.max_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else MAX_SMS
-        """The largest ``config.num_sms``: the device's SMs (``MAX_SMS`` for a workspace off the GPU)."""
         self.mirror = new_status_mirror(self.device)
         self.op = 0
         self._pending: list[tuple[_Event, tuple]] = []

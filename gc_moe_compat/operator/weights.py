@@ -139,7 +139,7 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
     if not quant.values_readable(l1[1]):  # validate put all four tensors on one device
         raise ValueError(f"transform_weights_for_gc_moe: l1_weights and l2_weights must hold readable values for "
                          f"mma_type='fp8xfp4' (the window repack derives each expert's exponents from the scale "
-                         f"codes), got tensors on {l1[1].device}{' under CUDA-graph capture' if l1[1].is_cuda else ''}")
+                         f"codes: not meta tensors, not inside a CUDA-graph capture), got tensors on {l1[1].device}")
     out = []
     for gemm, (payload, sf) in (("l1", l1), ("l2", l2)):
         codes = _ue8m0_codes(sf)
