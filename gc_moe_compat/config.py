@@ -543,12 +543,14 @@ def validate(
 
     ``check_values`` inspects ``topk_idx`` (one vectorized min/max) and ``topk_weights`` (finiteness). On a GPU each
     is one device synchronization; both are skipped on meta tensors and while the current CUDA stream is capturing
-    a graph (a sync is illegal there). Pass ``check_values=False`` on a latency-critical eager path.
+    a graph (a sync is illegal there). Pass ``check_values=False`` on a latency-critical eager path; it must be a
+    bool (``None`` would silently skip them).
 
     Raises:
         TypeError: a wrong Python type or tensor dtype.
         ValueError: a value, shape, stride, device or token-count violation.
     """
+    boolean("validate", "check_values", check_values)
     if not isinstance(shape, MoEShape):
         raise _fail("shape", "an MoEShape", "describes the operator instance", type(shape).__name__, TypeError)
     _check_shape(shape)

@@ -90,6 +90,7 @@ class NormalSite(StatusSite):
     CAPACITY = 4, "a row past the data region of num_nvl_bytes (observed row, expected capacity)"
     RECV_ROWS = 5, "more rows received than the outputs hold (observed, expected): num_worst_tokens too small"
     EXPERT_RANGE = 6, "a topk_idx entry >= num_experts (treated as an unused slot)"
+    EXPERT_NEGATIVE = 7, "a topk_idx entry < -1 (treated as an unused slot)"
 
 
 # Fixed header: persistent words never move between calls of different shapes.
@@ -256,7 +257,10 @@ def launch_normal(kernel: Kernel, table: PeerTable, params: EpNormalParams, grid
 
 def normal_sites(num_ranks: int) -> dict[int, str]:
     """Names of the kernels' status sites (``kind << 16 | rank``)."""
-    sites = {NormalSite.EXPERT_RANGE << 16: NormalSite.EXPERT_RANGE.description,
+    sites = {NormalSite.EXPERT_RANGE << 16: ("a topk_idx entry (observed) >= num_experts (expected); treated as an "
+                                             "unused slot"),
+             NormalSite.EXPERT_NEGATIVE << 16: ("a topk_idx entry below -1 (observed: its negation), -1 the only "
+                                                "unused-slot id; treated as an unused slot"),
              NormalSite.RECV_ROWS << 16: NormalSite.RECV_ROWS.description}
     for r in range(num_ranks):
         sites[NormalSite.ARRIVE << 16 | r] = f"notify waiting for rank {r}'s token counts"

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_RANKS, check_rank_count, required_bytes
-from gc_moe_compat.config import MAX_SMS, boolean, integer
+from gc_moe_compat.config import MAX_SMS, boolean, integer, shown
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
@@ -114,7 +114,12 @@ class Buffer:
         self.workspace: SymmetricWorkspace | None = None
         if num_rdma_bytes and not low_latency_mode and self.group_size > _normal.MAX_NVL_RANKS:
             raise _missing(f"num_rdma_bytes with {self.group_size} ranks (internode normal mode over NVSHMEM/RDMA)")
-        self.normal = _normal.NormalMode(group, num_nvl_bytes) if num_nvl_bytes else None
+        self.normal: _normal.NormalMode | None = None
+        if num_nvl_bytes:
+            try:
+                self.normal = _normal.NormalMode(group, num_nvl_bytes)
+            except RuntimeError as exc:  # no CUDA device, a failed rendezvous: named as this call's
+                raise RuntimeError(f"{fn}: num_nvl_bytes={num_nvl_bytes} (normal mode): {exc}") from exc
         if low_latency_mode:
             if num_rdma_bytes < HEADER_BYTES:
                 raise ValueError(f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES} (see "
@@ -169,9 +174,10 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage) and the
-        zero-copy combine's send rows. The sizes
-        are checked as the calls check them (``ValueError`` / ``TypeError`` naming the argument), so the hint is
-        never negative, fractional, NaN or smaller than a call of these sizes needs."""
+        zero-copy combine's send rows. The sizes are checked as the calls check them (``ValueError`` / ``TypeError``
+        naming the argument), so the hint is never negative, fractional, NaN or smaller than a call of these sizes
+        needs; sizes whose hint is past the largest ``num_rdma_bytes`` (an ``int64_t``) raise ``ValueError`` naming
+        them, so the hint is always a byte count ``Buffer`` accepts."""
         fn = "get_low_latency_rdma_size_hint"
         integer(fn, "num_ranks", num_ranks, 1, MAX_RANKS)  # the low-latency kernels' readiness table
         try:
@@ -179,7 +185,12 @@ class Buffer:
                                           ranks_arg="num_ranks")
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{fn}: {exc}") from exc
-        return required_bytes(shape, zero_copy=True)
+        size = required_bytes(shape, zero_copy=True)
+        if size > _MAX_BYTES:
+            raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank={shape.max_tokens}, hidden={shape.hidden} and "
+                             f"num_experts={shape.num_experts} need more bytes than a Buffer takes (num_rdma_bytes "
+                             f"<= {_MAX_BYTES}, DeepEP's int64_t): {shown(size)}")
+        return size
 
     def _device(self, fn: str) -> torch.device:
         """The CUDA device the Buffer's kernels run on: its workspace's, else torch's current CUDA device."""

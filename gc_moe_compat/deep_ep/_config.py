@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from gc_moe_compat.config import integer
 
-__all__ = ["INTERNODE_MISSING", "MAX_NVL_RANKS", "Config"]
+__all__ = ["C_INT_MAX", "INTERNODE_MISSING", "MAX_NVL_RANKS", "Config", "config_field"]
+
+C_INT_MAX = (1 << 31) - 1
+"""DeepEP's sizes and counts are C ``int``s (pybind refuses a larger Python int): the facade's bound for them."""
 
 MAX_NVL_RANKS = 8
 """DeepEP's NVLink domain (``LEGACY_NUM_MAX_NVL_PEERS``): larger groups are internode (NVSHMEM/RDMA) in DeepEP."""
@@ -28,7 +31,7 @@ class Config:
                       num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
                       num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
         for name, value in values.items():  # DeepEP keeps them as C ints
-            setattr(self, name, integer("Config", name, value, 0, (1 << 31) - 1))
+            setattr(self, name, integer("Config", name, value, 0, C_INT_MAX))
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer bytes: its chunked queues (``num_sms / 2`` channels per NVLink rank, each of
@@ -36,13 +39,13 @@ class Config:
         provisioned up to 128), rounded up to 128. The facade's data region holds a whole call's rows (no ring): a
         call needing more raises ``ValueError`` naming the bytes."""
         fn = "Config.get_nvl_buffer_size_hint"
-        integer(fn, "hidden_bytes", hidden_bytes, 1)
-        integer(fn, "num_ranks", num_ranks, 1)
+        integer(fn, "hidden_bytes", hidden_bytes, 1, C_INT_MAX)  # DeepEP's C ints: no 400-digit hint
+        integer(fn, "num_ranks", num_ranks, 1, C_INT_MAX)
         if num_ranks > MAX_NVL_RANKS and num_ranks % MAX_NVL_RANKS:
             raise ValueError(f"{fn}: num_ranks above {MAX_NVL_RANKS} must be a multiple of it, got {num_ranks}")
         rdma_ranks, nvl_ranks = max(num_ranks // MAX_NVL_RANKS, 1), min(num_ranks, MAX_NVL_RANKS)
-        queues = (self.num_sms // 2) * nvl_ranks
-        tokens = queues * self.num_max_nvl_chunked_recv_tokens
+        queues = (config_field(fn, self, "num_sms") // 2) * nvl_ranks
+        tokens = queues * config_field(fn, self, "num_max_nvl_chunked_recv_tokens")
         size = queues * (2 * rdma_ranks + 3) * 4 + tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
         return -(-size // 128) * 128
 
@@ -50,7 +53,7 @@ class Config:
         """DeepEP's RDMA buffer bytes: 0 within one NVLink domain (intranode needs none); larger groups raise
         ``NotImplementedError`` (NVSHMEM/RDMA)."""
         fn = "Config.get_rdma_buffer_size_hint"
-        integer(fn, "hidden_bytes", hidden_bytes, 1)
+        integer(fn, "hidden_bytes", hidden_bytes, 1, C_INT_MAX)
         if integer(fn, "num_ranks", num_ranks, 1) > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
         return 0
@@ -59,3 +62,10 @@ class Config:
         return (f"Config(num_sms={self.num_sms}, {self.num_max_nvl_chunked_send_tokens}, "
                 f"{self.num_max_nvl_chunked_recv_tokens}, {self.num_max_rdma_chunked_send_tokens}, "
                 f"{self.num_max_rdma_chunked_recv_tokens})")
+
+
+def config_field(fn: str, config: Config, name: str) -> int:
+    """Field ``name`` of ``config`` as a call reads it, checked as ``Config()`` checks it (``TypeError`` /
+    ``ValueError`` naming ``config.<name>`` and the value): an attribute set after construction
+    (``config.num_sms = 'x'``) reaches the calls, not the constructor."""
+    return integer(fn, f"config.{name}", getattr(config, name), 0, C_INT_MAX)

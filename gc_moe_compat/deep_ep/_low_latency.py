@@ -45,6 +45,7 @@ from gc_moe_compat.comm.ep_ll import (
     required_bytes,
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
+from gc_moe_compat.deep_ep._config import C_INT_MAX
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.green import Partition, get_partition
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
@@ -159,11 +160,13 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
 def ll_shape(num_ranks: int, max_tokens: object, hidden: object, num_experts: object, topk: int,
              ranks_arg: str = "the group size") -> LlShape:
     """The checked sizes of low-latency calls: ``Tmax`` and experts positive ints, hidden a positive multiple of
-    128 (the FP8 scale group), experts a multiple of the ranks and <= ``MAX_EXPERTS``. The one check of the calls
-    and of :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses;
+    128 (the FP8 scale group), ``Tmax`` and hidden C ints (DeepEP's, and the kernels' 32-bit sizes), experts a
+    multiple of the ranks and <= ``MAX_EXPERTS``. The one check of the calls and of
+    :meth:`Buffer.get_low_latency_rdma_size_hint`, so a hint is never computed for sizes a call refuses;
     ``ranks_arg`` is what the caller calls the rank count (the hint's ``num_ranks``)."""
-    max_tokens = int_in_range("num_max_dispatch_tokens_per_rank", max_tokens, 1, None, "tokens a rank sends at most")
-    if int_in_range("hidden", hidden, 1, None, "the token width") % 128:
+    max_tokens = int_in_range("num_max_dispatch_tokens_per_rank", max_tokens, 1, C_INT_MAX,
+                              "tokens a rank sends at most; DeepEP's C int")
+    if int_in_range("hidden", hidden, 1, C_INT_MAX, "the token width; DeepEP's C int") % 128:
         raise ValueError(f"hidden: must be a positive multiple of 128, got {hidden}")
     experts = int_in_range("num_experts", num_experts, 1, None, "the routed experts")
     if experts % num_ranks or experts > MAX_EXPERTS:

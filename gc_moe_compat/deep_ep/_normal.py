@@ -19,7 +19,12 @@ Buffer until that event completes, so they cannot be reused under the kernels (t
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
 NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
 chunked ring): a call that needs more rows than ``num_nvl_bytes`` holds raises ``ValueError`` naming the bytes it
-needs, on every rank alike (the counts exchange tells each rank the largest need of the group).
+needs, on every rank alike (the counts exchange tells each rank the largest need of the group). The first
+``HEADER_BYTES`` hold the kernels' synchronization words and status records, a call's exchanged counts follow (a count
+per rank and channel: they grow with ``config.num_sms``, which is at most the device's SMs): a Buffer too small for
+them constructs, as DeepEP's does, and each of its kernel calls raises ``ValueError`` naming ``num_nvl_bytes``, the
+bytes it needs and the size hint. ``topk_idx`` values are read only by the layout kernel: an id outside
+``[-1, num_experts)`` is treated as an unused slot and reported (``DeviceCheckError``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from cuda.bindings import driver
 
 from gc_moe_compat.comm.ep_normal import (
+    HEADER_BYTES,
     MAX_TOPK,
     Kernel,
     combine_row_layout,
@@ -44,8 +50,8 @@ from gc_moe_compat.comm.ep_normal import (
     raise_for_mirrored_status,
     raise_for_normal_status,
 )
-from gc_moe_compat.config import MAX_EXPERTS, boolean, integer
-from gc_moe_compat.deep_ep._config import INTERNODE_MISSING, MAX_NVL_RANKS, Config
+from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
+from gc_moe_compat.deep_ep._config import C_INT_MAX, INTERNODE_MISSING, MAX_NVL_RANKS, Config, config_field
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import partition_mode_of
 from gc_moe_compat.runtime.cuda import call
@@ -185,12 +191,16 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _check_config(fn: str, config: object, arg: str = "config") -> Config:
+def _check_config(fn: str, config: object, max_sms: int) -> Config:
+    """``config`` as a call reads it: a ``deep_ep.Config`` whose ``num_sms`` (read now: it may have been set after
+    construction) is an even int in ``[2, max_sms]``, the SMs of the Buffer's device (a grid of ``num_sms`` CTAs, a
+    communication partition of that many SMs)."""
     if not isinstance(config, Config):
-        raise TypeError(f"{fn}: {arg} must be a deep_ep.Config, got {type(config).__name__}")
-    if config.num_sms < 2 or config.num_sms % 2:
-        raise ValueError(f"{fn}: {arg}.num_sms must be a positive even int (two SMs per channel, DeepEP's rule), got "
-                         f"{config.num_sms}")
+        raise TypeError(f"{fn}: config must be a deep_ep.Config, got {type(config).__name__}")
+    num_sms = config_field(fn, config, "num_sms")
+    if not 2 <= num_sms <= max_sms or num_sms % 2:
+        raise ValueError(f"{fn}: config.num_sms must be an even int in [2, {max_sms}] (two SMs per channel, DeepEP's "
+                         f"rule; at most the device's SMs), got {num_sms}")
     return config
 
 
@@ -234,6 +244,9 @@ class NormalMode:
         self.buffer = self.workspace.region("normal")
         self.ranks, self.rank = self.workspace.world_size, self.workspace.rank
         self.device = self.workspace.device
+        # the largest config.num_sms: the device's SMs (MAX_SMS, no GPU has more, for a workspace off the GPU)
+        self.max_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else MAX_SMS
         self.mirror = new_status_mirror(self.device)
         self.op = 0
         self._pending: list[tuple[_Event, tuple]] = []
@@ -286,6 +299,21 @@ class NormalMode:
         self.op += 1
         return self.op
 
+    def _room(self, fn: str, need: int, what: str) -> None:
+        """``num_nvl_bytes`` holds ``need`` bytes (``what``: the fixed header the kernels keep their words and status
+        records in, then a call's exchanged counts), else ``ValueError`` naming it, the minimum and the size hint. A
+        smaller Buffer constructs, as DeepEP's does (the raw-buffer view needs no header); its kernel calls refuse."""
+        if self.buffer.numel() < need:
+            raise ValueError(f"{fn}: num_nvl_bytes must be >= {need} ({what}), got {self.buffer.numel()}; size it with "
+                             "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) of the dispatch and combine "
+                             "configs (Buffer.get_dispatch_config / get_combine_config)")
+
+    def _counts_room(self, fn: str, data: int, local: int, num_sms: int) -> None:
+        """The header and a call's exchanged counts fit before the data region (at byte ``data``): the counts grow
+        with the ranks, the ``local`` experts per rank and ``config.num_sms`` (a count per rank and channel)."""
+        self._room(fn, data, f"the {HEADER_BYTES}-byte header and this call's counts for {self.ranks} rank(s), "
+                   f"{local} local expert(s) and config.num_sms={num_sms} ({num_sms // 2} channels)")
+
     def _capacity(self, transient_data: int, row_stride: int) -> int:
         return max(0, (self.buffer.numel() - transient_data) // row_stride)
 
@@ -323,6 +351,8 @@ class NormalMode:
         _tensor(fn, "handle[3] (recv_src_idx)", handle[3], i32, (None,), self.device)
         in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (torch.bool,), (None, ranks), self.device)
         _tensor(fn, "handle[5] (send_head)", handle[5], i32, (in_rank.shape[0], ranks), self.device)
+        if handle.most_sent is not None:  # None: a num_worst_tokens dispatch's (no CPU wait, so no count)
+            integer(fn, "handle.most_sent (the rows the dispatch's busiest rank sent)", handle.most_sent, 0, C_INT_MAX)
         return handle
 
     def _experts(self, fn: str, arg: str, num_experts: object) -> int:
@@ -337,6 +367,8 @@ class NormalMode:
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
         topk_idx = self._topk_idx(fn, topk_idx)
         experts = self._experts(fn, "num_experts", num_experts)
+        self._room(fn, HEADER_BYTES, "the fixed header: the kernels' synchronization words, status records and the "
+                   "layout's histogram")
         stream = self._begin(fn, num_sms)
         tokens, topk = topk_idx.shape
         per_rank = torch.empty(self.ranks, dtype=torch.int32, device=self.device)
@@ -360,12 +392,12 @@ class NormalMode:
                  async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         fn = "dispatch"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
-        config = _check_config(fn, config)
+        config = _check_config(fn, config, self.max_sms)
         channels = config.num_sms // 2
         payload, scales = _x_parts(fn, x, self.device)
         tokens, hidden = payload.shape
         integer(fn, "expert_alignment", expert_alignment, 1, 1 << 20)
-        integer(fn, "num_worst_tokens", num_worst_tokens, 0, (1 << 31) - 1)
+        integer(fn, "num_worst_tokens", num_worst_tokens, 0, C_INT_MAX)
         if num_tokens_per_rdma_rank is not None:
             raise NotImplementedError(f"{fn}: num_tokens_per_rdma_rank (internode dispatch over NVSHMEM/RDMA) is not "
                                       "implemented; pass the None get_dispatch_layout returns")
@@ -403,6 +435,7 @@ class NormalMode:
                                  f"num_worst_tokens={num_worst_tokens} without them")
         local = experts // self.ranks
         transient = data_offset(self.ranks, local, channels)
+        self._counts_room(fn, transient.data, local, config.num_sms)
         row = dispatch_row_layout(hidden * payload.element_size(), 0 if scales is None else scales.shape[1], topk)
         capacity = self._capacity(transient.data, row.stride)
         if num_worst_tokens and not cached:
@@ -476,7 +509,7 @@ class NormalMode:
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         fn = "combine"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
-        config = _check_config(fn, config)
+        config = _check_config(fn, config, self.max_sms)
         rank_prefix, channel_prefix, _, recv_src_idx, _, send_head = self._handle(fn, handle, "dispatch", config)
         channels = config.num_sms // 2
         rows = recv_src_idx.shape[0]
@@ -504,6 +537,7 @@ class NormalMode:
         biases = tuple(None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
                                                       self.device) for i, b in enumerate(biases))
         transient = data_offset(self.ranks, 1, channels)
+        self._counts_room(fn, transient.data, 1, config.num_sms)
         row = combine_row_layout(2 * hidden, topk)
         capacity = self._capacity(transient.data, row.stride)
         if handle.most_sent is not None:

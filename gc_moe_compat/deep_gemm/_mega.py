@@ -174,9 +174,9 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         raise type(exc)(f"{fn}: {exc}") from exc
     if shape.num_shared_experts and not k32:
         shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=False)
-    _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
-                      shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
-                      recipe=recipe, activation_clamp=activation_clamp, fast_math=fast_math)
+    _seam.mega_moe(fn, y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
+                   shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats, recipe=recipe,
+                   activation_clamp=activation_clamp, fast_math=fast_math)
 
 
 def fp8_fp4_mega_moe(y: torch.Tensor,

@@ -25,7 +25,9 @@ synchronize (and may be captured), so the kernel drops what is invalid instead: 
 buffer's ``num_experts``; for views of no facade buffer, ``buf_topk_idx``'s integer range, so an int64 ``2**32 + 5``
 never becomes expert 5 in an int32 view) or a non-finite scaled weight is staged as the unused slot ``(-1, 0.0)`` and
 recorded (:mod:`gc_moe_compat.runtime.dropped`); the next eager call on the device, this one or ``fp8_mega_moe``,
-raises ``DeviceCheckError`` naming it.
+raises ``DeviceCheckError`` naming it. The activations likewise: a row of ``x`` holding a NaN or Inf (no FP8 scale
+represents it) is refused on the host (``ValueError`` naming ``x`` and the row) and, on the GPU, dropped whole (zero
+payload and scales, every slot ``(-1, 0.0)``) and reported as ``DeviceCheckError`` naming ``x``, the row and a column.
 """
 
 from __future__ import annotations
@@ -161,9 +163,20 @@ def _scaling_factor(fn: str, value: object) -> float:
     return factor
 
 
-def _check_host_values(fn: str, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n: int, id_max: int,
-                       factor: float) -> None:
-    """Host tensors: the routing values, before anything is written (the kernel's drop rule, as refusals)."""
+def _non_finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Which rows of ``x`` hold a NaN or Inf (bool ``[T]``): the tokens the kernel drops."""
+    return ~torch.isfinite(x).all(dim=1)
+
+
+def _check_host_values(fn: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n: int,
+                       id_max: int, factor: float) -> None:
+    """Host tensors: the activations and the routing values, before anything is written (the kernel's drop rule,
+    as refusals)."""
+    if config.inspect_values(x[:n]):
+        rows = _non_finite_rows(x[:n]).nonzero().flatten().tolist()
+        if rows:
+            raise ValueError(f"{fn}: x must be finite (no FP8 scale represents a NaN or Inf activation), got "
+                             f"{len(rows)} row(s) holding one, the first row {rows[0]}")
     idx, scaled = topk_idx[:n], topk_weights[:n] * torch.full_like(topk_weights[:n], factor)
     try:
         if config.inspect_values(idx):
@@ -185,7 +198,7 @@ def _run(fn: str, recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
             dropped_record(x.device).raise_if_dropped(fn)
         _launch(*args, id_max, factor)
         return
-    _check_host_values(fn, topk_idx, topk_weights, num_tokens, id_max, factor)
+    _check_host_values(fn, x, topk_idx, topk_weights, num_tokens, id_max, factor)
     stage_with_torch(*args, factor, id_max=id_max)
 
 
@@ -195,17 +208,20 @@ def stage_with_torch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_
                      id_max: int | None = None) -> None:
     """The staging as torch ops on any device, byte for byte what the kernel writes, its drop rule included (ids
     outside ``[-1, id_max]``, default ``buf_topk_idx``'s integer range, and non-finite scaled weights become
+    ``(-1, 0.0)``; a token whose row of ``x`` is not finite gets zero payload and scales and every slot
     ``(-1, 0.0)``; nothing is recorded): the host path, and the torch-op baseline of ``bench/predispatch_sm90.py``."""
     n = num_tokens
     if id_max is None:
         id_max = int(torch.iinfo(buf_topk_idx.dtype).max)
     if n:
+        dropped = _non_finite_rows(x[:n]).unsqueeze(1)
         q, scales = quant.quantize_fp8_pre_dispatch(x[:n], recipe)
-        buf_x[:n].copy_(q)
+        buf_x[:n].copy_(q.view(torch.uint8).masked_fill(dropped, 0).view(q.dtype))
+        scales = scales.masked_fill(dropped, 0)
         buf_x_sf[:n].copy_(scales if recipe == "fp32x128" else quant.pack_ue8m0_k32(scales))
         ids = topk_idx[:n].to(torch.int64)
         weights = topk_weights[:n] * torch.full_like(topk_weights[:n], factor)
-        bad = (ids < -1) | (ids > id_max) | ~torch.isfinite(weights)
+        bad = (ids < -1) | (ids > id_max) | ~torch.isfinite(weights) | dropped
         buf_topk_idx[:n].copy_(torch.where(bad, torch.full_like(ids, -1), ids))
         buf_topk_weights[:n].copy_(torch.where(bad, torch.zeros_like(weights), weights))
     buf_topk_idx[n:].fill_(-1)

@@ -204,6 +204,7 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
 
 # ------------------------------------------------------------------------------------------------------------ call
 def mega_moe(
+    fn: str,
     y: torch.Tensor,
     l1_weights: _Pair,
     l2_weights: _Pair,
@@ -219,15 +220,14 @@ def mega_moe(
     """Run one layer on ``buffer``'s staged tokens: dispatch, both grouped GEMMs, combine into ``y`` in place.
 
     ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight pairs are in DeepGEMM's layout (module
-    docstring); ``recipe`` picks the compute path, whose native call gets ``fast_math`` and
-    ``cumulative_local_expert_recv_stats``.
+    docstring); ``recipe`` picks the compute path, whose native layer call gets ``fast_math`` and
+    ``cumulative_local_expert_recv_stats`` and names ``fn`` (the facade function the caller called) in its messages.
     """
     if tuple(recipe) not in _MMA_OF_RECIPE:
-        raise ValueError(f"recipe: must be one of {tuple(_MMA_OF_RECIPE)}, got {recipe!r}")
+        raise ValueError(f"{fn}: recipe: must be one of {tuple(_MMA_OF_RECIPE)}, got {recipe!r}")
     mma_type = _MMA_OF_RECIPE[tuple(recipe)]
     workspace = workspace_of(buffer).retyped(mma_type)
-    call = api.fp8_fp8_gc_moe if mma_type == "fp8xfp8" else api.fp8_fp4_gc_moe
     w1, w2 = operator_weights(workspace, mma_type, l1_weights, l2_weights)
-    call(y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp, shared_l1_weights=shared_l1_weights,
-         shared_l2_weights=shared_l2_weights, check_values=False, fast_math=fast_math,
-         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+    api.layer_call(fn, mma_type, y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp,
+                   shared_l1_weights, shared_l2_weights, False, fast_math=fast_math,
+                   recv_stats=cumulative_local_expert_recv_stats)

@@ -23,6 +23,7 @@ import torch
 
 from gc_moe_compat import config, layouts, quant
 from gc_moe_compat.deep_gemm import _checks
+from gc_moe_compat.operator import weights
 
 __all__ = ["transform_scales_for_mega_moe", "transform_sf_into_required_layout", "transform_weights_for_mega_moe",
            "transform_weights_for_mega_moe_sm90"]
@@ -141,12 +142,8 @@ def transform_weights_for_mega_moe_sm90(
     """
     fn = "transform_weights_for_mega_moe_sm90"
     l1, l2 = _pair(fn, "l1_weights", l1_weights), _pair(fn, "l2_weights", l2_weights)
-    if l1[0].dim() != 3:
-        raise ValueError(f"{fn}: l1_weights[0] must be [E, 2I, H] (3 dims), got shape {tuple(l1[0].shape)}")
-    e, two_i, h = l1[0].shape
-    try:
-        shape = config.MoEShape(num_experts=e, num_ranks=1, hidden=h, intermediate=two_i // 2, topk=1,
-                                mma_type="fp8xfp8")
+    try:  # the shape l1_weights[0] gives, named as the caller passed it (2I rows, not the intermediate I)
+        shape = weights.weights_shape(l1, "fp8xfp8")
         config.validate(shape, l1_weights=l1, l2_weights=l2)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
@@ -197,6 +194,7 @@ def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, is_sfa
     """
     fn = "transform_sf_into_required_layout"
     gran_mn, gran_k = _recipe(fn, recipe, is_sfa)
+    _checks.boolean(fn, "disable_ue8m0_cast", disable_ue8m0_cast)  # every recipe's flag, read below for K32 only
     _checks.unsupported_feature(fn, "psum_layout", psum_layout, None, "PSUM (contiguous grouped) layout")
     _checks.integer(fn, "mn", mn, 1)
     _checks.integer(fn, "k", k, 1)

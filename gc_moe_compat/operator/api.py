@@ -47,6 +47,7 @@ __all__ = [
     "fp8_fp4_gc_moe",
     "fp8_fp8_gc_moe",
     "get_symm_buffer_for_gc_moe",
+    "layer_call",
     "partition_mode",
     "ring_model",
     "ring_plan",
@@ -144,10 +145,13 @@ def check_recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
     return stats
 
 
-def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
-         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
-         shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
-         recv_stats: object = None) -> None:
+def layer_call(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
+               activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+               shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
+               recv_stats: object = None) -> None:
+    """One layer call of ``mma_type`` (the module docstring's steps), every message naming ``fn``: the function the
+    caller called (the native calls pass their own name, the deep_gemm facade's ``fp8_mega_moe`` /
+    ``fp8_fp4_mega_moe`` theirs)."""
     if not isinstance(buffer, GcMoeBuffer):
         raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
     if buffer.storage is None:
@@ -218,9 +222,9 @@ def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     device sync each outside graph capture, skipped automatically while capturing. ``fast_math`` and
     ``cumulative_local_expert_recv_stats`` as in :func:`fp8_fp8_gc_moe`.
     """
-    _run("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
-         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
-         recv_stats=cumulative_local_expert_recv_stats)
+    layer_call("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha,
+               activation_clamp, shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+               recv_stats=cumulative_local_expert_recv_stats)
 
 
 def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
@@ -235,6 +239,6 @@ def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     ``cumulative_local_expert_recv_stats``: optional contiguous int32 ``[E/P]`` on the buffer's device; role3 adds
     the rows this rank received per local expert in this call (DeepGEMM's / DeepEP's statistics counter).
     """
-    _run("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
-         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
-         recv_stats=cumulative_local_expert_recv_stats)
+    layer_call("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha,
+               activation_clamp, shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+               recv_stats=cumulative_local_expert_recv_stats)

@@ -94,8 +94,10 @@ def _pair(arg: str, value: object) -> _Pair:
     return value[0], value[1]
 
 
-def _shape_of(l1: _Pair, mma_type: str) -> config.MoEShape:
-    """The per-rank shape the pairs describe (``e`` experts, ``H``, ``I``), validated by ``config``'s rules."""
+def weights_shape(l1: _Pair, mma_type: str) -> config.MoEShape:
+    """The per-rank shape the L1 pair describes (``e`` experts, ``H``, ``I``), validated by ``config``'s rules;
+    an error names ``l1_weights[0]``, its shape and the ``[e, 2I, K']`` it is read as (a caller passes 2I rows, not
+    the ``intermediate`` the rule is about). The transforms' one reading of a weight set's shape."""
     payload = l1[0]
     if payload.dim() != 3:
         raise ValueError(f"l1_weights[0]: must be [e, 2I, K'] (3 dims), got shape {tuple(payload.shape)}")
@@ -105,8 +107,9 @@ def _shape_of(l1: _Pair, mma_type: str) -> config.MoEShape:
         return config.MoEShape(num_experts=e, num_ranks=1, hidden=hidden, intermediate=two_i // 2, topk=1,
                                mma_type=mma_type)
     except ValueError as exc:
-        raise ValueError(f"l1_weights[0]: shape {tuple(payload.shape)} gives an unsupported operator shape: {exc}"
-                         ) from exc
+        layout = "[e, 2I, H/2]" if mma_type == "fp8xfp4" else "[e, 2I, H]"
+        raise ValueError(f"l1_weights[0]: shape {tuple(payload.shape)} (read as {layout}: e={e}, 2I={two_i}, "
+                         f"H={hidden}) gives an unsupported operator shape: {exc}") from exc
 
 
 def _ue8m0_codes(sf: torch.Tensor) -> torch.Tensor:
@@ -122,17 +125,21 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
     for ``mma_type`` (``[e, 2I, H]`` and ``[e, H, I]`` GEMMs, gate rows then up rows in L1), with valid values
     (:func:`gc_moe_compat.quant.check_weight_values`: no E4M3 NaN codes, finite positive FP32 block scales, no UE8M0
     code 255; skipped on meta tensors). Raises ``TypeError`` / ``ValueError`` naming the argument on any violation,
-    before transforming anything.
+    before transforming anything; ``fp8xfp4`` weights must hold values (not meta tensors: the repack reads them).
     """
     config.mma_type_of(mma_type)
     l1, l2 = _pair("l1_weights", l1_weights), _pair("l2_weights", l2_weights)
-    shape = _shape_of(l1, mma_type)
+    shape = weights_shape(l1, mma_type)
     config.validate(shape, l1_weights=l1, l2_weights=l2)
     for arg, pair in (("l1_weights", l1), ("l2_weights", l2)):
         quant.check_weight_values("transform_weights_for_gc_moe", arg, pair)
     if mma_type == "fp8xfp8":
         return (GcMoeWeights(layouts.interleave_gate_up(l1[0]), l1[1].contiguous(), None, mma_type, "l1"),
                 GcMoeWeights(l2[0].contiguous(), l2[1].contiguous(), None, mma_type, "l2"))
+    if not quant.values_readable(l1[1]):  # validate put all four tensors on one device
+        raise ValueError(f"transform_weights_for_gc_moe: l1_weights and l2_weights must hold readable values for "
+                         f"mma_type='fp8xfp4' (the window repack derives each expert's exponents from the scale "
+                         f"codes: not meta tensors, not inside a CUDA-graph capture), got tensors on {l1[1].device}")
     out = []
     for gemm, (payload, sf) in (("l1", l1), ("l2", l2)):
         codes = _ue8m0_codes(sf)

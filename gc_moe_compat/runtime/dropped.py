@@ -4,7 +4,8 @@ Some inputs cannot be checked on the host before a launch: routing staged inside
 would break it), or on a latency-critical path that must not synchronize (the ``deep_gemm`` facade's pre-dispatch and
 ``fp8_mega_moe``, the native API with ``check_values=False``). The kernels that read such values never act on an
 invalid one: they drop it (an expert id outside ``[-1, E)`` or a non-finite routing weight becomes the unused slot
-``(-1, 0.0)``), so nothing is read or written out of bounds, and they record the first drop here. Unlike a role's
+``(-1, 0.0)``; a token whose BF16 activations hold a NaN or Inf, which no FP8 scale represents, has every slot
+unused), so nothing is read or written out of bounds, and they record the first drop here. Unlike a role's
 status record, a drop does not make the operator's other waits give up: the layer completes without the slot.
 
 One record per device, for the process's lifetime (the kernels' by-value arguments, and so captured graphs, hold its
@@ -40,6 +41,8 @@ class DroppedSite(StatusSite):
     ROLE1_EXPERT = 3, "role1 dispatch: a staged topk_idx entry (observed) outside [-1, num_experts) (expected)"
     ROLE1_WEIGHT = 4, ("role1 dispatch: a staged topk_weights entry is not finite (observed: its FP32 bits; "
                        "expected: the entry's index token * k + slot)")
+    PREDISPATCH_X = 5, ("pre-dispatch: a row of x (observed: the row, its token) holds a NaN or Inf (expected: the "
+                        "column of one such value); the whole token was dropped (every slot unused, zero payload)")
 
 
 _SIGNED = {DroppedSite.PREDISPATCH_ID, DroppedSite.ROLE1_EXPERT}

@@ -85,8 +85,9 @@ __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNorma
     __threadfence_system();
 }
 
-// Routing entry f's global expert; -1 for an unused slot. An id >= num_experts is reported (when `status` is given)
-// and treated as unused, never used as an address.
+// Routing entry f's global expert; -1 for an unused slot. An id >= num_experts or < -1 is reported (when `status` is
+// given; a negative one as its negation, as the low-latency kernels do) and treated as unused, never used as an
+// address.
 __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
     const long long e = p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
                                          : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
@@ -95,7 +96,12 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
                                           static_cast<u64>(e), p.num_experts);
         return -1;
     }
-    return e < 0 ? -1 : e;
+    if (e < -1) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteExpertNegative << 16,
+                                          0ull - static_cast<u64>(e), 1);
+        return -1;
+    }
+    return e;
 }
 
 // A warp copies `count` 16-byte vectors (four loads in flight per lane).

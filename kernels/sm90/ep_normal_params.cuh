@@ -67,12 +67,13 @@ static_assert(sizeof(EpNormalParams) == 368, "EpNormalParams must match gc_moe_c
 
 // Generated from gc_moe_compat.comm.ep_normal.NormalSite.
 enum NormalSite : unsigned int {
-    kNormalSiteArrive = 1,       // notify waiting for a rank's counts
-    kNormalSiteReleased = 2,     // a sender waiting until a rank has read the previous operation's rows
-    kNormalSiteReady = 3,        // a receiver waiting for a rank's rows
-    kNormalSiteCapacity = 4,     // a row past the data region of num_nvl_bytes (observed row, expected capacity)
-    kNormalSiteRecvRows = 5,     // more rows received than the outputs hold (observed, expected): num_worst_tokens too small
-    kNormalSiteExpertRange = 6,  // a topk_idx entry >= num_experts (treated as an unused slot)
+    kNormalSiteArrive = 1,          // notify waiting for a rank's counts
+    kNormalSiteReleased = 2,        // a sender waiting until a rank has read the previous operation's rows
+    kNormalSiteReady = 3,           // a receiver waiting for a rank's rows
+    kNormalSiteCapacity = 4,        // a row past the data region of num_nvl_bytes (observed row, expected capacity)
+    kNormalSiteRecvRows = 5,        // more rows received than the outputs hold (observed, expected): num_worst_tokens too small
+    kNormalSiteExpertRange = 6,     // a topk_idx entry >= num_experts (treated as an unused slot)
+    kNormalSiteExpertNegative = 7,  // a topk_idx entry < -1 (treated as an unused slot)
 };
 
 // Generated from gc_moe_compat.comm.ep_normal.Kernel.

@@ -11,7 +11,9 @@
 // Both copy topk_idx rows [0, T) (int32 or int64 in, widened or kept in the view's width) and topk_weights times
 // routed_scaling_factor, and fill the routing rows [T, capacity) with (-1, 0.0). Invalid routing (an id outside
 // [-1, id_max]: id_max = the buffer's E - 1, else the view's integer maximum; a non-finite scaled weight) is staged as (-1, 0.0)
-// and recorded for the host (common/dropped.cuh), so no later kernel sees it. Grid: one CTA of H/8 threads per
+// and recorded for the host (common/dropped.cuh), so no later kernel sees it. A token whose row of x holds a NaN or
+// Inf (no FP8 scale represents it) is dropped whole: zero payload and scales, every slot (-1, 0.0), recorded with
+// its row and the column of one such value. Grid: one CTA of H/8 threads per
 // token (each thread one 16-byte BF16 vector), then ceil((capacity - T) * k / (H/8)) CTAs for the padding. Compiled
 // without fast math: the divisions are IEEE, so a torch model of the same operations reproduces every byte.
 #include <cuda_bf16.h>
@@ -41,8 +43,9 @@ __device__ __forceinline__ unsigned ceil_ue8m0(float s) {
 }
 
 // Routing of one token. An id outside [-1, id_max] or a weight whose product with the factor is not finite is
-// staged as the unused slot (-1, 0.0) and recorded (common/dropped.cuh): nothing downstream acts on it.
-__device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsigned token) {
+// staged as the unused slot (-1, 0.0) and recorded (common/dropped.cuh): nothing downstream acts on it. A dropped
+// token (`dropped`: its row of x is not finite, already recorded) stages every slot as unused.
+__device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsigned token, bool dropped) {
     for (unsigned j = threadIdx.x; j < p.topk; j += blockDim.x) {
         const unsigned long long off = static_cast<unsigned long long>(token) * p.topk + j;
         long long id = p.idx_in_64 ? reinterpret_cast<const long long*>(p.topk_idx)[off]
@@ -50,7 +53,10 @@ __device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsign
         float weight = reinterpret_cast<const float*>(p.topk_weights)[off] * p.routed_scaling_factor;
         const bool bad_id = id < -1 || id > p.id_max;
         const bool bad_weight = !isfinite(weight);
-        if (bad_id || bad_weight) {
+        if (dropped) {
+            id = -1;
+            weight = 0.0f;
+        } else if (bad_id || bad_weight) {
             if (bad_id) {
                 gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedPredispatchId,
                                        static_cast<unsigned long long>(id), static_cast<unsigned long long>(p.id_max));
@@ -76,9 +82,11 @@ __device__ __forceinline__ void fill_padding(const PreDispatchParams& p, unsigne
     reinterpret_cast<float*>(p.buf_topk_weights)[slot] = 0.0f;
 }
 
-// One token's payload and scales; `kUe8m0` picks the K32 UE8M0 recipe, else FP32 per 128.
+// One token's payload and scales; `kUe8m0` picks the K32 UE8M0 recipe, else FP32 per 128. A row holding a NaN or
+// Inf is recorded (the token's row, the column of this thread's first such value: the first thread to report wins)
+// and staged as zero payload and scales; returns whether it was (the same in every thread of the CTA).
 template <bool kUe8m0>
-__device__ __forceinline__ void quantize_token(const PreDispatchParams& p, unsigned token) {
+__device__ __forceinline__ bool quantize_token(const PreDispatchParams& p, unsigned token) {
     constexpr unsigned kGroup = kUe8m0 ? 32 : 128;
     constexpr unsigned kLanes = kGroup / kVec;
     const unsigned tid = threadIdx.x;
@@ -87,12 +95,19 @@ __device__ __forceinline__ void quantize_token(const PreDispatchParams& p, unsig
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&bits);
     float v[kVec];
     float amax = 0.0f;
+    unsigned bad_column = p.hidden;  // this thread's first non-finite column; hidden: none
 #pragma unroll
     for (unsigned i = 0; i < kVec / 2; ++i) {
         const float2 f = __bfloat1622float2(pairs[i]);
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
         amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        if (bad_column == p.hidden && !(isfinite(f.x) && isfinite(f.y)))
+            bad_column = tid * kVec + 2 * i + (isfinite(f.x) ? 1 : 0);
+    }
+    const bool dropped = __syncthreads_or(bad_column != p.hidden) != 0;
+    if (bad_column != p.hidden) {
+        gc_moe::report_dropped(p.dropped, p.dropped_mirror, gc_moe::kDroppedPredispatchX, token, bad_column);
     }
     amax = group_max(amax, kLanes);
     float inv;
@@ -113,6 +128,11 @@ __device__ __forceinline__ void quantize_token(const PreDispatchParams& p, unsig
                                                                 __NV_SATFINITE, __NV_E4M3);
         packed |= static_cast<unsigned long long>(q) << (16 * i);
     }
+    if (dropped) {  // nothing reads a dropped token's bytes (no slot routes it): zeros, not a NaN's
+        packed = 0;
+        scale = 0.0f;
+        code = 0;
+    }
     reinterpret_cast<unsigned long long*>(reinterpret_cast<__nv_fp8_e4m3*>(p.buf_x) + row)[tid] = packed;
     if (tid % kLanes == 0) {
         const unsigned group = tid / kLanes;
@@ -124,13 +144,13 @@ __device__ __forceinline__ void quantize_token(const PreDispatchParams& p, unsig
                 scale;
         }
     }
+    return dropped;
 }
 
 template <bool kUe8m0>
 __device__ __forceinline__ void pre_dispatch(const PreDispatchParams& p) {
     if (blockIdx.x < p.num_tokens) {
-        quantize_token<kUe8m0>(p, blockIdx.x);
-        stage_routing(p, blockIdx.x);
+        stage_routing(p, blockIdx.x, quantize_token<kUe8m0>(p, blockIdx.x));
     } else {
         fill_padding(p, blockIdx.x - p.num_tokens);
     }

@@ -3,13 +3,21 @@ H200s, bit for bit against the torch references (:mod:`gc_moe_compat.testing.ep_
 on two: every handle tensor, BF16 and FP8 payloads (column-major scales), -1 slots, T = 0, a rank without tokens,
 every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached re-dispatch, bias, async with
 ``previous_event``, 20 consecutive rounds, a default device of cuda, on the communication green partition and with
-the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` naming it.
+the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` naming it. In process on one rank:
+``get_dispatch_layout`` reports an id outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as
+``DeviceCheckError``, the synchronous call at once, an ``async_finish`` one at the next call.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 from two_rank import MULTI_RANKS, run_ranks
+
+from gc_moe_compat.deep_ep import Buffer
+from gc_moe_compat.runtime.status import DeviceCheckError
+from gc_moe_compat.testing.ep_normal_reference import layout_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -30,3 +38,41 @@ def test_deep_ep_normal_cases(nproc: int, partition: str) -> None:
 @pytest.mark.multigpu
 def test_deep_ep_normal_missing_peer_times_out() -> None:
     run_ranks(WORKER, 2, TIMEOUT_S, "missing peer", args=("--suite", "timeout"))
+
+
+BAD_IDS = {  # id -> what the report names (observed / expected of the layout kernel's record)
+    -5: r"a topk_idx entry below -1 \(observed: its negation\).*observed 5, expected 1",
+    -(2**31): r"a topk_idx entry below -1 .*observed 2147483648, expected 1",
+    8: r"a topk_idx entry \(observed\) >= num_experts \(expected\).*observed 8, expected 8",
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_IDS))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("partition", ["on", "off"])
+def test_layout_reports_ids_outside_the_experts(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                bad: int, dtype: torch.dtype, partition: str) -> None:
+    """One id outside [-1, E) (token 3, slot 1) among valid ones: the synchronous get_dispatch_layout raises
+    DeviceCheckError naming the kernel, the site and the value; an async_finish one returns the layout with that slot
+    unused (the torch reference's) and the next call raises it as recorded by an earlier call; the call after that
+    runs and equals the reference."""
+    monkeypatch.setenv("GC_MOE_PARTITION", partition)
+    tokens, topk, experts = 16, 4, 8
+    buf = Buffer(group, 1 << 22, 0)
+    g = torch.Generator().manual_seed(32)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).to(dtype)
+    bad_idx = idx.clone()
+    bad_idx[3, 1] = bad
+    idx, bad_idx = idx.cuda(), bad_idx.cuda()
+    with pytest.raises(DeviceCheckError, match=f"gc_ep_normal_layout: {BAD_IDS[bad]}"):
+        buf.get_dispatch_layout(bad_idx, experts)
+    per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(bad_idx, experts, async_finish=True)
+    event.current_stream_wait()
+    torch.cuda.synchronize()
+    for got, want in zip((per_rank, per_expert, in_rank), layout_reference(bad_idx, experts, 1), strict=True):
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(DeviceCheckError, match=f"recorded by an earlier call.*{BAD_IDS[bad]}"):
+        buf.get_dispatch_layout(idx, experts)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    for got, want in zip((per_rank, per_expert, in_rank), layout_reference(idx, experts, 1), strict=True):
+        assert torch.equal(got.cpu(), want)

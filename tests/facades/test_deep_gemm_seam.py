@@ -185,7 +185,7 @@ def test_fp8_mega_moe_hands_the_operator_its_options(group: dist.ProcessGroup, m
                     fast_math=False)
     dg.fp8_mega_moe(y, l1, l2, sym)
     first, second = launches.calls
-    assert first["fn"] == "fp8_fp8_gc_moe" and first["buffer"] is sym.workspace.retyped("fp8xfp8")
+    assert first["fn"] == "fp8_mega_moe" and first["buffer"] is sym.workspace.retyped("fp8xfp8")
     assert first["y"] is y and first["t"] == 4 and first["alpha"] == 1.0 and first["clamp"] == 7.0
     assert first["fast_math"] is False and first["recv_stats"] is stats
     assert first["w1"].payload is l1[0] and first["w2"].payload is l2[0]
@@ -203,10 +203,12 @@ def test_operator_seam_runs_on_a_native_buffer(group: dist.ProcessGroup, monkeyp
     l1, l2 = _fp8_deepgemm()
     kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
               recipe=(128, 128, 128), activation_clamp=None, fast_math=True)
-    seam.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
+    seam.mega_moe("fp8_mega_moe", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
     assert launches.calls[0]["buffer"] is buf and launches.calls[0]["t"] == 2
-    with pytest.raises(ValueError, match="recipe: must be one of"):
-        seam.mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **{**kw, "recipe": (1, 1, 16)})
+    assert launches.calls[0]["fn"] == "fp8_mega_moe"  # the caller's function names the messages
+    with pytest.raises(ValueError, match="fp8_mega_moe: recipe: must be one of"):
+        seam.mega_moe("fp8_mega_moe", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf,
+                      **{**kw, "recipe": (1, 1, 16)})
 
 
 def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> None:
@@ -234,7 +236,7 @@ def test_fp8_fp4_mega_moe_reaches_the_operator(group: dist.ProcessGroup, kw: dic
     sym = _sym(group)
     l1, l2 = _fp4_deepgemm()
     y = torch.empty(3, H, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+    with pytest.raises(RuntimeError, match="fp8_fp4_mega_moe: buffer: lives in host memory"):
         dg.fp8_fp4_mega_moe(y, l1, l2, sym, **kw)
 
 
@@ -254,7 +256,7 @@ def test_fp8_fp4_mega_moe_with_a_shared_expert(group: dist.ProcessGroup) -> None
     p1, p2 = ((s[0], quant.pack_ue8m0_k32(s[1])) for s in (s1, s2))
     for b1, b2 in ((p1, p2), ((s1[0], torch.ones(1, 2 * N_I // 128, H // 128)), (s2[0], torch.ones(1, H // 128,
                                                                                                   N_I // 128)))):
-        with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+        with pytest.raises(RuntimeError, match="fp8_fp4_mega_moe: buffer: lives in host memory"):
             dg.fp8_fp4_mega_moe(y, l1, l2, shared, shared_l1_weights=b1, shared_l2_weights=b2)
 
 

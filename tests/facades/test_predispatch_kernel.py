@@ -7,7 +7,8 @@ rows ``[num_tokens, capacity)`` and the payload rows past ``num_tokens`` (left a
 boundaries: T = 0, 1, capacity; H = 256 (one warp) and 8192 (1024 threads); top-k 1 and 32 (more slots than a
 one-warp CTA's threads would cover with one slot each); int32 and int64 ids in and out. Invalid routing (ids outside
 the view's range or the buffer's experts, NaN / overflowing weights) is staged as (-1, 0.0), eagerly and in a
-captured graph, and reported by the next eager call.
+captured graph, and reported by the next eager call; so is a token whose activations hold a NaN or Inf (dropped
+whole: zero payload and scales, every slot unused), reported naming x, its row and the column.
 """
 
 from __future__ import annotations
@@ -211,3 +212,62 @@ def test_captured_call_drops_ids_outside_the_buffers_experts(group: dist.Process
     torch.cuda.synchronize()
     assert buf.topk_idx[2, 3].item() == 15
     buf.destroy()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Non-finite activations (issue 32 item 1): the token is dropped whole, reported by the next eager call
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("fn", ["sm90", "ue8m0"])
+def test_non_finite_activations_drop_the_token_then_report(value: float, graph: bool, fn: str) -> None:
+    """One non-finite value (token 2, column 300) among finite rows, staged eagerly or by a graph replay (captured
+    on finite rows): token 2's payload and scales are zero and all its slots (-1, 0.0), every byte the torch model's,
+    the other tokens staged as usual; the next eager call raises DeviceCheckError naming x, the row and the column
+    before launching, and the one after runs again."""
+    _clear_dropped()
+    n, capacity, hidden, topk = 5, 8, 512, 4
+    x = _tokens(n, hidden, seed=11).cuda()
+    idx = torch.randint(0, 64, (n, topk), generator=torch.Generator().manual_seed(12)).cuda()
+    w = torch.rand(n, topk, generator=torch.Generator().manual_seed(13)).cuda()
+    sf_dtype, recipe, factor = (torch.float32, "fp32x128", 2.5) if fn == "sm90" else (torch.int32, "ue8m0x32", 1.0)
+    got = _views(capacity, hidden, topk, sf_dtype, torch.int64, "cuda")
+
+    def call(views: list[torch.Tensor]) -> None:
+        if fn == "sm90":
+            dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, num_tokens=n, routed_scaling_factor=factor)
+        else:
+            dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=n, group_size=32, mma_type="fp8xfp4")
+
+    if graph:
+        call(got)
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            call(got)
+        x[2, 300] = value
+        for v in got:
+            v.view(torch.uint8).fill_(POISON)
+        captured.replay()
+    else:
+        x[2, 300] = value
+        call(got)
+    want = _views(capacity, hidden, topk, sf_dtype, torch.int64, "cuda")
+    _predispatch.stage_with_torch(recipe, x, idx, w, *want, n, factor)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("buf_x", "buf_x_sf", "buf_topk_idx", "buf_topk_weights"), got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert (got[0][2].view(torch.uint8) == 0).all() and (got[1][2].view(torch.uint8) == 0).all()
+    assert (got[2][2] == -1).all() and (got[3][2] == 0).all()
+    assert torch.equal(got[2][:2], idx[:2]) and torch.equal(got[2][3:n], idx[3:])
+    name = "mega_moe_pre_dispatch_sm90" if fn == "sm90" else "mega_moe_pre_dispatch"
+    x[2, 300] = 1.0
+    with pytest.raises(DeviceCheckError, match=f"{name}: a launch on cuda:0 before this check dropped an invalid "
+                                               "input .*pre-dispatch: a row of x .*NaN or Inf.*observed 2, "
+                                               "expected 300"):
+        call(got)
+    call(got)  # the record was cleared: the next call runs, and stages token 2 again
+    torch.cuda.synchronize()
+    assert torch.equal(got[2][2], idx[2])
+    dropped_record(torch.device("cuda")).raise_if_dropped("a valid call")

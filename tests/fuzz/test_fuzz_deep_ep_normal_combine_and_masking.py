@@ -93,7 +93,7 @@ two. ``handle.most_sent`` is the rows the dispatch's busiest rank sent (what a h
 this Buffer holds ROWS; it cannot hold more than ``NVL_BYTES / (2 H)`` (each row is at least a BF16 row), and the
 test draws no count in between (there the layout's header decides)."""
 NAMES = {"handle": ("handle", "config.num_sms", "x must be ["), "config.num_sms": ("config.num_sms",),
-         "handle.most_sent": ("num_nvl_bytes",), "bias": ("bias",)}
+         "handle.most_sent": ("num_nvl_bytes", "handle.most_sent"), "bias": ("bias",)}
 
 
 def _combine_case(name: str, value: object) -> tuple[dict[str, object], type[Exception] | None]:
@@ -124,8 +124,9 @@ def normal_buffer(deep_ep_host: DeepEpHost) -> Buffer:
 
 @settings(FUZZ, max_examples=200)
 @given(case=draw(COMBINE_SPECS, {"config.num_sms": st.one_of(st.just(2 * CHANNELS), st.integers(0, 64)),
-                                  "handle.most_sent": st.sampled_from([None, 0, ROWS, NVL_BYTES // (2 * H) + 1,
-                                                                       10**9])}))
+                                  "handle.most_sent": st.one_of(st.sampled_from([None, 0, ROWS, -1,
+                                                                                 NVL_BYTES // (2 * H) + 1, 10**9]),
+                                                                JUNK)}))
 def test_normal_combine(normal_buffer: Buffer, default_dtype: torch.dtype, case: tuple[str, object]) -> None:
     """Each argument of a valid combine replaced by a drawn value: refused with the model's exception naming it (and
     the caller's tensors unchanged), or accepted up to the launch's GPU refusal."""
@@ -136,6 +137,31 @@ def test_normal_combine(normal_buffer: Buffer, default_dtype: torch.dtype, case:
     what = f"combine({name}={value!r:.120})"
     check(lambda: buf.combine(**kwargs), want, NAMES.get(name, (name.split(".")[0],)), boundary=NEEDS_GPU, what=what)
     _unchanged(snapshot, what)
+
+
+@pytest.mark.parametrize(("call", "field", "value", "error", "message"), [
+    ("combine", "config.num_sms", "x", TypeError, r"combine: config.num_sms must be an int, got str \('x'\)"),
+    ("dispatch", "config.num_sms", "x", TypeError, r"dispatch: config.num_sms must be an int, got str \('x'\)"),
+    ("combine", "handle.most_sent", "x", TypeError, r"combine: handle.most_sent .* must be an int, got str \('x'\)"),
+    ("combine", "handle.most_sent", -1, ValueError, r"combine: handle.most_sent .* must be in \[0, \d+\], got -1"),
+    ("dispatch", "handle.most_sent", "x", TypeError, r"dispatch: handle.most_sent .* must be an int, got str"),
+])
+def test_fields_set_after_construction_are_named(normal_buffer: Buffer, default_dtype: torch.dtype, call: str,
+                                                 field: str, value: object, error: type[Exception],
+                                                 message: str) -> None:
+    """Issue 32 item 4: a Config's num_sms set after construction and a handle's most_sent (what a handle from
+    another Buffer carries) are read by the call: a value of another type or out of range is refused naming the
+    field, the rule and the value (not an unnamed comparison error, not a launch), a cached dispatch included."""
+    kwargs, _ = _combine_case("async_finish", False)
+    if field == "config.num_sms":
+        kwargs["config"].num_sms = value
+    else:
+        kwargs["handle"] = NormalHandle(tuple(kwargs["handle"]), most_sent=value)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    calls = {"combine": lambda: normal_buffer.combine(**kwargs),
+             "dispatch": lambda: normal_buffer.dispatch(x, handle=kwargs["handle"], config=kwargs["config"])}
+    with pytest.raises(error, match=message):
+        calls[call]()
 
 
 def test_combine_needs_a_normal_mode_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype) -> None:

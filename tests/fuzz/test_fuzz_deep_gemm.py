@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gc_moe_compat.deep_gemm as dg
+from gc_moe_compat import quant
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import buffer as op_buffer
 from gc_moe_compat.runtime.workspace import make_peer_table
@@ -232,6 +233,25 @@ def test_pre_dispatch_tensor_table(default_dtype: torch.dtype, case: str) -> Non
           (arg, f"{arg} must"), what=f"pre-dispatch {case}")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("fn", ["mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch"])
+def test_pre_dispatch_refuses_non_finite_activations(default_dtype: torch.dtype, value: float, fn: str) -> None:
+    """Issue 32 item 1: host tensors whose staged rows of x hold a NaN or Inf are refused (ValueError naming x and
+    the first such row) before anything is written; a non-finite row past num_tokens is not staged, so accepted.
+    (On the GPU the kernel drops the token and the next eager call reports it: test_predispatch_kernel.py.)"""
+    tensors = _pre_inputs(sf_dtype=torch.float32 if fn == "mega_moe_pre_dispatch_sm90" else torch.int32)
+    tensors[0][3, 100] = value
+    tensors[0][4, 7] = value
+    before = [t.clone() for t in tensors[3:]]
+    call = getattr(dg, fn)
+    with pytest.raises(ValueError, match=r"x must be finite .*2 row\(s\).* the first row 3"):
+        call(*tensors, 5)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors[3:], before,
+                                                                                       strict=True))
+    call(*tensors, 3)  # rows 3 and 4 are not staged
+    assert torch.equal(tensors[5][:3], tensors[1][:3])
+
+
 def test_pre_dispatch_views_of_a_facade_buffer(group: dist.ProcessGroup, default_dtype: torch.dtype) -> None:
     """The facade buffer's own views are accepted; ids past its E, swapped views, views of two buffers are not."""
     a = dg.get_symm_buffer_for_mega_moe(group, E, 8, K, H, N_I)
@@ -304,6 +324,22 @@ def test_fp8_mega_moe_tensor_table(host_buffer: dg.SymmBuffer, default_dtype: to
     y = change_y(torch.empty(T, H, dtype=torch.bfloat16))
     check(lambda: dg.fp8_mega_moe(y, change_l1(l1), l2, host_buffer), want, (arg,), boundary=HOST_LAUNCH,
           what=f"fp8_mega_moe {case}")
+
+
+def test_layer_calls_name_the_function_called(host_buffer: dg.SymmBuffer, default_dtype: torch.dtype) -> None:
+    """Issue 32 item 7: a valid fp8_mega_moe / fp8_fp4_mega_moe stops at the launch (a host buffer) with a message
+    naming the facade function the caller called, not the native call it runs on."""
+    g = torch.Generator().manual_seed(1)
+    fp4 = [(torch.randint(-128, 128, (E, n, k // 2), generator=g, dtype=torch.int8),
+            quant.pack_ue8m0_k32(torch.randint(120, 135, (E, n, k // 32), generator=g, dtype=torch.uint8)))
+           for n, k in ((2 * N_I, H), (H, N_I))]
+    y = torch.empty(T, H, dtype=torch.bfloat16)
+    for fn, call in (("fp8_mega_moe", lambda: dg.fp8_mega_moe(y, *_fp8_weights(), host_buffer)),
+                     ("fp8_fp4_mega_moe",
+                      lambda: dg.fp8_fp4_mega_moe(y, *dg.transform_weights_for_mega_moe(*fp4), host_buffer))):
+        with pytest.raises(RuntimeError, match=HOST_LAUNCH) as info:
+            call()
+        assert str(info.value).startswith(f"{fn}: ") and "gc_moe" not in str(info.value), str(info.value)
 
 
 def test_fp8_mega_moe_on_meta_buffer(group: dist.ProcessGroup, meta_allocation: list,

@@ -7,16 +7,17 @@ recorded, not run. Every test runs under default dtype float32 and bfloat16."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.distributed as dist
-from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, draw, expect
+from fuzz_model import Choice, Flag, Int, Real, Recipe, Spec, check, draw, expect, values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gc_moe_compat import quant
+from gc_moe_compat import config, quant
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES
 from gc_moe_compat.deep_ep import Buffer
 from gc_moe_compat.operator import api
@@ -120,6 +121,18 @@ def test_native_call_options(native_call: dict[str, object], default_dtype: torc
           expect(CALL_SPECS[name], value), (name,), boundary=HOST_LAUNCH, what=f"fp8_fp8_gc_moe({name}={value!r})")
 
 
+@FUZZ
+@given(value=values(Flag()))
+def test_validate_check_values_is_a_bool(default_dtype: torch.dtype, value: object) -> None:
+    """Issue 32 item 6: config.validate's check_values must be a bool (None would skip the value checks): staged ids
+    past E are refused with True, accepted with False, and anything else is a TypeError naming check_values."""
+    shape = config.MoEShape(E, 1, H, N_I, K)
+    idx = torch.full((T, K), E, dtype=torch.int64)
+    want = expect(Flag(refused=(True,)), value)
+    check(lambda: config.validate(shape, topk_idx=idx, check_values=value), want,
+          ("check_values",) if want is TypeError else ("topk_idx",), what=f"validate(check_values={value!r})")
+
+
 @pytest.mark.parametrize(("idx", "weight", "want", "arg"), [
     (0, 0.5, None, ""), (-1, 0.5, None, ""), (E - 1, 0.5, None, ""), (E, 0.5, ValueError, "topk_idx"),
     (-2, 0.5, ValueError, "topk_idx"), (0, float("nan"), ValueError, "topk_weights"),
@@ -148,6 +161,8 @@ EP_BASE = dict(num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True, n
                allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=None, explicitly_destroy=False,
                enable_shrink=False)
 EP_SPECS: dict[str, Spec] = {
+    # any byte count constructs, as with DeepEP; the normal-mode calls need its header (test_fuzz_deep_ep_calls.py)
+    "num_nvl_bytes": Int(0, 2**63 - 1, draw_max=1 << 16),
     "num_rdma_bytes": Int(HEADER_BYTES, 2**63 - 1, draw_max=1 << 22),
     "num_qps_per_rank": Int(1, None, draw_max=64),
     "low_latency_mode": Flag(),
@@ -167,6 +182,17 @@ def test_deep_ep_buffer(deep_ep_host: DeepEpHost, default_dtype: torch.dtype, ca
     if name == "num_rdma_bytes" and type(value) is int and 0 <= value < HEADER_BYTES:
         want = ValueError  # a valid byte count, too small for the low-latency header
     check(lambda: deep_ep_host.buffer(**kwargs), want, (name,), what=f"Buffer({name}={value!r})")
+
+
+@pytest.mark.parametrize(("args", "mode"), [((1 << 20, 0), "num_nvl_bytes=1048576 (normal mode)"),
+                                            ((0, 1 << 20, True), "low_latency_mode=True")])
+def test_deep_ep_buffer_without_cuda_names_itself(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                  default_dtype: torch.dtype, args: tuple, mode: str) -> None:
+    """Issue 32 item 7: on a host without CUDA both modes' workspaces are refused as this call's, "Buffer:" and
+    the mode first."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=rf"^Buffer: {re.escape(mode)}: symmetric workspace: needs a CUDA device"):
+        Buffer(group, *args)
 
 
 DISPATCH_SPECS: dict[str, Spec] = {"use_fp8": Flag(), "return_recv_hook": Flag()}

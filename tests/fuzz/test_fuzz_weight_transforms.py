@@ -6,6 +6,7 @@ and the caller's tensors unchanged by a refused call. Every test runs under defa
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fuzz_model import Choice, Flag, Int, Recipe, Spec, check, expect, values
 from hypothesis import HealthCheck, given, settings
@@ -94,3 +95,50 @@ def test_transform_weights_for_gc_moe_format(default_dtype: torch.dtype, mma: ob
     want = None if mma == "fp8xfp8" else (ValueError if isinstance(mma, str) and mma != "fp8xfp4" else TypeError)
     check(lambda: transform_weights_for_gc_moe(l1, l2, mma), want, ("mma_type", "l1_weights"),
           what=f"transform_weights_for_gc_moe(mma_type={mma!r})")
+
+
+@FUZZ
+@given(value=values(Flag()), recipe=st.sampled_from([(1, 128), (128, 128), (1, 32)]))
+def test_transform_sf_disable_ue8m0_cast_is_a_bool(default_dtype: torch.dtype, value: object,
+                                                    recipe: tuple[int, int]) -> None:
+    """Issue 32 item 6: ``disable_ue8m0_cast`` must be a bool for every recipe (``'yes'`` is a TypeError, not a
+    true value); True is refused only where it asks for the missing FP32 K32 path."""
+    gran_mn = recipe[0]
+    sf = _k32_scales() if recipe[1] == 32 else torch.ones(G, -(-MN // gran_mn), K // 128, dtype=torch.float32)
+    want = expect(Flag(refused=(True,) if recipe[1] == 32 else (), refused_with=NotImplementedError), value)
+    check(lambda: dg.transform_sf_into_required_layout(sf, MN, K, recipe, G, disable_ue8m0_cast=value), want,
+          ("disable_ue8m0_cast",), what=f"transform_sf_into_required_layout({recipe}, disable_ue8m0_cast={value!r})")
+
+
+@FUZZ
+@given(two_i=st.one_of(st.integers(0, 600), st.sampled_from([24, 256, 8192, 8448, 8192 + 256])))
+def test_transform_weights_for_mega_moe_sm90_names_the_rows_passed(default_dtype: torch.dtype, two_i: int) -> None:
+    """Issue 32 item 6: the SM90 transform reads l1_weights[0] as [E, 2I, H]; 2I rows that give no supported
+    intermediate I = 2I / 2 (a multiple of 128 up to 4096) are refused naming l1_weights[0] and the 2I passed, not
+    only the I derived from it. Meta tensors: the shape rules only (no values to read)."""
+    l1 = (torch.zeros(G, two_i, K, dtype=torch.float8_e4m3fn, device="meta"),
+          torch.ones(G, -(-two_i // 128), K // 128, dtype=torch.float32, device="meta"))
+    l2 = (torch.zeros(G, K, two_i // 2, dtype=torch.float8_e4m3fn, device="meta"),
+          torch.ones(G, K // 128, -(-two_i // 256), dtype=torch.float32, device="meta"))
+    valid = two_i % 256 == 0 and 0 < two_i <= 8192
+    names = ("l1_weights[0]",) if two_i % 2 else (f"l1_weights[0]: shape {(G, two_i, K)}", f"2I={two_i}")
+    check(lambda: dg.transform_weights_for_mega_moe_sm90(l1, l2), None if valid else ValueError, names,
+          what=f"transform_weights_for_mega_moe_sm90(2I={two_i})")
+
+
+@pytest.mark.parametrize("mma", ["fp8xfp4", "fp8xfp8"])
+def test_transform_weights_for_gc_moe_on_meta_tensors(default_dtype: torch.dtype, mma: str) -> None:
+    """Issue 32 item 6: the FP4 transform reads the scale codes (the window repack): meta weights are refused naming
+    l1_weights and l2_weights (ValueError), not a RuntimeError of .item(); the FP8 transform only rearranges, so meta
+    weights pass."""
+    if mma == "fp8xfp4":
+        l1 = (torch.zeros(G, 2 * MN, K // 2, dtype=torch.uint8), torch.zeros(G, 2 * MN, K // 32, dtype=torch.uint8))
+        l2 = (torch.zeros(G, K, MN // 2, dtype=torch.uint8), torch.zeros(G, K, MN // 32, dtype=torch.uint8))
+    else:
+        l1 = (torch.zeros(G, 2 * MN, K, dtype=torch.float8_e4m3fn),
+              torch.ones(G, 2 * MN // 128, K // 128, dtype=torch.float32))
+        l2 = (torch.zeros(G, K, MN, dtype=torch.float8_e4m3fn), torch.ones(G, K // 128, MN // 128, dtype=torch.float32))
+    meta = [tuple(t.to("meta") for t in pair) for pair in (l1, l2)]
+    want = ValueError if mma == "fp8xfp4" else None
+    check(lambda: transform_weights_for_gc_moe(*meta, mma), want, ("l1_weights and l2_weights must hold readable "
+                                                                   "values",), what=f"{mma} meta weights")

@@ -69,3 +69,33 @@ def test_torch_model_drops_what_the_kernel_drops() -> None:
                                  [0.0, 0.0, 0.0, 0.0]]
     _predispatch.stage_with_torch("fp32x128", x, idx, w, *views, n, 2.0)  # default: the int32 view's range
     assert views[2][:, 3].tolist() == [16, -1, 7, -1] and views[2][1, 2].item() == -1
+
+
+@pytest.mark.parametrize("recipe", ["fp32x128", "ue8m0x32"])
+def test_torch_model_drops_a_non_finite_token_whole(recipe: str) -> None:
+    """A token whose row of x holds a NaN or Inf (issue 32 item 1): zero payload and scales, every slot (-1, 0.0),
+    as the kernel stages it; the other tokens as without it. Its record names x, the row and the column."""
+    n, topk, hidden = 3, 2, 256
+    x = torch.randn(n, hidden).bfloat16()
+    idx, w = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(n, topk)
+    sf_dtype = torch.float32 if recipe == "fp32x128" else torch.int32
+
+    def staged(tokens: torch.Tensor) -> list[torch.Tensor]:
+        views = [torch.full((4, hidden), 1.0).to(torch.float8_e4m3fn), torch.ones(4, 2).to(sf_dtype),
+                 torch.zeros(4, topk, dtype=torch.int64), torch.zeros(4, topk)]
+        _predispatch.stage_with_torch(recipe, tokens, idx, w, *views, n, 1.0)
+        return views
+
+    clean, bad = x.clone(), x.clone()
+    bad[1, 200] = float("nan")
+    want, got = staged(clean), staged(bad)
+    assert (got[0][1].view(torch.uint8) == 0).all() and (got[1][1] == 0).all()
+    assert got[2][1].tolist() == [-1, -1] and got[3][1].tolist() == [0.0, 0.0]
+    keep = [0, 2, 3]  # the other tokens and a padding row
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a[keep].view(torch.uint8), b[keep].view(torch.uint8))
+    record = dropped.DroppedRecord(torch.device("cpu"))
+    _write(record, dropped.DroppedSite.PREDISPATCH_X, 1, 200)
+    with pytest.raises(DeviceCheckError, match="mega_moe_pre_dispatch_sm90: .*pre-dispatch: a row of x .*NaN or Inf"
+                                               ".*observed 1, expected 200"):
+        record.raise_if_dropped("mega_moe_pre_dispatch_sm90")
