@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gc_moe_compat.comm.ep_normal import data_offset, dispatch_row_layout
 from gc_moe_compat.deep_ep import Buffer, _buffer
+from gc_moe_compat.runtime.colocation import Placement
 from gc_moe_compat.runtime.green import get_partition
 
 T, H, K, E = 64, 512, 2, 8
@@ -36,7 +37,8 @@ def on_cuda_3(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Iter
     """A Buffer whose workspace claims cuda:3, and a record of every partition looked up for it (request, device)
     and of every stream taken from it (the communication side's, on which device)."""
     buf = Buffer(group, 0, 0)
-    monkeypatch.setattr(buf, "workspace", SimpleNamespace(device=torch.device("cuda", 3)))
+    alone = Placement(rank=0, device_uuids=("GPU-3",))
+    monkeypatch.setattr(buf, "workspace", SimpleNamespace(device=torch.device("cuda", 3), placement=alone))
     record: list = []
 
     def torch_stream(device_index: int) -> str:
@@ -70,6 +72,18 @@ def test_comm_stream_with_the_partition_off_is_the_callers(on_cuda_3: tuple[Buff
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     buf, record = on_cuda_3
     monkeypatch.setenv("GC_MOE_PARTITION", "off")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
+    assert buf.get_comm_stream() == "current stream of cuda:3"
+    assert record == []
+
+
+def test_comm_stream_where_ranks_share_the_gpu_is_the_callers(on_cuda_3: tuple[Buffer, list],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks sharing a GPU run with the partition off whatever GC_MOE_PARTITION says (green contexts do not confine
+    under MPS), so the kernels run on the caller's stream."""
+    buf, record = on_cuda_3
+    monkeypatch.delenv("GC_MOE_PARTITION", raising=False)
+    buf.workspace.placement = Placement(rank=1, device_uuids=("GPU-3", "GPU-3"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
     assert buf.get_comm_stream() == "current stream of cuda:3"
     assert record == []
