@@ -44,6 +44,7 @@ import torch
 from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
 
+from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
 from gc_moe_compat.runtime import jit
@@ -60,7 +61,7 @@ from gc_moe_compat.testing.gemm_workload import (
 )
 from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens, scatter_partials
 from gc_moe_compat.testing.reference import accuracy_metrics
-from gc_moe_compat.testing.standalone_gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
+from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
 
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 
@@ -154,7 +155,8 @@ def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     record = {}
     for mma_type, cfg in sorted(used, key=lambda u: (u[0], u[1].bm, u[1].pipelined, u[1].w2_slabs, u[1].cluster)):
-        source, kernel = KERNELS[mma_type]
+        path = compute_path(mma_type)
+        source, kernel = path.kernel, path.standalone_entry
         for epi, stages in ((1, cfg.stages_w1), (2, cfg.stages_w2)):
             defines = variant_defines(cfg.bm, epi, cfg.pipelined, stages, slabs=cfg.w2_slabs, cluster=cfg.cluster)
             cubin = jit.compile_cubin(source, defines)

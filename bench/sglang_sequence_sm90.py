@@ -61,6 +61,7 @@ import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
 from gc_moe_compat.ab.prebuild import kernel_jobs, prebuild
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.compute_paths import FP8XFP8
 from gc_moe_compat.config import PRESETS as CONFIG_PRESETS
 from gc_moe_compat.config import SWEEP_TOKENS, preset_shape
 from gc_moe_compat.deep_gemm import _seam
@@ -85,7 +86,6 @@ from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
 from gc_moe_compat.testing.standalone_gemm import (
     EPI_W1,
     EPI_W2,
-    SOURCE,
     ExpertGemmSM90,
     prepare_fp8_weights,
     variant_defines,
@@ -124,7 +124,7 @@ def _jobs(preset: str, tokens: list[int]) -> list[tuple[str, dict[str, int]]]:
     for t in tokens:
         c = _separate_config(t, h, inter)
         for epi, stages in ((EPI_W1, c.stages_w1), (EPI_W2, c.stages_w2)):
-            jobs.append((SOURCE, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
+            jobs.append((FP8XFP8.kernel, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
                                                  cluster=c.cluster)))
     return jobs
 

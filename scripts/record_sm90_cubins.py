@@ -26,8 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.standalone_gemm import KERNELS, recorded_variants
+from gc_moe_compat.testing.standalone_gemm import recorded_variants
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 RECORDS = {
@@ -42,7 +43,7 @@ def record(mma_type: str, note: str) -> dict[str, object]:
     build = re.search(r"Build \S+", version)
     if build is None:
         raise RuntimeError(f"nvcc --version has no 'Build' line: {version!r}")
-    source, _ = KERNELS[mma_type]
+    source = compute_path(mma_type).kernel
     cubins = {}
     with tempfile.TemporaryDirectory() as cache:
         os.environ["GC_MOE_CACHE_DIR"] = cache

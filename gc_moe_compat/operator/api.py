@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from gc_moe_compat import config
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, ComputePath
 from gc_moe_compat.config import boolean, finite_float
 from gc_moe_compat.config import recipe as recipe_of
 from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
@@ -41,7 +42,6 @@ from gc_moe_compat.runtime.split import partition_mode
 
 __all__ = [
     "OPERATOR_MISSING",
-    "RECIPES",
     "check_recv_stats",
     "GcMoeBuffer",
     "GcMoeWeights",
@@ -58,8 +58,6 @@ __all__ = [
 ]
 
 OPERATOR_MISSING = "the GC-MoE SM90 operator (issue 5) does not cover this configuration yet"
-RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
-"""The one recipe of each compute path."""
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -141,13 +139,13 @@ def ring_plan(buffer: GcMoeBuffer, num_tokens: int, model: RingModel | None = No
     return plan
 
 
-def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: int) -> _Pair:
+def _weights(arg: str, w: object, path: ComputePath, gemm: str, num_local_experts: int) -> _Pair:
     if not isinstance(w, GcMoeWeights):
         raise TypeError(f"{arg}: must come from transform_weights_for_gc_moe, got {type(w).__name__}")
-    if (w.mma_type, w.gemm) != (mma_type, gemm):
-        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={mma_type!r}, got the {w.gemm!r} "
+    if (w.mma_type, w.gemm) != (path.name, gemm):
+        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={path.name!r}, got the {w.gemm!r} "
                          f"weights of mma_type={w.mma_type!r}")
-    if mma_type == "fp8xfp4":
+    if path.fp4:
         f = w.factor
         if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or tuple(f.shape) != (num_local_experts,):
             raise ValueError(f"{arg}.factor: must be float32 [{num_local_experts}] (per-expert 2^base), got {f!r:.80}")
@@ -169,10 +167,11 @@ def check_recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
     return stats
 
 
-def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
+def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
          activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
          shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
          recv_stats: object = None) -> None:
+    fn, mma_type = path.native_fn, path.name
     if not isinstance(buffer, GcMoeBuffer):
         raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
     if buffer.storage is None:
@@ -183,7 +182,7 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         if shape.mma_type != mma_type:
             raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
         e = shape.num_local_experts
-        l1, l2 = _weights("w1", w1, mma_type, "l1", e), _weights("w2", w2, mma_type, "l2", e)
+        l1, l2 = _weights("w1", w1, path, "l1", e), _weights("w2", w2, path, "l2", e)
         inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
         t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
         if not isinstance(activation, str):
@@ -194,7 +193,7 @@ def _run(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: obje
         recv_stats = check_recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
-    recipe_of(fn, recipe, RECIPES[mma_type])
+    recipe_of(fn, recipe, path.recipe)
     finite_float(fn, "activation_alpha", activation_alpha)
     if activation_clamp is not None:
         finite_float(fn, "activation_clamp", activation_clamp, positive=True)
@@ -245,7 +244,7 @@ def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     device sync each outside graph capture, skipped automatically while capturing. ``fast_math`` and
     ``cumulative_local_expert_recv_stats`` as in :func:`fp8_fp8_gc_moe`.
     """
-    _run("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+    _run(FP8XFP4, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
          shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
          recv_stats=cumulative_local_expert_recv_stats)
 
@@ -262,6 +261,6 @@ def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     ``cumulative_local_expert_recv_stats``: optional contiguous int32 ``[E/P]`` on the buffer's device; role3 adds
     the rows this rank received per local expert in this call (DeepGEMM's / DeepEP's statistics counter).
     """
-    _run("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+    _run(FP8XFP8, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
          shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
          recv_stats=cumulative_local_expert_recv_stats)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gc_moe_compat.config import MMA_TYPES
+from gc_moe_compat.compute_paths import compute_path
 
 BLOCK_M_CANDIDATES = (8, 16, 32, 64)
 MAX_STAGES = 8
@@ -63,15 +63,10 @@ def tile_rows(slabs: int) -> int:
     return CONSUMER_WARPGROUPS * slabs * 64
 
 
-def _check_mma_type(mma_type: str) -> None:
-    if mma_type not in MMA_TYPES:
-        raise ValueError(f"mma_type: one of {MMA_TYPES}, got {mma_type!r}")
-
-
 def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of a variant (``kSmemBytes`` of the ``mma_type`` kernel)."""
-    _check_mma_type(mma_type)
-    weights = tile_rows(slabs) * BK if mma_type == "fp8xfp8" else CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES
+    fp4 = compute_path(mma_type).fp4
+    weights = CONSUMER_WARPGROUPS * slabs * FP4_UNIT_BYTES if fp4 else tile_rows(slabs) * BK
     reduction = CONSUMER_WARPGROUPS * 4 * bm * 4  # the W1 epilogue's amax per (consumer warp, column)
     stage = weights + bm * BK + bm * 4
     return stages * stage + reduction + 2 * stages * 8 + 1024
@@ -121,15 +116,14 @@ def w2_slabs(bm: int, mma_type: str) -> int:
     (bench/README.md, session 4). At BM = 8 the decode and MMAs run in sequence anyway and the smaller tasks
     keep the SMs busy at small T.
     """
-    _check_mma_type(mma_type)
-    return 2 if mma_type == "fp8xfp4" and bm >= 16 else W2_SLABS
+    return 2 if compute_path(mma_type).fp4 and bm >= 16 else W2_SLABS
 
 
 def cluster_pairs(expected_rows: float, bm: int, pipelined: bool, mma_type: str) -> bool:
     """Whether the GEMMs run in cluster pairs sharing each weight tile between two ring blocks of one expert:
     pipelined, at the largest BM where ``m + sqrt(m)`` expected rows exceed it (most experts then have two or more
     blocks; the variants that exist and are tested), for both weight formats."""
-    _check_mma_type(mma_type)
+    compute_path(mma_type)
     return pipelined and bm == BLOCK_M_CANDIDATES[-1] and expected_rows + math.sqrt(expected_rows) > bm
 
 
@@ -144,7 +138,7 @@ def select_config(
     ``block_m`` replaces :func:`select_block_m`'s choice (benchmark probes of the rule itself); ``hidden``: the
     layer's H, which lets cluster pairs run W2 as 256-row tasks where 256 divides it (unknown: 128-row tasks).
     """
-    _check_mma_type(mma_type)
+    compute_path(mma_type)
     if block_m is not None and block_m not in BLOCK_M_CANDIDATES:
         raise ValueError(f"block_m: one of {BLOCK_M_CANDIDATES} or None, got {block_m!r}")
     if active_experts < 0 or tiles_per_block < 1 or num_sms < 1:

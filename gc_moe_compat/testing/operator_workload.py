@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 import torch
 
+from gc_moe_compat.compute_paths import PATHS, compute_path
 from gc_moe_compat.config import MAX_INTERMEDIATE, PRESETS, MoEPreset
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.operator import api
@@ -37,7 +38,6 @@ __all__ = [
     "CLAMP",
     "INTERMEDIATE_QUANT",
     "ROUTINGS",
-    "WEIGHT_FORMATS",
     "SHARED_SEED",
     "WORKLOADS",
     "RankInputs",
@@ -54,11 +54,9 @@ __all__ = [
 
 CAPACITY = 256  # BENCH_PROTOCOL.md: per-rank capacity
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
-WEIGHT_FORMATS = {"fp8xfp8": "fp8_block128", "fp8xfp4": "mxfp4"}
-"""The canonical weight format of each compute path (what its faithful reference dequantizes)."""
-INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_128", "bf16": None}
-"""The W1 epilogue's requantization of each weight format's SM90 path (reference.py, semantics 5); none for the
-BF16 model (BENCH_PROTOCOL.md reference 2)."""
+INTERMEDIATE_QUANT = {**{p.weight_format: p.intermediate_quant for p in PATHS.values()}, "bf16": None}
+"""The W1 epilogue's requantization of each weight format's SM90 path (its compute path's ``intermediate_quant``,
+reference.py semantics 5); none for the BF16 model (BENCH_PROTOCOL.md reference 2)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +119,7 @@ def make_weights(preset: str, rank: int, device: torch.device | str = "cuda", mm
                  ) -> RankWeights:
     """:func:`make_expert_weights` in ``mma_type``'s format plus the operator's transformed pair
     (``transform_weights_for_gc_moe``)."""
-    if mma_type not in WEIGHT_FORMATS:
-        raise ValueError(f"mma_type: must be one of {tuple(WEIGHT_FORMATS)}, got {mma_type!r}")
-    l1, l2 = make_expert_weights(preset, rank, device, WEIGHT_FORMATS[mma_type])
+    l1, l2 = make_expert_weights(preset, rank, device, compute_path(mma_type).weight_format)
     w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), mma_type)
     return RankWeights(l1, l2, w1, w2)
 

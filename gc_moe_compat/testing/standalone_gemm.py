@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from cuda.bindings import driver
 
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.layouts import interleave_gate_up
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
@@ -45,11 +46,6 @@ from gc_moe_compat.runtime.tensormap import encode_2d
 from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.reference import ExpertWeights
 
-SOURCE = "sm90/role2_gemm_fp8xfp8.cu"
-KERNEL = "gc_sm90_fp8_grouped_gemm"
-FP4_SOURCE = "sm90/role2_gemm_fp8xfp4.cu"
-FP4_KERNEL = "gc_sm90_fp8_fp4_grouped_gemm"
-KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": (FP4_SOURCE, FP4_KERNEL)}
 EPI_W1, EPI_W2 = 1, 2
 _PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_weights
 SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
@@ -86,7 +82,7 @@ def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     # (256 where 256 divides H: heuristics.select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
     bm = BLOCK_M_CANDIDATES[-1]
     out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
-    for slabs in (W2_SLABS, 2) if mma_type == "fp8xfp8" else (w2_slabs(bm, mma_type),):
+    for slabs in (w2_slabs(bm, mma_type),) if compute_path(mma_type).fp4 else (W2_SLABS, 2):
         out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
     return out
 
@@ -227,8 +223,9 @@ class ExpertGemmSM90:
         self.alpha = float(activation_alpha)
         self.status = new_status(self.device)
         self.timeout_ns = spin_timeout_ns()
-        self.mma_type = "fp8xfp4" if isinstance(weights, Fp4Weights) else "fp8xfp8"
-        source, name = KERNELS[self.mma_type]
+        path = FP8XFP4 if isinstance(weights, Fp4Weights) else FP8XFP8
+        self.mma_type = path.name
+        source, name = path.kernel, path.standalone_entry
         self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
         self._slabs = {EPI_W1: W1_SLABS, EPI_W2: config.w2_slabs}
         self._kernels = {}

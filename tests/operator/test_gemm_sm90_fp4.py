@@ -12,12 +12,13 @@ import pytest
 import torch
 from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
+from gc_moe_compat.compute_paths import FP8XFP4
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
 from gc_moe_compat.testing.gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
 from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
 from gc_moe_compat.testing.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.testing.standalone_gemm import FP4_KERNEL, FP4_SOURCE, ExpertGemmSM90, Workspace, all_variants
+from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace, all_variants
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -109,7 +110,8 @@ def test_fp4_sass_and_resources() -> None:
     """Every FP8xFP4 variant: QGMMA (register-A WGMMA on E4M3), UTMALDG (TMA), PRMT (the register decoder) in the
     SASS, no local memory, no spills."""
     for defines in all_variants("fp8xfp4"):
-        res, counts = sass_report(FP4_SOURCE, defines, FP4_KERNEL, ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL"))
+        res, counts = sass_report(FP8XFP4.kernel, defines, FP8XFP4.standalone_entry,
+                                  ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL"))
         print(f"fp4 {defines}: {res} {counts}")
         assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["PRMT"] > 0
         assert counts["LDL"] == 0 and counts["STL"] == 0

@@ -4,9 +4,9 @@ Every ``import`` / ``from ... import`` of the package's own modules counts, at m
 lazy import is still a dependency). ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else
 to ``pkg``. Layers, bottom to top; a module may import its own layer and the ones below:
 
-numerics (config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights, buffer) <
-operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals < facades
-(deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing``
+numerics (compute_paths, config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights,
+buffer) < operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals <
+facades (deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing``
 (references, workloads, the standalone GEMM harness) and ``ab`` (the tools) sit beside the stack: they may import any
 of it, and no shipped module imports them.
 """
@@ -22,7 +22,8 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "gc_moe_compat"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("gc_moe_compat.config", "gc_moe_compat.quant", "gc_moe_compat.layouts")),
+    ("numerics", ("gc_moe_compat.compute_paths", "gc_moe_compat.config", "gc_moe_compat.quant",
+                  "gc_moe_compat.layouts")),
     ("runtime", ("gc_moe_compat.runtime",)),
     ("comm", ("gc_moe_compat.comm",)),
     ("operator", ("gc_moe_compat.operator",)),
