@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["FP8XFP4", "FP8XFP8", "MMA_TYPES", "PATHS", "ComputePath", "compute_path", "path_of_recipe"]
+__all__ = ["FP8XFP4", "FP8XFP8", "MMA_TYPES", "PATHS", "ComputePath", "compute_path"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,3 @@ def compute_path(mma_type: object) -> ComputePath:
         raise ValueError(f"mma_type: must be {why}")
     return PATHS[mma_type]
 
-
-def path_of_recipe(recipe: tuple[int, ...]) -> ComputePath | None:
-    """The path whose layer calls take ``recipe``, or None."""
-    return next((p for p in PATHS.values() if p.recipe == tuple(recipe)), None)

@@ -4,7 +4,8 @@
 Hopper call: FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``) check the buffer, the output, the
 weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then run the
 operator through :func:`gc_moe_compat.deep_gemm._seam.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of
-them).
+them). That check is the call's only one: the seam runs the operator without the native calls' own (errors of the
+launch name the facade call too).
 
 Weights are DeepGEMM's layout: for ``fp8_mega_moe`` L1 rows interleaved gate/up by 8
 (``transform_weights_for_mega_moe_sm90`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is, FP8
@@ -151,9 +152,10 @@ def _native_shared(fn: str, buf: SymmBuffer, shared_l1: object, shared_l2: objec
 
 
 def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
-         shared_l1_weights: object, shared_l2_weights: object, stats: object, recipe: object,
-         activation: object, activation_clamp: object, fast_math: object) -> None:
-    """Checks common to both calls, then the operator."""
+         shared_l1_weights: object, shared_l2_weights: object, stats: object, activation: object,
+         activation_clamp: object, fast_math: object) -> None:
+    """The checks common to both calls (the one validation of a facade call: the operator does not repeat it), then
+    the operator through the seam."""
     fn = path.facade_fn
     buf = _live_buffer(fn, sym_buffer)
     _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS, _checks.DEEPGEMM_ONLY_ACTIVATIONS)
@@ -176,9 +178,9 @@ def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, s
         raise type(exc)(f"{fn}: {exc}") from exc
     if shape.num_shared_experts and not k32:
         shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=False)
-    _seam.mega_moe(y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
-                      shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
-                      recipe=recipe, activation_clamp=activation_clamp, fast_math=fast_math)
+    _seam.mega_moe(path.name, y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
+                   shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
+                   activation_clamp=activation_clamp, fast_math=fast_math)
 
 
 def fp8_fp4_mega_moe(y: torch.Tensor,
@@ -206,7 +208,7 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
     fn = FP8XFP4.facade_fn
     if isinstance(recipe, tuple | list) and tuple(recipe) == (1, 1, 16):
         raise NotImplementedError(f"{fn}: recipe=(1, 1, 16) is NVFP4: GC-MoE has no NVFP4 path")
-    recipe = _checks.recipe(fn, recipe, FP8XFP4.recipe)
+    _checks.recipe(fn, recipe, FP8XFP4.recipe)
     _checks.choice(fn, "weight_layout", weight_layout, ("megamoe",), ("trtllm",))
     _checks.unsupported_feature(fn, "use_x_scales", use_x_scales, False, "per-token outer scales (NVFP4 only)")
     for arg, value in (("l1_alphas", l1_alphas), ("l2_alphas", l2_alphas), ("l2_act_scales", l2_act_scales)):
@@ -221,7 +223,7 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
         _checks.integer(fn, "global_num_tokens", global_num_tokens, own,
                         sym_buffer.shape.num_ranks * sym_buffer.num_max_tokens_per_rank)
     _run(FP8XFP4, y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
-         cumulative_local_expert_recv_stats, recipe, activation, activation_clamp, fast_math)
+         cumulative_local_expert_recv_stats, activation, activation_clamp, fast_math)
 
 
 def fp8_mega_moe(y: torch.Tensor,
@@ -235,12 +237,12 @@ def fp8_mega_moe(y: torch.Tensor,
                  fast_math: bool = True):
     """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights (SGLang's Hopper path): ``y`` in place."""
     fn = FP8XFP8.facade_fn
-    recipe = _checks.recipe(fn, recipe, FP8XFP8.recipe)
+    _checks.recipe(fn, recipe, FP8XFP8.recipe)
     if isinstance(sym_buffer, SymmBuffer) and sym_buffer.num_shared_experts:
         raise ValueError(f"{fn}: sym_buffer was created with num_shared_experts={sym_buffer.num_shared_experts}, "
                          "but fp8_mega_moe takes no shared-expert weights (create it with num_shared_experts=0)")
     _run(FP8XFP8, y, l1_weights, l2_weights, sym_buffer, None, None, cumulative_local_expert_recv_stats,
-         recipe, activation, activation_clamp, fast_math)
+         activation, activation_clamp, fast_math)
 
 
 def nvfp4_mega_moe(y: torch.Tensor,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from gc_moe_compat import layouts, quant
-from gc_moe_compat.compute_paths import PATHS, compute_path, path_of_recipe
+from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.api import OPERATOR_MISSING
 
@@ -204,6 +204,7 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
 
 # ------------------------------------------------------------------------------------------------------------ call
 def mega_moe(
+    mma_type: str,
     y: torch.Tensor,
     l1_weights: _Pair,
     l2_weights: _Pair,
@@ -212,23 +213,22 @@ def mega_moe(
     shared_l1_weights: _Pair | None,
     shared_l2_weights: _Pair | None,
     cumulative_local_expert_recv_stats: torch.Tensor | None,
-    recipe: tuple[int, int, int],
     activation_clamp: float | None,
     fast_math: bool,
 ) -> None:
-    """Run one layer on ``buffer``'s staged tokens: dispatch, both grouped GEMMs, combine into ``y`` in place.
+    """Run one layer of compute path ``mma_type`` on ``buffer``'s staged tokens: dispatch, both grouped GEMMs,
+    combine into ``y`` in place.
 
-    ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight pairs are in DeepGEMM's layout (module
-    docstring); ``recipe`` picks the compute path, whose native call gets ``fast_math`` and
-    ``cumulative_local_expert_recv_stats``.
+    The caller has checked every argument (the facade's calls: :func:`gc_moe_compat.operator.api.validate_call` on
+    DeepGEMM's views, the recipe, the options), so this converts the weights and runs
+    :func:`gc_moe_compat.operator.api.run_checked_call` without checking them again; errors of the conversion and the
+    launch name the path's facade call. ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight
+    pairs are in DeepGEMM's layout (module docstring); the shared pairs in the native API's canonical form.
     """
-    path = path_of_recipe(recipe)
-    if path is None:
-        raise ValueError(f"recipe: must be one of {tuple(p.recipe for p in PATHS.values())}, got {recipe!r}")
-    mma_type = path.name
-    workspace = workspace_of(buffer).retyped(mma_type)
-    call = getattr(api, path.native_fn)
-    w1, w2 = operator_weights(workspace, mma_type, l1_weights, l2_weights)
-    call(y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp, shared_l1_weights=shared_l1_weights,
-         shared_l2_weights=shared_l2_weights, check_values=False, fast_math=fast_math,
-         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+    path = compute_path(mma_type)
+    workspace = workspace_of(buffer).retyped(path.name)
+    w1, w2 = operator_weights(workspace, path.name, l1_weights, l2_weights)
+    shared = (shared_l1_weights, shared_l2_weights) if workspace.shape.num_shared_experts else None
+    api.run_checked_call(path.facade_fn, workspace, y, w1, w2, activation_alpha=1.0,
+                         activation_clamp=activation_clamp, fast_math=fast_math,
+                         recv_stats=cumulative_local_expert_recv_stats, shared=shared)

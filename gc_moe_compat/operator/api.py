@@ -53,6 +53,7 @@ __all__ = [
     "partition_mode",
     "ring_model",
     "ring_plan",
+    "run_checked_call",
     "transform_weights_for_gc_moe",
     "validate_call",
 ]
@@ -167,11 +168,13 @@ def check_recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
     return stats
 
 
-def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
-         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
-         shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
-         recv_stats: object = None) -> None:
-    fn, mma_type = path.native_fn, path.name
+def _check_call(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
+                activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+                shared_l2_weights: object, check_values: object, fast_math: object,
+                recv_stats: object) -> torch.Tensor | None:
+    """Every check of a native call of ``path`` (``TypeError`` / ``ValueError`` naming ``path.native_fn`` and the
+    argument); returns the checked ``cumulative_local_expert_recv_stats``."""
+    fn = path.native_fn
     if not isinstance(buffer, GcMoeBuffer):
         raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
     if buffer.storage is None:
@@ -179,12 +182,12 @@ def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, r
     shape = buffer.shape
     boolean(fn, "check_values", check_values)  # before validate_call reads it: None would skip the value checks
     try:
-        if shape.mma_type != mma_type:
-            raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
+        if shape.mma_type != path.name:
+            raise ValueError(f"buffer: must be created with mma_type={path.name!r}, got {shape.mma_type!r}")
         e = shape.num_local_experts
         l1, l2 = _weights("w1", w1, path, "l1", e), _weights("w2", w2, path, "l2", e)
         inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
-        t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
+        validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
         if not isinstance(activation, str):
             raise TypeError(f"activation: must be 'swiglu' (a str), got {type(activation).__name__} "
                             f"({activation!r:.80})")
@@ -198,14 +201,38 @@ def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, r
     if activation_clamp is not None:
         finite_float(fn, "activation_clamp", activation_clamp, positive=True)
     boolean(fn, "fast_math", fast_math)
+    return recv_stats
+
+
+def run_checked_call(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, *,
+                     activation_alpha: float, activation_clamp: float | None, fast_math: bool,
+                     recv_stats: torch.Tensor | None, shared: tuple[_Pair, _Pair] | None) -> None:
+    """One layer call on ``y.shape[0]`` staged tokens whose arguments were checked where they entered: by the
+    native calls, or by the ``deep_gemm`` facade (its ``validate_call`` on DeepGEMM's views, before the seam
+    converts the weights), so that a facade call is validated once. Takes the workspace guard, plans the ring
+    (:class:`~gc_moe_compat.operator.ring.RingCapacityError`) and runs the graph; ``fn``, the caller's function,
+    prefixes the errors of the launch. ``shared``: the fused shared expert's pairs (None without one)."""
+    t = y.shape[0]
+    shape = buffer.shape
     with exclusive(buffer):
         model = ring_model(buffer, t)
         plan = ring_plan(buffer, t, model)
-        if missing_role_kernels(shape.num_shared_experts, mma_type):
-            raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=mma_type)
-        shared = (shared_l1_weights, shared_l2_weights) if shape.num_shared_experts else None
+        if missing_role_kernels(shape.num_shared_experts, shape.mma_type):
+            raise not_built_error(f"{fn}: running the layer", shape.num_shared_experts, mma_type=shape.mma_type)
         _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
                 recv_stats=recv_stats, shared=shared)
+
+
+def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
+         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+         shared_l2_weights: object, check_values: object, *, fast_math: object = True,
+         recv_stats: object = None) -> None:
+    """A native call of ``path``: :func:`_check_call`, then :func:`run_checked_call`."""
+    recv_stats = _check_call(path, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+                             shared_l1_weights, shared_l2_weights, check_values, fast_math, recv_stats)
+    shared = (shared_l1_weights, shared_l2_weights) if buffer.shape.num_shared_experts else None
+    run_checked_call(path.native_fn, buffer, y, w1, w2, activation_alpha=activation_alpha,
+                     activation_clamp=activation_clamp, fast_math=fast_math, recv_stats=recv_stats, shared=shared)
 
 
 _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()

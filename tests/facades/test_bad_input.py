@@ -301,7 +301,7 @@ def test_layer_call_refusals_name_the_argument(group: dist.ProcessGroup) -> None
         dg.fp8_mega_moe(y, l1, l2, buf, recipe=None)
     with pytest.raises(ValueError, match="fp8_fp4_mega_moe: global_num_tokens must be in \\[3, 64\\], got 2"):
         dg.fp8_fp4_mega_moe(y, l1, l2, buf, global_num_tokens=2)  # below y's rows (item 11)
-    with pytest.raises(RuntimeError, match="fp8_fp8_gc_moe: buffer: lives in host memory"):  # valid: to the launch
+    with pytest.raises(RuntimeError, match="fp8_mega_moe: buffer: lives in host memory"):  # valid: to the launch
         dg.fp8_mega_moe(y, l1, l2, buf)
     buf.destroy()
     with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was destroyed"):

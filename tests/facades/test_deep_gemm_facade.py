@@ -215,7 +215,7 @@ def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> 
     l1, l2 = _fp8_weights()
     y = torch.empty(3, H, dtype=torch.bfloat16)
     buf.topk_idx[:3] = 0
-    with pytest.raises(RuntimeError, match="fp8_fp8_gc_moe: buffer: lives in host memory .* needs the GPU"):
+    with pytest.raises(RuntimeError, match="fp8_mega_moe: buffer: lives in host memory .* needs the GPU"):
         dg.fp8_mega_moe(y, l1, l2, buf, recipe=(128, 128, 128), activation="swiglu", activation_clamp=10.0,
                         fast_math=True)
     with pytest.raises(ValueError, match="fp8_mega_moe: sym_buffer was created with num_shared_experts=1"):

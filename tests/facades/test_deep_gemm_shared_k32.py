@@ -133,7 +133,7 @@ def test_k32_shared_pairs_reach_the_native_call(group: dist.ProcessGroup) -> Non
     """DeepGEMM's shared form passes every check and reaches role4's launch (which stops on CPU)."""
     _, (t1, t2) = _deepgemm_shared()
     y, (l1, l2) = torch.empty(3, H, dtype=torch.bfloat16), _routed()
-    with pytest.raises(RuntimeError, match="fp8_fp4_gc_moe: buffer: lives in host memory"):
+    with pytest.raises(RuntimeError, match="fp8_fp4_mega_moe: buffer: lives in host memory"):
         dg.fp8_fp4_mega_moe(y, l1, l2, _sym(group), shared_l1_weights=t1, shared_l2_weights=t2)
 
 
