@@ -1,7 +1,7 @@
 """SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
 
 Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (BENCH_PROTOCOL.md sweep): the rank-0 share of
-``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.testing.gemm_workload). Operators, each
+``8T`` tokens routed top-k uniformly over ``8e`` experts (bench/_gemm_workload.py). Operators, each
 captured in
 a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
 median window):
@@ -43,12 +43,7 @@ from pathlib import Path
 import torch
 from _baseline_sm90 import DeepGemmMasked, import_deep_gemm, masked_geometry
 from _common import PER_WINDOW, REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, timed_windows
-
-from gc_moe_compat.compute_paths import compute_path
-from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.gemm_workload import (
+from _gemm_workload import (
     CLAMP,
     WORLD,
     Layer,
@@ -59,9 +54,14 @@ from gc_moe_compat.testing.gemm_workload import (
     reference_partials,
     reference_partials_fp4,
 )
-from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens, scatter_partials
+from _grouping import GroupedTokens, group_tokens, scatter_partials
+from _standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
+
+from gc_moe_compat.compute_paths import compute_path
+from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
+from gc_moe_compat.runtime import jit
 from gc_moe_compat.testing.reference import accuracy_metrics
-from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
 
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 

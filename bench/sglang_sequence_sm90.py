@@ -56,6 +56,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, result_meta, write_partial_result
+from _grouping import GroupedTokens
+from _standalone_gemm import (
+    EPI_W1,
+    EPI_W2,
+    ExpertGemmSM90,
+    prepare_fp8_weights,
+    variant_defines,
+)
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
@@ -71,7 +79,6 @@ from gc_moe_compat.operator.sm90 import role4_shared
 from gc_moe_compat.runtime.graph import get_graph
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
-from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.operator_workload import (
     CAPACITY,
     CLAMP,
@@ -83,13 +90,6 @@ from gc_moe_compat.testing.operator_workload import (
     reference_results,
 )
 from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
-from gc_moe_compat.testing.standalone_gemm import (
-    EPI_W1,
-    EPI_W2,
-    ExpertGemmSM90,
-    prepare_fp8_weights,
-    variant_defines,
-)
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")

@@ -25,7 +25,6 @@ from gc_moe_compat.config import MAX_INTERMEDIATE, PRESETS, MoEPreset
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.weights import GcMoeWeights
-from gc_moe_compat.testing.gemm_workload import CLAMP
 from gc_moe_compat.testing.reference import (
     ExpertWeights,
     MoEResult,
@@ -53,6 +52,7 @@ __all__ = [
 ]
 
 CAPACITY = 256  # BENCH_PROTOCOL.md: per-rank capacity
+CLAMP = 10.0  # BENCH_PROTOCOL.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
 INTERMEDIATE_QUANT = {**{p.weight_format: p.intermediate_quant for p in PATHS.values()}, "bf16": None}
 """The W1 epilogue's requantization of each weight format's SM90 path (its compute path's ``intermediate_quant``,

@@ -6,6 +6,13 @@ import math
 
 import pytest
 import torch
+from _grouping import group_tokens, scatter_partials
+from _standalone_gemm import (
+    ExpertGemmSM90,
+    all_variants,
+    prepare_fp4_weights,
+    prepare_fp8_weights,
+)
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import layouts, quant
@@ -26,14 +33,7 @@ from gc_moe_compat.operator.heuristics import (
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.launch import cluster_config
-from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
 from gc_moe_compat.testing.reference import ExpertWeights, dispatch_plan, quantize_activations
-from gc_moe_compat.testing.standalone_gemm import (
-    ExpertGemmSM90,
-    all_variants,
-    prepare_fp4_weights,
-    prepare_fp8_weights,
-)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _standalone_gemm import prepare_fp4_weights, recorded_variants
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
@@ -40,7 +41,6 @@ from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 from gc_moe_compat.runtime.tensormap import TensorMapArg
 from gc_moe_compat.testing.reference import ExpertWeights
-from gc_moe_compat.testing.standalone_gemm import prepare_fp4_weights, recorded_variants
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"

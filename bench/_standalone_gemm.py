@@ -1,7 +1,9 @@
-"""Host entry point of the SM90 expert GEMMs: weights prepared for the kernels, variants compiled, W1 -> W2 launched.
+"""The standalone SM90 expert GEMMs' harness (the GEMM tests' and benchmarks', not shipped): weights prepared for the
+kernels, variants compiled, W1 -> W2 launched.
 
 :class:`ExpertGemmSM90` runs the grouped W1 GEMM with the fused SwiGLU / routing-weight / requantization epilogue,
-then the grouped W2 GEMM writing BF16 partial rows, on one stream. It is the compute role of the operator on Hopper,
+then the grouped W2 GEMM writing BF16 partial rows, on one stream: the role2 kernels' standalone variants
+(``GC_OPERATOR`` unset; the operator runs them over its token ring, :mod:`gc_moe_compat.operator.sm90.role2_gemm`),
 for both weight formats:
 
 * ``fp8xfp8`` (:func:`prepare_fp8_weights`, kernels/sm90/role2_gemm_fp8xfp8.cu): FP8 weights with FP32 128x128 block
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from _grouping import GroupedTokens
 from cuda.bindings import driver
 
 from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
@@ -43,7 +46,6 @@ from gc_moe_compat.runtime.launch import launch, max_active_clusters
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.tensormap import encode_2d
-from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.reference import ExpertWeights
 
 EPI_W1, EPI_W2 = 1, 2
