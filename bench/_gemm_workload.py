@@ -17,8 +17,8 @@ from _standalone_gemm import Fp4Weights, Fp8Weights, prepare_fp4_weights, prepar
 
 from gc_moe_compat.config import PRESETS
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
-from gc_moe_compat.testing.operator_workload import CLAMP
-from gc_moe_compat.testing.reference import ExpertWeights, moe_reference, quantize_activations
+from gc_moe_compat.references.operator_workload import CLAMP
+from gc_moe_compat.references.reference import ExpertWeights, moe_reference, quantize_activations
 
 WORLD = 8
 

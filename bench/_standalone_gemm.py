@@ -40,13 +40,13 @@ from gc_moe_compat.operator.heuristics import (
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
+from gc_moe_compat.references.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.launch import launch, max_active_clusters
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.tensormap import encode_2d
-from gc_moe_compat.testing.reference import ExpertWeights
 
 EPI_W1, EPI_W2 = 1, 2
 _PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_weights

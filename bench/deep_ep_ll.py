@@ -16,9 +16,8 @@ Timing (BENCH_PROTOCOL.md): windows of 100 replays, 10 warm-up + 30 measured, L2
 (device all-reduce) before each window; a point's latency is the slowest rank's median window. Floor per point: the
 bytes one rank must move over NVLink (rows to the other rank: FP8 + FP32 scales out, BF16 back), the larger of the two
 ranks, over the peer copy bandwidth measured in the same run. Accuracy: the facade's combined output of the eager run
-is compared bit for bit with :func:`gc_moe_compat.testing.ep_reference.combine_reference`, and the replayed output with
-the
-eager one.
+is compared bit for bit with :func:`gc_moe_compat.references.ep_reference.combine_reference`, and the replayed output
+with the eager one.
 
 ``python bench/deep_ep_ll.py --out bench/results/deep_ep_ll_x2.json`` (re-executes itself on two ranks).
 """
@@ -126,8 +125,8 @@ class NcclExchange:
 
 def run_ranks(args: argparse.Namespace) -> None:
     import gc_moe_compat.deep_ep as deep_ep
-    from gc_moe_compat.testing.ep_reference import combine_reference, receive_plan
-    from gc_moe_compat.testing.operator_workload import make_inputs, preset_dims
+    from gc_moe_compat.references.ep_reference import combine_reference, receive_plan
+    from gc_moe_compat.references.operator_workload import make_inputs, preset_dims
 
     ranks = Ranks()
     rank, group, gather = ranks.rank, ranks.group, ranks.gather

@@ -17,9 +17,9 @@ run and one result file:
    captured in its own CUDA graph (the kernels on the ``Buffer.num_sms`` = 20 communication partition) and timed by
    replay. Floor: the bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and
    scales out; combine: every slot's BF16 row in, the BF16 tokens out) over the copy bandwidth. Accuracy: the eager
-   dispatch bit for bit against :func:`gc_moe_compat.testing.ep_reference.ll_quantize` in DeepEP's receive order
+   dispatch bit for bit against :func:`gc_moe_compat.references.ep_reference.ll_quantize` in DeepEP's receive order
    (counts, source tokens, payload, scales), the combine of seeded expert rows bit for bit against
-   :func:`~gc_moe_compat.testing.ep_reference.combine_reference`, the replays identical to the eager calls.
+   :func:`~gc_moe_compat.references.ep_reference.combine_reference`, the replays identical to the eager calls.
 3. ``overlap``: what the green partition buys SGLang's two-batch overlap: a grouped-GEMM-sized load on the compute
    side while the other micro-batch's dispatch + combine runs. Per preset and T (``Tmax`` = 128, SGLang's default):
    ``green`` (dispatch + combine in one CUDA graph with the kernels on the communication partition, the GEMM on the
@@ -56,9 +56,9 @@ from _common import PER_WINDOW, REPO, copy_bandwidth, pyplot, result_meta, timed
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 from gc_moe_compat.config import PRESETS as CONFIGS
+from gc_moe_compat.references.ep_reference import combine_reference, ll_quantize, receive_plan
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
-from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
 PARTS = ("normal", "low_latency", "overlap")
 PRESETS = {name: (CONFIGS[name].hidden, CONFIGS[name].topk, CONFIGS[name].local_experts)

@@ -60,8 +60,8 @@ from _standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
 from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
+from gc_moe_compat.references.reference import accuracy_metrics
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.reference import accuracy_metrics
 
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 

@@ -19,7 +19,7 @@ and the device synchronized between windows, a device-side all-reduce aligning b
 rank's median window, a point's latency the slowest rank's. Floor per point: per rank, its unique active experts'
 FP8 weights + block scales plus its received rows in (FP8 + FP32 scales) and out (BF16 partials), over the copy
 bandwidth that rank measured in this run; the point's floor is the largest. Accuracy per point and rank: ``y``
-of each operator against the 2-rank quantization-faithful reference (``gc_moe_compat.testing.reference``), and every
+of each operator against the 2-rank quantization-faithful reference (``gc_moe_compat.references.reference``), and every
 graph's replayed ``y`` bit-identical to its eager run.
 
 The script starts its own two ranks: run as ``python bench/operator_sm90.py`` it compiles the operator's kernel
@@ -56,7 +56,7 @@ from gc_moe_compat.ab import results
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window, torchrun_command
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import block_m_for_call
-from gc_moe_compat.testing.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
+from gc_moe_compat.references.operator_workload import CAPACITY, CLAMP, make_inputs, preset_dims
 
 WORLD = 2
 OPS = ("gc_moe", "gc_moe_no_partition", "composed_baseline")
@@ -237,7 +237,7 @@ def _warm_deepgemm(device: int, calls: Sequence[tuple[str, int, int]]) -> str:
     torch.cuda.set_device(device)
     dg = base.import_deep_gemm()
 
-    from gc_moe_compat.testing.reference import ExpertWeights
+    from gc_moe_compat.references.reference import ExpertWeights
 
     t0 = time.monotonic()
     weights: dict[str, tuple[ExpertWeights, ExpertWeights]] = {}
@@ -337,7 +337,7 @@ def measure_op(name: str, run: Callable[[], torch.Tensor], y_ref: torch.Tensor, 
                args: argparse.Namespace, check: Callable[[], None] | None = None) -> None:
     """Eager run (builds and JITs) -> accuracy; capture; timed replays; replayed y bit-identical to the eager one.
     Every rank calls it for the same op; a failure on any rank marks the op unavailable on all of them."""
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     error, graph, eager = None, None, None
     try:
@@ -374,7 +374,7 @@ def measure_gc_moe(ranks: Ranks, bufs: dict[str, object], w1: object, w2: object
     """``gc_moe`` (partition on) and ``gc_moe_no_partition`` (off) on this rank's staged inputs."""
     from gc_moe_compat.operator import api
     from gc_moe_compat.operator.sm90 import layer
-    from gc_moe_compat.testing.operator_workload import stage
+    from gc_moe_compat.references.operator_workload import stage
 
     for op, mode in (("gc_moe", "on"), ("gc_moe_no_partition", "off")):
         buf = bufs[mode]
@@ -413,8 +413,8 @@ def measure_baseline(ranks: Ranks, dg: object, plan: A2APlan, weights: tuple, in
 def run_ranks(args: argparse.Namespace) -> None:
     """Every rank: weights, buffers, the three operators per point; rank 0 assembles and writes the result."""
     from gc_moe_compat.operator import api
+    from gc_moe_compat.references.operator_workload import make_expert_weights, reference_ys
     from gc_moe_compat.runtime.green import get_partition
-    from gc_moe_compat.testing.operator_workload import make_expert_weights, reference_ys
 
     ranks = Ranks()
     rank = ranks.rank

@@ -76,10 +76,7 @@ from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.heuristics import select_config, tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
-from gc_moe_compat.runtime.graph import get_graph
-from gc_moe_compat.runtime.green import get_partition
-from gc_moe_compat.runtime.single_rank import single_rank_group
-from gc_moe_compat.testing.operator_workload import (
+from gc_moe_compat.references.operator_workload import (
     CAPACITY,
     CLAMP,
     RankInputs,
@@ -89,7 +86,10 @@ from gc_moe_compat.testing.operator_workload import (
     preset_dims,
     reference_results,
 )
-from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
+from gc_moe_compat.references.reference import ExpertWeights, accuracy_metrics
+from gc_moe_compat.runtime.graph import get_graph
+from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.single_rank import single_rank_group
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")

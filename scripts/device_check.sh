@@ -70,7 +70,7 @@ mkdir -p "$OUT"
   "$PY" -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/gc_wheel . &&
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/gc_wheel_site /tmp/gc_wheel/gc_moe_compat-*.whl &&
     (cd /tmp && PYTHONPATH=/tmp/gc_wheel_site "$PY" -c "import sys, importlib.resources as r, gc_moe_compat.runtime, \
-gc_moe_compat.deep_gemm, gc_moe_compat.deep_ep, gc_moe_compat.testing.reference; k = r.files('gc_moe_compat.kernels'); \
+gc_moe_compat.deep_gemm, gc_moe_compat.deep_ep, gc_moe_compat.references.reference; k = r.files('gc_moe_compat.kernels'); \
 print('wheel ok on', sys.version.split()[0], sorted(p.name for p in k.iterdir() if p.is_dir() and p.name != '__pycache__'))")
 ) >"$OUT/setup.log" 2>&1
 setup_rc=$?

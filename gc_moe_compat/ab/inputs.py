@@ -5,7 +5,7 @@
   (FP8 with FP32 128x128 block scales, SGLang's Hopper checkpoint format) and ``mxfp4`` (window-equivalent, as the
   SM90 FP8xFP4 kernel computes with it).
 * Tokens: per rank and point, BF16 hidden states (what SGLang hands ``mega_moe_pre_dispatch_sm90``), int32 top-k
-  ids (uniform top-k without repetition, :func:`gc_moe_compat.testing.operator_workload.make_inputs`) and FP32
+  ids (uniform top-k without repetition, :func:`gc_moe_compat.references.operator_workload.make_inputs`) and FP32
   softmax routing weights. :meth:`Tokens.staged` is what the pre-dispatch writes into the buffer, computed by its
   byte-exact torch model (:func:`gc_moe_compat.quant.quantize_fp8_pre_dispatch`), so operators staged by the caller
   (the native API) see the same bytes as operators that run the pre-dispatch themselves.
@@ -21,8 +21,8 @@ from functools import cached_property
 import torch
 
 from gc_moe_compat import layouts, quant
-from gc_moe_compat.testing.operator_workload import RankInputs, make_inputs
-from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.references.operator_workload import RankInputs, make_inputs
+from gc_moe_compat.references.reference import ExpertWeights
 
 __all__ = ["WEIGHT_FORMATS", "LayerWeights", "Tokens", "make_tokens", "make_weights", "token_seed"]
 

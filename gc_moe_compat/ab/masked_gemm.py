@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.references.reference import ExpertWeights
 
 __all__ = ["ACT_PROGRAMS_PER_SM", "AMAX_FLOOR", "E4M3_MAX", "MASKED_GEMM_NAMES", "DeepGemmMasked", "MaskedExperts",
            "masked_gemm_of", "next_pow2", "swiglu_quant_masked"]

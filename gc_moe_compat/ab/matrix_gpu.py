@@ -72,7 +72,7 @@ class _Native:
             "shared_l2_weights": (shared[1].payload, shared[1].scales)}
 
     def run(self, tokens: inputs.Tokens) -> torch.Tensor:
-        from gc_moe_compat.testing.operator_workload import stage
+        from gc_moe_compat.references.operator_workload import stage
 
         stage(self.buf, tokens.staged)
         y = torch.zeros(tokens.count, self.ctx.workload.hidden, dtype=torch.bfloat16, device=self.ctx.device)
@@ -110,7 +110,7 @@ def _case(axes: dict[str, object], tokens: object, world: int = 1) -> str:
 
 
 def _verdict(y: torch.Tensor, ref: torch.Tensor, tokens: int) -> tuple[str, str]:
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     if y.shape[0] > tokens:  # the facade's padded row of T = 0
         pad = y[tokens:]
@@ -128,8 +128,8 @@ def _verdict(y: torch.Tensor, ref: torch.Tensor, tokens: int) -> tuple[str, str]
 
 def _reference(tokens: inputs.Tokens, weights: tuple[object, object], shared: tuple[object, object] | None,
                fmt: str) -> torch.Tensor:
-    from gc_moe_compat.testing.operator_workload import INTERMEDIATE_QUANT
-    from gc_moe_compat.testing.reference import expert_parallel_reference
+    from gc_moe_compat.references.operator_workload import INTERMEDIATE_QUANT
+    from gc_moe_compat.references.reference import expert_parallel_reference
 
     s = tokens.staged
     return expert_parallel_reference([(s.x, s.x_sf)], [s.topk_idx], [s.topk_weights], [weights[0]], [weights[1]],

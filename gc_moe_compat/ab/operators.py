@@ -267,7 +267,7 @@ class NativeFp8Fp4:
         self.y: torch.Tensor | None = None
 
     def stage(self, tokens: Tokens) -> None:
-        from gc_moe_compat.testing.operator_workload import stage
+        from gc_moe_compat.references.operator_workload import stage
 
         stage(self.buf, tokens.staged)
         self.buf.topk_weights[tokens.count:].zero_()

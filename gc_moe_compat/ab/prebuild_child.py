@@ -18,7 +18,7 @@ def _zero_weights(local_experts: int, hidden: int, intermediate: int, device: ob
     import torch
 
     from gc_moe_compat.ab.inputs import LayerWeights
-    from gc_moe_compat.testing.reference import ExpertWeights
+    from gc_moe_compat.references.reference import ExpertWeights
 
     def one(n: int, k: int) -> ExpertWeights:
         payload = torch.zeros(local_experts, n, k, dtype=torch.float8_e4m3fn, device=device)

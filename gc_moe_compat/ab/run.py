@@ -91,8 +91,8 @@ def _error(exc: BaseException) -> str:
 def _references(tokens: Sequence[Tokens], weights: Sequence[object], formats: set[str], clamp: float | None,
                 rank: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's reference outputs: ``{weight format: {"faithful": y, "bf16_model": y}}``."""
-    from gc_moe_compat.testing.operator_workload import INTERMEDIATE_QUANT
-    from gc_moe_compat.testing.reference import expert_parallel_reference
+    from gc_moe_compat.references.operator_workload import INTERMEDIATE_QUANT
+    from gc_moe_compat.references.reference import expert_parallel_reference
 
     staged = [t.staged for t in tokens]
     idx, w = [s.topk_idx for s in staged], [s.topk_weights for s in staged]
@@ -108,7 +108,7 @@ def _references(tokens: Sequence[Tokens], weights: Sequence[object], formats: se
 
 def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int, rank: int) -> dict[str, int]:
     """This rank's BENCH_PROTOCOL.md floor bytes per mma type: its unique active experts and received rows."""
-    from gc_moe_compat.testing.reference import dispatch_plan
+    from gc_moe_compat.references.reference import dispatch_plan
 
     plan = dispatch_plan([t.topk_idx.to(torch.int64) for t in tokens], num_experts)[rank]
     active, rows = sum(1 for r in plan if r.shape[0]), sum(int(r.shape[0]) for r in plan)
@@ -119,7 +119,7 @@ def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int,
 def _measure(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], ranks: Ranks, cfg: RunConfig,
              record: dict[str, dict], ys: dict[str, torch.Tensor]) -> None:
     """One operator at one point (module docstring); every rank calls it for the same operator."""
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     error, graph, eager = None, None, None
     try:
@@ -276,7 +276,7 @@ def run(cfg: RunConfig) -> int:
 
 def _pairs(ys: dict[str, torch.Tensor], record: dict[str, dict]) -> None:
     """Every pair of measured operators' eager outputs on this rank, against each other."""
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     names = list(ys)
     for i, a in enumerate(names):
@@ -309,7 +309,7 @@ def _write(cfg: RunConfig, points: list[dict[str, object]], partition: dict[str,
                            "routing without repetition, softmax weights, randn BF16 hidden states (seed 90000 + "
                            "T * world + rank)",
         "references": {"faithful": "quantization-faithful FP32 reference of each op's weight format "
-                                   "(gc_moe_compat.testing.reference)",
+                                   "(gc_moe_compat.references.reference)",
                        "bf16_model": "the same layer with the unquantized BF16 experts and BF16 activations"},
         "summary": results.summarize(points, REFERENCE_OP),
         "complete": final and len(points) == len(cfg.tokens),

@@ -10,7 +10,7 @@ source token sends at most ``min(k, e)`` assignments to one rank (top-k has no r
 at most ``A = Tmax·P·min(k, e)`` rows. Every local expert's rows are cut into blocks of ``BM`` (the last one
 partial), which needs ``sum_e ceil(n_e/BM) <= ceil(A/BM) + e`` *logical pool blocks*. Pool blocks are numbered in
 local-expert order (expert 0's blocks first), rows inside an expert in the documented
-:func:`gc_moe_compat.testing.reference.dispatch_plan` order ``(src_rank, src_token, slot)``.
+:func:`gc_moe_compat.references.reference.dispatch_plan` order ``(src_rank, src_token, slot)``.
 
 Ring mapping. Pool block ``p`` lives in ring block ``p mod R`` as generation ``p div R`` (generations restart at 0
 every replay: role3 resets the ring signals). Generation ``g`` of ring block ``b`` is complete when:
@@ -308,7 +308,7 @@ def pool_rows(received: list[torch.Tensor], plan: RingPlan) -> torch.Tensor:
     src_rank, src_token, slot), in pool order.
 
     ``received[le]`` is ``[n, 3]`` (src_rank, src_token, slot) for local expert ``le``, in the documented order: one
-    rank's entry of :func:`gc_moe_compat.testing.reference.dispatch_plan`. This is the ring content kernels are
+    rank's entry of :func:`gc_moe_compat.references.reference.dispatch_plan`. This is the ring content kernels are
     compared to.
     """
     out = []

@@ -1,5 +1,5 @@
 """The ``deep_ep`` facade's low-latency dispatch and combine on H200s, bit for bit against the torch references
-(:mod:`gc_moe_compat.testing.ep_reference`), on one rank and on two (issue 6's ``deep_ep`` swap target).
+(:mod:`gc_moe_compat.references.ep_reference`), on one rank and on two (issue 6's ``deep_ep`` swap target).
 
 Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8, power-of-two scales, UE8M0, BF16),
 int64/int32 routing with holes, a rank without tokens, hook and async variants, the zero-copy combine (its ``x``

@@ -1,5 +1,5 @@
 """The ``deep_ep`` facade's normal mode (DeepEP's intranode ``get_dispatch_layout`` / ``dispatch`` / ``combine``) on
-H200s, bit for bit against the torch references (:mod:`gc_moe_compat.testing.ep_normal_reference`), on one rank and
+H200s, bit for bit against the torch references (:mod:`gc_moe_compat.references.ep_normal_reference`), on one rank and
 on two: every handle tensor, BF16 and FP8 payloads (column-major scales), -1 slots, T = 0, a rank without tokens,
 every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached re-dispatch, bias, async with
 ``previous_event``, 20 consecutive rounds, a default device of cuda, on the communication green partition and with

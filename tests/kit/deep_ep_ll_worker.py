@@ -1,5 +1,5 @@
 """Worker of tests/facades/test_deep_ep_ll.py: the ``deep_ep`` facade's low-latency dispatch and combine on 1 or 2 ranks
-against the torch references of :mod:`gc_moe_compat.testing.ep_reference`, bit for bit.
+against the torch references of :mod:`gc_moe_compat.references.ep_reference`, bit for bit.
 
 Every rank draws every rank's inputs from one seed (so each can build the reference of the whole group) and checks
 its own outputs: ``recv_count``, every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
 
 import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.references.ep_reference import combine_reference, ll_quantize, receive_plan
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
-from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
 TMAX, HIDDEN, TOPK = 24, 1024, 4
 

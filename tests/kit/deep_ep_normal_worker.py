@@ -1,5 +1,5 @@
 """Worker of tests/facades/test_deep_ep_normal.py: the ``deep_ep`` facade's normal-mode layout, dispatch and combine on
-1 or 2 ranks against :mod:`gc_moe_compat.testing.ep_normal_reference`.
+1 or 2 ranks against :mod:`gc_moe_compat.references.ep_normal_reference`.
 
 Every rank draws every rank's inputs from one seed and checks its own outputs: the layout, every handle tensor, the
 received rows (BF16 or FP8 bytes and scales, bit for bit), source indices, local top-k ids and weights, the aligned
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
 
 import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.references.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
 from gc_moe_compat.runtime.status import DeviceTimeoutError
-from gc_moe_compat.testing.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
 
 HIDDEN, TOPK, SMS = 512, 4, 8
 NVL_BYTES = 64 << 20

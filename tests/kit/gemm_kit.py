@@ -12,8 +12,8 @@ from _grouping import GroupedTokens, group_tokens
 from _standalone_gemm import ExpertGemmSM90, Workspace
 
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, max_stages, w2_slabs
+from gc_moe_compat.references.reference import quantize_activations
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.reference import quantize_activations
 
 
 def config(

@@ -2,9 +2,9 @@
 staging, poisoning (:func:`start_call`: both, and the NaN ``y``), the P-rank quantization-faithful reference and the
 BENCH_PROTOCOL.md accuracy check.
 
-The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations the
-kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
-with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
+The oracle is :func:`gc_moe_compat.references.reference.expert_parallel_reference` on the exact weights and activations
+the kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for
+FP8xFP4), with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
 ``reference_ys`` from the weights' format); ``make_expert_weights(..., fmt="bf16")`` gives the BF16 model both
 approximate.
 """
@@ -17,7 +17,7 @@ import torch
 
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator import api
-from gc_moe_compat.testing.operator_workload import (  # noqa: F401 - re-exported for the operator tests
+from gc_moe_compat.references.operator_workload import (  # noqa: F401 - re-exported for the operator tests
     CAPACITY,
     CLAMP,
     ROUTINGS,
@@ -30,7 +30,7 @@ from gc_moe_compat.testing.operator_workload import (  # noqa: F401 - re-exporte
     reference_ys,
     stage,
 )
-from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.references.reference import accuracy_metrics
 
 SWEEP = tuple(SWEEP_TOKENS)
 POISONED = ("l1_acts", "l1_acts_sf", "l1_routing_weights", "l1_source", "l2_acts", "l2_acts_sf", "combine")

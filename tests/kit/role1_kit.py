@@ -1,8 +1,7 @@
 """Shared helpers of role1's GPU tests: stand-in kernels, routings, staging, poisoning and the exact expected ring.
 
-The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.testing.reference.dispatch_plan` (which rows
-a
-rank receives, in which order) and :func:`gc_moe_compat.operator.ring.pool_rows` /
+The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.references.reference.dispatch_plan` (which
+rows a rank receives, in which order) and :func:`gc_moe_compat.operator.ring.pool_rows` /
 :func:`~gc_moe_compat.operator.ring.pool_table`
 (where each row lands), applied to the inputs every rank staged.
 """
@@ -17,12 +16,12 @@ from cuda.bindings import driver
 
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.ring import RingPlan, pool_rows, pool_table
+from gc_moe_compat.references.reference import dispatch_plan
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import GreenSide
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
-from gc_moe_compat.testing.reference import dispatch_plan
 
 STANDINS = "testing/dispatch_test.cu"
 STANDIN_SITES = {

@@ -13,11 +13,11 @@ from cuda.bindings import driver
 from gc_moe_compat.config import MoEShape
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.sm90 import role3_finalize
+from gc_moe_compat.references.reference import _combine
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import as_stream, call
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import ptr
-from gc_moe_compat.testing.reference import _combine
 
 SOURCE = "testing/finalize_test.cu"
 STAND_IN_SITES = {1: "replay_seq", 2: "recv_parity", 3: "combine_ready", 4: "finalize_arrive", 5: "recv_counts",

@@ -36,9 +36,9 @@ from two_rank import MISSING_PEER_TIMEOUT_MS, finish, join, raises
 
 from gc_moe_compat.operator.buffer import get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.sm90 import role3_finalize
+from gc_moe_compat.references import reference
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.status import DeviceTimeoutError
-from gc_moe_compat.testing import reference
 
 ROUNDS = [(48, 64), (0, 37), (64, 0), (64, 64), (5, 1)]
 """Tokens of (rank 0, rank 1) per round."""

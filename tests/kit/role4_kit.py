@@ -38,9 +38,9 @@ from gc_moe_compat import quant
 from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.sm90 import layer, role2_gemm, role4_shared
+from gc_moe_compat.references.operator_workload import RankInputs, reference_results
+from gc_moe_compat.references.reference import ExpertWeights, accuracy_metrics
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.operator_workload import RankInputs, reference_results
-from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
 
 Shared = tuple[ExpertWeights, ExpertWeights]
 """A shared expert's L1 and L2 weights as the reference reads them."""

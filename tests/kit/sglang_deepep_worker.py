@@ -1,5 +1,5 @@
 """Worker of tests/facades/test_sglang_deepep.py: SGLang 0.5.23's own ``DeepEPDispatcher`` (low-latency mode) against
-the swapped ``deep_ep`` (``GC_MOE_SWAP=deep_ep``), bit for bit against :mod:`gc_moe_compat.testing.ep_reference`.
+the swapped ``deep_ep`` (``GC_MOE_SWAP=deep_ep``), bit for bit against :mod:`gc_moe_compat.references.ep_reference`.
 
 Per rank: SGLang builds its DeepEP buffer (``DeepEPBuffer.get_deepep_buffer``: ``Buffer.get_low_latency_rdma_size_hint``
 and ``Buffer(...)``), dispatches decode tokens (FP8 with FP32 1x128 scales, as on Hopper with DeepGEMM, and BF16),
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from two_rank import run_suite
 
-from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
+from gc_moe_compat.references.ep_reference import combine_reference, ll_quantize, receive_plan
 
 TMAX, HIDDEN, TOPK, EXPERTS_PER_RANK = 64, 2048, 8, 16
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.references.reference import ExpertWeights
 
 VERSION = "0.5.23"
 SOURCE_ENV = "GC_MOE_SGLANG_SRC"

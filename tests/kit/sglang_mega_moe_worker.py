@@ -41,7 +41,7 @@ from two_rank import finish, join, suite_parser
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.sm90 import layer
-from gc_moe_compat.testing.reference import (
+from gc_moe_compat.references.reference import (
     ExpertWeights,
     dispatch_plan,
     expert_parallel_reference,

@@ -14,7 +14,7 @@ import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import compute_paths, config
 from gc_moe_compat.compute_paths import MMA_TYPES, PATHS, ComputePath, compute_path
 from gc_moe_compat.operator import api
-from gc_moe_compat.testing import reference
+from gc_moe_compat.references import reference
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 

@@ -1,4 +1,4 @@
-"""The normal-mode torch reference (:mod:`gc_moe_compat.testing.ep_normal_reference`) against DeepEP's rules, on the
+"""The normal-mode torch reference (:mod:`gc_moe_compat.references.ep_normal_reference`) against DeepEP's rules, on the
 host: every received row sits where the sender's handle (rank prefix + channel start + send_head) says, rows come
 by source rank then token order, counts and alignment agree, and the combine of identity expert outputs returns
 each token times the number of ranks it went to."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from gc_moe_compat.testing.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
+from gc_moe_compat.references.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
 
 RANKS, EXPERTS, TOPK, CHANNELS = 3, 12, 3, 4
 

@@ -1,4 +1,4 @@
-"""The torch references of the deep_ep facade (gc_moe_compat.testing.ep_reference) against independent float32
+"""The torch references of the deep_ep facade (gc_moe_compat.references.ep_reference) against independent float32
 arithmetic."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
+from gc_moe_compat.references.ep_reference import combine_reference, ll_quantize, receive_plan
 
 
 def _numpy_rule(x: torch.Tensor, round_scale: bool) -> tuple[np.ndarray, np.ndarray]:

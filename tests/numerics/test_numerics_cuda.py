@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gc_moe_compat import quant
-from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics, quantization_faithful_reference
+from gc_moe_compat.references.reference import ExpertWeights, accuracy_metrics, quantization_faithful_reference
 
 pytestmark = pytest.mark.gpu
 

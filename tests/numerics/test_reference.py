@@ -1,4 +1,4 @@
-"""Tests for gc_moe_compat.testing.reference: the FP32 references every kernel is checked against."""
+"""Tests for gc_moe_compat.references.reference: the FP32 references every kernel is checked against."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gc_moe_compat import quant
-from gc_moe_compat.testing import reference as ref
-from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.references import reference as ref
+from gc_moe_compat.references.reference import ExpertWeights
 
 
 def _bf16(v: torch.Tensor) -> torch.Tensor:

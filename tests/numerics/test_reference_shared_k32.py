@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gc_moe_compat import quant
-from gc_moe_compat.testing.reference import ExpertWeights, moe_reference, quantize_activations
+from gc_moe_compat.references.reference import ExpertWeights, moe_reference, quantize_activations
 
 H, N_I, E, K, T = 256, 128, 2, 1, 5
 

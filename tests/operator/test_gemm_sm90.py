@@ -16,7 +16,7 @@ from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 from gc_moe_compat.compute_paths import FP8XFP8
 from gc_moe_compat.config import SWEEP_TOKENS
 from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
-from gc_moe_compat.testing.reference import accuracy_metrics, expert_rows, l1_intermediate
+from gc_moe_compat.references.reference import accuracy_metrics, expert_rows, l1_intermediate
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

@@ -31,9 +31,9 @@ from gc_moe_compat.operator.heuristics import (
     w2_slabs,
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
+from gc_moe_compat.references.reference import ExpertWeights, dispatch_plan, quantize_activations
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.launch import cluster_config
-from gc_moe_compat.testing.reference import ExpertWeights, dispatch_plan, quantize_activations
 
 
 @pytest.mark.parametrize(

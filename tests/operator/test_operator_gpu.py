@@ -32,7 +32,7 @@ from operator_kit import (
 
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.sm90 import layer
-from gc_moe_compat.testing.reference import accuracy_metrics
+from gc_moe_compat.references.reference import accuracy_metrics
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gc_moe_compat.operator import api
-from gc_moe_compat.testing import operator_workload as ow
-from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics, expert_parallel_reference
+from gc_moe_compat.references import operator_workload as ow
+from gc_moe_compat.references.reference import ExpertWeights, accuracy_metrics, expert_parallel_reference
 
 PRESET, E, K, H = "tiny", 4, 2, 512
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gc_moe_compat import config
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import ring
-from gc_moe_compat.testing import reference
+from gc_moe_compat.references import reference
 
 
 def _shape(**kw: object) -> config.MoEShape:

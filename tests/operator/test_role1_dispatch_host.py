@@ -20,10 +20,10 @@ from gc_moe_compat import config
 from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.sm90 import role1_dispatch
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
+from gc_moe_compat.references.reference import dispatch_plan
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceTimeoutError
 from gc_moe_compat.runtime.workspace import PeerTable
-from gc_moe_compat.testing.reference import dispatch_plan
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 STANDINS = "testing/dispatch_test.cu"

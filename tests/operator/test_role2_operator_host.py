@@ -36,11 +36,11 @@ from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
 from gc_moe_compat.operator.sm90 import layer, role1_dispatch, role2_gemm, role3_finalize
 from gc_moe_compat.operator.workspace import StatusRecord
+from gc_moe_compat.references.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 from gc_moe_compat.runtime.tensormap import TensorMapArg
-from gc_moe_compat.testing.reference import ExpertWeights
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"

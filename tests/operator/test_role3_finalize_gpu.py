@@ -35,12 +35,12 @@ from gc_moe_compat.config import MoEShape
 from gc_moe_compat.operator.buffer import GcMoeBuffer, get_symm_buffer_for_gc_moe
 from gc_moe_compat.operator.sm90 import role3_finalize
 from gc_moe_compat.operator.workspace import OperatorLayout
+from gc_moe_compat.references import reference
 from gc_moe_compat.runtime.graph import KernelNode, get_graph
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.params import KernelArgs, ptr
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, new_status, raise_for_status
 from gc_moe_compat.runtime.workspace import make_peer_table
-from gc_moe_compat.testing import reference
 
 DISPATCH = 7  # role1 grid the packed counters claim (any value: role3 checks against its parameter)
 REPLAYS, CHECK_EVERY = 1000, 250

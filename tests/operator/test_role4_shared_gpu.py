@@ -36,7 +36,7 @@ from role4_kit import (
 )
 
 from gc_moe_compat import layouts
-from gc_moe_compat.testing.operator_workload import make_shared_weights, reference_results
+from gc_moe_compat.references.operator_workload import make_shared_weights, reference_results
 
 pytestmark = pytest.mark.gpu
 

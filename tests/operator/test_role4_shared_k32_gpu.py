@@ -31,8 +31,8 @@ from role4_kit import (
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
 from gc_moe_compat.operator import api
-from gc_moe_compat.testing.operator_workload import make_shared_weights
-from gc_moe_compat.testing.reference import ExpertWeights
+from gc_moe_compat.references.operator_workload import make_shared_weights
+from gc_moe_compat.references.reference import ExpertWeights
 
 pytestmark = pytest.mark.gpu
 

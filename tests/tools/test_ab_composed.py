@@ -87,7 +87,7 @@ def test_the_composed_layer_matches_the_quantization_faithful_reference(group: o
     combine against the FP32 reference of the FP8 block-scaled experts; eager and graph replay bit-identical."""
     from gc_moe_compat.ab import protocol
     from gc_moe_compat.ab.run import _references
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     _original_masked_gemm_or_skip()
     w = model_config.preset("glm52", None, 256)

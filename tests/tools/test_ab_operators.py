@@ -67,12 +67,12 @@ def test_references_and_floor_of_a_point() -> None:
     refs = run._references(tokens, weights, {"fp8_block128", "mxfp4"}, 10.0, 1)
     fp8, fp4 = refs["fp8_block128"], refs["mxfp4"]
     assert fp8["faithful"].shape == (4, 512) and fp8["bf16_model"] is fp4["bf16_model"]
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     assert accuracy_metrics(fp8["faithful"].float(), fp8["bf16_model"].float())["cosine"] > 0.99
     assert accuracy_metrics(fp4["faithful"].float(), fp4["bf16_model"].float())["cosine"] > 0.95
     floor = run._floor_bytes(tokens, WORKLOAD, 4, 1)
-    from gc_moe_compat.testing.reference import dispatch_plan
+    from gc_moe_compat.references.reference import dispatch_plan
 
     plan = dispatch_plan([t.topk_idx.long() for t in tokens], 4)[1]
     active, rows = sum(1 for r in plan if len(r)), sum(len(r) for r in plan)

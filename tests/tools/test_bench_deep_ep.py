@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import _baseline_sm90 as base  # noqa: E402 - bench/ is a script folder, put on the path above
 import deep_ep_ll  # noqa: E402
 
-from gc_moe_compat.testing.ep_reference import combine_reference, receive_plan  # noqa: E402
+from gc_moe_compat.references.ep_reference import combine_reference, receive_plan  # noqa: E402
 
 
 def test_nvlink_bytes_counts_remote_rows_both_ways_for_the_busier_rank() -> None:

@@ -25,8 +25,8 @@ import operator_sm90 as bench  # noqa: E402
 
 from gc_moe_compat.config import SWEEP_TOKENS  # noqa: E402
 from gc_moe_compat.operator import api  # noqa: E402
-from gc_moe_compat.testing import operator_workload as ow  # noqa: E402
-from gc_moe_compat.testing.reference import dispatch_plan  # noqa: E402
+from gc_moe_compat.references import operator_workload as ow  # noqa: E402
+from gc_moe_compat.references.reference import dispatch_plan  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ plan vs oracle
@@ -506,7 +506,7 @@ def _gemm_sm90_pipeline() -> None:
     with :class:`FakeDeepGemm`: every valid (token, slot) partial equals the faithful reference's (tiny preset)."""
     from _gemm_workload import make_layer, make_tokens, reference_partials
 
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     layer = make_layer("tiny", torch.device("cpu"), seed=1)
     tok = make_tokens(layer, 4, seed=4)
@@ -547,7 +547,7 @@ def _composed_rank(rank: int, port: int, tokens: list[int]) -> None:
     """One gloo rank of :func:`_composed_two_ranks`: the composed baseline's run() against the faithful reference."""
     import torch.distributed as dist
 
-    from gc_moe_compat.testing.reference import accuracy_metrics
+    from gc_moe_compat.references.reference import accuracy_metrics
 
     _numpy2_scalar_index()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -10,7 +10,7 @@ reset ``send_counts``, ``recv_counts[parity]``, ``pool_header`` and the four rin
 other warp waits (bounded) until every peer's readiness equals ``replay_seq + 1`` and writes
 ``y[t] = BF16(sum over valid slots, slot order, FP32)`` of the partials in this rank's ``combine`` buffer (slot
 ``k`` = the shared expert when ``S = 1``; a slot with ``topk_idx == -1`` contributes nothing): the semantics of
-:func:`gc_moe_compat.testing.reference._combine`. The ordering argument (why no cross-rank barrier is needed between
+:func:`gc_moe_compat.references.reference._combine`. The ordering argument (why no cross-rank barrier is needed between
 replays) is written at the top of the kernel source.
 
 The kernel takes three by-value arguments: the :class:`~gc_moe_compat.runtime.workspace.PeerTable`, the

@@ -4,9 +4,9 @@ One rank's routed experts of a BENCH_PROTOCOL.md preset (random ``randn / sqrt(K
 quantized expert by expert to ``fp8_block128`` for FP8xFP8 or ``mxfp4`` for FP8xFP4, and transformed for the
 operator), seeded per-rank inputs (E4M3 tokens with FP32 1x128 scales, global top-k ids, softmax routing weights),
 staging into a :class:`~gc_moe_compat.operator.api.GcMoeBuffer`, and every rank's ``y`` from the P-rank
-quantization-faithful reference (:func:`gc_moe_compat.testing.reference.expert_parallel_reference` with the intermediate
-requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4). Every rank
-rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
+quantization-faithful reference (:func:`gc_moe_compat.references.reference.expert_parallel_reference` with the
+intermediate requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4).
+Every rank rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
 A fused shared expert (role4): :func:`make_shared_weights` (one ``fp8_block128`` expert, the SM90 shared recipe on
 both paths, replicated on every rank) and ``reference_ys(..., shared=)`` (slot ``k``, summed after the routed slots).
 """
@@ -25,7 +25,7 @@ from gc_moe_compat.config import MAX_INTERMEDIATE, PRESETS, MoEPreset
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.weights import GcMoeWeights
-from gc_moe_compat.testing.reference import (
+from gc_moe_compat.references.reference import (
     ExpertWeights,
     MoEResult,
     expert_parallel_reference,
@@ -196,7 +196,7 @@ def stage(buffer: api.GcMoeBuffer, inputs: RankInputs) -> None:
 def reference_results(inputs: list[RankInputs],
                       weights: list[RankWeights] | list[tuple[ExpertWeights, ExpertWeights]],
                       shared: tuple[ExpertWeights, ExpertWeights] | None = None) -> list[MoEResult]:
-    """Every rank's :class:`~gc_moe_compat.testing.reference.MoEResult` (``y`` and the per-slot partials) from the
+    """Every rank's :class:`~gc_moe_compat.references.reference.MoEResult` (``y`` and the per-slot partials) from the
     P-rank quantization-faithful reference (slot-order FP32 combine, BF16), the intermediate requantized as the
     routed weights' path does (:data:`INTERMEDIATE_QUANT`, the shared expert's too: role4 runs that path's W1
     epilogue); with ``"bf16"`` pairs the BF16 model reference on the staged activations.
