@@ -145,7 +145,8 @@ def make_shared_weights(preset: str, device: torch.device | str = "cuda",
 
 @dataclass(frozen=True)
 class RankInputs:
-    """One rank's staged inputs: E4M3 tokens with FP32 1x128 scales, global expert ids (-1 unused), weights."""
+    """One rank's staged inputs: E4M3 tokens (or their bytes) with FP32 1x128 scales, global expert ids (-1 unused),
+    routing weights."""
 
     x: torch.Tensor
     x_sf: torch.Tensor

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from role1_kit import (
     ROUTINGS,
     CaptureBuffers,
-    Inputs,
     check_capture,
     check_counters,
     check_ring,
@@ -33,6 +32,7 @@ from gc_moe_compat.operator import api
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.ring import RingModel, RingPlan
 from gc_moe_compat.operator.sm90 import role1_dispatch
+from gc_moe_compat.references.operator_workload import RankInputs
 from gc_moe_compat.runtime.graph import KernelNode, get_graph
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import launch
@@ -75,7 +75,7 @@ class Rig:
     def plan(self, bm: int, ring_blocks: int) -> RingPlan:
         return RingPlan.for_model(RingModel(self.buf.shape, bm, self.buf.compute_sms), ring_blocks)
 
-    def run(self, inputs: Inputs, plan: RingPlan, *, consume: bool = True, delay_ns: int = 0,
+    def run(self, inputs: RankInputs, plan: RingPlan, *, consume: bool = True, delay_ns: int = 0,
             timeout_ms: float = TIMEOUT_MS,
             consume_timeout_ms: float = TIMEOUT_MS) -> tuple[CaptureBuffers, torch.Tensor]:
         """Stages ``inputs``, poisons every output, runs role1 (+ the consumer); returns (capture, consumer status).
