@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 from _grouping import GroupedTokens
-from cuda.bindings import driver
 
 from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.layouts import interleave_gate_up
@@ -42,7 +41,6 @@ from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
 from gc_moe_compat.references.reference import ExpertWeights
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.launch import launch, max_active_clusters
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
@@ -234,10 +232,8 @@ class ExpertGemmSM90:
         for epi in (EPI_W1, EPI_W2):
             defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math,
                                       slabs=config.w2_slabs, cluster=config.cluster)
-            kernel = jit.load_module(source, defines).kernel(name)
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
-            self._kernels[epi] = kernel
+            self._kernels[epi] = jit.load_kernel(source, defines, name, shared_bytes=self._smem(epi),
+                                                 ordinal=ordinal)
         # Cluster pairs: the persistent grid is what the SMs' pairing (GPC layout, partition) holds at once.
         self._clusters = {
             epi: max_active_clusters(k, config.threads, 2, self._smem(epi)) for epi, k in self._kernels.items()

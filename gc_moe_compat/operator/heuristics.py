@@ -25,6 +25,7 @@ reports a mismatch instead of running.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gc_moe_compat.compute_paths import compute_path
@@ -72,12 +73,26 @@ def smem_bytes(bm: int, slabs: int, stages: int, mma_type: str = "fp8xfp8") -> i
     return stages * stage + reduction + 2 * stages * 8 + 1024
 
 
-def max_stages(bm: int, slabs: int, mma_type: str = "fp8xfp8") -> int:
-    """The most stages (<= MAX_STAGES) whose shared memory fits one CTA."""
+def most_stages(smem_of: Callable[[int], int]) -> int:
+    """The most pipeline stages (2 to :data:`MAX_STAGES`) whose dynamic shared memory ``smem_of(stages)`` fits one
+    CTA (:data:`SMEM_LIMIT`; 2 if none does, which the kernel then reports): the stage rule of every variant, the
+    standalone GEMM's, role2's and role4's, each with its own shared-memory layout."""
     stages = MAX_STAGES
-    while stages > 2 and smem_bytes(bm, slabs, stages, mma_type) > SMEM_LIMIT:
+    while stages > 2 and smem_of(stages) > SMEM_LIMIT:
         stages -= 1
     return stages
+
+
+def pipelined(tasks: int, num_sms: int) -> bool:
+    """Whether a persistent grid of at most ``num_sms`` CTAs runs the producer-warpgroup variant for ``tasks``
+    expected tasks: only when some CTA gets more than one (module docstring), in every GEMM of the operator and in
+    the standalone one."""
+    return tasks > num_sms
+
+
+def max_stages(bm: int, slabs: int, mma_type: str = "fp8xfp8") -> int:
+    """The most stages of the standalone layout (:func:`smem_bytes`) that fit one CTA."""
+    return most_stages(lambda stages: smem_bytes(bm, slabs, stages, mma_type))
 
 
 def select_block_m(expected_rows: float) -> int:
@@ -148,10 +163,9 @@ def select_config(
         )
     bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
-    pipelined = blocks * tiles_per_block > num_sms
-    cluster = cluster_pairs(expected_rows, bm, pipelined, mma_type)
+    pipe = pipelined(blocks * tiles_per_block, num_sms)
+    cluster = cluster_pairs(expected_rows, bm, pipe, mma_type)
     # Cluster pairs stream each W2 tile once for two blocks; with 128-row tasks that W2 was no faster on an H200 (its
     # steps, not its bytes, bound it), so it takes 256-row tasks like W1 (bench/README.md, session 6).
     slabs = 2 if cluster and hidden is not None and hidden % tile_rows(2) == 0 else w2_slabs(bm, mma_type)
-    return KernelConfig(bm, pipelined, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs,
-                        cluster)
+    return KernelConfig(bm, pipe, max_stages(bm, W1_SLABS, mma_type), max_stages(bm, slabs, mma_type), slabs, cluster)

@@ -31,16 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cuda.bindings import driver
 
 from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
-    MAX_STAGES,
-    SMEM_LIMIT,
     W1_SLABS,
+    most_stages,
+    pipelined,
     smem_bytes,
     tile_rows,
 )
@@ -49,7 +48,6 @@ from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import GcMoeWeights
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
@@ -151,11 +149,8 @@ def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
 
 
 def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
-    """The most stages (<= MAX_STAGES) whose operator-mode shared memory fits one CTA."""
-    stages = MAX_STAGES
-    while stages > 2 and operator_smem_bytes(bm, stages, mma_type) > SMEM_LIMIT:
-        stages -= 1
-    return stages
+    """The most stages whose operator-mode shared memory fits one CTA (:func:`~.heuristics.most_stages`)."""
+    return most_stages(lambda stages: operator_smem_bytes(bm, stages, mma_type))
 
 
 def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: str = "fp8xfp8") -> dict[str, int]:
@@ -210,12 +205,12 @@ class Role2Variant:
 def role2_variant(model: RingModel, num_tokens: int, *, fast_math: bool = True) -> Role2Variant:
     """The variant for a call: ``model.block_m``, the kernel of ``model.shape.mma_type``; the producer warpgroup
     when the expected tasks (over the blocks ``num_tokens`` tokens per rank fill on average) exceed the grid, as
-    the standalone heuristic decides."""
+    every GEMM decides (:func:`~gc_moe_compat.operator.heuristics.pipelined`)."""
     s = model.shape
     rows = num_tokens * s.num_ranks * min(s.topk, s.num_local_experts)
     blocks = min(model.pool_blocks, -(-rows // model.block_m) + min(s.num_local_experts, rows))
     tasks = blocks * (model.w1_tasks_per_block + model.w2_tasks_per_block)
-    return Role2Variant(model.block_m, tasks > model.compute_sms, fast_math, s.mma_type)
+    return Role2Variant(model.block_m, pipelined(tasks, model.compute_sms), fast_math, s.mma_type)
 
 
 def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, int, int]]:
@@ -326,10 +321,8 @@ def role2_args(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
 
 def kernel(variant: Role2Variant) -> jit.Kernel:
     """The operator-mode kernel of ``variant``, compiled (or cached), loaded, its shared-memory opt-in set."""
-    k = jit.load_module(variant.source, variant.defines).kernel(variant.kernel_name)
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
-    return k
+    return jit.load_kernel(variant.source, variant.defines, variant.kernel_name, shared_bytes=variant.smem,
+                           ordinal=torch.cuda.current_device())
 
 
 def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, plan: RingPlan, variant: Role2Variant,

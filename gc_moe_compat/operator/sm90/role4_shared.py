@@ -69,7 +69,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cuda.bindings import driver
 
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.compute_paths import FP8XFP8, compute_path
@@ -81,14 +80,14 @@ from gc_moe_compat.operator.heuristics import (
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
-    max_stages,
+    most_stages,
+    pipelined,
     smem_bytes,
     tile_rows,
 )
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
 from gc_moe_compat.operator.workspace import StatusRecord
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, ptr
@@ -172,11 +171,8 @@ class Role4Variant:
 
     @property
     def stages(self) -> int:
-        """The standalone FP8 layout's most stages, fewer while the task-scale region does not fit beside them."""
-        stages = max_stages(self.bm, self.slabs, FP8XFP8.name)
-        while stages > 2 and self._smem(stages) > SMEM_LIMIT:
-            stages -= 1
-        return stages
+        """The most stages of the standalone FP8 layout with the task-scale region beside them that fit one CTA."""
+        return most_stages(self._smem)
 
     @property
     def smem(self) -> int:
@@ -225,9 +221,9 @@ def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_
     producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``,
     the weights' scale form (``k32``: :attr:`Role4Weights.k32`), ``task_scales`` as :class:`Role4Variant`'s."""
     bm = block_m_for_shared(num_tokens)
-    pipelined = _tasks(num_tokens, bm, n_w, epi) > compute_sms
+    pipe = pipelined(_tasks(num_tokens, bm, n_w, epi), compute_sms)
     ue8m0 = compute_path(mma_type).intermediate_quant == "ue8m0_128"
-    return Role4Variant(bm, epi, pipelined, fast_math, ue8m0, k32, task_scales)
+    return Role4Variant(bm, epi, pipe, fast_math, ue8m0, k32, task_scales)
 
 
 def role4_variants(shape: MoEShape, num_tokens: int, compute_sms: int, *, fast_math: bool = True, k32: bool = False,
@@ -243,10 +239,8 @@ def role4_variants(shape: MoEShape, num_tokens: int, compute_sms: int, *, fast_m
 
 
 def _kernel(variant: Role4Variant) -> jit.Kernel:
-    k = jit.load_module(SOURCE, variant.defines).kernel(KERNEL)
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
-    return k
+    return jit.load_kernel(SOURCE, variant.defines, KERNEL, shared_bytes=variant.smem,
+                           ordinal=torch.cuda.current_device())
 
 
 def _k32_words(gemm: str, pair: _Pair) -> _Pair:
