@@ -149,7 +149,8 @@ def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
 
 
 def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
-    """The most stages whose operator-mode shared memory fits one CTA (:func:`~.heuristics.most_stages`)."""
+    """The most stages whose operator-mode shared memory fits one CTA
+    (:func:`~gc_moe_compat.operator.heuristics.most_stages`)."""
     return most_stages(lambda stages: operator_smem_bytes(bm, stages, mma_type))
 
 
