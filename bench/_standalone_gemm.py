@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from _grouping import GroupedTokens
+from _standalone_heuristics import KernelConfig, max_stages, w2_slabs
 
 from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.layouts import interleave_gate_up
@@ -31,11 +32,8 @@ from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     W1_SLABS,
     W2_SLABS,
-    KernelConfig,
-    max_stages,
     smem_bytes,
     tile_rows,
-    w2_slabs,
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe

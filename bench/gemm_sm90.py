@@ -56,10 +56,11 @@ from _gemm_workload import (
 )
 from _grouping import GroupedTokens, group_tokens, scatter_partials
 from _standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
+from _standalone_heuristics import KernelConfig, select_config
 
 from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
+from gc_moe_compat.operator.heuristics import W1_SLABS, expected_rows_per_expert, tile_rows
 from gc_moe_compat.references.reference import accuracy_metrics
 from gc_moe_compat.runtime import jit
 

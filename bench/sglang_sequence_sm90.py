@@ -64,6 +64,7 @@ from _standalone_gemm import (
     prepare_fp8_weights,
     variant_defines,
 )
+from _standalone_heuristics import select_config
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
@@ -74,7 +75,7 @@ from gc_moe_compat.config import PRESETS as CONFIG_PRESETS
 from gc_moe_compat.config import SWEEP_TOKENS, preset_shape
 from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
-from gc_moe_compat.operator.heuristics import select_config, tile_rows
+from gc_moe_compat.operator.heuristics import tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
 from gc_moe_compat.references.operator_workload import (
     CAPACITY,

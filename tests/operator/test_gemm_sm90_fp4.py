@@ -13,11 +13,12 @@ import torch
 from _gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
 from _grouping import group_tokens, scatter_partials
 from _standalone_gemm import ExpertGemmSM90, Workspace, all_variants
+from _standalone_heuristics import KernelConfig, select_config
 from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
 from gc_moe_compat.compute_paths import FP8XFP4
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
+from gc_moe_compat.operator.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.references.reference import accuracy_metrics, expert_rows, l1_intermediate
 
 pytestmark = pytest.mark.gpu

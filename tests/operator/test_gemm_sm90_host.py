@@ -13,6 +13,7 @@ from _standalone_gemm import (
     prepare_fp4_weights,
     prepare_fp8_weights,
 )
+from _standalone_heuristics import KernelConfig, max_stages, select_config, w2_slabs
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
 from gc_moe_compat import layouts, quant
@@ -23,12 +24,8 @@ from gc_moe_compat.operator.heuristics import (
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
-    KernelConfig,
-    max_stages,
     select_block_m,
-    select_config,
     smem_bytes,
-    w2_slabs,
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
 from gc_moe_compat.references.reference import ExpertWeights, dispatch_plan, quantize_activations
