@@ -168,7 +168,7 @@ def layer_cells() -> list[Cell]:
     device = torch.device("cuda", torch.cuda.current_device())
     group = _group()
     nonzero = [t for t in LAYER_TOKENS if t]
-    prebuild.prebuild(prebuild.kernel_jobs(("fp8xfp8", "fp8xfp4"), nonzero, 1, SHAPE["topk"], SHAPE["experts"]))
+    prebuild.prebuild(prebuild.kernel_jobs(MMA_TYPES, nonzero, 1, SHAPE["topk"], SHAPE["experts"]))
     w = model_config.explicit(SHAPE["hidden"], SHAPE["intermediate"], SHAPE["experts"], SHAPE["topk"], ep_size=1,
                               routed_scaling_factor=SCALING, activation_clamp=CLAMP, capacity=SHAPE["capacity"])
     weights = inputs.make_weights(w.local_experts, w.hidden, w.intermediate, 0, inputs.WEIGHT_FORMATS, device)
