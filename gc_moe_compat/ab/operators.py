@@ -43,7 +43,7 @@ from gc_moe_compat import config, quant
 from gc_moe_compat.ab.inputs import LayerWeights, Tokens
 from gc_moe_compat.ab.masked_gemm import masked_gemm_of
 from gc_moe_compat.ab.model_config import Workload
-from gc_moe_compat.compute_paths import compute_path
+from gc_moe_compat.compute_paths import PATHS, compute_path
 
 __all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context", "MegaMoeSequence",
            "NativeFp8Fp4", "OperatorSpec", "Runner", "composed_expected_m", "default_ops", "operator_specs", "select"]
@@ -107,7 +107,8 @@ class OperatorSpec:
 
     @property
     def mma_type(self) -> str:
-        return "fp8xfp4" if self.weight_format == "mxfp4" else "fp8xfp8"
+        """The compute path whose routed weight format this operator computes with."""
+        return next(p.name for p in PATHS.values() if p.weight_format == self.weight_format)
 
     def probe(self) -> str | None:
         """None where this operator can run in this process; else every reason why not and what would make it
