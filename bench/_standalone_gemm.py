@@ -69,15 +69,15 @@ def variant_defines(
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
-    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them)."""
+    layouts, default stages, W2 tasks as :func:`_standalone_heuristics.w2_slabs` picks them)."""
     out = []
     for bm in BLOCK_M_CANDIDATES:
         for pipelined in (True, False):
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
             slabs = w2_slabs(bm, mma_type)
             out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
-    # Cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined; FP8xFP8 W2 in 128- or 256-row tasks
-    # (256 where 256 divides H: heuristics.select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
+    # Cluster pairs: where BM caps at 64 (_standalone_heuristics.cluster_pairs), pipelined; FP8xFP8 W2 in 128- or
+    # 256-row tasks (256 where 256 divides H: select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
     bm = BLOCK_M_CANDIDATES[-1]
     out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
     for slabs in (w2_slabs(bm, mma_type),) if compute_path(mma_type).fp4 else (W2_SLABS, 2):

@@ -66,7 +66,7 @@ def test_fp4_presets_sweep(layers, tokens_per_rank: int) -> None:  # noqa: ANN00
 def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included. The
     weights' K32 scales span 16 exponents, so the window clips groups and the decoder folds d up to 10. W2 runs as
-    256-row tasks from BM = 16 (heuristics.w2_slabs), 128-row ones at BM = 8."""
+    256-row tasks from BM = 16 (_standalone_heuristics.w2_slabs), 128-row ones at BM = 8."""
     check_fp4_expert_rows(config(bm, pipelined, "fp8xfp4"), None, seed=100 + bm + pipelined)
 
 
