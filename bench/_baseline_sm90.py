@@ -81,8 +81,8 @@ class A2APlan:
     then slot; ``input_splits[d]`` of them go to rank ``d``. Received rows arrive source rank by source rank
     (``output_splits[s]`` from rank ``s``), each block in its sender's order; ``recv_dest[i]`` is the flat row
     ``local_expert * max_m + position`` of received row ``i`` in the masked layout, positions following (source
-    rank, token, slot) order (:func:`gc_moe_compat.testing.reference.dispatch_plan`'s). The combine exchange sends the
-    partials back with the splits swapped, so they return in send order: ``combine_index[t, s]`` is the send row
+    rank, token, slot) order (:func:`gc_moe_compat.testing.reference.dispatch_plan`'s). The combine exchange sends
+    the partials back with the splits swapped, so they return in send order: ``combine_index[t, s]`` is the send row
     of (token t, slot s), -1 for an unused slot.
     """
 

@@ -17,9 +17,8 @@ Timing (docs/bench_protocol.md): windows of 100 replays, 10 warm-up + 30 measure
 (device all-reduce) before each window; a point's latency is the slowest rank's median window. Floor per point: the
 bytes one rank must move over NVLink (rows to the other rank: FP8 + FP32 scales out, BF16 back), the larger of the two
 ranks, over the peer copy bandwidth measured in the same run. Accuracy: the facade's combined output of the eager run
-is compared bit for bit with :func:`gc_moe_compat.testing.ep_reference.combine_reference`, and the replayed output with
-the
-eager one.
+is compared bit for bit with :func:`gc_moe_compat.testing.ep_reference.combine_reference`, and the replayed output
+with the eager one.
 
 ``python bench/deep_ep_ll.py --out bench/results/deep_ep_ll_x2.json`` (re-executes itself on two ranks).
 """

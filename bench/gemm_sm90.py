@@ -1,7 +1,7 @@
 """SM90 expert GEMMs (W1 -> W2 on grouped tokens) versus DeepGEMM 2.8.2's masked-GEMM pipeline on one H200.
 
 Per preset (``dsv41-flash``, ``glm52``) and tokens per rank ``T`` (docs/bench_protocol.md sweep): the rank-0 share of
-``8T`` tokens routed top-k uniformly over ``8e`` experts (gc_moe_compat.testing.gemm_workload). Operators, each
+``8T`` tokens routed top-k uniformly over ``8e`` experts (bench/_gemm_workload.py). Operators, each
 captured in
 a CUDA graph and timed by replay (``--warmup`` / ``--windows`` windows of 100 replays, L2 flushed between windows,
 median window):
@@ -53,11 +53,7 @@ from _common import (
     timed_windows,
     write_result,
 )
-
-from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, expected_rows_per_expert, select_config, tile_rows
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.gemm_workload import (
+from _gemm_workload import (
     CLAMP,
     WORLD,
     Layer,
@@ -68,9 +64,15 @@ from gc_moe_compat.testing.gemm_workload import (
     reference_partials,
     reference_partials_fp4,
 )
-from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens, scatter_partials
+from _grouping import GroupedTokens, group_tokens, scatter_partials
+from _standalone_gemm import ExpertGemmSM90, Workspace, variant_defines
+from _standalone_heuristics import KernelConfig, select_config
+
+from gc_moe_compat.compute_paths import compute_path
+from gc_moe_compat.config import SWEEP_TOKENS
+from gc_moe_compat.operator.heuristics import W1_SLABS, expected_rows_per_expert, tile_rows
+from gc_moe_compat.runtime import jit
 from gc_moe_compat.testing.reference import accuracy_metrics
-from gc_moe_compat.testing.standalone_gemm import KERNELS, ExpertGemmSM90, Workspace, variant_defines
 
 TARGETS = {"fp8_efficiency_t_ge_64": 0.7, "fp4_efficiency_t_ge_64": 0.6, "fp4_speedup_vs_deepgemm_t_ge_64": 1.6}
 
@@ -164,7 +166,8 @@ def sass_record(used: set[tuple[str, KernelConfig]]) -> dict[str, object]:
     cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
     record = {}
     for mma_type, cfg in sorted(used, key=lambda u: (u[0], u[1].bm, u[1].pipelined, u[1].w2_slabs, u[1].cluster)):
-        source, kernel = KERNELS[mma_type]
+        path = compute_path(mma_type)
+        source, kernel = path.kernel, path.standalone_entry
         for epi, stages in ((1, cfg.stages_w1), (2, cfg.stages_w2)):
             defines = variant_defines(cfg.bm, epi, cfg.pipelined, stages, slabs=cfg.w2_slabs, cluster=cfg.cluster)
             cubin = jit.compile_cubin(source, defines)

@@ -52,13 +52,13 @@ from typing import NamedTuple
 import torch
 from _baseline_sm90 import import_deep_gemm
 from _common import REPO, require_gpus, result_meta, write_result
+from _gemm_workload import CLAMP, Layer, make_layer, make_tokens
+from _grouping import GroupedTokens, group_tokens
+from _standalone_gemm import ExpertGemmSM90, Workspace
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
 from torch.profiler import ProfilerActivity, profile
 
 from gc_moe_compat.operator.heuristics import W1_SLABS, smem_bytes
-from gc_moe_compat.testing.gemm_workload import CLAMP, Layer, make_layer, make_tokens
-from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens
-from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
 DG_SEQUENCES = ("dg_w1", "dg_w2", "dg_w1+dg_w2")

@@ -231,8 +231,8 @@ def _prebuild_operator_kernels(presets: Sequence[str], tokens: Sequence[int]) ->
         e, k, _, _ = preset_dims(preset)
         bms |= {block_m_for_call(t, WORLD, k, e * WORLD) for t in tokens}
     jobs = [(role1_dispatch.SOURCE, {}), (role3_finalize.SOURCE, {})]
-    jobs += [(role2_gemm.SOURCE, role2_gemm.Role2Variant(bm, pipe).defines)
-             for bm in sorted(bms) for pipe in (False, True)]
+    variants = [role2_gemm.Role2Variant(bm, pipe) for bm in sorted(bms) for pipe in (False, True)]
+    jobs += [(v.source, v.defines) for v in variants]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         cubins = list(pool.map(lambda job: jit.compile_cubin(*job), jobs))
     return [f"{src} {defs}: {'cached' if c.from_cache else 'built'}"

@@ -23,12 +23,12 @@ import argparse
 import torch
 from _baseline_sm90 import import_deep_gemm
 from _common import require_gpus
+from _gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens
+from _grouping import group_tokens
+from _standalone_gemm import ExpertGemmSM90
 from gemm_sm90 import capture, gemm_steps, point_config
 
 from gc_moe_compat.config import MMA_TYPES
-from gc_moe_compat.testing.gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens
-from gc_moe_compat.testing.grouping import group_tokens
-from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90
 
 
 def main() -> None:

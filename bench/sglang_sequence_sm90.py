@@ -56,21 +56,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _common import REPO, copy_bandwidth, expert_floor_bytes, pyplot, require_gpus, result_meta, write_partial_result
+from _grouping import GroupedTokens
+from _standalone_gemm import (
+    EPI_W1,
+    EPI_W2,
+    ExpertGemmSM90,
+    prepare_fp8_weights,
+    variant_defines,
+)
+from _standalone_heuristics import select_config
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
 from gc_moe_compat.ab.prebuild import kernel_jobs, prebuild
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.compute_paths import FP8XFP8
 from gc_moe_compat.config import PRESETS as CONFIG_PRESETS
 from gc_moe_compat.config import SWEEP_TOKENS, preset_shape
 from gc_moe_compat.deep_gemm import _seam
 from gc_moe_compat.operator import api
-from gc_moe_compat.operator.heuristics import select_config, tile_rows
+from gc_moe_compat.operator.heuristics import tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
 from gc_moe_compat.runtime.graph import get_graph
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
-from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.operator_workload import (
     CAPACITY,
     CLAMP,
@@ -82,14 +91,6 @@ from gc_moe_compat.testing.operator_workload import (
     reference_results,
 )
 from gc_moe_compat.testing.reference import ExpertWeights, accuracy_metrics
-from gc_moe_compat.testing.standalone_gemm import (
-    EPI_W1,
-    EPI_W2,
-    SOURCE,
-    ExpertGemmSM90,
-    prepare_fp8_weights,
-    variant_defines,
-)
 
 PRESETS = ("dsv41-flash", "glm52", "dsv3")
 OPS = ("sequence", "layer", "fused_shared", "separate_shared")
@@ -124,7 +125,7 @@ def _jobs(preset: str, tokens: list[int]) -> list[tuple[str, dict[str, int]]]:
     for t in tokens:
         c = _separate_config(t, h, inter)
         for epi, stages in ((EPI_W1, c.stages_w1), (EPI_W2, c.stages_w2)):
-            jobs.append((SOURCE, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
+            jobs.append((FP8XFP8.kernel, variant_defines(c.bm, epi, c.pipelined, stages, slabs=c.w2_slabs,
                                                  cluster=c.cluster)))
     return jobs
 

@@ -35,7 +35,7 @@ rule                                   reason
                                        so an unchanged deployment is accepted, while the symmetric buffer stays
                                        bounded. Larger batches must be chunked by the caller.
 ``0 <= num_tokens <= capacity``        tokens beyond the capacity have no ring/combine slot
-``mma_type in MMA_TYPES``              the only two compute paths (FP8xFP4 routed, FP8xFP8 SM90 recipe)
+``mma_type in MMA_TYPES``              the compute paths of :mod:`gc_moe_compat.compute_paths`
 tensors: dtype/shape per the table     the kernels read raw bytes through fixed TMA descriptors and strides
 tensors contiguous                     TMA descriptors and ring copies assume packed row-major strides
 tensors on one device                  one process per GPU; every operand is read by kernels on that GPU
@@ -79,6 +79,8 @@ from types import MappingProxyType
 
 import torch
 
+from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
+
 __all__ = [
     "MAX_CAPACITY",
     "MAX_COMBINE_SLOTS",
@@ -100,7 +102,6 @@ __all__ = [
     "finite_float",
     "inspect_values",
     "int_in_range",
-    "mma_type_of",
     "integer",
     "preset_shape",
     "recipe",
@@ -124,7 +125,6 @@ MAX_CAPACITY = 8192
 MAX_SMS = 1024
 """Upper bound of every SM count the callers pass (no GPU has more; an H200 has 132): the ring grows with the
 compute SMs, so an absurd count would size an absurd workspace."""
-MMA_TYPES = ("fp8xfp4", "fp8xfp8")
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 _WHY_I = "K128 tiles, 64-bit W1 completion mask"
@@ -300,19 +300,9 @@ def _check_multiple(arg: str, value: int, of: int, why: str) -> None:
         raise _fail(arg, f"a multiple of {of}", why, value)
 
 
-def mma_type_of(value: object) -> str:
-    """``value`` if it names a compute path of :data:`MMA_TYPES`: ``TypeError`` for a non-str, ``ValueError`` for
-    another string. The one ``mma_type`` check of the shape rules, the weight transform and role2's variants."""
-    if not isinstance(value, str):
-        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(value), TypeError)
-    if value not in MMA_TYPES:
-        raise _fail("mma_type", f"one of {MMA_TYPES}", "supported compute paths", repr(value))
-    return value
-
-
 def _check_shape(shape: MoEShape) -> None:
     """Scalar rules of the module table (run by ``MoEShape.__post_init__`` and by ``validate``)."""
-    mma_type_of(shape.mma_type)
+    compute_path(shape.mma_type)
     int_in_range("hidden", shape.hidden, 1, MAX_HIDDEN, _WHY_H_MAX)
     _check_multiple("hidden", shape.hidden, HIDDEN_ALIGN, _WHY_H)
     int_in_range("intermediate", shape.intermediate, 1, MAX_INTERMEDIATE, _WHY_I)
@@ -357,7 +347,7 @@ def _fmt_dims(dims: _Dims) -> str:
 def _routed_pair_forms(shape: MoEShape, n: int, k: int) -> tuple[_Forms, _Forms]:
     """Accepted (payload, scales) forms of one routed weight pair ``[e, N, K]``; the first form is canonical."""
     e = ("E/P", shape.num_local_experts)
-    if shape.mma_type == "fp8xfp4":
+    if compute_path(shape.mma_type).fp4:
         payload: _Dims = (e, ("N", n), ("K/2", k // 2))
         fp4 = "packed E2M1, two values per byte"
         return (
@@ -561,7 +551,7 @@ def validate(
     tokens_k: _Dims = (("T", None), ("k", shape.topk))
     sf: _Dims = (("T", None), ("H/128", shape.hidden // 128))
     x_sf_forms: dict[torch.dtype, tuple[_Dims, str]] = {torch.float32: (sf, "FP32 1x128 (K128) scales")}
-    if shape.mma_type == "fp8xfp4":
+    if compute_path(shape.mma_type).fp4:
         x_sf_forms[torch.int32] = (sf, "DeepGEMM SM100 packed: 4 UE8M0 K32 scales per int32")
     token_args = (
         ("x", x, {_FP8: (tokens_h, "E4M3 activations")}),

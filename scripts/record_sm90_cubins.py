@@ -2,7 +2,7 @@
 """Rewrite the standalone SM90 GEMM cubin records (tests/data/sm90_fp8_standalone_cubins.json and
 sm90_fp4_standalone_cubins.json) after a deliberate change of the standalone kernels.
 
-What: builds every recorded variant (:func:`gc_moe_compat.testing.standalone_gemm.recorded_variants`) of each kernel
+What: builds every recorded variant (``recorded_variants`` of bench/_standalone_gemm.py) of each kernel
 for sm_90a
 with this machine's nvcc, in a fresh cache directory, and writes the sha256 of each cubin, the nvcc build line and
 ``--note`` (which change wrote the record, and whether that build has been verified on a GPU yet).
@@ -23,11 +23,16 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.standalone_gemm import KERNELS, recorded_variants
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the standalone GEMM harness lives there
+
+from _standalone_gemm import recorded_variants  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 RECORDS = {
@@ -42,7 +47,7 @@ def record(mma_type: str, note: str) -> dict[str, object]:
     build = re.search(r"Build \S+", version)
     if build is None:
         raise RuntimeError(f"nvcc --version has no 'Build' line: {version!r}")
-    source, _ = KERNELS[mma_type]
+    source = compute_path(mma_type).kernel
     cubins = {}
     with tempfile.TemporaryDirectory() as cache:
         os.environ["GC_MOE_CACHE_DIR"] = cache

@@ -1,7 +1,9 @@
 """Skips `gpu` / `multigpu` tests where the hardware they need is absent; the shared single-rank process group.
 
 Tests are grouped by concept (numerics/, runtime/, operator/, facades/, tools/); what they share lives in kit/
-(helpers, the two-rank protocol and the torchrun worker scripts), put on ``sys.path`` here for every test.
+(helpers, the two-rank protocol and the torchrun worker scripts), put on ``sys.path`` here for every test, as is
+bench/ for the helpers the GEMM tests share with the benchmarks (``_standalone_gemm``, ``_grouping``,
+``_gemm_workload``: the standalone GEMM harness, its token grouping and workloads).
 """
 
 import sys
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kit"))
 from two_rank import shared_gpu_ranks  # noqa: E402 - kit/ is on the path from the line above
 

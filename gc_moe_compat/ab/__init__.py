@@ -5,6 +5,6 @@
   :mod:`.protocol`, written by :mod:`.results` and :mod:`.report`).
 * :mod:`.matrix` (CPU cells) and :mod:`.matrix_gpu` (GPU cells) - ``gc-moe-matrix``: the compatibility matrix.
 
-Tools sit beside the shipped stack: they import the facades, the operator and ``gc_moe_compat.testing``; nothing
-shipped imports them.
+The tools sit above the core: they import the facades, the operator and the references
+(:mod:`gc_moe_compat.testing`); nothing in the core imports them.
 """

@@ -45,6 +45,7 @@ import torch
 
 from gc_moe_compat.ab.cells import RESULTS, Cell
 from gc_moe_compat.ab.protocol import REPO, portable_path, portable_text, result_meta, write_result
+from gc_moe_compat.compute_paths import MMA_TYPES
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
 __all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
@@ -351,7 +352,7 @@ def predispatch_cells(group: object) -> list[Cell]:
 
     h, i, e, k, cap = 512, 256, 4, 2, 64
     cells = []
-    for mma in ("fp8xfp4", "fp8xfp8"):
+    for mma in MMA_TYPES:
         b = dg.get_symm_buffer_for_mega_moe(group, e, cap, k, h, i, mma_type=mma)
         dev = b.x.device  # on a GPU the fused kernel stages, on a host the torch path: both against the model
         for t in (0, 1, 7, b.num_max_tokens_per_rank):

@@ -29,6 +29,7 @@ from gc_moe_compat.ab import inputs, model_config, operators, prebuild
 from gc_moe_compat.ab.cells import Cell
 from gc_moe_compat.ab.protocol import REPO
 from gc_moe_compat.ab.results import COSINE_FAITHFUL, PROCESSED_FAITHFUL
+from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
 
 __all__ = ["LAYER_TOKENS", "SUITES", "layer_cells", "suite_cells"]
 
@@ -63,7 +64,7 @@ class _Native:
         w = ctx.workload
         self.buf = api.get_symm_buffer_for_gc_moe(ctx.group, w.local_experts, w.capacity, w.topk, w.hidden,
                                                   w.intermediate, mma_type, int(shared is not None))
-        l1, l2 = ctx.weights["mxfp4" if mma_type == "fp8xfp4" else "fp8_block128"]
+        l1, l2 = ctx.weights[compute_path(mma_type).weight_format]
         self.w1, self.w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales),
                                                             mma_type)
         self.shared = {} if shared is None else {
@@ -75,7 +76,7 @@ class _Native:
 
         stage(self.buf, tokens.staged)
         y = torch.zeros(tokens.count, self.ctx.workload.hidden, dtype=torch.bfloat16, device=self.ctx.device)
-        call = self.api.fp8_fp4_gc_moe if self.mma == "fp8xfp4" else self.api.fp8_fp8_gc_moe
+        call = getattr(self.api, compute_path(self.mma).native_fn)
         call(y, self.w1, self.w2, self.buf, activation_clamp=CLAMP, **self.shared)
         return y
 
@@ -139,7 +140,7 @@ def _reference(tokens: inputs.Tokens, weights: tuple[object, object], shared: tu
 def _entries() -> list[tuple[str, dict[str, object], Callable[..., object]]]:
     """(entry point, axes, builder(ctx, shared weights)) of every layer combination."""
     out = []
-    for buffer_mma in ("fp8xfp4", "fp8xfp8"):
+    for buffer_mma in MMA_TYPES:
         for shared in (0, 1):
             out.append(("deep_gemm.mega_moe_pre_dispatch_sm90 + fp8_mega_moe",
                         {"mma_type": "fp8xfp8", "buffer_mma_type": buffer_mma, "shared": shared,
@@ -167,7 +168,7 @@ def layer_cells() -> list[Cell]:
     device = torch.device("cuda", torch.cuda.current_device())
     group = _group()
     nonzero = [t for t in LAYER_TOKENS if t]
-    prebuild.prebuild(prebuild.kernel_jobs(("fp8xfp8", "fp8xfp4"), nonzero, 1, SHAPE["topk"], SHAPE["experts"]))
+    prebuild.prebuild(prebuild.kernel_jobs(MMA_TYPES, nonzero, 1, SHAPE["topk"], SHAPE["experts"]))
     w = model_config.explicit(SHAPE["hidden"], SHAPE["intermediate"], SHAPE["experts"], SHAPE["topk"], ep_size=1,
                               routed_scaling_factor=SCALING, activation_clamp=CLAMP, capacity=SHAPE["capacity"])
     weights = inputs.make_weights(w.local_experts, w.hidden, w.intermediate, 0, inputs.WEIGHT_FORMATS, device)
@@ -175,7 +176,7 @@ def layer_cells() -> list[Cell]:
     ctx = operators.Context(group, w, 1, 0, weights, device)
     cells = []
     for entry, axes, build in entries:
-        fmt = "mxfp4" if axes["mma_type"] == "fp8xfp4" else "fp8_block128"
+        fmt = compute_path(axes["mma_type"]).weight_format
         try:
             runner = build(ctx, shared_w)
         except SETUP_ERRORS as exc:

@@ -43,6 +43,7 @@ from gc_moe_compat import config, quant
 from gc_moe_compat.ab.inputs import LayerWeights, Tokens
 from gc_moe_compat.ab.masked_gemm import masked_gemm_of
 from gc_moe_compat.ab.model_config import Workload
+from gc_moe_compat.compute_paths import PATHS, compute_path
 
 __all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context", "MegaMoeSequence",
            "NativeFp8Fp4", "OperatorSpec", "Runner", "composed_expected_m", "default_ops", "operator_specs", "select"]
@@ -106,7 +107,8 @@ class OperatorSpec:
 
     @property
     def mma_type(self) -> str:
-        return "fp8xfp4" if self.weight_format == "mxfp4" else "fp8xfp8"
+        """The compute path whose routed weight format this operator computes with."""
+        return next(p.name for p in PATHS.values() if p.weight_format == self.weight_format)
 
     def probe(self) -> str | None:
         """None where this operator can run in this process; else every reason why not and what would make it
@@ -180,7 +182,7 @@ class MegaMoeSequence:
             self.buf = dg.get_symm_buffer_for_mega_moe(ctx.group, shape.num_experts, w.capacity, w.topk, w.hidden,
                                                        w.intermediate, **buffer_kwargs)
         options = {"activation": "swiglu", "activation_clamp": w.activation_clamp, "fast_math": True}
-        if mma_type == "fp8xfp8":
+        if not compute_path(mma_type).fp4:
             l1, l2 = ctx.weights["fp8_block128"]
             self.l1, self.l2 = dg.transform_weights_for_mega_moe_sm90((l1.payload, l1.scales),
                                                                       (l2.payload, l2.scales))

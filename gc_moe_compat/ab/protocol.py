@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from gc_moe_compat.compute_paths import compute_path
+
 __all__ = [
     "L2_FLUSH_BYTES",
     "PER_WINDOW",
@@ -161,12 +163,10 @@ def expert_floor_bytes(hidden: int, inter: int, active_experts: int, rows: int, 
     block scales, or FP4 ``1.5 H I`` with one UE8M0 byte per 32 values), plus ``rows`` token rows in (FP8 + FP32
     1x128 scales) and out (BF16)."""
     h = hidden
-    if mma_type == "fp8xfp8":
-        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
-    elif mma_type == "fp8xfp4":
+    if compute_path(mma_type).fp4:
         per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
     else:
-        raise ValueError(f"mma_type: must be 'fp8xfp8' or 'fp8xfp4', got {mma_type!r}")
+        per_expert = 3 * h * inter + 4 * (2 * inter // 128 * h // 128 + h // 128 * inter // 128)
     return active_experts * per_expert + rows * (h + 4 * h // 128) + rows * 2 * h
 
 

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from gc_moe_compat.compute_paths import compute_path
+
 __all__ = ["README_BEGIN", "README_END", "TABLE_WIDTH", "Progress", "main", "plot", "progress", "pyplot",
            "readme_rows", "replace_readme_rows", "table", "table_rows", "write_json"]
 
@@ -169,8 +171,8 @@ def plot(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_o
         if any(y is not None for y in ys):
             top.plot(ts, [math.nan if y is None else y for y in ys], marker="o", label=op, color=color[op])
     for mma in sorted({m for p in points for m in p.get("floor_us_by_mma", {})}):
-        top.plot(ts, [p["floor_us_by_mma"].get(mma, math.nan) for p in points], ":", color="k" if mma == "fp8xfp8"
-                 else "grey", label=f"floor {mma} (bytes / copy bandwidth)")
+        top.plot(ts, [p["floor_us_by_mma"].get(mma, math.nan) for p in points], ":",
+                 color="grey" if compute_path(mma).fp4 else "k", label=f"floor {mma} (bytes / copy bandwidth)")
     top.set_xscale("log", base=2)
     top.set_ylabel("latency (µs, slowest rank)")
     top.legend(fontsize=7)  # the floors are always there

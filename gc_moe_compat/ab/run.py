@@ -28,6 +28,7 @@ from gc_moe_compat.ab import prebuild, protocol, report, results
 from gc_moe_compat.ab.inputs import Tokens, make_tokens, make_weights
 from gc_moe_compat.ab.model_config import Workload
 from gc_moe_compat.ab.operators import REFERENCE_OP, Context, OperatorSpec, Runner
+from gc_moe_compat.compute_paths import MMA_TYPES
 
 __all__ = ["RunConfig", "Ranks", "main_ranks", "run"]
 
@@ -112,7 +113,7 @@ def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int,
     plan = dispatch_plan([t.topk_idx.to(torch.int64) for t in tokens], num_experts)[rank]
     active, rows = sum(1 for r in plan if r.shape[0]), sum(int(r.shape[0]) for r in plan)
     return {mma: protocol.expert_floor_bytes(workload.hidden, workload.intermediate, active, rows, mma)
-            for mma in ("fp8xfp8", "fp8xfp4")}
+            for mma in MMA_TYPES}
 
 
 def _measure(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], ranks: Ranks, cfg: RunConfig,

@@ -4,7 +4,8 @@
 Hopper call: FP8 x FP8 with 128x128 block scales, recipe ``(128, 128, 128)``) check the buffer, the output, the
 weights and every option against :func:`gc_moe_compat.config.validate` and the supported values, then run the
 operator through :func:`gc_moe_compat.deep_gemm._seam.mega_moe` on the tokens staged in the buffer (``y.shape[0]`` of
-them).
+them). That check is the call's only one: the seam runs the operator without the native calls' own (errors of the
+launch name the facade call too).
 
 Weights are DeepGEMM's layout: for ``fp8_mega_moe`` L1 rows interleaved gate/up by 8
 (``transform_weights_for_mega_moe_sm90`` output, or SGLang's ``build_sm90_mega_moe_experts_weights``), L2 as is, FP8
@@ -43,6 +44,7 @@ import weakref
 import torch
 
 from gc_moe_compat import config, layouts, quant
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, ComputePath
 from gc_moe_compat.deep_gemm import _checks, _seam
 from gc_moe_compat.deep_gemm._buffer import SymmBuffer
 from gc_moe_compat.operator import api
@@ -149,10 +151,12 @@ def _native_shared(fn: str, buf: SymmBuffer, shared_l1: object, shared_l2: objec
     return out[0], out[1]
 
 
-def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
-         shared_l1_weights: object, shared_l2_weights: object, stats: object, recipe: object,
-         activation: object, activation_clamp: object, fast_math: object) -> None:
-    """Checks common to both calls, then the operator."""
+def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
+         shared_l1_weights: object, shared_l2_weights: object, stats: object, activation: object,
+         activation_clamp: object, fast_math: object) -> None:
+    """The checks common to both calls (the one validation of a facade call: the operator does not repeat it), then
+    the operator through the seam."""
+    fn = path.facade_fn
     buf = _live_buffer(fn, sym_buffer)
     _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS, _checks.DEEPGEMM_ONLY_ACTIVATIONS)
     if activation_clamp is not None:
@@ -161,7 +165,7 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
     shape = config.MoEShape(
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,
         intermediate=buf.intermediate_hidden, topk=buf.num_topk, num_shared_experts=buf.num_shared_experts,
-        capacity=buf.num_max_tokens_per_rank, mma_type=mma_type)
+        capacity=buf.num_max_tokens_per_rank, mma_type=path.name)
     k32 = bool(shape.num_shared_experts) and _is_k32_form(shared_l1_weights, shared_l2_weights)
     if k32:
         shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=True)
@@ -174,8 +178,8 @@ def _run(fn: str, mma_type: str, y: object, l1_weights: object, l2_weights: obje
         raise type(exc)(f"{fn}: {exc}") from exc
     if shape.num_shared_experts and not k32:
         shared_l1_weights, shared_l2_weights = _native_shared(fn, buf, shared_l1_weights, shared_l2_weights, k32=False)
-    _seam.mega_moe(fn, y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
-                   shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats, recipe=recipe,
+    _seam.mega_moe(path.name, y, l1_weights, l2_weights, buf, shared_l1_weights=shared_l1_weights,
+                   shared_l2_weights=shared_l2_weights, cumulative_local_expert_recv_stats=stats,
                    activation_clamp=activation_clamp, fast_math=fast_math)
 
 
@@ -201,10 +205,10 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
                      post_expert_norm_eps: float = 1e-6,
                      post_expert_norm_weight_first: bool = False):
     """One MoE layer, FP8 activations x MXFP4 routed weights (FP8 shared weights): ``y [T, H]`` bf16 in place."""
-    fn = "fp8_fp4_mega_moe"
+    fn = FP8XFP4.facade_fn
     if isinstance(recipe, tuple | list) and tuple(recipe) == (1, 1, 16):
         raise NotImplementedError(f"{fn}: recipe=(1, 1, 16) is NVFP4: GC-MoE has no NVFP4 path")
-    recipe = _checks.recipe(fn, recipe, (1, 1, 32))
+    _checks.recipe(fn, recipe, FP8XFP4.recipe)
     _checks.choice(fn, "weight_layout", weight_layout, ("megamoe",), ("trtllm",))
     _checks.unsupported_feature(fn, "use_x_scales", use_x_scales, False, "per-token outer scales (NVFP4 only)")
     for arg, value in (("l1_alphas", l1_alphas), ("l2_alphas", l2_alphas), ("l2_act_scales", l2_act_scales)):
@@ -218,8 +222,8 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
         own = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() == 2 else 0  # at least this rank's tokens
         _checks.integer(fn, "global_num_tokens", global_num_tokens, own,
                         sym_buffer.shape.num_ranks * sym_buffer.num_max_tokens_per_rank)
-    _run(fn, "fp8xfp4", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
-         cumulative_local_expert_recv_stats, recipe, activation, activation_clamp, fast_math)
+    _run(FP8XFP4, y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
+         cumulative_local_expert_recv_stats, activation, activation_clamp, fast_math)
 
 
 def fp8_mega_moe(y: torch.Tensor,
@@ -232,13 +236,13 @@ def fp8_mega_moe(y: torch.Tensor,
                  activation_clamp: float | None = None,
                  fast_math: bool = True):
     """One MoE layer, FP8 x FP8 with 128x128 block-scaled weights (SGLang's Hopper path): ``y`` in place."""
-    fn = "fp8_mega_moe"
-    recipe = _checks.recipe(fn, recipe, (128, 128, 128))
+    fn = FP8XFP8.facade_fn
+    _checks.recipe(fn, recipe, FP8XFP8.recipe)
     if isinstance(sym_buffer, SymmBuffer) and sym_buffer.num_shared_experts:
         raise ValueError(f"{fn}: sym_buffer was created with num_shared_experts={sym_buffer.num_shared_experts}, "
                          "but fp8_mega_moe takes no shared-expert weights (create it with num_shared_experts=0)")
-    _run(fn, "fp8xfp8", y, l1_weights, l2_weights, sym_buffer, None, None, cumulative_local_expert_recv_stats,
-         recipe, activation, activation_clamp, fast_math)
+    _run(FP8XFP8, y, l1_weights, l2_weights, sym_buffer, None, None, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math)
 
 
 def nvfp4_mega_moe(y: torch.Tensor,

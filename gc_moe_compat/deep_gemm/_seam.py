@@ -33,13 +33,11 @@ from typing import Any
 import torch
 
 from gc_moe_compat import layouts, quant
+from gc_moe_compat.compute_paths import compute_path
 from gc_moe_compat.operator import api
 
 __all__ = ["canonical_pair", "mega_moe", "operator_weights", "workspace_of", "workspace_view"]
 
-_MMA_OF_RECIPE = {recipe: mma for mma, recipe in api.RECIPES.items()}
-_FACADE_FN = {"fp8xfp4": "fp8_fp4_mega_moe", "fp8xfp8": "fp8_mega_moe"}
-"""The facade call of each compute path (names the caller's function in a conversion's errors)."""
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -92,7 +90,7 @@ def _versions(pair: _Pair) -> tuple[int | None, int | None]:
 def _copied(mma_type: str, pair: _Pair) -> tuple[torch.Tensor, ...]:
     """The tensors of ``pair`` whose conversion is a copy (every one for FP8xFP4, the non-contiguous ones for
     FP8xFP8, whose contiguous tensors are wrapped as they are)."""
-    return tuple(t for t in pair if mma_type == "fp8xfp4" or not t.is_contiguous())
+    return tuple(t for t in pair if compute_path(mma_type).fp4 or not t.is_contiguous())
 
 
 def _refuse_uncached_copies(mma_type: str, gemm: str, pair: _Pair) -> None:
@@ -101,7 +99,7 @@ def _refuse_uncached_copies(mma_type: str, gemm: str, pair: _Pair) -> None:
     copied = _copied(mma_type, pair)
     for i, t in enumerate(pair):
         if t.is_inference() and any(t is c for c in copied):
-            what = "repacked" if mma_type == "fp8xfp4" else "contiguous"
+            what = "repacked" if compute_path(mma_type).fp4 else "contiguous"
             raise ValueError(
                 f"{gemm}_weights[{i}]: is an inference tensor (made under torch.inference_mode()), which has no "
                 f"version counter, so an in-place update of it (EPLB moving expert slices) could not be seen and "
@@ -127,15 +125,16 @@ def canonical_pair(gemm: str, pair: _Pair) -> _Pair:
 def _refuse_unpacked_scales(mma_type: str, gemm: str, pair: _Pair) -> None:
     """``TypeError`` unless an FP8xFP4 pair's scales are int32: the originals' layout has no uint8 form (their UTCCP
     transpose takes int32 only), so uint8 codes could only be some other layout."""
-    if mma_type == "fp8xfp4" and pair[1].dtype != torch.int32:
-        raise TypeError(f"{_FACADE_FN[mma_type]}: {gemm}_weights[1]: must be int32 (4 packed UE8M0 K32 scales per "
+    path = compute_path(mma_type)
+    if path.fp4 and pair[1].dtype != torch.int32:
+        raise TypeError(f"{path.facade_fn}: {gemm}_weights[1]: must be int32 (4 packed UE8M0 K32 scales per "
                         f"word, in transform_weights_for_mega_moe's UTCCP row order: the originals' layout), got "
                         f"{pair[1].dtype}")
 
 
 def _convert(mma_type: str, l1: _Pair, l2: _Pair, need: tuple[bool, bool]) -> tuple[api.GcMoeWeights, ...]:
     """The operator's weights of the pairs flagged in ``need`` (None for the others)."""
-    if mma_type == "fp8xfp8":
+    if not compute_path(mma_type).fp4:
         # The DeepGEMM SM90 layout is the operator's: interleaved FP8 L1 rows, natural 128x128 block scales, plain
         # L2 (= transform_weights_for_gc_moe of the de-interleaved pair, without its two copies of every L1).
         return tuple(api.GcMoeWeights(p.contiguous(), s.contiguous(), None, mma_type, gemm) if want else None
@@ -187,7 +186,7 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
             if want:
                 _refuse_unpacked_scales(mma_type, gemm, pairs[gemm])
                 _refuse_uncached_copies(mma_type, gemm, pairs[gemm])
-                quant.check_weight_values(_FACADE_FN[mma_type], f"{gemm}_weights", pairs[gemm])
+                quant.check_weight_values(compute_path(mma_type).facade_fn, f"{gemm}_weights", pairs[gemm])
         copies = any(_copied(mma_type, pairs[gemm]) for gemm, want in zip(pairs, need, strict=True) if want)
         if copies and _capturing(l1_weights[0]):
             raise RuntimeError(f"l1_weights/l2_weights: converting them for the {mma_type} operator needs device "
@@ -204,7 +203,7 @@ def operator_weights(buffer: Any, mma_type: str, l1_weights: _Pair,
 
 # ------------------------------------------------------------------------------------------------------------ call
 def mega_moe(
-    fn: str,
+    mma_type: str,
     y: torch.Tensor,
     l1_weights: _Pair,
     l2_weights: _Pair,
@@ -213,21 +212,22 @@ def mega_moe(
     shared_l1_weights: _Pair | None,
     shared_l2_weights: _Pair | None,
     cumulative_local_expert_recv_stats: torch.Tensor | None,
-    recipe: tuple[int, int, int],
     activation_clamp: float | None,
     fast_math: bool,
 ) -> None:
-    """Run one layer on ``buffer``'s staged tokens: dispatch, both grouped GEMMs, combine into ``y`` in place.
+    """Run one layer of compute path ``mma_type`` on ``buffer``'s staged tokens: dispatch, both grouped GEMMs,
+    combine into ``y`` in place.
 
-    ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight pairs are in DeepGEMM's layout (module
-    docstring); ``recipe`` picks the compute path, whose native layer call gets ``fast_math`` and
-    ``cumulative_local_expert_recv_stats`` and names ``fn`` (the facade function the caller called) in its messages.
+    The caller has checked every argument (the facade's calls: :func:`gc_moe_compat.operator.api.validate_call` on
+    DeepGEMM's views, the recipe, the options), so this converts the weights and runs
+    :func:`gc_moe_compat.operator.api.run_checked_call` without checking them again; errors of the conversion and the
+    launch name the path's facade call. ``buffer`` is a facade ``SymmBuffer`` (or a ``GcMoeBuffer``); the weight
+    pairs are in DeepGEMM's layout (module docstring); the shared pairs in the native API's canonical form.
     """
-    if tuple(recipe) not in _MMA_OF_RECIPE:
-        raise ValueError(f"{fn}: recipe: must be one of {tuple(_MMA_OF_RECIPE)}, got {recipe!r}")
-    mma_type = _MMA_OF_RECIPE[tuple(recipe)]
-    workspace = workspace_of(buffer).retyped(mma_type)
-    w1, w2 = operator_weights(workspace, mma_type, l1_weights, l2_weights)
-    api.layer_call(fn, mma_type, y, w1, w2, workspace, tuple(recipe), "swiglu", 1.0, activation_clamp,
-                   shared_l1_weights, shared_l2_weights, False, fast_math=fast_math,
-                   recv_stats=cumulative_local_expert_recv_stats)
+    path = compute_path(mma_type)
+    workspace = workspace_of(buffer).retyped(path.name)
+    w1, w2 = operator_weights(workspace, path.name, l1_weights, l2_weights)
+    shared = (shared_l1_weights, shared_l2_weights) if workspace.shape.num_shared_experts else None
+    api.run_checked_call(path.facade_fn, workspace, y, w1, w2, activation_alpha=1.0,
+                         activation_clamp=activation_clamp, fast_math=fast_math,
+                         recv_stats=cumulative_local_expert_recv_stats, shared=shared)

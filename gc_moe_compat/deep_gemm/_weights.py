@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gc_moe_compat import config, layouts, quant
+from gc_moe_compat.compute_paths import FP8XFP8, compute_path
 from gc_moe_compat.deep_gemm import _checks
 from gc_moe_compat.operator import weights
 
@@ -57,7 +58,7 @@ def _check_mega_moe_pairs(fn: str, mma_type: str, l1: _Pair, l2: _Pair) -> None:
     and scales (expert count, rows, K'), of L1 and L2 (``[E, 2I, H]`` and ``[E, H, I]``), UTCCP's 128-row groups,
     one device; then the values."""
     pairs = {"l1_weights": l1, "l2_weights": l2}
-    payload_dtypes = (*_FP4, _FP8) if mma_type == "fp8xfp4" else (_FP8,)
+    payload_dtypes = (*_FP4, _FP8) if compute_path(mma_type).fp4 else (_FP8,)
     kinds = set()
     for arg, (payload, sf) in pairs.items():
         if payload.dtype not in payload_dtypes:
@@ -143,7 +144,7 @@ def transform_weights_for_mega_moe_sm90(
     fn = "transform_weights_for_mega_moe_sm90"
     l1, l2 = _pair(fn, "l1_weights", l1_weights), _pair(fn, "l2_weights", l2_weights)
     try:  # the shape l1_weights[0] gives, named as the caller passed it (2I rows, not the intermediate I)
-        shape = weights.weights_shape(l1, "fp8xfp8")
+        shape = weights.weights_shape(l1, FP8XFP8.name)
         config.validate(shape, l1_weights=l1, l2_weights=l2)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc

@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from gc_moe_compat import config
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, ComputePath
 from gc_moe_compat.config import boolean, finite_float
 from gc_moe_compat.config import recipe as recipe_of
 from gc_moe_compat.operator.buffer import GcMoeBuffer, exclusive, get_symm_buffer_for_gc_moe
@@ -40,23 +41,20 @@ from gc_moe_compat.operator.weights import GcMoeWeights, transform_weights_for_g
 from gc_moe_compat.runtime.split import partition_mode
 
 __all__ = [
-    "RECIPES",
     "check_recv_stats",
     "GcMoeBuffer",
     "GcMoeWeights",
     "fp8_fp4_gc_moe",
     "fp8_fp8_gc_moe",
     "get_symm_buffer_for_gc_moe",
-    "layer_call",
     "partition_mode",
     "ring_model",
     "ring_plan",
+    "run_checked_call",
     "transform_weights_for_gc_moe",
     "validate_call",
 ]
 
-RECIPES = {"fp8xfp4": (1, 1, 32), "fp8xfp8": (128, 128, 128)}
-"""The one recipe of each compute path."""
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -117,13 +115,13 @@ def ring_plan(buffer: GcMoeBuffer, num_tokens: int, model: RingModel | None = No
     return plan
 
 
-def _weights(arg: str, w: object, mma_type: str, gemm: str, num_local_experts: int) -> _Pair:
+def _weights(arg: str, w: object, path: ComputePath, gemm: str, num_local_experts: int) -> _Pair:
     if not isinstance(w, GcMoeWeights):
         raise TypeError(f"{arg}: must come from transform_weights_for_gc_moe, got {type(w).__name__}")
-    if (w.mma_type, w.gemm) != (mma_type, gemm):
-        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={mma_type!r}, got the {w.gemm!r} "
+    if (w.mma_type, w.gemm) != (path.name, gemm):
+        raise ValueError(f"{arg}: must be the {gemm!r} weights of mma_type={path.name!r}, got the {w.gemm!r} "
                          f"weights of mma_type={w.mma_type!r}")
-    if mma_type == "fp8xfp4":
+    if path.fp4:
         f = w.factor
         if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or tuple(f.shape) != (num_local_experts,):
             raise ValueError(f"{arg}.factor: must be float32 [{num_local_experts}] (per-expert 2^base), got {f!r:.80}")
@@ -145,13 +143,13 @@ def check_recv_stats(stats: object, buffer: GcMoeBuffer) -> torch.Tensor | None:
     return stats
 
 
-def layer_call(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer: object, recipe: object,
-               activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
-               shared_l2_weights: object, check_values: bool, *, fast_math: object = True,
-               recv_stats: object = None) -> None:
-    """One layer call of ``mma_type`` (the module docstring's steps), every message naming ``fn``: the function the
-    caller called (the native calls pass their own name, the deep_gemm facade's ``fp8_mega_moe`` /
-    ``fp8_fp4_mega_moe`` theirs)."""
+def _check_call(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
+                activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+                shared_l2_weights: object, check_values: object, fast_math: object,
+                recv_stats: object) -> torch.Tensor | None:
+    """Every check of a native call of ``path`` (``TypeError`` / ``ValueError`` naming ``path.native_fn`` and the
+    argument); returns the checked ``cumulative_local_expert_recv_stats``."""
+    fn = path.native_fn
     if not isinstance(buffer, GcMoeBuffer):
         raise TypeError(f"{fn}: buffer: must come from get_symm_buffer_for_gc_moe, got {type(buffer).__name__}")
     if buffer.storage is None:
@@ -159,12 +157,12 @@ def layer_call(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer
     shape = buffer.shape
     boolean(fn, "check_values", check_values)  # before validate_call reads it: None would skip the value checks
     try:
-        if shape.mma_type != mma_type:
-            raise ValueError(f"buffer: must be created with mma_type={mma_type!r}, got {shape.mma_type!r}")
+        if shape.mma_type != path.name:
+            raise ValueError(f"buffer: must be created with mma_type={path.name!r}, got {shape.mma_type!r}")
         e = shape.num_local_experts
-        l1, l2 = _weights("w1", w1, mma_type, "l1", e), _weights("w2", w2, mma_type, "l2", e)
+        l1, l2 = _weights("w1", w1, path, "l1", e), _weights("w2", w2, path, "l2", e)
         inputs = {name: buffer.view(name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
-        t = validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
+        validate_call(shape, y, inputs, l1, l2, shared_l1_weights, shared_l2_weights, check_values=check_values)
         if not isinstance(activation, str):
             raise TypeError(f"activation: must be 'swiglu' (a str), got {type(activation).__name__} "
                             f"({activation!r:.80})")
@@ -173,17 +171,40 @@ def layer_call(fn: str, mma_type: str, y: object, w1: object, w2: object, buffer
         recv_stats = check_recv_stats(recv_stats, buffer)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
-    recipe_of(fn, recipe, RECIPES[mma_type])
+    recipe_of(fn, recipe, path.recipe)
     finite_float(fn, "activation_alpha", activation_alpha)
     if activation_clamp is not None:
         finite_float(fn, "activation_clamp", activation_clamp, positive=True)
     boolean(fn, "fast_math", fast_math)
+    return recv_stats
+
+
+def run_checked_call(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, *,
+                     activation_alpha: float, activation_clamp: float | None, fast_math: bool,
+                     recv_stats: torch.Tensor | None, shared: tuple[_Pair, _Pair] | None) -> None:
+    """One layer call on ``y.shape[0]`` staged tokens whose arguments were checked where they entered: by the
+    native calls, or by the ``deep_gemm`` facade (its ``validate_call`` on DeepGEMM's views, before the seam
+    converts the weights), so that a facade call is validated once. Takes the workspace guard, plans the ring
+    (:class:`~gc_moe_compat.operator.ring.RingCapacityError`) and runs the graph; ``fn``, the caller's function,
+    prefixes the errors of the launch. ``shared``: the fused shared expert's pairs (None without one)."""
+    t = y.shape[0]
     with exclusive(buffer):
         model = ring_model(buffer, t)
         plan = ring_plan(buffer, t, model)
-        shared = (shared_l1_weights, shared_l2_weights) if shape.num_shared_experts else None
         _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,
                 recv_stats=recv_stats, shared=shared)
+
+
+def _run(path: ComputePath, y: object, w1: object, w2: object, buffer: object, recipe: object,
+         activation: object, activation_alpha: object, activation_clamp: object, shared_l1_weights: object,
+         shared_l2_weights: object, check_values: object, *, fast_math: object = True,
+         recv_stats: object = None) -> None:
+    """A native call of ``path``: :func:`_check_call`, then :func:`run_checked_call`."""
+    recv_stats = _check_call(path, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+                             shared_l1_weights, shared_l2_weights, check_values, fast_math, recv_stats)
+    shared = (shared_l1_weights, shared_l2_weights) if buffer.shape.num_shared_experts else None
+    run_checked_call(path.native_fn, buffer, y, w1, w2, activation_alpha=activation_alpha,
+                     activation_clamp=activation_clamp, fast_math=fast_math, recv_stats=recv_stats, shared=shared)
 
 
 _caches: weakref.WeakKeyDictionary[GcMoeBuffer, layer.LayerCache] = weakref.WeakKeyDictionary()
@@ -222,9 +243,9 @@ def fp8_fp4_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     device sync each outside graph capture, skipped automatically while capturing. ``fast_math`` and
     ``cumulative_local_expert_recv_stats`` as in :func:`fp8_fp8_gc_moe`.
     """
-    layer_call("fp8_fp4_gc_moe", "fp8xfp4", y, w1, w2, buffer, recipe, activation, activation_alpha,
-               activation_clamp, shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
-               recv_stats=cumulative_local_expert_recv_stats)
+    _run(FP8XFP4, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)
 
 
 def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: GcMoeBuffer,
@@ -239,6 +260,6 @@ def fp8_fp8_gc_moe(y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeWeights, buffer: 
     ``cumulative_local_expert_recv_stats``: optional contiguous int32 ``[E/P]`` on the buffer's device; role3 adds
     the rows this rank received per local expert in this call (DeepGEMM's / DeepEP's statistics counter).
     """
-    layer_call("fp8_fp8_gc_moe", "fp8xfp8", y, w1, w2, buffer, recipe, activation, activation_alpha,
-               activation_clamp, shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
-               recv_stats=cumulative_local_expert_recv_stats)
+    _run(FP8XFP8, y, w1, w2, buffer, recipe, activation, activation_alpha, activation_clamp,
+         shared_l1_weights, shared_l2_weights, check_values, fast_math=fast_math,
+         recv_stats=cumulative_local_expert_recv_stats)

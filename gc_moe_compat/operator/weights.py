@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat import config, layouts, quant
+from gc_moe_compat.compute_paths import compute_path
 
 __all__ = ["GcMoeWeights", "transform_weights_for_gc_moe"]
 
@@ -56,7 +57,7 @@ class GcMoeWeights:
         if self.mma_type not in config.MMA_TYPES or self.gemm not in ("l1", "l2"):
             raise ValueError(f"GcMoeWeights: mma_type must be one of {config.MMA_TYPES} and gemm 'l1' or 'l2', got "
                              f"{self.mma_type!r} and {self.gemm!r}")
-        fp4 = self.mma_type == "fp8xfp4"
+        fp4 = compute_path(self.mma_type).fp4
         forms = ((("payload", self.payload), (torch.uint8, torch.int8) if fp4 else (torch.float8_e4m3fn,)),
                  (("scales", self.scales), (torch.uint8,) if fp4 else (torch.float32,)))
         for (name, t), dtypes in forms:
@@ -65,13 +66,14 @@ class GcMoeWeights:
                                 f"{self.mma_type}, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         if not fp4:
             if self.factor is not None:
-                raise TypeError(f"GcMoeWeights.factor: must be None for fp8xfp8, got {type(self.factor).__name__}")
+                raise TypeError(f"GcMoeWeights.factor: must be None for {self.mma_type}, got "
+                                f"{type(self.factor).__name__}")
             quant.check_block_scale_values("GcMoeWeights", "scales", self.scales)
             return
         f = self.factor
         if not isinstance(f, torch.Tensor) or f.dtype != torch.float32 or f.dim() != 1:
-            raise TypeError(f"GcMoeWeights.factor: must be a float32 [e] tensor (2^base per expert) for fp8xfp4, got "
-                            f"{f!r:.80}")
+            raise TypeError(f"GcMoeWeights.factor: must be a float32 [e] tensor (2^base per expert) for "
+                            f"{self.mma_type}, got {f!r:.80}")
         if quant.values_readable(f) and not bool((torch.isfinite(f) & (f > 0)).all()):
             raise ValueError(f"GcMoeWeights.factor: must be finite and positive (2^base per expert), got "
                              f"{f[~(torch.isfinite(f) & (f > 0))].flatten()[0].item()}")
@@ -102,7 +104,7 @@ def weights_shape(l1: _Pair, mma_type: str) -> config.MoEShape:
     if payload.dim() != 3:
         raise ValueError(f"l1_weights[0]: must be [e, 2I, K'] (3 dims), got shape {tuple(payload.shape)}")
     e, two_i, k_cols = payload.shape
-    hidden = k_cols * 2 if mma_type == "fp8xfp4" else k_cols
+    hidden = k_cols * 2 if compute_path(mma_type).fp4 else k_cols
     try:
         return config.MoEShape(num_experts=e, num_ranks=1, hidden=hidden, intermediate=two_i // 2, topk=1,
                                mma_type=mma_type)
@@ -127,13 +129,13 @@ def transform_weights_for_gc_moe(l1_weights: _Pair, l2_weights: _Pair,
     code 255; skipped on meta tensors). Raises ``TypeError`` / ``ValueError`` naming the argument on any violation,
     before transforming anything; ``fp8xfp4`` weights must hold values (not meta tensors: the repack reads them).
     """
-    config.mma_type_of(mma_type)
+    path = compute_path(mma_type)
     l1, l2 = _pair("l1_weights", l1_weights), _pair("l2_weights", l2_weights)
     shape = weights_shape(l1, mma_type)
     config.validate(shape, l1_weights=l1, l2_weights=l2)
     for arg, pair in (("l1_weights", l1), ("l2_weights", l2)):
         quant.check_weight_values("transform_weights_for_gc_moe", arg, pair)
-    if mma_type == "fp8xfp8":
+    if not path.fp4:
         return (GcMoeWeights(layouts.interleave_gate_up(l1[0]), l1[1].contiguous(), None, mma_type, "l1"),
                 GcMoeWeights(l2[0].contiguous(), l2[1].contiguous(), None, mma_type, "l2"))
     if not quant.values_readable(l1[1]):  # validate put all four tensors on one device

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cuda.bindings import driver
 
-from .cuda import call, init_driver
+from .cuda import call, device, init_driver
 
 ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
 _BASE_FLAGS = ("-cubin", ARCH_FLAG, "-std=c++17", "-O3", "-Xptxas", "-v")
@@ -360,3 +360,15 @@ def load_module(
         if module is None:
             module = _modules[cubin.key] = Module(cubin)
         return module
+
+
+def load_kernel(source: str | Path, defines: Mapping[str, DefineValue], name: str, *, shared_bytes: int,
+                ordinal: int) -> Kernel:
+    """The kernel ``name`` of ``source`` compiled with ``defines`` (:func:`load_module`), opted into ``shared_bytes``
+    of dynamic shared memory on device ``ordinal``: a kernel that uses more than the default 48 KiB must be before
+    it is launched or put in a graph. The opt-in is a per-device attribute of the (cached, shared) kernel, so it is
+    set on every call: the variants of one module may need different amounts."""
+    kernel = load_module(source, defines).kernel(name)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    call(driver.cuKernelSetAttribute, attr, shared_bytes, kernel.handle, device(ordinal))
+    return kernel

@@ -4,9 +4,9 @@ One rank's routed experts of a docs/bench_protocol.md preset (random ``randn / s
 quantized expert by expert to ``fp8_block128`` for FP8xFP8 or ``mxfp4`` for FP8xFP4, and transformed for the
 operator), seeded per-rank inputs (E4M3 tokens with FP32 1x128 scales, global top-k ids, softmax routing weights),
 staging into a :class:`~gc_moe_compat.operator.api.GcMoeBuffer`, and every rank's ``y`` from the P-rank
-quantization-faithful reference (:func:`gc_moe_compat.testing.reference.expert_parallel_reference` with the intermediate
-requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4). Every rank
-rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
+quantization-faithful reference (:func:`gc_moe_compat.testing.reference.expert_parallel_reference` with the
+intermediate requantized as the weights' SM90 path does: ``"fp32_128"`` for FP8xFP8, ``"ue8m0_128"`` for FP8xFP4).
+Every rank rebuilds every other rank's weights and inputs from the same seeds, so the reference needs no communication.
 A fused shared expert (role4): :func:`make_shared_weights` (one ``fp8_block128`` expert, the SM90 shared recipe on
 both paths, replicated on every rank) and ``reference_ys(..., shared=)`` (slot ``k``, summed after the routed slots).
 """
@@ -20,11 +20,11 @@ from types import MappingProxyType
 
 import torch
 
+from gc_moe_compat.compute_paths import PATHS, compute_path
 from gc_moe_compat.config import MAX_INTERMEDIATE, PRESETS, MoEPreset
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.weights import GcMoeWeights
-from gc_moe_compat.testing.gemm_workload import CLAMP
 from gc_moe_compat.testing.reference import (
     ExpertWeights,
     MoEResult,
@@ -37,7 +37,6 @@ __all__ = [
     "CLAMP",
     "INTERMEDIATE_QUANT",
     "ROUTINGS",
-    "WEIGHT_FORMATS",
     "SHARED_SEED",
     "WORKLOADS",
     "RankInputs",
@@ -53,12 +52,11 @@ __all__ = [
 ]
 
 CAPACITY = 256  # docs/bench_protocol.md: per-rank capacity
+CLAMP = 10.0  # docs/bench_protocol.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
 ROUTINGS = ("uniform", "zipf", "one_expert", "holes")
-WEIGHT_FORMATS = {"fp8xfp8": "fp8_block128", "fp8xfp4": "mxfp4"}
-"""The canonical weight format of each compute path (what its faithful reference dequantizes)."""
-INTERMEDIATE_QUANT = {"fp8_block128": "fp32_128", "mxfp4": "ue8m0_128", "bf16": None}
-"""The W1 epilogue's requantization of each weight format's SM90 path (reference.py, semantics 5); none for the
-BF16 model (docs/bench_protocol.md reference 2)."""
+INTERMEDIATE_QUANT = {**{p.weight_format: p.intermediate_quant for p in PATHS.values()}, "bf16": None}
+"""The W1 epilogue's requantization of each weight format's SM90 path (its compute path's ``intermediate_quant``,
+reference.py semantics 5); none for the BF16 model (docs/bench_protocol.md reference 2)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +119,7 @@ def make_weights(preset: str, rank: int, device: torch.device | str = "cuda", mm
                  ) -> RankWeights:
     """:func:`make_expert_weights` in ``mma_type``'s format plus the operator's transformed pair
     (``transform_weights_for_gc_moe``)."""
-    if mma_type not in WEIGHT_FORMATS:
-        raise ValueError(f"mma_type: must be one of {tuple(WEIGHT_FORMATS)}, got {mma_type!r}")
-    l1, l2 = make_expert_weights(preset, rank, device, WEIGHT_FORMATS[mma_type])
+    l1, l2 = make_expert_weights(preset, rank, device, compute_path(mma_type).weight_format)
     w1, w2 = api.transform_weights_for_gc_moe((l1.payload, l1.scales), (l2.payload, l2.scales), mma_type)
     return RankWeights(l1, l2, w1, w2)
 
@@ -149,7 +145,8 @@ def make_shared_weights(preset: str, device: torch.device | str = "cuda",
 
 @dataclass(frozen=True)
 class RankInputs:
-    """One rank's staged inputs: E4M3 tokens with FP32 1x128 scales, global expert ids (-1 unused), weights."""
+    """One rank's staged inputs: E4M3 tokens (or their bytes) with FP32 1x128 scales, global expert ids (-1 unused),
+    routing weights."""
 
     x: torch.Tensor
     x_sf: torch.Tensor

@@ -4,12 +4,15 @@ handed to the native call, and the guard shared by a workspace and its alias. Th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
-from gc_moe_compat import layouts, quant
+from gc_moe_compat import config, layouts, quant
+from gc_moe_compat.deep_gemm import _checks
 from gc_moe_compat.deep_gemm import _seam as seam
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator.buffer import exclusive
@@ -196,19 +199,46 @@ def test_fp8_mega_moe_hands_the_operator_its_options(group: dist.ProcessGroup, m
     assert len(launches.calls) == 2
 
 
+def _counting(counts: dict[str, int], key: str, real: Callable[..., object]) -> Callable[..., object]:
+    def counted(*args: object, **kwargs: object) -> object:
+        counts[key] += 1
+        return real(*args, **kwargs)
+    return counted
+
+
+def test_a_facade_call_is_validated_once(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The facade's check is the call's only one: ``config.validate``, the recipe rule and the statistics check run
+    once per ``fp8_mega_moe`` / ``fp8_fp4_mega_moe`` call (with weights converted before: an FP8xFP4 pair's first
+    conversion validates the weights once more, in ``transform_weights_for_gc_moe``, and is cached)."""
+    launches = _Launches(monkeypatch)
+    checks = ((config, "validate", "validate"), (_checks, "recipe", "recipe"), (api, "recipe_of", "recipe"),
+              (api, "check_recv_stats", "check_recv_stats"))
+    stats = torch.zeros(E, dtype=torch.int32)
+    y = torch.empty(4, H, dtype=torch.bfloat16)
+    for call, mma_type, (l1, l2) in ((dg.fp8_mega_moe, "fp8xfp8", _fp8_deepgemm()),
+                                     (dg.fp8_fp4_mega_moe, "fp8xfp4", _fp4_deepgemm())):
+        sym = _sym(group)
+        seam.operator_weights(sym, mma_type, l1, l2)
+        counts = dict.fromkeys(("validate", "recipe", "check_recv_stats"), 0)
+        with monkeypatch.context() as m:
+            for module, name, key in checks:
+                m.setattr(module, name, _counting(counts, key, getattr(module, name)))
+            call(y, l1, l2, sym, cumulative_local_expert_recv_stats=stats)
+        assert counts == {"validate": 1, "recipe": 1, "check_recv_stats": 1}, call.__name__
+    assert [c["fn"] for c in launches.calls] == ["fp8_mega_moe", "fp8_fp4_mega_moe"]
+
+
 def test_operator_seam_runs_on_a_native_buffer(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
     launches = _Launches(monkeypatch)
     buf = api.get_symm_buffer_for_gc_moe(group, E, TMAX, K, H, N_I, "fp8xfp8", compute_sms=64)
     buf.topk_idx.fill_(-1)
     l1, l2 = _fp8_deepgemm()
     kw = dict(shared_l1_weights=None, shared_l2_weights=None, cumulative_local_expert_recv_stats=None,
-              recipe=(128, 128, 128), activation_clamp=None, fast_math=True)
-    seam.mega_moe("fp8_mega_moe", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
+              activation_clamp=None, fast_math=True)
+    seam.mega_moe("fp8xfp8", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
     assert launches.calls[0]["buffer"] is buf and launches.calls[0]["t"] == 2
-    assert launches.calls[0]["fn"] == "fp8_mega_moe"  # the caller's function names the messages
-    with pytest.raises(ValueError, match="fp8_mega_moe: recipe: must be one of"):
-        seam.mega_moe("fp8_mega_moe", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf,
-                      **{**kw, "recipe": (1, 1, 16)})
+    with pytest.raises(ValueError, match="mma_type: must be one of"):
+        seam.mega_moe("fp8xfp16", torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
 
 
 def test_native_fp8_call_checks_its_new_options(group: dist.ProcessGroup) -> None:

@@ -8,12 +8,13 @@ import subprocess
 from dataclasses import dataclass
 
 import torch
+from _grouping import GroupedTokens, group_tokens
+from _standalone_gemm import ExpertGemmSM90, Workspace
+from _standalone_heuristics import KernelConfig, max_stages, w2_slabs
 
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, max_stages, w2_slabs
+from gc_moe_compat.operator.heuristics import W1_SLABS
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.testing.grouping import GroupedTokens, group_tokens
 from gc_moe_compat.testing.reference import quantize_activations
-from gc_moe_compat.testing.standalone_gemm import ExpertGemmSM90, Workspace
 
 
 def config(

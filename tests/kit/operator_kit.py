@@ -2,9 +2,9 @@
 staging, poisoning (:func:`start_call`: both, and the NaN ``y``), the P-rank quantization-faithful reference and the
 docs/bench_protocol.md accuracy check.
 
-The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations the
-kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for FP8xFP4),
-with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
+The oracle is :func:`gc_moe_compat.testing.reference.expert_parallel_reference` on the exact weights and activations
+the kernels read (``make_weights(..., mma_type=)``: ``fp8_block128`` for FP8xFP8, window-repacked ``mxfp4`` for
+FP8xFP4), with the intermediate requantized as that SM90 path does (``"fp32_128"`` / ``"ue8m0_128"``, chosen by
 ``reference_ys`` from the weights' format); ``make_expert_weights(..., fmt="bf16")`` gives the BF16 model both
 approximate.
 """

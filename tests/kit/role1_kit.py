@@ -1,8 +1,7 @@
 """Shared helpers of role1's GPU tests: stand-in kernels, routings, staging, poisoning and the exact expected ring.
 
-The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.testing.reference.dispatch_plan` (which rows
-a
-rank receives, in which order) and :func:`gc_moe_compat.operator.ring.pool_rows` /
+The oracle is independent of the kernel's arithmetic: :func:`gc_moe_compat.testing.reference.dispatch_plan` (which
+rows a rank receives, in which order) and :func:`gc_moe_compat.operator.ring.pool_rows` /
 :func:`~gc_moe_compat.operator.ring.pool_table`
 (where each row lands), applied to the inputs every rank staged.
 """
@@ -22,6 +21,7 @@ from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import GreenSide
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import raise_for_status, spin_timeout_ns
+from gc_moe_compat.testing.operator_workload import RankInputs
 from gc_moe_compat.testing.reference import dispatch_plan
 
 STANDINS = "testing/dispatch_test.cu"
@@ -135,30 +135,17 @@ def routing(kind: str, tokens: int, topk: int, num_experts: int, gen: torch.Gene
     return idx
 
 
-@dataclass
-class Inputs:
-    """One rank's staged call: FP8 payload as bytes ``[T, H]``, FP32 scales, routing ids and weights."""
-
-    x: torch.Tensor
-    x_sf: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-
-    @property
-    def tokens(self) -> int:
-        return self.x.shape[0]
-
-
-def make_inputs(kind: str, tokens: int, buffer: GcMoeBuffer, gen: torch.Generator) -> Inputs:
-    """Random inputs (on the host): every byte and every float distinct enough that a misplaced row shows."""
+def make_inputs(kind: str, tokens: int, buffer: GcMoeBuffer, gen: torch.Generator) -> RankInputs:
+    """Random inputs (on the host; the payload as bytes ``[T, H]``, which role1 copies without reading): every byte
+    and every float distinct enough that a misplaced row shows."""
     s = buffer.shape
     x = torch.randint(0, 256, (tokens, s.hidden), dtype=torch.uint8, generator=gen)
     x_sf = torch.rand(tokens, s.hidden // 128, generator=gen) + 0.5
     weights = torch.rand(tokens, s.topk, generator=gen)
-    return Inputs(x, x_sf, routing(kind, tokens, s.topk, s.num_experts, gen), weights)
+    return RankInputs(x, x_sf, routing(kind, tokens, s.topk, s.num_experts, gen), weights)
 
 
-def stage(buffer: GcMoeBuffer, inputs: Inputs) -> None:
+def stage(buffer: GcMoeBuffer, inputs: RankInputs) -> None:
     """Writes ``inputs`` into the buffer's staging views (``[:T]``) and poisons the rest of them."""
     t = inputs.tokens
     for name in ("x", "x_sf", "topk_idx", "topk_weights"):
@@ -194,7 +181,7 @@ class Expected:
         return self.table.shape[0]
 
 
-def expected(all_inputs: list[Inputs], rank: int, buffer: GcMoeBuffer, plan: RingPlan) -> Expected:
+def expected(all_inputs: list[RankInputs], rank: int, buffer: GcMoeBuffer, plan: RingPlan) -> Expected:
     s = buffer.shape
     received = dispatch_plan([inp.topk_idx for inp in all_inputs], s.num_experts)[rank]
     rows = pool_rows(received, plan)

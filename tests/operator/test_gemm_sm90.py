@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gemm_workload import CLAMP, make_layer, make_tokens, reference_partials
+from _grouping import group_tokens, scatter_partials
+from _standalone_gemm import ExpertGemmSM90, all_variants
+from _standalone_heuristics import KernelConfig, select_config
 from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
+from gc_moe_compat.compute_paths import FP8XFP8
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
-from gc_moe_compat.testing.gemm_workload import CLAMP, make_layer, make_tokens, reference_partials
-from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
+from gc_moe_compat.operator.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.testing.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.testing.standalone_gemm import KERNEL, SOURCE, ExpertGemmSM90, all_variants
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -92,7 +94,8 @@ def check_expert_rows(cfg: KernelConfig, counts: list[int] | None, seed: int) ->
 def test_sass_and_resources() -> None:
     """Every variant: QGMMA (WGMMA on FP8) and UTMALDG (TMA) in the SASS, no local memory, no spills."""
     for defines in all_variants():
-        res, counts = sass_report(SOURCE, defines, KERNEL, ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL"))
+        res, counts = sass_report(FP8XFP8.kernel, defines, FP8XFP8.standalone_entry,
+                                  ("QGMMA", "UTMALDG", "UBLKCP", "LDL", "STL"))
         print(f"{defines}: {res} {counts}")
         assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0
         assert counts["LDL"] == 0 and counts["STL"] == 0

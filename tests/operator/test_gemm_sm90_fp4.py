@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
+from _grouping import group_tokens, scatter_partials
+from _standalone_gemm import ExpertGemmSM90, Workspace, all_variants
+from _standalone_heuristics import KernelConfig, select_config
 from gemm_kit import boundary_tokens, config, run_poisoned, sass_report
 
+from gc_moe_compat.compute_paths import FP8XFP4
 from gc_moe_compat.config import SWEEP_TOKENS
-from gc_moe_compat.operator.heuristics import W1_SLABS, KernelConfig, select_config, tile_rows
-from gc_moe_compat.testing.gemm_workload import CLAMP, make_fp4_layer, make_layer, make_tokens, reference_partials_fp4
-from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
+from gc_moe_compat.operator.heuristics import W1_SLABS, tile_rows
 from gc_moe_compat.testing.reference import accuracy_metrics, expert_rows, l1_intermediate
-from gc_moe_compat.testing.standalone_gemm import FP4_KERNEL, FP4_SOURCE, ExpertGemmSM90, Workspace, all_variants
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -64,7 +66,7 @@ def test_fp4_presets_sweep(layers, tokens_per_rank: int) -> None:  # noqa: ANN00
 def test_fp4_boundary_expert_sizes(bm: int, pipelined: bool) -> None:
     """Experts with 0, 1, BM and BM+1 rows (one slot per token), checked row by row, intermediate included. The
     weights' K32 scales span 16 exponents, so the window clips groups and the decoder folds d up to 10. W2 runs as
-    256-row tasks from BM = 16 (heuristics.w2_slabs), 128-row ones at BM = 8."""
+    256-row tasks from BM = 16 (_standalone_heuristics.w2_slabs), 128-row ones at BM = 8."""
     check_fp4_expert_rows(config(bm, pipelined, "fp8xfp4"), None, seed=100 + bm + pipelined)
 
 
@@ -109,7 +111,8 @@ def test_fp4_sass_and_resources() -> None:
     """Every FP8xFP4 variant: QGMMA (register-A WGMMA on E4M3), UTMALDG (TMA), PRMT (the register decoder) in the
     SASS, no local memory, no spills."""
     for defines in all_variants("fp8xfp4"):
-        res, counts = sass_report(FP4_SOURCE, defines, FP4_KERNEL, ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL"))
+        res, counts = sass_report(FP8XFP4.kernel, defines, FP8XFP4.standalone_entry,
+                                  ("QGMMA", "UTMALDG", "UBLKCP", "PRMT", "LDL", "STL"))
         print(f"fp4 {defines}: {res} {counts}")
         assert counts["QGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["PRMT"] > 0
         assert counts["LDL"] == 0 and counts["STL"] == 0

@@ -6,35 +6,31 @@ import math
 
 import pytest
 import torch
-from nvcc_mark import needs_nvcc, serialized_wgmma
-
-from gc_moe_compat import layouts, quant
-from gc_moe_compat.operator.heuristics import (
-    BLOCK_M_CANDIDATES,
-    MAX_STAGES,
-    MMA_TYPES,
-    SMEM_LIMIT,
-    W1_SLABS,
-    W2_SLABS,
-    KernelConfig,
-    max_stages,
-    select_block_m,
-    select_config,
-    smem_bytes,
-    w2_slabs,
-)
-from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
-from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import cluster_config
-from gc_moe_compat.testing.grouping import group_tokens, scatter_partials
-from gc_moe_compat.testing.reference import ExpertWeights, dispatch_plan, quantize_activations
-from gc_moe_compat.testing.standalone_gemm import (
-    KERNELS,
+from _grouping import group_tokens, scatter_partials
+from _standalone_gemm import (
     ExpertGemmSM90,
     all_variants,
     prepare_fp4_weights,
     prepare_fp8_weights,
 )
+from _standalone_heuristics import KernelConfig, max_stages, select_config, w2_slabs
+from nvcc_mark import needs_nvcc, serialized_wgmma
+
+from gc_moe_compat import layouts, quant
+from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
+from gc_moe_compat.operator.heuristics import (
+    BLOCK_M_CANDIDATES,
+    MAX_STAGES,
+    SMEM_LIMIT,
+    W1_SLABS,
+    W2_SLABS,
+    select_block_m,
+    smem_bytes,
+)
+from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.launch import cluster_config
+from gc_moe_compat.testing.reference import ExpertWeights, dispatch_plan, quantize_activations
 
 
 @pytest.mark.parametrize(
@@ -231,7 +227,8 @@ def test_every_variant_compiles_without_spills(mma_type: str, defines: dict[str,
     """CI builds every variant of both kernels for sm_90a: no stack frame, no spills, no serialized WGMMAs, the
     register cap of the thread layout held."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
-    source, kernel = KERNELS[mma_type]
+    path = compute_path(mma_type)
+    source, kernel = path.kernel, path.standalone_entry
     cubin = jit.compile_cubin(source, defines)
     res = cubin.resources[kernel]
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from role1_kit import (
     ROUTINGS,
     CaptureBuffers,
-    Inputs,
     check_capture,
     check_counters,
     check_ring,
@@ -38,6 +37,7 @@ from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs
 from gc_moe_compat.runtime.status import DeviceTimeoutError, new_status
+from gc_moe_compat.testing.operator_workload import RankInputs
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ class Rig:
     def plan(self, bm: int, ring_blocks: int) -> RingPlan:
         return RingPlan.for_model(RingModel(self.buf.shape, bm, self.buf.compute_sms), ring_blocks)
 
-    def run(self, inputs: Inputs, plan: RingPlan, *, consume: bool = True, delay_ns: int = 0,
+    def run(self, inputs: RankInputs, plan: RingPlan, *, consume: bool = True, delay_ns: int = 0,
             timeout_ms: float = TIMEOUT_MS,
             consume_timeout_ms: float = TIMEOUT_MS) -> tuple[CaptureBuffers, torch.Tensor]:
         """Stages ``inputs``, poisons every output, runs role1 (+ the consumer); returns (capture, consumer status).

@@ -27,8 +27,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _standalone_gemm import prepare_fp4_weights, recorded_variants
 from nvcc_mark import needs_nvcc, serialized_wgmma
 
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.config import MMA_TYPES, MoEShape
 from gc_moe_compat.operator import api, ring
 from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
@@ -39,7 +41,6 @@ from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 from gc_moe_compat.runtime.tensormap import TensorMapArg
 from gc_moe_compat.testing.reference import ExpertWeights
-from gc_moe_compat.testing.standalone_gemm import FP4_SOURCE, SOURCE, prepare_fp4_weights, recorded_variants
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -84,7 +85,7 @@ def test_operator_smem_fits_and_stages_are_maximal(bm: int, mma_type: str) -> No
 
 def test_variant_picks_the_kernel_of_its_weight_format() -> None:
     fp8, fp4 = role2_gemm.Role2Variant(16, True), role2_gemm.Role2Variant(16, True, mma_type="fp8xfp4")
-    assert (fp8.source, fp8.kernel_name) == (role2_gemm.SOURCE, role2_gemm.KERNEL) == role2_gemm.KERNELS["fp8xfp8"]
+    assert (fp8.source, fp8.kernel_name) == (FP8XFP8.kernel, FP8XFP8.operator_entry)
     assert (fp4.source, fp4.kernel_name) == ("sm90/role2_gemm_fp8xfp4.cu", "gc_sm90_fp8_fp4_role2")
     assert fp4.defines["GC_OP_SMEM_BYTES"] == fp4.smem != fp8.smem
     assert role2_gemm.role2_defines(16, True) == fp8.defines  # the FP8xFP8 default (bench/operator_sm90.py's call)
@@ -117,8 +118,8 @@ def test_operator_variants_compile_without_spills(variant: role2_gemm.Role2Varia
 # and the FP8xFP4 software pipeline (each record's note says which change; before it, FP8xFP8 was recorded before
 # operator mode existed, commit fb7c8b1, and FP8xFP4 at commit 1447f6d).
 STANDALONE_RECORDS = {
-    "fp8xfp8": (SOURCE, DATA_DIR / "sm90_fp8_standalone_cubins.json"),
-    "fp8xfp4": (FP4_SOURCE, DATA_DIR / "sm90_fp4_standalone_cubins.json"),
+    "fp8xfp8": (FP8XFP8.kernel, DATA_DIR / "sm90_fp8_standalone_cubins.json"),
+    "fp8xfp4": (FP8XFP4.kernel, DATA_DIR / "sm90_fp4_standalone_cubins.json"),
 }
 
 
@@ -350,7 +351,7 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
         assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role2",))
     assert r1.grid == (buf.dispatch_sms, 1, 1) and r2.grid == (call.model.compute_sms, 1, 1)
     assert r2.block == (call.variant.threads, 1, 1) and r2.shared_bytes == call.variant.smem
-    assert r2.kernel.name.startswith(role2_gemm.KERNELS[mma_type][1] + "-")
+    assert r2.kernel.name.startswith(compute_path(mma_type).operator_entry + "-")
     params = role2_gemm.Role2Params.from_buffer_copy(r2.args.signature[-1][1])
     warm = role2_gemm.Role2Params.from_buffer_copy(r2.warmup_args.signature[-1][1])
     assert (params.flags, warm.flags) == (0, role2_gemm.WARMUP)

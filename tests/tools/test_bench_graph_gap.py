@@ -16,8 +16,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gemm_sm90  # noqa: E402 - bench/ is a script folder, put on the path above
 import graph_gap_sm90 as gap  # noqa: E402
-
-from gc_moe_compat.operator.heuristics import select_config  # noqa: E402
+from _standalone_heuristics import select_config  # noqa: E402
 
 
 def test_excess_is_each_pair_minus_its_kernels_alone() -> None:

@@ -504,7 +504,8 @@ def interpreter_checks() -> None:
 def _gemm_sm90_pipeline() -> None:
     """bench/gemm_sm90.py's DeepGEMM pipeline (tokens staged into the masked layout, the shared fused activation)
     with :class:`FakeDeepGemm`: every valid (token, slot) partial equals the faithful reference's (tiny preset)."""
-    from gc_moe_compat.testing.gemm_workload import make_layer, make_tokens, reference_partials
+    from _gemm_workload import make_layer, make_tokens, reference_partials
+
     from gc_moe_compat.testing.reference import accuracy_metrics
 
     layer = make_layer("tiny", torch.device("cpu"), seed=1)

@@ -1,14 +1,15 @@
-"""The import graph of ``gc_moe_compat``: no cycles, every arrow down the layers of DESIGN.md, ``testing`` apart.
+"""The import graph of ``gc_moe_compat``: no cycles, every arrow down the layers of DESIGN.md, the core apart from
+the references and the tools.
 
 Every ``import`` / ``from ... import`` of the package's own modules counts, at module level or inside a function (a
 lazy import is still a dependency). ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else
 to ``pkg``. Layers, bottom to top; a module may import its own layer and the ones below:
 
-numerics (config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights, buffer) <
-operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals < facades
-(deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API). ``testing``
-(references, workloads, the standalone GEMM harness) and ``ab`` (the tools) sit beside the stack: they may import any
-of it, and no shipped module imports them.
+numerics (compute_paths, config, quant, layouts) < runtime < comm < operator (heuristics, ring, workspace, weights,
+buffer) < operator roles (``operator/sm90``: the layer and one module per role kernel) < operator api < originals <
+facades (deep_gemm, deep_ep) < swap < the package's ``__init__`` (its lazy re-export of the native API): the core.
+Above it the tools' layer: ``references`` (the FP32 references and workloads, shipped for ``gc-moe-ab``) < ``ab``
+(the A/B tool and the compatibility matrix). The core never imports either, the references never import the tools.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "gc_moe_compat"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("gc_moe_compat.config", "gc_moe_compat.quant", "gc_moe_compat.layouts")),
+    ("numerics", ("gc_moe_compat.compute_paths", "gc_moe_compat.config", "gc_moe_compat.quant",
+                  "gc_moe_compat.layouts")),
     ("runtime", ("gc_moe_compat.runtime",)),
     ("comm", ("gc_moe_compat.comm",)),
     ("operator", ("gc_moe_compat.operator",)),
@@ -32,9 +34,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("facades", ("gc_moe_compat.deep_gemm", "gc_moe_compat.deep_ep")),
     ("swap", ("gc_moe_compat.swap", "gc_moe_compat._swap_hook")),
     ("package", ("gc_moe_compat",)),
+    ("references", ("gc_moe_compat.testing",)),
+    ("tools", ("gc_moe_compat.ab",)),
 )
-BESIDE = ("gc_moe_compat.testing", "gc_moe_compat.ab")
-"""Packages for tests, benchmarks and tools: they import the stack, the stack never imports them."""
+CORE = "package"
+"""The top layer of the core (numerics .. facades, swap): nothing at or below it imports a layer above it."""
 
 
 def module_name(path: Path) -> str:
@@ -95,16 +99,14 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
 
 
 def layer_of(name: str) -> int | None:
-    """Index of ``name``'s layer in :data:`LAYERS` (the longest matching prefix), None for a BESIDE package."""
-    if any(name == p or name.startswith(p + ".") for p in BESIDE):
-        return None
+    """Index of ``name``'s layer in :data:`LAYERS` (the longest matching prefix)."""
     best = None
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
             if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
                 best = (index, len(prefix))
     if best is None:
-        raise AssertionError(f"{name}: in no layer of LAYERS or BESIDE; place it")
+        raise AssertionError(f"{name}: in no layer of LAYERS; place it")
     return best[0]
 
 
@@ -135,8 +137,18 @@ def test_every_arrow_points_down_the_layers(name: str) -> None:
     own = layer_of(name)
     for target in sorted(import_graph(modules())[name]):
         theirs = layer_of(target)
-        if own is None:
-            continue  # testing and the tools may import anything
-        assert theirs is not None, f"{name} (shipped) imports {target}: tests' and tools' code is not shipped code"
         assert theirs <= own, (f"{name} ({LAYERS[own][0]}) imports {target} ({LAYERS[theirs][0]}): an arrow up "
                                "the layers")
+
+
+def test_the_core_never_imports_the_references_or_the_tools() -> None:
+    """The rule of DESIGN.md's layers, stated apart: no module of the core (numerics .. facades, swap, the package's
+    ``__init__``) imports ``gc_moe_compat.testing`` or ``gc_moe_compat.ab``, at module level or lazily."""
+    top = [name for name, _ in LAYERS].index(CORE)
+    graph = import_graph(modules())
+    core = [name for name in graph if layer_of(name) <= top]
+    assert len(core) > 40 and "gc_moe_compat.operator.api" in core and "gc_moe_compat.testing.reference" not in core
+    bad = [f"{name} imports {target}" for name in sorted(core) for target in sorted(graph[name])
+           if layer_of(target) > top]
+    assert not bad, "the core imports the tools' layer:\n" + "\n".join(bad)
+    assert any(layer_of(t) == top + 1 for t in graph["gc_moe_compat.ab.run"])  # the tools do use the references

@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 
 from gc_moe_compat.comm import ep_ll, ep_normal
+from gc_moe_compat.compute_paths import MMA_TYPES
 from gc_moe_compat.deep_gemm import _predispatch
 from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finalize, role4_shared
 
@@ -25,10 +26,11 @@ HOST_MODULES = (role1_dispatch, role2_gemm, role3_finalize, role4_shared, ep_ll,
 
 
 def compiled_sources(module: ModuleType) -> set[str]:
-    """The kernel sources (relative to ``kernels/``) a host module compiles: ``SOURCE`` and its ``KERNELS`` table."""
-    sources = {module.SOURCE}
-    sources.update(entry[0] for entry in getattr(module, "KERNELS", {}).values() if isinstance(entry, tuple))
-    return sources
+    """The kernel sources (relative to ``kernels/``) a host module compiles: its ``SOURCE``; role2's, its variants'
+    sources, one per compute path (the registry, :mod:`gc_moe_compat.compute_paths`, names them)."""
+    if module is role2_gemm:
+        return {role2_gemm.Role2Variant(8, False, mma_type=mma_type).source for mma_type in MMA_TYPES}
+    return {module.SOURCE}
 
 
 @pytest.mark.parametrize("module", HOST_MODULES, ids=lambda m: m.__name__)

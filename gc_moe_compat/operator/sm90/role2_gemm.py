@@ -1,6 +1,7 @@
 """Host side of role2 in operator mode, the SM90 grouped GEMMs over the token ring (paper §4.3-4.5).
 
-The kernel is a grouped-GEMM source compiled with ``GC_OPERATOR=1``, one per weight format (:data:`KERNELS`):
+The kernel is a grouped-GEMM source compiled with ``GC_OPERATOR=1``, one per compute path
+(:class:`~gc_moe_compat.compute_paths.ComputePath` ``kernel`` / ``operator_entry``):
 ``kernels/sm90/role2_gemm_fp8xfp8.cu`` (entry ``gc_sm90_fp8_role2``, ``fp8xfp8``: FP8 weights with FP32 128x128 block
 scales, FP32 1x128 intermediate requant) and ``kernels/sm90/role2_gemm_fp8xfp4.cu`` (``gc_sm90_fp8_fp4_role2``,
 ``fp8xfp4``: window-repacked MXFP4 weights decoded to E4M3 in registers, UE8M0 1x128 intermediate requant, its
@@ -30,16 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cuda.bindings import driver
 
-from gc_moe_compat.config import mma_type_of
+from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
-    MAX_STAGES,
-    SMEM_LIMIT,
     W1_SLABS,
+    most_stages,
+    pipelined,
     smem_bytes,
     tile_rows,
 )
@@ -48,7 +48,6 @@ from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import GcMoeWeights
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, c_struct_declaration
@@ -56,9 +55,6 @@ from gc_moe_compat.runtime.status import StatusSite, raise_for_status, spin_time
 from gc_moe_compat.runtime.tensormap import TensorMapArg, encode_2d
 
 __all__ = [
-    "KERNEL",
-    "KERNELS",
-    "SOURCE",
     "TASK_ROWS",
     "WARMUP",
     "Role2Params",
@@ -78,10 +74,6 @@ __all__ = [
     "task_sequence",
 ]
 
-SOURCE = "sm90/role2_gemm_fp8xfp8.cu"
-KERNEL = "gc_sm90_fp8_role2"
-KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": ("sm90/role2_gemm_fp8xfp4.cu", "gc_sm90_fp8_fp4_role2")}
-"""``(source, entry)`` of the operator-mode kernel per ``mma_type`` (:data:`SOURCE` / :data:`KERNEL`: FP8xFP8)."""
 TASK_ROWS = tile_rows(W1_SLABS)
 """Weight rows of every role2 task, W1 and W2 alike (256: ``ring.DEFAULT_GEOMETRY``)."""
 WARMUP = 1
@@ -153,19 +145,17 @@ def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of an operator-mode variant (``kSmemBytes`` with ``GC_OPERATOR=1``): the standalone
     W1 layout of the ``mma_type`` kernel (:func:`~gc_moe_compat.operator.heuristics.smem_bytes`, 256-row tasks) plus the
     W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and 16 bytes of shared words."""
-    return smem_bytes(bm, W1_SLABS, stages, mma_type_of(mma_type)) + bm * (TASK_ROWS * 2 + 16) + 16
+    return smem_bytes(bm, W1_SLABS, stages, mma_type) + bm * (TASK_ROWS * 2 + 16) + 16
 
 
 def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
-    """The most stages (<= MAX_STAGES) whose operator-mode shared memory fits one CTA."""
-    stages = MAX_STAGES
-    while stages > 2 and operator_smem_bytes(bm, stages, mma_type) > SMEM_LIMIT:
-        stages -= 1
-    return stages
+    """The most stages whose operator-mode shared memory fits one CTA
+    (:func:`~gc_moe_compat.operator.heuristics.most_stages`)."""
+    return most_stages(lambda stages: operator_smem_bytes(bm, stages, mma_type))
 
 
 def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: str = "fp8xfp8") -> dict[str, int]:
-    """Compile-time parameters of one operator-mode variant of the ``mma_type`` kernel (:data:`KERNELS`; 256-row
+    """Compile-time parameters of one operator-mode variant of the ``mma_type`` kernel (256-row
     tasks for both GEMMs); ``GC_OP_SMEM_BYTES`` is :func:`operator_smem_bytes`, which the kernel asserts equal to
     its own ``kSmemBytes``."""
     if bm not in BLOCK_M_CANDIDATES:
@@ -178,8 +168,8 @@ def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: st
 
 @dataclass(frozen=True)
 class Role2Variant:
-    """One operator-mode variant: ``bm``, producer warpgroup or not, fast-math sigmoid, and the weight format's
-    kernel (``mma_type``, :data:`KERNELS`)."""
+    """One operator-mode variant: ``bm``, producer warpgroup or not, fast-math sigmoid, and the compute path whose
+    kernel it is (``mma_type``)."""
 
     bm: int
     pipelined: bool
@@ -187,17 +177,17 @@ class Role2Variant:
     mma_type: str = "fp8xfp8"
 
     def __post_init__(self) -> None:
-        mma_type_of(self.mma_type)
+        compute_path(self.mma_type)
 
     @property
     def source(self) -> str:
         """The kernel source under ``kernels/``."""
-        return KERNELS[self.mma_type][0]
+        return compute_path(self.mma_type).kernel
 
     @property
     def kernel_name(self) -> str:
-        """The kernel's entry point."""
-        return KERNELS[self.mma_type][1]
+        """The kernel's operator-mode entry point."""
+        return compute_path(self.mma_type).operator_entry
 
     @property
     def threads(self) -> int:
@@ -216,12 +206,12 @@ class Role2Variant:
 def role2_variant(model: RingModel, num_tokens: int, *, fast_math: bool = True) -> Role2Variant:
     """The variant for a call: ``model.block_m``, the kernel of ``model.shape.mma_type``; the producer warpgroup
     when the expected tasks (over the blocks ``num_tokens`` tokens per rank fill on average) exceed the grid, as
-    the standalone heuristic decides."""
+    every GEMM decides (:func:`~gc_moe_compat.operator.heuristics.pipelined`)."""
     s = model.shape
     rows = num_tokens * s.num_ranks * min(s.topk, s.num_local_experts)
     blocks = min(model.pool_blocks, -(-rows // model.block_m) + min(s.num_local_experts, rows))
     tasks = blocks * (model.w1_tasks_per_block + model.w2_tasks_per_block)
-    return Role2Variant(model.block_m, tasks > model.compute_sms, fast_math, s.mma_type)
+    return Role2Variant(model.block_m, pipelined(tasks, model.compute_sms), fast_math, s.mma_type)
 
 
 def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, int, int]]:
@@ -247,7 +237,7 @@ def fp4_units(w: GcMoeWeights) -> torch.Tensor:
     """The ``fp8xfp4`` weights ``w`` (window-repacked ``[e, N, K/2]`` codes, relative exponents ``[e, N, K/32]``) as
     the register decoder's lane-permuted units (:func:`~gc_moe_compat.operator.sm90.fp4_layout.permute_units`) viewed as
     128-byte rows ``uint8 [e * K/128 * N/64 * UNIT_ROWS, 128]``, permuted a few experts at a time."""
-    if w.mma_type != "fp8xfp4":
+    if not compute_path(w.mma_type).fp4:
         raise ValueError(f"w: must be fp8xfp4 weights, got mma_type={w.mma_type!r}")
     codes = w.payload.view(torch.uint8)
     parts = [permute_units(codes[i:i + _UNIT_CHUNK], w.scales[i:i + _UNIT_CHUNK])
@@ -265,14 +255,14 @@ class Role2Weights:
     """
 
     def __init__(self, w1: GcMoeWeights, w2: GcMoeWeights) -> None:
-        if (w1.gemm, w2.gemm) != ("l1", "l2") or w1.mma_type != w2.mma_type or w1.mma_type not in KERNELS:
-            raise ValueError(f"weights: role2 takes an (l1, l2) pair of one mma_type in {tuple(KERNELS)}, got "
+        if (w1.gemm, w2.gemm) != ("l1", "l2") or w1.mma_type != w2.mma_type or w1.mma_type not in MMA_TYPES:
+            raise ValueError(f"weights: role2 takes an (l1, l2) pair of one mma_type in {MMA_TYPES}, got "
                              f"({w1.gemm}, {w2.gemm}) of {w1.mma_type}/{w2.mma_type}")
         self.mma_type = w1.mma_type
         self.w1, self.w2 = w1, w2  # keep the payloads alive while the maps point at them
         e, two_i, k_cols = w1.payload.shape
         self.num_experts, self.inter = e, two_i // 2
-        if self.mma_type == "fp8xfp8":
+        if not compute_path(self.mma_type).fp4:
             self.hidden = k_cols
             self.tm_w1 = encode_2d(w1.payload.reshape(e * two_i, k_cols).view(torch.uint8), TASK_ROWS)
             self.tm_w2 = encode_2d(w2.payload.reshape(e * k_cols, self.inter).view(torch.uint8), TASK_ROWS)
@@ -332,10 +322,8 @@ def role2_args(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
 
 def kernel(variant: Role2Variant) -> jit.Kernel:
     """The operator-mode kernel of ``variant``, compiled (or cached), loaded, its shared-memory opt-in set."""
-    k = jit.load_module(variant.source, variant.defines).kernel(variant.kernel_name)
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
-    return k
+    return jit.load_kernel(variant.source, variant.defines, variant.kernel_name, shared_bytes=variant.smem,
+                           ordinal=torch.cuda.current_device())
 
 
 def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, plan: RingPlan, variant: Role2Variant,

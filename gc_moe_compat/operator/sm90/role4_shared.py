@@ -60,9 +60,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cuda.bindings import driver
 
 from gc_moe_compat import layouts, quant
+from gc_moe_compat.compute_paths import FP8XFP8, compute_path
 from gc_moe_compat.config import MoEShape
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
@@ -71,14 +71,14 @@ from gc_moe_compat.operator.heuristics import (
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
-    max_stages,
+    most_stages,
+    pipelined,
     smem_bytes,
     tile_rows,
 )
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
 from gc_moe_compat.operator.workspace import StatusRecord
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.green import Role
 from gc_moe_compat.runtime.params import KernelArgs, ptr
@@ -162,11 +162,8 @@ class Role4Variant:
 
     @property
     def stages(self) -> int:
-        """The standalone FP8 layout's most stages, fewer while the task-scale region does not fit beside them."""
-        stages = max_stages(self.bm, self.slabs, "fp8xfp8")
-        while stages > 2 and self._smem(stages) > SMEM_LIMIT:
-            stages -= 1
-        return stages
+        """The most stages of the standalone FP8 layout with the task-scale region beside them that fit one CTA."""
+        return most_stages(self._smem)
 
     @property
     def smem(self) -> int:
@@ -174,7 +171,7 @@ class Role4Variant:
         return self._smem(self.stages)
 
     def _smem(self, stages: int) -> int:
-        return smem_bytes(self.bm, self.slabs, stages, "fp8xfp8") + 4 * self.bm * self.task_scales
+        return smem_bytes(self.bm, self.slabs, stages, FP8XFP8.name) + 4 * self.bm * self.task_scales
 
     @property
     def threads(self) -> int:
@@ -215,8 +212,9 @@ def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_
     producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``,
     the weights' scale form (``k32``: :attr:`Role4Weights.k32`), ``task_scales`` as :class:`Role4Variant`'s."""
     bm = block_m_for_shared(num_tokens)
-    pipelined = _tasks(num_tokens, bm, n_w, epi) > compute_sms
-    return Role4Variant(bm, epi, pipelined, fast_math, mma_type == "fp8xfp4", k32, task_scales)
+    pipe = pipelined(_tasks(num_tokens, bm, n_w, epi), compute_sms)
+    ue8m0 = compute_path(mma_type).intermediate_quant == "ue8m0_128"
+    return Role4Variant(bm, epi, pipe, fast_math, ue8m0, k32, task_scales)
 
 
 def role4_variants(shape: MoEShape, num_tokens: int, compute_sms: int, *, fast_math: bool = True, k32: bool = False,
@@ -232,10 +230,8 @@ def role4_variants(shape: MoEShape, num_tokens: int, compute_sms: int, *, fast_m
 
 
 def _kernel(variant: Role4Variant) -> jit.Kernel:
-    k = jit.load_module(SOURCE, variant.defines).kernel(KERNEL)
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    call(driver.cuKernelSetAttribute, attr, variant.smem, k.handle, device(torch.cuda.current_device()))
-    return k
+    return jit.load_kernel(SOURCE, variant.defines, KERNEL, shared_bytes=variant.smem,
+                           ordinal=torch.cuda.current_device())
 
 
 def _k32_words(gemm: str, pair: _Pair) -> _Pair:
@@ -275,7 +271,7 @@ class Role4Weights:
         if self.k32:
             (w1, self.w1_sf), (w2, self.w2_sf) = _k32_words("l1", shared_l1), _k32_words("l2", shared_l2)
         else:
-            t1, t2 = transform_weights_for_gc_moe(shared_l1, shared_l2, "fp8xfp8")
+            t1, t2 = transform_weights_for_gc_moe(shared_l1, shared_l2, FP8XFP8.name)
             (w1, self.w1_sf), (w2, self.w2_sf) = t1.pair, t2.pair
         _, two_i, hidden = w1.shape
         self.hidden, self.inter = hidden, two_i // 2

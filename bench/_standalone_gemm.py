@@ -1,7 +1,9 @@
-"""Host entry point of the SM90 expert GEMMs: weights prepared for the kernels, variants compiled, W1 -> W2 launched.
+"""The standalone SM90 expert GEMMs' harness (the GEMM tests' and benchmarks', not shipped): weights prepared for the
+kernels, variants compiled, W1 -> W2 launched.
 
 :class:`ExpertGemmSM90` runs the grouped W1 GEMM with the fused SwiGLU / routing-weight / requantization epilogue,
-then the grouped W2 GEMM writing BF16 partial rows, on one stream. It is the compute role of the operator on Hopper,
+then the grouped W2 GEMM writing BF16 partial rows, on one stream: the role2 kernels' standalone variants
+(``GC_OPERATOR`` unset; the operator runs them over its token ring, :mod:`gc_moe_compat.operator.sm90.role2_gemm`),
 for both weight formats:
 
 * ``fp8xfp8`` (:func:`prepare_fp8_weights`, kernels/sm90/role2_gemm_fp8xfp8.cu): FP8 weights with FP32 128x128 block
@@ -21,35 +23,27 @@ import math
 from dataclasses import dataclass
 
 import torch
-from cuda.bindings import driver
+from _grouping import GroupedTokens
+from _standalone_heuristics import KernelConfig, max_stages, w2_slabs
 
+from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.layouts import interleave_gate_up
 from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     W1_SLABS,
     W2_SLABS,
-    KernelConfig,
-    max_stages,
     smem_bytes,
     tile_rows,
-    w2_slabs,
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_ROWS, permute_units
 from gc_moe_compat.operator.weights import transform_weights_for_gc_moe
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call, device
 from gc_moe_compat.runtime.launch import launch, max_active_clusters
 from gc_moe_compat.runtime.params import ptr
 from gc_moe_compat.runtime.status import new_status, raise_for_status, spin_timeout_ns
 from gc_moe_compat.runtime.tensormap import encode_2d
-from gc_moe_compat.testing.grouping import GroupedTokens
 from gc_moe_compat.testing.reference import ExpertWeights
 
-SOURCE = "sm90/role2_gemm_fp8xfp8.cu"
-KERNEL = "gc_sm90_fp8_grouped_gemm"
-FP4_SOURCE = "sm90/role2_gemm_fp8xfp4.cu"
-FP4_KERNEL = "gc_sm90_fp8_fp4_grouped_gemm"
-KERNELS = {"fp8xfp8": (SOURCE, KERNEL), "fp8xfp4": (FP4_SOURCE, FP4_KERNEL)}
 EPI_W1, EPI_W2 = 1, 2
 _PREP_CHUNK = 8  # experts per window-repack / permutation chunk in prepare_fp4_weights
 SITES = {1: "dynamic shared memory below the variant's need", 2: "producer wait for a free stage", 3: "consumer wait"}
@@ -75,18 +69,18 @@ def variant_defines(
 
 def all_variants(mma_type: str = "fp8xfp8") -> list[dict[str, int]]:
     """Every variant of the ``mma_type`` kernel the heuristic can pick (both epilogues, every BM, both thread
-    layouts, default stages, W2 tasks as :func:`~.heuristics.w2_slabs` picks them)."""
+    layouts, default stages, W2 tasks as :func:`_standalone_heuristics.w2_slabs` picks them)."""
     out = []
     for bm in BLOCK_M_CANDIDATES:
         for pipelined in (True, False):
             out.append(variant_defines(bm, EPI_W1, pipelined, max_stages(bm, W1_SLABS, mma_type)))
             slabs = w2_slabs(bm, mma_type)
             out.append(variant_defines(bm, EPI_W2, pipelined, max_stages(bm, slabs, mma_type), slabs=slabs))
-    # Cluster pairs: where BM caps at 64 (heuristics.cluster_pairs), pipelined; FP8xFP8 W2 in 128- or 256-row tasks
-    # (256 where 256 divides H: heuristics.select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
+    # Cluster pairs: where BM caps at 64 (_standalone_heuristics.cluster_pairs), pipelined; FP8xFP8 W2 in 128- or
+    # 256-row tasks (256 where 256 divides H: select_config), FP8xFP4 W2 always in 256-row tasks (w2_slabs).
     bm = BLOCK_M_CANDIDATES[-1]
     out.append(variant_defines(bm, EPI_W1, True, max_stages(bm, W1_SLABS, mma_type), cluster=True))
-    for slabs in (W2_SLABS, 2) if mma_type == "fp8xfp8" else (w2_slabs(bm, mma_type),):
+    for slabs in (w2_slabs(bm, mma_type),) if compute_path(mma_type).fp4 else (W2_SLABS, 2):
         out.append(variant_defines(bm, EPI_W2, True, max_stages(bm, slabs, mma_type), slabs=slabs, cluster=True))
     return out
 
@@ -227,18 +221,17 @@ class ExpertGemmSM90:
         self.alpha = float(activation_alpha)
         self.status = new_status(self.device)
         self.timeout_ns = spin_timeout_ns()
-        self.mma_type = "fp8xfp4" if isinstance(weights, Fp4Weights) else "fp8xfp8"
-        source, name = KERNELS[self.mma_type]
+        path = FP8XFP4 if isinstance(weights, Fp4Weights) else FP8XFP8
+        self.mma_type = path.name
+        source, name = path.kernel, path.standalone_entry
         self._stages = {EPI_W1: config.stages_w1, EPI_W2: config.stages_w2}
         self._slabs = {EPI_W1: W1_SLABS, EPI_W2: config.w2_slabs}
         self._kernels = {}
         for epi in (EPI_W1, EPI_W2):
             defines = variant_defines(config.bm, epi, config.pipelined, self._stages[epi], fast_math,
                                       slabs=config.w2_slabs, cluster=config.cluster)
-            kernel = jit.load_module(source, defines).kernel(name)
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            call(driver.cuKernelSetAttribute, attr, self._smem(epi), kernel.handle, device(ordinal))
-            self._kernels[epi] = kernel
+            self._kernels[epi] = jit.load_kernel(source, defines, name, shared_bytes=self._smem(epi),
+                                                 ordinal=ordinal)
         # Cluster pairs: the persistent grid is what the SMs' pairing (GPC layout, partition) holds at once.
         self._clusters = {
             epi: max_active_clusters(k, config.threads, 2, self._smem(epi)) for epi, k in self._kernels.items()

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from _standalone_gemm import Fp4Weights, Fp8Weights, prepare_fp4_weights, prepare_fp8_weights
 
 from gc_moe_compat.config import PRESETS
 from gc_moe_compat.layouts import window_repack_mxfp4, window_unrepack_mxfp4
+from gc_moe_compat.testing.operator_workload import CLAMP
 from gc_moe_compat.testing.reference import ExpertWeights, moe_reference, quantize_activations
-from gc_moe_compat.testing.standalone_gemm import Fp4Weights, Fp8Weights, prepare_fp4_weights, prepare_fp8_weights
 
 WORLD = 8
-CLAMP = 10.0  # docs/bench_protocol.md: SwiGLU alpha 1.0, clamp 10.0 for both production presets
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,25 @@
+"""The operator's shared heuristics (:mod:`gc_moe_compat.operator.heuristics`): the stage rule and the pipelining
+rule that the standalone GEMM, role2 and role4 all read, each with its own shared-memory layout."""
+
+from __future__ import annotations
+
+from gc_moe_compat.operator.heuristics import MAX_STAGES, SMEM_LIMIT, most_stages, pipelined
+from gc_moe_compat.operator.sm90 import role2_gemm, role4_shared
+
+
+def test_most_stages_is_the_largest_count_that_fits() -> None:
+    assert most_stages(lambda s: 0) == MAX_STAGES
+    assert most_stages(lambda s: s * SMEM_LIMIT // 5) == 5
+    assert most_stages(lambda s: SMEM_LIMIT + s) == 2  # nothing fits: the kernel reports its shortfall
+
+
+def test_pipelined_iff_some_cta_gets_a_second_task() -> None:
+    assert not pipelined(132, 132) and pipelined(133, 132) and not pipelined(0, 1)
+
+
+def test_role2_and_role4_stages_follow_the_rule() -> None:
+    for bm in (8, 64):
+        v2 = role2_gemm.Role2Variant(bm, True, mma_type="fp8xfp4")
+        assert v2.defines["GC_STAGES"] == most_stages(lambda s, b=bm: role2_gemm.operator_smem_bytes(b, s, "fp8xfp4"))
+        v4 = role4_shared.Role4Variant(bm, 1, True, task_scales=56)
+        assert v4.stages == most_stages(v4._smem) and v4.smem <= SMEM_LIMIT
