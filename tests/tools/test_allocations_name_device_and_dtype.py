@@ -3,7 +3,7 @@
 The library must work under the caller's torch defaults: DeepEP's own test harness calls
 ``torch.set_default_device('cuda')``, engines set a default dtype. A torch factory without ``device=`` follows the
 default device (a host table or a pinned mirror lands on the GPU, ``pin_memory`` then fails); one without ``dtype=``
-follows the default dtype. So an AST walk over ``gc_moe_compat/`` (not ``references/``, the tools' FP32 references)
+follows the default dtype. So an AST walk over ``gc_moe_compat/`` (not ``testing/``, the tools' FP32 references)
 finds every call of a factory, multi-line calls included, and requires both keywords, neither the literal ``None`` nor a
 parameter of the enclosing function that defaults to ``None`` and is never reassigned (that ``None`` reaches the
 factory, which then takes the default after all).
@@ -106,14 +106,14 @@ def violations(source: str, filename: str) -> list[str]:
 
 
 def shipped_sources() -> list[Path]:
-    """The core's and the tools' modules: every ``.py`` of the package except ``references/``."""
-    return [p for p in sorted(PACKAGE_DIR.rglob("*.py")) if "references" not in p.relative_to(PACKAGE_DIR).parts[:-1]]
+    """The core's and the tools' modules: every ``.py`` of the package except ``testing/``."""
+    return [p for p in sorted(PACKAGE_DIR.rglob("*.py")) if "testing" not in p.relative_to(PACKAGE_DIR).parts[:-1]]
 
 
 def test_every_shipped_allocation_names_device_and_dtype() -> None:
     sources = shipped_sources()
     assert len(sources) > 30 and PACKAGE_DIR / "comm" / "ep_ll.py" in sources
-    assert not any("references" in p.relative_to(PACKAGE_DIR).parts for p in sources)
+    assert not any("testing" in p.relative_to(PACKAGE_DIR).parts for p in sources)
     found = [v for p in sources for v in violations(p.read_text(), str(p.relative_to(PACKAGE_DIR.parent)))]
     assert not found, "allocations that follow torch's default device or dtype:\n" + "\n".join(found)
 
