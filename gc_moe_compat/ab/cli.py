@@ -172,6 +172,25 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Workload, list[str]]
     return args, w, problems
 
 
+def placement_lines(world: int, gpus: int) -> list[str]:
+    """Where ``world`` ranks run on ``gpus`` GPUs: how the buffers map their peers, the host collectives, the
+    partition each rank gets, and what ``deep_gemm.set_num_sms`` does to it."""
+    from gc_moe_compat.runtime.colocation import host_backend, mps_enabled
+    from gc_moe_compat.runtime.split import dispatch_request, partition_mode
+
+    backend, why = host_backend(world, max(gpus, 1))
+    rendezvous = "local" if world == 1 else "cuda-ipc" if why else "torch-symm-mem"
+    lines = [f"ranks: {world} on {max(gpus, 1)} GPU(s): peers mapped by {rendezvous}, host collectives {backend}"
+             + (f" ({why})" if why else "")]
+    if why:
+        mps = "on" if gpus and mps_enabled(0) else "off (start CUDA MPS first: scripts/mps.sh)"
+        lines.append(f"  shared GPU: CUDA MPS {mps}; the partition is off, each rank's grids at its share of the SMs; "
+                     "timings are shared-GPU figures, not NVLink ones")
+    lines.append(f"partition: {partition_mode()} (GC_MOE_PARTITION), dispatch SM request {dispatch_request()} "
+                 "(GC_MOE_DISPATCH_SMS); deep_gemm.set_num_sms is kept for get_num_sms and does not shape it")
+    return lines
+
+
 def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -> list[str]:
     """``--check``'s report: the workload, the shape per GPU count, each operator with why it cannot run, the
     optional packages."""
@@ -190,6 +209,7 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
              f"device: {torch.cuda.get_device_name() if gpus else 'no CUDA GPU visible'} ({gpus} visible), torch "
              f"{torch.__version__}"]
     lines += [f"constraint: {p}" for p in problems] or ["constraints: the shape is inside the operator's envelope"]
+    lines += placement_lines(world, gpus)
     for spec in operators.select(args.ops, args.partition_sweep):
         reason = spec.probe()
         lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"

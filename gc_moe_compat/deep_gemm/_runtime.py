@@ -38,8 +38,12 @@ def get_num_sms() -> int:
 
 
 def set_num_sms(new_num_sms: int, /) -> None:
-    """Limit the operator to ``new_num_sms`` SMs: ``0 < new_num_sms <= device SMs`` (DeepGEMM's own check); on a
-    host without CUDA the bound is ``MAX_SMS`` (no GPU has more), so ``10**400`` is refused there too."""
+    """Record ``new_num_sms`` for :func:`get_num_sms`: ``0 < new_num_sms <= device SMs`` (DeepGEMM's own check); on
+    a host without CUDA the bound is ``MAX_SMS`` (no GPU has more), so ``10**400`` is refused there too.
+
+    Divergence: DeepGEMM's kernels size their grids by it; the GC-MoE operator does not read it. Its SMs come from its
+    own partition (the dispatch SM request ``GC_MOE_DISPATCH_SMS`` and the compute rest, or the rank's share of a
+    GPU that several ranks share), which ``gc-moe-ab --check`` reports."""
     global _num_sms
     device = _device_num_sms()
     _num_sms = _checks.integer("set_num_sms", "new_num_sms", new_num_sms, 1,

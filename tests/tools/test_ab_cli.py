@@ -32,6 +32,23 @@ def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exit
     assert out.count("why: needs a CUDA GPU (none visible)") == len(operators.operator_specs())
     assert "original deep_gemm" in out and "scripts/build_sgl_deep_gemm.sh" in out  # what would install it
     assert "package rich:" in out and "package matplotlib:" in out
+    assert "ranks: 1 on 1 GPU(s): peers mapped by local, host collectives nccl" in out
+    assert "deep_gemm.set_num_sms is kept for get_num_sms and does not shape it" in out
+
+
+@pytest.mark.parametrize(("world", "gpus", "want"), [
+    (2, 2, "ranks: 2 on 2 GPU(s): peers mapped by torch-symm-mem, host collectives nccl"),
+    (4, 0, "ranks: 4 on 1 GPU(s): peers mapped by cuda-ipc, host collectives gloo (4 ranks share 1 GPU(s)"),
+])
+def test_check_says_how_the_ranks_are_placed(world: int, gpus: int, want: str) -> None:
+    from gc_moe_compat.ab.cli import placement_lines
+
+    lines = placement_lines(world, gpus)
+    assert lines[0].startswith(want), lines
+    shared = [line for line in lines if line.startswith("  shared GPU:")]
+    assert len(shared) == (gpus < world), lines
+    if shared:
+        assert "CUDA MPS off (start CUDA MPS first" in shared[0] and "not NVLink ones" in shared[0]
 
 
 def test_check_reports_a_failing_constraint_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
