@@ -48,12 +48,16 @@ def test_deep_ep_low_latency_invalid_device_values_dropped_and_reported() -> Non
               "not finite")
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_rank_masking(nproc: int) -> None:
+    """One rank: masking itself; P ranks: the last one masked on the others (then silent: the timeout masks it)."""
     expected = ("masked rank skipped by dispatch and combine, no hang",) if nproc == 1 else (
-        "rank 1 masked: dispatch and combine skip it, bit-exact, no hang",
-        "silent unmasked rank 1 masked by the timeout")
-    run_suite("mask", nproc, "shrink mode, nothing masked: bit-exact", *expected)
+        f"rank {nproc - 1} masked: dispatch and combine skip it, bit-exact, no hang",
+        f"silent unmasked rank {nproc - 1} masked by the timeout")
+    out = run_suite("mask", nproc, "shrink mode, nothing masked: bit-exact", *expected)
+    if nproc > 1:
+        assert out.count(expected[0]) == out.count(expected[1]) == nproc - 1  # every served rank
+
 
 
 def test_deep_ep_low_latency_on_the_communication_partition() -> None:

@@ -350,8 +350,8 @@ def suite_bad_values(rank: int, ranks: int) -> None:
 
 def suite_mask(rank: int, ranks: int) -> None:
     """Rank masking (enable_shrink): query/update/clean; with nothing masked the calls are exact; a masked rank is
-    neither waited for nor sent to (one rank: masking itself leaves nothing to receive or sum, no hang); two ranks:
-    rank 0 alone with rank 1 masked, then with rank 1 silent and unmasked (the timeout masks it, no error)."""
+    neither waited for nor sent to (one rank: masking itself leaves nothing to receive or sum, no hang); P ranks:
+    the others with the last rank masked, then with it silent and unmasked (the timeout masks it, no error)."""
     experts = experts_for(ranks)
     buf = ll_buffer(ranks, enable_shrink=True)
     status = torch.full((ranks,), 7, dtype=torch.int32, device="cuda")
@@ -375,34 +375,38 @@ def suite_mask(rank: int, ranks: int) -> None:
         print(f"rank {rank}: masked rank skipped by dispatch and combine, no hang; clean: bit-exact again", flush=True)
         return
     dist.barrier()
+    masked = ranks - 1  # masked on every other rank, and it stays out of the calls
+    local = experts // ranks
+    tokens = [TMAX] * (ranks - 1) + [0]
     alone = ll_buffer(ranks, enable_shrink=True)
-    if rank == 0:
-        inp = Inputs(64, ranks, [TMAX, 0], torch.int64)
-        local = experts // ranks
+    if rank != masked:
+        inp = Inputs(64, ranks, tokens, torch.int64)
         mine = [i.clone() for i in inp.idx]
-        mine[0][mine[0] >= local] = -1  # slots of rank 1's experts are skipped
-        alone.low_latency_update_mask_buffer(1, True)
+        for m in mine:  # every served rank's slots of the masked rank's experts are skipped
+            m[(m >= masked * local) & (m < (masked + 1) * local)] = -1
+        alone.low_latency_update_mask_buffer(masked, True)
         start = time.monotonic()
-        want = Inputs(64, ranks, [TMAX, 0], torch.int64)
+        want = Inputs(64, ranks, tokens, torch.int64)
         want.idx, want.plan = mine, receive_plan(mine, experts)
-        recv, count, handle, _, _ = alone.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts)
+        x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
+        recv, count, handle, _, _ = alone.low_latency_dispatch(x, idx, TMAX, experts)
         torch.cuda.synchronize()
-        check_dispatch(0, want, recv, count, "plain", handle)
+        check_dispatch(rank, want, recv, count, "plain", handle)
         outs = expert_outputs(ranks, [[len(r) for r in want.plan.rows[q]] for q in range(ranks)], 65)
-        combined, _, _ = alone.low_latency_combine(outs[0].cuda(), inp.idx[0].cuda(), inp.w[0].cuda(), handle)
+        combined, _, _ = alone.low_latency_combine(outs[rank].cuda(), idx, w, handle)
         torch.cuda.synchronize()
         assert time.monotonic() - start < 2
-        ref = combine_reference(0, mine[0], inp.w[0], outs, want.plan)
+        ref = combine_reference(rank, mine[rank], inp.w[rank], outs, want.plan)
         assert torch.equal(combined.cpu().view(torch.int16), ref.view(torch.int16))
-        print(f"rank {rank}: rank 1 masked: dispatch and combine skip it, bit-exact, no hang", flush=True)
+        print(f"rank {rank}: rank {masked} masked: dispatch and combine skip it, bit-exact, no hang", flush=True)
         silent = ll_buffer(ranks, enable_shrink=True)
         with spin_timeout(MISSING_PEER_TIMEOUT_MS):
-            silent.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts)
+            silent.low_latency_dispatch(x, idx, TMAX, experts)
         silent.low_latency_query_mask_buffer(status)
-        assert status.tolist() == [0, 1], status.tolist()
-        print(f"rank {rank}: silent unmasked rank 1 masked by the timeout (shrink mode), no error", flush=True)
+        assert status.tolist() == [0] * (ranks - 1) + [1], status.tolist()
+        print(f"rank {rank}: silent unmasked rank {masked} masked by the timeout (shrink mode), no error", flush=True)
     else:
-        ll_buffer(ranks, enable_shrink=True)  # the collective creation rank 0's third Buffer needs
+        ll_buffer(ranks, enable_shrink=True)  # the collective creation the served ranks' third Buffer needs
     dist.barrier()
 
 
