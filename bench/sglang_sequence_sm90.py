@@ -78,7 +78,7 @@ from gc_moe_compat.operator import api
 from gc_moe_compat.operator.heuristics import tile_rows
 from gc_moe_compat.operator.sm90 import role4_shared
 from gc_moe_compat.runtime.graph import get_graph
-from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.green import launch_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.testing.operator_workload import (
     CAPACITY,
@@ -171,7 +171,7 @@ class PresetRun:
         self.role4_weights = {"block": role4_shared.Role4Weights(*self.shared_pairs.values()),
                               "k32": role4_shared.Role4Weights(*self.shared_pairs_k32.values())}
         self.role4_tables = role4_shared.Role4Tables(self.native)
-        self.partition = get_partition(self.native.dispatch_sms) if self.native.partition == "on" else None
+        self.partition = launch_partition(self.native.plan, self.native.storage.device.index)
 
     def role4_op(self, tokens: int, name: str) -> Callable[[], None]:
         """Role4 alone (:data:`ROLE4_OPS`): its nodes for ``tokens`` tokens as one graph on the compute partition."""

@@ -244,9 +244,9 @@ def _gc_moe_partition(buffer: object) -> dict[str, object]:
     """The operator buffer's plan plus, with the partition on, the green partition obtained."""
     info = dict(buffer.describe())
     if info.get("partition") == "on":
-        from gc_moe_compat.runtime.green import get_partition
+        from gc_moe_compat.runtime.green import launch_partition
 
-        info["green"] = get_partition(buffer.dispatch_sms).describe()
+        info["green"] = launch_partition(buffer.plan, buffer.storage.device.index).describe()
     return info
 
 

@@ -9,7 +9,8 @@ anywhere; running the operator needs the GPU). Every region is an attribute (``b
 Partition mode (:func:`gc_moe_compat.runtime.split.partition_mode`). ``GC_MOE_PARTITION=on`` (default) runs role1
 on the communication green context and role2/role3 on the compute one; ``off`` runs the same kernels in sequence on
 the whole device (the overlap ablation). The ``partition`` argument wins over the environment. The ring is sized
-from the compute SMs the roles will have (:func:`gc_moe_compat.runtime.green.device_sms`): the green partition's
+from the compute SMs the roles will have (:func:`gc_moe_compat.runtime.green.plan_partition`, the buffer's one
+:class:`~gc_moe_compat.runtime.split.PartitionPlan`, which every launch reads): the green partition's
 compute side (``on``; its dispatch request comes from ``dispatch_sms`` > ``GC_MOE_DISPATCH_SMS`` >
 ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`) or every SM (``off``).
 With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring block: the ring then holds
@@ -38,8 +39,8 @@ from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.colocation import Placement, placement
 from gc_moe_compat.runtime.dropped import dropped_record
-from gc_moe_compat.runtime.green import device_sms
-from gc_moe_compat.runtime.split import DISPATCH_ENV, MIN_DISPATCH_SMS, dispatch_request, partition_mode
+from gc_moe_compat.runtime.green import plan_partition
+from gc_moe_compat.runtime.split import DISPATCH_ENV, MIN_DISPATCH_SMS, PartitionPlan, dispatch_request, partition_mode
 from gc_moe_compat.runtime.workspace import PeerTable, SymmetricWorkspace, WorkspaceBusyError, make_peer_table
 
 __all__ = ["GcMoeBuffer", "exclusive", "get_symm_buffer_for_gc_moe"]
@@ -78,24 +79,23 @@ def _allocate(layout: OperatorLayout, group: dist.ProcessGroup,
 class GcMoeBuffer:
     """The operator's symmetric buffer: shape, partition plan, layout, storage, peer table and region views.
 
-    Attributes: ``shape`` (:class:`~gc_moe_compat.config.MoEShape`), ``group``, ``partition`` (``"on"``/``"off"``),
-    ``dispatch_sms`` / ``compute_sms`` (what the ring was sized for), ``placement`` (where the group's ranks run;
-    None without CUDA), ``partition_reason`` (why the partition is off when it was forced), ``layout``, ``storage``
-    (uint8), ``peer_table``, ``offsets`` (:class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`), ``views``
-    (name -> tensor) and one attribute per region.
+    Attributes: ``shape`` (:class:`~gc_moe_compat.config.MoEShape`), ``group``, ``plan`` (the
+    :class:`~gc_moe_compat.runtime.split.PartitionPlan` every launch reads; ``partition``, ``dispatch_sms``,
+    ``partition_reason`` and ``ranks_on_device`` are its fields), ``compute_sms`` (what the ring was sized for: the
+    plan's, or the ``compute_sms`` the caller asked for), ``placement`` (where the group's ranks run; None without
+    CUDA), ``layout``, ``storage`` (uint8), ``peer_table``, ``offsets``
+    (:class:`~gc_moe_compat.operator.workspace.WorkspaceOffsets`), ``views`` (name -> tensor) and one attribute per
+    region.
     """
 
-    def __init__(self, group: dist.ProcessGroup, shape: config.MoEShape, layout: OperatorLayout, partition: str,
-                 dispatch_sms: int, compute_sms: int, where: Placement | None = None,
-                 partition_reason: str | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, shape: config.MoEShape, layout: OperatorLayout, plan: PartitionPlan,
+                 compute_sms: int, where: Placement | None = None) -> None:
         self.group: dist.ProcessGroup | None = group
         self.shape = shape
         self.layout = layout
-        self.partition = partition
-        self.dispatch_sms = dispatch_sms
+        self.plan = plan
         self.compute_sms = compute_sms
         self.placement = where
-        self.partition_reason = partition_reason
         self.storage: torch.Tensor | None
         self.storage, self.peer_table, self._workspace = _allocate(layout, group, where)
         dropped_record(self.storage.device)  # allocated now, eagerly: role1 reports dropped ids there, also captured
@@ -145,20 +145,33 @@ class GcMoeBuffer:
         return self.views[name]
 
     def current_compute_sms(self) -> int:
-        """The compute SMs a launch would get now: queried from the device for a CUDA buffer, else the planned value.
+        """The compute SMs a launch gets: the plan's for a CUDA buffer, else the ring's value.
 
-        Kept separate from ``compute_sms`` because the partition can change after creation (another
-        ``GC_MOE_DISPATCH_SMS``, another device): the ring check must use what the launch really gets.
+        Kept apart from ``compute_sms`` (what the ring was sized for) because a caller may size the ring for fewer
+        SMs than the launch gets (``compute_sms=``): the ring check must use what the launch really gets.
         """
         self._require_live()
-        if not self.storage.is_cuda:
-            return self.compute_sms
-        return device_sms(self.partition, self.dispatch_sms, self.ranks_on_device)[1]
+        return self.plan.compute_sms if self.storage.is_cuda else self.compute_sms
+
+    @property
+    def partition(self) -> str:
+        """``"on"`` or ``"off"``: the plan's mode."""
+        return self.plan.mode
+
+    @property
+    def dispatch_sms(self) -> int:
+        """Role1's grid: the plan's communication SMs (the driver's aligned split when the partition is on)."""
+        return self.plan.dispatch_sms
+
+    @property
+    def partition_reason(self) -> str | None:
+        """Why the partition is off when it was forced (ranks sharing a GPU), else None."""
+        return self.plan.reason
 
     @property
     def ranks_on_device(self) -> int:
         """Ranks of the group on this rank's GPU (1 without CUDA)."""
-        return 1 if self.placement is None else self.placement.ranks_on_device
+        return self.plan.ranks_on_device
 
     def __repr__(self) -> str:
         """The shape and where it runs: partition, how peers are mapped and how many ranks share this GPU."""
@@ -174,8 +187,7 @@ class GcMoeBuffer:
     def describe(self) -> dict[str, object]:
         """The plan recorded in benchmark metadata: partition, SM counts, ring capacity, total bytes."""
         where = {} if self.placement is None else colocation.describe(self.placement, self.storage.device.index)
-        return {"partition": self.partition, "partition_reason": self.partition_reason, **where,
-                "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms,
+        return {**self.plan.describe(), **where, "ring_compute_sms": self.compute_sms,
                 "ring_rows": self.layout.ring.rows, "ring_blocks": self.layout.ring.blocks,
                 "pool_blocks": self.layout.pool_blocks, "total_bytes": self.layout.total_bytes}
 
@@ -250,12 +262,12 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
             mode, reason = "off", (f"{where.ranks_on_device} ranks share this GPU: green contexts do not confine "
                                    "under CUDA MPS, so the roles run in sequence on this rank's share of the SMs")
             log.warning("get_symm_buffer_for_gc_moe: partition off: %s", reason)
-        dispatch, device_compute = device_sms(mode, request, where.ranks_on_device)
+        plan = plan_partition(mode, request, where.ranks_on_device, reason)
     elif compute_sms is None:
         raise ValueError("compute_sms: required on a host without CUDA (the ring is sized from the compute "
                          "partition's SM count), got None")
     else:
-        dispatch, device_compute = request, compute_sms
-    planned = device_compute if compute_sms is None else compute_sms
+        plan = PartitionPlan(mode, request, request, compute_sms)
+    planned = plan.compute_sms if compute_sms is None else compute_sms
     layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off")
-    return GcMoeBuffer(group, shape, layout, mode, dispatch, planned, where, reason)
+    return GcMoeBuffer(group, shape, layout, plan, planned, where)

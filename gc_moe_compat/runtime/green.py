@@ -19,7 +19,15 @@ import torch
 from cuda.bindings import driver
 
 from .cuda import CudaError, call, current_context, device
-from .split import PartitionError, SplitPlan, dispatch_request, plan_split, shared_device_sms, validate_split
+from .split import (
+    PartitionError,
+    PartitionPlan,
+    SplitPlan,
+    dispatch_request,
+    plan_split,
+    shared_device_sms,
+    validate_split,
+)
 
 log = logging.getLogger(__name__)
 
@@ -217,21 +225,30 @@ def get_partition(dispatch_sms: int | None = None, device_index: int | None = No
         return part
 
 
-def device_sms(mode: str, request: int, ranks_on_device: int = 1) -> tuple[int, int]:
-    """``(dispatch_sms, compute_sms)`` the roles get on the current CUDA device in partition ``mode``.
+def plan_partition(mode: str, request: int, ranks_on_device: int = 1, reason: str | None = None,
+                   device_index: int | None = None) -> PartitionPlan:
+    """The :class:`~.split.PartitionPlan` of a buffer on CUDA device ``device_index`` (default: torch's current).
 
-    ``on``: the cached green partition for ``request`` (driver-aligned). ``off``: role1 keeps a grid of ``request``
-    CTAs and role2/role3 get every SM, or this rank's share of them when ``ranks_on_device`` ranks share the GPU
-    (:func:`.split.shared_device_sms`; only the partition off runs there).
+    ``on``: the cached green partition for ``request`` (driver-aligned; made now, so the launches reuse it).
+    ``off``: role1 keeps a grid of ``request`` CTAs and role2/role3 get every SM, or this rank's share of them when
+    ``ranks_on_device`` ranks share the GPU (:func:`.split.shared_device_sms`; only the partition off runs there).
     """
+    index = torch.cuda.current_device() if device_index is None else device_index
     if mode == "off":
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        return request, total if ranks_on_device == 1 else shared_device_sms(total, ranks_on_device, request)
+        total = torch.cuda.get_device_properties(index).multi_processor_count
+        compute = total if ranks_on_device == 1 else shared_device_sms(total, ranks_on_device, request)
+        return PartitionPlan("off", request, request, compute, ranks_on_device, reason)
     if ranks_on_device > 1:
         raise PartitionError(f"partition 'on' with {ranks_on_device} ranks on one GPU: green contexts do not confine "
                              "under CUDA MPS; ranks sharing a GPU run with the partition off")
-    part = get_partition(request)
-    return part.dispatch_sms, part.compute_sms
+    part = get_partition(request, index)
+    return PartitionPlan("on", request, part.dispatch_sms, part.compute_sms, ranks_on_device, reason)
+
+
+def launch_partition(plan: PartitionPlan, device_index: int) -> Partition | None:
+    """The green partition the launches of ``plan`` run on (the cached one its request made), None when it is
+    ``off``."""
+    return get_partition(plan.request, device_index) if plan.mode == "on" else None
 
 
 def close_all_partitions() -> None:

@@ -5,7 +5,7 @@ Settings: ``GC_MOE_PARTITION`` (:func:`partition_mode`: ``on`` runs role1 on the
 ``off`` every role on the whole device, in sequence) and the dispatch SM request (:func:`dispatch_request`:
 argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4). Kept free of driver calls so that CI can
 test it on a machine without a GPU: the driver-facing code in :mod:`gc_moe_compat.runtime.green` applies the same
-rules to what ``cuDeviceGetDevResource`` reports (and :func:`~gc_moe_compat.runtime.green.device_sms` answers what
+rules to what ``cuDeviceGetDevResource`` reports (and :func:`~gc_moe_compat.runtime.green.plan_partition` answers what
 the roles get in each mode).
 """
 
@@ -33,6 +33,29 @@ class SplitPlan:
     total_sms: int
     dispatch_sms: int
     compute_sms: int
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Where one buffer's roles run, decided once when the buffer is made and passed down to every launch.
+
+    ``mode``: ``on`` (role1 on the communication green context, role2/role3 on the compute one) or ``off`` (in
+    sequence on the whole device, or on this rank's share of it). ``request``: the dispatch SM request the green
+    partition is made (and cached) for. ``dispatch_sms`` / ``compute_sms``: the SMs the launches get (the driver's
+    aligned split when ``on``). ``ranks_on_device``: ranks of the group on this GPU; ``reason``: why the mode is
+    ``off`` when it was forced (ranks sharing a GPU)."""
+
+    mode: str
+    request: int
+    dispatch_sms: int
+    compute_sms: int
+    ranks_on_device: int = 1
+    reason: str | None = None
+
+    def describe(self) -> dict[str, object]:
+        """The plan as result files' meta and the buffers' reports record it."""
+        return {"partition": self.mode, "partition_reason": self.reason, "requested_dispatch_sms": self.request,
+                "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms}
 
 
 def _env_int(name: str) -> int | None:

@@ -449,7 +449,7 @@ def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup)
     assert not small.holds_pool(model)  # a 4-SM ring does not hold this pool
     buf = api.get_symm_buffer_for_gc_moe(group, num_experts=64, capacity=512, topk=8, hidden=H,
                                             intermediate=N_I, mma_type="fp8xfp8", compute_sms=4, partition="on")
-    buf.partition = "off"  # the mode changed after a partitioned buffer was sized
+    buf.plan = dataclasses.replace(buf.plan, mode="off")  # the mode changed after a partitioned buffer was sized
     with pytest.raises(ring.RingCapacityError, match="GC_MOE_PARTITION=off runs role1 before role2"):
         api.ring_plan(buf, 1)
 

@@ -38,6 +38,7 @@ from gc_moe_compat.operator.workspace import OperatorLayout
 from gc_moe_compat.runtime.graph import KernelNode, get_graph
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.params import KernelArgs, ptr
+from gc_moe_compat.runtime.split import PartitionPlan
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, new_status, raise_for_status
 from gc_moe_compat.runtime.workspace import make_peer_table
 from gc_moe_compat.testing import reference
@@ -185,7 +186,8 @@ def _simulated_pair(group: dist.ProcessGroup, shape: MoEShape) -> list[GcMoeBuff
     one device (same kernel code; the system-scope signals stay on one GPU)."""
     part = get_partition()
     layout = OperatorLayout.build(shape, part.compute_sms)
-    bufs = [GcMoeBuffer(group, shape, layout, "on", part.dispatch_sms, part.compute_sms) for _ in range(2)]
+    plan = PartitionPlan("on", part.request, part.dispatch_sms, part.compute_sms)
+    bufs = [GcMoeBuffer(group, shape, layout, plan, part.compute_sms) for _ in range(2)]
     addresses = [b.storage.data_ptr() for b in bufs]
     for rank, buf in enumerate(bufs):
         buf.peer_table = make_peer_table(addresses, rank)

@@ -153,3 +153,20 @@ def test_operator_buffer_repr_says_where_it_runs(group: dist.ProcessGroup) -> No
     assert buf.describe()["partition_reason"] is None
     buf.destroy()
     assert repr(buf) == "GcMoeBuffer(destroyed)"
+
+
+def test_the_buffer_reads_one_partition_plan(group: dist.ProcessGroup) -> None:
+    """The buffer's partition, role1 grid, reason and ranks on the GPU are fields of its one plan, which every launch
+    reads (launch_partition: no green partition with the partition off)."""
+    from gc_moe_compat.operator import api
+    from gc_moe_compat.runtime.green import launch_partition
+    from gc_moe_compat.runtime.split import PartitionPlan
+
+    buf = api.get_symm_buffer_for_gc_moe(group, 8, 64, 2, 512, 256, "fp8xfp8", partition="off", dispatch_sms=6,
+                                         compute_sms=112)
+    assert buf.plan == PartitionPlan("off", 6, 6, 112)
+    assert (buf.partition, buf.dispatch_sms, buf.partition_reason, buf.ranks_on_device) == ("off", 6, None, 1)
+    assert buf.describe()["requested_dispatch_sms"] == 6 and buf.describe()["ring_compute_sms"] == 112
+    assert launch_partition(buf.plan, 0) is None
+    assert buf.retyped("fp8xfp4").plan is buf.plan  # an alias shares the plan with its workspace
+    buf.destroy()

@@ -34,7 +34,7 @@ from gc_moe_compat.operator.sm90 import role1_dispatch, role2_gemm, role3_finali
 from gc_moe_compat.operator.weights import GcMoeWeights
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.graph import GreenGraph, KernelNode, capture_graph, get_graph
-from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.green import launch_partition
 
 __all__ = ["NODE_NAMES", "LayerCache", "LayerCall", "layer_nodes", "raise_for_layer_status", "run_layer"]
 
@@ -161,7 +161,7 @@ def run_layer(buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWeights, w2: GcMoeW
     key = call_key(buffer, y, w1, w2, call, shared_key)
     graph = cache.graphs.get(key)
     if graph is None:
-        partition = get_partition(buffer.dispatch_sms) if buffer.partition == "on" else None
+        partition = launch_partition(buffer.plan, buffer.storage.device.index)
         graph = get_graph(layer_nodes(buffer, y, cache.role2_weights(w1, w2), call, role4_inputs), partition)
         cache.graphs[key] = graph
     stream = as_stream(torch.cuda.current_stream().cuda_stream)
