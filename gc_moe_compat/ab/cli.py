@@ -99,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="operators to compare (default: all; the list is below)")
     run.add_argument("--partition-sweep", action="store_true",
                      help="add the facade at dispatch SM requests 4/8/16/24 (GC_MOE_DISPATCH_SMS)")
-    run.add_argument("--world-size", type=int, default=None, help="GPUs to use (default: every visible one)")
+    run.add_argument("--world-size", type=int, default=None,
+                     help="ranks, one per GPU (default: every visible one); more than the GPUs needs --shared-gpu")
+    run.add_argument("--shared-gpu", action="store_true",
+                     help="let --world-size exceed the visible GPUs: several ranks per GPU (start CUDA MPS first, "
+                          "scripts/mps.sh); the results say so and are no NVLink figures")
     run.add_argument("--warmup", type=int, default=10, help="warm-up windows (default 10)")
     run.add_argument("--windows", type=int, default=30, help="measured windows of 100 graph replays (default 30)")
     run.add_argument("--quick", action="store_true",
@@ -277,8 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "are missing; install the package into this Python (python -m pip install -e .)", file=sys.stderr)
         return 2
     world = args.world_size or gpus
-    if world > gpus:
-        print(f"gc-moe-ab: --world-size {world} exceeds the {gpus} visible GPU(s)", file=sys.stderr)
+    if world > gpus and not args.shared_gpu:
+        print(f"gc-moe-ab: --world-size {world} exceeds the {gpus} visible GPU(s); --shared-gpu runs several ranks "
+              "per GPU (under CUDA MPS: scripts/mps.sh)", file=sys.stderr)
         return 2
     if world > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_ranks(world, argv)

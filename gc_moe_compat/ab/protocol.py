@@ -232,6 +232,18 @@ def _driver_version() -> str:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
+def gpu_setup(world_size: int) -> str:
+    """How a run of ``world_size`` ranks sat on this host's GPUs, for result titles: ``P x <GPU>`` with a GPU per rank,
+    else ``P ranks on N <GPU>: <the shared-GPU label>`` (several ranks per GPU under CUDA MPS: never an NVLink
+    figure)."""
+    from gc_moe_compat.runtime.colocation import SHARED_GPU_LABEL
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size <= max(gpus, 1):
+        return f"{world_size} x {_gpu_name()}"
+    return f"{world_size} ranks on {gpus} {_gpu_name()}: {SHARED_GPU_LABEL}"
+
+
 def _gpu_name() -> str:
     """The current GPU's name, ``"none"`` where torch has no CUDA device (a CPU-only matrix run)."""
     try:
@@ -279,6 +291,7 @@ def result_meta(script: str, argv: list[str], partition: dict[str, object], *, w
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "world_size": world_size,
+        "gpu_setup": gpu_setup(world_size),
         "partition": partition,
         "command": " ".join([*env, *(shlex.quote(w) for w in words)]),
     }

@@ -29,6 +29,7 @@ from gc_moe_compat.ab.inputs import Tokens, make_tokens, make_weights
 from gc_moe_compat.ab.model_config import Workload
 from gc_moe_compat.ab.operators import REFERENCE_OP, Context, OperatorSpec, Runner
 from gc_moe_compat.compute_paths import MMA_TYPES
+from gc_moe_compat.runtime.colocation import init_rank_group
 
 __all__ = ["RunConfig", "Ranks", "main_ranks", "run"]
 
@@ -50,21 +51,21 @@ class RunConfig:
 
 
 class Ranks:
-    """This run's process group: torchrun's environment, or one rank of its own (an NCCL group of one: the
+    """This run's process group: torchrun's environment (NCCL, or gloo where ranks share a GPU:
+    :func:`gc_moe_compat.runtime.colocation.init_rank_group`), or one rank of its own (an NCCL group of one: the
     originals allocate symmetric memory through it)."""
 
     def __init__(self) -> None:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        self.device = torch.device("cuda", local)
         if "RANK" not in os.environ:
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                     device_id=self.device)
         else:
-            dist.init_process_group("nccl", device_id=self.device)
+            self.device = init_rank_group()
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._one = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -267,7 +268,7 @@ def run(cfg: RunConfig) -> int:
         runner.close()
     if lead:
         _write(cfg, points, partition, bandwidths, idle, unavailable, world, final=True)
-        title = f"gc-moe-ab {w.name}, {world} x {torch.cuda.get_device_name()}, E={shape.num_experts}"
+        title = f"gc-moe-ab {w.name}, {protocol.gpu_setup(world)}, E={shape.num_experts}"
         report.table(title, points, [s.name for s in specs], REFERENCE_OP, unavailable)
         print(f"wrote {cfg.out} and {cfg.out.with_suffix('.png')}", flush=True)
     dist.barrier()

@@ -225,3 +225,27 @@ def test_several_gpus_start_one_process_per_gpu_under_torchrun(monkeypatch: pyte
     assert seen["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and seen["env"]["NCCL_NVLS_ENABLE"] == "0"
     _, w, problems = cli.parse(["--preset", "glm52", "--world-size", "2"])
     assert problems == [] and w.shape(2).num_experts == 64  # the per-rank share on two GPUs
+
+
+def test_more_ranks_than_gpus_needs_shared_gpu(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--world-size beyond the visible GPUs is refused naming --shared-gpu; with it the ranks are launched."""
+    launched: list = []
+    monkeypatch.setattr(cli, "_visible_gpus", lambda: 1)
+    monkeypatch.setattr(cli, "kernel_sources", lambda: "kernels/")
+    monkeypatch.setattr(cli, "_launch_ranks", lambda world, argv: launched.append((world, argv)) or 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    argv = ["--preset", "glm52", "--world-size", "4", "--tokens", "1"]
+    assert cli.main(argv) == 2 and launched == []
+    assert "--world-size 4 exceeds the 1 visible GPU(s); --shared-gpu runs several ranks" in capsys.readouterr().err
+    assert cli.main([*argv, "--shared-gpu"]) == 0 and launched == [(4, [*argv, "--shared-gpu"])]
+
+
+def test_gpu_setup_labels_ranks_sharing_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat.ab import protocol
+
+    monkeypatch.setattr(protocol.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(protocol.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(protocol, "_gpu_name", lambda: "NVIDIA H200")
+    assert protocol.gpu_setup(1) == "1 x NVIDIA H200"
+    assert protocol.gpu_setup(4) == "4 ranks on 1 NVIDIA H200: ranks on one GPU under CUDA MPS: no NVLink"
