@@ -10,7 +10,7 @@
 #   --dest     where it is staged and built (default .carry/deep_ep: git-ignored, carried to the GPU host with
 #              carry: [".carry"]); DEST/SOURCE says where it came from
 #   --build    `python3 setup.py build_ext --inplace` in DEST with TORCH_CUDA_ARCH_LIST=9.0 and CUDA 13's libcu++
-#              headers on nvcc's include path (the image's NVSHMEM headers include cuda/std/*, which CUDA 13 keeps
+#              headers on nvcc's and the host compiler's include paths (the image's NVSHMEM headers include cuda/std/*, which CUDA 13 keeps
 #              under include/cccl); NVSHMEM comes from the nvidia-nvshmem pip package (or NVSHMEM_DIR). The log is
 #              DEST/build.log; on failure its last lines are printed
 # Then: eval "$(bash scripts/build_deep_ep.sh --env)" and run with GC_MOE_SWAP=deep_ep: `import deep_ep` is the facade,
@@ -61,7 +61,8 @@ if ((build)); then
   [[ -f "$dest/setup.py" ]] || fail "nothing staged in $dest (run with --src or --git-dir first)"
   cuda="${CUDA_HOME:-/usr/local/cuda}"
   start=$SECONDS
-  if (cd "$dest" && CUDA_HOME="$cuda" TORCH_CUDA_ARCH_LIST=9.0 \
+  # nvcc and the host compiler (csrc/deep_ep.cpp includes nvshmem.h too) both need the libcu++ headers
+  if (cd "$dest" && CUDA_HOME="$cuda" TORCH_CUDA_ARCH_LIST=9.0 CPATH="$cuda/include/cccl${CPATH:+:$CPATH}" \
       NVCC_PREPEND_FLAGS="-I$cuda/include/cccl${NVCC_PREPEND_FLAGS:+ $NVCC_PREPEND_FLAGS}" \
       python3 setup.py build_ext --inplace) >"$dest/build.log" 2>&1; then
     echo "build_deep_ep: built in $((SECONDS - start)) s ($(cat "$dest/SOURCE" 2>/dev/null)); log $dest/build.log"
