@@ -1,0 +1,138 @@
+"""Where the time of one eager ``deep_ep`` facade call goes, on one GPU at one rank: the kernels' GPU time against
+the wall time of the Python call, and the host functions that take it.
+
+For each op (normal ``dispatch`` BF16 uncached, ``combine``; low-latency ``low_latency_dispatch`` FP8 and
+``low_latency_combine``) on one shape: ``--calls`` eager calls back to back, synchronized once at the end, give the
+wall time per call; torch's profiler (CUPTI) over the same loop gives every kernel's GPU time per call; cProfile over
+the loop gives the host functions by cumulative time. A call whose wall time far exceeds its kernels' is host-bound,
+and the cProfile table names where. This is a diagnosis, not a benchmark: the report is text, written to ``--out``
+(default ``profile_deep_ep_host.txt`` in the working directory), and the timings in it are not the protocol's.
+
+``python bench/profile_deep_ep_host.py --out profile_deep_ep_host.txt``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _common import require_gpus
+from deep_ep_sm90 import NUM_SMS, fp8_rows, routing
+
+import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.runtime.single_rank import single_rank_group
+
+
+def wall_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Microseconds per call of ``calls`` eager calls, synchronized before and once after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def kernel_table(fn: Callable[[], object], calls: int) -> list[tuple[str, float, int]]:
+    """(kernel name, GPU microseconds per call, launches per call) of ``calls`` calls, from torch's profiler."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
+            rows.append((e.key, e.device_time_total / calls, e.count // calls))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def host_profile(fn: Callable[[], object], calls: int, top: int) -> str:
+    """cProfile's table (cumulative time) of ``calls`` calls, ``top`` rows."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int
+        ) -> tuple[dict[str, Callable[[], object]], list[deep_ep.Buffer]]:
+    """The four eager calls, their inputs prepared once; the Buffers to destroy afterwards."""
+    x, idx, w = (t.cuda() for t in routing(tokens, hidden, topk, experts, 7))
+    config = deep_ep.Config(NUM_SMS, 8, 256)
+    hidden_bytes = 2 * hidden
+    nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, 1), tokens * (hidden_bytes + 16 + 4 * 64 + 12 * 8)
+              + (1 << 20))
+    normal = deep_ep.Buffer(group, nvl, 0, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(idx, experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w, config=config)
+    recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
+    x_fp8 = fp8_rows(x)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_tokens, hidden, 1, experts)
+    ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts, explicitly_destroy=True)
+    lx, lidx = x[:ll_tokens].contiguous(), idx[:ll_tokens].contiguous()
+    lw = w[:ll_tokens].contiguous()
+    recv_x, _, ll_handle, _, _ = ll.low_latency_dispatch(lx, lidx, ll_tokens, experts, use_fp8=False)
+    expert_out = recv_x.clone()
+    table = {
+        "normal dispatch bf16": lambda: normal.dispatch(x, **layout),
+        "normal dispatch fp8": lambda: normal.dispatch(x_fp8, **layout),
+        "normal combine": lambda: normal.combine(recv, handle, topk_weights=recv_w, config=config),
+        "ll dispatch fp8": lambda: ll.low_latency_dispatch(lx, lidx, ll_tokens, experts),
+        "ll combine": lambda: ll.low_latency_combine(expert_out, lidx, lw, ll_handle),
+    }
+    return table, [normal, ll]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=512, help="normal-mode tokens (default 512)")
+    parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency tokens = Tmax (default 128)")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--top", type=int, default=30, help="cProfile rows per op")
+    parser.add_argument("--out", type=Path, default=Path("profile_deep_ep_host.txt"))
+    args = parser.parse_args()
+    require_gpus("profile_deep_ep_host")
+    report = [f"deep_ep facade, one rank, {torch.cuda.get_device_name()}: normal T={args.tokens}, low-latency "
+              f"T=Tmax={args.ll_tokens}, hidden {args.hidden}, top-{args.topk}, {args.experts} experts, "
+              f"{args.calls} eager calls per measurement", ""]
+    with single_rank_group() as group:
+        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
+        summary = []
+        for name, fn in table.items():
+            for _ in range(5):
+                fn()
+            wall = wall_per_call(fn, args.calls)
+            kernels = kernel_table(fn, args.calls)
+            gpu = sum(us for _, us, _ in kernels)
+            summary.append(f"{name:22s} wall {wall:8.1f} us/call   kernels {gpu:8.1f} us/call")
+            report += [f"== {name}: wall {wall:.1f} us per call, kernels {gpu:.1f} us per call"]
+            report += [f"   {us:9.1f} us  x{n}  {k}" for k, us, n in kernels]
+            report += [host_profile(fn, args.calls, args.top)]
+        for b in buffers:
+            b.destroy()
+    report = summary + [""] + report
+    args.out.write_text("\n".join(report) + "\n")
+    print("\n".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
