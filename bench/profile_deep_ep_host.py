@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -55,7 +56,8 @@ def kernel_table(fn: Callable[[], object], calls: int) -> list[tuple[str, float,
 
 
 def host_profile(fn: Callable[[], object], calls: int, top: int) -> str:
-    """cProfile's table (cumulative time) of ``calls`` calls, ``top`` rows."""
+    """cProfile's tables of ``calls`` calls, ``top`` rows each: by cumulative time (which call path) and by own time
+    (which function, the driver and torch calls included)."""
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
@@ -64,7 +66,9 @@ def host_profile(fn: Callable[[], object], calls: int, top: int) -> str:
     torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
     return out.getvalue()
 
 
@@ -110,9 +114,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("profile_deep_ep_host.txt"))
     args = parser.parse_args()
     require_gpus("profile_deep_ep_host")
-    report = [f"deep_ep facade, one rank, {torch.cuda.get_device_name()}: normal T={args.tokens}, low-latency "
-              f"T=Tmax={args.ll_tokens}, hidden {args.hidden}, top-{args.topk}, {args.experts} experts, "
-              f"{args.calls} eager calls per measurement", ""]
+    partition = os.environ.get("GC_MOE_PARTITION", "on")
+    report = [f"deep_ep facade, one rank, GC_MOE_PARTITION={partition}, {torch.cuda.get_device_name()}: normal "
+              f"T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, hidden {args.hidden}, "
+              f"top-{args.topk}, {args.experts} experts, {args.calls} eager calls per measurement", ""]
     with single_rank_group() as group:
         table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
         summary = []
