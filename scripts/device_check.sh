@@ -3,8 +3,9 @@
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
-#                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests, and
-#                                                   DeepEP's legacy tests with --num-processes P)
+#                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
+#                                                   DeepEP's legacy tests with --num-processes P, and the picked
+#                                                   BENCHES_SHARED benchmarks with --ranks P)
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package), runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
 # prints a summary table last. Later issues add their benchmark names to BENCHES and their tests under tests/.
@@ -27,6 +28,9 @@ NCU_SECTIONS=(SpeedOfLight ComputeWorkloadAnalysis SchedulerStats WarpStateStats
 # Nsight Compute metrics of a --counters run: DRAM and L2 traffic of whole CUDA-graph replays.
 NCU_COUNTERS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
 NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
+# Benchmarks that start P ranks on one GPU themselves: the only ones --shared-gpu P runs (picked with --bench), given
+# --ranks P before their own arguments.
+BENCHES_SHARED=(deep_ep_ab)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
@@ -113,7 +117,14 @@ if [[ -n "$shared_gpu" ]]; then
   "$PY" -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" >>"$OUT/setup.log" 2>&1
   export GC_MOE_TEST_SHARED_GPU="$shared_gpu"
   markers="multigpu" legacy_procs="$shared_gpu"
-  BENCHES=() RESULTS=()
+  kept=() RESULTS=()
+  for spec in "${BENCHES[@]}"; do
+    name="${spec%% *}"
+    if [[ " ${BENCHES_SHARED[*]} " == *" $name "* ]]; then
+      kept+=("$name --ranks $shared_gpu${spec:${#name}}") RESULTS+=("${RESULT_NAME[$name]:-$name}")
+    fi
+  done
+  BENCHES=("${kept[@]}")
 fi
 if ((run_tests)); then
   timeout_opt=()
