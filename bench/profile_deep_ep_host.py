@@ -5,7 +5,9 @@ For each op (normal ``dispatch`` BF16 uncached, ``combine``; low-latency ``low_l
 ``low_latency_combine``) on one shape: ``--calls`` eager calls back to back, synchronized once at the end, give the
 wall time per call; torch's profiler (CUPTI) over the same loop gives every kernel's GPU time per call; cProfile over
 the loop gives the host functions by cumulative time. A call whose wall time far exceeds its kernels' is host-bound,
-and the cProfile table names where. This is a diagnosis, not a benchmark: the report is text, written to ``--out``
+and the cProfile table names where. ``--ncu``: instead, one call of each op (after three warm-up calls) between
+``cudaProfilerStart`` and ``cudaProfilerStop``, for ``ncu --profile-from-start off`` (bench/README.md says which
+sections). This is a diagnosis, not a benchmark: the report is text, written to ``--out``
 (default ``profile_deep_ep_host.txt`` in the working directory), and the timings in it are not the protocol's.
 
 ``python bench/profile_deep_ep_host.py --out profile_deep_ep_host.txt``
@@ -102,6 +104,24 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     return table, [normal, ll]
 
 
+def ncu_window(args: argparse.Namespace) -> int:
+    """Three warm-up calls of each op, then one call of each inside the profiler window (nothing is timed here)."""
+    with single_rank_group() as group:
+        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
+        for fn in table.values():
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for fn in table.values():
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        for b in buffers:
+            b.destroy()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="normal-mode tokens (default 512)")
@@ -112,8 +132,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--top", type=int, default=30, help="cProfile rows per op")
     parser.add_argument("--out", type=Path, default=Path("profile_deep_ep_host.txt"))
+    parser.add_argument("--ncu", action="store_true", help="one call of each op inside cudaProfilerStart/Stop")
     args = parser.parse_args()
     require_gpus("profile_deep_ep_host")
+    if args.ncu:
+        return ncu_window(args)
     partition = os.environ.get("GC_MOE_PARTITION", "on")
     report = [f"deep_ep facade, one rank, GC_MOE_PARTITION={partition}, {torch.cuda.get_device_name()}: normal "
               f"T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, hidden {args.hidden}, "
