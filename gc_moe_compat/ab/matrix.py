@@ -2,7 +2,7 @@
 
 One *cell* per combination, each with a result: ``pass``, ``fail`` (with the assertion or the unexpected error),
 ``not supported`` (with the reason the facade gives, e.g. its NotImplementedError) or ``not run`` (with why: no
-GPU, fewer GPUs than the cell's world size, no checkout given). Kinds of cells:
+GPU, two ranks that cannot run here, no checkout given). Kinds of cells:
 
 * ``signature`` (CPU): per facade entry point and per original version recorded in ``tests/data/*.json``
   (``scripts/gen_signatures.py``: ``deepinfer-gemm`` 2.8.2, ``sgl-deep-gemm`` 0.2.3.post2, ``sgl-deep-ep``
@@ -13,13 +13,15 @@ GPU, fewer GPUs than the cell's world size, no checkout given). Kinds of cells:
 * ``pre-dispatch`` (CPU): the facade's pre-dispatch staging at T = 0, 1, odd, capacity, per buffer ``mma_type``
   and scale format, byte for byte against the originals' arithmetic (:func:`gc_moe_compat.quant`'s model).
 * ``swap`` (CPU): ``GC_MOE_SWAP`` values, each in a fresh interpreter: where ``deep_gemm`` / ``deep_ep`` come from.
-* ``layer`` (GPU, :mod:`.matrix_gpu`): entry point x ``mma_type`` x shared experts x scale format x T x world size,
-  each run against the quantization-faithful reference.
+* ``layer`` (GPU, :mod:`.matrix_gpu`): entry point x ``mma_type`` x shared experts x scale format x T x world size
+  (1, and 2 as two rank processes: a GPU each on a host with two, or both on one GPU under CUDA MPS with
+  ``--shared-gpu``; ``not run`` with the reason and the flag elsewhere), each rank against the
+  quantization-faithful reference of its tokens; a two-rank cell passes only when both ranks pass.
 * ``suite`` (GPU): the originals' own test files from checkouts the user points to, run unmodified under the swap.
 
 Writes ``compat_matrix.md`` and ``compat_matrix.json`` (into ``--out-dir``, default the working directory) with
 the versions of torch, CUDA, the driver, the GPU and each original found. ``--cpu-only`` runs the CPU cells (what CI
-runs).
+runs); ``--kinds`` picks kinds of cells (e.g. ``--kinds layer``: the layer cells alone).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -48,13 +50,17 @@ from gc_moe_compat.ab.protocol import REPO, portable_path, portable_text, result
 from gc_moe_compat.compute_paths import MMA_TYPES
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
-__all__ = ["KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main", "markdown",
-           "signature_cells", "surface", "swap_cells", "validation_cells", "versions"]
+__all__ = ["CPU_KINDS", "KINDS", "KNOWN_DIVERGENCES", "Cell", "checkout_signature_cells", "cpu_cells", "main",
+           "markdown", "selected_kinds", "signature_cells", "surface", "swap_cells", "validation_cells", "versions"]
 
 DATA_DIR = REPO / "tests" / "data"
 SIGNATURE_FILES = {"deep_gemm": "deep_gemm_mega_moe.json", "deep_ep": "deep_ep_buffer.json"}
 DISTRIBUTIONS = ("sgl-deep-gemm", "deepinfer-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep", "deepinfer-ep")
 """Registry names of the originals whose installed versions the matrix records."""
+CPU_KINDS = ("signature", "validation", "pre-dispatch", "swap")
+"""The kinds of cells that need no GPU (what ``--cpu-only`` and CI run)."""
+KINDS = (*CPU_KINDS, "layer", "suite")
+"""Every kind of cell, in the order the matrix runs them (``--kinds`` picks some)."""
 
 
 @dataclass(frozen=True)
@@ -430,13 +436,16 @@ def swap_cells() -> list[Cell]:
     return cells
 
 
-def cpu_cells() -> list[Cell]:
-    """Every CPU cell (what CI runs)."""
-    cells = signature_cells()
-    with single_rank_group() as group:
-        cells += validation_cells(group)
-        cells += predispatch_cells(group)
-    return cells + swap_cells()
+def cpu_cells(kinds: Collection[str] = CPU_KINDS) -> list[Cell]:
+    """The CPU cells of ``kinds`` (default every CPU kind: what CI runs)."""
+    cells = signature_cells() if "signature" in kinds else []
+    if {"validation", "pre-dispatch"} & set(kinds):
+        with single_rank_group() as group:
+            if "validation" in kinds:
+                cells += validation_cells(group)
+            if "pre-dispatch" in kinds:
+                cells += predispatch_cells(group)
+    return cells + (swap_cells() if "swap" in kinds else [])
 
 
 def versions() -> dict[str, object]:
@@ -485,6 +494,8 @@ def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, 
              f"({info.get('date', '?')}).", ""]
     if info.get("complete") is False:
         lines += ["**Incomplete**: written before every stage ran (the run was cut short after these cells).", ""]
+    if info.get("kinds"):
+        lines += [f"**Kinds selected** (`--kinds`): {', '.join(info['kinds'])}; the others were not run.", ""]
     lines += ["| what | version |", "|---|---|"]
     v = info["versions"]
     for key in ("torch", "cuda", "driver", "gpu", "gpus"):
@@ -511,6 +522,8 @@ def markdown(cells: Sequence[Cell], info: dict[str, object], checked: dict[str, 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gc_moe_compat.ab.matrix_gpu import TWO_RANK_TIMEOUT_S
+
     parser = argparse.ArgumentParser(prog="gc-moe-matrix", description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path(),
                         help="where compat_matrix.md / .json go (default: the working directory; the checkout's "
@@ -527,7 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suites-not-run", metavar="REASON", default=None,
                         help="record the originals' test suites as 'not run' with REASON instead of running them "
                              "(the checkouts still give their signature cells)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, metavar="KIND", default=None,
+                        help=f"only these kinds of cells ({', '.join(KINDS)}; default all), e.g. --kinds layer")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="on a host with one GPU, run the world-size-2 layer cells as 2 ranks sharing it (start "
+                             "CUDA MPS first: source scripts/mps.sh; mps_start); without it they are 'not run' there")
+    parser.add_argument("--two-rank-timeout", type=float, default=TWO_RANK_TIMEOUT_S, metavar="S",
+                        help=f"seconds the two rank processes of the world-size-2 cells may take (default "
+                             f"{TWO_RANK_TIMEOUT_S}); past it they are stopped and their unreported cells fail")
     return parser
+
+
+def selected_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """The kinds of cells a run makes: ``--kinds`` (default every kind), less the GPU kinds with ``--cpu-only``."""
+    kinds = args.kinds or KINDS
+    return tuple(k for k in KINDS if k in kinds and not (args.cpu_only and k not in CPU_KINDS))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -535,18 +562,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out_dir
     command = ["gc-moe-matrix", *(sys.argv[1:] if argv is None else argv)]
     meta = {k: v for k, v in result_meta("gc-moe-matrix", [], {}, command=command).items() if k != "partition"}
-    info = {**meta, "versions": versions()}
-    cells = cpu_cells()
+    kinds = selected_kinds(args)
+    info = {**meta, "versions": versions(), **({"kinds": list(kinds)} if args.kinds else {})}
+    cells = cpu_cells([k for k in kinds if k in CPU_KINDS])
     for module, root, label in (("deep_ep", args.deepep_src, "DeepEP"), ("deep_gemm", args.deepgemm_src, "DeepGEMM"),
                                 ("deep_gemm", args.sgl_deepgemm_src, "sgl-project/DeepGEMM")):
-        if root is not None:
+        if root is not None and "signature" in kinds:
             cells += checkout_signature_cells(module, root, label)
-    if not args.cpu_only:
+    if "layer" in kinds or "suite" in kinds:
         from gc_moe_compat.ab import matrix_gpu
 
         _write(out_dir, cells, info, complete=False)  # a run cut short keeps the cells it has
-        cells += matrix_gpu.layer_cells()
+    if "layer" in kinds:
+        cells += matrix_gpu.layer_cells(args.shared_gpu, args.two_rank_timeout)
         _write(out_dir, cells, info, complete=False)
+    if "suite" in kinds:
         if args.suites_not_run:
             cells += [Cell("suite", name, "-", "not run", args.suites_not_run) for name in matrix_gpu.SUITES]
         else:

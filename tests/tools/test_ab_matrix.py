@@ -61,9 +61,17 @@ def test_a_planted_signature_divergence_fails_its_cell(tmp_path: Path) -> None:
     assert len(bad) == 1 and "cumulative_local_expert_recv_stats='nonsense'" in bad[0].detail
 
 
-def test_gpu_and_suite_cells_say_why_they_did_not_run() -> None:
-    cells = matrix_gpu.layer_cells()  # no GPU here
-    assert cells and all(c.result == "not run" and c.detail == "needs a CUDA GPU" for c in cells)
+@pytest.mark.parametrize("shared_gpu", [False, True])
+def test_gpu_and_suite_cells_say_why_they_did_not_run(shared_gpu: bool) -> None:
+    cells = matrix_gpu.layer_cells(shared_gpu=shared_gpu)  # no GPU here
+    assert cells and all(c.result == "not run" for c in cells)
+    one = [c for c in cells if c.axes["world_size"] == 1]
+    two = [c for c in cells if c.axes["world_size"] == 2]
+    assert len(one) == len(two) == len(cells) // 2  # one cell per entry point and world size
+    assert all(c.detail == "needs a CUDA GPU" for c in one)
+    assert all(c.case.endswith("T=all, world 2") for c in two)
+    assert all("needs 2 GPUs on one host" in c.detail and "--shared-gpu" in c.detail and "no CUDA GPU here" in c.detail
+               for c in two)
     entries = {c.entry for c in cells}
     assert "deep_gemm.mega_moe_pre_dispatch_sm90 + fp8_mega_moe" in entries and "gc_moe.fp8_fp4_gc_moe" in entries
     suites = matrix_gpu.suite_cells(None, None, None, 10)
