@@ -1,20 +1,22 @@
 // Role2 of the GC-MoE operator (paper §4.3-4.5): the body of the persistent grid both SM90 grouped GEMMs compile to
 // with GC_OPERATOR=1 (role2_gemm_fp8xfp8.cu: gc_sm90_fp8_role2; role2_gemm_fp8xfp4.cu: gc_sm90_fp8_fp4_role2).
 //
-// A source fragment: a kernel source includes it at the end of its operator section, inside namespace
-// gc_moe::sm90, after defining
+// Templates: each weight format's source instantiates them from its entry, role2_body<K, kHostSmemBytes>, with K its
+// kernel policy, a struct of
 //   constants  kBM, kMSub, kAcc, kRows, kBK, kStages, kProducerWG, kConsumerThreads, kSmemBytes, kOffRed, kOffOut,
 //              kOutPitch (the W2 epilogue's staged tile [kBM][kOutPitch bytes] at kOffOut, 16 more bytes after it)
 //              and kConsumerBarrier (a named-barrier id over the kConsumerThreads consumer threads that its own
 //              epilogues never use with another thread count);
 //   Pipeline   its StagePipeline;
+//   hooks      static member functions:
 //   op_issue(a, pipe, it, ot, t, kb, maps)                    issues K step kb of task t into slot `it` (free);
 //   op_consume<Epi>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)
 //                                                             the consumer K loop of a W1 (Epi 1) / W2 (2) task
 //                                                             into acc[kMSub][kAcc], final weight scaling included;
-//   op_epilogue_w1(a, acc, t, cw, warp, lane, red)           the W1 epilogue into l2_acts / l2_acts_sf.
-// and (sm90/role2_ring.cuh) the ring pieces. What is specific to a weight format stays in its source; the task
-// sequence, the ring handshake, the W2 scatter and the error rule are written once, here.
+//   op_epilogue_w1(a, acc, t, cw, warp, lane, red)           the W1 epilogue into l2_acts / l2_acts_sf;
+// and kHostSmemBytes the host's shared-memory formula (role2_body). What is specific to a weight format stays in its
+// source; the task sequence, the ring handshake (its pieces: sm90/role2_ring.cuh), the W2 scatter and the error rule
+// are written once, here.
 //
 // One persistent grid of C CTAs (one per compute-partition SM, all co-resident) runs both GEMMs over the token ring
 // of the operator workspace. Every task is 256 weight rows (two consumer warpgroups x 2 slabs, W1 and W2 alike:
@@ -60,24 +62,21 @@
 // (op_wait_full), so no warpgroup-collective instruction or named barrier is ever left half-joined.
 #pragma once
 
-#if !GC_OPERATOR
-#error "sm90/role2_gemm.cuh is the operator-mode body (GC_OPERATOR=1)"
-#endif
+#include "sm90/role2_ring.cuh"
 
-// The host's shared-memory formula (gc_moe_compat/operator/sm90/role2_gemm.py: operator_smem_bytes) arrives as a define in every
-// build, so a drift between the two fails to compile instead of failing the launch-time check.
-static_assert(kSmemBytes == GC_OP_SMEM_BYTES, "GC_OP_SMEM_BYTES: role2.operator_smem_bytes differs from kSmemBytes");
-static_assert(kMSub == 2, "operator mode: W1 and W2 tasks of 256 rows (ring.DEFAULT_GEOMETRY)");
-static_assert(kOffOut % 16 == 0 && kOutPitch % 16 == 0, "W2 staged tile: 16-byte rows for the vector stores");
+namespace gc_moe {
+namespace sm90 {
 
 // Producer side of K step kb of task `ot`: the ring signal it needs, the stage wait, then the kernel's loads.
 // `mask_seen` caches the last acquired l2_full_mask of the current W2 task.
-__device__ __forceinline__ bool op_produce(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
-                                           const Task& t, int kb, const OpMaps& maps, u64& mask_seen) {
+template <typename K>
+__device__ __forceinline__ bool op_produce(const OpArgs& a, const typename K::Pipeline& pipe, u32 it,
+                                           const OpTask& ot, const Task& t, int kb, const OpMaps& maps,
+                                           u64& mask_seen) {
     if (!op_ring_acquire(a, ot, kb, mask_seen)) return false;
-    const u32 stage = it % kStages, parity = ((it / kStages) & 1) ^ 1;
+    const u32 stage = it % K::kStages, parity = ((it / K::kStages) & 1) ^ 1;
     if (!op_wait_empty(a, pipe.empty(stage), parity)) return false;
-    op_issue(a, pipe, it, ot, t, kb, maps);
+    K::op_issue(a, pipe, it, ot, t, kb, maps);
     return true;
 }
 
@@ -85,49 +84,62 @@ __device__ __forceinline__ bool op_produce(const OpArgs& a, const Pipeline& pipe
 // then 16-byte stores of each valid token row into its source rank's combine buffer at (slot, src_token).
 // A row whose l1_source names another pool block is reported (kSiteSource) and not stored; the kernel goes on (the
 // record then stops the producers, and the consumers leave at the first slot not issued).
-__device__ __forceinline__ void op_epilogue_w2(const OpArgs& a, const float (&acc)[kMSub][kAcc], const Task& t,
-                                               int pool_block, int cw, int warp, int lane, int local_tid, u8* out_tile) {
+template <typename K>
+__device__ __forceinline__ void op_epilogue_w2(const OpArgs& a, const float (&acc)[K::kMSub][K::kAcc],
+                                               const Task& t, int pool_block, int cw, int warp, int lane,
+                                               int local_tid, u8* out_tile) {
 #pragma unroll
-    for (int s = 0; s < kMSub; ++s) {
+    for (int s = 0; s < K::kMSub; ++s) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
+        for (int i = 0; i < K::kAcc; ++i) {
             const int col = acc_col(i, lane);
-            const int h = (cw * kMSub + s) * 64 + warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
-            *reinterpret_cast<__nv_bfloat16*>(out_tile + col * kOutPitch + h * 2) = __float2bfloat16_rn(acc[s][i]);
+            const int h = (cw * K::kMSub + s) * 64 + warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
+            *reinterpret_cast<__nv_bfloat16*>(out_tile + col * K::kOutPitch + h * 2) = __float2bfloat16_rn(acc[s][i]);
         }
     }
-    named_barrier(kConsumerBarrier, kConsumerThreads);
-    constexpr int kChunks = kRows / 8;  // 16-byte chunks per token row
+    named_barrier(K::kConsumerBarrier, K::kConsumerThreads);
+    constexpr int kChunks = K::kRows / 8;  // 16-byte chunks per token row
     const int4* source = a.at<const int4>(a.off.l1_source);
-    for (int u = local_tid; u < t.valid * kChunks; u += kConsumerThreads) {
+    for (int u = local_tid; u < t.valid * kChunks; u += K::kConsumerThreads) {
         const int col = u / kChunks, c = u % kChunks;
         const int4 src = __ldcg(source + t.row_off + col);  // (src_rank, src_token, slot, pool block)
         if (src.w != pool_block) {
             report_status(a.status(), kStatusMismatch, kSiteSource, static_cast<u64>(src.w), pool_block);
             continue;
         }
-        const uint4 v = ld_shared_v4(smem_addr(out_tile + col * kOutPitch + c * 16));
-        const size_t elem = (static_cast<size_t>(src.z) * a.off.capacity + src.y) * a.p.hidden + t.tile * kRows + c * 8;
+        const uint4 v = ld_shared_v4(smem_addr(out_tile + col * K::kOutPitch + c * 16));
+        const size_t elem =
+            (static_cast<size_t>(src.z) * a.off.capacity + src.y) * a.p.hidden + t.tile * K::kRows + c * 8;
         st_global_v4(peer_ptr<__nv_bfloat16>(a.peers, src.x, a.off.combine) + elem, v);
     }
 }
 
 // The kernel body: tm_w1 / tm_w2 the weight maps, tm_l1 / tm_l2 the workspace's l1_acts [ring rows, H] and l2_acts
 // [ring rows, I] (box 128 x kBM); everything else from the workspace (peers.base + off.*) and Role2Params.
+// The host's shared-memory formula (gc_moe_compat/operator/sm90/role2_gemm.py: operator_smem_bytes) arrives as
+// kHostSmemBytes (the build's GC_OP_SMEM_BYTES), so a drift between the two fails to compile instead of failing the
+// launch-time check.
+template <typename K, u32 kHostSmemBytes>
 __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorMap* tm_w2, const TensorMap* tm_l1,
                                            const TensorMap* tm_l2, const PeerTable& peers,
                                            const WorkspaceOffsets& off, const Role2Params& params) {
+    static_assert(K::kSmemBytes == kHostSmemBytes,
+                  "GC_OP_SMEM_BYTES: role2.operator_smem_bytes differs from kSmemBytes");
+    static_assert(K::kMSub == 2, "operator mode: W1 and W2 tasks of 256 rows (ring.DEFAULT_GEOMETRY)");
+    static_assert(K::kOffOut % 16 == 0 && K::kOutPitch % 16 == 0, "W2 staged tile: 16-byte rows for the vector stores");
+    using Pipeline = typename K::Pipeline;
     if (params.flags & kRole2Warmup) return;
     const OpArgs a{peers, off, params};
     extern __shared__ u8 smem_raw[];
     u8* smem = align_smem_1024(smem_raw);
     const Pipeline pipe{smem_addr(smem)};
-    u8* out_tile = smem + kOffOut;
-    volatile u32* words = reinterpret_cast<volatile u32*>(out_tile + kBM * kOutPitch);  // [0] pool blocks, [1] stop
+    u8* out_tile = smem + K::kOffOut;
+    // [0] pool blocks, [1] stop
+    volatile u32* words = reinterpret_cast<volatile u32*>(out_tile + K::kBM * K::kOutPitch);
     const int tid = threadIdx.x;
-    if (!has_dyn_smem(kSmemBytes, tid, a.status(), kSiteSmem)) return;
+    if (!has_dyn_smem(K::kSmemBytes, tid, a.status(), kSiteSmem)) return;
     if (tid == 0) {
-        pipe.init(kConsumerThreads / 32);
+        pipe.init(K::kConsumerThreads / 32);
         prefetch_tensormap(tm_w1);
         prefetch_tensormap(tm_w2);
         prefetch_tensormap(tm_l1);
@@ -149,7 +161,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     const OpMaps maps{tm_w1, tm_w2, tm_l1, tm_l2, evict_first_policy(), evict_last_policy()};
     const int wg = tid / 128;
 
-    if (kProducerWG && wg == 0) {
+    if (K::kProducerWG && wg == 0) {
         setmaxnreg_dec<40>();
         if (tid == 0) {
             u32 it = 0;
@@ -157,9 +169,9 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
             for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
                 const OpTask ot = role2_task(s, n, w, t1, t2);
                 const Task t = ring_task(table(), ot);
-                const int kb_count = static_cast<int>(ot.w1 ? params.hidden : params.inter) / kBK;
+                const int kb_count = static_cast<int>(ot.w1 ? params.hidden : params.inter) / K::kBK;
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                    if (!op_produce(a, pipe, it, ot, t, kb, maps, mask_seen)) {
+                    if (!op_produce<K>(a, pipe, it, ot, t, kb, maps, mask_seen)) {
                         words[1] = it;
                         return;
                     }
@@ -168,11 +180,11 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         }
         return;
     }
-    if (kProducerWG) setmaxnreg_inc<232>();
+    if (K::kProducerWG) setmaxnreg_inc<232>();
 
-    const int cw = wg - kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
-    const int local_tid = tid - kProducerWG * 128;
-    float* red = reinterpret_cast<float*>(smem + kOffRed);
+    const int cw = wg - K::kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
+    const int local_tid = tid - K::kProducerWG * 128;
+    float* red = reinterpret_cast<float*>(smem + K::kOffRed);
     u32 it = 0;
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
     for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
@@ -181,19 +193,26 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         const u32 b = static_cast<u32>(ot.block) % params.ring_blocks;
         const auto wait_full = [&](u32 bar, u32 parity) { return op_wait_full(a, bar, parity, it, words + 1); };
         const auto load = [&](u32 slot, int kb) {
-            if (words[1] == ~0u && !op_produce(a, pipe, slot, ot, t, kb, maps, mask_seen)) words[1] = slot;
+            if (words[1] == ~0u && !op_produce<K>(a, pipe, slot, ot, t, kb, maps, mask_seen)) words[1] = slot;
             return true;  // the consumers leave together at the stop slot (op_wait_full)
         };
-        float acc[kMSub][kAcc];
+        float acc[K::kMSub][K::kAcc];
         if (ot.w1) {
-            if (!op_consume<1>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) return;
-            op_epilogue_w1(a, acc, t, cw, warp, lane, red);
-            op_release_w1(a, b, t.tile, local_tid, kConsumerBarrier, kConsumerThreads);
+            if (!K::template op_consume<1>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) {
+                return;
+            }
+            K::op_epilogue_w1(a, acc, t, cw, warp, lane, red);
+            op_release_w1(a, b, t.tile, local_tid, K::kConsumerBarrier, K::kConsumerThreads);
         } else {
-            if (!op_consume<2>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) return;
-            op_epilogue_w2(a, acc, t, ot.block, cw, warp, lane, local_tid, out_tile);
-            op_release_w2(a, b, local_tid, kConsumerBarrier, kConsumerThreads);
+            if (!K::template op_consume<2>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) {
+                return;
+            }
+            op_epilogue_w2<K>(a, acc, t, ot.block, cw, warp, lane, local_tid, out_tile);
+            op_release_w2(a, b, local_tid, K::kConsumerBarrier, K::kConsumerThreads);
         }
     }
     __threadfence_system();  // this thread's combine stores (local and peers') performed at system scope
 }
+
+}  // namespace sm90
+}  // namespace gc_moe

@@ -29,17 +29,18 @@
 // [rows, I], scales as FP32 values [I/128, rows] (what the W2 producer bulk-copies per K128 step). GC_EPI=2: W2,
 // BF16 partial rows.
 //
-// GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 pieces at the
-// end of this file, the grid body, ring handshake and W2 scatter in sm90/role2_gemm.cuh, shared with the FP8xFP8
-// kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too); GC_EPI does not apply. The
-// standalone grid body is sm90/standalone_gemm.cuh, shared with the FP8xFP8 kernel. Both modes run the same consumer
-// K loop (consume). tests/operator/test_role2_operator_host.py keeps the standalone cubins' hashes
-// (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
+// GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 kernel policy
+// at the end of this file instantiates the templates of sm90/role2_gemm.cuh, the grid body, ring handshake and W2
+// scatter shared with the FP8xFP8 kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too);
+// GC_EPI does not apply. The standalone grid body is sm90/standalone_gemm.cuh, shared with the FP8xFP8 kernel. Both
+// modes run the same consumer K loop (consume). tests/operator/test_role2_operator_host.py keeps the standalone
+// cubins' hashes (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the
+// kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
 #if GC_OPERATOR
-#include "sm90/role2_ring.cuh"
+#include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
 #endif
 
 #include "sm90/gemm_variant.cuh"
@@ -308,42 +309,49 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
-// The FP8xFP4 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's). Its tasks are
-// 256 weight rows in both GEMMs (four slabs: one TMA box of 4 units per stage).
-constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
+// role2_body's kernel policy for this variant (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's):
+// the variant's constants and the FP8xFP4 hooks. Its tasks are 256 weight rows in both GEMMs (four slabs: one TMA
+// box of 4 units per stage). W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with
+// role1's FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0
+// words.
+struct Fp4Role2 {
+    static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
+                         kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
+                         kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
+                         kOutPitch = sm90::kOutPitch;
+    static constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
+    using Pipeline = sm90::Pipeline;
 
-// role2_gemm.cuh's hooks. W1 of a ring block: units of the [E, H/128, 2I/64] W1 slabs against l1_acts with role1's
-// FP32 1x128 token scales; W2: units of [E, I/128, H/64] against l2_acts with the W1 epilogue's packed UE8M0 words.
-__device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
-                                         const Task& t, int kb, const OpMaps& maps) {
-    const int hidden = static_cast<int>(a.p.hidden), inter = static_cast<int>(a.p.inter);
-    if (ot.w1) {
-        issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1, a.at<const float>(a.off.l1_acts_sf),
-              a.off.ring_rows, maps.policy_w, maps.policy_x);
-    } else {
-        issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const float>(a.off.l2_acts_sf),
-              a.off.ring_rows, maps.policy_w, maps.policy_x);
+    static __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
+                                                    const Task& t, int kb, const OpMaps& maps) {
+        const int hidden = static_cast<int>(a.p.hidden), inter = static_cast<int>(a.p.inter);
+        if (ot.w1) {
+            issue(pipe, it, t, kb, hidden / kBK, 2 * inter / 64, maps.w1, maps.l1,
+                  a.at<const float>(a.off.l1_acts_sf), a.off.ring_rows, maps.policy_w, maps.policy_x);
+        } else {
+            issue(pipe, it, t, kb, inter / kBK, hidden / 64, maps.w2, maps.l2, a.at<const float>(a.off.l2_acts_sf),
+                  a.off.ring_rows, maps.policy_w, maps.policy_x);
+        }
     }
-}
 
-// Role2Params.w1_sf / w2_sf carry the per-expert window factors 2^base (FP32 [E]) on this path.
-template <int Epi, typename WaitFull, typename Load>
-__device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int warp, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    const int k = static_cast<int>(Epi == 1 ? a.p.hidden : a.p.inter);
-    const float* factor = reinterpret_cast<const float*>(Epi == 1 ? a.p.w1_sf : a.p.w2_sf);
-    return consume(pipe, smem, it, t, k / kBK, factor, cw, warp, lane, local_tid, acc, wait_full, load);
-}
+    // Role2Params.w1_sf / w2_sf carry the per-expert window factors 2^base (FP32 [E]) on this path.
+    template <int Epi, typename WaitFull, typename Load>
+    static __device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
+                                                      const Task& t, int cw, int warp, int lane, int local_tid,
+                                                      float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+        const int k = static_cast<int>(Epi == 1 ? a.p.hidden : a.p.inter);
+        const float* factor = reinterpret_cast<const float*>(Epi == 1 ? a.p.w1_sf : a.p.w2_sf);
+        return consume(pipe, smem, it, t, k / kBK, factor, cw, warp, lane, local_tid, acc, wait_full, load);
+    }
 
-__device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t, int cw,
-                                               int warp, int lane, float* red) {
-    epilogue_w1<true>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
-                      a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), static_cast<int>(a.p.inter),
-                      static_cast<int>(a.off.ring_rows), a.p.clamp, a.p.alpha);
-}
-
-#include "sm90/role2_gemm.cuh"
+    static __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t,
+                                                          int cw, int warp, int lane, float* red) {
+        epilogue_w1<true>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                          a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), static_cast<int>(a.p.inter),
+                          static_cast<int>(a.off.ring_rows), a.p.clamp, a.p.alpha);
+    }
+};
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -359,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                           const __grid_constant__ TensorMap tm_l1, const __grid_constant__ TensorMap tm_l2,
                           const __grid_constant__ PeerTable peers, const __grid_constant__ WorkspaceOffsets off,
                           const __grid_constant__ Role2Params params) {
-    role2_body(&tm_w1, &tm_w2, &tm_l1, &tm_l2, peers, off, params);
+    role2_body<Fp4Role2, GC_OP_SMEM_BYTES>(&tm_w1, &tm_w2, &tm_l1, &tm_l2, peers, off, params);
 }
 
 #else  // the standalone kernel

@@ -16,18 +16,19 @@
 // epilogue, BF16 partial rows. Block table rows: (local expert, valid rows, first row); rows live in the same
 // grouped order in every row-indexed array (x, routing weights, intermediate, outputs).
 //
-// GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_role2: the FP8 pieces at the end
-// of this file, the grid body in sm90/role2_gemm.cuh shared with the FP8xFP4 kernel): one persistent grid running
-// both GEMMs over the token ring of the operator workspace, reading the block table role1 publishes and handshaking
-// with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the standalone kernel (its grid
-// body in sm90/standalone_gemm.cuh, shared with the FP8xFP4 kernel); both run the same consumer K loop (consume).
+// GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_role2: the FP8 kernel policy at
+// the end of this file instantiates the grid body template of sm90/role2_gemm.cuh, shared with the FP8xFP4 kernel):
+// one persistent grid running both GEMMs over the token ring of the operator workspace, reading the block table role1
+// publishes and handshaking with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the
+// standalone kernel (its grid body in sm90/standalone_gemm.cuh, shared with the FP8xFP4 kernel); both run the same
+// consumer K loop (consume).
 // tests/operator/test_role2_operator_host.py keeps the standalone cubins' hashes
 // (tests/data/sm90_fp8_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 // The variant constants, the stage issue and the consumer K loop are sm90/fp8_grouped.cuh's (shared with role4).
-#include "sm90/fp8_grouped.cuh"
 #if GC_OPERATOR
-#include "sm90/role2_ring.cuh"
+#include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
 #endif
+#include "sm90/fp8_grouped.cuh"
 
 namespace gc_moe {
 namespace sm90 {
@@ -36,43 +37,49 @@ namespace sm90 {
 
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
-// The FP8xFP8 pieces of role2 (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's).
-constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
+// role2_body's kernel policy for this variant (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's):
+// the variant's constants and the FP8xFP8 hooks. W1 of a ring block: weights [E * 2I, H] against l1_acts with
+// role1's FP32 1x128 token scales; W2: weights [E * H, I] against l2_acts with the W1 epilogue's FP32 1x128 scales.
+struct Fp8Role2 {
+    static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
+                         kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
+                         kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
+                         kOutPitch = sm90::kOutPitch;
+    static constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
+    using Pipeline = sm90::Pipeline;
 
-// role2_gemm.cuh's hooks. W1 of a ring block: weights [E * 2I, H] against l1_acts with role1's FP32 1x128 token
-// scales; W2: weights [E * H, I] against l2_acts with the W1 epilogue's FP32 1x128 scales.
-__device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
-                                         const Task& t, int kb, const OpMaps& maps) {
-    if (ot.w1) {
-        issue(pipe, it, t, kb, maps.w1, maps.l1, a.at<float>(a.off.l1_acts_sf), 2 * a.p.inter, a.off.ring_rows,
-              maps.policy_w, maps.policy_x);
-    } else {
-        issue(pipe, it, t, kb, maps.w2, maps.l2, a.at<float>(a.off.l2_acts_sf), a.p.hidden, a.off.ring_rows,
-              maps.policy_w, maps.policy_x);
+    static __device__ __forceinline__ void op_issue(const OpArgs& a, const Pipeline& pipe, u32 it, const OpTask& ot,
+                                                    const Task& t, int kb, const OpMaps& maps) {
+        if (ot.w1) {
+            issue(pipe, it, t, kb, maps.w1, maps.l1, a.at<float>(a.off.l1_acts_sf), 2 * a.p.inter, a.off.ring_rows,
+                  maps.policy_w, maps.policy_x);
+        } else {
+            issue(pipe, it, t, kb, maps.w2, maps.l2, a.at<float>(a.off.l2_acts_sf), a.p.hidden, a.off.ring_rows,
+                  maps.policy_w, maps.policy_x);
+        }
     }
-}
 
-template <int Epi, typename WaitFull, typename Load>
-__device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int /*warp*/, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    if constexpr (Epi == 1) {
-        return consume<1>(pipe, smem, it, t, static_cast<int>(a.p.hidden) / kBK, 2 * a.p.inter / 128,
-                          reinterpret_cast<const float*>(a.p.w1_sf), cw, lane, local_tid, acc, wait_full, load);
-    } else {
-        return consume<2>(pipe, smem, it, t, static_cast<int>(a.p.inter) / kBK, a.p.hidden / 128,
-                          reinterpret_cast<const float*>(a.p.w2_sf), cw, lane, local_tid, acc, wait_full, load);
+    template <int Epi, typename WaitFull, typename Load>
+    static __device__ __forceinline__ bool op_consume(const OpArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
+                                                      const Task& t, int cw, int /*warp*/, int lane, int local_tid,
+                                                      float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
+        if constexpr (Epi == 1) {
+            return consume<1>(pipe, smem, it, t, static_cast<int>(a.p.hidden) / kBK, 2 * a.p.inter / 128,
+                              reinterpret_cast<const float*>(a.p.w1_sf), cw, lane, local_tid, acc, wait_full, load);
+        } else {
+            return consume<2>(pipe, smem, it, t, static_cast<int>(a.p.inter) / kBK, a.p.hidden / 128,
+                              reinterpret_cast<const float*>(a.p.w2_sf), cw, lane, local_tid, acc, wait_full, load);
+        }
     }
-}
 
-__device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t, int cw,
-                                               int warp, int lane, float* red) {
-    epilogue_w1<false>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
-                       a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows, a.p.clamp,
-                       a.p.alpha);
-}
-
-#include "sm90/role2_gemm.cuh"
+    static __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t,
+                                                          int cw, int warp, int lane, float* red) {
+        epilogue_w1<false>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                           a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows,
+                           a.p.clamp, a.p.alpha);
+    }
+};
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -87,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ TensorMap tm_l1, const __grid_constant__ TensorMap tm_l2,
                       const __grid_constant__ PeerTable peers, const __grid_constant__ WorkspaceOffsets off,
                       const __grid_constant__ Role2Params params) {
-    role2_body(&tm_w1, &tm_w2, &tm_l1, &tm_l2, peers, off, params);
+    role2_body<Fp8Role2, GC_OP_SMEM_BYTES>(&tm_w1, &tm_w2, &tm_l1, &tm_l2, peers, off, params);
 }
 
 #else  // the standalone kernel
