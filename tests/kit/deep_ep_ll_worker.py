@@ -9,8 +9,8 @@ and int32 routing, holes, a rank with no tokens, hook and async variants, two di
 fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
 ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer then works on both ranks),
 ``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from the call
-after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under ``torch.set_default_device('cuda')``, as DeepEP's
-own test harness runs them).
+after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
+``torch.set_default_device('cuda')``, as DeepEP's own test harness runs them).
 """
 
 from __future__ import annotations
