@@ -37,6 +37,7 @@ import enum
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from cuda.bindings import driver
 
@@ -45,7 +46,7 @@ from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.side_launch import launch_on
-from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 __all__ = [
@@ -255,6 +256,10 @@ class EpLlParams(ctypes.Structure):
     ]
 
 
+def _fields_before(name: str) -> int:
+    return [field for field, _ in EpLlParams._fields_].index(name)
+
+
 def params_header() -> str:
     """The generated part of kernels/sm90/ep_ll_params.cuh: the C declarations of :class:`EpLlParams`,
     :class:`LlSite` and :class:`Kernel` (``LlKernel``, each constant commented with its entry point)."""
@@ -265,16 +270,32 @@ def params_header() -> str:
     return struct + "\n" + LlSite.c_declaration("LlSite", "kLlSite") + "\n" + indices
 
 
+_POINTER_FIELDS = frozenset(name for name, _ in EpLlParams._fields_[:_fields_before("timeout_ns")])
+"""The device and pinned-host address fields of :class:`EpLlParams` (those before ``timeout_ns``)."""
+
+
 def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: int = 0,
                 timeout_ms: float | None = None, **pointers: int) -> EpLlParams:
-    """The :class:`EpLlParams` of one call; ``pointers`` names device addresses (``x=...``, ``call_gen=...``)."""
+    """The :class:`EpLlParams` of one call; ``pointers`` names device addresses (``x=...``, ``call_gen=...``). A
+    fresh struct per call, copied from a cached template of everything but the pointers (the sizes, offsets, flags
+    and timeout: what the shape and the flags fix), so a call sets only its pointers."""
+    if not pointers.keys() <= _POINTER_FIELDS:
+        raise TypeError(f"make_params: not pointer fields of EpLlParams: {sorted(pointers.keys() - _POINTER_FIELDS)}")
+    params = EpLlParams.from_buffer_copy(_template(shape, num_tokens, idx_bytes, flags, spin_timeout_ns(timeout_ms)))
+    for name, value in pointers.items():
+        setattr(params, name, value)
+    return params
+
+
+@functools.lru_cache(maxsize=64)
+def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeout_ns: int) -> EpLlParams:
+    """The pointer-free :class:`EpLlParams` of calls of ``shape`` (read only: :func:`make_params` copies it)."""
     return EpLlParams(
-        **pointers, timeout_ns=spin_timeout_ns(timeout_ms), off_seq=_SEQ, off_arrive=_ARRIVE,
-        off_consumed=_CONSUMED, off_ready=_READY, off_status=_STATUS, off_mask=_MASK, off_counts=_COUNTS,
-        off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
-        num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden, num_experts=shape.num_experts,
-        local_experts=shape.local_experts, max_tokens=shape.max_tokens, idx_bytes=idx_bytes, flags=flags,
-        row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
+        timeout_ns=timeout_ns, off_seq=_SEQ, off_arrive=_ARRIVE, off_consumed=_CONSUMED, off_ready=_READY,
+        off_status=_STATUS, off_mask=_MASK, off_counts=_COUNTS, off_recv_stage=shape.recv_stage_offset,
+        off_combine_stage=shape.combine_stage_offset, num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden,
+        num_experts=shape.num_experts, local_experts=shape.local_experts, max_tokens=shape.max_tokens,
+        idx_bytes=idx_bytes, flags=flags, row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
@@ -388,15 +409,18 @@ def raise_for_ll_status(workspace: torch.Tensor, num_ranks: int, mirror: torch.T
     _raise_first(saved, num_ranks, "")
 
 
-def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
+def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int,
+                              codes: np.ndarray | None = None) -> None:
     """Raises for an error an earlier call recorded, as the receive kernels last copied the records into the pinned
-    host ``mirror`` (``[4, 32]`` uint8): no synchronization, so it may lag the device by the calls still in flight.
-    Clears the records and the mirror before raising."""
+    host ``mirror`` (``[4, 32]`` uint8): one read of its code words (``codes``: :func:`status_codes` of ``mirror``,
+    kept by the caller so the check costs no view either), no synchronization, so it may lag the device by the calls
+    still in flight. Clears the records and the mirror before raising."""
+    if not (status_codes(mirror) if codes is None else codes).any():
+        return
     saved = mirror.clone()
-    if saved.any():
-        status_records(workspace).zero_()
-        mirror.zero_()
-        _raise_first(saved, num_ranks, " (recorded by an earlier asynchronous, hooked or graph-replayed call)")
+    status_records(workspace).zero_()
+    mirror.zero_()
+    _raise_first(saved, num_ranks, " (recorded by an earlier call)")
 
 
 def mask_words(workspace: torch.Tensor, num_ranks: int) -> torch.Tensor:

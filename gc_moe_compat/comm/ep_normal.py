@@ -18,7 +18,7 @@ context's, or the caller's stream with the partition off):
 Synchronization words (``arrive``, ``ready``, ``released``) carry the Buffer's collective-op number (the same on
 every rank: dispatches and combines are collective and called in the same order), so no call needs a reset. Waits
 are bounded (:func:`~gc_moe_compat.runtime.status.spin_timeout_ns`); a timeout or a protocol error lands in a status
-record that the kernels also copy into a pinned host mirror (:func:`raise_for_normal_status`).
+record that the kernels also copy into a pinned host mirror (:func:`raise_for_mirrored_status`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import enum
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gc_moe_compat.config import MAX_EXPERTS, MAX_RANKS
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
-from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns
+from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
 from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
@@ -310,11 +311,16 @@ def raise_for_normal_status(workspace: torch.Tensor, mirror: torch.Tensor, num_r
     _raise_first(saved, num_ranks, "")
 
 
-def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
-    """Raises for an error an earlier call recorded, as the kernels last copied the records into ``mirror`` (no
-    synchronization); clears records and mirror before raising."""
+def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int,
+                              codes: np.ndarray | None = None, when: str = " (recorded by an earlier call)") -> None:
+    """Raises for an error the kernels recorded, as they last copied the records into ``mirror``: one read of its
+    code words (``codes``: :func:`status_codes` of ``mirror``, kept by the caller), no synchronization, so it may lag
+    the device by the calls still in flight; ``when`` ends the kernel's name in the message (the default: at the
+    start of a call; ``""`` where the communication stream has just been synchronized, so the records are this
+    call's). Clears records and mirror before raising."""
+    if not (status_codes(mirror) if codes is None else codes).any():
+        return
     saved = mirror.clone()
-    if saved.any():
-        status_records(workspace).zero_()
-        mirror.zero_()
-        _raise_first(saved, num_ranks, " (recorded by an earlier call)")
+    status_records(workspace).zero_()
+    mirror.zero_()
+    _raise_first(saved, num_ranks, when)

@@ -142,13 +142,22 @@ class Buffer:
                 f"num_rdma_bytes={self.num_rdma_bytes}, low_latency_mode={self.low_latency_mode}{where})")
 
     def destroy(self) -> None:
-        """Releases the workspace (only for a Buffer created with ``explicitly_destroy=True``, as with DeepEP)."""
+        """Releases the workspace (only for a Buffer created with ``explicitly_destroy=True``, as with DeepEP), after
+        synchronizing the device (as DeepEP does): then raises what the kernels of earlier calls recorded and no call
+        has raised yet (``DeviceTimeoutError`` / ``DeviceCheckError`` naming kernel and site), the workspace released
+        all the same."""
         if not self.explicitly_destroy:
             raise ValueError("destroy: the Buffer was created with explicitly_destroy=False")
-        self.workspace = None
-        if self.normal is not None:
-            self.normal.destroy()
-            self.normal = None
+        workspace, normal = self.workspace, self.normal
+        self.workspace = self.normal = None
+        try:
+            if workspace is not None:
+                if workspace.device.type == "cuda":
+                    torch.cuda.synchronize(workspace.device)
+                _low_latency.raise_recorded(workspace)
+        finally:
+            if normal is not None:
+                normal.destroy()
 
     @staticmethod
     def is_sm90_compiled() -> bool:

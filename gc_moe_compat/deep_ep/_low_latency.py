@@ -11,19 +11,22 @@ Values only the device sees are checked there: a ``topk_idx`` entry outside ``[-
 that differs from the dispatch's, or a non-finite weight, is dropped by combine receive; each drop is recorded
 (reading the values on the host would need a synchronization and is impossible under graph capture). Errors on the
 device (those drops, a peer that never arrives, a protocol mismatch) land in the workspace's status records, which
-the receive kernels also copy into a pinned host mirror. A call that is fully synchronous in DeepEP's sense
-(``async_finish=False``, ``return_recv_hook=False``) and runs outside CUDA graph capture waits for its kernels and
-raises them (``DeviceTimeoutError`` / ``DeviceCheckError``). Every call outside capture first reads the mirror (host
-memory: no synchronization) and raises what earlier asynchronous, hooked or graph-replayed calls recorded, so an error
-surfaces at the latest a few calls after it happened.
+the receive kernels also copy into a pinned host mirror. As with DeepEP, no call synchronizes the CPU: a call
+without ``async_finish`` or a hook returns once its kernels are queued, the caller's stream ordered after them. Every
+call outside capture first reads the mirror (one read of host memory: no synchronization, no device work) and raises
+what earlier calls recorded (``DeviceTimeoutError`` / ``DeviceCheckError`` naming kernel and site, "recorded by an
+earlier call"), and so does ``Buffer.destroy`` (after synchronizing, as DeepEP's does): an error surfaces at the first
+call after the caller's stream has passed the kernels that recorded it (after a ``torch.cuda.synchronize()``, the next
+call).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from gc_moe_compat.comm.ep_ll import (
@@ -40,7 +43,6 @@ from gc_moe_compat.comm.ep_ll import (
     make_params,
     mask_words,
     new_status_mirror,
-    raise_for_ll_status,
     raise_for_mirrored_status,
     required_bytes,
 )
@@ -48,6 +50,7 @@ from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep._config import C_INT_MAX
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.green import Partition, get_partition
+from gc_moe_compat.runtime.status import status_codes
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
 __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_partition", "dispatch", "ll_shape",
@@ -55,18 +58,32 @@ __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_par
 
 Hook = Callable[[], None]
 
-_mirrors: weakref.WeakKeyDictionary[SymmetricWorkspace, torch.Tensor] = weakref.WeakKeyDictionary()
-"""The pinned status mirror of each workspace (created with its first call)."""
+_mirrors: weakref.WeakKeyDictionary[SymmetricWorkspace, tuple[torch.Tensor, np.ndarray]] = \
+    weakref.WeakKeyDictionary()
+"""The pinned status mirror of each workspace and the numpy view of its code words (created with its first call)."""
 
 
-def _mirror(workspace: SymmetricWorkspace) -> torch.Tensor:
+def _mirror(workspace: SymmetricWorkspace, capturing: bool) -> torch.Tensor:
     """The workspace's status mirror; outside capture, first raises what earlier calls recorded."""
-    mirror = _mirrors.get(workspace)
-    if mirror is None:
-        mirror = _mirrors[workspace] = new_status_mirror(workspace.device)
-    if not (workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        raise_for_mirrored_status(workspace.buffer, mirror, workspace.world_size)
-    return mirror
+    entry = _mirrors.get(workspace)
+    if entry is None:
+        mirror = new_status_mirror(workspace.device)
+        entry = _mirrors[workspace] = (mirror, status_codes(mirror))
+    if not capturing:
+        raise_for_mirrored_status(workspace.buffer, entry[0], workspace.world_size, entry[1])
+    return entry[0]
+
+
+def raise_recorded(workspace: SymmetricWorkspace) -> None:
+    """Raises what the kernels of calls on ``workspace`` recorded and no call has raised yet (``Buffer.destroy``'s
+    check, once the device has finished them)."""
+    entry = _mirrors.get(workspace)
+    if entry is not None:
+        raise_for_mirrored_status(workspace.buffer, entry[0], workspace.world_size, entry[1])
+
+
+def _capturing(workspace: SymmetricWorkspace) -> bool:
+    return workspace.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class LowLatencyHandle(tuple):
@@ -95,8 +112,9 @@ class LowLatencyHandle(tuple):
 
 @dataclass(frozen=True)
 class _Call:
-    """What a launch needs besides the kernel: workspace, partition, shape, this call's parameters, and the tensors
-    they point at (held until the receive half has been launched)."""
+    """What a launch needs besides the kernel: workspace, partition, shape, this call's parameters, the tensors
+    they point at (held until the receive half has been launched) and the caller's stream (looked up once per call;
+    None: torch's current stream when the launch is made, a receive hook's)."""
 
     workspace: SymmetricWorkspace
     partition: Partition | None
@@ -105,10 +123,11 @@ class _Call:
     params: object
     tensors: tuple[torch.Tensor | None, ...]
     mirror: torch.Tensor
+    stream: int | None
 
     def launch(self, kernel: Kernel) -> None:
-        launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens,
-                  torch.cuda.current_stream(self.workspace.device).cuda_stream, self.partition,
+        stream = torch.cuda.current_stream(self.workspace.device).cuda_stream if self.stream is None else self.stream
+        launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens, stream, self.partition,
                   self.workspace.sm_share)
 
 
@@ -189,19 +208,18 @@ def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_e
     return shape
 
 
-def _finish(call: _Call, synchronous: bool) -> None:
-    if synchronous and not torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(call.workspace.device).synchronize()
-        raise_for_ll_status(call.workspace.buffer, call.shape.num_ranks, call.mirror)
+def _stream(workspace: SymmetricWorkspace) -> int | None:
+    """The caller's stream handle (torch's current stream on the workspace's device), None off the GPU (the host
+    tests' stand-in, whose launches are recorded, not made)."""
+    return torch.cuda.current_stream(workspace.device).cuda_stream if workspace.device.type == "cuda" else None
 
 
-def _receive_half(call: _Call, kernel: Kernel, synchronous: bool) -> Hook:
-    """The receive kernel's launch (DeepEP's hook when ``return_recv_hook``), then the error check of
-    synchronous calls."""
+def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
+    """DeepEP's receive hook: the receive kernel's launch, on the stream current when it is called."""
+    later = replace(call, stream=None)
 
     def receive() -> None:
-        call.launch(kernel)
-        _finish(call, synchronous)
+        later.launch(kernel)
 
     return receive
 
@@ -213,7 +231,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``. ``shrink``:
     skip the masked ranks (DeepEP's ``enable_shrink``); ``num_sms``: the communication partition's request."""
     device = workspace.device
-    mirror = _mirror(workspace)
+    mirror = _mirror(workspace, _capturing(workspace))
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
     num_tokens, hidden = x.shape
@@ -263,16 +281,15 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
         status_mirror=mirror.data_ptr())
     call = _Call(workspace, comm_partition(workspace, num_sms), shape, num_tokens, params,
                  (x, topk_idx, recv_x, scales, recv_count, src_info, src_route, routing, layout_range, recv_stats,
-                  call_gen), mirror)
+                  call_gen), mirror, _stream(workspace))
     call.launch(Kernel.DISPATCH_SEND)
-    receive = _receive_half(call, Kernel.DISPATCH_RECV, synchronous=not (async_finish or return_recv_hook))
     handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
                               topk=shape.topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
                               workspace=workspace)
     out = recv_x if scales is None else (recv_x, scales)
     if return_recv_hook:
-        return out, recv_count, handle, receive
-    receive()
+        return out, recv_count, handle, _receive_hook(call, Kernel.DISPATCH_RECV)
+    call.launch(Kernel.DISPATCH_RECV)
     return out, recv_count, handle, None
 
 
@@ -307,7 +324,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     handle = _handle(workspace, handle, "low_latency_combine")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     device = workspace.device
-    mirror = _mirror(workspace)
+    mirror = _mirror(workspace, _capturing(workspace))
     shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=zero_copy)
     local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
     for name, t, want in (("handle[0] (src_info)", src_info, (local, slots)),
@@ -344,12 +361,11 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         status_mirror=mirror.data_ptr())
     call = _Call(workspace, comm_partition(workspace, num_sms), shape, handle.num_tokens, params,
                  (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen),
-                 mirror)
+                 mirror, _stream(workspace))
     call.launch(Kernel.COMBINE_SEND)
-    receive = _receive_half(call, Kernel.COMBINE_RECV, synchronous=not (async_finish or return_recv_hook))
     if return_recv_hook:
-        return out, receive
-    receive()
+        return out, _receive_hook(call, Kernel.COMBINE_RECV)
+    call.launch(Kernel.COMBINE_RECV)
     return out, None
 
 

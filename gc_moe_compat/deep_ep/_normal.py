@@ -10,11 +10,14 @@ an uncached dispatch waits on the CPU for the received count unless ``num_worst_
 The kernels (:mod:`gc_moe_compat.comm.ep_normal`) run on the communication green context of the partition that
 ``config.num_sms`` requests (``GC_MOE_PARTITION=off``: on the caller's stream, with a grid of ``config.num_sms``),
 ordered after ``previous_event`` (or the caller's stream) through a CUDA event, and the caller's stream waits for them
-unless ``async_finish`` (then the returned event is the one to wait on). Tensors a call uses stay referenced by the
-Buffer until that event completes, so they cannot be reused under the kernels (the role of DeepEP's
-``record_stream`` and ``allocate_on_comm_stream``; allocations are made on the caller's stream). A synchronous call
-(``async_finish=False``) waits for its kernels and raises their errors (``DeviceTimeoutError`` naming the rank, or
-``DeviceCheckError``); an asynchronous one's errors are raised by the next call.
+unless ``async_finish`` (then the returned event is the one to wait on). A call's tensors are allocated on the caller's
+stream; the caller's stream of a synchronous call waits for the kernels, so no later use of their memory can overtake
+them; those of an ``async_finish`` call stay referenced by the Buffer until its event completes (the role of DeepEP's
+``record_stream`` and ``allocate_on_comm_stream``). As with DeepEP, the only CPU wait is the uncached dispatch's for
+the received counts: the kernels' errors (``DeviceTimeoutError`` naming the rank, or ``DeviceCheckError``) are read
+from the pinned status mirror they copy their records into, at that wait (this call's), at the start of every call
+and in ``Buffer.destroy`` (what earlier calls recorded, "recorded by an earlier call": after a
+``torch.cuda.synchronize()``, the next call raises a synchronous call's error).
 
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
 NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
@@ -48,14 +51,15 @@ from gc_moe_compat.comm.ep_normal import (
     new_host_counts,
     new_status_mirror,
     raise_for_mirrored_status,
-    raise_for_normal_status,
 )
 from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep._config import C_INT_MAX, INTERNODE_MISSING, MAX_NVL_RANKS, Config, config_field
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import partition_mode_of
 from gc_moe_compat.runtime.cuda import call
-from gc_moe_compat.runtime.green import get_partition
+from gc_moe_compat.runtime.green import Partition, Role, get_partition
+from gc_moe_compat.runtime.side_launch import fork, join
+from gc_moe_compat.runtime.status import status_codes
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
@@ -146,21 +150,35 @@ def _event_handle(event: object) -> driver.CUevent:
 
 @dataclass
 class _Stream:
-    """Where a call's kernels run: the communication green context (``ctx`` set) or the caller's stream."""
+    """Where a call's kernels run: the communication side of ``partition`` (``handle`` its stream, ``ctx`` its green
+    context) or, without a partition, the caller's stream (``handle`` = ``caller``). ``caller``: torch's current
+    stream, looked up once per call."""
 
     handle: int
     ctx: driver.CUcontext | None
+    caller: int
+    partition: Partition | None = None
 
     def wait(self, previous: EventOverlap | None) -> None:
-        """Orders the kernels after ``previous`` (its event) or after the caller's stream so far."""
-        if self.ctx is None:
+        """Orders the kernels after ``previous`` (its event) or after the caller's stream so far (the partition's
+        reused fork event: no event is created per call)."""
+        if self.partition is None:
             if previous is not None and previous.event is not None:
                 previous.event.current_stream_wait()
             return
-        event = previous.event if previous is not None and previous.event is not None else EventHandle()
-        call(driver.cuStreamWaitEvent, driver.CUstream(self.handle), _event_handle(event), 0)
+        if previous is not None and previous.event is not None:
+            call(driver.cuStreamWaitEvent, driver.CUstream(self.handle), _event_handle(previous.event), 0)
+        else:
+            fork(self.partition, Role.COMM, self.caller)
+
+    def join(self) -> None:
+        """Orders the caller's stream after the kernels queued so far (the partition's reused join event)."""
+        if self.partition is not None:
+            join(self.partition, Role.COMM, self.caller)
 
     def record(self) -> _Event:
+        """A new event at the kernels' end, for an ``async_finish`` call's ``EventOverlap`` (DeepEP's
+        ``EventHandle``)."""
         return EventHandle() if self.ctx is None else _CommEvent(self.ctx, self.handle)
 
     def synchronize(self) -> None:
@@ -248,17 +266,28 @@ class NormalMode:
         self.max_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else MAX_SMS
         self.mirror = new_status_mirror(self.device)
+        self.codes = status_codes(self.mirror)
         self.op = 0
         self._pending: list[tuple[_Event, tuple]] = []
         self._host_counts: dict[int, torch.Tensor] = {}
 
     def destroy(self) -> None:
-        """Waits for the calls still running on the communication stream, then drops the workspace."""
-        for event, _ in self._pending:
-            if isinstance(event, _CommEvent):
-                call(driver.cuEventSynchronize, event.handle)
-        self._pending.clear()
-        del self.workspace, self.buffer
+        """Waits for the calls still running on the communication stream, raises what their kernels recorded and
+        no call has raised yet, and drops the workspace (also when raising)."""
+        try:
+            for event, _ in self._pending:
+                if isinstance(event, _CommEvent):
+                    call(driver.cuEventSynchronize, event.handle)
+            self._pending.clear()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the synchronous calls: the caller's streams joined them
+            self.raise_recorded()
+        finally:
+            del self.workspace, self.buffer
+
+    def raise_recorded(self, when: str = " (recorded by an earlier call)") -> None:
+        """Raises what the kernels copied into the status mirror and no call has raised yet (no synchronization)."""
+        raise_for_mirrored_status(self.buffer, self.mirror, self.ranks, self.codes, when)
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -273,24 +302,27 @@ class NormalMode:
                                       "synchronizes the CPU; run normal mode eagerly)")
         if self.ranks > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
-        raise_for_mirrored_status(self.buffer, self.mirror, self.ranks)
-        self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
+        self.raise_recorded()
+        if self._pending:
+            self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
+        caller = torch.cuda.current_stream(self.device).cuda_stream
         if partition_mode_of(self.workspace.placement) == "off":
-            return _Stream(torch.cuda.current_stream(self.device).cuda_stream, None)
-        side = get_partition(num_sms, self.device.index).comm
-        return _Stream(int(side.stream), side.ctx)
+            return _Stream(caller, None, caller)
+        partition = get_partition(num_sms, self.device.index)
+        side = partition.comm
+        return _Stream(int(side.stream), side.ctx, caller, partition)
 
     def _finish(self, stream: _Stream, async_finish: bool, tensors: tuple) -> EventOverlap:
-        """Records the call's event, keeps ``tensors`` until it completes; a synchronous call waits for the
-        kernels and raises their errors, an asynchronous one returns the event."""
+        """A synchronous call: the caller's stream waits for the kernels (no CPU wait; errors surface through the
+        mirror). An ``async_finish`` call: its event, and ``tensors`` kept until the event completes (the kernels run
+        on the communication stream, the caller's stream does not wait for them)."""
+        if not async_finish:
+            stream.join()
+            return EventOverlap(None)
         event = stream.record()
         if stream.ctx is not None:
             self._pending.append((event, tensors))
-        if async_finish:
-            return EventOverlap(event)
-        stream.synchronize()
-        raise_for_normal_status(self.buffer, self.mirror, self.ranks)
-        return EventOverlap(None)
+        return EventOverlap(event)
 
     def _launch(self, kernel: Kernel, params: object, grid: int, stream: _Stream) -> None:
         launch_normal(kernel, self.workspace.peer_table, params, grid, stream.handle)
@@ -463,7 +495,7 @@ class NormalMode:
                 num_recv, most_sent = num_worst_tokens, None
             else:
                 stream.synchronize()  # DeepEP's CPU wait for the received counts
-                raise_for_normal_status(self.buffer, self.mirror, self.ranks)
+                self.raise_recorded(when="")  # notify copied the records: this call's, and what came before
                 counts = host.tolist()
                 num_recv, most_recv, most_sent = counts[0], counts[1], counts[2]
                 expert_list = counts[3:3 + local]

@@ -12,6 +12,7 @@ import enum
 import os
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from gc_moe_compat.runtime.params import c_enum_declaration, c_identifier
@@ -70,6 +71,17 @@ class DeviceTimeoutError(TimeoutError):
 
 class DeviceCheckError(RuntimeError):
     """A device-side protocol check failed (a counter or payload did not hold the required value)."""
+
+
+def status_codes(mirror: torch.Tensor) -> np.ndarray:
+    """The ``code`` word of every record of a host status mirror (a contiguous CPU ``[K, sizeof(KernelStatus)]``
+    uint8 tensor, pinned or not) as a numpy view of the same memory: ``codes.any()`` is one read of the words the
+    kernels store into, with no torch op, no device work and no synchronization, cheap enough for every call."""
+    if (mirror.device.type != "cpu" or mirror.dtype != torch.uint8 or mirror.dim() != 2
+            or mirror.shape[1] != ctypes.sizeof(KernelStatus) or not mirror.is_contiguous()):
+        raise ValueError(f"status mirror: must be a contiguous CPU uint8 [K, {ctypes.sizeof(KernelStatus)}] tensor, "
+                         f"got {list(mirror.shape)} {mirror.dtype} on {mirror.device}")
+    return mirror.numpy().view(np.uint32)[:, 0]
 
 
 def spin_timeout_ns(timeout_ms: float | None = None) -> int:

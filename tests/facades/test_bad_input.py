@@ -85,9 +85,8 @@ def test_combine_flags_must_be_bools(ll: Buffer, launches: list, flag: str, valu
     assert launches == []
 
 
-def test_dispatch_and_combine_defaults_still_run(ll: Buffer, launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_and_combine_defaults_still_run(ll: Buffer, launches: list) -> None:
     """DeepEP's defaults (use_fp8=True, round_scale/use_ue8m0/async_finish/return_recv_hook False) pass the checks."""
-    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)  # no device to wait for on a CPU host
     x, topk_idx = _inputs()
     (recv, _), _, handle, _, hook = ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS)
     assert hook is None and len(launches) == 2

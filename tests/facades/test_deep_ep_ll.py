@@ -5,7 +5,8 @@ Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8,
 int64/int32 routing with holes, a rank without tokens, hook and async variants, the zero-copy combine (its ``x``
 poisoned), DeepEP's handle contents (``src_info`` the source token, ``layout_range``), two dispatches in flight, 200
 consecutive calls, cumulative statistics, a captured CUDA graph replayed with fresh inputs and then 1000 times
-bit-identically, (two ranks) a missing peer ending in ``DeviceTimeoutError`` followed by a working new Buffer, the
+bit-identically, (two ranks) a missing peer ending in ``DeviceTimeoutError`` (raised by the next call: no call waits
+on the CPU, as with DeepEP) followed by a working new Buffer, the
 invalid values only the device sees (ids >= E, < -1, 2**40, a repeated expert, another combine topk_idx than the
 dispatch's, a NaN weight: dropped with the rest exact, reported by the next call), rank masking, the communication
 partition (and ``GC_MOE_PARTITION=off``), and a round under ``torch.set_default_device('cuda')`` (DeepEP's own test

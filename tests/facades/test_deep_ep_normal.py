@@ -5,7 +5,8 @@ every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached 
 ``previous_event``, 20 consecutive rounds, a default device of cuda, on the communication green partition and with
 the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` naming it. In process on one rank:
 ``get_dispatch_layout`` reports an id outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as
-``DeviceCheckError``, the synchronous call at once, an ``async_finish`` one at the next call.
+``DeviceCheckError`` at the next call (no call waits on the CPU, as with DeepEP), a synchronous one's and an
+``async_finish`` one's, and ``Buffer.destroy`` raises one that no call raised.
 """
 
 from __future__ import annotations
@@ -52,27 +53,36 @@ BAD_IDS = {  # id -> what the report names (observed / expected of the layout ke
 @pytest.mark.parametrize("partition", ["on", "off"])
 def test_layout_reports_ids_outside_the_experts(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
                                                 bad: int, dtype: torch.dtype, partition: str) -> None:
-    """One id outside [-1, E) (token 3, slot 1) among valid ones: the synchronous get_dispatch_layout raises
-    DeviceCheckError naming the kernel, the site and the value; an async_finish one returns the layout with that slot
-    unused (the torch reference's) and the next call raises it as recorded by an earlier call; the call after that
-    runs and equals the reference."""
+    """One id outside [-1, E) (token 3, slot 1) among valid ones: the synchronous get_dispatch_layout returns
+    without waiting, the layout with that slot unused (the torch reference's), and the next call raises
+    DeviceCheckError naming the kernel, the site and the value as recorded by an earlier call; so does the call after
+    an async_finish one; the call after that runs and equals the reference; an error no call raised is raised by
+    Buffer.destroy."""
     monkeypatch.setenv("GC_MOE_PARTITION", partition)
     tokens, topk, experts = 16, 4, 8
-    buf = Buffer(group, 1 << 22, 0)
+    buf = Buffer(group, 1 << 22, 0, explicitly_destroy=True)
     g = torch.Generator().manual_seed(32)
     idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).to(dtype)
     bad_idx = idx.clone()
     bad_idx[3, 1] = bad
     idx, bad_idx = idx.cuda(), bad_idx.cuda()
-    with pytest.raises(DeviceCheckError, match=f"gc_ep_normal_layout: {BAD_IDS[bad]}"):
-        buf.get_dispatch_layout(bad_idx, experts)
+    recorded = f"gc_ep_normal_layout \\(recorded by an earlier call\\): {BAD_IDS[bad]}"
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(bad_idx, experts)  # synchronous: no CPU wait
+    torch.cuda.synchronize()
+    for got, want in zip((per_rank, per_expert, in_rank), layout_reference(bad_idx, experts, 1), strict=True):
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(DeviceCheckError, match=recorded):
+        buf.get_dispatch_layout(idx, experts)
     per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(bad_idx, experts, async_finish=True)
     event.current_stream_wait()
     torch.cuda.synchronize()
     for got, want in zip((per_rank, per_expert, in_rank), layout_reference(bad_idx, experts, 1), strict=True):
         assert torch.equal(got.cpu(), want)
-    with pytest.raises(DeviceCheckError, match=f"recorded by an earlier call.*{BAD_IDS[bad]}"):
+    with pytest.raises(DeviceCheckError, match=recorded):
         buf.get_dispatch_layout(idx, experts)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
     for got, want in zip((per_rank, per_expert, in_rank), layout_reference(idx, experts, 1), strict=True):
         assert torch.equal(got.cpu(), want)
+    buf.get_dispatch_layout(bad_idx, experts)  # an error no call raises: destroy does (it synchronizes)
+    with pytest.raises(DeviceCheckError, match=recorded):
+        buf.destroy()

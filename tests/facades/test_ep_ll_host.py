@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvcc_mark import needs_nvcc
 
-from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.comm import ep_ll, ep_normal
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
 from gc_moe_compat.deep_ep import _low_latency
 from gc_moe_compat.deep_ep._low_latency import LowLatencyHandle
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus
+from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError, KernelStatus, status_codes
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -259,7 +259,6 @@ def _workspace(ranks: int = 1, zero_copy: bool = True) -> _Workspace:
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, ep_ll.EpLlParams]]:
     recorded: list[tuple[Kernel, ep_ll.EpLlParams]] = []
     monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append((kernel, call.params)))
-    monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)  # nothing to wait for on a CPU
     return recorded
 
 
@@ -414,3 +413,76 @@ def test_rank_mask_update_query_clean_and_their_checks(launches: list) -> None:
     assert launches[-1][1].flags & ep_ll.FLAG_SHRINK and launches[-1][1].off_mask == ep_ll._MASK
     assert _low_latency.comm_partition(ws, 20) is None  # not a CUDA workspace: the caller's stream
     assert _low_latency.partition_report(ws, 20)["partition"] == "off"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The cheap mirror check (no call synchronizes: errors come from the host mirror at the next call) and the cached
+# parameter templates.
+
+
+def test_status_codes_view_the_mirror_and_raise_only_when_a_record_is_set() -> None:
+    """The codes view shares the mirror's memory (a record the kernels store later is seen through a view taken
+    before); a clean mirror raises nothing, a set one raises naming kernel and site, in both modules."""
+    ws = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    mirror = ep_ll.new_status_mirror(torch.device("cpu"))
+    codes = status_codes(mirror)
+    assert codes.shape == (4,) and not codes.any()
+    ep_ll.raise_for_mirrored_status(ws, mirror, 2, codes)  # clean: nothing
+    mirror.copy_(ep_ll.status_records(_workspace_with(Kernel.COMBINE_RECV, 1, ep_ll.LlSite.READY << 16 | 1, 0, 3)))
+    assert codes.tolist() == [0, 0, 0, 1]
+    with pytest.raises(DeviceTimeoutError, match=r"combine receive \(gc_moe::ep_ll::combine\) \(recorded by an "
+                                                 r"earlier call\): combine receive waiting for rank 1's rows"):
+        ep_ll.raise_for_mirrored_status(ws, mirror, 2, codes)
+    assert not codes.any() and not mirror.any()
+    with pytest.raises(ValueError, match="status mirror"):
+        status_codes(mirror.t())
+    nws = torch.zeros(ep_normal.HEADER_BYTES, dtype=torch.uint8)
+    nmirror = ep_normal.new_status_mirror(torch.device("cpu"))
+    ncodes = status_codes(nmirror)
+    ep_normal.raise_for_mirrored_status(nws, nmirror, 2, ncodes)
+    record = KernelStatus(code=1, site=ep_normal.NormalSite.ARRIVE << 16 | 1, observed=0, expected=1)
+    nmirror[ep_normal.Kernel.NOTIFY] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
+    with pytest.raises(DeviceTimeoutError, match="gc_ep_normal_notify: notify waiting for rank 1's token counts"):
+        ep_normal.raise_for_mirrored_status(nws, nmirror, 2, ncodes, when="")
+    assert not nmirror.any()
+
+
+def test_recorded_error_raises_at_the_next_call_before_any_launch(launches: list) -> None:
+    """A synchronous call returns without waiting; what its kernels copied into the mirror is raised by the next
+    call (before any launch, naming kernel and site) or by ``raise_recorded`` (Buffer.destroy's check)."""
+    ws = _workspace()
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    assert len(launches) == 2
+    mirror = _low_latency._mirrors[ws][0]
+    record = KernelStatus(code=2, site=ep_ll.LlSite.EXPERT_RANGE << 16, observed=300, expected=EXPERTS)
+    mirror[Kernel.DISPATCH_SEND] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
+    with pytest.raises(DeviceCheckError, match=r"dispatch send .*\(recorded by an earlier call\).*observed 300"):
+        _combine(ws, handle, topk_idx)
+    assert len(launches) == 2 and not mirror.any()
+    _low_latency.raise_recorded(ws)  # clean
+    mirror[Kernel.DISPATCH_SEND] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
+    with pytest.raises(DeviceCheckError, match="recorded by an earlier call"):
+        _low_latency.raise_recorded(ws)
+    _combine(ws, handle, topk_idx)
+    assert len(launches) == 4
+
+
+def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_params: every field as a full construction gives it, a new struct per call (a later call's pointers do
+    not change an earlier one's), the spin timeout read per call, an unknown pointer name refused."""
+    shape = LlShape(2, EXPERTS, T_MAX, HIDDEN, TOPK)
+    a = ep_ll.make_params(shape, num_tokens=3, idx_bytes=4, flags=ep_ll.FLAG_SHRINK, x=16, call_gen=32)
+    b = ep_ll.make_params(shape, num_tokens=3, idx_bytes=4, flags=ep_ll.FLAG_SHRINK, x=48)
+    want = ep_ll.EpLlParams(x=16, call_gen=32, timeout_ns=ep_ll.spin_timeout_ns(), off_seq=ep_ll._SEQ,
+                            off_arrive=ep_ll._ARRIVE, off_consumed=ep_ll._CONSUMED, off_ready=ep_ll._READY,
+                            off_status=ep_ll._STATUS, off_mask=ep_ll._MASK, off_counts=ep_ll._COUNTS,
+                            off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
+                            num_tokens=3, topk=TOPK, hidden=HIDDEN, num_experts=EXPERTS,
+                            local_experts=shape.local_experts, max_tokens=T_MAX, idx_bytes=4,
+                            flags=ep_ll.FLAG_SHRINK, row_stride=shape.row_stride, unit_rows=ep_ll.UNIT_ROWS)
+    assert bytes(a) == bytes(want)
+    assert (b.x, b.call_gen, a.x) == (48, 0, 16)
+    monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
+    assert ep_ll.make_params(shape, num_tokens=3).timeout_ns == 5_000_000
+    with pytest.raises(TypeError, match="not pointer fields of EpLlParams: \\['num_tokens_typo'\\]"):
+        ep_ll.make_params(shape, num_tokens=3, num_tokens_typo=1)

@@ -44,7 +44,6 @@ class DeepEpHost:
         self.group, self.monkeypatch, self.launched = group, monkeypatch, []
         monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: self.launched.append((kernel,
                                                                                                       call.params)))
-        monkeypatch.setattr(_low_latency, "_finish", lambda call, synchronous: None)
 
     def buffer(self, *args: object, ranks: int = 1, **kwargs: object) -> Buffer:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""

@@ -7,10 +7,10 @@ cumulative statistics, and the combine (outputs poisoned with NaN first, expert-
 poisoned with NaN so a read of them shows). Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64
 and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, 200 calls with
 fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
-``timeout`` (rank 1 stays away; rank 0 gets DeviceTimeoutError; a new Buffer then works on both ranks), ``bad_ids``
-(an expert id >= num_experts: DeviceCheckError from the synchronous call, and from the call after an asynchronous
-one), ``default_device`` (a Buffer, a dispatch and a combine under ``torch.set_default_device('cuda')``, as DeepEP's
-own test harness runs them).
+``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer then works on both ranks),
+``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from the call
+after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
+``torch.set_default_device('cuda')``, as DeepEP's own test harness runs them).
 """
 
 from __future__ import annotations
@@ -242,9 +242,11 @@ def suite_graph(rank: int, ranks: int) -> None:
 def suite_timeout(rank: int, ranks: int) -> None:
     buf = ll_buffer(ranks)
     inp = Inputs(9, ranks, [TMAX] * ranks, torch.int64)
-    if rank == 0:
-        with (spin_timeout(MISSING_PEER_TIMEOUT_MS),
-              raises(DeviceTimeoutError, rank, "missing peer", "rank 1's token counts")):
+    if rank == 0:  # the call returns at once (no CPU wait, as with DeepEP); the next one raises the timeout
+        with spin_timeout(MISSING_PEER_TIMEOUT_MS):
+            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
+        torch.cuda.synchronize()  # until the receive half has timed out
+        with raises(DeviceTimeoutError, rank, "missing peer", "rank 1's token counts", "recorded by an earlier call"):
             buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
     dist.barrier()
     fresh = ll_buffer(ranks)
@@ -253,15 +255,19 @@ def suite_timeout(rank: int, ranks: int) -> None:
 
 
 def suite_bad_ids(rank: int, ranks: int) -> None:
-    """An expert id >= num_experts: the synchronous call raises DeviceCheckError naming it; an asynchronous call's
-    error is raised by the next call (from the pinned mirror, no synchronization); then calls are clean again."""
+    """An expert id >= num_experts: the error of a synchronous call (which returns without waiting, as DeepEP's) and
+    of an asynchronous one is raised by the next call as DeviceCheckError naming it (from the pinned mirror, no
+    synchronization); then calls are clean again."""
     experts = experts_for(ranks)
     buf = ll_buffer(ranks)
     inp = Inputs(21, ranks, [TMAX] * ranks, torch.int64)
     bad = inp.idx[rank].clone()
     bad[3, 1] = experts + 5
-    with raises(DeviceCheckError, rank, "expert id >= E (synchronous)", "num_experts", f"observed {experts + 5}"):
-        buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts)
+    buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts)
+    torch.cuda.synchronize()
+    with raises(DeviceCheckError, rank, "expert id >= E (synchronous)", "num_experts", f"observed {experts + 5}",
+                "recorded by an earlier call"):
+        buf.low_latency_dispatch(inp.x[rank].cuda(), inp.idx[rank].cuda(), TMAX, experts)
     buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts, async_finish=True)
     torch.cuda.synchronize()
     with raises(DeviceCheckError, rank, "expert id >= E (async) -> next call", "recorded by an earlier"):
