@@ -449,7 +449,7 @@ def run_measure(rank: int, device: torch.device, job: Job) -> None:
     out = JobFile(job.result) if rank == 0 else None
     if out is not None:
         out.update(info={"placement": colocation.describe(where, device.index),
-                         "partition": colocation.partition_mode_of(where), "copy_bandwidth_Bps": bandwidth,
+                         "partition": colocation.deep_ep_mode_of(where), "copy_bandwidth_Bps": bandwidth,
                          "original": "loaded" if module is not None else why})
     runs = {"normal": run_normal, "low_latency": run_low_latency}
     for mode in (m for m in MODES if m in job.args.modes):

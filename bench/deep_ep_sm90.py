@@ -14,7 +14,8 @@ run and one result file:
 2. ``low_latency``: ``low_latency_dispatch`` (BF16 in, FP8 1x128 out, DeepEP's default) and ``low_latency_combine``
    latency per T (docs/bench_protocol.md's sweep 1..256, ``Tmax`` = 256, the per-rank capacity), for DeepEP's test shape
    (``deepep-test``: H 7168, top-8, 288 experts, as ``tests/legacy/test_low_latency.py``) and the presets', each op
-   captured in its own CUDA graph (the kernels on the ``Buffer.num_sms`` = 20 communication partition) and timed by
+   captured in its own CUDA graph (the kernels where ``GC_MOE_DEEP_EP_PARTITION`` puts them: the caller's stream over
+   the whole device by default, the ``Buffer.num_sms`` = 20 communication partition with ``on``) and timed by
    replay. Floor: the bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and
    scales out; combine: every slot's BF16 row in, the BF16 tokens out) over the copy bandwidth. Accuracy: the eager
    dispatch bit for bit against :func:`gc_moe_compat.testing.ep_reference.ll_quantize` in DeepEP's receive order
@@ -23,8 +24,8 @@ run and one result file:
 3. ``overlap``: what the green partition buys SGLang's two-batch overlap: a grouped-GEMM-sized load on the compute
    side while the other micro-batch's dispatch + combine runs. Per preset and T (``Tmax`` = 128, SGLang's default):
    ``green`` (dispatch + combine in one CUDA graph with the kernels on the communication partition, the GEMM on the
-   compute partition's stream) against ``ordinary`` (the same graph captured with ``GC_MOE_PARTITION=off``, both on
-   ordinary streams). The GEMM is a stand-in, labelled so: ``torch.bmm`` of BF16 ``[e, 128, H] x [e, H, 2I]``
+   compute partition's stream) against ``ordinary`` (the same graph captured with ``GC_MOE_DEEP_EP_PARTITION=off``,
+   both on ordinary streams). The GEMM is a stand-in, labelled so: ``torch.bmm`` of BF16 ``[e, 128, H] x [e, H, 2I]``
    (DeepGEMM's masked grouped L1 GEMM shape, one 128-row block per expert, in BF16, so this part needs no DeepGEMM
    build). A step forks both streams from the main one and joins them; windows of ``--steps`` steps.
    Reported per mode: ``step`` (both done), ``ll`` (step start to the combine's end: the communication's latency
@@ -69,6 +70,7 @@ from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 from gc_moe_compat.config import PRESETS as CONFIGS
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
+from gc_moe_compat.runtime.split import DEEP_EP_PARTITION_ENV, deep_ep_partition_mode
 from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
 PARTS = ("normal", "low_latency", "overlap")
@@ -384,12 +386,15 @@ def run_overlap(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict
             accuracy = {}
             for mode in MODES:
                 out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
-                if mode == "ordinary":
-                    os.environ["GC_MOE_PARTITION"] = "off"
+                before = os.environ.get(DEEP_EP_PARTITION_ENV)
+                os.environ[DEEP_EP_PARTITION_ENV] = "on" if mode == "green" else "off"
                 try:
                     graph = capture_pair(buf, x, idx, w, expert_out, out, e, ll_stream)
                 finally:
-                    os.environ.pop("GC_MOE_PARTITION", None)
+                    if before is None:
+                        os.environ.pop(DEEP_EP_PARTITION_ENV)
+                    else:
+                        os.environ[DEEP_EP_PARTITION_ENV] = before
                 mode_side = side if mode == "green" else None
                 lat[f"{mode}_step"], lat[f"{mode}_ll"] = measure(graph, gemm, ll_stream, streams[mode], mode_side,
                                                                  args)
@@ -457,7 +462,7 @@ def plot(points: list[dict[str, object]], path: Path) -> None:
 
 def write_result(args: argparse.Namespace, points: list[dict[str, object]], partitions: dict[str, object],
                  bandwidth: float) -> None:
-    meta = result_meta("bench/deep_ep_sm90.py", sys.argv[1:], partitions, env_keys=("GC_MOE_PARTITION",))
+    meta = result_meta("bench/deep_ep_sm90.py", sys.argv[1:], partitions, env_keys=(DEEP_EP_PARTITION_ENV,))
     meta |= {"copy_bandwidth_Bps": bandwidth,
              "timing": {"warmup_windows": args.warmup, "windows": args.windows,
                         "normal": f"eager calls (the uncached dispatch waits on the CPU), {args.calls} per window",
@@ -469,8 +474,8 @@ def write_result(args: argparse.Namespace, points: list[dict[str, object]], part
                                      "[e, H, 2I]",
                              "green": "LL kernels on the communication green partition, GEMM on the compute "
                                       "partition's stream",
-                             "ordinary": "GC_MOE_PARTITION=off: LL kernels on the whole device, both on ordinary "
-                                         "streams"}}
+                             "ordinary": "GC_MOE_DEEP_EP_PARTITION=off: LL kernels on the whole device, both on "
+                                         "ordinary streams"}}
     write_partial_result(args.out, meta, points, unit="parts", key="part",
                          requested=[p for p in PARTS if p in args.parts])
     plot(points, args.out.with_suffix(".png"))
@@ -552,7 +557,8 @@ def main() -> int:
         partitions: dict[str, object] = {}
         if "normal" in args.parts:
             points += run_normal(group, bandwidth, args)
-            partitions["normal"] = get_partition(NUM_SMS).describe()
+            partitions["normal"] = ({"partition": "on", **get_partition(NUM_SMS).describe()}
+                                    if deep_ep_partition_mode() == "on" else {"partition": "off"})
             write_result(args, points, partitions, bandwidth)
         if "low_latency" in args.parts:
             ll_points, partitions["low_latency"] = run_low_latency(group, bandwidth, args)

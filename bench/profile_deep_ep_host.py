@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
@@ -31,6 +30,7 @@ from deep_ep_sm90 import NUM_SMS, fp8_rows, routing
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.single_rank import single_rank_group
+from gc_moe_compat.runtime.split import deep_ep_partition_mode
 
 
 def wall_per_call(fn: Callable[[], object], calls: int) -> float:
@@ -137,8 +137,8 @@ def main() -> int:
     require_gpus("profile_deep_ep_host")
     if args.ncu:
         return ncu_window(args)
-    partition = os.environ.get("GC_MOE_PARTITION", "on")
-    report = [f"deep_ep facade, one rank, GC_MOE_PARTITION={partition}, {torch.cuda.get_device_name()}: normal "
+    partition = deep_ep_partition_mode()
+    report = [f"deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, {torch.cuda.get_device_name()}: normal "
               f"T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, hidden {args.hidden}, "
               f"top-{args.topk}, {args.experts} experts, {args.calls} eager calls per measurement", ""]
     with single_rank_group() as group:

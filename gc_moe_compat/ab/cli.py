@@ -180,7 +180,7 @@ def placement_lines(world: int, gpus: int) -> list[str]:
     """Where ``world`` ranks run on ``gpus`` GPUs: how the buffers map their peers, the host collectives, the
     partition each rank gets, and what ``deep_gemm.set_num_sms`` does to it."""
     from gc_moe_compat.runtime.colocation import host_backend, mps_enabled
-    from gc_moe_compat.runtime.split import dispatch_request, partition_mode
+    from gc_moe_compat.runtime.split import deep_ep_partition_mode, dispatch_request, partition_mode
 
     backend, why = host_backend(world, max(gpus, 1))
     rendezvous = "local" if world == 1 else "cuda-ipc" if why else "torch-symm-mem"
@@ -192,6 +192,8 @@ def placement_lines(world: int, gpus: int) -> list[str]:
                      "timings are shared-GPU figures, not NVLink ones")
     lines.append(f"partition: {partition_mode()} (GC_MOE_PARTITION), dispatch SM request {dispatch_request()} "
                  "(GC_MOE_DISPATCH_SMS); deep_gemm.set_num_sms is kept for get_num_sms and does not shape it")
+    lines.append(f"deep_ep facade kernels: partition {deep_ep_partition_mode()} (GC_MOE_DEEP_EP_PARTITION; off: the "
+                 "caller's stream, as DeepEP's)")
     return lines
 
 

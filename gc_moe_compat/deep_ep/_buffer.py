@@ -29,7 +29,7 @@ from gc_moe_compat.config import MAX_SMS, boolean, integer, shown
 from gc_moe_compat.deep_ep import _low_latency, _normal
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
-from gc_moe_compat.runtime.colocation import partition_mode_of
+from gc_moe_compat.runtime.colocation import deep_ep_mode_of
 from gc_moe_compat.runtime.green import get_partition
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
@@ -137,7 +137,7 @@ class Buffer:
         peers and how many ranks share this GPU."""
         spaces = [w for w in (self.workspace, None if self.normal is None else self.normal.workspace) if w is not None]
         where = f", rendezvous={spaces[0].rendezvous!r}, ranks_on_device={spaces[0].placement.ranks_on_device}, " \
-                f"partition={partition_mode_of(spaces[0].placement)!r}" if spaces else ""
+                f"partition={deep_ep_mode_of(spaces[0].placement)!r}" if spaces else ""
         return (f"Buffer(rank={self.rank}, num_ranks={self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, "
                 f"num_rdma_bytes={self.num_rdma_bytes}, low_latency_mode={self.low_latency_mode}{where})")
 
@@ -220,7 +220,7 @@ class Buffer:
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The stream the communication kernels of both modes run on (DeepEP's communication stream).
 
-        Partition on (the default): the stream of the communication green context of the partition that
+        ``GC_MOE_DEEP_EP_PARTITION=on``: the stream of the communication green context of the partition that
         ``Buffer.num_sms`` requests on this thread (:func:`gc_moe_compat.runtime.green.get_partition`), as a
         ``torch.cuda.ExternalStream``; torch work queued on it runs on that partition's SMs. As with DeepEP, a call's
         kernels are queued on it after the caller's stream (or ``previous_event``) and after what was queued on it
@@ -229,13 +229,13 @@ class Buffer:
         with ``async_finish``). A normal-mode ``config`` whose ``num_sms`` differs from ``Buffer.num_sms`` requests
         another partition, whose stream this is not.
 
-        ``GC_MOE_PARTITION=off``: the kernels run on the caller's current stream (DeepEP has a stream of its own;
-        here the ordering it promises holds trivially), so this is torch's current stream on the Buffer's device:
-        the one a call made now from this stream context runs on.
+        ``GC_MOE_DEEP_EP_PARTITION=off`` (the default): the kernels run on the caller's current stream (DeepEP has
+        a stream of its own; here the ordering it promises holds trivially), so this is torch's current stream on the
+        Buffer's device: the one a call made now from this stream context runs on.
         """
         device = self._device("get_comm_stream")
         spaces = (self.workspace, None if self.normal is None else self.normal.workspace)
-        if partition_mode_of(next((w.placement for w in spaces if w is not None), None)) == "off":
+        if deep_ep_mode_of(next((w.placement for w in spaces if w is not None), None)) == "off":
             return torch.cuda.current_stream(device)
         return get_partition(Buffer.num_sms, device.index).comm.torch_stream(device.index)
 
@@ -430,8 +430,8 @@ class Buffer:
     @property
     def low_latency_partition(self) -> dict[str, object]:
         """Where the low-latency kernels run: ``partition`` (``on``: the communication green context; ``off``:
-        the caller's stream, ``GC_MOE_PARTITION=off``), ``dispatch_sms`` (the SMs they use) and ``compute_sms``
-        (those left to the compute partition), the request ``Buffer.num_sms`` and the driver's split details. An
-        attribute, not a method: the facade adds no method to DeepEP's API."""
+        the caller's stream, ``GC_MOE_DEEP_EP_PARTITION=off``, the default), ``dispatch_sms`` (the SMs they use)
+        and ``compute_sms`` (those left to the compute partition), the request ``Buffer.num_sms`` and the driver's
+        split details. An attribute, not a method: the facade adds no method to DeepEP's API."""
         workspace = self._low_latency_workspace("low_latency_partition")
         return _low_latency.partition_report(workspace, Buffer.num_sms)

@@ -2,9 +2,11 @@
 outputs, the launches of :mod:`gc_moe_compat.comm.ep_ll` on the communication green partition, the receive hooks,
 the zero-copy combine buffer, the rank mask and the error surfacing.
 
-The kernels run on the communication side of the green partition (:func:`comm_partition`: the request is
-``Buffer.num_sms``, DeepEP's SM count of its communication kernels), ordered within the caller's stream, so they never
-take the compute partition's SMs; ``GC_MOE_PARTITION=off`` runs them on the caller's stream over the whole device.
+By default (``GC_MOE_DEEP_EP_PARTITION`` unset or ``off``) the kernels run on the caller's stream over the whole
+device, as DeepEP's use every SM; ``GC_MOE_DEEP_EP_PARTITION=on`` runs them on the communication side of the green
+partition (:func:`comm_partition`: the request is ``Buffer.num_sms``), ordered within the caller's stream, so they
+never take the compute partition's SMs (slower on one H200 even beside a concurrent GEMM:
+:func:`gc_moe_compat.runtime.split.deep_ep_partition_mode`).
 
 Values only the device sees are checked there: a ``topk_idx`` entry outside ``[-1, num_experts)`` (``2**40`` or
 ``-5`` included) or repeating its token's earlier expert is dropped by dispatch send; a combine ``topk_idx`` entry
@@ -133,9 +135,9 @@ class _Call:
 
 def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | None:
     """The green partition whose communication side runs the kernels (``request``: its SM request, DeepEP's
-    ``Buffer.num_sms``), or None where they run on the caller's stream: ``GC_MOE_PARTITION=off``, or a workspace
-    not on a CUDA device (the host tests' stand-in)."""
-    if workspace.device.type != "cuda" or colocation.partition_mode_of(workspace.placement) == "off":
+    ``Buffer.num_sms``), or None where they run on the caller's stream: ``GC_MOE_DEEP_EP_PARTITION`` off (the
+    default), or a workspace not on a CUDA device (the host tests' stand-in)."""
+    if workspace.device.type != "cuda" or colocation.deep_ep_mode_of(workspace.placement) == "off":
         return None
     partition = get_partition(request, workspace.device.index)
     load_in(partition)

@@ -7,8 +7,8 @@ is_token_in_rank, send_head)`` with DeepEP's meanings (``rank_prefix_matrix`` ho
 receiver's column), ``recv_topk_idx`` holds local expert ids (-1 for another rank's), their weights 0. Like DeepEP,
 an uncached dispatch waits on the CPU for the received count unless ``num_worst_tokens > 0``.
 
-The kernels (:mod:`gc_moe_compat.comm.ep_normal`) run on the communication green context of the partition that
-``config.num_sms`` requests (``GC_MOE_PARTITION=off``: on the caller's stream, with a grid of ``config.num_sms``),
+The kernels (:mod:`gc_moe_compat.comm.ep_normal`) run on the caller's stream with a grid of ``config.num_sms`` CTAs
+(``GC_MOE_DEEP_EP_PARTITION=on``: on the communication green context of the partition ``config.num_sms`` requests),
 ordered after ``previous_event`` (or the caller's stream) through a CUDA event, and the caller's stream waits for them
 unless ``async_finish`` (then the returned event is the one to wait on). A call's tensors are allocated on the caller's
 stream; the caller's stream of a synchronous call waits for the kernels, so no later use of their memory can overtake
@@ -55,7 +55,7 @@ from gc_moe_compat.comm.ep_normal import (
 from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep._config import C_INT_MAX, INTERNODE_MISSING, MAX_NVL_RANKS, Config, config_field
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
-from gc_moe_compat.runtime.colocation import partition_mode_of
+from gc_moe_compat.runtime.colocation import deep_ep_mode_of
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.side_launch import fork, join
@@ -306,7 +306,7 @@ class NormalMode:
         if self._pending:
             self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
         caller = torch.cuda.current_stream(self.device).cuda_stream
-        if partition_mode_of(self.workspace.placement) == "off":
+        if deep_ep_mode_of(self.workspace.placement) == "off":
             return _Stream(caller, None, caller)
         partition = get_partition(num_sms, self.device.index)
         side = partition.comm

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from cuda.bindings import driver
 
 from .cuda import call, device
-from .split import partition_mode
+from .split import deep_ep_partition_mode
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,11 @@ def placement(group: dist.ProcessGroup | None, index: int) -> Placement:
     return Placement(rank=dist.get_rank(group), device_uuids=tuple(str(u) for u in uuids))
 
 
-def partition_mode_of(where: Placement | None) -> str:
-    """The partition mode of kernels whose workspace is at ``where``: ``GC_MOE_PARTITION``'s
-    (:func:`~gc_moe_compat.runtime.split.partition_mode`), and ``off`` wherever ranks share the GPU: green contexts do
-    not confine under MPS, and the ranks' grids are sized to their share of the SMs instead."""
-    mode = partition_mode()
-    return "off" if where is not None and where.shares_device else mode
+def deep_ep_mode_of(where: Placement | None) -> str:
+    """The partition mode of the ``deep_ep`` facade's kernels whose workspace is at ``where``:
+    :func:`~gc_moe_compat.runtime.split.deep_ep_partition_mode`, and ``off`` wherever ranks share the GPU: green
+    contexts do not confine under MPS, and the ranks' grids are sized to their share of the SMs instead."""
+    return "off" if where is not None and where.shares_device else deep_ep_partition_mode()
 
 
 def mps_enabled(index: int) -> bool:

@@ -2,11 +2,12 @@
 partitions.
 
 Settings: ``GC_MOE_PARTITION`` (:func:`partition_mode`: ``on`` runs role1 on the communication green context,
-``off`` every role on the whole device, in sequence) and the dispatch SM request (:func:`dispatch_request`:
-argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4). Kept free of driver calls so that CI can
-test it on a machine without a GPU: the driver-facing code in :mod:`gc_moe_compat.runtime.green` applies the same
-rules to what ``cuDeviceGetDevResource`` reports (and :func:`~gc_moe_compat.runtime.green.plan_partition` answers what
-the roles get in each mode).
+``off`` every role on the whole device, in sequence), ``GC_MOE_DEEP_EP_PARTITION`` (:func:`deep_ep_partition_mode`:
+the same choice for the ``deep_ep`` facade's kernels, off by default) and the dispatch SM request
+(:func:`dispatch_request`: argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4). Kept free of
+driver calls so that CI can test it on a machine without a GPU: the driver-facing code in
+:mod:`gc_moe_compat.runtime.green` applies the same rules to what ``cuDeviceGetDevResource`` reports
+(and :func:`~gc_moe_compat.runtime.green.plan_partition` answers what the roles get in each mode).
 """
 
 from __future__ import annotations
@@ -83,16 +84,23 @@ PARTITION_ENV = "GC_MOE_PARTITION"
 PARTITION_MODES = ("on", "off")
 
 
+DEEP_EP_PARTITION_ENV = "GC_MOE_DEEP_EP_PARTITION"
+
+
+def _env_mode(name: str, default: str) -> str:
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    if raw not in PARTITION_MODES:
+        raise ValueError(f"{name}: must be one of {PARTITION_MODES} (green-context split on/off), got {raw!r}")
+    return raw
+
+
 def partition_mode(partition: str | bool | None = None) -> str:
-    """``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else ``GC_MOE_PARTITION``, else ``"on"``."""
+    """The operator's mode, ``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else
+    ``GC_MOE_PARTITION``, else ``"on"``."""
     if partition is None:
-        raw = os.environ.get(PARTITION_ENV, "").strip()
-        if raw == "":
-            return "on"
-        if raw not in PARTITION_MODES:
-            raise ValueError(f"{PARTITION_ENV}: must be one of {PARTITION_MODES} (green-context split on/off), "
-                             f"got {raw!r}")
-        return raw
+        return _env_mode(PARTITION_ENV, "on")
     if isinstance(partition, bool):
         return "on" if partition else "off"
     if not isinstance(partition, str):
@@ -102,6 +110,16 @@ def partition_mode(partition: str | bool | None = None) -> str:
         raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split on/off), "
                          f"got {partition!r}")
     return partition
+
+
+def deep_ep_partition_mode() -> str:
+    """Where the ``deep_ep`` facade's kernels run, ``"on"`` (the communication green partition that
+    ``Buffer.num_sms`` / ``config.num_sms`` request) or ``"off"`` (the caller's stream; low-latency grids over the
+    whole device, normal-mode grids of ``config.num_sms`` CTAs, as DeepEP's): ``GC_MOE_DEEP_EP_PARTITION``, else
+    ``"off"``. Off by default because it was faster everywhere it was measured on one H200 (bench/README.md): eager
+    low-latency kernels took 4.6x as long on the 20-SM partition as with full-device grids, and beside a concurrent
+    GEMM the partitioned dispatch + combine made the whole step 0.3-13 % slower."""
+    return _env_mode(DEEP_EP_PARTITION_ENV, "off")
 
 
 def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> SplitPlan:

@@ -57,10 +57,10 @@ def on_cuda_3(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 def test_comm_stream_is_the_comm_side_of_the_num_sms_partition(on_cuda_3: tuple[Buffer, list],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Partition on: the communication side's stream of the partition ``Buffer.num_sms`` requests (the request of
-    the low-latency kernels and of the normal mode's default configs) on the Buffer's device."""
+    """GC_MOE_DEEP_EP_PARTITION=on: the communication side's stream of the partition ``Buffer.num_sms`` requests (the
+    request of the low-latency kernels and of the normal mode's default configs) on the Buffer's device."""
     buf, record = on_cuda_3
-    monkeypatch.delenv("GC_MOE_PARTITION", raising=False)
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", "on")
     assert buf.get_comm_stream() == "comm stream of cuda:3"
     Buffer.set_num_sms(32)
     buf.get_comm_stream()
@@ -71,7 +71,7 @@ def test_comm_stream_is_the_comm_side_of_the_num_sms_partition(on_cuda_3: tuple[
 def test_comm_stream_with_the_partition_off_is_the_callers(on_cuda_3: tuple[Buffer, list],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     buf, record = on_cuda_3
-    monkeypatch.setenv("GC_MOE_PARTITION", "off")
+    monkeypatch.delenv("GC_MOE_DEEP_EP_PARTITION", raising=False)  # off, the default
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
     assert buf.get_comm_stream() == "current stream of cuda:3"
     assert record == []
@@ -79,10 +79,10 @@ def test_comm_stream_with_the_partition_off_is_the_callers(on_cuda_3: tuple[Buff
 
 def test_comm_stream_where_ranks_share_the_gpu_is_the_callers(on_cuda_3: tuple[Buffer, list],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks sharing a GPU run with the partition off whatever GC_MOE_PARTITION says (green contexts do not confine
-    under MPS), so the kernels run on the caller's stream."""
+    """Ranks sharing a GPU run with the partition off whatever GC_MOE_DEEP_EP_PARTITION says (green contexts do not
+    confine under MPS), so the kernels run on the caller's stream."""
     buf, record = on_cuda_3
-    monkeypatch.delenv("GC_MOE_PARTITION", raising=False)
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", "on")
     buf.workspace.placement = Placement(rank=1, device_uuids=("GPU-3", "GPU-3"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
     assert buf.get_comm_stream() == "current stream of cuda:3"
@@ -108,7 +108,7 @@ def test_comm_stream_needs_a_cuda_device(group: dist.ProcessGroup, monkeypatch: 
 
 @pytest.fixture(params=["on", "off"])
 def partition(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("GC_MOE_PARTITION", request.param)
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", request.param)
     return request.param
 
 

@@ -9,8 +9,9 @@ bit-identically, (two ranks) a missing peer ending in ``DeviceTimeoutError`` (ra
 on the CPU, as with DeepEP) followed by a working new Buffer, the
 invalid values only the device sees (ids >= E, < -1, 2**40, a repeated expert, another combine topk_idx than the
 dispatch's, a NaN weight: dropped with the rest exact, reported by the next call), rank masking, the communication
-partition (and ``GC_MOE_PARTITION=off``), and a round under ``torch.set_default_device('cuda')`` (DeepEP's own test
-harness sets it; the facade's allocations must name their device).
+partition (``GC_MOE_DEEP_EP_PARTITION=on``; off, the default, everywhere else), and a round under
+``torch.set_default_device('cuda')`` (DeepEP's own test harness sets it; the facade's allocations must name their
+device).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_deep_ep_low_latency_rank_masking(nproc: int) -> None:
 
 def test_deep_ep_low_latency_on_the_communication_partition() -> None:
     out = run_suite("partition", 1, "on the communication partition",
-                    "GC_MOE_PARTITION=off (caller's stream): bit-exact")
+                    "GC_MOE_DEEP_EP_PARTITION=off (caller's stream): bit-exact")
     assert out.count("on the communication partition") == 2
 
 

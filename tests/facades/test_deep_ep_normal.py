@@ -32,7 +32,8 @@ CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize("partition", ["on", "off"])
 def test_deep_ep_normal_cases(nproc: int, partition: str) -> None:
-    out = run_ranks(WORKER, nproc, TIMEOUT_S, *CASES, env={"GC_MOE_PARTITION": partition}, args=("--suite", "cases"))
+    out = run_ranks(WORKER, nproc, TIMEOUT_S, *CASES, env={"GC_MOE_DEEP_EP_PARTITION": partition},
+                    args=("--suite", "cases"))
     assert out.count("20 consecutive normal rounds bit-exact") == nproc
 
 
@@ -58,7 +59,7 @@ def test_layout_reports_ids_outside_the_experts(group: dist.ProcessGroup, monkey
     DeviceCheckError naming the kernel, the site and the value as recorded by an earlier call; so does the call after
     an async_finish one; the call after that runs and equals the reference; an error no call raised is raised by
     Buffer.destroy."""
-    monkeypatch.setenv("GC_MOE_PARTITION", partition)
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", partition)
     tokens, topk, experts = 16, 4, 8
     buf = Buffer(group, 1 << 22, 0, explicitly_destroy=True)
     g = torch.Generator().manual_seed(32)

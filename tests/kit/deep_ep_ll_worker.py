@@ -417,10 +417,11 @@ def suite_mask(rank: int, ranks: int) -> None:
 
 
 def suite_partition(rank: int, ranks: int) -> None:
-    """The kernels run on the communication green partition requested by Buffer.num_sms (reported by
-    Buffer.low_latency_partition), a new request makes a new partition, and GC_MOE_PARTITION=off runs them on the
-    caller's stream; bit-exact in each."""
+    """With GC_MOE_DEEP_EP_PARTITION=on the kernels run on the communication green partition requested by
+    Buffer.num_sms (reported by Buffer.low_latency_partition) and a new request makes a new partition; off (the
+    default) runs them on the caller's stream; bit-exact in each."""
     total = torch.cuda.get_device_properties(0).multi_processor_count
+    os.environ["GC_MOE_DEEP_EP_PARTITION"] = "on"
     buf = ll_buffer(ranks)
     for request in (deep_ep.Buffer.num_sms, 8):
         deep_ep.Buffer.set_num_sms(request)
@@ -431,13 +432,10 @@ def suite_partition(rank: int, ranks: int) -> None:
         run_once(buf, rank, ranks, 70 + request, [TMAX] * ranks, "plain", torch.int64, "sync")
         print(f"rank {rank}: on the communication partition {report}: bit-exact", flush=True)
     deep_ep.Buffer.set_num_sms(20)
-    os.environ["GC_MOE_PARTITION"] = "off"
-    try:
-        assert buf.low_latency_partition["partition"] == "off"
-        run_once(buf, rank, ranks, 90, [TMAX] * ranks, "plain", torch.int64, "hook")
-    finally:
-        del os.environ["GC_MOE_PARTITION"]
-    print(f"rank {rank}: GC_MOE_PARTITION=off (caller's stream): bit-exact", flush=True)
+    del os.environ["GC_MOE_DEEP_EP_PARTITION"]
+    assert buf.low_latency_partition["partition"] == "off"
+    run_once(buf, rank, ranks, 90, [TMAX] * ranks, "plain", torch.int64, "hook")
+    print(f"rank {rank}: GC_MOE_DEEP_EP_PARTITION=off (caller's stream): bit-exact", flush=True)
 
 
 def suite_default_device(rank: int, ranks: int) -> None:

@@ -88,3 +88,30 @@ def test_dispatch_request_rejects_garbage(monkeypatch):
     monkeypatch.setenv("GC_MOE_DISPATCH_SMS", "lots")
     with pytest.raises(PartitionError, match="GC_MOE_DISPATCH_SMS must be an integer"):
         dispatch_request()
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, "off"), ("", "off"), (" on ", "on"), ("off", "off")])
+def test_deep_ep_partition_mode_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                                    want: str) -> None:
+    """The deep_ep facade's kernels default to the caller's stream (measured faster on an H200), whatever the
+    operator's GC_MOE_PARTITION says; GC_MOE_DEEP_EP_PARTITION=on puts them on the communication partition."""
+    from gc_moe_compat.runtime.split import deep_ep_partition_mode
+
+    monkeypatch.setenv("GC_MOE_PARTITION", "on")
+    if env is None:
+        monkeypatch.delenv("GC_MOE_DEEP_EP_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", env)
+    assert deep_ep_partition_mode() == want
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", "yes")
+    with pytest.raises(ValueError, match="GC_MOE_DEEP_EP_PARTITION: must be one of \\('on', 'off'\\).*'yes'"):
+        deep_ep_partition_mode()
+
+
+def test_deep_ep_mode_is_off_where_ranks_share_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat.runtime.colocation import Placement, deep_ep_mode_of
+
+    monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", "on")
+    assert deep_ep_mode_of(Placement(rank=0, device_uuids=("GPU-0", "GPU-1"))) == "on"
+    assert deep_ep_mode_of(None) == "on"
+    assert deep_ep_mode_of(Placement(rank=1, device_uuids=("GPU-0", "GPU-0"))) == "off"

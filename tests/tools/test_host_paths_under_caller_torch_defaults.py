@@ -47,7 +47,7 @@ def caller_defaults() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("GC_MOE_PARTITION", "GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
+    for name in ("GC_MOE_PARTITION", "GC_MOE_DEEP_EP_PARTITION", "GC_MOE_DISPATCH_SMS", "GC_MOE_SM90_DISPATCH_SMS"):
         monkeypatch.delenv(name, raising=False)
 
 
