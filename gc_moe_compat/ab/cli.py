@@ -48,9 +48,9 @@ USAGE = """gc-moe-ab (--preset NAME | --model-config PATH | --hidden H --interme
 
 
 def _epilog() -> str:
-    """``--help``'s end: the subcommand, every operator ``--ops`` can name with what it is, the output and the exit
-    status."""
-    from gc_moe_compat.ab import operators
+    """``--help``'s end: the subcommand, every operator ``--ops`` can name with what it is, the settings, the output
+    and the exit status."""
+    from gc_moe_compat.ab import deep_ep_probe, operators
 
     lines = ["subcommand:", "  matrix: the compatibility matrix of the facades on this machine (= gc-moe-matrix; "
              "gc-moe-ab matrix --help)", "",
@@ -65,6 +65,11 @@ def _epilog() -> str:
         label = spec.label.replace(f"={operators.DISPATCH_SWEEP[0]}", "=N").replace(
             f"request {operators.DISPATCH_SWEEP[0]} SMs", "request N SMs")
         lines += textwrap.wrap(f"{name}: {label}", 116, initial_indent="  ", subsequent_indent="      ")
+    lines += [""] + textwrap.wrap(
+        f"settings: {deep_ep_probe.SETTING} (default {deep_ep_probe.DEFAULT_TIMEOUT_S:g}): the seconds after which "
+        "the child process that tries the original deep_ep's low-latency mode is killed, before "
+        "composed_deepep_deepgemm uses it (the gc_moe_compat.deep_ep facade where it does not start: NVSHMEM's "
+        "start can hang); also GC_MOE_PARTITION, GC_MOE_DISPATCH_SMS, GC_MOE_DEEP_EP_PARTITION (README).", 118)
     lines += ["", "output: --out (default ab_<workload>.json in the working directory) and a PNG beside it; the "
               "committed", "bench/results/ of a checkout is written only when --out names it.",
               "exit status: 0 done (--check: every requested point is inside the operator's constraints); 1 no CUDA "
@@ -220,6 +225,8 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
         reason = spec.probe()
         lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"
                      + ("" if reason is None else f"\n      why: {reason}"))
+    if any(spec.name == "composed_deepep_deepgemm" for spec in operators.select(args.ops, args.partition_sweep)):
+        lines.append(deep_ep_line())
     kernels = kernel_sources()
     lines.append(f"kernels: {kernels}" if kernels else "kernels: gc_moe_compat.kernels is not importable in this "
                  f"Python ({sys.executable}): install the package into it (python -m pip install -e .)")
@@ -227,6 +234,28 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
         found = importlib.util.find_spec(name) is not None
         lines.append(f"package {name}: {'found' if found else 'missing: ' + how}")
     return lines
+
+
+def deep_ep_line() -> str:
+    """Which ``deep_ep`` the composed operator would use: whether an original imports (importing it is cheap and
+    bounded) and that its low-latency mode is only tried at the run, in a probe child killed after
+    ``GC_MOE_AB_DEEP_EP_PROBE_S`` seconds (NVSHMEM's start can hang forever; ``--check`` does not start it)."""
+    from gc_moe_compat import originals
+    from gc_moe_compat.ab import deep_ep_probe
+    from gc_moe_compat.ab.operators import _source
+
+    try:
+        limit = f"{deep_ep_probe.probe_timeout():g} s"
+    except ValueError as exc:
+        limit = f"invalid: {exc}"
+    try:
+        ep = originals.load("deep_ep")
+    except ImportError as exc:
+        return (f"deep_ep (composed_deepep_deepgemm): the gc_moe_compat.deep_ep facade (the original deep_ep is not "
+                f"importable: {exc})")
+    return (f"deep_ep (composed_deepep_deepgemm): the original at {_source(ep)} imports; its low-latency mode is "
+            f"probed at the run in a child process killed after {limit} ({deep_ep_probe.SETTING}), not here: the "
+            "facade runs where it does not start (on every rank, where any rank's probe fails)")
 
 
 def kernel_sources() -> str | None:

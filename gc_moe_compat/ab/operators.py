@@ -19,11 +19,13 @@ tokens outside the graph (:meth:`Runner.stage`) and runs the layer (:meth:`Runne
   by :mod:`gc_moe_compat.originals`; its own pre-dispatch where it has one.
 * ``composed_deepep_deepgemm`` - SGLang's ``--moe-a2a-backend deepep`` low-latency path
   (``DeepEPMoE.forward_deepgemm_masked``): DeepEP ``low_latency_dispatch`` (BF16 in, FP8 1x128 out; the original
-  ``deep_ep`` where it imports, else this library's ``gc_moe_compat.deep_ep`` facade: the runner's ``partition()``
-  says which) -> the original DeepGEMM's masked FP8 grouped GEMM W1 -> SwiGLU + FP8 per-token-group(128) requant
-  (:func:`gc_moe_compat.ab.masked_gemm.swiglu_quant_masked`, our Triton kernel of the arithmetic of SGLang's
-  ``silu_and_mul_masked_post_quant_fwd``, with the model's SwiGLU clamp; SGLang itself is not imported) -> masked
-  W2 -> ``low_latency_combine`` (routing weights applied there, as DeepEP does). FP8 128x128-block experts.
+  ``deep_ep`` where it imports and its low-latency mode starts in a bounded probe child
+  (:mod:`gc_moe_compat.ab.deep_ep_probe`), else this library's ``gc_moe_compat.deep_ep`` facade: the runner's
+  ``partition()`` says which and why) -> the original DeepGEMM's masked FP8 grouped GEMM W1 -> SwiGLU + FP8
+  per-token-group(128) requant (:func:`gc_moe_compat.ab.masked_gemm.swiglu_quant_masked`, our Triton kernel of the
+  arithmetic of SGLang's ``silu_and_mul_masked_post_quant_fwd``, with the model's SwiGLU clamp; SGLang itself is not
+  imported) -> masked W2 -> ``low_latency_combine`` (routing weights applied there, as DeepEP does). FP8
+  128x128-block experts.
 """
 
 from __future__ import annotations
@@ -333,17 +335,42 @@ def _probe_composed() -> str | None:
     return None
 
 
-def _deep_ep() -> tuple[ModuleType, str]:
-    """The original ``deep_ep`` where it imports, else this library's facade; and a line saying which (and why)."""
-    from gc_moe_compat import originals
+def _deep_ep(group: dist.ProcessGroup | None = None, world_size: int = 1,
+             device: int | None = None) -> tuple[ModuleType, str]:
+    """The original ``deep_ep`` where it imports and its low-latency mode starts, else this library's facade; and a
+    line saying which (and why).
 
+    The start is asked of a child process bounded by ``GC_MOE_AB_DEEP_EP_PROBE_S`` (:mod:`gc_moe_compat.ab.
+    deep_ep_probe`): where NVSHMEM cannot start (IBGDA finding no network card) the original's low-latency
+    ``Buffer`` never returns, and a run must not hang on it. With ``world_size > 1`` every rank of ``group`` probes
+    and they agree (a collective: every rank calls this), so that no rank runs the original while another runs the
+    facade."""
+    from gc_moe_compat import originals
+    from gc_moe_compat.ab import deep_ep_probe
+
+    ep: ModuleType | None
     try:
         ep = originals.load("deep_ep")
-        return ep, f"original deep_ep at {_source(ep)}"
     except ImportError as exc:
-        from gc_moe_compat import deep_ep
+        ep, verdict = None, deep_ep_probe.Verdict(False, f"the original deep_ep is not importable: {exc}")
+    else:
+        origin = getattr(ep, "__file__", None)
+        try:
+            verdict = deep_ep_probe.probe(_source(ep), device,
+                                          original_dir=os.path.dirname(os.path.dirname(origin)) if origin else None)
+        except Exception as exc:  # noqa: BLE001 - a bad setting or no child: the facade, and the ranks still agree
+            verdict = deep_ep_probe.Verdict(False, f"the probe of the original deep_ep at {_source(ep)} did not run: "
+                                                   f"{type(exc).__name__}: {exc}")
+    if world_size > 1:
+        verdicts: list[object] = [None] * world_size
+        dist.all_gather_object(verdicts, verdict, group=group)
+        verdict = deep_ep_probe.agree(verdicts)
+    if ep is not None and verdict.ok:
+        return ep, (f"original deep_ep at {_source(ep)} (its low-latency mode started in a probe child, "
+                    f"{verdict.seconds:.1f} s)")
+    from gc_moe_compat import deep_ep
 
-        return deep_ep, f"gc_moe_compat.deep_ep facade (the original deep_ep is not importable: {exc})"
+    return deep_ep, f"gc_moe_compat.deep_ep facade ({verdict.reason})"
 
 
 def composed_expected_m(tokens: int, world_size: int, topk: int, num_experts: int) -> int:
@@ -363,7 +390,7 @@ class ComposedDeepEpDeepGemm:
         self.ctx = ctx
         w = ctx.workload
         self.num_experts = ctx.shape("fp8xfp8").num_experts
-        self.ep, self.ep_source = _deep_ep()
+        self.ep, self.ep_source = _deep_ep(ctx.group, ctx.world_size, ctx.device.index)  # first: a collective
         hint = self.ep.Buffer.get_low_latency_rdma_size_hint(w.capacity, w.hidden, ctx.world_size, self.num_experts)
         self.buf = self.ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=w.local_experts)
         dg = _original_deep_gemm()
@@ -423,9 +450,10 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
                      "one) + fp8_mega_moe", "fp8_block128",
                      lambda ctx: MegaMoeSequence(_original_deep_gemm(), ctx), _probe_original_mega_moe),
         OperatorSpec("composed_deepep_deepgemm", "SGLang's deepep low-latency path: DeepEP low_latency_dispatch "
-                     "(original deep_ep if importable, else the gc_moe_compat.deep_ep facade: meta.partition says "
-                     "which) -> original DeepGEMM masked FP8 W1 -> SwiGLU + FP8 1x128 requant (our Triton kernel of "
-                     "SGLang's arithmetic) -> masked W2 -> low_latency_combine; timed: all five steps",
+                     "(original deep_ep if importable and its low-latency mode starts in a probe child, else the "
+                     "gc_moe_compat.deep_ep facade: meta.partition says which) -> original DeepGEMM masked FP8 "
+                     "W1 -> SwiGLU + FP8 1x128 requant (our Triton kernel of SGLang's arithmetic) -> masked W2 -> "
+                     "low_latency_combine; timed: all five steps",
                      "fp8_block128", ComposedDeepEpDeepGemm, _probe_composed),
     ]
     if partition_sweep:

@@ -33,7 +33,8 @@ from gc_moe_compat.runtime.colocation import init_rank_group
 
 __all__ = ["RunConfig", "Ranks", "main_ranks", "run"]
 
-ENV_KEYS = ("GC_MOE_DISPATCH_SMS", "GC_MOE_PARTITION", "GC_MOE_DEEP_EP_PARTITION", "GC_MOE_SWAP")
+ENV_KEYS = ("GC_MOE_DISPATCH_SMS", "GC_MOE_PARTITION", "GC_MOE_DEEP_EP_PARTITION", "GC_MOE_SWAP",
+            "GC_MOE_AB_DEEP_EP_PROBE_S")
 """Settings that change what runs: written in front of ``meta.command`` when set."""
 
 

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from gc_moe_compat.ab import inputs, masked_gemm, model_config, operators
+from gc_moe_compat.ab import deep_ep_probe, inputs, masked_gemm, model_config, operators
 
 
 @pytest.mark.parametrize("name", masked_gemm.MASKED_GEMM_NAMES)
@@ -70,8 +70,33 @@ def test_deep_ep_prefers_the_original(monkeypatch: pytest.MonkeyPatch) -> None:
     real = types.ModuleType("deep_ep")
     real.__file__ = "/site/deep_ep/__init__.py"
     monkeypatch.setattr(originals, "load", lambda name: real)
+    seen = {}
+
+    def started(where: str, device: object, **kwargs: object) -> deep_ep_probe.Verdict:
+        seen.update(where=where, device=device, **kwargs)
+        return deep_ep_probe.Verdict(True, "", 2.5)
+
+    monkeypatch.setattr(deep_ep_probe, "probe", started)
     # the line lands in the result file's meta: no absolute path of the machine
-    assert operators._deep_ep() == (real, "original deep_ep at <outside the checkout>/deep_ep/__init__.py")
+    assert operators._deep_ep(device=3) == (real, "original deep_ep at <outside the checkout>/deep_ep/__init__.py "
+                                                  "(its low-latency mode started in a probe child, 2.5 s)")
+    assert seen == {"where": "<outside the checkout>/deep_ep/__init__.py", "device": 3, "original_dir": "/site"}
+
+
+def test_deep_ep_falls_back_to_the_facade_when_its_low_latency_mode_does_not_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gc_moe_compat import deep_ep, originals
+
+    real = types.ModuleType("deep_ep")
+    real.__file__ = "/site/deep_ep/__init__.py"
+    monkeypatch.setattr(originals, "load", lambda name: real)
+    timed_out = deep_ep_probe.ChildResult(None, "WARN: IBGDA: no NIC found", 60.0)
+    monkeypatch.setattr(deep_ep_probe, "probe",
+                        lambda where, device, **kw: deep_ep_probe.verdict_of(timed_out, where, 60.0))
+    ep, source = operators._deep_ep()
+    assert ep is deep_ep
+    assert source == ("gc_moe_compat.deep_ep facade (the original deep_ep at <outside the checkout>/deep_ep/"
+                      "__init__.py did not start its low-latency mode within 60 s: WARN: IBGDA: no NIC found)")
 
 
 def _original_masked_gemm_or_skip() -> None:
