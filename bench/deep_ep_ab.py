@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import PER_WINDOW, copy_bandwidth, pyplot, require_gpus, result_meta, write_partial_result
-from deep_ep_sm90 import fp8_rows, ll_floor_bytes, payload_bytes, routing
+from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, payload_bytes, routing
 
 from gc_moe_compat import originals
 from gc_moe_compat.ab.protocol import (
@@ -591,17 +591,17 @@ def normal_outputs(buf: Any, module: ModuleType, x: torch.Tensor, idx: torch.Ten
                    experts: int, rank: int, num_sms: int) -> tuple[dict[str, object], dict[str, Callable[[], object]]]:
     """One implementation's outputs on these inputs (what the comparison reads) and its three timed calls."""
     config = module.Config(num_sms, 8, 256)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w, config=config)
+    layout = dispatch_kwargs(buf, idx, w, experts, config)
     x8 = fp8_rows(x)
     recv, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, **layout)
     (recv8, recv8_scales), *_ = buf.dispatch(x8, **layout)
     rows = (recv.float() * (rank + 1.5)).to(torch.bfloat16)
     combined, combined_w, _ = buf.combine(rows, handle, topk_weights=recv_w, config=config)
     torch.cuda.synchronize()
-    got: dict[str, object] = {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert,
-                              "is_token_in_rank (layout)": in_rank, "recv_x": recv, "recv_x_fp8": recv8,
+    got: dict[str, object] = {"num_tokens_per_rank": layout["num_tokens_per_rank"],
+                              "num_tokens_per_expert": layout["num_tokens_per_expert"],
+                              "is_token_in_rank (layout)": layout["is_token_in_rank"], "recv_x": recv,
+                              "recv_x_fp8": recv8,
                               "recv_x_fp8_scales": recv8_scales, "recv_topk_idx": recv_idx,
                               "recv_topk_weights": recv_w, "num_recv_tokens_per_expert": list(counts),
                               "combined_x": combined, "combined_topk_weights": combined_w}

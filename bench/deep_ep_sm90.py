@@ -148,14 +148,21 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, (amax / 448).T.contiguous().T
 
 
+def dispatch_kwargs(buf: object, idx: torch.Tensor, w: torch.Tensor, experts: int, config: object
+                    ) -> dict[str, object]:
+    """The keyword arguments of an uncached top-k ``Buffer.dispatch``: ``get_dispatch_layout``'s counts and mask,
+    the routing and ``config`` (any DeepEP-compatible Buffer: the facade's or the original's)."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w, config=config)
+
+
 def normal_point(buf: deep_ep.Buffer, preset: str, tokens: int, bandwidth: float, args: argparse.Namespace
                  ) -> dict[str, object]:
     hidden, topk, experts = PRESETS[preset]
     x, idx, w = (t.cuda() for t in routing(tokens, hidden, topk, experts, tokens * 7 + hidden))
     config = deep_ep.Config(NUM_SMS, 8, 256)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w, config=config)
+    layout = dispatch_kwargs(buf, idx, w, experts, config)
     x_fp8 = fp8_rows(x)
     recv, _, recv_w, _, handle, _ = buf.dispatch(x, **layout)
     combined, _, _ = buf.combine(recv, handle, topk_weights=recv_w, config=config)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from _common import require_gpus
-from deep_ep_sm90 import NUM_SMS, fp8_rows, routing
+from deep_ep_sm90 import NUM_SMS, dispatch_kwargs, fp8_rows, routing
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.single_rank import single_rank_group
@@ -83,9 +83,7 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, 1), tokens * (hidden_bytes + 16 + 4 * 64 + 12 * 8)
               + (1 << 20))
     normal = deep_ep.Buffer(group, nvl, 0, explicitly_destroy=True)
-    per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(idx, experts)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w, config=config)
+    layout = dispatch_kwargs(normal, idx, w, experts, config)
     recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
     x_fp8 = fp8_rows(x)
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_tokens, hidden, 1, experts)
