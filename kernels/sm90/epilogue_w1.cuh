@@ -1,13 +1,31 @@
-// The fused W1 epilogue of the SM90 expert GEMMs (FP8xFP8 and FP8xFP4, standalone and role2): SwiGLU on the
+// The fused W1 epilogue of the SM90 expert GEMMs (FP8xFP8 and FP8xFP4, standalone, role2 and role4): SwiGLU on the
 // interleaved gate/up accumulators, routing weight, one requant group per token over the task's 128 intermediate
 // columns, E4M3 payload and the group's scale where the W2 stage reads them.
 //
-// A source fragment: a kernel includes it inside namespace gc_moe::sm90 after defining kBM, kMSub (= 2: a W1 task is
-// 256 interleaved rows = 128 intermediate columns), kAcc, kConsumerWGs and kConsumerThreads, and after grouped.cuh
-// (acc_col, round_bf16, sigmoid, named_barrier, GC_RING_LOAD). Only the scale rule differs between the formats:
+// A template over the caller's policy type K, a struct of static constexpr members:
+//   kBM, kMSub, kAcc   the variant's token rows, 64-row slabs per consumer warpgroup (2: a W1 task is 256
+//                      interleaved rows = 128 intermediate columns) and accumulator registers per slab and thread;
+//   kConsumerWGs, kConsumerThreads
+//                      the consumer warpgroups, whose warps reduce the amax, and the thread count of their barrier;
+//   kUe8m0             the scale rule (below);
+//   kFastMath          the sigmoid's (grouped.cuh's sigmoid<kFast>: the host's GC_FAST_MATH);
+//   kRingRows          true where the routing weights are ring rows role1 rewrites while the grid runs (role2): they
+//                      are loaded through L2 (__ldcg), never the non-coherent read-only path; false where they are
+//                      read-only for the launch (the standalone kernels, role4): __ldg.
+// It reads no macro and no name of its includer (each source includes it before its variant constants, so the
+// template sees only its policy's). The policies: Fp8Role2 / Fp4Role2 (role2, in the kernel sources) and StandaloneW1
+// (the standalone and role4 kernels, sm90/standalone_gemm.cuh). Only the scale rule differs between the formats:
 // FP32 amax / 448 (the FP8xFP8 path, SGLang's and DeepGEMM's SM90 recipe) or UE8M0, the smallest power of two 2^k
 // with amax <= 448 * 2^k (the FP8xFP4 path: a power of two scales the payload exactly, and the W2 kernel promotes
 // with it once per K128 step like W1). Both are stored as FP32 values in the transposed [I/128, rows] array.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "sm90/grouped.cuh"
+
+namespace gc_moe {
+namespace sm90 {
 
 // UE8M0 scale of a group (quant.ue8m0_scale(amax, 448)): the smallest 2^k with max(amax, 1e-10) <= 448 * 2^k,
 // returned as its biased exponent k + 127. frexp: a = m * 2^e, m in [0.5, 1), and 448 = 0.875 * 2^9, so k is e - 9
@@ -19,25 +37,39 @@ __device__ __forceinline__ int ue8m0_code_448(float amax) {
     return k + 127;
 }
 
+// A routing weight: through L2 (kRingRows: a ring row another role may rewrite during the launch) or the read-only
+// path.
+template <bool kRingRows>
+__device__ __forceinline__ float load_routing_weight(const float* p) {
+    if constexpr (kRingRows) {
+        return __ldcg(p);
+    } else {
+        return __ldg(p);
+    }
+}
+
 // W1 of one task: SwiGLU(gate, up) * routing weight, amax per token over the task's 128 intermediate columns
-// (reduced across the 8 consumer warps through `red`, kConsumerWGs * 4 * kBM floats), the scale (kUe8m0: UE8M0,
-// else FP32 amax / 448), the E4M3 payload into out [rows, I] and the scale into out_sf_t [I/128, rows]. Rows past
-// the block's valid count are not written.
-template <bool kUe8m0>
-__device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Task& t, int cw, int warp, int lane,
-                                            float* red, const float* routing_w, u8* out, float* out_sf_t, int inter,
-                                            int rows_total, float clamp, float alpha) {
+// (reduced across the K::kConsumerWGs * 4 consumer warps through `red`, K::kConsumerWGs * 4 * K::kBM floats), the
+// scale (K::kUe8m0: UE8M0, else FP32 amax / 448), the E4M3 payload into out [rows, I] and the scale into out_sf_t
+// [I/128, rows]. Rows past the block's valid count are not written.
+template <typename K>
+__device__ __forceinline__ void epilogue_w1(float (&acc)[K::kMSub][K::kAcc], const Task& t, int cw, int warp,
+                                            int lane, float* red, const float* routing_w, u8* out, float* out_sf_t,
+                                            int inter, int rows_total, float clamp, float alpha) {
+    constexpr int kBM = K::kBM, kMSub = K::kMSub, kAcc = K::kAcc, kConsumerWGs = K::kConsumerWGs,
+                  kConsumerThreads = K::kConsumerThreads;
+    constexpr bool kUe8m0 = K::kUe8m0;
     float amax[kAcc / 2];
 #pragma unroll
     for (int c = 0; c < kAcc / 2; ++c) {
         const int i = 4 * (c / 2) + (c & 1), col = acc_col(i, lane);
-        const float rw = col < t.valid ? GC_RING_LOAD(routing_w + t.row_off + col) : 0.0f;
+        const float rw = col < t.valid ? load_routing_weight<K::kRingRows>(routing_w + t.row_off + col) : 0.0f;
         float m = 0.0f;
 #pragma unroll
         for (int s = 0; s < kMSub; ++s) {
             const float gate = fminf(round_bf16(acc[s][i]), clamp);
             const float up = fminf(fmaxf(round_bf16(acc[s][i + 2]), -clamp), clamp);
-            const float act = gate * sigmoid<GC_FAST_MATH != 0>(alpha * gate) * up * rw;
+            const float act = gate * sigmoid<K::kFastMath>(alpha * gate) * up * rw;
             acc[s][i] = act;
             m = fmaxf(m, fabsf(act));
         }
@@ -78,3 +110,6 @@ __device__ __forceinline__ void epilogue_w1(float (&acc)[kMSub][kAcc], const Tas
     }
     named_barrier(1, kConsumerThreads);  // `red` is rewritten by the next task
 }
+
+}  // namespace sm90
+}  // namespace gc_moe

@@ -37,6 +37,7 @@ constexpr int kMSub = GC_M_SUB;
 constexpr int kStages = GC_STAGES;
 constexpr int kProducerWG = GC_PRODUCER_WG;
 constexpr int kEpi = GC_EPI;
+constexpr bool kFastMath = GC_FAST_MATH != 0;  // the W1 epilogue's sigmoid (grouped.cuh: sigmoid<kFast>)
 // Cluster pairs (standalone, pipelined): the two CTAs of a cluster run the same weight tile against an expert's two
 // ring blocks and stream it once (PairTask in grouped.cuh; each producer loads half of the task's weights, multicast
 // to both), so each stage is written by both producers and freed by both CTAs' consumers.

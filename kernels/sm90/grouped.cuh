@@ -14,13 +14,6 @@
 #ifndef GC_OPERATOR
 #define GC_OPERATOR 0
 #endif
-// Loads of ring rows (routing weights): role1 rewrites them while the operator's role2 runs, so never the
-// non-coherent read-only path there; the standalone kernels' inputs are read-only for the launch.
-#if GC_OPERATOR
-#define GC_RING_LOAD(p) __ldcg(p)
-#else
-#define GC_RING_LOAD(p) __ldg(p)
-#endif
 
 namespace gc_moe {
 namespace sm90 {

@@ -42,6 +42,7 @@
 #if GC_OPERATOR
 #include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
 #endif
+#include "sm90/epilogue_w1.cuh"  // likewise
 
 #include "sm90/gemm_variant.cuh"
 
@@ -305,8 +306,6 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
     return true;
 }
 
-#include "sm90/epilogue_w1.cuh"
-
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
 // role2_body's kernel policy for this variant (the grid, ring handshake and W2 scatter are sm90/role2_gemm.cuh's):
@@ -317,7 +316,8 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 struct Fp4Role2 {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
-                         kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr bool kUe8m0 = true, kFastMath = sm90::kFastMath, kRingRows = true;  // the W1 epilogue's
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
                          kOutPitch = sm90::kOutPitch;
     static constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
@@ -347,9 +347,9 @@ struct Fp4Role2 {
 
     static __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t,
                                                           int cw, int warp, int lane, float* red) {
-        epilogue_w1<true>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
-                          a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), static_cast<int>(a.p.inter),
-                          static_cast<int>(a.off.ring_rows), a.p.clamp, a.p.alpha);
+        epilogue_w1<Fp4Role2>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                              a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), static_cast<int>(a.p.inter),
+                              static_cast<int>(a.off.ring_rows), a.p.clamp, a.p.alpha);
     }
 };
 

@@ -28,12 +28,11 @@
 #if GC_OPERATOR
 #include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
 #endif
+#include "sm90/epilogue_w1.cuh"  // likewise
 #include "sm90/fp8_grouped.cuh"
 
 namespace gc_moe {
 namespace sm90 {
-
-#include "sm90/epilogue_w1.cuh"
 
 #if GC_OPERATOR
 // ============================================================================================ role2 (operator mode)
@@ -43,7 +42,8 @@ namespace sm90 {
 struct Fp8Role2 {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
-                         kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr bool kUe8m0 = false, kFastMath = sm90::kFastMath, kRingRows = true;  // the W1 epilogue's
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
                          kOutPitch = sm90::kOutPitch;
     static constexpr u32 kConsumerBarrier = 1;  // the W1 epilogue's barrier is over all 256 consumer threads too
@@ -75,9 +75,9 @@ struct Fp8Role2 {
 
     static __device__ __forceinline__ void op_epilogue_w1(const OpArgs& a, float (&acc)[kMSub][kAcc], const Task& t,
                                                           int cw, int warp, int lane, float* red) {
-        epilogue_w1<false>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
-                           a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows,
-                           a.p.clamp, a.p.alpha);
+        epilogue_w1<Fp8Role2>(acc, t, cw, warp, lane, red, a.at<const float>(a.off.l1_routing_weights),
+                              a.at<u8>(a.off.l2_acts), a.at<float>(a.off.l2_acts_sf), a.p.inter, a.off.ring_rows,
+                              a.p.clamp, a.p.alpha);
     }
 };
 

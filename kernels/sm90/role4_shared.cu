@@ -25,6 +25,7 @@
 // promotion per K128 step; 1, DeepGEMM's shared recipe, per-row UE8M0 K32 scales as int32 words [K/128, N] (four
 // codes each; role4_shared.Role4Weights transposes the packed [N, K/128] once), promoted per K32 MMA
 // (fp8_grouped.cuh's consume_n_k32). The activations' FP32 1x128 scales (W2: the W1 epilogue's) apply per K128 in both.
+#include "sm90/epilogue_w1.cuh"  // before the variant constants: its template sees only its policy's
 #include "sm90/fp8_grouped.cuh"
 
 #ifndef GC_SHARED_UE8M0
@@ -46,8 +47,6 @@
 
 namespace gc_moe {
 namespace sm90 {
-
-#include "sm90/epilogue_w1.cuh"
 
 constexpr bool kUe8m0 = GC_SHARED_UE8M0 != 0;  // the W1 epilogue's scale rule: the routed path's of the format
 // The host's formula arrives as a define, so a drift between the two fails to compile instead of the launch check.

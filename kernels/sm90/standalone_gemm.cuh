@@ -5,7 +5,8 @@
 // A source fragment: a kernel source includes it in its standalone section, inside namespace gc_moe::sm90, after
 // defining
 //   constants  kThreads, kSmemBytes, kStages, kConsumerWGs, kProducerWG, kEpi, kMSub, kAcc, kRows, kBK, kOffRed,
-//              kCluster (cluster pairs, PairTask in grouped.cuh) and kUe8m0 (the W1 epilogue's scale rule);
+//              kCluster (cluster pairs, PairTask in grouped.cuh), kFastMath and kUe8m0 (the W1 epilogue's sigmoid and
+//              scale rule: its policy StandaloneW1 below);
 //   Pipeline   its StagePipeline;
 //   sa_issue(a, pipe, it, t, kb, policy_w, policy_x, multicast, rank)
 //              issues K step kb of task t into the free slot `it`;
@@ -22,6 +23,14 @@
 #if GC_OPERATOR
 #error "sm90/standalone_gemm.cuh is the standalone body (GC_OPERATOR=0)"
 #endif
+
+// The W1 epilogue's policy (sm90/epilogue_w1.cuh): the variant's constants; the routing weights are read-only for
+// the launch.
+struct StandaloneW1 {
+    static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kConsumerWGs = sm90::kConsumerWGs,
+                         kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr bool kUe8m0 = sm90::kUe8m0, kFastMath = sm90::kFastMath, kRingRows = false;
+};
 
 // Waits for slot `it` to be free and issues K step kb of pair task pt into it.
 __device__ __forceinline__ bool sa_produce(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const PairTask& pt,
@@ -89,8 +98,8 @@ __device__ __forceinline__ void standalone_body(const StandaloneArgs& a) {
         if (!sa_consume(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) return;
         const Task stored{t.expert, pt.mirror ? 0 : t.valid, t.row_off, t.tile};  // a mirror stores nothing
         if constexpr (kEpi == 1) {
-            epilogue_w1<kUe8m0>(acc, stored, cw, warp, lane, red, a.routing_w, static_cast<u8*>(a.out), a.out_sf_t,
-                                a.n_w / 2, a.rows_total, a.clamp, a.alpha);
+            epilogue_w1<StandaloneW1>(acc, stored, cw, warp, lane, red, a.routing_w, static_cast<u8*>(a.out),
+                                      a.out_sf_t, a.n_w / 2, a.rows_total, a.clamp, a.alpha);
         } else {
             epilogue_w2<kRows>(acc, stored, cw, warp, lane, static_cast<__nv_bfloat16*>(a.out), a.n_w);
         }
