@@ -13,11 +13,12 @@
 //                      are loaded through L2 (__ldcg), never the non-coherent read-only path; false where they are
 //                      read-only for the launch (the standalone kernels, role4): __ldg.
 // It reads no macro and no name of its includer (each source includes it before its variant constants, so the
-// template sees only its policy's). The policies: Fp8Role2 / Fp4Role2 (role2, in the kernel sources) and StandaloneW1
-// (the standalone and role4 kernels, sm90/standalone_gemm.cuh). Only the scale rule differs between the formats:
-// FP32 amax / 448 (the FP8xFP8 path, SGLang's and DeepGEMM's SM90 recipe) or UE8M0, the smallest power of two 2^k
-// with amax <= 448 * 2^k (the FP8xFP4 path: a power of two scales the payload exactly, and the W2 kernel promotes
-// with it once per K128 step like W1). Both are stored as FP32 values in the transposed [I/128, rows] array.
+// template sees only its policy's). The policies are the kernel sources' kernel policies: Fp8Role2 / Fp4Role2
+// (role2), Fp8Standalone / Fp4Standalone (the standalone kernels) and Role4Shared (role4). Only the scale rule
+// differs between the formats: FP32 amax / 448 (the FP8xFP8 path, SGLang's and DeepGEMM's SM90 recipe) or UE8M0, the
+// smallest power of two 2^k with amax <= 448 * 2^k (the FP8xFP4 path: a power of two scales the payload exactly, and
+// the W2 kernel promotes with it once per K128 step like W1). Both are stored as FP32 values in the transposed
+// [I/128, rows] array.
 #pragma once
 
 #include <cuda_fp8.h>

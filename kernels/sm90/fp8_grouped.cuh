@@ -289,17 +289,29 @@ __device__ __forceinline__ void copy_task_scales(u8* region, const Task& t, cons
     named_barrier(1, kConsumerThreads);
 }
 
-// standalone_gemm.cuh's consumer hook for the FP8 kernels (the standalone grouped GEMM and role4).
-template <typename WaitFull, typename Load>
-__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int /*warp*/, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    if constexpr (kTaskScales) {
-        copy_task_scales(const_cast<u8*>(smem) + kOffTaskScales, t, a.x_sf_t, a.k / kBK, local_tid, a.status);
+// What the FP8 kernels' standalone policies (sm90/standalone_gemm.cuh: the standalone grouped GEMM's and role4's)
+// share: the variant's constants, its Pipeline and the consumer hook. Each source's policy derives from it and adds
+// the W1 epilogue's scale rule (kUe8m0) and the stage issue (sa_issue).
+struct Fp8StandaloneBase {
+    static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
+                         kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG, kEpi = sm90::kEpi,
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr bool kCluster = sm90::kCluster, kFastMath = sm90::kFastMath, kRingRows = false;
+    static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed;
+    using Pipeline = sm90::Pipeline;
+
+    template <typename WaitFull, typename Load>
+    static __device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem,
+                                                      u32& it, const Task& t, int cw, int /*warp*/, int lane,
+                                                      int local_tid, float (&acc)[kMSub][kAcc], WaitFull&& wait_full,
+                                                      Load&& load) {
+        if constexpr (kTaskScales) {
+            copy_task_scales(const_cast<u8*>(smem) + kOffTaskScales, t, a.x_sf_t, a.k / kBK, local_tid, a.status);
+        }
+        return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
+                             load);
     }
-    return consume<kEpi>(pipe, smem, it, t, a.k / kBK, a.n_w / 128, a.w_sf, cw, lane, local_tid, acc, wait_full,
-                         load);
-}
+};
 
 }  // namespace sm90
 }  // namespace gc_moe

@@ -32,15 +32,18 @@
 // GC_OPERATOR=1 compiles role2 of the GC-MoE operator instead (entry gc_sm90_fp8_fp4_role2: the FP4 kernel policy
 // at the end of this file instantiates the templates of sm90/role2_gemm.cuh, the grid body, ring handshake and W2
 // scatter shared with the FP8xFP8 kernel). Both GEMMs run in one grid with 256-row tasks (GC_M_SUB=2 for W2 too);
-// GC_EPI does not apply. The standalone grid body is sm90/standalone_gemm.cuh, shared with the FP8xFP8 kernel. Both
-// modes run the same consumer K loop (consume). tests/operator/test_role2_operator_host.py keeps the standalone
-// cubins' hashes (tests/data/sm90_fp4_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the
-// kernel changes).
+// GC_EPI does not apply. GC_OPERATOR=0 (default) is the standalone kernel (entry gc_sm90_fp8_fp4_grouped_gemm: the
+// policy Fp4Standalone instantiates the grid body template of sm90/standalone_gemm.cuh, shared with the FP8xFP8
+// kernel and role4). Both modes run the same consumer K loop (consume). tests/operator/test_role2_operator_host.py
+// keeps the standalone cubins' hashes (tests/data/sm90_fp4_standalone_cubins.json, rewritten by
+// scripts/record_sm90_cubins.py when the kernel changes).
 #include <cuda_fp8.h>
 
 #include "sm90/grouped.cuh"
 #if GC_OPERATOR
 #include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
+#else
+#include "sm90/standalone_gemm.cuh"  // likewise
 #endif
 #include "sm90/epilogue_w1.cuh"  // likewise
 
@@ -372,22 +375,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
-constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
+// standalone_body's kernel policy for this variant (the task walk, warpgroup roles and cluster pairs are
+// sm90/standalone_gemm.cuh's): the variant's constants and the FP8xFP4 hooks. StandaloneArgs.w_sf carries the
+// per-expert window factors 2^base (FP32 [E]).
+struct Fp4Standalone {
+    static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
+                         kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG, kEpi = sm90::kEpi,
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+    static constexpr bool kCluster = sm90::kCluster, kFastMath = sm90::kFastMath, kRingRows = false;
+    static constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
+    static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed;
+    using Pipeline = sm90::Pipeline;
 
-__device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
-                                         u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
-    issue(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x, multicast,
-          rank);
-}
+    static __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it,
+                                                    const Task& t, int kb, u64 policy_w, u64 policy_x, bool multicast,
+                                                    u32 rank) {
+        issue(pipe, it, t, kb, a.k / kBK, a.n_w / 64, a.tm_w, a.tm_x, a.x_sf_t, a.rows_total, policy_w, policy_x,
+              multicast, rank);
+    }
 
-template <typename WaitFull, typename Load>
-__device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem, u32& it,
-                                           const Task& t, int cw, int warp, int lane, int local_tid,
-                                           float (&acc)[kMSub][kAcc], WaitFull&& wait_full, Load&& load) {
-    return consume(pipe, smem, it, t, a.k / kBK, a.w_sf, cw, warp, lane, local_tid, acc, wait_full, load);
-}
-
-#include "sm90/standalone_gemm.cuh"
+    template <typename WaitFull, typename Load>
+    static __device__ __forceinline__ bool sa_consume(const StandaloneArgs& a, const Pipeline& pipe, const u8* smem,
+                                                      u32& it, const Task& t, int cw, int warp, int lane,
+                                                      int local_tid, float (&acc)[kMSub][kAcc], WaitFull&& wait_full,
+                                                      Load&& load) {
+        return consume(pipe, smem, it, t, a.k / kBK, a.w_sf, cw, warp, lane, local_tid, acc, wait_full, load);
+    }
+};
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -402,6 +416,15 @@ using namespace gc_moe::sm90;
 // [*, 3] (cluster pairs: grouping's pair table); *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = E4M3 [rows_total, I], out_sf_t = FP32 UE8M0 values [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H]; out_sf_t and routing_w unused. clamp = +inf for none.
-GC_STANDALONE_ENTRY(gc_sm90_fp8_fp4_grouped_gemm)
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    gc_sm90_fp8_fp4_grouped_gemm(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
+                                 const float* __restrict__ w_sf, const float* __restrict__ x_sf_t,
+                                 const int* __restrict__ blocks, const int* __restrict__ num_blocks,
+                                 const float* __restrict__ routing_w, void* __restrict__ out,
+                                 float* __restrict__ out_sf_t, int n_w, int k, int rows_total, float clamp, float alpha,
+                                 KernelStatus* status, u64 timeout_ns) {
+    standalone_body<Fp4Standalone>(StandaloneArgs{&tm_w, &tm_x, w_sf, x_sf_t, blocks, num_blocks, routing_w, out,
+                                                  out_sf_t, n_w, k, rows_total, clamp, alpha, status, timeout_ns});
+}
 
 #endif  // GC_OPERATOR

@@ -20,13 +20,15 @@
 // the end of this file instantiates the grid body template of sm90/role2_gemm.cuh, shared with the FP8xFP4 kernel):
 // one persistent grid running both GEMMs over the token ring of the operator workspace, reading the block table role1
 // publishes and handshaking with role1 and with itself through the ring signals. GC_OPERATOR=0 (default) is the
-// standalone kernel (its grid body in sm90/standalone_gemm.cuh, shared with the FP8xFP4 kernel); both run the same
-// consumer K loop (consume).
+// standalone kernel (entry gc_sm90_fp8_grouped_gemm: the policy Fp8Standalone instantiates the grid body template of
+// sm90/standalone_gemm.cuh, shared with the FP8xFP4 kernel and role4); both run the same consumer K loop (consume).
 // tests/operator/test_role2_operator_host.py keeps the standalone cubins' hashes
 // (tests/data/sm90_fp8_standalone_cubins.json, rewritten by scripts/record_sm90_cubins.py when the kernel changes).
 // The variant constants, the stage issue and the consumer K loop are sm90/fp8_grouped.cuh's (shared with role4).
 #if GC_OPERATOR
 #include "sm90/role2_gemm.cuh"  // before the variant constants: its templates see only their policy's
+#else
+#include "sm90/standalone_gemm.cuh"  // likewise
 #endif
 #include "sm90/epilogue_w1.cuh"  // likewise
 #include "sm90/fp8_grouped.cuh"
@@ -99,14 +101,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 #else  // the standalone kernel
 
-constexpr bool kUe8m0 = false;  // the W1 epilogue's FP32 1x128 scales
+// standalone_body's kernel policy for this variant (the task walk, warpgroup roles and cluster pairs are
+// sm90/standalone_gemm.cuh's): fp8_grouped.cuh's constants and consumer K loop, the FP8xFP8 stage issue.
+struct Fp8Standalone : Fp8StandaloneBase {
+    static constexpr bool kUe8m0 = false;  // the W1 epilogue's FP32 1x128 scales
 
-__device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
-                                         u64 policy_w, u64 policy_x, bool multicast, u32 rank) {
-    issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
-}
-
-#include "sm90/standalone_gemm.cuh"
+    static __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it,
+                                                    const Task& t, int kb, u64 policy_w, u64 policy_x, bool multicast,
+                                                    u32 rank) {
+        issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x, multicast, rank);
+    }
+};
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -119,6 +124,15 @@ using namespace gc_moe::sm90;
 // pairs: grouping's pair table); *num_blocks blocks are live.
 // W1 (GC_EPI=1): n_w = 2I (interleaved), out = FP8 [rows_total, I], out_sf_t = FP32 [I/128, rows_total].
 // W2 (GC_EPI=2): n_w = H, out = BF16 [rows_total, H], out_sf_t and routing_w unused. clamp = +inf for none.
-GC_STANDALONE_ENTRY(gc_sm90_fp8_grouped_gemm)
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    gc_sm90_fp8_grouped_gemm(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
+                             const float* __restrict__ w_sf, const float* __restrict__ x_sf_t,
+                             const int* __restrict__ blocks, const int* __restrict__ num_blocks,
+                             const float* __restrict__ routing_w, void* __restrict__ out, float* __restrict__ out_sf_t,
+                             int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
+                             u64 timeout_ns) {
+    standalone_body<Fp8Standalone>(StandaloneArgs{&tm_w, &tm_x, w_sf, x_sf_t, blocks, num_blocks, routing_w, out,
+                                                  out_sf_t, n_w, k, rows_total, clamp, alpha, status, timeout_ns});
+}
 
 #endif  // GC_OPERATOR

@@ -25,7 +25,7 @@
 // promotion per K128 step; 1, DeepGEMM's shared recipe, per-row UE8M0 K32 scales as int32 words [K/128, N] (four
 // codes each; role4_shared.Role4Weights transposes the packed [N, K/128] once), promoted per K32 MMA
 // (fp8_grouped.cuh's consume_n_k32). The activations' FP32 1x128 scales (W2: the W1 epilogue's) apply per K128 in both.
-#include "sm90/epilogue_w1.cuh"  // before the variant constants: its template sees only its policy's
+#include "sm90/standalone_gemm.cuh"  // before the variant constants: its templates see only their policy's
 #include "sm90/fp8_grouped.cuh"
 
 #ifndef GC_SHARED_UE8M0
@@ -48,7 +48,6 @@
 namespace gc_moe {
 namespace sm90 {
 
-constexpr bool kUe8m0 = GC_SHARED_UE8M0 != 0;  // the W1 epilogue's scale rule: the routed path's of the format
 // The host's formula arrives as a define, so a drift between the two fails to compile instead of the launch check.
 static_assert(kSmemBytes == GC_ROLE4_SMEM_BYTES, "GC_ROLE4_SMEM_BYTES: Role4Variant.smem differs from kSmemBytes");
 
@@ -77,18 +76,22 @@ __device__ __forceinline__ void issue_w1_token_major(const Pipeline& pipe, u32 i
     tma_load_2d(pipe.base + kOffX + stage * kXBytes, tm_x, kb * kBK, t.row_off, full, policy_x);
 }
 
-// standalone_gemm.cuh's hooks. W1: a.x_sf_t is the buffer's token-major x_sf; W2: the transposed
-// shared_l2_acts_sf [I/128, Tmax] the W1 epilogue wrote, through the mainloop's own issue.
-__device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it, const Task& t, int kb,
-                                         u64 policy_w, u64 policy_x, bool /*multicast*/, u32 /*rank*/) {
-    if constexpr (kEpi == 1) {
-        issue_w1_token_major(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.k / kBK, a.n_w, policy_w, policy_x);
-    } else {
-        issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x);
-    }
-}
+// standalone_body's kernel policy (sm90/standalone_gemm.cuh): fp8_grouped.cuh's constants and consumer K loop, the
+// routed path's scale rule of the format, role4's stage issue. W1: a.x_sf_t is the buffer's token-major x_sf; W2:
+// the transposed shared_l2_acts_sf [I/128, Tmax] the W1 epilogue wrote, through the mainloop's own issue.
+struct Role4Shared : Fp8StandaloneBase {
+    static constexpr bool kUe8m0 = GC_SHARED_UE8M0 != 0;  // the W1 epilogue's scale rule
 
-#include "sm90/standalone_gemm.cuh"
+    static __device__ __forceinline__ void sa_issue(const StandaloneArgs& a, const Pipeline& pipe, u32 it,
+                                                    const Task& t, int kb, u64 policy_w, u64 policy_x,
+                                                    bool /*multicast*/, u32 /*rank*/) {
+        if constexpr (kEpi == 1) {
+            issue_w1_token_major(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.k / kBK, a.n_w, policy_w, policy_x);
+        } else {
+            issue(pipe, it, t, kb, a.tm_w, a.tm_x, a.x_sf_t, a.n_w, a.rows_total, policy_w, policy_x);
+        }
+    }
+};
 
 }  // namespace sm90
 }  // namespace gc_moe
@@ -104,4 +107,13 @@ using namespace gc_moe::sm90;
 // [1, H/128, I/128] (GC_W_K32: int32 words [I/128, H]), x_sf_t shared_l2_acts_sf, out combine[k] [Tmax, H] BF16,
 // n_w = H, k = I. blocks: int32 [*, 3] (0, valid rows, first token), *num_blocks of them live; status: the
 // workspace's role4 record.
-GC_STANDALONE_ENTRY(gc_sm90_role4_shared)
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    gc_sm90_role4_shared(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_x,
+                         const float* __restrict__ w_sf, const float* __restrict__ x_sf_t,
+                         const int* __restrict__ blocks, const int* __restrict__ num_blocks,
+                         const float* __restrict__ routing_w, void* __restrict__ out, float* __restrict__ out_sf_t,
+                         int n_w, int k, int rows_total, float clamp, float alpha, KernelStatus* status,
+                         u64 timeout_ns) {
+    standalone_body<Role4Shared>(StandaloneArgs{&tm_w, &tm_x, w_sf, x_sf_t, blocks, num_blocks, routing_w, out,
+                                                out_sf_t, n_w, k, rows_total, clamp, alpha, status, timeout_ns});
+}
