@@ -25,7 +25,7 @@ Every synchronization word is generation-tagged and double-buffered by the gener
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
 ``consumed`` word (written by the consumer, read by producers on other ranks) keeps a producer from overwriting a
 stage before its consumer two generations back has read it. Spin-waits are bounded; a timeout, a protocol mismatch or
-a dropped input lands in a status record (:func:`raise_for_ll_status`) and the kernel completes. With
+a dropped input lands in a status record (:func:`raise_for_mirrored_status`) and the kernel completes. With
 :data:`FLAG_SHRINK` (DeepEP's ``enable_shrink``) the kernels skip the ranks set in the workspace's rank mask
 (:func:`mask_words`) and mask a rank whose wait times out, instead of recording the timeout.
 """
@@ -69,7 +69,6 @@ __all__ = [
     "mask_words",
     "params_header",
     "new_status_mirror",
-    "raise_for_ll_status",
     "raise_for_mirrored_status",
     "required_bytes",
 ]
@@ -395,18 +394,6 @@ def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
         if codes[kernel]:
             raise_for_status(records[kernel].clone(), f"deep_ep low-latency {kernel.label} ({kernel.entry}){when}",
                              ll_sites(num_ranks))
-
-
-def raise_for_ll_status(workspace: torch.Tensor, num_ranks: int, mirror: torch.Tensor | None = None) -> None:
-    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error of any of the four kernels
-    (naming kernel and site), clearing the records (and ``mirror``); call after the launching stream has finished."""
-    records = status_records(workspace)
-    saved = records.clone()
-    if saved.any():
-        records.zero_()
-        if mirror is not None:
-            mirror.zero_()
-    _raise_first(saved, num_ranks, "")
 
 
 def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int,

@@ -56,7 +56,6 @@ __all__ = [
     "normal_sites",
     "params_header",
     "raise_for_mirrored_status",
-    "raise_for_normal_status",
 ]
 
 SOURCE = "sm90/ep_normal.cu"
@@ -298,17 +297,6 @@ def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:
         if codes[kernel]:
             raise_for_status(records[kernel].clone(), f"deep_ep normal-mode {_NAMES[kernel]}{when}",
                              normal_sites(num_ranks))
-
-
-def raise_for_normal_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int) -> None:
-    """Raises ``DeviceTimeoutError`` / ``DeviceCheckError`` for the first recorded error (naming kernel and site),
-    clearing the records and the mirror; call after the communication stream has finished."""
-    records = status_records(workspace)
-    saved = records.cpu()
-    if saved.any():
-        records.zero_()
-        mirror.zero_()
-    _raise_first(saved, num_ranks, "")
 
 
 def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num_ranks: int,

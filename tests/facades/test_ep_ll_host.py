@@ -198,16 +198,16 @@ def _workspace_with(kernel: Kernel, code: int, site: int, observed: int, expecte
 
 def test_status_records_raise_naming_kernel_and_site_then_clear() -> None:
     clean = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    ep_ll.raise_for_ll_status(clean, 2)
+    ep_ll.raise_for_mirrored_status(clean, ep_ll.status_records(clean).clone(), 2)
     ws = _workspace_with(Kernel.DISPATCH_RECV, 1, ep_ll.LlSite.COUNT << 16 | 1, 0, 7 << 32)
-    with pytest.raises(DeviceTimeoutError, match=r"dispatch receive \(gc_moe::ep_ll::dispatch\): dispatch receive "
+    with pytest.raises(DeviceTimeoutError, match=r"dispatch receive \(gc_moe::ep_ll::dispatch\).*: dispatch receive "
                                                  "waiting for rank 1's token counts"):
-        ep_ll.raise_for_ll_status(ws, 2)
-    assert not ws.any()  # cleared, so the next synchronous call starts clean
+        ep_ll.raise_for_mirrored_status(ws, ep_ll.status_records(ws).clone(), 2)
+    assert not ws.any()  # cleared, so the next call starts clean
     ws = _workspace_with(Kernel.COMBINE_RECV, 2, ep_ll.LlSite.READY_AHEAD << 16 | 0, 9, 8)
-    with pytest.raises(DeviceCheckError, match=r"combine receive \(gc_moe::ep_ll::combine\): rank 0's combine "
+    with pytest.raises(DeviceCheckError, match=r"combine receive \(gc_moe::ep_ll::combine\).*: rank 0's combine "
                                                "readiness is past"):
-        ep_ll.raise_for_ll_status(ws, 2)
+        ep_ll.raise_for_mirrored_status(ws, ep_ll.status_records(ws).clone(), 2)
 
 
 def test_sites_name_every_rank() -> None:
