@@ -67,7 +67,7 @@ typedef unsigned char u8;
 constexpr u32 kThreads = 256;
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kCombineColumns = 256;  // combine receive: one warp, 8 BF16 columns (16 bytes) per lane
-constexpr u32 kCombineUnroll = 4;     // combine receive: slots' loads in flight per lane
+constexpr u32 kCombineUnroll = 8;     // combine receive: slots' loads in flight per lane
 constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
 constexpr u32 kSendUnroll = 4;        // dispatch send: a token row's 16-byte vectors (and routing ids) in flight per thread
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
@@ -659,29 +659,41 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     const u8* stage = reinterpret_cast<const u8*>(pt.base + p.off_combine_stage);
     for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
+        const bool in_row = col < p.hidden;
+        const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
+        // The first kCombineUnroll slots' vectors and weights go out before the slot decisions, so that their latency
+        // overlaps the routing checks (every (token, slot) row lies in the stage: an unused slot's vector is loaded
+        // and ignored).
+        uint4 v[kCombineUnroll];
+        float w[kCombineUnroll];
+#pragma unroll
+        for (u32 i = 0; i < kCombineUnroll; ++i) {
+            if (in_row && i < p.topk) {
+                w[i] = weights[t * p.topk + i];
+                v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + i) * p.hidden + col) * 2);
+            }
+        }
         // Lane j decides slot j once for the warp (reported by the token's first column unit only).
         const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
                                                            u % chunks == 0 ? status : nullptr);
         const u32 used_slots = __ballot_sync(~0u, decided);
-        if (col >= p.hidden) continue;
+        if (!in_row) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
-            uint4 v[kCombineUnroll];
-            float w[kCombineUnroll];
-            bool used[kCombineUnroll];
+            if (k0 > 0) {
 #pragma unroll
-            for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
-                const u32 k = k0 + i;
-                used[i] = k < p.topk && (used_slots >> k & 1u);
-                w[i] = used[i] ? weights[t * p.topk + k] : 0.f;
-                if (used[i]) {
-                    const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
-                    v[i] = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
+                for (u32 i = 0; i < kCombineUnroll; ++i) {  // the next slots' loads, all in flight
+                    const u32 k = k0 + i;
+                    if (k < p.topk && (used_slots >> k & 1u)) {
+                        w[i] = weights[t * p.topk + k];
+                        v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + k) * p.hidden + col) * 2);
+                    }
                 }
             }
 #pragma unroll
-            for (u32 i = 0; i < kCombineUnroll; ++i) {
-                if (!used[i]) continue;
+            for (u32 i = 0; i < kCombineUnroll; ++i) {  // slot order: the reference's summation order
+                const u32 k = k0 + i;
+                if (k >= p.topk || !(used_slots >> k & 1u)) continue;
                 const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
                                     bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
                 // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it.
