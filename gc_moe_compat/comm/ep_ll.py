@@ -77,7 +77,8 @@ SOURCE = "sm90/ep_ll.cu"
 THREADS = 256
 """Threads per CTA (8 warps) of every low-latency kernel."""
 UNIT_ROWS = 4
-"""Rows one warp moves per work unit in the receive and combine-send kernels."""
+"""``EpLlParams.unit_rows`` (kept in the struct; the receive and combine-send kernels no longer split an expert's rows
+into fixed units: a CTA owns whole experts and deals their rows over its warps)."""
 MAX_EXPERTS = 1024
 """Global experts the fixed count table holds (per parity)."""
 MAX_TOPK = 32
@@ -298,17 +299,18 @@ def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeo
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
-    """CTAs of one launch: a CTA per token (dispatch send), a warp per (local expert, source, row unit) (dispatch
-    receive, combine send) or per (token, 256 columns) (combine receive); at least one, at most ``max_ctas`` (the
-    SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    """CTAs of one launch: a CTA per token (dispatch send); for dispatch receive and combine send, CTAs owning whole
+    local experts (every CTA up to the cap: with fewer local experts than the cap, each expert gets the same number
+    of CTAs, ``L * (cap // L)``); for combine receive a warp per (token, 256 columns). At least one, at most
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
     cap = max(1, min(MAX_SMS, max_ctas))
     if kernel is Kernel.DISPATCH_SEND:
         return max(1, min(cap, num_tokens))
-    elif kernel is Kernel.COMBINE_RECV:
+    if kernel is Kernel.COMBINE_RECV:
         warps = num_tokens * -(-shape.hidden // 256)
-    else:
-        warps = shape.num_experts * -(-shape.max_tokens // UNIT_ROWS)
-    return max(1, min(cap, -(-warps // (THREADS // 32))))
+        return max(1, min(cap, -(-warps // (THREADS // 32))))
+    local = shape.local_experts
+    return cap if local >= cap else local * (cap // local)
 
 
 @functools.cache

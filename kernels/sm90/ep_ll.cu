@@ -26,12 +26,15 @@
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
 //    overwrites were read; stores the token's row for each slot into the slot owner's stage (peer stores) at the row
 //    given by the earlier entries with that expert. The grid's last CTA (fences around the arrival atomic: every
-//    CTA's rows precede it) stores counts[le*P + own][p] = (n << 32) | rows on every owner with st.release.sys.
-//  * dispatch receive: a warp acquires the counts of every source of its local expert (ld.acquire.sys, wait until
-//    the tag reaches n; a later tag is a protocol error) and __syncwarp()s before any lane reads the stage. The grid's
-//    last CTA (fence.sys before and after the arrival atomic) stores consumed[0][p] = n with st.release.sys.
-//  * combine send: waits until consumed[1][p] on the source rank >= n - 2, stores the rows, and the last CTA stores
-//    ready[own][p] = n on every rank with st.release.sys (after the arrival fences: every CTA's rows precede it).
+//    CTA's rows and checked routing precede it) counts the rows per expert from the checked routing and stores
+//    counts[le*P + own][p] = (n << 32) | rows on every owner with st.release.sys.
+//  * dispatch receive: a CTA owns whole local experts (expert_split); a thread per (expert, source) acquires its
+//    count once (ld.acquire.sys, wait until the tag reaches n; a later tag is a protocol error), and the CTA
+//    bar.syncs before any thread reads the stage; its warps then share the experts' rows. The grid's last CTA
+//    (fence.sys before and after the arrival atomic) stores consumed[0][p] = n with st.release.sys.
+//  * combine send: the same split; a thread per source rank with rows in the CTA's experts waits until
+//    consumed[1][p] on that rank >= n - 2, the warps store the rows, and the last CTA stores ready[own][p] = n on
+//    every rank with st.release.sys (after the arrival fences: every CTA's rows precede it).
 //  * combine receive: threads acquire ready[q][p] >= n for every q and bar.sync before the reduction; the last CTA
 //    stores consumed[1][p] = n.
 //  * The generation of a call: send halves read seq at their start and the last CTA stores seq = n and the call's
@@ -64,8 +67,9 @@ typedef unsigned char u8;
 constexpr u32 kThreads = 256;
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kCombineColumns = 256;  // combine receive: one warp, 8 BF16 columns (16 bytes) per lane
-constexpr u32 kCombineUnroll = 4;     // combine receive: slots' loads in flight per lane
+constexpr u32 kCombineUnroll = 8;     // combine receive: slots' loads in flight per lane
 constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
+constexpr u32 kSendUnroll = 4;        // dispatch send: a token row's 16-byte vectors (and routing ids) in flight per thread
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
@@ -95,12 +99,14 @@ __device__ __forceinline__ bool is_masked(const PeerTable& pt, const EpLlParams&
 
 // Spins until *flag >= target (acquire, system scope), the wait of `rank`'s word. Gives up after timeout_ns (shrink
 // mode: masks `rank`; otherwise records the timeout at `site`) or once `status` holds a timeout (a dropped input,
-// also recorded there, does not stop the others' waits).
+// also recorded there, does not stop the others' waits). On kArrived, `*value` (when given) is the word as the
+// arriving acquire read it: callers check it instead of paying a second serialized ld.acquire.sys round trip.
 __device__ __forceinline__ Wait wait_rank(const PeerTable& pt, const EpLlParams& p, const u64* flag, u64 target,
-                                          KernelStatus* status, u32 site, u32 rank) {
+                                          KernelStatus* status, u32 site, u32 rank, u64* value = nullptr) {
     if (is_masked(pt, p, rank)) return kMasked;
     const u64 start = gc_moe::globaltimer_ns();
     u64 seen = gc_moe::ld_acquire_sys(flag);
+    if (value) *value = seen;
     while (seen < target) {
         if (is_masked(pt, p, rank)) return kMasked;
         if (*reinterpret_cast<volatile u32*>(&status->code) == gc_moe::kStatusTimeout) return kFailed;
@@ -114,24 +120,20 @@ __device__ __forceinline__ Wait wait_rank(const PeerTable& pt, const EpLlParams&
         }
         __nanosleep(GC_MOE_SPIN_SLEEP_NS);
         seen = gc_moe::ld_acquire_sys(flag);
+        if (value) *value = seen;
     }
     return kArrived;
 }
 
-// Lane 0 waits until `rank` has read generation n - 2 of this parity's stage in direction `dir` (0 dispatch,
-// 1 combine); the outcome is broadcast to the warp.
+// The calling thread waits until `rank` has read generation n - 2 of this parity's stage in direction `dir`
+// (0 dispatch, 1 combine).
 __device__ __forceinline__ Wait wait_consumed(const PeerTable& pt, const EpLlParams& p, u32 rank, u32 dir, u64 gen,
                                               KernelStatus* status) {
-    u32 outcome = kArrived;
-    if ((threadIdx.x & 31) == 0) {
-        if (gen > 2) {
-            const u64* flag = peer_ptr<u64>(pt, rank, p.off_consumed + (dir * 2 + (gen & 1)) * 8);
-            outcome = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | rank, rank);
-        } else if (is_masked(pt, p, rank)) {
-            outcome = kMasked;
-        }
+    if (gen > 2) {
+        const u64* flag = peer_ptr<u64>(pt, rank, p.off_consumed + (dir * 2 + (gen & 1)) * 8);
+        return wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | rank, rank);
     }
-    return static_cast<Wait>(__shfl_sync(~0u, outcome, 0));
+    return is_masked(pt, p, rank) ? kMasked : kArrived;
 }
 
 __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
@@ -231,10 +233,23 @@ __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, u32 c
     }
 }
 
-__device__ __forceinline__ u32 warp_sum(u32 v) {
+// One pass of a token row's loads in dispatch send: vector (pass * kSendUnroll + i) * kThreads + warp * 32 + lane
+// into raw[i] (zero past the row), all in flight at once. vecs is a multiple of 16: a half warp is all in the row
+// or all past it.
+__device__ __forceinline__ void load_row_pass(uint4 (&raw)[kSendUnroll], const uint4* src, u32 pass, u32 vecs) {
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    return v;
+    for (u32 i = 0; i < kSendUnroll; ++i) {
+        const u32 v = (pass * kSendUnroll + i) * kThreads + threadIdx.x;
+        raw[i] = v < vecs ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Whether entry f (whose raw id is the valid expert e) is the first of its token's slots naming e, i.e. its checked
+// expert is e (slot_expert's repeat rule).
+__device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e) {
+    for (u32 g = f - f % p.topk; g < f; ++g)
+        if (raw_id(p, g) == e) return false;
+    return true;
 }
 
 __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlParams& p) {
@@ -245,10 +260,14 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchSend);
     u64* seq = word(pt, p.off_seq);
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
-    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const u32 parity = static_cast<u32>(gen & 1);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 k_slots = p.topk, entries = p.num_tokens * p.topk, vecs = p.hidden / 8;
     const bool fp8 = p.flags & gc_moe::kLlFp8, round_scale = p.flags & gc_moe::kLlRoundScale;
+    // The first token's row loads go out before the wait and the routing work, which hide their latency.
+    uint4 raw[kSendUnroll];
+    if (blockIdx.x < p.num_tokens)
+        load_row_pass(raw, reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(blockIdx.x) * vecs, 0, vecs);
     // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied).
     bool ok = true;
     for (u32 q = threadIdx.x; q < ranks && gen > 2; q += kThreads) {
@@ -257,6 +276,7 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
     }
     ok = __syncthreads_and(ok);
     for (u32 t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         if (threadIdx.x < k_slots) {
             const int e = slot_expert(p, t * k_slots + threadIdx.x, status);
             slot_of[threadIdx.x] = e;
@@ -265,11 +285,28 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
         }
         __syncthreads();
         if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
-        // Entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot) order.
-        for (u32 f = threadIdx.x; f < (t + 1) * k_slots; f += kThreads) {
-            const int e = slot_expert(p, f);
-            for (u32 k = 0; k < k_slots; ++k)
-                if (e >= 0 && e == slot_of[k] && f < t * k_slots + k) atomicAdd(&slot_row[k], 1u);
+        // Checked entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot)
+        // order. A valid slot's expert is named by no earlier slot of token t, so only earlier tokens count, each
+        // once (the first of its slots naming the expert). The raw ids are loaded kSendUnroll at a time, all in
+        // flight; the repeat rule is looked at only for an entry that names one of the slots' experts.
+        const u32 earlier = t * k_slots;
+        for (u32 f0 = threadIdx.x; f0 < earlier; f0 += kThreads * kSendUnroll) {
+            long long ids[kSendUnroll];
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i) {
+                const u32 f = f0 + i * kThreads;
+                ids[i] = f < earlier ? raw_id(p, f) : -1;
+            }
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i) {
+                if (ids[i] < 0) continue;
+                for (u32 k = 0; k < k_slots; ++k) {
+                    if (ids[i] == slot_of[k]) {  // slot_of[k] >= 0 here: a valid expert
+                        if (first_in_token(p, f0 + i * kThreads, ids[i])) atomicAdd(&slot_row[k], 1u);
+                        break;  // the slots' valid experts are distinct
+                    }
+                }
+            }
         }
         __syncthreads();
         if (threadIdx.x < k_slots) {
@@ -285,35 +322,47 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
             slot_dst[threadIdx.x] = row;
         }
         __syncthreads();
-        // The row, read once: a warp per 32-vector block (two scale groups), each vector stored to every slot's row.
-        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
-        for (u32 v0 = warp * 32; v0 < vecs; v0 += kThreads) {
-            const u32 v = v0 + lane;
-            const bool valid = v < vecs;  // vecs is a multiple of 16: a half warp is all valid or all not
-            const uint4 raw = valid ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
-            if (!fp8) {
-                for (u32 k = 0; k < k_slots; ++k)
-                    if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k] + 16)[v] = raw;
-                continue;
-            }
-            float scale_inv;
-            const uint2 q = quantize_vector(raw, round_scale, scale_inv);
-            for (u32 k = 0; k < k_slots; ++k) {
-                u8* row = slot_dst[k];
-                if (!valid || row == nullptr) continue;
-                reinterpret_cast<uint2*>(row + 16)[v] = q;
-                if (v % 16 == 0) reinterpret_cast<float*>(row + 16 + p.hidden)[v / 16] = scale_inv;
+        // The row, read once (kSendUnroll vectors per thread in flight), each vector stored to every slot's row; an
+        // FP8 scale group (128 columns) is a half warp.
+        for (u32 pass = 0; pass * kSendUnroll * kThreads < vecs; ++pass) {
+            if (pass > 0) load_row_pass(raw, src, pass, vecs);
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i) {
+                const u32 v = (pass * kSendUnroll + i) * kThreads + threadIdx.x;
+                const bool valid = v < vecs;
+                if (!fp8) {
+                    for (u32 k = 0; k < k_slots; ++k)
+                        if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k] + 16)[v] = raw[i];
+                    continue;
+                }
+                float scale_inv;
+                const uint2 q = quantize_vector(raw[i], round_scale, scale_inv);
+                for (u32 k = 0; k < k_slots; ++k) {
+                    u8* row = slot_dst[k];
+                    if (!valid || row == nullptr) continue;
+                    reinterpret_cast<uint2*>(row + 16)[v] = q;
+                    if (v % 16 == 0) reinterpret_cast<float*>(row + 16 + p.hidden)[v / 16] = scale_inv;
+                }
             }
         }
+        // The next token's first loads go out before the barrier.
+        if (t + gridDim.x < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(gridDim.x) * vecs, 0, vecs);
         __syncthreads();  // slot_* are rewritten for the next token
     }
-    // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows).
+    // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows), counted
+    // from the checked routing every CTA wrote before arriving (the arrival's fences make it visible here).
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8))) {
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
-        for (u32 f = threadIdx.x; f < entries; f += kThreads) {
-            const int e = slot_expert(p, f);
-            if (e >= 0) atomicAdd(&rows_of[e], 1u);
+        const volatile int* routing = reinterpret_cast<const volatile int*>(p.routing);  // other CTAs' stores
+        for (u32 f0 = threadIdx.x; f0 < entries; f0 += kThreads * kSendUnroll) {
+            int es[kSendUnroll];
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i)
+                es[i] = f0 + i * kThreads < entries ? routing[f0 + i * kThreads] : -1;
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i)
+                if (es[i] >= 0) atomicAdd(&rows_of[es[i]], 1u);
         }
         __syncthreads();
         // A CTA whose wait timed out wrote no rows: leave the counts unpublished so that the owners report it too
@@ -333,72 +382,145 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
     }
 }
 
+// The work split of dispatch receive and combine send (DeepEP's: a warp group per expert): a CTA owns whole local
+// experts, so one count (or layout) read per (expert, source) serves all of its rows, and the CTA's warps share the
+// rows of the experts it owns (rows dealt round-robin, so no warp serializes more than its share). With at least as
+// many CTAs as local experts, expert b % L is owned by `stripes` CTAs (the rows dealt over stripes * kWarps warps);
+// otherwise CTA b owns experts b, b + grid, ... Experts are taken in batches of whole experts with at most kThreads
+// (expert, source) pairs: thread i holds pair (expert g = i / P of the batch, source q = i % P).
+struct ExpertSplit {
+    u32 first;    // the CTA's first local expert (local_experts: none)
+    u32 step;     // distance between the CTA's experts
+    u32 stripes;  // CTAs per expert
+    u32 stripe;   // this CTA's stripe of its experts' rows
+    u32 batch;    // experts per batch
+};
+
+__device__ __forceinline__ ExpertSplit expert_split(u32 local_experts, u32 ranks) {
+    ExpertSplit s;
+    s.batch = kThreads / ranks;  // ranks <= MAX_RANKS (72) < kThreads
+    if (gridDim.x >= local_experts) {
+        s.stripes = gridDim.x / local_experts;
+        s.stripe = blockIdx.x / local_experts;
+        s.first = s.stripe < s.stripes ? blockIdx.x % local_experts : local_experts;
+        s.step = local_experts;  // one expert per CTA
+    } else {
+        s.stripes = 1;
+        s.stripe = 0;
+        s.first = blockIdx.x;
+        s.step = gridDim.x;
+    }
+    return s;
+}
+
+// Exclusive prefix sum over the CTA of one value per thread (thread order), and the CTA's total. Every thread of
+// the CTA calls it; it synchronizes the CTA.
+__device__ __forceinline__ u32 cta_exclusive_scan(u32 v, u32& total) {
+    __shared__ u32 warp_sums[kWarps];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    u32 inclusive = v;
+#pragma unroll
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 n = __shfl_up_sync(~0u, inclusive, o);
+        if (lane >= o) inclusive += n;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    u32 before = 0;
+    total = 0;
+#pragma unroll
+    for (u32 w = 0; w < kWarps; ++w) {
+        const u32 x = warp_sums[w];
+        before += w < warp ? x : 0;
+        total += x;
+    }
+    __syncthreads();  // warp_sums is rewritten by the next call
+    return before + inclusive - v;
+}
+
+// The pair holding row r of the batch: the last i with first_row[i] <= r (first_row: non-decreasing, from 0, over
+// kThreads pairs; pairs without rows share their successor's first row and are never returned for a row < total).
+__device__ __forceinline__ u32 pair_of_row(const u32* first_row, u32 r) {
+    u32 lo = 0, hi = kThreads;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (first_row[mid] <= r) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
 __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlParams& p) {
+    __shared__ u32 pair_first[kThreads];   // the batch's pairs: first row in the batch's row list
+    __shared__ u32 pair_before[kThreads];  // the pair's first slot in its expert's list: rows of earlier sources
+    __shared__ u32 expert_bad[kThreads];   // the batch's experts: a source's count failed (no rows, no layout)
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchRecv);
     const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
-    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
+    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const u32 ranks = static_cast<u32>(pt.world_size);
-    const u32 chunks = (p.max_tokens + p.unit_rows - 1) / p.unit_rows;
-    const u32 units = p.local_experts * ranks * chunks;
     const u64 slots = static_cast<u64>(ranks) * p.max_tokens;  // P * Tmax rows per local expert
     const bool fp8 = p.flags & gc_moe::kLlFp8, ue8m0 = p.flags & gc_moe::kLlUe8m0;
     const u32 groups = p.hidden / 128;
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
-        const u32 le = u / (ranks * chunks), src = (u / chunks) % ranks, chunk = u % chunks;
-        if (chunk > 0) {  // a later row unit: one look at its own source's count first (most units hold no rows)
-            u32 n = 0;
-            if (lane == 0) {
-                const u64* count = word(pt, p.off_counts + ((le * ranks + src) * 2 + parity) * 8);
-                if (wait_rank(pt, p, count, gen << 32, status, gc_moe::kLlSiteCount << 16 | src, src) == kArrived)
-                    n = static_cast<u32>(gc_moe::ld_acquire_sys(count));
-            }
-            if (chunk * p.unit_rows >= __shfl_sync(~0u, n, 0)) continue;
-        }
-        u32 before = 0, rows = 0, total = 0;
-        bool ok = true;
-        for (u32 q0 = 0; q0 < ranks; q0 += 32) {
-            const u32 q = q0 + lane;
-            u32 n = 0;  // a masked source's rows count as zero
-            bool lane_ok = true;
-            if (q < ranks) {
-                const u64* count = word(pt, p.off_counts + ((le * ranks + q) * 2 + parity) * 8);
-                const Wait w = wait_rank(pt, p, count, gen << 32, status, gc_moe::kLlSiteCount << 16 | q, q);
-                lane_ok = w != kFailed;
-                if (w == kArrived) {
-                    const u64 v = gc_moe::ld_acquire_sys(count);
-                    if ((v >> 32) != gen) {
-                        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountAhead << 16 | q,
-                                              v >> 32, gen);
-                        lane_ok = false;
-                    } else if (static_cast<u32>(v) > p.max_tokens) {  // a list holds Tmax rows: never read past it
-                        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountRange << 16 | q,
-                                              static_cast<u32>(v), p.max_tokens);
-                        lane_ok = false;
-                    } else {
-                        n = static_cast<u32>(v);
-                    }
+    const ExpertSplit split = expert_split(p.local_experts, ranks);
+    const u32 g = threadIdx.x / ranks, q = threadIdx.x % ranks;
+    for (u32 e0 = split.first; e0 < p.local_experts; e0 += split.batch * split.step) {
+        const u32 le = e0 + g * split.step;
+        const bool valid = g < split.batch && le < p.local_experts;
+        expert_bad[threadIdx.x] = 0;
+        __syncthreads();
+        // One acquire per (expert, source), all of the batch's in flight at once (a masked source counts zero).
+        u32 n = 0;
+        if (valid) {
+            const u64* count = word(pt, p.off_counts + ((le * ranks + q) * 2 + parity) * 8);
+            u64 v = 0;
+            const Wait w = wait_rank(pt, p, count, gen << 32, status, gc_moe::kLlSiteCount << 16 | q, q, &v);
+            bool pair_ok = w != kFailed;
+            if (w == kArrived) {
+                if ((v >> 32) != gen) {
+                    gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountAhead << 16 | q,
+                                          v >> 32, gen);
+                    pair_ok = false;
+                } else if (static_cast<u32>(v) > p.max_tokens) {  // a list holds Tmax rows: never read past it
+                    gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteCountRange << 16 | q,
+                                          static_cast<u32>(v), p.max_tokens);
+                    pair_ok = false;
+                } else {
+                    n = static_cast<u32>(v);
                 }
             }
-            ok = __all_sync(~0u, lane_ok) && ok;
-            before += warp_sum(q < src ? n : 0);
-            rows += warp_sum(q == src ? n : 0);
-            total += warp_sum(n);
+            if (!pair_ok) expert_bad[g] = 1;
         }
-        __syncwarp();  // the lanes' acquires precede every lane's stage reads
-        if (!ok) continue;
-        if (chunk == 0 && lane == 0) {
-            reinterpret_cast<long long*>(p.layout_range)[le * ranks + src] =
-                static_cast<long long>(static_cast<u64>(before) << 32 | rows);
-            if (src == 0) {
-                reinterpret_cast<int*>(p.recv_count)[le] = static_cast<int>(total);
-                if (p.recv_stats) atomicAdd(reinterpret_cast<int*>(p.recv_stats) + le, static_cast<int>(total));
+        __syncthreads();  // the threads' acquires precede every thread's stage reads
+        const bool ok = valid && !expert_bad[g];
+        if (!ok) n = 0;
+        u32 total;
+        const u32 first = cta_exclusive_scan(n, total);
+        pair_first[threadIdx.x] = first;
+        __syncthreads();
+        const u32 expert_first = pair_first[g * ranks];  // g * ranks <= threadIdx.x
+        const u32 before = first - expert_first;
+        pair_before[threadIdx.x] = before;
+        if (ok && split.stripe == 0) {
+            reinterpret_cast<long long*>(p.layout_range)[le * ranks + q] =
+                static_cast<long long>(static_cast<u64>(before) << 32 | n);
+            if (q == 0) {
+                const u32 next = (g + 1) * ranks;  // the next expert's first pair (pairs past the batch hold no rows)
+                const int rows = static_cast<int>((next < kThreads ? pair_first[next] : total) - expert_first);
+                reinterpret_cast<int*>(p.recv_count)[le] = rows;
+                if (p.recv_stats) atomicAdd(reinterpret_cast<int*>(p.recv_stats) + le, rows);
             }
         }
-        const u32 end = min(rows, (chunk + 1) * p.unit_rows);
-        for (u32 j = chunk * p.unit_rows; j < end; ++j) {
-            const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + src) * p.max_tokens;
+        __syncthreads();
+        // The batch's rows, dealt round-robin over the warps of the experts' stripes.
+        for (u32 r = split.stripe * kWarps + warp; r < total; r += split.stripes * kWarps) {
+            const u32 pair = pair_of_row(pair_first, r);
+            const u32 row_le = e0 + (pair / ranks) * split.step, src = pair % ranks, j = r - pair_first[pair];
+            const u64 list = (static_cast<u64>(parity) * p.num_experts + row_le * ranks + src) * p.max_tokens;
             const u8* row = reinterpret_cast<const u8*>(pt.base + p.off_recv_stage) + (list + j) * p.row_stride;
-            const u64 slot = static_cast<u64>(le) * slots + before + j;
+            const u64 slot = static_cast<u64>(row_le) * slots + pair_before[pair] + j;
             if (lane == 0) {
                 const int4 origin = *reinterpret_cast<const int4*>(row);
                 reinterpret_cast<int*>(p.src_info)[slot] = origin.x;  // DeepEP's src_info: the source token
@@ -409,19 +531,21 @@ __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlPar
                          reinterpret_cast<const uint4*>(row + 16), row_bytes / 16, lane);
             if (!fp8) continue;
             const float* scales = reinterpret_cast<const float*>(row + 16 + p.hidden);
-            for (u32 g = lane; g < groups; g += 32) {
+            const u64 column = slot - static_cast<u64>(row_le) * slots;  // the row's column in its expert's scales
+            for (u32 g0 = lane; g0 < groups; g0 += 32) {
                 // Column-major per local expert (TMA-friendly): [e][groups][P*Tmax], or UE8M0 bytes packed four per
                 // int32 along the groups: [e][groups/4][P*Tmax] words.
                 if (ue8m0) {
-                    const u64 w = (static_cast<u64>(le) * (groups / 4) + g / 4) * slots + before + j;
-                    reinterpret_cast<u8*>(p.recv_scales)[w * 4 + g % 4] =
-                        static_cast<u8>((__float_as_uint(scales[g]) >> 23) & 0xff);
+                    const u64 w = (static_cast<u64>(row_le) * (groups / 4) + g0 / 4) * slots + column;
+                    reinterpret_cast<u8*>(p.recv_scales)[w * 4 + g0 % 4] =
+                        static_cast<u8>((__float_as_uint(scales[g0]) >> 23) & 0xff);
                 } else {
-                    reinterpret_cast<float*>(p.recv_scales)[(static_cast<u64>(le) * groups + g) * slots + before + j] =
-                        scales[g];
+                    reinterpret_cast<float*>(p.recv_scales)[(static_cast<u64>(row_le) * groups + g0) * slots + column] =
+                        scales[g0];
                 }
             }
         }
+        __syncthreads();  // the batch's shared words are rewritten by the next batch
     }
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchRecv * 2 + parity) * 8))) {
         if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (0 * 2 + parity) * 8), gen);
@@ -430,34 +554,56 @@ __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlPar
 }
 
 __device__ __forceinline__ void combine_send(const PeerTable& pt, const EpLlParams& p) {
+    __shared__ u32 pair_first[kThreads];    // the batch's pairs: first row in the batch's row list
+    __shared__ u32 pair_before[kThreads];   // the pair's first slot in its expert's list (its layout_range)
+    __shared__ u32 source_state[kThreads];  // per source rank: 0 no rows in the batch, else 1 + its wait's outcome
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineSend);
     u64* seq = word(pt, p.off_seq) + 1;
     const u64 gen = *reinterpret_cast<volatile u64*>(seq) + 1;
-    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
+    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
-    const u32 chunks = (p.max_tokens + p.unit_rows - 1) / p.unit_rows;
-    const u32 units = p.local_experts * ranks * chunks;
     const u64 slots = static_cast<u64>(ranks) * p.max_tokens;
     const u32 row_vecs = p.hidden / 8;  // 16-byte vectors of a BF16 row
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
-        const u32 le = u / (ranks * chunks), src = (u / chunks) % ranks, chunk = u % chunks;
-        const u64 range = static_cast<u64>(reinterpret_cast<const long long*>(p.layout_range)[le * ranks + src]);
-        const u32 before = static_cast<u32>(range >> 32), rows = static_cast<u32>(range);
-        if (chunk * p.unit_rows >= rows) continue;
-        if (wait_consumed(pt, p, src, 1, gen, status) != kArrived) continue;  // failed, or a masked source
-        const u32 end = min(rows, (chunk + 1) * p.unit_rows);
-        for (u32 j = chunk * p.unit_rows; j < end; ++j) {
-            const u64 slot = static_cast<u64>(le) * slots + before + j;
+    const ExpertSplit split = expert_split(p.local_experts, ranks);
+    const u32 g = threadIdx.x / ranks, q = threadIdx.x % ranks;
+    for (u32 e0 = split.first; e0 < p.local_experts; e0 += split.batch * split.step) {
+        const u32 le = e0 + g * split.step;
+        const bool valid = g < split.batch && le < p.local_experts;
+        source_state[threadIdx.x] = 0;
+        __syncthreads();
+        u32 rows = 0, before = 0;
+        if (valid) {
+            const u64 range = static_cast<u64>(reinterpret_cast<const long long*>(p.layout_range)[le * ranks + q]);
+            before = static_cast<u32>(range >> 32);
+            rows = static_cast<u32>(range);
+            if (rows) source_state[q] = 1;
+        }
+        __syncthreads();
+        // One wait per source rank with rows in the batch: its stage was read two generations back.
+        if (threadIdx.x < ranks && source_state[threadIdx.x])
+            source_state[threadIdx.x] = 1 + wait_consumed(pt, p, threadIdx.x, 1, gen, status);
+        __syncthreads();
+        // A failed wait or a masked source: its rows are not sent.
+        const u32 n = valid && source_state[q] == 1 + kArrived ? rows : 0;
+        u32 total;
+        pair_first[threadIdx.x] = cta_exclusive_scan(n, total);
+        pair_before[threadIdx.x] = before;
+        __syncthreads();
+        for (u32 r = split.stripe * kWarps + warp; r < total; r += split.stripes * kWarps) {
+            const u32 pair = pair_of_row(pair_first, r);
+            const u32 row_le = e0 + (pair / ranks) * split.step, src = pair % ranks, j = r - pair_first[pair];
+            const u64 slot = static_cast<u64>(row_le) * slots + pair_before[pair] + j;
             const u32 origin = static_cast<u32>(reinterpret_cast<const int*>(p.src_route)[slot]);
             const u64 dst_row = (static_cast<u64>(parity) * p.max_tokens + origin / p.topk) * p.topk + origin % p.topk;
             copy_vectors(peer_ptr<uint4>(pt, src, p.off_combine_stage + dst_row * 2 * p.hidden),
                          reinterpret_cast<const uint4*>(p.x) + slot * row_vecs, row_vecs, lane);
         }
+        __syncthreads();  // the batch's shared words are rewritten by the next batch
     }
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineSend * 2 + parity) * 8))) {
-        for (u32 q = threadIdx.x; q < ranks; q += kThreads) {
-            if (is_masked(pt, p, q)) continue;
-            gc_moe::st_release_sys(peer_ptr<u64>(pt, q, p.off_ready + (own * 2 + parity) * 8), gen);
+        for (u32 rank = threadIdx.x; rank < ranks; rank += kThreads) {
+            if (is_masked(pt, p, rank)) continue;
+            gc_moe::st_release_sys(peer_ptr<u64>(pt, rank, p.off_ready + (own * 2 + parity) * 8), gen);
         }
         if (threadIdx.x == 0) {
             *seq = gen;
@@ -495,11 +641,12 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     bool ok = true;
     for (u32 q = threadIdx.x; q < ranks; q += kThreads) {
         const u64* ready = word(pt, p.off_ready + (q * 2 + parity) * 8);
-        const Wait w = wait_rank(pt, p, ready, gen, status, gc_moe::kLlSiteReady << 16 | q, q);
+        u64 v = 0;
+        const Wait w = wait_rank(pt, p, ready, gen, status, gc_moe::kLlSiteReady << 16 | q, q, &v);
         if (w == kFailed) {
             ok = false;
         } else if (w == kArrived) {
-            if (const u64 v = gc_moe::ld_acquire_sys(ready); v != gen) {
+            if (v != gen) {
                 gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteReadyAhead << 16 | q, v, gen);
                 ok = false;
             }
@@ -512,29 +659,41 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     const u8* stage = reinterpret_cast<const u8*>(pt.base + p.off_combine_stage);
     for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
+        const bool in_row = col < p.hidden;
+        const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
+        // The first kCombineUnroll slots' vectors and weights go out before the slot decisions, so that their latency
+        // overlaps the routing checks (every (token, slot) row lies in the stage: an unused slot's vector is loaded
+        // and ignored).
+        uint4 v[kCombineUnroll];
+        float w[kCombineUnroll];
+#pragma unroll
+        for (u32 i = 0; i < kCombineUnroll; ++i) {
+            if (in_row && i < p.topk) {
+                w[i] = weights[t * p.topk + i];
+                v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + i) * p.hidden + col) * 2);
+            }
+        }
         // Lane j decides slot j once for the warp (reported by the token's first column unit only).
         const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
                                                            u % chunks == 0 ? status : nullptr);
         const u32 used_slots = __ballot_sync(~0u, decided);
-        if (col >= p.hidden) continue;
+        if (!in_row) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
-            uint4 v[kCombineUnroll];
-            float w[kCombineUnroll];
-            bool used[kCombineUnroll];
+            if (k0 > 0) {
 #pragma unroll
-            for (u32 i = 0; i < kCombineUnroll; ++i) {  // the loads of up to kCombineUnroll slots in flight
-                const u32 k = k0 + i;
-                used[i] = k < p.topk && (used_slots >> k & 1u);
-                w[i] = used[i] ? weights[t * p.topk + k] : 0.f;
-                if (used[i]) {
-                    const u64 row = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk + k;
-                    v[i] = *reinterpret_cast<const uint4*>(stage + (row * p.hidden + col) * 2);
+                for (u32 i = 0; i < kCombineUnroll; ++i) {  // the next slots' loads, all in flight
+                    const u32 k = k0 + i;
+                    if (k < p.topk && (used_slots >> k & 1u)) {
+                        w[i] = weights[t * p.topk + k];
+                        v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + k) * p.hidden + col) * 2);
+                    }
                 }
             }
 #pragma unroll
-            for (u32 i = 0; i < kCombineUnroll; ++i) {
-                if (!used[i]) continue;
+            for (u32 i = 0; i < kCombineUnroll; ++i) {  // slot order: the reference's summation order
+                const u32 k = k0 + i;
+                if (k >= p.topk || !(used_slots >> k & 1u)) continue;
                 const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
                                     bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
                 // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it.

@@ -144,26 +144,34 @@ def test_required_bytes_example() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(shapes, st.integers(0, 512))
-def test_ll_grid_bounds(shape: LlShape, num_tokens: int) -> None:
-    """At least one CTA, at most MAX_SMS; dispatch send has a CTA per token, the others a warp per work unit (8 per
-    CTA), up to the cap, and no CTA without work below it."""
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens) == max(1, min(MAX_SMS, num_tokens))
-    warps = {Kernel.DISPATCH_RECV: shape.num_experts * -(-shape.max_tokens // UNIT_ROWS),
-             Kernel.COMBINE_SEND: shape.num_experts * -(-shape.max_tokens // UNIT_ROWS),
-             Kernel.COMBINE_RECV: num_tokens * -(-shape.hidden // 256)}
-    for kernel, units in warps.items():
-        grid = ep_ll.ll_grid(kernel, shape, num_tokens)
-        assert 1 <= grid <= MAX_SMS
-        assert grid == MAX_SMS or grid * (THREADS // 32) >= units, kernel
-        assert grid == 1 or (grid - 1) * (THREADS // 32) < units, kernel  # no CTA without work below the cap
+@given(shapes, st.integers(0, 512), st.integers(1, 200))
+def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
+    """At least one CTA, at most the cap; dispatch send has a CTA per token; dispatch receive and combine send use
+    every CTA up to the cap, or an equal number per local expert below it; combine receive a warp per (token, 256
+    columns) (8 per CTA), up to the cap, and no CTA without work below it."""
+    cap = max(1, min(MAX_SMS, max_ctas))
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens))
+    local = shape.local_experts
+    for kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_SEND):
+        grid = ep_ll.ll_grid(kernel, shape, num_tokens, max_ctas)
+        assert 1 <= grid <= cap
+        assert grid == cap if local >= cap else (grid % local == 0 and grid + local > cap), kernel
+    units = num_tokens * -(-shape.hidden // 256)
+    grid = ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas)
+    assert 1 <= grid <= cap
+    assert grid == cap or grid * (THREADS // 32) >= units
+    assert grid == 1 or (grid - 1) * (THREADS // 32) < units  # no CTA without work below the cap
 
 
 def test_ll_grid_examples() -> None:
     shape = LlShape(2, 256, 128, 7168, 8)
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == 128
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 0) == 1
-    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == 128  # 128 local experts, one CTA each
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
+    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
+    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 0) == 1
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 3) == 11  # 3 tokens * 28 column chunks = 84 warps
 
