@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -71,7 +72,17 @@ def host_profile(fn: Callable[[], object], calls: int, top: int) -> str:
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
-    return out.getvalue()
+    return machine_neutral(out.getvalue())
+
+
+def machine_neutral(text: str) -> str:
+    """``text`` without this machine's directories: the repository root and the interpreter's library folders
+    become relative names, so a committed report names files as the tree does."""
+    roots = {str(Path(__file__).resolve().parent.parent)}
+    roots |= {p for p in sys.path if p and Path(p).is_absolute() and ("site-packages" in p or "python3" in p)}
+    for root in sorted(roots, key=len, reverse=True):  # the innermost first: a venv may sit inside the tree
+        text = text.replace(root.rstrip("/") + "/", "")
+    return text
 
 
 def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int
@@ -136,9 +147,11 @@ def main() -> int:
     if args.ncu:
         return ncu_window(args)
     partition = deep_ep_partition_mode()
-    report = [f"deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, {torch.cuda.get_device_name()}: normal "
-              f"T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, hidden {args.hidden}, "
-              f"top-{args.topk}, {args.experts} experts, {args.calls} eager calls per measurement", ""]
+    sha = os.environ.get("GC_MOE_GIT_SHA") or "unknown"
+    report = [f"tree {sha}; deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, "
+              f"{torch.cuda.get_device_name()}: normal T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, "
+              f"hidden {args.hidden}, top-{args.topk}, {args.experts} experts, {args.calls} eager calls per "
+              "measurement", ""]
     with single_rank_group() as group:
         table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
         summary = []
