@@ -38,6 +38,15 @@ def test_deep_ep_normal_cases(nproc: int, partition: str) -> None:
 
 
 @pytest.mark.multigpu
+def test_deep_ep_normal_at_deepeps_legacy_test_shape() -> None:
+    """DeepEP's legacy intranode test's sizes and data (4096 tokens of hidden 7168 per rank, 256 experts, 2e9 NVL
+    bytes), every received row checked against its source rank, BF16 and FP8, uncached and cached, twice: at 8
+    processes on one H200 the legacy test's first FP8 dispatch received rows that were not their source's."""
+    out = run_ranks(WORKER, MULTI_RANKS, TIMEOUT_S, args=("--suite", "legacy_shape"))
+    assert out.count("legacy shape round 1 FP8 with top-k rows from their sources") == MULTI_RANKS
+
+
+@pytest.mark.multigpu
 def test_deep_ep_normal_missing_peer_times_out() -> None:
     run_ranks(WORKER, 2, TIMEOUT_S, "missing peer", args=("--suite", "timeout"))
 

@@ -7,8 +7,11 @@ per-expert counts, the worst-case padding, a cached re-dispatch, and the combine
 reference, with and without bias and top-k weights). The caching allocator is poisoned (freed 0xFF blocks) before
 each call, so an output row the kernels fail to write shows. Suites: ``cases`` (random routing with -1 slots, a rank
 without tokens on two ranks, T = 0, every token to one expert, expert_alignment, num_worst_tokens, async +
-previous_event, a default device of cuda) and ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
-DeviceTimeoutError naming rank 1).
+previous_event, a default device of cuda), ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
+DeviceTimeoutError naming rank 1) and ``legacy_shape`` (DeepEP's tests/legacy/test_intranode.py sizes and data: 4096
+tokens of hidden 7168 per rank, top-8 of 256 experts, 24 SMs, 2e9 NVL bytes, every row of rank r equal to r, in
+BF16 and FP8 with column-major scales; each received row is checked against its source rank and a bad one is
+reported by source, column range and the facade's recorded status).
 """
 
 from __future__ import annotations
@@ -205,5 +208,74 @@ def suite_timeout(rank: int, ranks: int) -> None:
     dist.barrier()
 
 
+LEGACY_TOKENS, LEGACY_HIDDEN, LEGACY_TOPK, LEGACY_EXPERTS, LEGACY_SMS, LEGACY_NVL = 4096, 7168, 8, 256, 24, int(2e9)
+
+
+def _legacy_rows_ok(recv: object, sources: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Per received row, whether it is its source rank's row: BF16 all equal to the rank; FP8 DeepEP's
+    per_token_cast_to_fp8 of it (payload 448, or 0 for rank 0, and the scale amax / 448 of every 128-column group)."""
+    if not fp8:
+        return (recv.float() == sources.float().unsqueeze(1)).all(dim=1)
+    payload, scales = recv
+    amax = sources.float().clamp(min=1e-4).unsqueeze(1)
+    want_payload = torch.where(sources > 0, 448.0, 0.0).unsqueeze(1)
+    return (payload.float() == want_payload).all(dim=1) & (scales == amax / 448).all(dim=1)
+
+
+def _legacy_report(what: str, ok: torch.Tensor, sources: torch.Tensor, recv: object, fp8: bool,
+                   buf: deep_ep.Buffer) -> str:
+    """Which rows are wrong (per source rank, the first row, its first and last wrong column) and what the facade
+    recorded: a device error would surface at the next call."""
+    bad = (~ok).nonzero().flatten()
+    per_source = torch.bincount(sources[bad].long(), minlength=dist.get_world_size()).tolist()
+    row = int(bad[0])
+    values = (recv[0] if fp8 else recv)[row].float()
+    wrong = (values != values[0]).nonzero().flatten() if fp8 else (values != float(sources[row])).nonzero().flatten()
+    cols = f"columns {int(wrong[0])}..{int(wrong[-1])}" if wrong.numel() else "payload uniform (scales differ)"
+    try:
+        buf.get_dispatch_layout(torch.zeros(1, LEGACY_TOPK, dtype=torch.int64, device="cuda"), LEGACY_EXPERTS)
+        torch.cuda.synchronize()
+        recorded = "nothing recorded"
+    except Exception as err:  # noqa: BLE001 - the report names whatever the facade raised
+        recorded = f"{type(err).__name__}: {err}"
+    return (f"{what}: {bad.numel()} of {ok.numel()} received rows wrong, per source rank {per_source}; first row "
+            f"{row} (source {int(sources[row])}): {cols}; the facade: {recorded}")
+
+
+def suite_legacy_shape(rank: int, ranks: int) -> None:
+    buf = deep_ep.Buffer(dist.group.WORLD, LEGACY_NVL, 0, explicitly_destroy=True)
+    config = deep_ep.Config(LEGACY_SMS, 8, 256)
+    x = torch.ones((LEGACY_TOKENS, LEGACY_HIDDEN), dtype=torch.bfloat16, device="cuda") * rank
+    amax = x.float().view(LEGACY_TOKENS, -1, 128).abs().amax(dim=2).clamp(min=1e-4)
+    payload = (x.float().view(LEGACY_TOKENS, -1, 128) / (amax / 448).unsqueeze(2)).view_as(x).to(torch.float8_e4m3fn)
+    x_fp8 = (payload, (amax / 448).T.contiguous().T)  # column-major scales, as DeepEP's test passes them
+    torch.manual_seed(rank)
+    scores = torch.randn((LEGACY_TOKENS, LEGACY_EXPERTS), dtype=torch.float32, device="cuda").abs() + 1
+    topk_idx = torch.topk(scores, LEGACY_TOPK, dim=-1, largest=True, sorted=False)[1]
+    topk_w = torch.ones((LEGACY_TOKENS, LEGACY_TOPK), dtype=torch.float32, device="cuda") * rank
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, LEGACY_EXPERTS)
+    for round_ in range(2):
+        for fp8 in (False, True):
+            for with_topk in (False, True):
+                what = f"round {round_} {'FP8' if fp8 else 'BF16'} {'with' if with_topk else 'without'} top-k"
+                extra = dict(topk_idx=topk_idx, topk_weights=topk_w) if with_topk else {}
+                recv, _, _, _, handle, _ = buf.dispatch(x_fp8 if fp8 else x, num_tokens_per_rank=per_rank,
+                                                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                        config=config, **extra)
+                torch.cuda.synchronize()
+                prefix = handle[0][:, rank].tolist()
+                sources = torch.repeat_interleave(torch.arange(ranks, device="cuda"), torch.tensor(
+                    [prefix[0]] + [prefix[i] - prefix[i - 1] for i in range(1, ranks)], device="cuda"))
+                ok = _legacy_rows_ok(recv, sources, fp8)
+                assert bool(ok.all()), _legacy_report(what, ok, sources, recv, fp8, buf)
+                if not with_topk:
+                    again, *_ = buf.dispatch(x_fp8 if fp8 else x, handle=handle, config=config)
+                    torch.cuda.synchronize()
+                    ok = _legacy_rows_ok(again, sources, fp8)
+                    assert bool(ok.all()), _legacy_report(f"{what}, cached", ok, sources, again, fp8, buf)
+                print(f"rank {rank}: legacy shape {what} rows from their sources", flush=True)
+    buf.destroy()
+
+
 if __name__ == "__main__":
-    run_suite({"cases": suite_cases, "timeout": suite_timeout})
+    run_suite({"cases": suite_cases, "timeout": suite_timeout, "legacy_shape": suite_legacy_shape})
