@@ -43,7 +43,9 @@ constexpr u32 kThreads = 256;
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
-constexpr u32 kColumns = 256;      // combine receive: BF16 columns per warp unit (8 per lane)
+constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
+constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
+constexpr u32 kBatch = 8;          // combine receive: 16-byte vectors per lane loaded before they are summed
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -411,7 +413,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_s
 }
 
 // combine receive: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
-// FP32 (DeepEP's order), and the top-k weights summed the same way; a warp per (token, 256 columns).
+// FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
+// from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each rank in
+// order its kBatch vectors, before summing them (kBatch loads in flight per lane instead of one).
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_recv(const PeerTable pt,
                                                                                 const EpNormalParams p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
@@ -423,39 +427,77 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_r
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
     const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
-    const u32 chunks = (p.hidden + kColumns - 1) / kColumns;
-    const u32 units = ok ? p.num_tokens * chunks : 0;
+    const u32 tokens = ok ? p.num_tokens : 0;
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
-        const u32 t = u / chunks, chunk = u % chunks, col = chunk * kColumns + lane * 8;
+    const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
+    const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
         const u32 c = channel_of(p, t);
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        const u64 at = static_cast<u64>(t) * p.hidden + col;
-        if (col < p.hidden) {
-            float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (p.bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_0) + at));
-            if (p.bias_1) add_bf16x8(b, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_1) + at));
+        u32 rows[kRankWords], held[kRankWords];  // lane l: the row from rank 32 w + l; bit l of held[w]: it exists
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], b[i]);  // bias_0 + bias_1 first, as DeepEP
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const u32 r = 32 * w + lane;
+            bool in = false;
+            rows[w] = 0;
+            if (r < ranks) {
+                const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+                rows[w] = rank_start[r] + channel_start(p, r, c) + head;
+                in = head >= 0 && rows[w] < p.data_rows;  // a row past the region: the sender reported it
+            }
+            held[w] = __ballot_sync(~0u, in);
         }
-        float weight = 0.f;
-        for (u32 r = 0; r < ranks; ++r) {
-            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
-            if (head < 0) continue;
-            const u64 row = rank_start[r] + channel_start(p, r, c) + head;
-            if (row >= p.data_rows) continue;  // the sender reported it
-            const u8* src = data + row * p.row_stride;
-            if (col < p.hidden) add_bf16x8(acc, *reinterpret_cast<const uint4*>(src + static_cast<u64>(col) * 2));
-            if (chunk == 0 && lane < p.topk) weight += reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
-        }
-        if (col < p.hidden) {
-            __nv_bfloat162 out[4];
+        for (u32 col0 = 0; col0 < p.hidden; col0 += kBatch * kColumns) {
+            const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
+            bool live[kBatch];  // this lane's columns of vector i are inside the row
+            float acc[kBatch][8];
+            uint4 v[kBatch], b[kBatch];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at) = *reinterpret_cast<const uint4*>(out);
+            for (u32 i = 0; i < kBatch; ++i) {
+                live[i] = col0 + i * kColumns + lane * 8 < p.hidden;
+                v[i] = b[i] = make_uint4(0, 0, 0, 0);
+                if (live[i] && bias_0) v[i] = *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns);
+                if (live[i] && bias_1) b[i] = *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns);
+            }
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
+                if (bias_0) add_bf16x8(acc[i], v[i]);
+                if (bias_1) add_bf16x8(b1, b[i]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+            }
+            const bool weights = col0 == 0 && lane < p.topk;  // the first columns' warp also sums the top-k weights
+            float weight = 0.f;
+#pragma unroll
+            for (u32 w = 0; w < kRankWords; ++w) {
+                for (u32 m = held[w]; m; m &= m - 1) {  // ranks in increasing order
+                    const u8* src = data + static_cast<u64>(__shfl_sync(~0u, rows[w], __ffs(m) - 1)) * p.row_stride;
+                    const uint4* vec = reinterpret_cast<const uint4*>(src + (static_cast<u64>(col0) + lane * 8) * 2);
+                    float wt = 0.f;
+                    if (weights) wt = reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
+#pragma unroll
+                    for (u32 i = 0; i < kBatch; ++i)
+                        if (live[i]) v[i] = vec[i * kColumns / 8];
+#pragma unroll
+                    for (u32 i = 0; i < kBatch; ++i)
+                        if (live[i]) add_bf16x8(acc[i], v[i]);
+                    weight += wt;
+                }
+            }
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                if (!live[i]) continue;
+                __nv_bfloat162 out[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[i][2 * j], acc[i][2 * j + 1]);
+                *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
+                    *reinterpret_cast<const uint4*>(out);
+            }
+            if (weights && p.out_topk_weights)
+                reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
         }
-        if (chunk == 0 && lane < p.topk && p.out_topk_weights)
-            reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
     }
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
