@@ -43,7 +43,9 @@ constexpr u32 kThreads = 256;
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
-constexpr u32 kColumns = 256;      // combine receive: BF16 columns per warp unit (8 per lane)
+constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
+constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
+constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -104,16 +106,31 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
     return e;
 }
 
-// A warp copies `count` 16-byte vectors (four loads in flight per lane).
-__device__ __forceinline__ void warp_copy(uint4* dst, const uint4* src, u32 count, u32 lane) {
-    for (u32 v0 = lane; v0 < count; v0 += 32 * 4) {
-        uint4 r[4];
+// A warp copies `count` elements (16-byte vectors, or scale words), kBatch loads in flight per lane before their
+// stores.
+template <typename T>
+__device__ __forceinline__ void warp_copy(T* dst, const T* src, u32 count, u32 lane) {
+    for (u32 v0 = lane; v0 < count; v0 += 32 * kBatch) {
+        T r[kBatch];
 #pragma unroll
-        for (u32 i = 0; i < 4; ++i)
+        for (u32 i = 0; i < kBatch; ++i)
             if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
 #pragma unroll
-        for (u32 i = 0; i < 4; ++i)
+        for (u32 i = 0; i < kBatch; ++i)
             if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
+    }
+}
+
+// Calls f(rank, row) for every rank whose bit is set in held, in increasing rank order; lane l holds the row of rank
+// 32 w + l in rows[w]. Warp-uniform.
+template <typename Row, typename F>
+__device__ __forceinline__ void for_each_rank(const u32 (&held)[kRankWords], const Row (&rows)[kRankWords], F&& f) {
+#pragma unroll
+    for (u32 w = 0; w < kRankWords; ++w) {
+        for (u32 m = held[w]; m; m &= m - 1) {
+            const u32 bit = __ffs(m) - 1;
+            f(32 * w + bit, __shfl_sync(~0u, rows[w], bit));
+        }
     }
 }
 
@@ -279,7 +296,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
 }
 
 // dispatch send: every token's row goes to each rank it is in, at DeepEP's receive position
-// M[own-1][r] + channel start + send_head; a warp per token.
+// M[own-1][r] + channel start + send_head. A warp per token: lane r finds the row at rank r, lane k loads top-k slot
+// k, then each batch of the token's vectors (kBatch per lane) is loaded once and stored to every rank.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_send(const PeerTable pt,
                                                                                  const EpNormalParams p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchSend);
@@ -289,33 +307,72 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
     const u32 vecs = p.row_bytes / 16;
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += gridDim.x * kWarps) {
         const u32 c = channel_of(p, t);
-        for (u32 r = 0; r < ranks; ++r) {
-            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
-            if (head < 0) continue;
-            const u64 row = static_cast<u64>(prefix_at(p, static_cast<int>(own) - 1, r, ranks) + channel_start(p, r, c) + head);
-            if (row >= p.data_rows) {
-                if (lane == 0) gc_moe::report_status(status, gc_moe::kStatusMismatch,
-                                                     gc_moe::kNormalSiteCapacity << 16 | r, row, p.data_rows);
-                continue;
+        u64 rows[kRankWords];
+        u32 held[kRankWords];  // bit l of held[w]: the token goes to rank 32 w + l, at rows[w] of lane l
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const u32 r = 32 * w + lane;
+            bool in = false;
+            rows[w] = 0;
+            if (r < ranks) {
+                const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+                rows[w] = static_cast<u64>(prefix_at(p, static_cast<int>(own) - 1, r, ranks) + channel_start(p, r, c) +
+                                           head);
+                in = head >= 0;
             }
-            u8* dst = base_of(pt, r, p.off_data) + row * p.row_stride;
-            if (lane == 0) *reinterpret_cast<int4*>(dst) = make_int4(static_cast<int>(t), 0, 0, 0);
-            warp_copy(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs,
-                      vecs, lane);
-            u32* scales = reinterpret_cast<u32*>(dst + p.off_row_scales);
-            for (u32 i = lane; i < p.num_scales; i += 32)
-                scales[i] = reinterpret_cast<const u32*>(p.x_scales)[static_cast<u64>(t) * p.scale_token_stride +
-                                                                      static_cast<u64>(i) * p.scale_hidden_stride];
-            for (u32 k = lane; k < p.topk; k += 32) {
-                // DeepEP's transform: the destination's local expert id, or -1 (weight 0) for another rank's expert.
-                long long e = slot_expert(p, static_cast<u64>(t) * p.topk + k);
-                const long long begin = static_cast<long long>(r) * p.local_experts;
-                e = (e >= begin && e < begin + p.local_experts) ? e - begin : -1;
-                reinterpret_cast<long long*>(dst + p.off_row_topk)[k] = e;
-                const float w = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + k];
-                reinterpret_cast<float*>(dst + p.off_row_topk + 8 * p.topk)[k] = e >= 0 ? w : 0.0f;
-            }
+            const u32 past = __ballot_sync(~0u, in && rows[w] >= p.data_rows);
+            if (past && lane == __ffs(past) - 1)  // the lowest such rank, as a rank-order scan reports first
+                gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteCapacity << 16 | r, rows[w],
+                                      p.data_rows);
+            held[w] = __ballot_sync(~0u, in && rows[w] < p.data_rows);
         }
+        u32 any = 0;
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) any |= held[w];
+        if (!any) continue;  // a token of unused slots only: nothing to send
+        long long expert = -1;
+        float weight = 0.f;
+        if (lane < p.topk) {
+            expert = slot_expert(p, static_cast<u64>(t) * p.topk + lane);
+            weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
+        }
+        const auto row_at = [&](u32 r, u64 row) { return base_of(pt, r, p.off_data) + row * p.row_stride; };
+        for_each_rank(held, rows, [&](u32 r, u64 row) {
+            if (lane == 0) *reinterpret_cast<int4*>(row_at(r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
+        });
+        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
+        // Warp-uniform loops (for_each_rank shuffles across the warp).
+        for (u32 base = 0; base < vecs; base += 32 * kBatch) {
+            const u32 v0 = base + lane;
+            uint4 v[kBatch];
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i)
+                if (v0 + 32 * i < vecs) v[i] = src[v0 + 32 * i];
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                uint4* dst = reinterpret_cast<uint4*>(row_at(r, row) + 16);
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i)
+                    if (v0 + 32 * i < vecs) dst[v0 + 32 * i] = v[i];
+            });
+        }
+        for (u32 base = 0; base < p.num_scales; base += 32) {
+            const u32 i = base + lane;
+            const bool live = i < p.num_scales;
+            const u64 at = static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride;
+            const u32 scale = live ? reinterpret_cast<const u32*>(p.x_scales)[at] : 0u;
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                if (live) reinterpret_cast<u32*>(row_at(r, row) + p.off_row_scales)[i] = scale;
+            });
+        }
+        for_each_rank(held, rows, [&](u32 r, u64 row) {
+            if (lane >= p.topk) return;
+            // DeepEP's transform: the destination's local expert id, or -1 (weight 0) for another rank's expert.
+            const long long begin = static_cast<long long>(r) * p.local_experts;
+            const long long e = (expert >= begin && expert < begin + p.local_experts) ? expert - begin : -1;
+            u8* topk = row_at(r, row) + p.off_row_topk;
+            reinterpret_cast<long long*>(topk)[lane] = e;
+            reinterpret_cast<float*>(topk + 8 * p.topk)[lane] = e >= 0 ? weight : 0.0f;
+        });
     }
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
         // The receivers' recv_channel_prefix_matrix rows: this rank's exclusive channel starts toward each rank.
@@ -344,19 +401,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
     const u32 vecs = p.row_bytes / 16;
     for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
         const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
-        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = *reinterpret_cast<const int*>(src);
+        // The source index and top-k slots are loaded first, in flight with the row's first vectors.
+        const bool slot = lane < p.topk && p.recv_topk_idx;
+        int src_idx = 0;
+        long long e = -1;
+        float weight = 0.f;
+        if (lane == 0) src_idx = *reinterpret_cast<const int*>(src);
+        if (slot) {
+            e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
+            weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
+        }
         warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
                   reinterpret_cast<const uint4*>(src + 16), vecs, lane);
-        for (u32 i = lane; i < p.num_scales; i += 32)
-            reinterpret_cast<u32*>(p.recv_scales)[static_cast<u64>(j) * p.num_scales + i] =
-                reinterpret_cast<const u32*>(src + p.off_row_scales)[i];
-        for (u32 k = lane; k < p.topk && p.recv_topk_idx; k += 32) {
-            const long long e = reinterpret_cast<const long long*>(src + p.off_row_topk)[k];
-            const u64 f = static_cast<u64>(j) * p.topk + k;
+        warp_copy(reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales,
+                  reinterpret_cast<const u32*>(src + p.off_row_scales), p.num_scales, lane);
+        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
+        if (slot) {
+            const u64 f = static_cast<u64>(j) * p.topk + lane;
             if (p.idx_bytes == 8) reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
             else reinterpret_cast<int*>(p.recv_topk_idx)[f] = static_cast<int>(e);
-            reinterpret_cast<float*>(p.recv_topk_weights)[f] =
-                reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[k];
+            reinterpret_cast<float*>(p.recv_topk_weights)[f] = weight;
         }
     }
     if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
@@ -377,33 +441,40 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
 }
 
 // combine send: received row j (from source rank s) goes back to s, at row sum_{r' < own} sent(s, r') + (j - M[s-1][own])
-// of s's data region; a warp per row.
+// of s's data region; a warp per row (its top-k weights loaded in flight with its first vectors), both terms per
+// source rank in shared memory.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_send(const PeerTable pt,
                                                                                 const EpNormalParams p) {
+    __shared__ u32 recv_end[kMaxRanks];  // M[s][own]: the end of source rank s's rows in this rank's received rows
+    __shared__ u32 back_start[kMaxRanks];  // sum_{r' < own} sent(s, r'): the first row of own's rows at rank s
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineSend);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
+    for (u32 s = threadIdx.x; s < ranks; s += kThreads) {
+        u32 before = 0;
+        for (u32 r = 0; r < own; ++r) before += static_cast<u32>(sent(p, s, r, ranks));
+        recv_end[s] = static_cast<u32>(prefix_at(p, static_cast<int>(s), own, ranks));
+        back_start[s] = before;
+    }
     const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
     const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
     const u32 rows = ok ? min(num_recv, p.recv_rows) : 0;
     const u32 vecs = p.row_bytes / 16;
     for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
         u32 s = 0;
-        while (s + 1 < ranks && static_cast<u32>(prefix_at(p, static_cast<int>(s), own, ranks)) <= j) ++s;
-        u32 before = 0;
-        for (u32 r = 0; r < own; ++r) before += static_cast<u32>(sent(p, s, r, ranks));
-        const u64 row = before + (j - static_cast<u32>(prefix_at(p, static_cast<int>(s) - 1, own, ranks)));
+        while (s + 1 < ranks && recv_end[s] <= j) ++s;
+        const u64 row = back_start[s] + (j - (s == 0 ? 0u : recv_end[s - 1]));
         if (row >= p.data_rows) {
             if (lane == 0) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteCapacity << 16 | s,
                                                  row, p.data_rows);
             continue;
         }
+        float weight = 0.f;
+        if (lane < p.topk) weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(j) * p.topk + lane];
         u8* dst = base_of(pt, s, p.off_data) + row * p.row_stride;
         warp_copy(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(j) * vecs, vecs,
                   lane);
-        for (u32 k = lane; k < p.topk; k += 32)
-            reinterpret_cast<float*>(dst + p.off_row_topk)[k] =
-                reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(j) * p.topk + k];
+        if (lane < p.topk) reinterpret_cast<float*>(dst + p.off_row_topk)[lane] = weight;
     }
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
@@ -411,7 +482,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_s
 }
 
 // combine receive: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
-// FP32 (DeepEP's order), and the top-k weights summed the same way; a warp per (token, 256 columns).
+// FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
+// from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each rank in
+// order its kBatch vectors, before summing them (kBatch loads in flight per lane instead of one).
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_recv(const PeerTable pt,
                                                                                 const EpNormalParams p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
@@ -423,39 +496,74 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_r
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
     const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
-    const u32 chunks = (p.hidden + kColumns - 1) / kColumns;
-    const u32 units = ok ? p.num_tokens * chunks : 0;
+    const u32 tokens = ok ? p.num_tokens : 0;
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
-        const u32 t = u / chunks, chunk = u % chunks, col = chunk * kColumns + lane * 8;
+    const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
+    const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
         const u32 c = channel_of(p, t);
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        const u64 at = static_cast<u64>(t) * p.hidden + col;
-        if (col < p.hidden) {
-            float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (p.bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_0) + at));
-            if (p.bias_1) add_bf16x8(b, *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.bias_1) + at));
+        u32 rows[kRankWords], held[kRankWords];  // lane l: the row from rank 32 w + l; bit l of held[w]: it exists
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], b[i]);  // bias_0 + bias_1 first, as DeepEP
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const u32 r = 32 * w + lane;
+            bool in = false;
+            rows[w] = 0;
+            if (r < ranks) {
+                const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+                rows[w] = rank_start[r] + channel_start(p, r, c) + head;
+                in = head >= 0 && rows[w] < p.data_rows;  // a row past the region: the sender reported it
+            }
+            held[w] = __ballot_sync(~0u, in);
         }
-        float weight = 0.f;
-        for (u32 r = 0; r < ranks; ++r) {
-            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
-            if (head < 0) continue;
-            const u64 row = rank_start[r] + channel_start(p, r, c) + head;
-            if (row >= p.data_rows) continue;  // the sender reported it
-            const u8* src = data + row * p.row_stride;
-            if (col < p.hidden) add_bf16x8(acc, *reinterpret_cast<const uint4*>(src + static_cast<u64>(col) * 2));
-            if (chunk == 0 && lane < p.topk) weight += reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
-        }
-        if (col < p.hidden) {
-            __nv_bfloat162 out[4];
+        for (u32 col0 = 0; col0 < p.hidden; col0 += kBatch * kColumns) {
+            const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
+            bool live[kBatch];  // this lane's columns of vector i are inside the row
+            float acc[kBatch][8];
+            uint4 v[kBatch], b[kBatch];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at) = *reinterpret_cast<const uint4*>(out);
+            for (u32 i = 0; i < kBatch; ++i) {
+                live[i] = col0 + i * kColumns + lane * 8 < p.hidden;
+                v[i] = b[i] = make_uint4(0, 0, 0, 0);
+                if (live[i] && bias_0) v[i] = *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns);
+                if (live[i] && bias_1) b[i] = *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns);
+            }
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
+                if (bias_0) add_bf16x8(acc[i], v[i]);
+                if (bias_1) add_bf16x8(b1, b[i]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+            }
+            const bool weights = col0 == 0 && lane < p.topk;  // the first columns' warp also sums the top-k weights
+            float weight = 0.f;
+            for_each_rank(held, rows, [&](u32, u32 row) {
+                const u8* src = data + static_cast<u64>(row) * p.row_stride;
+                const uint4* vec = reinterpret_cast<const uint4*>(src + (static_cast<u64>(col0) + lane * 8) * 2);
+                float wt = 0.f;
+                if (weights) wt = reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i)
+                    if (live[i]) v[i] = vec[i * kColumns / 8];
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i)
+                    if (live[i]) add_bf16x8(acc[i], v[i]);
+                weight += wt;
+            });
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                if (!live[i]) continue;
+                __nv_bfloat162 out[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[i][2 * j], acc[i][2 * j + 1]);
+                *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
+                    *reinterpret_cast<const uint4*>(out);
+            }
+            if (weights && p.out_topk_weights)
+                reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
         }
-        if (chunk == 0 && lane < p.topk && p.out_topk_weights)
-            reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
     }
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
