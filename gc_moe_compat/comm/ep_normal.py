@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cuda.bindings import driver
 
 from gc_moe_compat.config import MAX_EXPERTS, MAX_RANKS
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.launch import launch_packed
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
-from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
     "HEADER_BYTES",
@@ -229,16 +229,33 @@ def params_header() -> str:
     return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices
 
 
+_FIELDS = frozenset(name for name, _ in EpNormalParams._fields_)
+
+
 def make_params(*, transient: Transient, data_rows: int, op: int = 0, timeout_ms: float | None = None,
                 **fields: int) -> EpNormalParams:
     """The :class:`EpNormalParams` of one launch: the fixed offsets, ``transient``'s, and ``fields`` (device
-    addresses such as ``x=...``, sizes such as ``num_tokens=...``)."""
+    addresses such as ``x=...``, sizes such as ``num_tokens=...``). A fresh struct per call, copied from a cached
+    template of the offsets and the timeout (read per call, so a change of ``GC_MOE_SPIN_TIMEOUT_MS`` is seen by the
+    next one), so a call sets only its own fields."""
+    if not fields.keys() <= _FIELDS:
+        raise TypeError(f"make_params: not fields of EpNormalParams: {sorted(fields.keys() - _FIELDS)}")
+    params = EpNormalParams.from_buffer_copy(_template(transient, data_rows, spin_timeout_ns(timeout_ms)))
+    params.op = op
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@functools.lru_cache(maxsize=64)
+def _template(transient: Transient, data_rows: int, timeout_ns: int) -> EpNormalParams:
+    """The offsets, row capacity and timeout of calls with ``transient``'s counts (read only: :func:`make_params`
+    copies it)."""
     return EpNormalParams(
-        **fields, op=op, data_rows=data_rows, timeout_ns=spin_timeout_ns(timeout_ms), off_arrive=_ARRIVE,
-        off_ready=_READY, off_released=_RELEASED, off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE,
-        off_notify_arrive=_NOTIFY_ARRIVE, off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE,
-        off_scratch=_SCRATCH, off_counts=transient.counts, off_expert_counts=transient.expert_counts,
-        off_recv_chan=transient.recv_chan, off_data=transient.data)
+        data_rows=data_rows, timeout_ns=timeout_ns, off_arrive=_ARRIVE, off_ready=_READY, off_released=_RELEASED,
+        off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE, off_notify_arrive=_NOTIFY_ARRIVE,
+        off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE, off_scratch=_SCRATCH, off_counts=transient.counts,
+        off_expert_counts=transient.expert_counts, off_recv_chan=transient.recv_chan, off_data=transient.data)
 
 
 @functools.cache
@@ -248,11 +265,14 @@ def _kernel(kernel: Kernel) -> jit.Kernel:
     return jit.load_module(SOURCE).kernel(_NAMES[kernel])
 
 
-def launch_normal(kernel: Kernel, table: PeerTable, params: EpNormalParams, grid: int, stream: int) -> None:
-    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (a raw handle: the communication green
-    context's stream runs it on that partition's SMs)."""
-    args = KernelArgs(type(table).from_buffer_copy(table), EpNormalParams.from_buffer_copy(params))
-    launch(_kernel(kernel), max(1, grid), THREADS, args, stream)
+_BLOCK = (THREADS, 1, 1)
+
+
+def launch_normal(kernel: Kernel, args: KernelArgs, grid: int, stream: driver.CUstream) -> None:
+    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (the communication green context's stream
+    runs it on that partition's SMs); ``args``: the peer table and the parameters (``KernelArgs(table, params)``,
+    one packing for the launches of a call that share its parameters: the driver copies them at each launch)."""
+    launch_packed(_kernel(kernel).handle, (max(1, grid), 1, 1), _BLOCK, args.address, stream)
 
 
 def normal_sites(num_ranks: int) -> dict[int, str]:

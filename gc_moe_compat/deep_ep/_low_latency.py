@@ -8,6 +8,13 @@ partition (:func:`comm_partition`: the request is ``Buffer.num_sms``), ordered w
 never take the compute partition's SMs (slower on one H200 even beside a concurrent GEMM:
 :func:`gc_moe_compat.runtime.split.deep_ep_partition_mode`).
 
+A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_ll.LlLaunches`, per
+workspace and thread, keyed by the sizes, the flags and ``GC_MOE_SPIN_TIMEOUT_MS`` as set at the call), so a call
+checks its tensors, allocates its outputs, sets its pointers and launches. ``GC_MOE_DEEP_EP_PARTITION`` and
+``GC_MOE_SPIN_TIMEOUT_MS`` are read at every call (a read of each, under a microsecond), as the operator's calls read
+them when they are built: a change between two calls of one Buffer takes effect at the next call, which the tests and
+tools that switch them around calls rely on; DeepEP users, who set them before the first call, see no difference.
+
 Values only the device sees are checked there: a ``topk_idx`` entry outside ``[-1, num_experts)`` (``2**40`` or
 ``-5`` included) or repeating its token's earlier expert is dropped by dispatch send; a combine ``topk_idx`` entry
 that differs from the dispatch's, or a non-finite weight, is dropped by combine receive; each drop is recorded

@@ -521,3 +521,47 @@ def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pyt
     assert ep_ll.make_params(shape, num_tokens=3).timeout_ns == 5_000_000
     with pytest.raises(TypeError, match="not pointer fields of EpLlParams: \\['num_tokens_typo'\\]"):
         ep_ll.make_params(shape, num_tokens=3, num_tokens_typo=1)
+
+
+def test_packed_launches_are_per_workspace_and_see_a_spin_timeout_change(launches: list,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of one shape on one workspace reuse one packed set of arguments; another workspace (Buffer) packs its
+    own (its status mirror); a change of GC_MOE_SPIN_TIMEOUT_MS between calls is seen by the next call; sizes of
+    another type than int are checked on every call, whatever was cached for their value."""
+    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS", raising=False)
+    ws, other = _workspace(), _workspace()
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    _dispatch(ws)
+    state = _low_latency._states[ws]
+    assert len(state.launches) == 1
+    assert launches[0][1].timeout_ns == ep_ll.spin_timeout_ns() == 10_000_000_000
+    _dispatch(other)
+    assert launches[-1][1].status_mirror == _low_latency._states[other].mirror.data_ptr() != \
+        state.mirror.data_ptr() == launches[0][1].status_mirror
+    monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
+    _dispatch(ws)
+    _combine(ws, handle, topk_idx)
+    assert [p.timeout_ns for _, p in launches[-4:]] == [5_000_000] * 4
+    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS")
+    _dispatch(ws)
+    assert launches[-1][1].timeout_ns == 10_000_000_000
+    x = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    for bad, error in ((float(T_MAX), TypeError), (True, TypeError)):
+        with pytest.raises(error, match="num_max_dispatch_tokens_per_rank: must be an int"):
+            _low_latency.dispatch(ws, x, topk_idx, bad, EXPERTS, recv_stats=None, use_fp8=False, round_scale=False,
+                                  use_ue8m0=False, async_finish=False, return_recv_hook=False, shrink=False,
+                                  num_sms=20)
+
+
+def test_a_receive_hook_keeps_its_call_pointers(launches: list) -> None:
+    """A hook launches with its own call's pointers, even after later calls of the same shape set theirs."""
+    ws = _workspace()
+    x = torch.randn(TOKENS, HIDDEN).to(torch.bfloat16)
+    topk_idx = torch.randint(-1, EXPERTS, (TOKENS, TOPK))
+    kwargs = dict(recv_stats=None, use_fp8=False, round_scale=False, use_ue8m0=False, async_finish=False,
+                  return_recv_hook=True, shrink=False, num_sms=20)
+    first, _, _, hook = _low_latency.dispatch(ws, x, topk_idx, T_MAX, EXPERTS, **kwargs)
+    second, _, _, _ = _low_latency.dispatch(ws, x, topk_idx, T_MAX, EXPERTS, **kwargs)
+    hook()
+    assert [k for k, _ in launches] == [Kernel.DISPATCH_SEND] * 2 + [Kernel.DISPATCH_RECV]
+    assert launches[1][1].recv_x == second.data_ptr() != first.data_ptr() == launches[2][1].recv_x
