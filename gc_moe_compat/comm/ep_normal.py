@@ -229,33 +229,16 @@ def params_header() -> str:
     return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices
 
 
-_FIELDS = frozenset(name for name, _ in EpNormalParams._fields_)
-
-
 def make_params(*, transient: Transient, data_rows: int, op: int = 0, timeout_ms: float | None = None,
                 **fields: int) -> EpNormalParams:
     """The :class:`EpNormalParams` of one launch: the fixed offsets, ``transient``'s, and ``fields`` (device
-    addresses such as ``x=...``, sizes such as ``num_tokens=...``). A fresh struct per call, copied from a cached
-    template of the offsets and the timeout (read per call, so a change of ``GC_MOE_SPIN_TIMEOUT_MS`` is seen by the
-    next one), so a call sets only its own fields."""
-    if not fields.keys() <= _FIELDS:
-        raise TypeError(f"make_params: not fields of EpNormalParams: {sorted(fields.keys() - _FIELDS)}")
-    params = EpNormalParams.from_buffer_copy(_template(transient, data_rows, spin_timeout_ns(timeout_ms)))
-    params.op = op
-    for name, value in fields.items():
-        setattr(params, name, value)
-    return params
-
-
-@functools.lru_cache(maxsize=64)
-def _template(transient: Transient, data_rows: int, timeout_ns: int) -> EpNormalParams:
-    """The offsets, row capacity and timeout of calls with ``transient``'s counts (read only: :func:`make_params`
-    copies it)."""
+    addresses such as ``x=...``, sizes such as ``num_tokens=...``)."""
     return EpNormalParams(
-        data_rows=data_rows, timeout_ns=timeout_ns, off_arrive=_ARRIVE, off_ready=_READY, off_released=_RELEASED,
-        off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE, off_notify_arrive=_NOTIFY_ARRIVE,
-        off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE, off_scratch=_SCRATCH, off_counts=transient.counts,
-        off_expert_counts=transient.expert_counts, off_recv_chan=transient.recv_chan, off_data=transient.data)
+        **fields, op=op, data_rows=data_rows, timeout_ns=spin_timeout_ns(timeout_ms), off_arrive=_ARRIVE,
+        off_ready=_READY, off_released=_RELEASED, off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE,
+        off_notify_arrive=_NOTIFY_ARRIVE, off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE,
+        off_scratch=_SCRATCH, off_counts=transient.counts, off_expert_counts=transient.expert_counts,
+        off_recv_chan=transient.recv_chan, off_data=transient.data)
 
 
 @functools.cache

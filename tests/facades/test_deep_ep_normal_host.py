@@ -233,25 +233,3 @@ def test_local_buffer_tensor_checks(buf: Buffer, group: dist.ProcessGroup) -> No
     destroyed.destroy()
     with pytest.raises(ValueError, match=f"{fn}: the Buffer was destroyed"):
         destroyed.get_local_buffer_tensor(torch.uint8)
-
-
-def test_params_come_from_a_cached_template_with_the_call_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    """make_params: every field as a full construction gives it, a new struct per call, the spin timeout read per
-    call (a change of GC_MOE_SPIN_TIMEOUT_MS is seen by the next call), an unknown field name refused."""
-    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS", raising=False)
-    t = ep_normal.data_offset(2, 4, 3)
-    a = ep_normal.make_params(transient=t, data_rows=7, op=5, x=16, num_tokens=3, hidden=256)
-    b = ep_normal.make_params(transient=t, data_rows=7, op=6, x=48)
-    want = ep_normal.EpNormalParams(
-        x=16, num_tokens=3, hidden=256, op=5, data_rows=7, timeout_ns=10_000_000_000, off_arrive=ep_normal._ARRIVE,
-        off_ready=ep_normal._READY, off_released=ep_normal._RELEASED, off_status=ep_normal._STATUS,
-        off_layout_arrive=ep_normal._LAYOUT_ARRIVE, off_notify_arrive=ep_normal._NOTIFY_ARRIVE,
-        off_send_arrive=ep_normal._SEND_ARRIVE, off_recv_arrive=ep_normal._RECV_ARRIVE,
-        off_scratch=ep_normal._SCRATCH, off_counts=t.counts, off_expert_counts=t.expert_counts,
-        off_recv_chan=t.recv_chan, off_data=t.data)
-    assert bytes(a) == bytes(want)
-    assert (b.x, b.op, b.num_tokens, a.x, a.op) == (48, 6, 0, 16, 5)
-    monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
-    assert ep_normal.make_params(transient=t, data_rows=7).timeout_ns == 5_000_000
-    with pytest.raises(TypeError, match=r"not fields of EpNormalParams: \['hiden'\]"):
-        ep_normal.make_params(transient=t, data_rows=7, hiden=256)

@@ -12,7 +12,7 @@ capture check and the partition-mode read a CUDA workspace adds; CPU ``torch.emp
 here, not a caching-allocator hit. A diagnosis of the host work, not a benchmark of the GPU path
 (bench/profile_deep_ep_host.py is, on an H200).
 
-``PYTHONPATH=. python bench/host_path_cpu.py [--calls 2000] [--hidden 7168] [--experts 256] [--tokens 128]``
+``PYTHONPATH=. python scripts/host_path_cpu.py [--calls 2000] [--hidden 7168] [--experts 256] [--tokens 128]``
 """
 
 from __future__ import annotations
