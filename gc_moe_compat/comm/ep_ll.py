@@ -44,6 +44,7 @@ from cuda.bindings import driver
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role
+from gc_moe_compat.runtime.launch import launch_packed
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.side_launch import launch_on
 from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
@@ -60,13 +61,14 @@ __all__ = [
     "UNIT_ROWS",
     "EpLlParams",
     "Kernel",
+    "LlLaunches",
     "LlShape",
     "LlSite",
-    "launch_ll",
     "ll_grid",
     "load_in",
     "ll_sites",
     "mask_words",
+    "new_launches",
     "params_header",
     "new_status_mirror",
     "raise_for_mirrored_status",
@@ -342,22 +344,53 @@ def load_in(partition: Partition) -> None:
     _loaded.add(key)
 
 
-def launch_args(kernel: Kernel, table: PeerTable, params: EpLlParams) -> KernelArgs:
-    """The by-value arguments of one launch: the peer table and a copy of ``params`` with this launch's phase."""
-    own = EpLlParams.from_buffer_copy(params)
-    own.phase = kernel.phase
-    return KernelArgs(type(table).from_buffer_copy(table), own)
+_PHASES = tuple(kernel.phase for kernel in Kernel)
+_BLOCK = (THREADS, 1, 1)
 
 
-def launch_ll(kernel: Kernel, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int, stream: int,
-              partition: Partition | None = None, max_ctas: int = MAX_SMS) -> None:
-    """Launches one low-latency kernel in the order of ``stream`` (torch's current stream handle, or a capture's):
-    on the communication side of ``partition`` with a grid of at most its SMs, or, without a partition, on
-    ``stream`` with the full-device grid; never more than ``max_ctas`` CTAs (a rank's share of a GPU that several
-    ranks share, :attr:`gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`)."""
-    cap = min(max_ctas, MAX_SMS if partition is None else partition.dispatch_sms)
-    launch_on(partition, Role.COMM, kernel_of(kernel), ll_grid(kernel, shape, num_tokens, cap), THREADS,
-              launch_args(kernel, table, params), stream)
+class LlLaunches:
+    """The four launches of low-latency calls of one shape on one workspace, packed once: ``params`` (the calls'
+    :class:`EpLlParams`, everything but the per-call pointers fixed: a call sets its pointers, then launches),
+    ``args`` (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and each launch's
+    grid without a partition. The driver copies the arguments when a launch (or a captured node) is made, so every
+    call reuses the same ones instead of packing its own; an instance serves one thread, and a receive hook launches
+    from a :meth:`detached` copy, which later calls do not reach."""
+
+    __slots__ = ("args", "grids", "max_ctas", "num_tokens", "params", "shape", "table")
+
+    def __init__(self, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int,
+                 max_ctas: int = MAX_SMS) -> None:
+        self.table, self.params, self.shape, self.num_tokens, self.max_ctas = table, params, shape, num_tokens, max_ctas
+        self.args = KernelArgs(table, params)
+        cap = min(max_ctas, MAX_SMS)
+        self.grids = tuple((ll_grid(kernel, shape, num_tokens, cap), 1, 1) for kernel in Kernel)
+
+    def detached(self) -> LlLaunches:
+        """A copy with parameters of its own (as set now): what a receive hook launches later."""
+        return LlLaunches(self.table, EpLlParams.from_buffer_copy(self.params), self.shape, self.num_tokens,
+                          self.max_ctas)
+
+    def launch(self, kernel: Kernel, stream: driver.CUstream, partition: Partition | None = None) -> None:
+        """Launches ``kernel`` (its phase set in ``params``) in the order of ``stream`` (torch's current stream, or a
+        capture's): without a partition on ``stream`` itself with the full-device grid (at most ``max_ctas`` CTAs:
+        a rank's share of a GPU that several ranks share,
+        :attr:`gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`); else on the communication side of
+        ``partition`` with a grid of at most its SMs."""
+        self.params.phase = _PHASES[kernel]
+        if partition is None:
+            launch_packed(kernel_of(kernel).handle, self.grids[kernel], _BLOCK, self.args.address, stream)
+            return
+        grid = ll_grid(kernel, self.shape, self.num_tokens, min(self.max_ctas, partition.dispatch_sms))
+        launch_on(partition, Role.COMM, kernel_of(kernel), grid, THREADS, self.args, stream)
+
+
+def new_launches(table: PeerTable, shape: LlShape, *, num_tokens: int, idx_bytes: int, flags: int,
+                 timeout_ms: float | None, max_ctas: int = MAX_SMS, **pointers: int) -> LlLaunches:
+    """The :class:`LlLaunches` of calls of ``shape`` (``pointers``: those fixed for every call, e.g. the status
+    mirror; :func:`make_params` names the other arguments)."""
+    params = make_params(shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags, timeout_ms=timeout_ms,
+                         **pointers)
+    return LlLaunches(type(table).from_buffer_copy(table), params, shape, num_tokens, max_ctas)
 
 
 def ll_sites(num_ranks: int) -> dict[int, str]:

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cuda.bindings import driver
 
 from gc_moe_compat.config import MAX_EXPERTS, MAX_RANKS
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import launch
+from gc_moe_compat.runtime.launch import launch_packed
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
-from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
     "HEADER_BYTES",
@@ -248,11 +248,14 @@ def _kernel(kernel: Kernel) -> jit.Kernel:
     return jit.load_module(SOURCE).kernel(_NAMES[kernel])
 
 
-def launch_normal(kernel: Kernel, table: PeerTable, params: EpNormalParams, grid: int, stream: int) -> None:
-    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (a raw handle: the communication green
-    context's stream runs it on that partition's SMs)."""
-    args = KernelArgs(type(table).from_buffer_copy(table), EpNormalParams.from_buffer_copy(params))
-    launch(_kernel(kernel), max(1, grid), THREADS, args, stream)
+_BLOCK = (THREADS, 1, 1)
+
+
+def launch_normal(kernel: Kernel, args: KernelArgs, grid: int, stream: driver.CUstream) -> None:
+    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (the communication green context's stream
+    runs it on that partition's SMs); ``args``: the peer table and the parameters (``KernelArgs(table, params)``,
+    one packing for the launches of a call that share its parameters: the driver copies them at each launch)."""
+    launch_packed(_kernel(kernel).handle, (max(1, grid), 1, 1), _BLOCK, args.address, stream)
 
 
 def normal_sites(num_ranks: int) -> dict[int, str]:

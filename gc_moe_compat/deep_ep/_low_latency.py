@@ -8,6 +8,13 @@ partition (:func:`comm_partition`: the request is ``Buffer.num_sms``), ordered w
 never take the compute partition's SMs (slower on one H200 even beside a concurrent GEMM:
 :func:`gc_moe_compat.runtime.split.deep_ep_partition_mode`).
 
+A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_ll.LlLaunches`, per
+workspace and thread, keyed by the sizes, the flags and ``GC_MOE_SPIN_TIMEOUT_MS`` as set at the call), so a call
+checks its tensors, allocates its outputs, sets its pointers and launches. ``GC_MOE_DEEP_EP_PARTITION`` and
+``GC_MOE_SPIN_TIMEOUT_MS`` are read at every call (a read of each, under a microsecond), as the operator's calls read
+them when they are built: a change between two calls of one Buffer takes effect at the next call, which the tests and
+tools that switch them around calls rely on; DeepEP users, who set them before the first call, see no difference.
+
 Values only the device sees are checked there: a ``topk_idx`` entry outside ``[-1, num_experts)`` (``2**40`` or
 ``-5`` included) or repeating its token's earlier expert is dropped by dispatch send; a combine ``topk_idx`` entry
 that differs from the dispatch's, or a non-finite weight, is dropped by combine receive; each drop is recorded
@@ -24,12 +31,12 @@ call).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
+from cuda.bindings import driver
 
 from gc_moe_compat.comm.ep_ll import (
     FLAG_FP8,
@@ -39,11 +46,11 @@ from gc_moe_compat.comm.ep_ll import (
     MAX_EXPERTS,
     MAX_TOPK,
     Kernel,
+    LlLaunches,
     LlShape,
-    launch_ll,
     load_in,
-    make_params,
     mask_words,
+    new_launches,
     new_status_mirror,
     raise_for_mirrored_status,
     required_bytes,
@@ -51,8 +58,9 @@ from gc_moe_compat.comm.ep_ll import (
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep._config import C_INT_MAX
 from gc_moe_compat.runtime import colocation
+from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
-from gc_moe_compat.runtime.status import status_codes
+from gc_moe_compat.runtime.status import spin_timeout_ms, spin_timeout_setting, status_codes
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
 __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_partition", "dispatch", "ll_shape",
@@ -60,28 +68,43 @@ __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_par
 
 Hook = Callable[[], None]
 
-_mirrors: weakref.WeakKeyDictionary[SymmetricWorkspace, tuple[torch.Tensor, np.ndarray]] = \
-    weakref.WeakKeyDictionary()
-"""The pinned status mirror of each workspace and the numpy view of its code words (created with its first call)."""
+_MAX_LAUNCHES = 1024
+"""Call shapes a workspace keeps packed launches for (a decode step's token count varies: one entry per count seen,
+up to ``Tmax`` per kind; past the bound the cache starts again)."""
 
 
-def _mirror(workspace: SymmetricWorkspace, capturing: bool) -> torch.Tensor:
-    """The workspace's status mirror; outside capture, first raises what earlier calls recorded."""
-    entry = _mirrors.get(workspace)
-    if entry is None:
-        mirror = new_status_mirror(workspace.device)
-        entry = _mirrors[workspace] = (mirror, status_codes(mirror))
+class _State:
+    """What the calls on one workspace keep (created with its first call): the pinned status mirror and the numpy
+    view of its code words, and the packed launches of each call shape (:class:`LlLaunches`, keyed by the thread,
+    the kind of call, its sizes and flags and the spin timeout setting: see :func:`_launches`)."""
+
+    __slots__ = ("codes", "launches", "mirror")
+
+    def __init__(self, device: torch.device) -> None:
+        self.mirror = new_status_mirror(device)
+        self.codes = status_codes(self.mirror)
+        self.launches: dict[tuple, LlLaunches] = {}
+
+
+_states: weakref.WeakKeyDictionary[SymmetricWorkspace, _State] = weakref.WeakKeyDictionary()
+
+
+def _state(workspace: SymmetricWorkspace, capturing: bool) -> _State:
+    """The workspace's :class:`_State`; outside capture, first raises what earlier calls recorded."""
+    state = _states.get(workspace)
+    if state is None:
+        state = _states[workspace] = _State(workspace.device)
     if not capturing:
-        raise_for_mirrored_status(workspace.buffer, entry[0], workspace.world_size, entry[1])
-    return entry[0]
+        raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
+    return state
 
 
 def raise_recorded(workspace: SymmetricWorkspace) -> None:
     """Raises what the kernels of calls on ``workspace`` recorded and no call has raised yet (``Buffer.destroy``'s
     check, once the device has finished them)."""
-    entry = _mirrors.get(workspace)
-    if entry is not None:
-        raise_for_mirrored_status(workspace.buffer, entry[0], workspace.world_size, entry[1])
+    state = _states.get(workspace)
+    if state is not None:
+        raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
 
 
 def _capturing(workspace: SymmetricWorkspace) -> bool:
@@ -112,25 +135,22 @@ class LowLatencyHandle(tuple):
         return self._workspace() is workspace
 
 
-@dataclass(frozen=True)
 class _Call:
-    """What a launch needs besides the kernel: workspace, partition, shape, this call's parameters, the tensors
-    they point at (held until the receive half has been launched) and the caller's stream (looked up once per call;
-    None: torch's current stream when the launch is made, a receive hook's)."""
+    """One call's launches: its packed arguments (``launches``, this call's pointers set), the partition, the tensors
+    they point at (held until the receive half has been launched) and the caller's stream (torch's current stream,
+    looked up at the first launch: once per call, and a receive hook's when it is called)."""
 
-    workspace: SymmetricWorkspace
-    partition: Partition | None
-    shape: LlShape
-    num_tokens: int
-    params: object
-    tensors: tuple[torch.Tensor | None, ...]
-    mirror: torch.Tensor
-    stream: int | None
+    __slots__ = ("device", "launches", "partition", "stream", "tensors")
+
+    def __init__(self, launches: LlLaunches, device: torch.device, partition: Partition | None,
+                 tensors: tuple[torch.Tensor | None, ...]) -> None:
+        self.launches, self.device, self.partition, self.tensors = launches, device, partition, tensors
+        self.stream: driver.CUstream | None = None
 
     def launch(self, kernel: Kernel) -> None:
-        stream = torch.cuda.current_stream(self.workspace.device).cuda_stream if self.stream is None else self.stream
-        launch_ll(kernel, self.workspace.peer_table, self.params, self.shape, self.num_tokens, stream, self.partition,
-                  self.workspace.sm_share)
+        if self.stream is None:
+            self.stream = as_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        self.launches.launch(kernel, self.stream, self.partition)
 
 
 def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | None:
@@ -210,18 +230,43 @@ def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_e
     return shape
 
 
-def _stream(workspace: SymmetricWorkspace) -> int | None:
-    """The caller's stream handle (torch's current stream on the workspace's device), None off the GPU (the host
-    tests' stand-in, whose launches are recorded, not made)."""
-    return torch.cuda.current_stream(workspace.device).cuda_stream if workspace.device.type == "cuda" else None
+def _launches(workspace: SymmetricWorkspace, state: _State, kind: str, max_tokens: object, hidden: int,
+               num_experts: object, topk: int, num_tokens: int, idx_bytes: int, flags: int,
+               zero_copy: bool = False) -> LlLaunches | None:
+    """The packed launches of a call whose sizes were checked before (None: check them, then :func:`_pack`). The key
+    holds the sizes as given (only exact ints are looked up, so another type is always checked) and
+    ``GC_MOE_SPIN_TIMEOUT_MS`` as set now, so a change of the variable between calls is seen by the next one."""
+    if type(max_tokens) is not int or type(num_experts) is not int:
+        return None
+    key = (kind, threading.get_ident(), max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes, flags,
+           zero_copy, spin_timeout_setting())
+    return state.launches.get(key)
+
+
+def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShape, num_tokens: int, idx_bytes: int,
+          flags: int, zero_copy: bool = False) -> LlLaunches:
+    """New packed launches of a checked call (the status mirror and, zero-copy, the send rows set once), kept for
+    the calls of its key (:func:`_launches`)."""
+    setting = spin_timeout_setting()
+    fixed = {"x": workspace.buffer.data_ptr() + shape.zero_copy_offset} if zero_copy else {}
+    launches = new_launches(workspace.peer_table, shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags,
+                            timeout_ms=spin_timeout_ms(setting), max_ctas=workspace.sm_share,
+                            status_mirror=state.mirror.data_ptr(), **fixed)
+    if len(state.launches) >= _MAX_LAUNCHES:
+        state.launches.clear()
+    key = (kind, threading.get_ident(), shape.max_tokens, shape.hidden, shape.num_experts, shape.topk, num_tokens,
+           idx_bytes, flags, zero_copy, setting)
+    state.launches[key] = launches
+    return launches
 
 
 def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
-    """DeepEP's receive hook: the receive kernel's launch, on the stream current when it is called."""
-    later = replace(call, stream=None)
+    """DeepEP's receive hook: the receive kernel's launch (from a copy of this call's arguments), on the stream
+    current when it is called."""
+    launches, device, partition, tensors = call.launches.detached(), call.device, call.partition, call.tensors
 
     def receive() -> None:
-        later.launch(kernel)
+        _Call(launches, device, partition, tensors).launch(kernel)
 
     return receive
 
@@ -233,11 +278,12 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     """DeepEP ``low_latency_dispatch`` on ``workspace``: returns ``(recv_x, recv_count, handle, hook)``. ``shrink``:
     skip the masked ranks (DeepEP's ``enable_shrink``); ``num_sms``: the communication partition's request."""
     device = workspace.device
-    mirror = _mirror(workspace, _capturing(workspace))
+    state = _state(workspace, _capturing(workspace))
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
     num_tokens, hidden = x.shape
-    if topk_idx.shape[0] != num_tokens or not 1 <= topk_idx.shape[1] <= MAX_TOPK:
+    topk = topk_idx.shape[1]
+    if topk_idx.shape[0] != num_tokens or not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"topk_idx: must be [num_tokens={num_tokens}, k] with 1 <= k <= {MAX_TOPK}, got "
                          f"{tuple(topk_idx.shape)}")
     group = 512 if use_ue8m0 else 128
@@ -246,14 +292,23 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     if use_ue8m0 and not (use_fp8 and round_scale):
         raise ValueError("use_ue8m0: needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales), "
                          f"got use_fp8={use_fp8}, round_scale={round_scale}")
-    shape = _shape(workspace, max_tokens, hidden, num_experts, topk_idx.shape[1])
-    if shape.topk > shape.num_experts:
-        raise ValueError(f"topk_idx: its k (one distinct expert per slot) must be <= num_experts={shape.num_experts}"
-                         f", got k={shape.topk}")
-    if num_tokens > shape.max_tokens:
-        raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}, "
-                         f"got {num_tokens}")
-    local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
+    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
+        (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
+    idx_bytes = topk_idx.element_size()
+    launches = _launches(workspace, state, "dispatch", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
+                         flags)
+    if launches is None:
+        shape = _shape(workspace, max_tokens, hidden, num_experts, topk)
+        if shape.topk > shape.num_experts:
+            raise ValueError(f"topk_idx: its k (one distinct expert per slot) must be <= num_experts="
+                             f"{shape.num_experts}, got k={shape.topk}")
+        if num_tokens > shape.max_tokens:
+            raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}"
+                             f", got {num_tokens}")
+        launches = _pack(workspace, state, "dispatch", shape, num_tokens, idx_bytes, flags)
+    shape = launches.shape
+    ranks, local = shape.num_ranks, shape.local_experts
+    slots = ranks * shape.max_tokens
     if recv_stats is not None:
         recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (torch.int32,), 1, device)
         if recv_stats.shape[0] != local:
@@ -268,25 +323,27 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
                   torch.empty((local, hidden // 128, slots), dtype=torch.float32, device=device)).transpose(1, 2)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
     src_info = torch.empty((local, slots), dtype=torch.int32, device=device)
-    src_route = torch.empty((local, slots), dtype=torch.int32, device=device)
-    routing = torch.empty((num_tokens, shape.topk), dtype=torch.int32, device=device)
-    layout_range = torch.empty((local, shape.num_ranks), dtype=torch.int64, device=device)
-    call_gen = torch.empty(1, dtype=torch.int64, device=device)
-    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
-        (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
-    params = make_params(
-        shape, num_tokens=num_tokens, idx_bytes=topk_idx.element_size(), flags=flags, x=x.data_ptr(),
-        topk_idx=topk_idx.data_ptr(), recv_x=recv_x.data_ptr(), recv_scales=0 if scales is None else scales.data_ptr(),
-        recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), src_route=src_route.data_ptr(),
-        routing=routing.data_ptr(), layout_range=layout_range.data_ptr(),
-        recv_stats=0 if recv_stats is None else recv_stats.data_ptr(), call_gen=call_gen.data_ptr(),
-        status_mirror=mirror.data_ptr())
-    call = _Call(workspace, comm_partition(workspace, num_sms), shape, num_tokens, params,
-                 (x, topk_idx, recv_x, scales, recv_count, src_info, src_route, routing, layout_range, recv_stats,
-                  call_gen), mirror, _stream(workspace))
+    layout_range = torch.empty((local, ranks), dtype=torch.int64, device=device)
+    # One allocation for what only the kernels and the handle's combine use: the call's generation word (int64),
+    # then the handle's src_route [L, P*Tmax] and routing [T, k] (int32), each 16-byte aligned.
+    route_at = 4
+    routing_at = route_at + -(-local * slots // 4) * 4
+    private = torch.empty(routing_at + num_tokens * topk, dtype=torch.int32, device=device)
+    src_route = private.as_strided((local, slots), (slots, 1), route_at)
+    routing = private.as_strided((num_tokens, topk), (topk, 1), routing_at)
+    base = private.data_ptr()
+    params = launches.params
+    params.x, params.topk_idx, params.recv_x = x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr()
+    params.recv_scales = 0 if scales is None else scales.data_ptr()
+    params.recv_count, params.src_info, params.layout_range = (recv_count.data_ptr(), src_info.data_ptr(),
+                                                               layout_range.data_ptr())
+    params.call_gen, params.src_route, params.routing = base, base + 4 * route_at, base + 4 * routing_at
+    params.recv_stats = 0 if recv_stats is None else recv_stats.data_ptr()
+    call = _Call(launches, device, comm_partition(workspace, num_sms),
+                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, private, recv_stats))
     call.launch(Kernel.DISPATCH_SEND)
     handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
-                              topk=shape.topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
+                              topk=topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
                               workspace=workspace)
     out = recv_x if scales is None else (recv_x, scales)
     if return_recv_hook:
@@ -326,8 +383,16 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     handle = _handle(workspace, handle, "low_latency_combine")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     device = workspace.device
-    mirror = _mirror(workspace, _capturing(workspace))
-    shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=zero_copy)
+    state = _state(workspace, _capturing(workspace))
+    num_tokens, topk = handle.num_tokens, handle.topk
+    idx_bytes = topk_idx.element_size() if isinstance(topk_idx, torch.Tensor) else 0
+    flags = FLAG_SHRINK if shrink else 0
+    launches = _launches(workspace, state, "combine", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
+                         flags, zero_copy)
+    if launches is None:
+        shape = _shape(workspace, max_tokens, hidden, num_experts, topk, zero_copy=zero_copy)
+    else:
+        shape = launches.shape
     local, slots = shape.local_experts, shape.num_ranks * shape.max_tokens
     for name, t, want in (("handle[0] (src_info)", src_info, (local, slots)),
                           ("handle[1] (layout_range)", layout_range, (local, shape.num_ranks))):
@@ -339,7 +404,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
                          f"dispatch's layout), got {tuple(x.shape)}")
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
-    expected = (handle.num_tokens, handle.topk)
+    expected = (num_tokens, topk)
     if tuple(topk_idx.shape) != expected:
         raise ValueError(f"topk_idx: must be the dispatch's [num_tokens, k] = {list(expected)}, got "
                          f"{list(topk_idx.shape)}")
@@ -348,22 +413,23 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         raise ValueError(f"topk_weights: must be float32 {list(expected)} like topk_idx, got "
                          f"{list(topk_weights.shape)}")
     if out is None:
-        out = torch.empty((handle.num_tokens, hidden), dtype=torch.bfloat16, device=device)
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     else:
         out = _tensor("out", out, (torch.bfloat16,), 2, device)
-        if tuple(out.shape) != (handle.num_tokens, hidden):
-            raise ValueError(f"out: must be [{handle.num_tokens}, {hidden}], got {list(out.shape)}")
-    rows = workspace.buffer.data_ptr() + shape.zero_copy_offset if zero_copy else x.data_ptr()
+        if tuple(out.shape) != (num_tokens, hidden):
+            raise ValueError(f"out: must be [{num_tokens}, {hidden}], got {list(out.shape)}")
+    if launches is None:
+        launches = _pack(workspace, state, "combine", shape, num_tokens, idx_bytes, flags, zero_copy)
     call_gen = torch.empty(1, dtype=torch.int64, device=device)
-    params = make_params(
-        shape, num_tokens=handle.num_tokens, idx_bytes=topk_idx.element_size(), flags=FLAG_SHRINK if shrink else 0,
-        x=rows, topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), src_info=src_info.data_ptr(),
-        src_route=handle.src_route.data_ptr(), routing=handle.routing.data_ptr(),
-        layout_range=layout_range.data_ptr(), out=out.data_ptr(), call_gen=call_gen.data_ptr(),
-        status_mirror=mirror.data_ptr())
-    call = _Call(workspace, comm_partition(workspace, num_sms), shape, handle.num_tokens, params,
-                 (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen),
-                 mirror, _stream(workspace))
+    params = launches.params
+    if not zero_copy:  # the zero-copy send rows are the workspace's, set once
+        params.x = x.data_ptr()
+    params.topk_idx, params.topk_weights, params.out = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
+    params.src_info, params.layout_range = src_info.data_ptr(), layout_range.data_ptr()
+    params.src_route, params.routing = handle.src_route.data_ptr(), handle.routing.data_ptr()
+    params.call_gen = call_gen.data_ptr()
+    call = _Call(launches, device, comm_partition(workspace, num_sms),
+                 (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen))
     call.launch(Kernel.COMBINE_SEND)
     if return_recv_hook:
         return out, _receive_hook(call, Kernel.COMBINE_RECV)

@@ -32,6 +32,7 @@ bytes it needs and the size hint. ``topk_idx`` values are read only by the layou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
+    EpNormalParams,
     Kernel,
     combine_row_layout,
     data_offset,
@@ -56,8 +58,9 @@ from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep._config import C_INT_MAX, INTERNODE_MISSING, MAX_NVL_RANKS, Config, config_field
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
-from gc_moe_compat.runtime.cuda import call
+from gc_moe_compat.runtime.cuda import as_stream, call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
+from gc_moe_compat.runtime.params import KernelArgs
 from gc_moe_compat.runtime.side_launch import fork, join
 from gc_moe_compat.runtime.status import status_codes
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
@@ -159,6 +162,11 @@ class _Stream:
     caller: int
     partition: Partition | None = None
 
+    @functools.cached_property
+    def stream(self) -> driver.CUstream:
+        """``handle`` as the driver's stream (made once per call, for its launches)."""
+        return as_stream(self.handle)
+
     def wait(self, previous: EventOverlap | None) -> None:
         """Orders the kernels after ``previous`` (its event) or after the caller's stream so far (the partition's
         reused fork event: no event is created per call)."""
@@ -182,7 +190,7 @@ class _Stream:
         return EventHandle() if self.ctx is None else _CommEvent(self.ctx, self.handle)
 
     def synchronize(self) -> None:
-        call(driver.cuStreamSynchronize, driver.CUstream(self.handle))
+        call(driver.cuStreamSynchronize, self.stream)
 
 
 def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
@@ -324,8 +332,12 @@ class NormalMode:
             self._pending.append((event, tensors))
         return EventOverlap(event)
 
-    def _launch(self, kernel: Kernel, params: object, grid: int, stream: _Stream) -> None:
-        launch_normal(kernel, self.workspace.peer_table, params, grid, stream.handle)
+    def _launch(self, kernel: Kernel, args: KernelArgs, grid: int, stream: _Stream) -> None:
+        launch_normal(kernel, args, grid, stream.stream)
+
+    def _args(self, params: EpNormalParams) -> KernelArgs:
+        """The by-value arguments of launches with ``params`` (the workspace's peer table, then ``params``)."""
+        return KernelArgs(self.workspace.peer_table, params)
 
     def _next_op(self) -> int:
         self.op += 1
@@ -412,7 +424,7 @@ class NormalMode:
                              status_mirror=self.mirror.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
                              local_experts=experts // self.ranks, idx_bytes=topk_idx.element_size())
         stream.wait(previous_event)
-        self._launch(Kernel.LAYOUT, params, min(num_sms, -(-tokens // 256)), stream)
+        self._launch(Kernel.LAYOUT, self._args(params), min(num_sms, -(-tokens // 256)), stream)
         event = self._finish(stream, async_finish, (topk_idx, per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
@@ -490,7 +502,7 @@ class NormalMode:
                                  is_token_in_rank=_ptr(in_rank), rank_prefix=rank_prefix.data_ptr(),
                                  channel_prefix=channel_prefix.data_ptr(), send_head=_ptr(send_head),
                                  host_counts=host.data_ptr(), expert_alignment=expert_alignment)
-            self._launch(Kernel.NOTIFY, notify, 1 + -(-self.ranks * channels // 8), stream)
+            self._launch(Kernel.NOTIFY, self._args(notify), 1 + -(-self.ranks * channels // 8), stream)
             if num_worst_tokens:
                 num_recv, most_sent = num_worst_tokens, None
             else:
@@ -522,8 +534,9 @@ class NormalMode:
             scale_token_stride=0 if scales is None else scales.stride(0),
             scale_hidden_stride=0 if scales is None else scales.stride(1), topk=topk, recv_rows=num_recv,
             idx_bytes=0 if topk_idx is None else topk_idx.element_size())
-        self._launch(Kernel.DISPATCH_SEND, params, config.num_sms, stream)
-        self._launch(Kernel.DISPATCH_RECV, params, config.num_sms, stream)
+        args = self._args(params)
+        self._launch(Kernel.DISPATCH_SEND, args, config.num_sms, stream)
+        self._launch(Kernel.DISPATCH_RECV, args, config.num_sms, stream)
         event = self._finish(stream, async_finish,
                              (payload, scales, topk_idx, topk_weights, in_rank, rank_prefix, channel_prefix, send_head,
                               recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
@@ -587,8 +600,9 @@ class NormalMode:
             hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
             num_channels=channels, recv_rows=rows)
         stream.wait(previous_event)
-        self._launch(Kernel.COMBINE_SEND, params, config.num_sms, stream)
-        self._launch(Kernel.COMBINE_RECV, params, config.num_sms, stream)
+        args = self._args(params)
+        self._launch(Kernel.COMBINE_SEND, args, config.num_sms, stream)
+        self._launch(Kernel.COMBINE_RECV, args, config.num_sms, stream)
         event = self._finish(stream, async_finish, (x, topk_weights, *biases, handle, out, out_weights))
         return out, out_weights, event
 

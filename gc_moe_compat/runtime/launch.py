@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 from cuda.bindings import driver
 
-from .cuda import as_stream, call
+from .cuda import CudaError, as_stream, call
 from .jit import Kernel
 from .params import Arg, KernelArgs, as_args
 
 Dim3 = tuple[int, int, int]
+_SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
 def dim3(value: int | Sequence[int]) -> Dim3:
@@ -66,5 +67,14 @@ def launch(
         config = cluster_config(grid, block, cluster, stream, shared_bytes)
         call(driver.cuLaunchKernelEx, config, kernel.handle, packed.address, 0)
         return
-    g, b = dim3(grid), dim3(block)
-    call(driver.cuLaunchKernel, kernel.handle, *g, *b, shared_bytes, as_stream(stream), packed.address, 0)
+    launch_packed(kernel.handle, dim3(grid), dim3(block), packed.address, as_stream(stream), shared_bytes)
+
+
+def launch_packed(function: driver.CUkernel | driver.CUfunction, grid: Dim3, block: Dim3, args: int,
+                  stream: driver.CUstream, shared_bytes: int = 0) -> None:
+    """``cuLaunchKernel`` of ``function`` with arguments already in the driver's form (``grid`` and ``block`` three
+    positive ints, ``args`` the address of the packed ``void*`` array, :attr:`KernelArgs.address`): the path of a
+    kernel launched on every call with cached arguments, which :func:`launch` normalizes first."""
+    result = driver.cuLaunchKernel(function, *grid, *block, shared_bytes, stream, args, 0)[0]
+    if result != _SUCCESS:
+        raise CudaError("cuLaunchKernel", result)

@@ -81,15 +81,13 @@ def join(partition: Partition, role: Role, stream: int | driver.CUstream) -> Non
     call(driver.cuStreamWaitEvent, as_stream(stream), event, 0)
 
 
-def launch_on(partition: Partition | None, role: Role, kernel: Kernel, grid: int | Sequence[int],
+def launch_on(partition: Partition, role: Role, kernel: Kernel, grid: int | Sequence[int],
               block: int | Sequence[int], args: KernelArgs, stream: int | driver.CUstream) -> None:
     """Launches ``kernel`` on the SMs of ``partition``'s ``role`` side, ordered after the work queued on ``stream``
     (the caller's, e.g. torch's current stream) and before what is queued on it next; captured as a green-context
-    kernel node when ``stream`` is capturing. ``partition=None`` launches on ``stream`` itself (the whole device)."""
+    kernel node when ``stream`` is capturing. (Without a partition a launch on ``stream`` itself is
+    :func:`~gc_moe_compat.runtime.launch.launch`.)"""
     caller = as_stream(stream)
-    if partition is None:
-        launch(kernel, grid, block, args, caller)
-        return
     side = partition.side(role)
     capture = capture_graph(caller)
     if capture is not None:

@@ -22,6 +22,7 @@ STATUS_TIMEOUT = 1
 STATUS_MISMATCH = 2
 
 _DEFAULT_TIMEOUT_MS = 10_000
+SPIN_TIMEOUT_ENV = "GC_MOE_SPIN_TIMEOUT_MS"
 
 
 class KernelStatus(ctypes.Structure):
@@ -84,10 +85,21 @@ def status_codes(mirror: torch.Tensor) -> np.ndarray:
     return mirror.numpy().view(np.uint32)[:, 0]
 
 
+def spin_timeout_setting() -> str | None:
+    """``GC_MOE_SPIN_TIMEOUT_MS`` as set now (None: unset): the key of what a caller caches from
+    :func:`spin_timeout_ms`, so that a change of the variable is seen by the next call."""
+    return os.environ.get(SPIN_TIMEOUT_ENV)
+
+
+def spin_timeout_ms(setting: str | None) -> float:
+    """The spin timeout in milliseconds that ``setting`` (:func:`spin_timeout_setting`) gives: its value, or 10 s."""
+    return _DEFAULT_TIMEOUT_MS if setting is None else float(setting)
+
+
 def spin_timeout_ns(timeout_ms: float | None = None) -> int:
     """Timeout for device spin-waits: explicit argument > ``GC_MOE_SPIN_TIMEOUT_MS`` > 10 s."""
     if timeout_ms is None:
-        timeout_ms = float(os.environ.get("GC_MOE_SPIN_TIMEOUT_MS", _DEFAULT_TIMEOUT_MS))
+        timeout_ms = spin_timeout_ms(spin_timeout_setting())
     if timeout_ms <= 0:
         raise ValueError(f"spin timeout must be positive, got {timeout_ms} ms")
     return int(timeout_ms * 1_000_000)

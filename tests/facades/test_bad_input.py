@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
-from gc_moe_compat.comm.ep_ll import HINT_TOPK, LlShape, required_bytes
+from gc_moe_compat.comm.ep_ll import HINT_TOPK, MAX_SMS, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import api
+from gc_moe_compat.runtime.workspace import PeerTable
 
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
 H, N_I, E, K = 512, 256, 16, 4
@@ -32,7 +33,7 @@ class FakeWorkspace:
         self.device = torch.device("cpu")
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8)
-        self.peer_table = "peer table"
+        self.peer_table, self.sm_share = PeerTable(), MAX_SMS
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from gc_moe_compat.comm import ep_ll
-from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, Kernel, LlShape, required_bytes
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_SMS, EpLlParams, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
+from gc_moe_compat.runtime.workspace import PeerTable
 
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
 
@@ -29,14 +30,15 @@ class FakeWorkspace:
         self.device = torch.device("cpu")
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8)
-        self.peer_table = "peer table"
+        self.peer_table, self.sm_share = PeerTable(), MAX_SMS
 
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, object]]:
     """Every kernel launch a low-latency call makes, as ``(kernel, params)``, instead of launching."""
     recorded: list[tuple[Kernel, object]] = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append((kernel, call.params)))
+    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(
+        (kernel, EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
     return recorded
 
 

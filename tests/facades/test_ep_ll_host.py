@@ -89,11 +89,36 @@ def test_one_kernel_name_per_direction_as_deepep_profiling_matches() -> None:
         other = "combine" if "dispatch" in kernel.entry else "dispatch"
         assert other not in kernel.entry and kernel.entry.count("::") == 2
     assert [k.phase for k in Kernel] == [0, 1, 0, 1]
-    params = ep_ll.make_params(LlShape(1, 8, 8, 128, 2), num_tokens=3)
+
+
+def test_packed_launches_set_each_launch_phase_and_pass_the_shared_arguments(monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    """Every launch of a call shape passes the same packed arguments (the peer table, then the parameters the call
+    set), with its own phase and the full-device grid; a detached copy (a receive hook's) keeps the pointers it had
+    when a later call sets new ones."""
+    launched: list[tuple] = []
+    monkeypatch.setattr(ep_ll, "kernel_of", lambda kernel: jit.Kernel(kernel.entry, "host", kernel, None))
+    monkeypatch.setattr(ep_ll, "launch_packed", lambda function, grid, block, args, stream: launched.append(
+        (function, grid, block, args, ep_ll.EpLlParams.from_buffer_copy(ep_ll.EpLlParams.from_address(
+            ctypes.c_void_p.from_address(args + 8).value)))))
+    table = PeerTable(base=0x1000, rank=0, world_size=1)
+    shape = LlShape(1, 8, 8, 128, 2)
+    launches = ep_ll.new_launches(table, shape, num_tokens=3, idx_bytes=8, flags=0, timeout_ms=None, max_ctas=20,
+                                  status_mirror=0x40)
+    launches.params.x = 0x100
+    hook = launches.detached()
+    launches.params.x = 0x200
     for kernel in Kernel:
-        launched = ep_ll.EpLlParams.from_buffer_copy(ep_ll.launch_args(kernel, PeerTable(), params).signature[-1][1])
-        assert launched.phase == kernel.phase and launched.num_tokens == 3
-    assert params.phase == 0  # each launch packs its own copy
+        launches.launch(kernel, "stream")
+    hook.launch(Kernel.DISPATCH_RECV, "stream")
+    assert [f for f, *_ in launched] == [*Kernel, Kernel.DISPATCH_RECV]
+    assert {a for _, _, _, a, _ in launched[:4]} == {launches.args.address} != {launched[4][3]}
+    for (kernel, grid, block, _, params) in launched[:4]:
+        assert grid == (ep_ll.ll_grid(kernel, shape, 3, 20), 1, 1) and block == (THREADS, 1, 1)
+        assert (params.phase, params.num_tokens, params.x, params.status_mirror) == (kernel.phase, 3, 0x200, 0x40)
+    assert (launched[4][4].phase, launched[4][4].x, launched[4][4].status_mirror) == (1, 0x100, 0x40)
+    table_arg = PeerTable.from_address(ctypes.c_void_p.from_address(launches.args.address).value)
+    assert bytes(table_arg) == bytes(table) and ctypes.addressof(table_arg) != ctypes.addressof(table)
 
 
 def test_every_generated_constant_is_used_by_the_kernels() -> None:
@@ -253,6 +278,7 @@ class _Workspace:
     world_size: int
     buffer: torch.Tensor
     peer_table: PeerTable
+    sm_share: int = MAX_SMS
 
 
 def _workspace(ranks: int = 1, zero_copy: bool = True) -> _Workspace:
@@ -266,7 +292,8 @@ def _workspace(ranks: int = 1, zero_copy: bool = True) -> _Workspace:
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, ep_ll.EpLlParams]]:
     recorded: list[tuple[Kernel, ep_ll.EpLlParams]] = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append((kernel, call.params)))
+    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(
+        (kernel, ep_ll.EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
     return recorded
 
 
@@ -461,7 +488,7 @@ def test_recorded_error_raises_at_the_next_call_before_any_launch(launches: list
     ws = _workspace()
     _, _, handle, _, topk_idx = _dispatch(ws)
     assert len(launches) == 2
-    mirror = _low_latency._mirrors[ws][0]
+    mirror = _low_latency._states[ws].mirror
     record = KernelStatus(code=2, site=ep_ll.LlSite.EXPERT_RANGE << 16, observed=300, expected=EXPERTS)
     mirror[Kernel.DISPATCH_SEND] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
     with pytest.raises(DeviceCheckError, match=r"dispatch send .*\(recorded by an earlier call\).*observed 300"):
@@ -494,3 +521,47 @@ def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pyt
     assert ep_ll.make_params(shape, num_tokens=3).timeout_ns == 5_000_000
     with pytest.raises(TypeError, match="not pointer fields of EpLlParams: \\['num_tokens_typo'\\]"):
         ep_ll.make_params(shape, num_tokens=3, num_tokens_typo=1)
+
+
+def test_packed_launches_are_per_workspace_and_see_a_spin_timeout_change(launches: list,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of one shape on one workspace reuse one packed set of arguments; another workspace (Buffer) packs its
+    own (its status mirror); a change of GC_MOE_SPIN_TIMEOUT_MS between calls is seen by the next call; sizes of
+    another type than int are checked on every call, whatever was cached for their value."""
+    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS", raising=False)
+    ws, other = _workspace(), _workspace()
+    _, _, handle, _, topk_idx = _dispatch(ws)
+    _dispatch(ws)
+    state = _low_latency._states[ws]
+    assert len(state.launches) == 1
+    assert launches[0][1].timeout_ns == ep_ll.spin_timeout_ns() == 10_000_000_000
+    _dispatch(other)
+    assert launches[-1][1].status_mirror == _low_latency._states[other].mirror.data_ptr() != \
+        state.mirror.data_ptr() == launches[0][1].status_mirror
+    monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
+    _dispatch(ws)
+    _combine(ws, handle, topk_idx)
+    assert [p.timeout_ns for _, p in launches[-4:]] == [5_000_000] * 4
+    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS")
+    _dispatch(ws)
+    assert launches[-1][1].timeout_ns == 10_000_000_000
+    x = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    for bad, error in ((float(T_MAX), TypeError), (True, TypeError)):
+        with pytest.raises(error, match="num_max_dispatch_tokens_per_rank: must be an int"):
+            _low_latency.dispatch(ws, x, topk_idx, bad, EXPERTS, recv_stats=None, use_fp8=False, round_scale=False,
+                                  use_ue8m0=False, async_finish=False, return_recv_hook=False, shrink=False,
+                                  num_sms=20)
+
+
+def test_a_receive_hook_keeps_its_call_pointers(launches: list) -> None:
+    """A hook launches with its own call's pointers, even after later calls of the same shape set theirs."""
+    ws = _workspace()
+    x = torch.randn(TOKENS, HIDDEN).to(torch.bfloat16)
+    topk_idx = torch.randint(-1, EXPERTS, (TOKENS, TOPK))
+    kwargs = dict(recv_stats=None, use_fp8=False, round_scale=False, use_ue8m0=False, async_finish=False,
+                  return_recv_hook=True, shrink=False, num_sms=20)
+    first, _, _, hook = _low_latency.dispatch(ws, x, topk_idx, T_MAX, EXPERTS, **kwargs)
+    second, _, _, _ = _low_latency.dispatch(ws, x, topk_idx, T_MAX, EXPERTS, **kwargs)
+    hook()
+    assert [k for k, _ in launches] == [Kernel.DISPATCH_SEND] * 2 + [Kernel.DISPATCH_RECV]
+    assert launches[1][1].recv_x == second.data_ptr() != first.data_ptr() == launches[2][1].recv_x

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gc_moe_compat.comm.ep_ll import MAX_SMS, EpLlParams
 from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency, _normal
-from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
+from gc_moe_compat.runtime.workspace import LayoutPlanner, PeerTable, SymmetricWorkspace
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -32,7 +33,7 @@ class HostWorkspace(SymmetricWorkspace):
     def __init__(self, layout: LayoutPlanner, ranks: int = 1) -> None:  # no rendezvous: nothing of the GPU's
         self.regions, self.device, self.world_size, self.rank = layout.regions, torch.device("cpu"), ranks, 0
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device="cpu")
-        self.peer_table = "peer table"
+        self.peer_table, self.sm_share = PeerTable(), MAX_SMS
 
 
 class DeepEpHost:
@@ -42,8 +43,8 @@ class DeepEpHost:
 
     def __init__(self, group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
         self.group, self.monkeypatch, self.launched = group, monkeypatch, []
-        monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: self.launched.append((kernel,
-                                                                                                      call.params)))
+        monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: self.launched.append(
+            (kernel, EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
 
     def buffer(self, *args: object, ranks: int = 1, **kwargs: object) -> Buffer:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""
