@@ -273,6 +273,11 @@ class NormalMode:
         # the largest config.num_sms: the device's SMs (MAX_SMS, no GPU has more, for a workspace off the GPU)
         self.max_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else MAX_SMS
+        # The most CTAs one kernel of this rank fills: every SM, or its share where ranks share the GPU. DeepEP's
+        # config.num_sms still sets the channels (the handle's layout); only the grid is bounded, so that the ranks'
+        # spinning CTAs together fit the SMs and none waits for a peer that cannot be scheduled (at 8 ranks on one
+        # H200, 8 x 24 CTAs did not, and waits timed out).
+        self.grid_cap = self.workspace.sm_share if self.device.type == "cuda" else MAX_SMS
         self.mirror = new_status_mirror(self.device)
         self.codes = status_codes(self.mirror)
         self.op = 0
@@ -333,7 +338,9 @@ class NormalMode:
         return EventOverlap(event)
 
     def _launch(self, kernel: Kernel, args: KernelArgs, grid: int, stream: _Stream) -> None:
-        launch_normal(kernel, args, grid, stream.stream)
+        """Launches ``kernel`` with ``grid`` CTAs, at most :attr:`grid_cap` (which is >= 2, as notify needs: its CTA
+        0 waits while the others compute; every kernel loops over its work with a grid stride)."""
+        launch_normal(kernel, args, min(grid, self.grid_cap), stream.stream)
 
     def _args(self, params: EpNormalParams) -> KernelArgs:
         """The by-value arguments of launches with ``params`` (the workspace's peer table, then ``params``)."""

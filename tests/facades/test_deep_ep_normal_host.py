@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -233,3 +234,14 @@ def test_local_buffer_tensor_checks(buf: Buffer, group: dist.ProcessGroup) -> No
     destroyed.destroy()
     with pytest.raises(ValueError, match=f"{fn}: the Buffer was destroyed"):
         destroyed.get_local_buffer_tensor(torch.uint8)
+
+
+def test_grids_stay_within_the_ranks_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's grid is DeepEP's (config.num_sms, or the layout's and notify's own) bounded by the rank's share of
+    the GPU: at 8 ranks on one H200 (a share of 16 SMs) 24-CTA grids of spinning kernels did not all fit."""
+    seen: list[int] = []
+    monkeypatch.setattr(_normal, "launch_normal", lambda kernel, args, grid, stream: seen.append(grid))
+    mode = SimpleNamespace(grid_cap=16)
+    for grid in (1, 2, 13, 24, 132):
+        _normal.NormalMode._launch(mode, ep_normal.Kernel.DISPATCH_SEND, None, grid, SimpleNamespace(stream=0))
+    assert seen == [1, 2, 13, 16, 16]
