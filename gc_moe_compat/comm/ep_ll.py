@@ -54,8 +54,6 @@ __all__ = [
     "FLAG_SHRINK",
     "HEADER_BYTES",
     "HINT_TOPK",
-    "CTAS_PER_SM",
-    "MAX_CTAS",
     "MAX_EXPERTS",
     "MAX_TOPK",
     "SOURCE",
@@ -90,15 +88,7 @@ MAX_TOPK = 32
 HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
-"""The SMs of an H200 (what a launch without a partition may fill)."""
-CTAS_PER_SM = 2
-"""CTAs per SM of a launch on a GPU the rank has to itself: two 256-thread CTAs fit an SM (at most 128 registers
-and 48 KB of static shared memory each, which the compile test holds the kernels to), and at one per SM the kernels
-were latency-bound (0.5 waves, 8 warps per SM; Nsight Compute at 2410d69), so twice the warps keep twice the loads in
-flight. Ranks sharing a GPU keep one per SM of their share: their spinning CTAs must all be resident, and two CTAs of
-different MPS clients on one SM is not what was tested."""
-MAX_CTAS = CTAS_PER_SM * MAX_SMS
-"""Upper bound of a grid."""
+"""Upper bound of a grid (one CTA per SM of an H200)."""
 
 
 class Kernel(enum.IntEnum):
@@ -310,13 +300,12 @@ def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeo
         idx_bytes=idx_bytes, flags=flags, row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
 
 
-def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_CTAS) -> int:
+def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
     """CTAs of one launch: a CTA per token (dispatch send); for dispatch receive and combine send, CTAs owning whole
     local experts (every CTA up to the cap: with fewer local experts than the cap, each expert gets the same number
     of CTAs, ``L * (cap // L)``); for combine receive a warp per (token, 256 columns). At least one, at most
-    ``max_ctas`` (the CTAs the launch may fill: :data:`CTAS_PER_SM` per SM of the GPU, or one per SM of the partition
-    or of a rank's share of a shared GPU; at most :data:`MAX_CTAS`)."""
-    cap = max(1, min(MAX_CTAS, max_ctas))
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    cap = max(1, min(MAX_SMS, max_ctas))
     if kernel is Kernel.DISPATCH_SEND:
         return max(1, min(cap, num_tokens))
     if kernel is Kernel.COMBINE_RECV:
@@ -370,10 +359,10 @@ class LlLaunches:
     __slots__ = ("args", "grids", "max_ctas", "num_tokens", "params", "shape", "table")
 
     def __init__(self, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int,
-                 max_ctas: int = MAX_CTAS) -> None:
+                 max_ctas: int = MAX_SMS) -> None:
         self.table, self.params, self.shape, self.num_tokens, self.max_ctas = table, params, shape, num_tokens, max_ctas
         self.args = KernelArgs(table, params)
-        cap = min(max_ctas, MAX_CTAS)
+        cap = min(max_ctas, MAX_SMS)
         self.grids = tuple((ll_grid(kernel, shape, num_tokens, cap), 1, 1) for kernel in Kernel)
 
     def detached(self) -> LlLaunches:
@@ -384,9 +373,9 @@ class LlLaunches:
     def launch(self, kernel: Kernel, stream: driver.CUstream, partition: Partition | None = None) -> None:
         """Launches ``kernel`` (its phase set in ``params``) in the order of ``stream`` (torch's current stream, or a
         capture's): without a partition on ``stream`` itself with the full-device grid (at most ``max_ctas`` CTAs:
-        :data:`CTAS_PER_SM` per SM, or one per SM of a rank's share of a GPU that several ranks share,
+        a rank's share of a GPU that several ranks share,
         :attr:`gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`); else on the communication side of
-        ``partition`` with a grid of at most its SMs (one CTA per SM)."""
+        ``partition`` with a grid of at most its SMs."""
         self.params.phase = _PHASES[kernel]
         if partition is None:
             launch_packed(kernel_of(kernel).handle, self.grids[kernel], _BLOCK, self.args.address, stream)
@@ -396,7 +385,7 @@ class LlLaunches:
 
 
 def new_launches(table: PeerTable, shape: LlShape, *, num_tokens: int, idx_bytes: int, flags: int,
-                 timeout_ms: float | None, max_ctas: int = MAX_CTAS, **pointers: int) -> LlLaunches:
+                 timeout_ms: float | None, max_ctas: int = MAX_SMS, **pointers: int) -> LlLaunches:
     """The :class:`LlLaunches` of calls of ``shape`` (``pointers``: those fixed for every call, e.g. the status
     mirror; :func:`make_params` names the other arguments)."""
     params = make_params(shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags, timeout_ms=timeout_ms,

@@ -39,7 +39,6 @@ import torch
 from cuda.bindings import driver
 
 from gc_moe_compat.comm.ep_ll import (
-    CTAS_PER_SM,
     FLAG_FP8,
     FLAG_ROUND_SCALE,
     FLAG_SHRINK,
@@ -244,14 +243,6 @@ def _launches(workspace: SymmetricWorkspace, state: _State, kind: str, max_token
     return state.launches.get(key)
 
 
-def _grid_budget(workspace: SymmetricWorkspace) -> int:
-    """The most CTAs a launch without a partition fills: :data:`~gc_moe_compat.comm.ep_ll.CTAS_PER_SM` per SM of a
-    GPU the rank has to itself, one per SM of its share where ranks share the GPU (or off the GPU: the host tests'
-    stand-in)."""
-    alone = workspace.device.type == "cuda" and not workspace.placement.shares_device
-    return workspace.sm_share * (CTAS_PER_SM if alone else 1)
-
-
 def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShape, num_tokens: int, idx_bytes: int,
           flags: int, zero_copy: bool = False) -> LlLaunches:
     """New packed launches of a checked call (the status mirror and, zero-copy, the send rows set once), kept for
@@ -259,7 +250,7 @@ def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShap
     setting = spin_timeout_setting()
     fixed = {"x": workspace.buffer.data_ptr() + shape.zero_copy_offset} if zero_copy else {}
     launches = new_launches(workspace.peer_table, shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags,
-                            timeout_ms=spin_timeout_ms(setting), max_ctas=_grid_budget(workspace),
+                            timeout_ms=spin_timeout_ms(setting), max_ctas=workspace.sm_share,
                             status_mirror=state.mirror.data_ptr(), **fixed)
     if len(state.launches) >= _MAX_LAUNCHES:
         state.launches.clear()
