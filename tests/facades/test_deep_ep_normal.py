@@ -38,7 +38,7 @@ def test_deep_ep_normal_cases(nproc: int, partition: str) -> None:
 
 
 @pytest.mark.multigpu
-def test_deep_ep_normal_at_deepeps_legacy_test_shape() -> None:
+def test_deep_ep_normal_at_the_legacy_shape_rows_come_from_their_sources() -> None:
     """DeepEP's legacy intranode test's sizes and data (4096 tokens of hidden 7168 per rank, 256 experts, 2e9 NVL
     bytes), every received row checked against its source rank, BF16 and FP8, uncached and cached, twice: at 8
     processes on one H200 the legacy test's first FP8 dispatch received rows that were not their source's."""
