@@ -3,6 +3,7 @@
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
+#                                [--legacy-timeout S]   (seconds per legacy test, default 900)
 #                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
 #                                                   DeepEP's legacy tests with --num-processes P, and the picked
 #                                                   BENCHES_SHARED benchmarks with --ranks P)
@@ -34,7 +35,7 @@ BENCHES_SHARED=(deep_ep_ab)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy= shared_gpu=
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy= legacy_timeout=900 shared_gpu=
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
@@ -43,6 +44,7 @@ while (($#)); do
     --bench) picked+=("$2"); shift ;;  # a benchmark's name, then any arguments of its own (e.g. a part of it)
     -k) pytest_k=(-k "$2"); shift ;;
     --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
+    --legacy-timeout) legacy_timeout="$2"; shift ;;  # its --timeout
     --shared-gpu) shared_gpu="$2"; shift ;;  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
@@ -136,7 +138,7 @@ fi
 
 if [[ -n "$deepep_legacy" ]]; then
   PYTHON="$PY" bash scripts/run_deepep_legacy_tests.sh --deepep "$deepep_legacy" --logs "$OUT/deepep_legacy" \
-    --num-processes "$legacy_procs" >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
+    --num-processes "$legacy_procs" --timeout "$legacy_timeout" >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
   tail -n 3 "$OUT/deepep_legacy.log"
 fi
 
