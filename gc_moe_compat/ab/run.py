@@ -90,6 +90,35 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _every_ranks_weights(w: Workload, formats: tuple[str, ...], ranks: Ranks) -> list[object]:
+    """Every rank's experts on this rank (the P-rank references need all of them): ``world`` shares per rank, so
+    P ranks on one GPU hold ``P * P`` shares there. Running out of memory ends the run with that arithmetic, not
+    with an allocator traceback."""
+    shares: list[object] = []
+    try:
+        for r in range(ranks.world):
+            shares.append(make_weights(w.local_experts, w.hidden, w.intermediate, r, formats, ranks.device))
+    except torch.OutOfMemoryError:
+        share = _share_bytes(shares[0]) if shares else None
+        per_gpu = torch.cuda.get_device_properties(ranks.device).total_memory
+        colocated = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(torch.cuda.device_count(), 1)
+        need = "" if share is None else (
+            f" ({ranks.world} shares of {share / 2**30:.2f} GiB = {ranks.world * share / 2**30:.1f} GiB per rank")
+        if need and colocated > 1:
+            need += f", x {colocated} ranks on this GPU = {colocated * ranks.world * share / 2**30:.1f} GiB"
+        raise RuntimeError(
+            f"gc-moe-ab rank {ranks.rank}: out of GPU memory while building every rank's experts for the references"
+            f"{need + ')' if need else ''} on a GPU of {per_gpu / 2**30:.1f} GiB: run fewer ranks "
+            "(--world-size) or a smaller share (--hidden / --intermediate / --experts / --ep-size)") from None
+    return shares
+
+
+def _share_bytes(weights: object) -> int:
+    """Device bytes of one rank's experts in every format built."""
+    return sum(t.nbytes for l1, l2 in weights.formats.values() for e in (l1, l2)
+               for t in (e.payload, e.scales) if t is not None)
+
+
 def _references(tokens: Sequence[Tokens], weights: Sequence[object], formats: set[str], clamp: float | None,
                 rank: int) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's reference outputs: ``{weight format: {"faithful": y, "bf16_model": y}}``."""
@@ -225,8 +254,7 @@ def run(cfg: RunConfig) -> int:
         if lead:
             print("prebuild only: every kernel of the run is compiled; nothing timed", flush=True)
         return 0
-    weights = [make_weights(w.local_experts, w.hidden, w.intermediate, r, tuple(sorted(formats)), ranks.device)
-               for r in range(world)]
+    weights = _every_ranks_weights(w, tuple(sorted(formats)), ranks)
     ctx = Context(ranks.group, w, world, rank, weights[rank], ranks.device)
     runners = _build(cfg.ops, ctx, ranks, unavailable)
     if lead:
