@@ -45,7 +45,8 @@ constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
-constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors
+constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
+                                   // combine heads' 32-token chunks
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
