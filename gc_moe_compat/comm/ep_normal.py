@@ -1,7 +1,7 @@
 """Host side of DeepEP's normal-mode (high-throughput) intranode kernels behind the ``deep_ep`` facade
 (kernels/sm90/ep_normal.cu): the parameter struct, the workspace layout, the kernel launches and the error records.
 
-Six kernels, each its own launch on the communication stream (the caller picks it: the communication green
+Seven kernels, each its own launch on the communication stream (the caller picks it: the communication green
 context's, or the caller's stream with the partition off):
 
 * layout: ``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank`` from ``topk_idx``;
@@ -12,6 +12,12 @@ context's, or the caller's stream with the partition off):
 * dispatch send / receive: each token's row (payload, scales, transformed top-k) is stored into the data region of
   every rank it goes to, at DeepEP's receive position (source rank, then channel, then token); the receiver copies
   its rows into the outputs;
+* combine heads: first in a combine, the rewrite DeepEP's intranode combine makes to the caller's handle in place
+  (``cached_notify_combine``): each ``send_head`` entry of a token that does not go to a rank becomes
+  ``-h - 1``, ``h`` the head of the channel's next token to that rank (``-(1 << 25) - 1`` where none follows), so
+  that the handle holds DeepEP's bytes after a combine
+  (:func:`~gc_moe_compat.testing.ep_normal_reference.combined_send_head` is its reference); idempotent, and the
+  other kernels read any negative entry as "not sent";
 * combine send / receive: each received row goes back to its source rank, which sums them (FP32, rank order, after
   ``bias_0 + bias_1``) into BF16, as DeepEP's intranode combine does.
 
@@ -66,7 +72,8 @@ MAX_TOPK = 32
 
 
 class Kernel(enum.IntEnum):
-    """The six kernels; the value is also the index of the kernel's status record (``gc_moe::NormalKernel``)."""
+    """The seven kernels; the value is also the index of the kernel's status record (``gc_moe::NormalKernel``;
+    COMBINE_HEADS, which neither waits nor checks, never writes its record)."""
 
     LAYOUT = 0
     NOTIFY = 1
@@ -74,11 +81,13 @@ class Kernel(enum.IntEnum):
     DISPATCH_RECV = 3
     COMBINE_SEND = 4
     COMBINE_RECV = 5
+    COMBINE_HEADS = 6
 
 
 _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
           Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch_recv",
-          Kernel.COMBINE_SEND: "gc_ep_normal_combine_send", Kernel.COMBINE_RECV: "gc_ep_normal_combine_recv"}
+          Kernel.COMBINE_SEND: "gc_ep_normal_combine_send", Kernel.COMBINE_RECV: "gc_ep_normal_combine_recv",
+          Kernel.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
 
 
 class NormalSite(StatusSite):
@@ -97,7 +106,7 @@ class NormalSite(StatusSite):
 _ARRIVE = 0                                 # u64 [MAX_RANKS]
 _READY = 1024                               # u64 [MAX_RANKS]
 _RELEASED = 2048                            # u64 [MAX_RANKS]
-_STATUS = 3072                              # KernelStatus [6]
+_STATUS = 3072                              # KernelStatus [len(Kernel)]
 _LAYOUT_ARRIVE, _NOTIFY_ARRIVE, _SEND_ARRIVE, _RECV_ARRIVE = 3328, 3336, 3344, 3352
 _SCRATCH = 3584                             # u32 [MAX_EXPERTS + MAX_RANKS]: the layout's histogram
 HEADER_BYTES = 12288
@@ -275,14 +284,14 @@ def normal_sites(num_ranks: int) -> dict[int, str]:
 
 
 def status_records(workspace: torch.Tensor) -> torch.Tensor:
-    """The six status records of a workspace (uint8 ``[6, 32]`` view)."""
+    """The status records of a workspace, one per kernel (uint8 ``[len(Kernel), 32]`` view)."""
     size = ctypes.sizeof(KernelStatus)
     return workspace[_STATUS:_STATUS + len(Kernel) * size].view(len(Kernel), size)
 
 
 def new_status_mirror(device: torch.device) -> torch.Tensor:
-    """The zeroed host mirror (``[6, 32]`` uint8) the layout, notify and receive kernels copy the records into:
-    pinned for a CUDA workspace (the kernels store through its unified address); host memory under any torch
+    """The zeroed host mirror (``[len(Kernel), 32]`` uint8) the layout, notify and receive kernels copy the records
+    into: pinned for a CUDA workspace (the kernels store through its unified address); host memory under any torch
     default device."""
     return torch.zeros(len(Kernel), ctypes.sizeof(KernelStatus), dtype=torch.uint8, device="cpu",
                        pin_memory=device.type == "cuda")

@@ -4,8 +4,10 @@
 Outputs, handle and ordering are DeepEP's: received rows ordered by source rank, then by the source's token order;
 the handle is ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
 is_token_in_rank, send_head)`` with DeepEP's meanings (``rank_prefix_matrix`` holds every entry, DeepEP only the
-receiver's column), ``recv_topk_idx`` holds local expert ids (-1 for another rank's), their weights 0. Like DeepEP,
-an uncached dispatch waits on the CPU for the received count unless ``num_worst_tokens > 0``.
+receiver's column), and a combine rewrites the -1 entries of its ``send_head`` in place as DeepEP's does (each
+becomes ``-h - 1``, ``h`` the head of the channel's next token to that rank, ``-(1 << 25) - 1`` where none follows;
+idempotent, and a reused handle reads alike); ``recv_topk_idx`` holds local expert ids (-1 for another rank's), their
+weights 0. Like DeepEP, an uncached dispatch waits on the CPU for the received count unless ``num_worst_tokens > 0``.
 
 The kernels (:mod:`gc_moe_compat.comm.ep_normal`) run on the caller's stream with a grid of ``config.num_sms`` CTAs
 (``GC_MOE_DEEP_EP_PARTITION=on``: on the communication green context of the partition ``config.num_sms`` requests),
@@ -608,6 +610,8 @@ class NormalMode:
             num_channels=channels, recv_rows=rows)
         stream.wait(previous_event)
         args = self._args(params)
+        # DeepEP's in-place rewrite of the caller's send_head (a warp per channel and rank), ahead of its readers
+        self._launch(Kernel.COMBINE_HEADS, args, -(-self.ranks * channels // 8), stream)
         self._launch(Kernel.COMBINE_SEND, args, config.num_sms, stream)
         self._launch(Kernel.COMBINE_RECV, args, config.num_sms, stream)
         event = self._finish(stream, async_finish, (x, topk_weights, *biases, handle, out, out_weights))

@@ -4,9 +4,10 @@ computed from every rank's inputs on the host, for the facade's bit-exact GPU te
 DeepEP's rules reproduced: a token goes to each rank owning one of its experts; rank ``r`` receives the tokens of
 rank 0, then rank 1, ... each in the source's token order; ``channel_prefix_matrix`` counts over ``C`` channels of
 ``ceil(T / C)`` contiguous tokens (inclusive prefix); ``send_head[t][r]`` is the token's index among its channel's
-tokens to ``r`` (-1 when it does not go there); received top-k ids are local (-1 for another rank's expert, weight
-0); the per-expert counts are aligned up to ``expert_alignment``; the combine sums, in FP32, ``bias_0 + bias_1``
-then each rank's row in rank order, rounded once to BF16.
+tokens to ``r`` (-1 when it does not go there), and a combine rewrites those -1 entries of the caller's handle in
+place (:func:`combined_send_head`); received top-k ids are local (-1 for another rank's expert, weight 0); the
+per-expert counts are aligned up to ``expert_alignment``; the combine sums, in FP32, ``bias_0 + bias_1`` then each
+rank's row in rank order, rounded once to BF16.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DispatchReference", "combine_reference", "dispatch_reference", "layout_reference"]
+from gc_moe_compat.config import integer
+
+__all__ = ["NO_LATER_HEAD", "DispatchReference", "combine_reference", "combined_send_head", "dispatch_reference",
+           "layout_reference"]
+
+NO_LATER_HEAD = 1 << 25
+"""The head DeepEP's combine encodes where no later token of the channel goes to the rank: such an entry becomes
+``-NO_LATER_HEAD - 1`` (v1.2.1's "heuristic large number", above any channel's queue position)."""
 
 
 def layout_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
@@ -49,6 +57,39 @@ class DispatchReference:
 def _channel_bounds(tokens: int, channels: int) -> list[tuple[int, int]]:
     per = -(-tokens // channels) if tokens else 0
     return [(min(per * c, tokens), min(per * c + per, tokens)) for c in range(channels)]
+
+
+def combined_send_head(send_head: torch.Tensor, channels: int) -> torch.Tensor:
+    """``send_head`` (int32 ``[T, P]``, a dispatch's handle[5]) as DeepEP v1.2.1's intranode combine leaves it
+    (``cached_notify_combine`` in csrc/kernels/intranode.cu rewrites the caller's tensor in place before the combine
+    kernel reads it); a new host tensor, ``send_head`` unchanged.
+
+    Within each of the ``channels`` token ranges (``ceil(T / channels)`` contiguous tokens) and each rank column, an
+    entry of a token that does not go to the rank (any negative value) becomes ``-h - 1``, ``h`` the head of the
+    nearest later token of the same channel that does go there (its position in that rank's channel queue, which is
+    the count of the channel's earlier tokens to the rank), or ``-NO_LATER_HEAD - 1`` where none does; heads (``>= 0``)
+    stay. Why DeepEP does it: a combine receiver that meets such a token still learns how far that rank's queue has
+    been consumed (``-entry - 1``) and releases the slots. The rewrite reads heads only, so it is idempotent: a
+    second combine on the same handle (DeepEP allows reusing one) rewrites the same values again, and every reader
+    that asks only whether an entry is negative (the combines, the facade's cached dispatch) reads it unchanged."""
+    if not isinstance(send_head, torch.Tensor):
+        raise TypeError(f"combined_send_head: send_head must be a torch.Tensor, got {type(send_head).__name__}")
+    if send_head.dtype != torch.int32 or send_head.dim() != 2:
+        raise ValueError(f"combined_send_head: send_head must be int32 [T, P], got {list(send_head.shape)} "
+                         f"{send_head.dtype}")
+    integer("combined_send_head", "channels", channels, 1)
+    heads = send_head.cpu()
+    out = heads.clone()
+    none = torch.full((1, heads.shape[1]), NO_LATER_HEAD, dtype=torch.int32, device="cpu")
+    for start, end in _channel_bounds(heads.shape[0], channels):
+        block = heads[start:end]
+        n = end - start
+        pos = torch.arange(n, dtype=torch.int64, device="cpu").unsqueeze(1).expand_as(block)
+        # the position of the nearest token at or after each one whose entry is a head (n: none is)
+        nearest = torch.where(block >= 0, pos, n).flip(0).cummin(dim=0).values.flip(0)
+        later = torch.cat([block, none]).gather(0, nearest)
+        out[start:end] = torch.where(block >= 0, block, -later - 1)
+    return out
 
 
 def dispatch_reference(topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor] | None, num_experts: int,

@@ -1,12 +1,12 @@
 // DeepEP's normal-mode (high-throughput) intranode dispatch and combine behind the deep_ep facade: the layout
-// kernel, the count exchange (notify), and a send and a receive kernel per direction, all on the symmetric
-// workspace (num_nvl_bytes) and launched on the communication green context.
+// kernel, the count exchange (notify), a send and a receive kernel per direction, all on the symmetric workspace
+// (num_nvl_bytes), and the combine's rewrite of the handle's send_head; launched on the communication green context.
 //
 // Workspace (one copy per rank; offsets in EpNormalParams):
 //   arrive[P]   u64  notify barrier: rank q stores op into arrive[q] of every rank after writing its counts
 //   ready[P]    u64  rank q stores op into ready[q] of every rank once its rows for op are in that rank's data region
 //   released[P] u64  rank q stores op into released[q] of every rank once it has read its own data region for op
-//   status[6]        KernelStatus per kernel (gc_moe::NormalKernel)
+//   status[7]        KernelStatus per kernel (gc_moe::NormalKernel)
 //   layout/notify arrival counters and the layout's cross-CTA histogram (reset by the last CTA)
 //   counts[P][P] u32, expert_counts[P][L] u32, recv_chan[P][C] i32: the op's exchanged counts (transient)
 //   data region: dispatch rows (16 bytes source token, payload, scales, top-k) at the receiver, ordered by source
@@ -45,7 +45,8 @@ constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
-constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors
+constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
+                                   // combine heads' 32-token chunks
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -77,7 +78,7 @@ __device__ __forceinline__ void publish(const PeerTable& pt, u64 offset, u64 val
         gc_moe::st_release_sys(reinterpret_cast<u64*>(base_of(pt, q, offset)) + pt.rank, value);
 }
 
-// Copies the six status records into the pinned host mirror, so that the host sees errors without synchronizing.
+// Copies the status records into the pinned host mirror, so that the host sees errors without synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNormalParams& p) {
     constexpr u32 kWords = gc_moe::kNormalKernelCount * sizeof(KernelStatus) / 4;
     if (p.status_mirror && threadIdx.x < kWords) {
@@ -437,6 +438,48 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
+    }
+}
+
+// combine heads (DeepEP's in-place rewrite of the handle's send_head at the start of an intranode combine): within
+// each channel's tokens and each rank column, the entry of a token that does not go to the rank (negative) becomes
+// -h - 1, h the head of the nearest later token of the channel that does, or -kNoLaterHead - 1 where none does; heads
+// stay. It reads heads only, so a second combine on the same handle stores nothing, and every reader of send_head
+// (dispatch send, combine receive: head >= 0) reads either encoding alike. A warp per (channel, rank), warps of a CTA
+// on adjacent columns of the same rows: lane l holds the entry l tokens further from the channel's end than the
+// chunk's first, kBatch chunks loaded before they are scanned, the nearest later head carried from chunk to chunk.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_heads(const PeerTable pt,
+                                                                                 const EpNormalParams p) {
+    constexpr int kNoLaterHead = 1 << 25;  // DeepEP's: above any channel's queue position
+    const u32 ranks = static_cast<u32>(pt.world_size);
+    const u32 lane = threadIdx.x & 31;
+    const u32 per = (p.num_tokens + p.num_channels - 1) / p.num_channels;  // DeepEP's get_channel_task_range
+    int* heads = reinterpret_cast<int*>(p.send_head);
+    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < ranks * p.num_channels; u += gridDim.x * kWarps) {
+        const u32 r = u % ranks, c = u / ranks;
+        const u32 start = min(per * c, p.num_tokens), count = min(start + per, p.num_tokens) - start;
+        // entry `back` tokens before the channel's last one
+        const auto at = [&](u32 back) { return static_cast<u64>(start + count - 1 - back) * ranks + r; };
+        int later = kNoLaterHead;  // the head of the nearest token after the current chunk that goes to r
+        for (u32 done = 0; done < count; done += 32 * kBatch) {
+            int h[kBatch];
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                const u32 back = done + 32 * i + lane;
+                h[i] = back < count ? heads[at(back)] : -1;
+            }
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                const u32 back = done + 32 * i + lane;
+                const u32 mask = __ballot_sync(~0u, h[i] >= 0);        // lanes holding a head
+                const u32 after = mask & ((1u << lane) - 1);           // of them, those of later tokens
+                const int nearest = __shfl_sync(~0u, h[i], after ? 31 - __clz(after) : lane);
+                const int want = -(after ? nearest : later) - 1;
+                if (back < count && h[i] < 0 && h[i] != want) heads[at(back)] = want;
+                const int first = __shfl_sync(~0u, h[i], mask ? 31 - __clz(mask) : 0);  // the chunk's earliest head
+                if (mask) later = first;
+            }
+        }
     }
 }
 

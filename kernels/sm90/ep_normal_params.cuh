@@ -84,7 +84,8 @@ enum NormalKernel : unsigned int {
     kNormalDispatchRecv = 3,  // gc_ep_normal_dispatch_recv
     kNormalCombineSend = 4,   // gc_ep_normal_combine_send
     kNormalCombineRecv = 5,   // gc_ep_normal_combine_recv
-    kNormalKernelCount = 6,   // status records
+    kNormalCombineHeads = 6,  // gc_ep_normal_combine_heads
+    kNormalKernelCount = 7,   // status records
 };
 // END GENERATED
 

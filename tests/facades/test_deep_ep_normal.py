@@ -1,12 +1,16 @@
 """The ``deep_ep`` facade's normal mode (DeepEP's intranode ``get_dispatch_layout`` / ``dispatch`` / ``combine``) on
 H200s, bit for bit against the torch references (:mod:`gc_moe_compat.testing.ep_normal_reference`), on one rank and
-on two: every handle tensor, BF16 and FP8 payloads (column-major scales), -1 slots, T = 0, a rank without tokens,
-every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached re-dispatch, bias, async with
-``previous_event``, 20 consecutive rounds, a default device of cuda, on the communication green partition and with
-the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` naming it. In process on one rank:
-``get_dispatch_layout`` reports an id outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as
-``DeviceCheckError`` at the next call (no call waits on the CPU, as with DeepEP), a synchronous one's and an
-``async_finish`` one's, and ``Buffer.destroy`` raises one that no call raised.
+on two: every handle tensor (``send_head`` also after a combine, which rewrites it in place as DeepEP's does, after a
+second combine on the same handle and after a cached dispatch), BF16 and FP8 payloads (column-major scales), -1
+slots, T = 0, a rank without tokens, every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached
+re-dispatch, bias, async with ``previous_event``, channels of several 32-token chunks, 20 consecutive rounds, a
+default device of cuda, on the communication green partition and with the partition off; two ranks: a missing peer
+ends in ``DeviceTimeoutError`` naming it. The rewrite's kernel on its own (issue 29): DeepEP's bytes (the reference's
+``combined_send_head``) for up to 8 rank columns, long and empty channels, inside guard words, twice (a reused
+handle), with the facade's grid and with one CTA. In process on one rank: ``get_dispatch_layout`` reports an id
+outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as ``DeviceCheckError`` at the next call (no call waits
+on the CPU, as with DeepEP), a synchronous one's and an ``async_finish`` one's, and ``Buffer.destroy`` raises one
+that no call raised.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ import torch
 import torch.distributed as dist
 from two_rank import MULTI_RANKS, run_ranks
 
+from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import Buffer
+from gc_moe_compat.runtime.cuda import as_stream
+from gc_moe_compat.runtime.params import KernelArgs
 from gc_moe_compat.runtime.status import DeviceCheckError
-from gc_moe_compat.testing.ep_normal_reference import layout_reference
+from gc_moe_compat.runtime.workspace import PeerTable
+from gc_moe_compat.testing.ep_normal_reference import combined_send_head, layout_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +34,7 @@ WORKER = "deep_ep_normal_worker.py"
 TIMEOUT_S = 400
 CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales) bit-exact",
          "normal num_worst_tokens bit-exact", "normal T = 0 on every rank bit-exact",
+         "normal long channels (send_head's rewrite over several 32-token chunks) bit-exact",
          "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact")
 
 
@@ -49,6 +58,56 @@ def test_deep_ep_normal_at_the_legacy_shape_rows_come_from_their_sources() -> No
 @pytest.mark.multigpu
 def test_deep_ep_normal_missing_peer_times_out() -> None:
     run_ranks(WORKER, 2, TIMEOUT_S, "missing peer", args=("--suite", "timeout"))
+
+
+def _send_head(in_rank: torch.Tensor, channels: int) -> torch.Tensor:
+    """A dispatch's send_head for ``is_token_in_rank`` over ``channels``: the token's index among its channel's tokens
+    to the rank, -1 where it does not go there (the reference's rule)."""
+    tokens = in_rank.shape[0]
+    per = -(-tokens // channels) if tokens else 0
+    head = torch.full(in_rank.shape, -1, dtype=torch.int32, device="cpu")
+    for c in range(channels):
+        block = in_rank[min(per * c, tokens):min(per * c + per, tokens)]
+        head[min(per * c, tokens):min(per * c + per, tokens)] = torch.where(block, block.int().cumsum(0) - 1, -1)
+    return head
+
+
+GUARD = 64
+"""int32 words before and after the kernel's send_head, which it must leave as they are."""
+
+
+@pytest.mark.parametrize(("tokens", "ranks", "channels", "density"), [
+    (0, 2, 4, 0.3), (1, 1, 1, 0.0), (1, 8, 12, 0.5), (33, 3, 1, 0.3), (257, 2, 1, 0.1), (300, 8, 40, 0.3),
+    (1000, 8, 12, 0.05), (4096, 8, 12, 0.3), (4096, 2, 66, 0.9), (600, 4, 10, 0.0), (600, 4, 10, 1.0)])
+def test_combine_heads_kernel_rewrites_send_head_as_deepep(tokens: int, ranks: int, channels: int,
+                                                           density: float) -> None:
+    """gc_ep_normal_combine_heads launched on its own (a peer table of ``ranks`` ranks: it reads only their count)
+    on a dispatch's send_head between guard words: the result is the reference's rewrite (DeepEP v1.2.1's bytes), no
+    word outside the tensor changes, and a second launch (a second combine on the handle) leaves it as it is; with the
+    facade's grid (a warp per channel and rank) and with one CTA (each warp striding over several)."""
+    gen = torch.Generator().manual_seed(7 * tokens + 131 * ranks + channels)
+    in_rank = torch.rand((tokens, ranks), generator=gen, dtype=torch.float32, device="cpu") < density
+    send_head = _send_head(in_rank, channels)
+    want = combined_send_head(send_head, channels)
+    if 0 < density < 1 and tokens > 32:
+        assert not torch.equal(want, send_head), "a case the rewrite leaves alone shows nothing"
+    table = PeerTable()
+    table.rank, table.world_size = 0, ranks
+    stream = as_stream(torch.cuda.current_stream().cuda_stream)
+    for grid in (-(-ranks * channels // 8), 1):
+        words = torch.full((tokens * ranks + 2 * GUARD,), 0x5EEDBEEF, dtype=torch.int32, device="cuda")
+        heads = words[GUARD:GUARD + tokens * ranks].view(tokens, ranks)
+        heads.copy_(send_head)
+        params = ep_normal.make_params(transient=ep_normal.data_offset(ranks, 1, channels), data_rows=0,
+                                       send_head=heads.data_ptr(), num_tokens=tokens, num_channels=channels)
+        for launch in ("first", "second"):
+            ep_normal.launch_normal(ep_normal.Kernel.COMBINE_HEADS, KernelArgs(table, params), grid, stream)
+            torch.cuda.synchronize()
+            got = words.cpu()
+            assert bool((got[:GUARD] == 0x5EEDBEEF).all()) and bool((got[-GUARD:] == 0x5EEDBEEF).all()), \
+                f"grid {grid}, {launch} launch: a word outside send_head changed"
+            diff = int((heads.cpu() != want).sum())
+            assert diff == 0, f"grid {grid}, {launch} launch: {diff} send_head entries are not DeepEP's"
 
 
 BAD_IDS = {  # id -> what the report names (observed / expected of the layout kernel's record)

@@ -179,6 +179,30 @@ def test_combine_checks(buf: Buffer) -> None:
     assert isinstance(EventOverlap(None), EventOverlap)
 
 
+def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checked combine launches, in order on its stream: the send_head rewrite (DeepEP's in-place one, on the
+    caller's handle[5] itself, a warp per channel and rank: 20 channels of one rank fill 3 CTAs of 8 warps), then
+    combine send and receive, all three with the same parameters."""
+    launches: list[tuple[ep_normal.Kernel, int, bytes]] = []
+    monkeypatch.setattr(_normal.NormalMode, "_begin", lambda self, fn, num_sms: _normal._Stream(0, None, 0))
+    monkeypatch.setattr(_normal.NormalMode, "_args", lambda self, params: params)
+    monkeypatch.setattr(_normal, "launch_normal",
+                        lambda kernel, params, grid, stream: launches.append((kernel, grid, bytes(params))))
+    rows, channels = 5, 20
+    send_head = torch.full((T, 1), -1, dtype=torch.int32)
+    handle = _normal.NormalHandle((torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, channels, dtype=torch.int32),
+                                   torch.zeros(1, channels, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                                   torch.zeros(T, 1, dtype=torch.bool), send_head), most_sent=rows)
+    buf.combine(torch.zeros(rows, H, dtype=torch.bfloat16), handle, config=Config(2 * channels, 6, 256))
+    kernels = ep_normal.Kernel
+    assert [(k, g) for k, g, _ in launches] == [(kernels.COMBINE_HEADS, 3), (kernels.COMBINE_SEND, 2 * channels),
+                                                (kernels.COMBINE_RECV, 2 * channels)]
+    params = ep_normal.EpNormalParams.from_buffer_copy(launches[0][2])
+    assert (params.send_head, params.num_tokens, params.num_channels) == (send_head.data_ptr(), T, channels)
+    assert launches[1][2] == launches[2][2] == launches[0][2]
+
+
 def test_internode_is_not_implemented(buf: Buffer) -> None:
     for call in (buf.internode_dispatch, buf.internode_combine):
         with pytest.raises(NotImplementedError, match="NVSHMEM/RDMA"):

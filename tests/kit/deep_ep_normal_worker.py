@@ -4,10 +4,12 @@
 Every rank draws every rank's inputs from one seed and checks its own outputs: the layout, every handle tensor, the
 received rows (BF16 or FP8 bytes and scales, bit for bit), source indices, local top-k ids and weights, the aligned
 per-expert counts, the worst-case padding, a cached re-dispatch, and the combine (bit for bit against the FP32
-reference, with and without bias and top-k weights). The caching allocator is poisoned (freed 0xFF blocks) before
-each call, so an output row the kernels fail to write shows. Suites: ``cases`` (random routing with -1 slots, a rank
-without tokens on two ranks, T = 0, every token to one expert, expert_alignment, num_worst_tokens, async +
-previous_event, a default device of cuda), ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
+reference, with and without bias and top-k weights); after it the handle's send_head holds DeepEP's in-place rewrite
+(the reference's ``combined_send_head``), and a second combine on the same handle and a cached dispatch after it give
+the same results and leave that rewrite. The caching allocator is poisoned (freed 0xFF blocks) before each call, so
+an output row the kernels fail to write shows. Suites: ``cases`` (random routing with -1 slots, a rank without tokens
+on two ranks, T = 0, every token to one expert, expert_alignment, num_worst_tokens, async + previous_event, channels
+of several 32-token chunks, a default device of cuda), ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
 DeviceTimeoutError naming rank 1) and ``legacy_shape`` (DeepEP's tests/legacy/test_intranode.py sizes and data: 4096
 tokens of hidden 7168 per rank, top-8 of 256 experts, 24 SMs, 2e9 NVL bytes, every row of rank r equal to r, in
 BF16 and FP8 with column-major scales; each received row is checked against its source rank and a bad one is
@@ -22,7 +24,12 @@ from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.status import DeviceTimeoutError
-from gc_moe_compat.testing.ep_normal_reference import combine_reference, dispatch_reference, layout_reference
+from gc_moe_compat.testing.ep_normal_reference import (
+    combine_reference,
+    combined_send_head,
+    dispatch_reference,
+    layout_reference,
+)
 
 HIDDEN, TOPK, SMS = 512, 4, 8
 NVL_BYTES = 64 << 20
@@ -154,6 +161,23 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     torch.cuda.synchronize()
     check_equal("combined_x", combined, want_x)
     check_equal("combined_topk_weights", combined_w, want_w)
+    # DeepEP's combine rewrites the handle's send_head in place; a second combine on the same handle reads that
+    # rewrite (and leaves it), as does a cached dispatch after it.
+    heads = combined_send_head(ref.send_head, SMS // 2)
+    check_equal("send_head after combine", send_head, heads)
+    poison()
+    combined, combined_w, _ = buf.combine(x_comb.cuda(), handle, topk_weights=recv_w, config=config,
+                                          bias=tuple(t.cuda() for t in b) if bias else None)
+    torch.cuda.synchronize()
+    check_equal("second combine combined_x", combined, want_x)
+    check_equal("second combine combined_topk_weights", combined_w, want_w)
+    check_equal("send_head after a second combine", send_head, heads)
+    if not fp8:
+        poison()
+        again, *_ = buf.dispatch(x, handle=handle, config=config)
+        torch.cuda.synchronize()
+        check_equal("cached dispatch after combine recv_x", again[:n], rows_x)
+        check_equal("send_head after a cached dispatch", send_head, heads)
 
 
 def _fp8_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +204,8 @@ def suite_cases(rank: int, ranks: int) -> None:
         ("T = 0 on every rank", dict(seed=7, tokens=[0] * ranks, kind="random", fp8=False)),
         ("a rank without tokens", dict(seed=8, tokens=[0] + [50] * (ranks - 1) if ranks > 1 else [1],
                                        kind="random", fp8=False)),
+        ("long channels (send_head's rewrite over several 32-token chunks)",
+         dict(seed=10, tokens=[600, 333] * (ranks // 2) + [413] * (ranks % 2), kind="random", fp8=False, bias=True)),
     ]
     for name, case in cases:
         run_case(buf, rank, ranks, **case)
