@@ -142,8 +142,8 @@ def _ll_calls(hidden: int, experts: int, tokens: int, topk: int) -> dict[str, Ca
 
 
 def _lift_gpu_refusal() -> None:
-    """Lets a normal-mode call on the CPU stand-in past the launch boundary's refusal of a workspace off the GPU
-    (its only check that reads the device type): the device reads as CUDA during that check alone."""
+    """Lets a normal-mode call on the CPU stand-in past the launch boundary's refusal of a workspace off the GPU:
+    the device reads as CUDA inside the boundary (``NormalMode._begin``) alone, not where the call allocates."""
     begin = _normal.NormalMode._begin
     cuda = torch.device("cuda", 0)
 

@@ -150,9 +150,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
             self.device = device
 
     monkeypatch.setattr(_normal.NormalMode, "_begin", begin_on_gpu)
-    ep_normal._kernel.cache_clear()
+    ep_normal.kernel_of.cache_clear()
     yield fake
-    ep_normal._kernel.cache_clear()
+    ep_normal.kernel_of.cache_clear()
 
 
 class Session:
