@@ -464,7 +464,7 @@ def integer(fn: str, arg: str, value: object, lo: int, hi: int | None = None) ->
 
     The one integer check of the native API and both facades (``deep_gemm._checks`` re-exports it), kept with the
     shape rules, the lowest layer they all import, so they word it alike."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
         raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__} ({value!r})")
     if value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"

@@ -45,7 +45,13 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role
 from gc_moe_compat.runtime.launch import launch_packed
-from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
+from gc_moe_compat.runtime.params import (
+    KernelArgs,
+    c_enum_declaration,
+    c_identifier,
+    c_struct_declaration,
+    fields_before,
+)
 from gc_moe_compat.runtime.side_launch import launch_on
 from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
@@ -258,10 +264,6 @@ class EpLlParams(ctypes.Structure):
     ]
 
 
-def _fields_before(name: str) -> int:
-    return [field for field, _ in EpLlParams._fields_].index(name)
-
-
 def params_header() -> str:
     """The generated part of kernels/sm90/ep_ll_params.cuh: the C declarations of :class:`EpLlParams`,
     :class:`LlSite` and :class:`Kernel` (``LlKernel``, each constant commented with its entry point)."""
@@ -272,7 +274,7 @@ def params_header() -> str:
     return struct + "\n" + LlSite.c_declaration("LlSite", "kLlSite") + "\n" + indices
 
 
-_POINTER_FIELDS = frozenset(name for name, _ in EpLlParams._fields_[:_fields_before("timeout_ns")])
+_POINTER_FIELDS = fields_before(EpLlParams, "timeout_ns")
 """The device and pinned-host address fields of :class:`EpLlParams` (those before ``timeout_ns``)."""
 
 

@@ -32,32 +32,43 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from cuda.bindings import driver
 
 from gc_moe_compat.config import MAX_EXPERTS, MAX_RANKS
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.launch import launch_packed
-from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, c_struct_declaration
-from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, spin_timeout_ns, status_codes
+from gc_moe_compat.runtime.launch import Dim3
+from gc_moe_compat.runtime.params import (
+    KernelArgs,
+    c_enum_declaration,
+    c_identifier,
+    c_struct_declaration,
+    fields_before,
+)
+from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_status, status_codes
+from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
     "HEADER_BYTES",
     "MAX_TOPK",
+    "PER_CALL_FIELDS",
     "SOURCE",
     "THREADS",
     "EpNormalParams",
     "Kernel",
+    "NormalLaunch",
     "NormalSite",
+    "PackedKernel",
     "combine_row_layout",
     "data_offset",
     "dispatch_row_layout",
-    "launch_normal",
+    "kernel_of",
     "make_params",
     "new_host_counts",
+    "new_launch",
     "new_status_mirror",
     "normal_sites",
     "params_header",
@@ -238,33 +249,65 @@ def params_header() -> str:
     return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices
 
 
-def make_params(*, transient: Transient, data_rows: int, op: int = 0, timeout_ms: float | None = None,
-                **fields: int) -> EpNormalParams:
-    """The :class:`EpNormalParams` of one launch: the fixed offsets, ``transient``'s, and ``fields`` (device
-    addresses such as ``x=...``, sizes such as ``num_tokens=...``)."""
+def make_params(*, transient: Transient, data_rows: int, **fields: int) -> EpNormalParams:
+    """The :class:`EpNormalParams` of launches with these sizes: the fixed offsets, ``transient``'s, ``data_rows``
+    and ``fields`` (device addresses such as ``x=...``, sizes such as ``num_tokens=...``, ``timeout_ns``)."""
     return EpNormalParams(
-        **fields, op=op, data_rows=data_rows, timeout_ns=spin_timeout_ns(timeout_ms), off_arrive=_ARRIVE,
-        off_ready=_READY, off_released=_RELEASED, off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE,
-        off_notify_arrive=_NOTIFY_ARRIVE, off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE,
-        off_scratch=_SCRATCH, off_counts=transient.counts, off_expert_counts=transient.expert_counts,
-        off_recv_chan=transient.recv_chan, off_data=transient.data)
+        **fields, data_rows=data_rows, off_arrive=_ARRIVE, off_ready=_READY, off_released=_RELEASED,
+        off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE, off_notify_arrive=_NOTIFY_ARRIVE,
+        off_send_arrive=_SEND_ARRIVE, off_recv_arrive=_RECV_ARRIVE, off_scratch=_SCRATCH, off_counts=transient.counts,
+        off_expert_counts=transient.expert_counts, off_recv_chan=transient.recv_chan, off_data=transient.data)
+
+
+PER_CALL_FIELDS = fields_before(EpNormalParams, "status_mirror") | {"timeout_ns", "op", "recv_rows"}
+"""The fields of :class:`EpNormalParams` a call sets: its tensors' device addresses and the host record notify fills
+(the fields before ``status_mirror``), the spin timeout as ``GC_MOE_SPIN_TIMEOUT_MS`` is set at the call, its
+collective-op number and its received rows. :func:`new_launch` fixes every other field for the calls of one shape."""
 
 
 @functools.cache
-def _kernel(kernel: Kernel) -> jit.Kernel:
+def kernel_of(kernel: Kernel) -> jit.Kernel:
     """The loaded kernel, looked up once per process: ``jit.load_module`` hashes the source tree for its cache key
     (milliseconds), which would otherwise be paid by every launch of a normal-mode call."""
     return jit.load_module(SOURCE).kernel(_NAMES[kernel])
 
 
+PackedKernel = tuple[Kernel, Dim3, Dim3, int]
+"""One launch of a :class:`NormalLaunch`: the kernel, its grid, its block and the address of its packed arguments
+(with :func:`kernel_of`'s handle, what :func:`~gc_moe_compat.runtime.launch.launch_packed` takes before the
+stream; the kernel is loaded at its first launch, not when the launches are packed)."""
 _BLOCK = (THREADS, 1, 1)
 
 
-def launch_normal(kernel: Kernel, args: KernelArgs, grid: int, stream: driver.CUstream) -> None:
-    """Launches one normal-mode kernel with ``grid`` CTAs on ``stream`` (the communication green context's stream
-    runs it on that partition's SMs); ``args``: the peer table and the parameters (``KernelArgs(table, params)``,
-    one packing for the launches of a call that share its parameters: the driver copies them at each launch)."""
-    launch_packed(_kernel(kernel).handle, (max(1, grid), 1, 1), _BLOCK, args.address, stream)
+class NormalLaunch:
+    """The launches of normal-mode calls of one shape on one workspace, packed once (:func:`new_launch`):
+    ``params``, one :class:`EpNormalParams` per parameter set (an uncached dispatch has two, notify's and then the
+    transfer's), each with every field but :data:`PER_CALL_FIELDS` fixed, so that a call sets those and launches;
+    ``kernels``, the launches in order (:data:`PackedKernel`: grids bounded by the rank's share of the GPU), each
+    reading the packed by-value arguments of its set (a copy of the peer table, then the parameters), which the
+    driver copies at every launch. An instance serves one thread."""
+
+    __slots__ = ("args", "kernels", "params")
+
+    def __init__(self, table: PeerTable, params: Sequence[EpNormalParams],
+                 kernels: Sequence[tuple[Kernel, int, int]], max_ctas: int) -> None:
+        self.params = tuple(params)
+        self.args = tuple(KernelArgs(table, p) for p in self.params)
+        self.kernels: tuple[PackedKernel, ...] = tuple(
+            (kernel, (max(1, min(grid, max_ctas)), 1, 1), _BLOCK, self.args[index].address)
+            for kernel, grid, index in kernels)
+
+
+def new_launch(table: PeerTable, kernels: Sequence[tuple[Kernel, int, int]], fields: Sequence[Mapping[str, object]],
+               max_ctas: int) -> NormalLaunch:
+    """The :class:`NormalLaunch` of calls of one shape: ``fields``, each parameter set's :func:`make_params`
+    arguments (none of :data:`PER_CALL_FIELDS`); ``kernels``, in launch order, each ``(kernel, grid, index of its
+    parameter set)``, its grid at least 1 CTA and at most ``max_ctas`` (every kernel loops over its work with a grid
+    stride; notify needs 2, which every rank's share holds: its CTA 0 waits while the others compute)."""
+    for f in fields:
+        if f.keys() & PER_CALL_FIELDS:
+            raise TypeError(f"new_launch: per-call fields of EpNormalParams: {sorted(f.keys() & PER_CALL_FIELDS)}")
+    return NormalLaunch(type(table).from_buffer_copy(table), [make_params(**f) for f in fields], kernels, max_ctas)
 
 
 def normal_sites(num_ranks: int) -> dict[int, str]:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from gc_moe_compat.config import integer
 
-__all__ = ["C_INT_MAX", "INTERNODE_MISSING", "MAX_NVL_RANKS", "Config", "config_field"]
+__all__ = ["C_INT_MAX", "INTERNODE_MISSING", "MAX_LAUNCH_SHAPES", "MAX_NVL_RANKS", "Config", "config_field"]
 
 C_INT_MAX = (1 << 31) - 1
 """DeepEP's sizes and counts are C ``int``s (pybind refuses a larger Python int): the facade's bound for them."""
+
+MAX_LAUNCH_SHAPES = 1024
+"""Call shapes a workspace keeps packed launches for, in either mode (token counts vary from call to call: one entry
+per shape seen; past the bound the cache starts again)."""
 
 MAX_NVL_RANKS = 8
 """DeepEP's NVLink domain (``LEGACY_NUM_MAX_NVL_PEERS``): larger groups are internode (NVSHMEM/RDMA) in DeepEP."""

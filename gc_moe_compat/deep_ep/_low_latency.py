@@ -56,7 +56,7 @@ from gc_moe_compat.comm.ep_ll import (
     required_bytes,
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
-from gc_moe_compat.deep_ep._config import C_INT_MAX
+from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
@@ -67,11 +67,6 @@ __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_par
            "next_combine_buffer", "partition_report", "query_mask", "update_mask"]
 
 Hook = Callable[[], None]
-
-_MAX_LAUNCHES = 1024
-"""Call shapes a workspace keeps packed launches for (a decode step's token count varies: one entry per count seen,
-up to ``Tmax`` per kind; past the bound the cache starts again)."""
-
 
 class _State:
     """What the calls on one workspace keep (created with its first call): the pinned status mirror and the numpy
@@ -252,7 +247,7 @@ def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShap
     launches = new_launches(workspace.peer_table, shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags,
                             timeout_ms=spin_timeout_ms(setting), max_ctas=workspace.sm_share,
                             status_mirror=state.mirror.data_ptr(), **fixed)
-    if len(state.launches) >= _MAX_LAUNCHES:
+    if len(state.launches) >= MAX_LAUNCH_SHAPES:  # a decode step's token count: up to Tmax entries per kind
         state.launches.clear()
     key = (kind, threading.get_ident(), shape.max_tokens, shape.hidden, shape.num_experts, shape.topk, num_tokens,
            idx_bytes, flags, zero_copy, setting)

@@ -21,6 +21,12 @@ from the pinned status mirror they copy their records into, at that wait (this c
 and in ``Buffer.destroy`` (what earlier calls recorded, "recorded by an earlier call": after a
 ``torch.cuda.synchronize()``, the next call raises a synchronous call's error).
 
+A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_normal.NormalLaunch`, per
+Buffer and thread, keyed by the sizes its fixed fields depend on), as the low-latency mode's are: a call checks its
+tensors, allocates its outputs, sets its per-call fields (its tensors' addresses, its collective-op number, its
+received rows and the spin timeout) and launches. ``GC_MOE_SPIN_TIMEOUT_MS`` and ``GC_MOE_DEEP_EP_PARTITION`` are
+read at every call, so a change between two calls takes effect at the next.
+
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
 NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
 chunked ring): a call that needs more rows than ``num_nvl_bytes`` holds raises ``ValueError`` naming the bytes it
@@ -35,8 +41,8 @@ bytes it needs and the size hint. ``topk_idx`` values are read only by the layou
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,26 +51,34 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
-    EpNormalParams,
     Kernel,
+    NormalLaunch,
+    PackedKernel,
     combine_row_layout,
     data_offset,
     dispatch_row_layout,
-    launch_normal,
-    make_params,
+    kernel_of,
     new_host_counts,
+    new_launch,
     new_status_mirror,
     raise_for_mirrored_status,
 )
 from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
-from gc_moe_compat.deep_ep._config import C_INT_MAX, INTERNODE_MISSING, MAX_NVL_RANKS, Config, config_field
+from gc_moe_compat.deep_ep._config import (
+    C_INT_MAX,
+    INTERNODE_MISSING,
+    MAX_LAUNCH_SHAPES,
+    MAX_NVL_RANKS,
+    Config,
+    config_field,
+)
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
-from gc_moe_compat.runtime.cuda import as_stream, call
+from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
-from gc_moe_compat.runtime.params import KernelArgs
+from gc_moe_compat.runtime.launch import launch_packed
 from gc_moe_compat.runtime.side_launch import fork, join
-from gc_moe_compat.runtime.status import status_codes
+from gc_moe_compat.runtime.status import spin_timeout_ms, spin_timeout_ns, spin_timeout_setting, status_codes
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
@@ -153,21 +167,17 @@ def _event_handle(event: object) -> driver.CUevent:
     return driver.CUevent(int(event.event.cuda_event))
 
 
-@dataclass
 class _Stream:
     """Where a call's kernels run: the communication side of ``partition`` (``handle`` its stream, ``ctx`` its green
-    context) or, without a partition, the caller's stream (``handle`` = ``caller``). ``caller``: torch's current
-    stream, looked up once per call."""
+    context) or, without a partition, the caller's stream (``handle`` = ``caller``); ``stream``: ``handle`` as the
+    driver's stream, for the call's launches. ``caller``: torch's current stream, looked up once per call."""
 
-    handle: int
-    ctx: driver.CUcontext | None
-    caller: int
-    partition: Partition | None = None
+    __slots__ = ("caller", "ctx", "handle", "partition", "stream")
 
-    @functools.cached_property
-    def stream(self) -> driver.CUstream:
-        """``handle`` as the driver's stream (made once per call, for its launches)."""
-        return as_stream(self.handle)
+    def __init__(self, handle: int, ctx: driver.CUcontext | None, caller: int,
+                 partition: Partition | None = None) -> None:
+        self.handle, self.ctx, self.caller, self.partition = handle, ctx, caller, partition
+        self.stream = driver.CUstream(handle)
 
     def wait(self, previous: EventOverlap | None) -> None:
         """Orders the kernels after ``previous`` (its event) or after the caller's stream so far (the partition's
@@ -177,7 +187,7 @@ class _Stream:
                 previous.event.current_stream_wait()
             return
         if previous is not None and previous.event is not None:
-            call(driver.cuStreamWaitEvent, driver.CUstream(self.handle), _event_handle(previous.event), 0)
+            call(driver.cuStreamWaitEvent, self.stream, _event_handle(previous.event), 0)
         else:
             fork(self.partition, Role.COMM, self.caller)
 
@@ -195,28 +205,43 @@ class _Stream:
         call(driver.cuStreamSynchronize, self.stream)
 
 
+def _launch_transfer(kernels: Sequence[PackedKernel], stream: _Stream) -> None:
+    """Launches ``kernels`` (a :class:`~gc_moe_compat.comm.ep_normal.NormalLaunch`'s, this call's fields set) in
+    order on the call's stream: the one launch path of every normal-mode kernel."""
+    for kernel, grid, block, args in kernels:
+        launch_packed(kernel_of(kernel).handle, grid, block, args, stream.stream)
+
+
+@functools.lru_cache(maxsize=16)
+def _timeout_ns(setting: str | None) -> int:
+    """The kernels' spin timeout for ``GC_MOE_SPIN_TIMEOUT_MS`` = ``setting`` (a setting that fails to convert
+    raises at every call, as it is not kept)."""
+    return spin_timeout_ns(spin_timeout_ms(setting))
+
+
 def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
             device: torch.device, contiguous: bool = True) -> torch.Tensor:
     """``t`` as a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; TypeError /
-    ValueError naming the argument, the rule and the value otherwise."""
+    ValueError naming the argument, the rule and the value otherwise. Every call checks its tensors here: attribute
+    reads and the two method calls contiguity and alignment need, the message built only for a failure."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dtype not in dtypes or t.dim() != len(shape) or any(
-            s is not None and s != d for s, d in zip(shape, t.shape, strict=True)):
+    fits = t.dtype in dtypes and t.ndim == len(shape)
+    if fits:
+        for want, got in zip(shape, t.shape, strict=True):
+            if want is not None and want != got:
+                fits = False
+    if not fits:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{fn}: {name} must be {want} of {' or '.join(map(str, dtypes))}, got "
                          f"{list(t.shape)} {t.dtype}")
     if t.device != device:
         raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
-    if contiguous and t.numel() and t.data_ptr() % 16:
+    if contiguous and t.data_ptr() % 16 and t.numel():
         raise ValueError(f"{fn}: {name} must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
     return t
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 def _check_config(fn: str, config: object, max_sms: int) -> Config:
@@ -225,6 +250,9 @@ def _check_config(fn: str, config: object, max_sms: int) -> Config:
     communication partition of that many SMs)."""
     if not isinstance(config, Config):
         raise TypeError(f"{fn}: config must be a deep_ep.Config, got {type(config).__name__}")
+    num_sms = config.num_sms
+    if type(num_sms) is int and 2 <= num_sms <= max_sms and not num_sms % 2:
+        return config
     num_sms = config_field(fn, config, "num_sms")
     if not 2 <= num_sms <= max_sms or num_sms % 2:
         raise ValueError(f"{fn}: config.num_sms must be an even int in [2, {max_sms}] (two SMs per channel, DeepEP's "
@@ -233,8 +261,9 @@ def _check_config(fn: str, config: object, max_sms: int) -> Config:
 
 
 def _flags(fn: str, previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
-    boolean(fn, "async_finish", async_finish)
-    boolean(fn, "allocate_on_comm_stream", allocate_on_comm_stream)
+    for name, value in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
+        if value is not True and value is not False:
+            boolean(fn, name, value)
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"{fn}: previous_event must be a deep_ep.EventOverlap or None, got "
                         f"{type(previous_event).__name__}")
@@ -255,9 +284,9 @@ def _x_parts(fn: str, x: object, device: torch.device) -> tuple[torch.Tensor, to
             raise ValueError(f"{fn}: x[1] (scales) needs at least one column per token, got {list(scales.shape)}")
     else:
         payload, scales = _tensor(fn, "x", x, (torch.bfloat16,), (None, None), device), None
-    if payload.shape[1] * payload.element_size() % 16 or payload.shape[1] == 0:
-        raise ValueError(f"{fn}: x's hidden size in bytes must be a positive multiple of 16, got "
-                         f"{payload.shape[1] * payload.element_size()}")
+    row_bytes = payload.shape[1] * payload.dtype.itemsize
+    if row_bytes % 16 or row_bytes == 0:
+        raise ValueError(f"{fn}: x's hidden size in bytes must be a positive multiple of 16, got {row_bytes}")
     return payload, scales
 
 
@@ -285,6 +314,9 @@ class NormalMode:
         self.op = 0
         self._pending: list[tuple[_Event, tuple]] = []
         self._host_counts: dict[int, torch.Tensor] = {}
+        # The packed launches of each call shape (see _pack): a call checks its tensors, allocates its outputs,
+        # sets its fields and launches.
+        self._launches: dict[tuple, NormalLaunch] = {}
 
     def destroy(self) -> None:
         """Waits for the calls still running on the communication stream, raises what their kernels recorded and
@@ -306,9 +338,8 @@ class NormalMode:
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
-    def _begin(self, fn: str, num_sms: int) -> _Stream:
-        """Where a checked call's kernels run (the launch boundary); refuses what no launch can serve: a workspace
-        off the GPU, graph capture, an internode group."""
+    def _require_gpu(self, fn: str) -> None:
+        """Refuses what no launch can serve: a workspace off the GPU, graph capture, an internode group."""
         if self.device.type != "cuda":
             raise RuntimeError(f"{fn}: the Buffer's workspace lives on {self.device}, not a CUDA device; running the "
                                "normal-mode kernels needs the GPU")
@@ -317,6 +348,11 @@ class NormalMode:
                                       "synchronizes the CPU; run normal mode eagerly)")
         if self.ranks > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
+
+    def _begin(self, fn: str, num_sms: int) -> _Stream:
+        """Where a checked call's kernels run (the launch boundary: :meth:`_require_gpu`, then what earlier calls
+        recorded is raised)."""
+        self._require_gpu(fn)
         self.raise_recorded()
         if self._pending:
             self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
@@ -339,14 +375,17 @@ class NormalMode:
             self._pending.append((event, tensors))
         return EventOverlap(event)
 
-    def _launch(self, kernel: Kernel, args: KernelArgs, grid: int, stream: _Stream) -> None:
-        """Launches ``kernel`` with ``grid`` CTAs, at most :attr:`grid_cap` (which is >= 2, as notify needs: its CTA
-        0 waits while the others compute; every kernel loops over its work with a grid stride)."""
-        launch_normal(kernel, args, min(grid, self.grid_cap), stream.stream)
-
-    def _args(self, params: EpNormalParams) -> KernelArgs:
-        """The by-value arguments of launches with ``params`` (the workspace's peer table, then ``params``)."""
-        return KernelArgs(self.workspace.peer_table, params)
+    def _pack(self, key: tuple, kernels: Sequence[tuple[Kernel, int, int]], *fields: dict) -> NormalLaunch:
+        """New packed launches for the calls of ``key`` (:func:`~gc_moe_compat.comm.ep_normal.new_launch`: the peer
+        table, the status mirror, grids bounded by :attr:`grid_cap`), kept for them. The key holds the calling
+        thread and every size the fixed fields depend on; past ``MAX_LAUNCH_SHAPES`` the cache starts again."""
+        mirror = self.mirror.data_ptr()
+        launch = new_launch(self.workspace.peer_table, kernels, [{**f, "status_mirror": mirror} for f in fields],
+                            self.grid_cap)
+        if len(self._launches) >= MAX_LAUNCH_SHAPES:
+            self._launches.clear()
+        self._launches[key] = launch
+        return launch
 
     def _next_op(self) -> int:
         self.op += 1
@@ -370,10 +409,13 @@ class NormalMode:
     def _capacity(self, transient_data: int, row_stride: int) -> int:
         return max(0, (self.buffer.numel() - transient_data) // row_stride)
 
-    def _need(self, fn: str, rows: int, capacity: int, row_stride: int, data: int, what: str) -> None:
-        if rows > capacity:
-            raise ValueError(f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {row_stride} bytes after "
-                             f"{data} header bytes = {data + rows * row_stride} bytes, the Buffer has "
+    def _need(self, fn: str, rows: int, launch: NormalLaunch, what: str) -> None:
+        """The data region of ``launch``'s calls holds ``rows`` rows, else ``ValueError`` naming the bytes."""
+        params = launch.params[-1]
+        if rows > params.data_rows:
+            stride, data = params.row_stride, params.off_data
+            raise ValueError(f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {stride} bytes after "
+                             f"{data} header bytes = {data + rows * stride} bytes, the Buffer has "
                              f"{self.buffer.numel()}")
 
     # -- get_dispatch_layout ----------------------------------------------------------------------------------------
@@ -414,30 +456,69 @@ class NormalMode:
             raise ValueError(f"{fn}: {arg} must be a multiple of the group size {self.ranks}, got {num_experts}")
         return num_experts
 
+    def _layout_launch(self, fn: str, key: tuple) -> NormalLaunch:
+        """The layout's launch for ``key`` = ``("layout", thread, tokens, topk, experts, idx_bytes, num_sms)``
+        (checked: the fixed header fits), packed now unless kept."""
+        launch = self._launches.get(key)
+        if launch is not None:
+            return launch
+        _, _, tokens, topk, experts, idx_bytes, num_sms = key
+        self._room(fn, HEADER_BYTES, "the fixed header: the kernels' synchronization words, status records and the "
+                   "layout's histogram")
+        local = experts // self.ranks
+        fields = dict(transient=data_offset(self.ranks, local, 1), data_rows=0, num_tokens=tokens, topk=topk,
+                      num_experts=experts, local_experts=local, idx_bytes=idx_bytes)
+        return self._pack(key, ((Kernel.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
+
     def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
                             async_finish: bool, allocate_on_comm_stream: bool, num_sms: int) -> tuple:
         fn = "get_dispatch_layout"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
         topk_idx = self._topk_idx(fn, topk_idx)
         experts = self._experts(fn, "num_experts", num_experts)
-        self._room(fn, HEADER_BYTES, "the fixed header: the kernels' synchronization words, status records and the "
-                   "layout's histogram")
-        stream = self._begin(fn, num_sms)
         tokens, topk = topk_idx.shape
+        launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts,
+                                          topk_idx.dtype.itemsize, num_sms))
+        stream = self._begin(fn, num_sms)
         per_rank = torch.empty(self.ranks, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((tokens, self.ranks), dtype=torch.bool, device=self.device)
-        t = data_offset(self.ranks, experts // self.ranks, 1)
-        params = make_params(transient=t, data_rows=0, topk_idx=_ptr(topk_idx), is_token_in_rank=_ptr(in_rank),
-                             num_tokens_per_rank=per_rank.data_ptr(), num_tokens_per_expert=per_expert.data_ptr(),
-                             status_mirror=self.mirror.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
-                             local_experts=experts // self.ranks, idx_bytes=topk_idx.element_size())
+        # A pointer field is 0 for an empty tensor (the kernels' contract): here, exactly when there are no tokens.
+        p = launch.params[0]
+        p.timeout_ns = _timeout_ns(spin_timeout_setting())
+        p.topk_idx, p.is_token_in_rank = (topk_idx.data_ptr(), in_rank.data_ptr()) if tokens else (0, 0)
+        p.num_tokens_per_rank, p.num_tokens_per_expert = per_rank.data_ptr(), per_expert.data_ptr()
         stream.wait(previous_event)
-        self._launch(Kernel.LAYOUT, self._args(params), min(num_sms, -(-tokens // 256)), stream)
+        _launch_transfer(launch.kernels, stream)
         event = self._finish(stream, async_finish, (topk_idx, per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
     # -- dispatch ---------------------------------------------------------------------------------------------------
+
+    def _dispatch_launch(self, fn: str, key: tuple) -> NormalLaunch:
+        """A dispatch's launches for ``key`` = ``("dispatch", thread, cached, tokens, hidden, payload element size,
+        scales, topk, idx_bytes, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
+        column stride, zeros without; a cached dispatch's experts: the ranks), checked (the header and the counts
+        fit) and packed now unless kept: notify (uncached: its own parameters), then dispatch send and receive."""
+        launch = self._launches.get(key)
+        if launch is not None:
+            return launch
+        _, _, cached, tokens, hidden, elsize, scales, topk, idx_bytes, experts, channels, expert_alignment = key
+        local = experts // self.ranks
+        transient = data_offset(self.ranks, local, channels)
+        self._counts_room(fn, transient.data, local, 2 * channels)
+        row = dispatch_row_layout(hidden * elsize, scales[0], topk)
+        common = dict(transient=transient, data_rows=self._capacity(transient.data, row.stride), num_tokens=tokens,
+                      num_channels=channels, num_experts=experts, local_experts=local)
+        transfer = dict(**common, hidden=hidden, row_bytes=hidden * elsize, row_stride=row.stride,
+                        off_row_scales=row.scales, off_row_topk=row.topk, num_scales=scales[0],
+                        scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk, idx_bytes=idx_bytes)
+        sms = 2 * channels
+        if cached:
+            return self._pack(key, ((Kernel.DISPATCH_SEND, sms, 0), (Kernel.DISPATCH_RECV, sms, 0)), transfer)
+        kernels = ((Kernel.NOTIFY, 1 + -(-self.ranks * channels // 8), 0), (Kernel.DISPATCH_SEND, sms, 1),
+                   (Kernel.DISPATCH_RECV, sms, 1))
+        return self._pack(key, kernels, dict(**common, expert_alignment=expert_alignment), transfer)
 
     def dispatch(self, x: object, handle: object, num_tokens_per_rank: object, num_tokens_per_rdma_rank: object,
                  is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
@@ -461,7 +542,7 @@ class NormalMode:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{fn}: a cached dispatch (handle=...) takes no topk_idx / topk_weights (DeepEP's "
                                  "rule); they were given")
-            if tuple(send_head.shape) != (tokens, self.ranks):
+            if send_head.shape != (tokens, self.ranks):
                 raise ValueError(f"{fn}: x must have the handle's {send_head.shape[0]} tokens, got {tokens}")
             experts, topk, num_recv, most_sent = self.ranks, 0, recv_src_idx.shape[0], handle.most_sent
         else:
@@ -487,18 +568,18 @@ class NormalMode:
                 raise ValueError(f"{fn}: num_worst_tokens > 0 needs topk_idx and topk_weights (DeepEP's rule), got "
                                  f"num_worst_tokens={num_worst_tokens} without them")
         local = experts // self.ranks
-        transient = data_offset(self.ranks, local, channels)
-        self._counts_room(fn, transient.data, local, config.num_sms)
-        row = dispatch_row_layout(hidden * payload.element_size(), 0 if scales is None else scales.shape[1], topk)
-        capacity = self._capacity(transient.data, row.stride)
+        launch = self._dispatch_launch(fn, (
+            "dispatch", threading.get_ident(), cached, tokens, hidden, payload.dtype.itemsize,
+            (0, 0, 0) if scales is None else (scales.shape[1], *scales.stride()), topk,
+            0 if topk_idx is None else topk_idx.dtype.itemsize, experts, channels, expert_alignment))
         if num_worst_tokens and not cached:
-            self._need(fn, num_worst_tokens, capacity, row.stride, transient.data, "num_worst_tokens received rows")
+            self._need(fn, num_worst_tokens, launch, "num_worst_tokens received rows")
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
-        common = dict(transient=transient, data_rows=capacity, op=op, status_mirror=self.mirror.data_ptr(),
-                      num_tokens=tokens, num_channels=channels, num_experts=experts, local_experts=local)
         stream.wait(previous_event)
         expert_list: list[int] = []
+        # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
+        # its tokens (or received rows) are none (its other extents are positive).
         if not cached:
             rank_prefix = torch.empty((self.ranks, self.ranks), dtype=torch.int32, device=self.device)
             channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
@@ -506,12 +587,14 @@ class NormalMode:
             host = self._host_counts.get(local)
             if host is None:
                 host = self._host_counts[local] = new_host_counts(local, self.device)
-            notify = make_params(**common, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
-                                 num_tokens_per_expert=num_tokens_per_expert.data_ptr(),
-                                 is_token_in_rank=_ptr(in_rank), rank_prefix=rank_prefix.data_ptr(),
-                                 channel_prefix=channel_prefix.data_ptr(), send_head=_ptr(send_head),
-                                 host_counts=host.data_ptr(), expert_alignment=expert_alignment)
-            self._launch(Kernel.NOTIFY, self._args(notify), 1 + -(-self.ranks * channels // 8), stream)
+            timeout = _timeout_ns(spin_timeout_setting())
+            n = launch.params[0]
+            n.timeout_ns, n.op, n.host_counts = timeout, op, host.data_ptr()
+            n.num_tokens_per_rank, n.num_tokens_per_expert = (num_tokens_per_rank.data_ptr(),
+                                                              num_tokens_per_expert.data_ptr())
+            n.is_token_in_rank, n.send_head = (in_rank.data_ptr(), send_head.data_ptr()) if tokens else (0, 0)
+            n.rank_prefix, n.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+            _launch_transfer(launch.kernels[:1], stream)
             if num_worst_tokens:
                 num_recv, most_sent = num_worst_tokens, None
             else:
@@ -520,8 +603,7 @@ class NormalMode:
                 counts = host.tolist()
                 num_recv, most_recv, most_sent = counts[0], counts[1], counts[2]
                 expert_list = counts[3:3 + local]
-                self._need(fn, most_recv, capacity, row.stride, transient.data,
-                           "the rows the busiest rank of the group receives")
+                self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
         recv_x = torch.empty((num_recv, hidden), dtype=payload.dtype, device=self.device)
         recv_scales = None if scales is None else torch.empty((num_recv, scales.shape[1]), dtype=scales.dtype,
                                                                device=self.device)
@@ -532,20 +614,26 @@ class NormalMode:
             recv_topk_weights = torch.empty((num_recv, topk), dtype=torch.float32, device=self.device)
         if not cached:
             recv_channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
-        params = make_params(
-            **common, x=_ptr(payload), x_scales=_ptr(scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
-            recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head), recv_x=_ptr(recv_x),
-            recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-            recv_src_idx=_ptr(recv_src_idx), hidden=hidden, row_bytes=hidden * payload.element_size(),
-            row_stride=row.stride, off_row_scales=row.scales, off_row_topk=row.topk,
-            num_scales=0 if scales is None else scales.shape[1],
-            scale_token_stride=0 if scales is None else scales.stride(0),
-            scale_hidden_stride=0 if scales is None else scales.stride(1), topk=topk, recv_rows=num_recv,
-            idx_bytes=0 if topk_idx is None else topk_idx.element_size())
-        args = self._args(params)
-        self._launch(Kernel.DISPATCH_SEND, args, config.num_sms, stream)
-        self._launch(Kernel.DISPATCH_RECV, args, config.num_sms, stream)
+        else:  # the transfer's parameters are the first this call sets
+            timeout = _timeout_ns(spin_timeout_setting())
+        p = launch.params[-1]
+        p.timeout_ns, p.op, p.recv_rows = timeout, op, num_recv
+        p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+        p.recv_channel_prefix = 0 if cached else recv_channel_prefix.data_ptr()
+        if tokens:
+            p.x, p.send_head = payload.data_ptr(), send_head.data_ptr()
+            p.x_scales = 0 if scales is None else scales.data_ptr()
+            p.topk_idx, p.topk_weights = (topk_idx.data_ptr(), topk_weights.data_ptr()) if topk else (0, 0)
+        else:
+            p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
+        if num_recv:
+            p.recv_x, p.recv_src_idx = recv_x.data_ptr(), recv_src_idx.data_ptr()
+            p.recv_scales = 0 if scales is None else recv_scales.data_ptr()
+            p.recv_topk_idx, p.recv_topk_weights = (recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr()) if topk \
+                else (0, 0)
+        else:
+            p.recv_x = p.recv_src_idx = p.recv_scales = p.recv_topk_idx = p.recv_topk_weights = 0
+        _launch_transfer(launch.kernels[-2:], stream)
         event = self._finish(stream, async_finish,
                              (payload, scales, topk_idx, topk_weights, in_rank, rank_prefix, channel_prefix, send_head,
                               recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
@@ -558,6 +646,28 @@ class NormalMode:
         return out_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle, event
 
     # -- combine ----------------------------------------------------------------------------------------------------
+
+    def _combine_launches(self, channels: int) -> tuple[tuple[Kernel, int, int], ...]:
+        """The combine's kernels in launch order, all on one parameter set: DeepEP's in-place rewrite of the caller's
+        send_head first (a warp per channel and rank), ahead of its readers, combine send and receive."""
+        sms = 2 * channels
+        return ((Kernel.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Kernel.COMBINE_SEND, sms, 0),
+                (Kernel.COMBINE_RECV, sms, 0))
+
+    def _combine_launch(self, fn: str, key: tuple) -> NormalLaunch:
+        """A combine's launches for ``key`` = ``("combine", thread, tokens, hidden, topk, channels)`` (checked: the
+        header and the counts fit), packed now unless kept."""
+        launch = self._launches.get(key)
+        if launch is not None:
+            return launch
+        _, _, tokens, hidden, topk, channels = key
+        transient = data_offset(self.ranks, 1, channels)
+        self._counts_room(fn, transient.data, 1, 2 * channels)
+        row = combine_row_layout(2 * hidden, topk)
+        fields = dict(transient=transient, data_rows=self._capacity(transient.data, row.stride), num_tokens=tokens,
+                      hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
+                      num_channels=channels)
+        return self._pack(key, self._combine_launches(channels), fields)
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
@@ -578,42 +688,40 @@ class NormalMode:
             if not 1 <= topk <= MAX_TOPK:
                 raise ValueError(f"{fn}: topk_weights must have 1 to {MAX_TOPK} columns, got {topk}")
         if bias is None:
-            biases: tuple = (None, None)
+            bias_0 = bias_1 = None
         elif isinstance(bias, torch.Tensor):
-            biases = (bias, None)
+            bias_0 = _tensor(fn, "bias[0]", bias, (torch.bfloat16,), (tokens, hidden), self.device)
+            bias_1 = None
         elif not isinstance(bias, tuple):
             raise TypeError(f"{fn}: bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
         elif len(bias) != 2:
             raise ValueError(f"{fn}: bias must be a pair (bias_0, bias_1) when a tuple (DeepEP's rule), got a tuple of "
                              f"{len(bias)}")
         else:
-            biases = bias
-        biases = tuple(None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
-                                                      self.device) for i, b in enumerate(biases))
-        transient = data_offset(self.ranks, 1, channels)
-        self._counts_room(fn, transient.data, 1, config.num_sms)
-        row = combine_row_layout(2 * hidden, topk)
-        capacity = self._capacity(transient.data, row.stride)
+            bias_0, bias_1 = (None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
+                                                             self.device) for i, b in enumerate(bias))
+        launch = self._combine_launch(fn, ("combine", threading.get_ident(), tokens, hidden, topk, channels))
         if handle.most_sent is not None:
-            self._need(fn, handle.most_sent, capacity, row.stride, transient.data,
-                       "the rows the busiest rank of the group gets back")
+            self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
         out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=self.device)
         out_weights = None if not topk else torch.empty((tokens, topk), dtype=torch.float32, device=self.device)
-        params = make_params(
-            transient=transient, data_rows=capacity, op=op, status_mirror=self.mirror.data_ptr(), x=_ptr(x),
-            topk_weights=_ptr(topk_weights), rank_prefix=rank_prefix.data_ptr(),
-            channel_prefix=channel_prefix.data_ptr(), send_head=_ptr(send_head), out=_ptr(out),
-            out_topk_weights=_ptr(out_weights), bias_0=_ptr(biases[0]), bias_1=_ptr(biases[1]), num_tokens=tokens,
-            hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
-            num_channels=channels, recv_rows=rows)
+        # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
+        # its rows (received, or the handle's tokens) are none (its other extents are positive).
+        p = launch.params[0]
+        p.timeout_ns, p.op, p.recv_rows = _timeout_ns(spin_timeout_setting()), op, rows
+        p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+        p.x = x.data_ptr() if rows else 0
+        p.topk_weights = topk_weights.data_ptr() if topk and rows else 0
+        if tokens:
+            p.send_head, p.out = send_head.data_ptr(), out.data_ptr()
+            p.out_topk_weights = out_weights.data_ptr() if topk else 0
+            p.bias_0 = 0 if bias_0 is None else bias_0.data_ptr()
+            p.bias_1 = 0 if bias_1 is None else bias_1.data_ptr()
+        else:
+            p.send_head = p.out = p.out_topk_weights = p.bias_0 = p.bias_1 = 0
         stream.wait(previous_event)
-        args = self._args(params)
-        # DeepEP's in-place rewrite of the caller's send_head (a warp per channel and rank), ahead of its readers
-        self._launch(Kernel.COMBINE_HEADS, args, -(-self.ranks * channels // 8), stream)
-        self._launch(Kernel.COMBINE_SEND, args, config.num_sms, stream)
-        self._launch(Kernel.COMBINE_RECV, args, config.num_sms, stream)
-        event = self._finish(stream, async_finish, (x, topk_weights, *biases, handle, out, out_weights))
+        _launch_transfer(launch.kernels, stream)
+        event = self._finish(stream, async_finish, (x, topk_weights, bias_0, bias_1, handle, out, out_weights))
         return out, out_weights, event
-

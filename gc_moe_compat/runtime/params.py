@@ -46,6 +46,13 @@ class KernelArgs:
         return len(self._args)
 
 
+def fields_before(struct: type[ctypes.Structure], name: str) -> frozenset[str]:
+    """The names of ``struct``'s fields declared before field ``name``: a parameter struct's leading run of fields
+    of one kind (its pointers, which a call sets), named without listing them twice."""
+    names = [field for field, _ in struct._fields_]
+    return frozenset(names[:names.index(name)])
+
+
 def as_args(args: KernelArgs | Sequence[Arg]) -> KernelArgs:
     """``args`` as :class:`KernelArgs`."""
     return args if isinstance(args, KernelArgs) else KernelArgs(*args)

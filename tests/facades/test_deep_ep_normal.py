@@ -23,8 +23,9 @@ from two_rank import MULTI_RANKS, run_ranks
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import Buffer
 from gc_moe_compat.runtime.cuda import as_stream
+from gc_moe_compat.runtime.launch import launch
 from gc_moe_compat.runtime.params import KernelArgs
-from gc_moe_compat.runtime.status import DeviceCheckError
+from gc_moe_compat.runtime.status import DeviceCheckError, spin_timeout_ns
 from gc_moe_compat.runtime.workspace import PeerTable
 from gc_moe_compat.testing.ep_normal_reference import combined_send_head, layout_reference
 
@@ -99,15 +100,17 @@ def test_combine_heads_kernel_rewrites_send_head_as_deepep(tokens: int, ranks: i
         heads = words[GUARD:GUARD + tokens * ranks].view(tokens, ranks)
         heads.copy_(send_head)
         params = ep_normal.make_params(transient=ep_normal.data_offset(ranks, 1, channels), data_rows=0,
-                                       send_head=heads.data_ptr(), num_tokens=tokens, num_channels=channels)
-        for launch in ("first", "second"):
-            ep_normal.launch_normal(ep_normal.Kernel.COMBINE_HEADS, KernelArgs(table, params), grid, stream)
+                                       send_head=heads.data_ptr(), num_tokens=tokens, num_channels=channels,
+                                       timeout_ns=spin_timeout_ns())
+        for which in ("first", "second"):
+            launch(ep_normal.kernel_of(ep_normal.Kernel.COMBINE_HEADS), grid, ep_normal.THREADS,
+                   KernelArgs(table, params), stream)
             torch.cuda.synchronize()
             got = words.cpu()
             assert bool((got[:GUARD] == 0x5EEDBEEF).all()) and bool((got[-GUARD:] == 0x5EEDBEEF).all()), \
-                f"grid {grid}, {launch} launch: a word outside send_head changed"
+                f"grid {grid}, {which} launch: a word outside send_head changed"
             diff = int((heads.cpu() != want).sum())
-            assert diff == 0, f"grid {grid}, {launch} launch: {diff} send_head entries are not DeepEP's"
+            assert diff == 0, f"grid {grid}, {which} launch: {diff} send_head entries are not DeepEP's"
 
 
 BAD_IDS = {  # id -> what the report names (observed / expected of the layout kernel's record)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from nvcc_mark import needs_nvcc
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, _normal
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.workspace import PeerTable
 
 HEADER = Path(__file__).resolve().parents[2] / "kernels" / "sm90" / "ep_normal_params.cuh"
 T, H, K, E = 6, 256, 4, 8
@@ -30,7 +30,7 @@ class FakeWorkspace:
         self.device = torch.device("cpu")
         self.world_size, self.rank = 1, 0
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8)
-        self.peer_table = "peer table"
+        self.peer_table = PeerTable(base=0x1000, rank=0, world_size=1)
 
     def region(self, name: str) -> torch.Tensor:
         return self.buffer
@@ -183,12 +183,16 @@ def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A checked combine launches, in order on its stream: the send_head rewrite (DeepEP's in-place one, on the
     caller's handle[5] itself, a warp per channel and rank: 20 channels of one rank fill 3 CTAs of 8 warps), then
-    combine send and receive, all three with the same parameters."""
+    combine send and receive, all three with the same parameters (the same packed arguments)."""
     launches: list[tuple[ep_normal.Kernel, int, bytes]] = []
     monkeypatch.setattr(_normal.NormalMode, "_begin", lambda self, fn, num_sms: _normal._Stream(0, None, 0))
-    monkeypatch.setattr(_normal.NormalMode, "_args", lambda self, params: params)
-    monkeypatch.setattr(_normal, "launch_normal",
-                        lambda kernel, params, grid, stream: launches.append((kernel, grid, bytes(params))))
+
+    def launch_transfer(kernels: list[ep_normal.PackedKernel], stream: _normal._Stream) -> None:
+        for kernel, grid, _, args in kernels:
+            params = ctypes.c_void_p.from_address(args + 8).value
+            launches.append((kernel, grid[0], ctypes.string_at(params, ctypes.sizeof(ep_normal.EpNormalParams))))
+
+    monkeypatch.setattr(_normal, "_launch_transfer", launch_transfer)
     rows, channels = 5, 20
     send_head = torch.full((T, 1), -1, dtype=torch.int32)
     handle = _normal.NormalHandle((torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, channels, dtype=torch.int32),
@@ -260,12 +264,20 @@ def test_local_buffer_tensor_checks(buf: Buffer, group: dist.ProcessGroup) -> No
         destroyed.get_local_buffer_tensor(torch.uint8)
 
 
-def test_grids_stay_within_the_ranks_share(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grids_stay_within_the_ranks_share() -> None:
     """A kernel's grid is DeepEP's (config.num_sms, or the layout's and notify's own) bounded by the rank's share of
-    the GPU: at 8 ranks on one H200 (a share of 16 SMs) 24-CTA grids of spinning kernels did not all fit."""
-    seen: list[int] = []
-    monkeypatch.setattr(_normal, "launch_normal", lambda kernel, args, grid, stream: seen.append(grid))
-    mode = SimpleNamespace(grid_cap=16)
-    for grid in (1, 2, 13, 24, 132):
-        _normal.NormalMode._launch(mode, ep_normal.Kernel.DISPATCH_SEND, None, grid, SimpleNamespace(stream=0))
-    assert seen == [1, 2, 13, 16, 16]
+    the GPU: at 8 ranks on one H200 (a share of 16 SMs) 24-CTA grids of spinning kernels did not all fit; an empty
+    layout's grid is still one CTA (the packed launches' grids)."""
+    kernels = [(ep_normal.Kernel.DISPATCH_SEND, grid, 0) for grid in (0, 1, 2, 13, 24, 132)]
+    launch = ep_normal.new_launch(PeerTable(), kernels, [dict(transient=ep_normal.data_offset(1, 1, 1), data_rows=0)],
+                                  max_ctas=16)
+    assert [grid for _, grid, _, _ in launch.kernels] == [(g, 1, 1) for g in (1, 1, 2, 13, 16, 16)]
+
+
+def test_packed_launches_fix_no_per_call_field() -> None:
+    """What a call sets (its pointers, op, received rows, timeout) is never part of a shape's fixed fields."""
+    assert {"x", "send_head", "host_counts", "op", "recv_rows", "timeout_ns"} <= ep_normal.PER_CALL_FIELDS
+    assert not {"status_mirror", "num_tokens", "data_rows", "off_data"} & ep_normal.PER_CALL_FIELDS
+    fields = dict(transient=ep_normal.data_offset(1, 1, 1), data_rows=0, x=1, op=2)
+    with pytest.raises(TypeError, match=r"per-call fields of EpNormalParams: \['op', 'x'\]"):
+        ep_normal.new_launch(PeerTable(), [(ep_normal.Kernel.LAYOUT, 1, 0)], [fields], max_ctas=16)
