@@ -81,7 +81,7 @@ from gc_moe_compat.ab.protocol import (
     slowest_rank,
     timed_windows,
 )
-from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS, Config
+from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS, Config, aligned_bytes
 from gc_moe_compat.runtime import colocation
 
 
@@ -576,7 +576,7 @@ def normal_nvl_bytes(hidden: int, tokens: int, ranks: int, num_sms: int) -> int:
     hidden_bytes = 2 * hidden
     hint = Config(num_sms, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, ranks)
     need = max(hint, ranks * tokens * (hidden_bytes + NVL_ROW_EXTRA) + (1 << 20))
-    return -(-need // 128) * 128  # DeepEP's Buffer takes multiples of 128 bytes only
+    return aligned_bytes(need)
 
 
 def normal_seed(shape: str, tokens: int, rank: int) -> int:

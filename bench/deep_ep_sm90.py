@@ -68,6 +68,7 @@ from _common import (
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
 from gc_moe_compat.config import PRESETS as CONFIGS
+from gc_moe_compat.deep_ep._config import aligned_bytes
 from gc_moe_compat.runtime.green import Role, get_partition
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.runtime.split import DEEP_EP_PARTITION_ENV, deep_ep_partition_mode
@@ -190,12 +191,18 @@ def normal_point(buf: deep_ep.Buffer, preset: str, tokens: int, bandwidth: float
             "algo_GBps": algo, "accuracy": {"bit_exact": exact}}
 
 
+def one_rank_nvl_bytes(hidden_bytes: int, rows: int) -> int:
+    """``num_nvl_bytes`` of a one-rank normal-mode Buffer for ``rows`` rows of ``hidden_bytes``: DeepEP's hint or the
+    facade's whole-call data region (rows, source index, top-k and scales, plus 1 MiB), whichever is larger, in the
+    multiples of 128 bytes a Buffer takes."""
+    hint = deep_ep.Config(NUM_SMS, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, 1)
+    return aligned_bytes(max(hint, rows * (hidden_bytes + 16 + 4 * 64 + 12 * 8) + (1 << 20)))
+
+
 def run_normal(group: dist.ProcessGroup, bandwidth: float, args: argparse.Namespace) -> list[dict[str, object]]:
     hidden_bytes = 2 * max(h for h, _, _ in PRESETS.values())
     rows = max(args.tokens)
-    nvl_bytes = max(deep_ep.Config(NUM_SMS, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, 1),
-                    rows * (hidden_bytes + 16 + 4 * 64 + 12 * 8) + (1 << 20))
-    buf = deep_ep.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
+    buf = deep_ep.Buffer(group, one_rank_nvl_bytes(hidden_bytes, rows), 0, explicitly_destroy=True)
     points = []
     try:
         for preset in PRESETS:

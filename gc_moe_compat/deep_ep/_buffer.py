@@ -27,7 +27,7 @@ import torch.distributed as dist
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_RANKS, check_rank_count, required_bytes
 from gc_moe_compat.config import MAX_SMS, boolean, integer, shown
 from gc_moe_compat.deep_ep import _low_latency, _normal
-from gc_moe_compat.deep_ep._config import Config
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX, Config, aligned_bytes
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
 from gc_moe_compat.runtime.green import get_partition
@@ -77,6 +77,22 @@ def _local_view(fn: str, region: torch.Tensor, dtype: torch.dtype, size: object,
     return region[offset:offset + numel * itemsize].view(dtype).view(dims)
 
 
+def _check_byte_counts(fn: str, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) -> None:
+    """DeepEP's rules for the two byte counts (its ``Buffer`` constructor's asserts), as ``ValueError`` naming the
+    argument: multiples of :data:`BUFFER_ALIGNMENT_BYTES`; ``num_nvl_bytes`` above a C ``int`` only without RDMA
+    bytes; ``num_rdma_bytes`` above a C ``int`` only in low-latency mode."""
+    for arg, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+        if value % BUFFER_ALIGNMENT_BYTES:
+            raise ValueError(f"{fn}: {arg} must be a multiple of {BUFFER_ALIGNMENT_BYTES} bytes (DeepEP's buffer "
+                             f"alignment; the size hints return such counts), got {value}")
+    if num_nvl_bytes > C_INT_MAX and num_rdma_bytes:
+        raise ValueError(f"{fn}: num_nvl_bytes above {C_INT_MAX} (a C int) needs num_rdma_bytes=0, as DeepEP's "
+                         f"Buffer; got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
+    if num_rdma_bytes > C_INT_MAX and not low_latency_mode:
+        raise ValueError(f"{fn}: num_rdma_bytes above {C_INT_MAX} (a C int) needs low_latency_mode=True, as "
+                         f"DeepEP's Buffer; got num_rdma_bytes={num_rdma_bytes}")
+
+
 class Buffer:
     """DeepEP's expert-parallel communication buffer; the low-latency mode runs gc-moe-compat's kernels."""
 
@@ -98,6 +114,7 @@ class Buffer:
         integer(fn, "num_nvl_bytes", num_nvl_bytes, 0, _MAX_BYTES)
         integer(fn, "num_rdma_bytes", num_rdma_bytes, 0, _MAX_BYTES)
         integer(fn, "num_qps_per_rank", num_qps_per_rank, 1)
+        _check_byte_counts(fn, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
         if allow_mnnvl:
             raise _missing("allow_mnnvl=True (multi-node NVLink: the workspace is torch symmetric memory within one "
                            "node, with no MNNVL / fabric memory handles)")
@@ -185,8 +202,9 @@ class Buffer:
         """Workspace bytes for low-latency calls of these sizes with top-k up to 16 (BF16 receive stage) and the
         zero-copy combine's send rows. The sizes are checked as the calls check them (``ValueError`` / ``TypeError``
         naming the argument), so the hint is never negative, fractional, NaN or smaller than a call of these sizes
-        needs; sizes whose hint is past the largest ``num_rdma_bytes`` (an ``int64_t``) raise ``ValueError`` naming
-        them, so the hint is always a byte count ``Buffer`` accepts."""
+        needs; a multiple of :data:`BUFFER_ALIGNMENT_BYTES`, as DeepEP's; sizes whose hint is past the largest
+        ``num_rdma_bytes`` (an ``int64_t``) raise ``ValueError`` naming them, so the hint is always a byte count
+        ``Buffer`` accepts."""
         fn = "get_low_latency_rdma_size_hint"
         integer(fn, "num_ranks", num_ranks, 1, MAX_RANKS)  # the low-latency kernels' readiness table
         try:
@@ -194,7 +212,7 @@ class Buffer:
                                           ranks_arg="num_ranks")
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{fn}: {exc}") from exc
-        size = required_bytes(shape, zero_copy=True)
+        size = aligned_bytes(required_bytes(shape, zero_copy=True))
         if size > _MAX_BYTES:
             raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank={shape.max_tokens}, hidden={shape.hidden} and "
                              f"num_experts={shape.num_experts} need more bytes than a Buffer takes (num_rdma_bytes "

@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from gc_moe_compat.config import integer
 
-__all__ = ["C_INT_MAX", "INTERNODE_MISSING", "MAX_LAUNCH_SHAPES", "MAX_NVL_RANKS", "Config", "config_field"]
+__all__ = ["BUFFER_ALIGNMENT_BYTES", "C_INT_MAX", "INTERNODE_MISSING", "MAX_LAUNCH_SHAPES", "MAX_NVL_RANKS", "Config",
+           "aligned_bytes", "config_field"]
 
 C_INT_MAX = (1 << 31) - 1
 """DeepEP's sizes and counts are C ``int``s (pybind refuses a larger Python int): the facade's bound for them."""
+
+BUFFER_ALIGNMENT_BYTES = 128
+"""DeepEP's ``NUM_BUFFER_ALIGNMENT_BYTES``: ``Buffer`` takes ``num_nvl_bytes`` and ``num_rdma_bytes`` in multiples of
+it, and both size hints return multiples of it."""
+
+
+def aligned_bytes(size: int) -> int:
+    """``size`` rounded up to a multiple of :data:`BUFFER_ALIGNMENT_BYTES` (a byte count ``Buffer`` takes)."""
+    return -(-size // BUFFER_ALIGNMENT_BYTES) * BUFFER_ALIGNMENT_BYTES
+
 
 MAX_LAUNCH_SHAPES = 1024
 """Call shapes a workspace keeps packed launches for, in either mode (token counts vary from call to call: one entry
@@ -40,8 +51,8 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer bytes: its chunked queues (``num_sms / 2`` channels per NVLink rank, each of
         ``num_max_nvl_chunked_recv_tokens`` tokens of ``hidden_bytes``, 8 bytes of source metadata, top-k and scales
-        provisioned up to 128), rounded up to 128. The facade's data region holds a whole call's rows (no ring): a
-        call needing more raises ``ValueError`` naming the bytes."""
+        provisioned up to 128), rounded up to :data:`BUFFER_ALIGNMENT_BYTES`. The facade's data region holds a whole
+        call's rows (no ring): a call needing more raises ``ValueError`` naming the bytes."""
         fn = "Config.get_nvl_buffer_size_hint"
         integer(fn, "hidden_bytes", hidden_bytes, 1, C_INT_MAX)  # DeepEP's C ints: no 400-digit hint
         integer(fn, "num_ranks", num_ranks, 1, C_INT_MAX)
@@ -51,7 +62,7 @@ class Config:
         queues = (config_field(fn, self, "num_sms") // 2) * nvl_ranks
         tokens = queues * config_field(fn, self, "num_max_nvl_chunked_recv_tokens")
         size = queues * (2 * rdma_ranks + 3) * 4 + tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
-        return -(-size // 128) * 128
+        return aligned_bytes(size)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer bytes: 0 within one NVLink domain (intranode needs none); larger groups raise

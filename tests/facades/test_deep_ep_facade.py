@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_SMS, EpLlParams, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX
 from gc_moe_compat.runtime.workspace import PeerTable
 
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
@@ -114,7 +115,7 @@ def test_constructor_checks(group: dist.ProcessGroup) -> None:
         Buffer(None, comm=object())
     with pytest.raises(NotImplementedError, match="allow_nvlink_for_low_latency_mode=False"):
         Buffer(group, 0, 1 << 20, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
-    for bad in (0, HEADER_BYTES - 1):
+    for bad in (0, HEADER_BYTES - BUFFER_ALIGNMENT_BYTES):
         with pytest.raises(ValueError, match=f"num_rdma_bytes: the low-latency mode needs an int >= {HEADER_BYTES}"):
             Buffer(group, 0, bad, low_latency_mode=True)
     for bad in (True, float(1 << 20)):
@@ -439,3 +440,30 @@ def test_combine_argument_checks(ll: Buffer, launches: list, dispatched: tuple, 
     with pytest.raises(error, match=match):
         ll.low_latency_combine(**args)
     assert launches == []
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    ((1,), {}, "num_nvl_bytes must be a multiple of 128 bytes .*got 1$"),
+    (((1 << 20) + 64,), {}, "num_nvl_bytes must be a multiple of 128 bytes .*got 1048640"),
+    ((0, HEADER_BYTES + 1), {"low_latency_mode": True}, "num_rdma_bytes must be a multiple of 128 bytes .*got 18433"),
+    ((0, 100), {}, "num_rdma_bytes must be a multiple of 128 bytes .*got 100"),
+    ((C_INT_MAX + 1, 128), {}, f"num_nvl_bytes above {C_INT_MAX} \\(a C int\\) needs num_rdma_bytes=0"),
+    ((0, C_INT_MAX + 1), {}, f"num_rdma_bytes above {C_INT_MAX} \\(a C int\\) needs low_latency_mode=True"),
+])
+def test_byte_counts_follow_deepeps_rules_before_any_allocation(group: dist.ProcessGroup, args: tuple,
+                                                               kwargs: dict, message: str) -> None:
+    """DeepEP's Buffer asserts both byte counts are multiples of NUM_BUFFER_ALIGNMENT_BYTES (128), num_nvl_bytes above
+    a C int only without RDMA bytes, num_rdma_bytes above one only in low-latency mode: the facade refuses the same
+    values, naming the argument, before it allocates a workspace (the refused sizes reach no CUDA call here)."""
+    with pytest.raises(ValueError, match=f"^Buffer: {message}"):
+        Buffer(group, *args, **kwargs)
+
+
+@pytest.mark.parametrize("sizes", [(1, 128, 1, 2), (3, 7168, 3, 9), (128, 7168, 8, 256), (7, 2048, 5, 40)])
+def test_the_size_hints_are_byte_counts_a_buffer_takes(sizes: tuple[int, int, int, int]) -> None:
+    """Both hints return multiples of 128, as DeepEP's do, so a Buffer sized by them passes its alignment rule."""
+    tokens, hidden, ranks, experts = sizes
+    assert Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts) % BUFFER_ALIGNMENT_BYTES == 0
+    for num_sms in (2, 20, 24):
+        hint = Config(num_sms, 6, 256).get_nvl_buffer_size_hint(hidden * 2 + 1, min(ranks, 8))
+        assert hint % BUFFER_ALIGNMENT_BYTES == 0

@@ -25,6 +25,7 @@ from gc_moe_compat.comm.ep_normal import Kernel as NormalKernel
 from gc_moe_compat.comm.ep_normal import NormalSite, data_offset, new_status_mirror, raise_for_mirrored_status
 from gc_moe_compat.config import MAX_SMS
 from gc_moe_compat.deep_ep import Buffer, Config, _low_latency, _normal
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES
 from gc_moe_compat.deep_ep._normal import NormalHandle
 from gc_moe_compat.runtime.status import STATUS_MISMATCH, DeviceCheckError, KernelStatus
 
@@ -238,11 +239,14 @@ def _normal_call(buf: Buffer, call: str, sms: int) -> tuple[object, int]:
 
 
 @FUZZ
-@given(nvl_bytes=st.one_of(st.integers(0, 15_000), st.sampled_from([16, NVL_HEADER_BYTES - 1, NVL_HEADER_BYTES])),
+@given(nvl_bytes=st.one_of(st.integers(0, 15_000 // BUFFER_ALIGNMENT_BYTES).map(lambda n: n * BUFFER_ALIGNMENT_BYTES),
+                           st.sampled_from([BUFFER_ALIGNMENT_BYTES, NVL_HEADER_BYTES - BUFFER_ALIGNMENT_BYTES,
+                                            NVL_HEADER_BYTES])),
        sms=st.sampled_from([2, 8, 256, MAX_SMS]), call=st.sampled_from(NORMAL_CALLS))
 def test_normal_calls_need_the_header_and_their_counts(deep_ep_host: DeepEpHost, default_dtype: torch.dtype,
                                                        nvl_bytes: int, sms: int, call: str) -> None:
-    """Issue 32 items 2 and 3: a Buffer of any num_nvl_bytes constructs (as DeepEP's: its raw view needs no header),
+    """Issue 32 items 2 and 3: a Buffer of any num_nvl_bytes that DeepEP takes (a multiple of 128) constructs (as
+    DeepEP's: its raw view needs no header),
     and each normal-mode kernel call is refused before its launch, naming num_nvl_bytes, when the Buffer cannot hold
     the kernels' fixed header (get_dispatch_layout) or the header and the call's counts (dispatch, combine: named with
     config.num_sms, which they grow with); else it reaches the launch's GPU refusal."""

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from gc_moe_compat import config, quant
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES
 from gc_moe_compat.deep_ep import Buffer
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX
 from gc_moe_compat.operator import api
 from gc_moe_compat.operator import buffer as op_buffer
 from gc_moe_compat.runtime.workspace import make_peer_table
@@ -161,9 +162,10 @@ EP_BASE = dict(num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True, n
                allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=None, explicitly_destroy=False,
                enable_shrink=False)
 EP_SPECS: dict[str, Spec] = {
-    # any byte count constructs, as with DeepEP; the normal-mode calls need its header (test_fuzz_deep_ep_calls.py)
-    "num_nvl_bytes": Int(0, 2**63 - 1, draw_max=1 << 16),
-    "num_rdma_bytes": Int(HEADER_BYTES, 2**63 - 1, draw_max=1 << 22),
+    # DeepEP's rules: multiples of 128, num_nvl_bytes a C int beside the base's RDMA bytes (low-latency mode: no
+    # bound on num_rdma_bytes); the normal-mode calls need their header too (test_fuzz_deep_ep_calls.py)
+    "num_nvl_bytes": Int(0, C_INT_MAX, multiple=BUFFER_ALIGNMENT_BYTES, draw_max=1 << 16),
+    "num_rdma_bytes": Int(HEADER_BYTES, 2**63 - 1, multiple=BUFFER_ALIGNMENT_BYTES, draw_max=1 << 22),
     "num_qps_per_rank": Int(1, None, draw_max=64),
     "low_latency_mode": Flag(),
     "allow_nvlink_for_low_latency_mode": Flag(refused=(False,), refused_with=NotImplementedError),
