@@ -27,9 +27,11 @@ import cProfile
 import ctypes
 import os
 import pstats
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -37,10 +39,15 @@ from cuda.bindings import driver
 
 from gc_moe_compat.comm import ep_ll, ep_normal
 from gc_moe_compat.deep_ep import Buffer, _low_latency, _normal
+from gc_moe_compat.deep_ep._config import aligned_bytes
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.runtime.workspace import LayoutPlanner, PeerTable
 from gc_moe_compat.testing.ep_normal_reference import layout_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kit"))
+import normal_host_kit  # noqa: E402 (the tests' kit, put on the path above)
+from normal_host_kit import lift_gpu_refusal  # noqa: E402
 
 _STAND_INS = frozenset({"launch", "current_stream", "capturing", "synchronize", "get", "begin_on_gpu"})
 """The stand-ins' frames, not counted as the path's function calls."""
@@ -141,22 +148,6 @@ def _ll_calls(hidden: int, experts: int, tokens: int, topk: int) -> dict[str, Ca
     }
 
 
-def _lift_gpu_refusal() -> None:
-    """Lets a normal-mode call on the CPU stand-in past the launch boundary's refusal of a workspace off the GPU:
-    the device reads as CUDA inside the boundary (``NormalMode._begin``) alone, not where the call allocates."""
-    begin = _normal.NormalMode._begin
-    cuda = torch.device("cuda", 0)
-
-    def begin_on_gpu(self: _normal.NormalMode, fn: str, num_sms: int) -> object:
-        device, self.device = self.device, cuda
-        try:
-            return begin(self, fn, num_sms)
-        finally:
-            self.device = device
-
-    _normal.NormalMode._begin = begin_on_gpu
-
-
 def _host_record(in_rank: torch.Tensor, per_expert: torch.Tensor, ranks: int) -> bytes:
     """The notify kernel's host record for rank 0 when every rank of the group routes as ``in_rank`` /
     ``per_expert`` do: received rows, the most any rank receives, the most any rank sends, the per-local-expert
@@ -178,13 +169,13 @@ def _normal_calls(group: object, counts: _Counts, hidden: int, experts: int, tok
     counts.record = _host_record(in_rank, per_expert, ranks)
     rows = ranks * int(in_rank[:, 0].sum())
     stride = ep_normal.dispatch_row_layout(2 * hidden, 0, topk).stride
-    nvl = ep_normal.data_offset(ranks, experts // ranks, num_sms // 2).data + rows * stride
+    nvl = aligned_bytes(ep_normal.data_offset(ranks, experts // ranks, num_sms // 2).data + rows * stride)
 
     def workspace(layout: LayoutPlanner, group: object = None) -> _NormalWorkspace:
         return _NormalWorkspace(torch.device("cpu"), ranks, torch.zeros(layout.size, dtype=torch.uint8), PeerTable())
 
     _normal.SymmetricWorkspace = workspace
-    _lift_gpu_refusal()
+    lift_gpu_refusal(setattr)
     buf = Buffer(group, nvl, 0)
     config = _normal.dispatch_config(ranks, num_sms)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -229,7 +220,7 @@ def _profiled(fn: Callable[[], object], calls: int, counts: _Counts) -> dict[str
     finally:
         del os.environ.get
     stats = pstats.Stats(prof).stats
-    stand_ins = {key for key in stats if key[0] == __file__ and key[2] in _STAND_INS}
+    stand_ins = {key for key in stats if key[0] in (__file__, normal_host_kit.__file__) and key[2] in _STAND_INS}
     own_work = {key for key in stand_ins if key[2] in _OWN_WORK}
     excluded = sum(stats[key][0] for key in stand_ins) + sum(
         calls_from[0] for _, _, _, _, callers in stats.values() for caller, calls_from in callers.items()

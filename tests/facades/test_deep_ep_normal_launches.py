@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cuda.bindings import driver
+from normal_host_kit import lift_gpu_refusal
 
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.comm.ep_normal import EpNormalParams
@@ -139,17 +140,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     monkeypatch.setattr(_normal, "EventHandle", FakeEvent)
     monkeypatch.delenv("GC_MOE_DEEP_EP_PARTITION", raising=False)
     monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS", raising=False)
-    begin = _normal.NormalMode._begin
-    cuda = torch.device("cuda", 0)
-
-    def begin_on_gpu(self: _normal.NormalMode, fn: str, num_sms: int) -> object:
-        device, self.device = self.device, cuda
-        try:
-            return begin(self, fn, num_sms)
-        finally:
-            self.device = device
-
-    monkeypatch.setattr(_normal.NormalMode, "_begin", begin_on_gpu)
+    lift_gpu_refusal(monkeypatch.setattr)
     ep_normal.kernel_of.cache_clear()
     yield fake
     ep_normal.kernel_of.cache_clear()
