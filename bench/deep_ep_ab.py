@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import PER_WINDOW, copy_bandwidth, pyplot, require_gpus, result_meta, write_partial_result
-from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, payload_bytes, routing
+from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, normal_nvl_bytes, payload_bytes, routing
 
 from gc_moe_compat import originals
 from gc_moe_compat.ab.protocol import (
@@ -81,7 +81,7 @@ from gc_moe_compat.ab.protocol import (
     slowest_rank,
     timed_windows,
 )
-from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS, Config, aligned_bytes
+from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS
 from gc_moe_compat.runtime import colocation
 
 
@@ -117,8 +117,6 @@ LL_ORIGINAL_ENV = ("NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1 "
 """The NVSHMEM settings the original's low-latency probe tries, in order (one string per attempt): no remote
 transport (no network card to find), NCCL off (NVSHMEM disables it under MPS anyway) and the full multiple-PEs-per-GPU
 mode under MPS. DeepEP's Buffer itself sets ``NVSHMEM_IB_ENABLE_IBGDA=1`` before it initializes NVSHMEM."""
-NVL_ROW_EXTRA = 16 + 4 * 64 + 12 * 8
-"""Bytes the facade's normal-mode data region keeps per received row beyond the row (bench/deep_ep_sm90.py's sizing)."""
 ALL_TO_ALL_NOTE = ("omitted: on a gloo group (ranks sharing a GPU) torch.distributed.all_to_all runs on the host "
                    "(device-to-host copies over TCP), so it would not measure a GPU exchange")
 
@@ -568,15 +566,6 @@ def assemble_point(base: dict[str, object], records: Sequence[Mapping[str, Any]]
 
 
 # -- normal mode -------------------------------------------------------------------------------------------------------
-
-
-def normal_nvl_bytes(hidden: int, tokens: int, ranks: int, num_sms: int) -> int:
-    """``num_nvl_bytes`` of both normal Buffers: DeepEP's hint for BF16 rows of ``hidden``, or the facade's whole-call
-    data region (``ranks * tokens`` received rows at most), whichever is larger, in 128-byte units."""
-    hidden_bytes = 2 * hidden
-    hint = Config(num_sms, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, ranks)
-    need = max(hint, ranks * tokens * (hidden_bytes + NVL_ROW_EXTRA) + (1 << 20))
-    return aligned_bytes(need)
 
 
 def normal_seed(shape: str, tokens: int, rank: int) -> int:

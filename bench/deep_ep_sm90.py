@@ -191,18 +191,22 @@ def normal_point(buf: deep_ep.Buffer, preset: str, tokens: int, bandwidth: float
             "algo_GBps": algo, "accuracy": {"bit_exact": exact}}
 
 
-def one_rank_nvl_bytes(hidden_bytes: int, rows: int) -> int:
-    """``num_nvl_bytes`` of a one-rank normal-mode Buffer for ``rows`` rows of ``hidden_bytes``: DeepEP's hint or the
-    facade's whole-call data region (rows, source index, top-k and scales, plus 1 MiB), whichever is larger, in the
-    multiples of 128 bytes a Buffer takes."""
-    hint = deep_ep.Config(NUM_SMS, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, 1)
-    return aligned_bytes(max(hint, rows * (hidden_bytes + 16 + 4 * 64 + 12 * 8) + (1 << 20)))
+NVL_ROW_EXTRA = 16 + 4 * 64 + 12 * 8
+"""Bytes the facade's normal-mode data region keeps per received row beyond the row (source index, top-k, scales)."""
+
+
+def normal_nvl_bytes(hidden: int, tokens: int, ranks: int = 1, num_sms: int = NUM_SMS) -> int:
+    """``num_nvl_bytes`` of a normal-mode Buffer for BF16 rows of ``hidden``: DeepEP's hint, or the facade's whole-call
+    data region (``ranks * tokens`` received rows at most, plus 1 MiB), whichever is larger, in the multiples of 128
+    bytes a Buffer takes."""
+    hidden_bytes = 2 * hidden
+    hint = deep_ep.Config(num_sms, 8, 256).get_nvl_buffer_size_hint(hidden_bytes, ranks)
+    return aligned_bytes(max(hint, ranks * tokens * (hidden_bytes + NVL_ROW_EXTRA) + (1 << 20)))
 
 
 def run_normal(group: dist.ProcessGroup, bandwidth: float, args: argparse.Namespace) -> list[dict[str, object]]:
-    hidden_bytes = 2 * max(h for h, _, _ in PRESETS.values())
-    rows = max(args.tokens)
-    buf = deep_ep.Buffer(group, one_rank_nvl_bytes(hidden_bytes, rows), 0, explicitly_destroy=True)
+    hidden = max(h for h, _, _ in PRESETS.values())
+    buf = deep_ep.Buffer(group, normal_nvl_bytes(hidden, max(args.tokens)), 0, explicitly_destroy=True)
     points = []
     try:
         for preset in PRESETS:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from _common import require_gpus
-from deep_ep_sm90 import NUM_SMS, dispatch_kwargs, fp8_rows, one_rank_nvl_bytes, routing
+from deep_ep_sm90 import NUM_SMS, dispatch_kwargs, fp8_rows, normal_nvl_bytes, routing
 
 import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.single_rank import single_rank_group
@@ -90,7 +90,7 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     """The four eager calls, their inputs prepared once; the Buffers to destroy afterwards."""
     x, idx, w = (t.cuda() for t in routing(tokens, hidden, topk, experts, 7))
     config = deep_ep.Config(NUM_SMS, 8, 256)
-    normal = deep_ep.Buffer(group, one_rank_nvl_bytes(2 * hidden, tokens), 0, explicitly_destroy=True)
+    normal = deep_ep.Buffer(group, normal_nvl_bytes(hidden, tokens), 0, explicitly_destroy=True)
     layout = dispatch_kwargs(normal, idx, w, experts, config)
     recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
     x_fp8 = fp8_rows(x)

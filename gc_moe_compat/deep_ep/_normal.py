@@ -647,13 +647,6 @@ class NormalMode:
 
     # -- combine ----------------------------------------------------------------------------------------------------
 
-    def _combine_launches(self, channels: int) -> tuple[tuple[Kernel, int, int], ...]:
-        """The combine's kernels in launch order, all on one parameter set: DeepEP's in-place rewrite of the caller's
-        send_head first (a warp per channel and rank), ahead of its readers, combine send and receive."""
-        sms = 2 * channels
-        return ((Kernel.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Kernel.COMBINE_SEND, sms, 0),
-                (Kernel.COMBINE_RECV, sms, 0))
-
     def _combine_launch(self, fn: str, key: tuple) -> NormalLaunch:
         """A combine's launches for ``key`` = ``("combine", thread, tokens, hidden, topk, channels)`` (checked: the
         header and the counts fit), packed now unless kept."""
@@ -667,7 +660,12 @@ class NormalMode:
         fields = dict(transient=transient, data_rows=self._capacity(transient.data, row.stride), num_tokens=tokens,
                       hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
                       num_channels=channels)
-        return self._pack(key, self._combine_launches(channels), fields)
+        # DeepEP's in-place rewrite of the caller's send_head first (a warp per channel and rank), ahead of its
+        # readers, combine send and receive; all on one parameter set
+        sms = 2 * channels
+        kernels = ((Kernel.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Kernel.COMBINE_SEND, sms, 0),
+                   (Kernel.COMBINE_RECV, sms, 0))
+        return self._pack(key, kernels, fields)
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:

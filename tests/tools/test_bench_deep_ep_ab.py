@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import deep_ep_ab as ab  # noqa: E402 - bench/ is a script folder, put on the path above
 from test_allocations_name_device_and_dtype import violations  # noqa: E402 - this folder's AST rule
 
+from gc_moe_compat.deep_ep import Config  # noqa: E402
 from gc_moe_compat.runtime.colocation import SHARED_GPU_LABEL  # noqa: E402
 
 
@@ -87,7 +88,7 @@ def test_source_info_reads_the_staging_beside_the_package(tmp_path: Path) -> Non
 def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
     size = ab.normal_nvl_bytes(7168, 8192, 4, 24)
     assert size % 128 == 0 and size >= 4 * 8192 * 2 * 7168
-    assert size >= ab.Config(24, 8, 256).get_nvl_buffer_size_hint(2 * 7168, 4)
+    assert size >= Config(24, 8, 256).get_nvl_buffer_size_hint(2 * 7168, 4)
 
 
 def test_mismatch_names_what_differs() -> None:
