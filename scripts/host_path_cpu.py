@@ -1,6 +1,7 @@
 """The host path of eager ``deep_ep`` calls on a CPU-only machine: microseconds and Python function calls per call,
-and per call the counts of what costs far more on a GPU than here (``torch.empty``: ~5-10 us each for a CUDA tensor;
-driver launches: ~5-10 us each through cuda-bindings; ``torch.cuda.current_stream`` lookups; environment reads).
+and per call the counts of what costs far more on a GPU than here (allocations, ``torch.empty`` / ``empty_strided``:
+~2-7 us each for a CUDA tensor on an H200 host; driver launches: ~4.5 us each, the driver's own cost; current-stream
+lookups; environment reads).
 
 ``--mode ll``: ``low_latency_dispatch`` (FP8) and ``low_latency_combine`` (``gc_moe_compat.deep_ep._low_latency``);
 ``--mode normal``: the normal mode's ``get_dispatch_layout``, ``dispatch`` (BF16 and FP8 uncached, BF16 cached) and
@@ -9,7 +10,8 @@ driver launches: ~5-10 us each through cuda-bindings; ``torch.cuda.current_strea
 and ``gc_moe_compat.runtime.launch``; only the driver is replaced: the kernel load (``jit.load_module``, which needs
 nvcc) by a fake module, ``cuLaunchKernel`` by a counter (which, for the normal mode's notify kernel, writes the host
 record of received counts the kernel would: the uncached dispatch reads it after its CPU wait),
-``cuStreamSynchronize`` by a no-op, and ``torch.cuda.current_stream`` / ``is_current_stream_capturing`` by stand-ins.
+``cuStreamSynchronize`` by a no-op, and torch's current-stream lookup (``torch._C._cuda_getCurrentRawStream``) and
+``is_current_stream_capturing`` by stand-ins.
 The workspaces are the host tests' stand-ins (CPU tensors: tests/facades/test_ep_ll_host.py's, and for the normal
 mode tests/fuzz/conftest.py's ``HostWorkspace`` of ``--ranks`` ranks, its GPU refusal lifted), so the path is the
 partition-off one (the default); the low-latency path skips the capture check and the partition-mode read a CUDA
@@ -49,8 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kit"))
 import normal_host_kit  # noqa: E402 (the tests' kit, put on the path above)
 from normal_host_kit import lift_gpu_refusal  # noqa: E402
 
-_STAND_INS = frozenset({"launch", "current_stream", "capturing", "synchronize", "get", "begin_on_gpu"})
+_STAND_INS = frozenset({"launch", "current_stream", "current_device", "capturing", "synchronize", "get",
+                        "begin_on_gpu"})
 """The stand-ins' frames, not counted as the path's function calls."""
+_ALLOCATIONS = frozenset({"<built-in method torch.empty>", "<built-in method torch.empty_strided>"})
+"""The profiler's names of the calls that allocate a CUDA tensor on the path (counted as ``allocations``)."""
 _OWN_WORK = frozenset({"launch"})
 """Stand-ins whose callees are the stand-in's own work (the fake notify's record write), not counted either; the
 environment read's stand-in (``get``) calls the real ``os.environ.get``, which is counted."""
@@ -115,16 +120,19 @@ def _stand_ins(counts: _Counts) -> None:
 
     driver.cuLaunchKernel = launch
     driver.cuStreamSynchronize = synchronize
-    stream = SimpleNamespace(cuda_stream=0)
 
-    def current_stream(device: object = None) -> SimpleNamespace:
+    def current_stream(index: int) -> int:
         counts.streams += 1
-        return stream
+        return 0
+
+    def current_device() -> int:  # the low-latency stand-in's workspace is a CPU one: its device has no index
+        return 0
 
     def capturing() -> bool:
         return False
 
-    torch.cuda.current_stream = current_stream
+    torch._C._cuda_getCurrentRawStream = current_stream
+    torch.cuda.current_device = current_device
     torch.cuda.is_current_stream_capturing = capturing
 
 
@@ -225,9 +233,9 @@ def _profiled(fn: Callable[[], object], calls: int, counts: _Counts) -> dict[str
     excluded = sum(stats[key][0] for key in stand_ins) + sum(
         calls_from[0] for _, _, _, _, callers in stats.values() for caller, calls_from in callers.items()
         if caller in own_work)
-    empty = sum(cc for (_, _, name), (cc, *_rest) in stats.items() if name == "<built-in method torch.empty>")
+    empty = sum(cc for (_, _, name), (cc, *_rest) in stats.items() if name in _ALLOCATIONS)
     total = sum(cc for cc, *_rest in stats.values()) - excluded
-    return {"python calls": total / calls, "torch.empty": empty / calls, "driver launches": counts.launches / calls,
+    return {"python calls": total / calls, "allocations": empty / calls, "driver launches": counts.launches / calls,
             "current_stream": counts.streams / calls, "environ reads": reads[0] / calls}
 
 

@@ -44,7 +44,8 @@ def _flags(fn: str, **flags: object) -> None:
     """Every bool flag of a call must be a bool (``TypeError`` naming it): DeepEP reads them by truth value, so
     ``'no'`` would silently mean True. ``use_fabric`` alone may be None (DeepEP's "auto" default)."""
     for arg, value in flags.items():
-        boolean(fn, arg, value, none_ok=arg == "use_fabric")
+        if value is not True and value is not False:  # the check's call only where it may fail: a per-call path
+            boolean(fn, arg, value, none_ok=arg == "use_fabric")
 
 
 def _missing(what: str) -> NotImplementedError:

@@ -60,6 +60,7 @@ from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
+from gc_moe_compat.runtime.launch import current_stream_handle
 from gc_moe_compat.runtime.status import spin_timeout_ms, spin_timeout_setting, status_codes
 from gc_moe_compat.runtime.workspace import SymmetricWorkspace
 
@@ -144,7 +145,7 @@ class _Call:
 
     def launch(self, kernel: Kernel) -> None:
         if self.stream is None:
-            self.stream = as_stream(torch.cuda.current_stream(self.device).cuda_stream)
+            self.stream = as_stream(current_stream_handle(self.device))
         self.launches.launch(kernel, self.stream, self.partition)
 
 
@@ -313,9 +314,11 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
                          device=device)
     scales = None
     if use_fp8:
-        # Column-major in the last two dimensions (what TMA and DeepGEMM's masked GEMM read), as DeepEP returns them.
-        scales = (torch.empty((local, hidden // 512, slots), dtype=torch.int32, device=device) if use_ue8m0 else
-                  torch.empty((local, hidden // 128, slots), dtype=torch.float32, device=device)).transpose(1, 2)
+        # Column-major in the last two dimensions (what TMA and DeepGEMM's masked GEMM read), as DeepEP returns them
+        # (its transposed [E/P, H/g, P*Tmax]): one strided allocation, not an allocation and a transposed view.
+        groups = hidden // 512 if use_ue8m0 else hidden // 128
+        scales = torch.empty_strided((local, slots, groups), (groups * slots, 1, slots),
+                                     dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
     src_info = torch.empty((local, slots), dtype=torch.int32, device=device)
     layout_range = torch.empty((local, ranks), dtype=torch.int64, device=device)

@@ -76,7 +76,7 @@ from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
 from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
-from gc_moe_compat.runtime.launch import launch_packed
+from gc_moe_compat.runtime.launch import current_stream_handle, launch_packed
 from gc_moe_compat.runtime.side_launch import fork, join
 from gc_moe_compat.runtime.status import spin_timeout_ms, spin_timeout_ns, spin_timeout_setting, status_codes
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
@@ -356,7 +356,7 @@ class NormalMode:
         self.raise_recorded()
         if self._pending:
             self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
-        caller = torch.cuda.current_stream(self.device).cuda_stream
+        caller = current_stream_handle(self.device)
         if deep_ep_mode_of(self.workspace.placement) == "off":
             return _Stream(caller, None, caller)
         partition = get_partition(num_sms, self.device.index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from cuda.bindings import driver
 
 from .cuda import CudaError, as_stream, call
@@ -12,6 +13,15 @@ from .params import Arg, KernelArgs, as_args
 
 Dim3 = tuple[int, int, int]
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of torch's current stream on CUDA ``device`` (the current device where it names no index):
+    where an eager call's kernels go. Read through torch's C binding ``torch._C._cuda_getCurrentRawStream`` (what
+    Triton's launcher reads): 0.1 us per call on an H200 host against 3-5 us for
+    ``torch.cuda.current_stream(device).cuda_stream``, which builds a ``Stream`` object each time."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def dim3(value: int | Sequence[int]) -> Dim3:

@@ -135,7 +135,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     monkeypatch.setattr(jit, "load_module", lambda source, *args, **kwargs: fake)
     monkeypatch.setattr(driver, "cuLaunchKernel", fake.launch)
     monkeypatch.setattr(driver, "cuStreamSynchronize", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": STREAM}))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_normal, "EventHandle", FakeEvent)
     monkeypatch.delenv("GC_MOE_DEEP_EP_PARTITION", raising=False)
