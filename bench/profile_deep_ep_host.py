@@ -3,12 +3,14 @@ the wall time of the Python call, and the host functions that take it.
 
 For each op (normal ``dispatch`` BF16 uncached, ``combine``; low-latency ``low_latency_dispatch`` FP8 and
 ``low_latency_combine``) on one shape: ``--calls`` eager calls back to back, synchronized once at the end, give the
-wall time per call; torch's profiler (CUPTI) over the same loop gives every kernel's GPU time per call; cProfile over
-the loop gives the host functions by cumulative time. A call whose wall time far exceeds its kernels' is host-bound,
-and the cProfile table names where. ``--ncu``: instead, one call of each op (after three warm-up calls) between
-``cudaProfilerStart`` and ``cudaProfilerStop``, for ``ncu --profile-from-start off`` (bench/README.md says which
-sections). This is a diagnosis, not a benchmark: the report is text, written to ``--out``
-(default ``profile_deep_ep_host.txt`` in the working directory), and the timings in it are not the protocol's.
+host time per call (issuing them) and the wall time (until the GPU has finished them); torch's profiler (CUPTI) over
+the same loop gives every kernel's GPU time per call; cProfile over the loop gives the host functions by cumulative
+time. A call whose wall time far exceeds its kernels' is host-bound, and the cProfile table names where; a table of
+the primitives' host costs (current-stream lookups, the low-latency dispatch's allocations) comes first. ``--ncu``:
+instead, one call of each op (after three warm-up calls) between ``cudaProfilerStart`` and ``cudaProfilerStop``, for
+``ncu --profile-from-start off`` (bench/README.md says which sections). This is a diagnosis, not a benchmark: the
+report is text, written to ``--out`` (default ``profile_deep_ep_host.txt`` in the working directory), and the timings
+in it are not the protocol's.
 
 ``python bench/profile_deep_ep_host.py --out profile_deep_ep_host.txt``
 """
@@ -30,18 +32,50 @@ from _common import require_gpus
 from deep_ep_sm90 import NUM_SMS, dispatch_kwargs, fp8_rows, normal_nvl_bytes, routing
 
 import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.runtime.launch import current_stream_handle
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.runtime.split import deep_ep_partition_mode
 
 
-def wall_per_call(fn: Callable[[], object], calls: int) -> float:
-    """Microseconds per call of ``calls`` eager calls, synchronized before and once after."""
+def host_and_wall_per_call(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Microseconds per call of ``calls`` eager calls, synchronized before and once after: ``(host, wall)``, host
+    the time to issue them (the loop's end, before the synchronization), wall until the GPU has finished them."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    issued = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
+
+
+def primitive_costs(ll_shape: tuple[int, int, int], repeats: int = 20_000) -> list[str]:
+    """Host microseconds per call of the primitives an eager call is made of, on this host: torch's current-stream
+    lookup two ways (the facade's :func:`~gc_moe_compat.runtime.launch.current_stream_handle`), and allocations of
+    the low-latency dispatch's shapes (``ll_shape`` = local experts, slots, hidden): its received rows, its scales
+    (one strided allocation) and a small int32 tensor."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    local, slots, hidden = ll_shape
+    groups = hidden // 128
+    cases = {
+        "torch.cuda.current_stream(device).cuda_stream": lambda: torch.cuda.current_stream(device).cuda_stream,
+        "current_stream_handle(device)": lambda: current_stream_handle(device),
+        f"torch.empty([{local}, {slots}, {hidden}] fp8)":
+            lambda: torch.empty((local, slots, hidden), dtype=torch.float8_e4m3fn, device=device),
+        f"torch.empty_strided([{local}, {slots}, {groups}] fp32, column-major)":
+            lambda: torch.empty_strided((local, slots, groups), (groups * slots, 1, slots), dtype=torch.float32,
+                                        device=device),
+        f"torch.empty([{local}] int32)": lambda: torch.empty(local, dtype=torch.int32, device=device),
+    }
+    lines = []
+    for name, fn in cases.items():
+        for _ in range(200):
+            fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        lines.append(f"{name:62s} {(time.perf_counter() - start) / repeats * 1e6:7.2f} us/call")
+    return lines
 
 
 def kernel_table(fn: Callable[[], object], calls: int) -> list[tuple[str, float, int]]:
@@ -155,16 +189,17 @@ def main() -> int:
         for name, fn in table.items():
             for _ in range(5):
                 fn()
-            wall = wall_per_call(fn, args.calls)
+            host, wall = host_and_wall_per_call(fn, args.calls)
             kernels = kernel_table(fn, args.calls)
             gpu = sum(us for _, us, _ in kernels)
-            summary.append(f"{name:22s} wall {wall:8.1f} us/call   kernels {gpu:8.1f} us/call")
-            report += [f"== {name}: wall {wall:.1f} us per call, kernels {gpu:.1f} us per call"]
+            summary.append(f"{name:22s} host {host:8.1f}   wall {wall:8.1f} us/call   kernels {gpu:8.1f} us/call")
+            report += [f"== {name}: host {host:.1f}, wall {wall:.1f} us per call, kernels {gpu:.1f} us per call"]
             report += [f"   {us:9.1f} us  x{n}  {k}" for k, us, n in kernels]
             report += [host_profile(fn, args.calls, args.top)]
         for b in buffers:
             b.destroy()
-    report = summary + [""] + report
+        primitives = primitive_costs((args.experts, args.ll_tokens, args.hidden))
+    report = summary + ["", "primitives (host time per call):"] + primitives + [""] + report
     args.out.write_text("\n".join(report) + "\n")
     print("\n".join(summary))
     return 0
