@@ -64,7 +64,6 @@ __all__ = [
     "MAX_TOPK",
     "SOURCE",
     "THREADS",
-    "UNIT_ROWS",
     "EpLlParams",
     "Kernel",
     "LlLaunches",
@@ -84,9 +83,6 @@ __all__ = [
 SOURCE = "sm90/ep_ll.cu"
 THREADS = 256
 """Threads per CTA (8 warps) of every low-latency kernel."""
-UNIT_ROWS = 4
-"""``EpLlParams.unit_rows`` (kept in the struct; the receive and combine-send kernels no longer split an expert's rows
-into fixed units: a CTA owns whole experts and deals their rows over its warps)."""
 MAX_EXPERTS = 1024
 """Global experts the fixed count table holds (per parity)."""
 MAX_TOPK = 32
@@ -259,7 +255,6 @@ class EpLlParams(ctypes.Structure):
         ("idx_bytes", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("row_stride", ctypes.c_uint32),
-        ("unit_rows", ctypes.c_uint32),
         ("phase", ctypes.c_uint32),
     ]
 
@@ -299,7 +294,7 @@ def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeo
         off_status=_STATUS, off_mask=_MASK, off_counts=_COUNTS, off_recv_stage=shape.recv_stage_offset,
         off_combine_stage=shape.combine_stage_offset, num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden,
         num_experts=shape.num_experts, local_experts=shape.local_experts, max_tokens=shape.max_tokens,
-        idx_bytes=idx_bytes, flags=flags, row_stride=shape.row_stride, unit_rows=UNIT_ROWS)
+        idx_bytes=idx_bytes, flags=flags, row_stride=shape.row_stride)
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:

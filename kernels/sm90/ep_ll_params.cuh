@@ -41,10 +41,9 @@ struct EpLlParams {
     unsigned int idx_bytes;
     unsigned int flags;
     unsigned int row_stride;
-    unsigned int unit_rows;
     unsigned int phase;
 };
-static_assert(sizeof(EpLlParams) == 240, "EpLlParams must match gc_moe_compat/comm/ep_ll.py");
+static_assert(sizeof(EpLlParams) == 232, "EpLlParams must match gc_moe_compat/comm/ep_ll.py");
 
 // Generated from gc_moe_compat.comm.ep_ll.LlSite.
 enum LlSite : unsigned int {

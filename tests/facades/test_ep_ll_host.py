@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nvcc_mark import needs_nvcc
 
 from gc_moe_compat.comm import ep_ll, ep_normal
-from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, UNIT_ROWS, Kernel, LlShape
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, MAX_EXPERTS, MAX_SMS, THREADS, Kernel, LlShape
 from gc_moe_compat.deep_ep import _low_latency
 from gc_moe_compat.deep_ep._low_latency import LowLatencyHandle
 from gc_moe_compat.runtime import jit
@@ -51,7 +51,7 @@ def test_params_header_is_generated_from_the_ctypes_struct() -> None:
 
 def test_params_struct_layout() -> None:
     """Every field at its natural C offset, no hidden padding (the static_assert in the header pins the size)."""
-    assert ctypes.sizeof(ep_ll.EpLlParams) == natural_layout_size(ep_ll.EpLlParams) == 240
+    assert ctypes.sizeof(ep_ll.EpLlParams) == natural_layout_size(ep_ll.EpLlParams) == 232
     assert f"sizeof(EpLlParams) == {ctypes.sizeof(ep_ll.EpLlParams)}" in HEADER.read_text()
 
 
@@ -211,7 +211,7 @@ def test_make_params() -> None:
         ep_ll._SEQ, ep_ll._ARRIVE, ep_ll._CONSUMED, ep_ll._READY, ep_ll._STATUS, ep_ll._COUNTS)
     assert (p.off_recv_stage, p.off_combine_stage) == (shape.recv_stage_offset, shape.combine_stage_offset)
     assert (p.num_tokens, p.topk, p.hidden, p.num_experts, p.local_experts, p.max_tokens) == (17, 6, 1024, 64, 16, 32)
-    assert (p.idx_bytes, p.flags, p.row_stride, p.unit_rows) == (4, 5, 16 + 2048, UNIT_ROWS)
+    assert (p.idx_bytes, p.flags, p.row_stride) == (4, 5, 16 + 2048)
 
 
 def test_check_rank_count() -> None:
@@ -514,7 +514,7 @@ def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pyt
                             off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
                             num_tokens=3, topk=TOPK, hidden=HIDDEN, num_experts=EXPERTS,
                             local_experts=shape.local_experts, max_tokens=T_MAX, idx_bytes=4,
-                            flags=ep_ll.FLAG_SHRINK, row_stride=shape.row_stride, unit_rows=ep_ll.UNIT_ROWS)
+                            flags=ep_ll.FLAG_SHRINK, row_stride=shape.row_stride)
     assert bytes(a) == bytes(want)
     assert (b.x, b.call_gen, a.x) == (48, 0, 16)
     monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
