@@ -22,11 +22,11 @@ its own seeded inputs and hands the same tensors to both implementations.
 Shapes (:data:`SHAPES`): SGLang's deployments' hidden sizes, top-k and expert counts (all experts split over the P
 ranks). Per call and implementation: ``latency_us`` is the GPU time (CUDA events around a window of ``--calls``
 calls, per call; for the uncached dispatch that includes DeepEP's CPU wait between its two kernels), ``host_us`` the
-host time of the Python calls (``perf_counter`` around the same window, per call, no synchronization added; the
-facade's synchronous low-latency calls wait for their own kernels, to raise their errors, DeepEP's do not), and for
+host time of the Python calls (``perf_counter`` around the same window, per call, no synchronization added), and for
 low-latency ``graph_us`` (a graph of two calls, so that DeepEP's two alternating buffers stay consistent across
 replays, per call). A point's figure is the slowest rank's median window (docs/bench_protocol.md), windows started
-together on every rank (a gloo barrier after the L2 flush and the device synchronization).
+together on every rank: before an eager window a gloo barrier, one untimed call (its exchange releases the ranks'
+GPUs together), the L2 flush and the device synchronization; before a graph window the gloo barrier.
 
 Floor: the bytes every rank of the GPU moves once (all P ranks share one GPU's memory bandwidth) over the copy
 bandwidth of the same run. No torch.distributed all-to-all is compared: on a gloo group it runs on the host (device
@@ -73,6 +73,7 @@ from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, normal_nvl_b
 
 from gc_moe_compat import originals
 from gc_moe_compat.ab.protocol import (
+    L2_FLUSH_BYTES,
     MULTICAST_OFF,
     capture_graph,
     gpu_setup,
@@ -478,15 +479,33 @@ def barrier() -> None:
     dist.barrier()
 
 
+def aligned_start(fn: Callable[[], object], flush: torch.Tensor) -> Callable[[], None]:
+    """What runs before each eager window: the gloo barrier, then one untimed call of ``fn``, then the L2 flush again
+    (``flush``: that call warmed the L2) and a synchronization. The call's own exchange waits for every rank on the
+    GPU, so the ranks' GPUs leave it together; the gloo barrier alone releases the processes at the host's pace, and
+    the first exchange of a short window would wait out their skew inside the timed window."""
+
+    def start() -> None:
+        dist.barrier()
+        fn()
+        flush.zero_()
+        torch.cuda.synchronize()
+
+    return start
+
+
 def eager_us(fn: Callable[[], object], args: argparse.Namespace) -> tuple[float, float]:
     """(GPU µs, host µs) per call of ``fn``: windows of ``--calls`` eager calls, the median window's CUDA-event time
-    and the median host time of issuing them (no synchronization inside the window)."""
+    and the median host time of issuing them (no synchronization inside the window), each window started together
+    on every rank (:func:`aligned_start`)."""
 
     def window() -> None:
         for _ in range(args.calls):
             fn()
 
-    device, host = timed_windows(window, args.warmup, args.windows, before_window=barrier, launches=args.calls)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    device, host = timed_windows(window, args.warmup, args.windows, before_window=aligned_start(fn, flush),
+                                 launches=args.calls)
     return statistics.median(device), host
 
 
@@ -826,12 +845,12 @@ def write_results(args: argparse.Namespace, points: list[dict[str, object]], job
              "timing": {"warmup_windows": args.warmup, "windows": args.windows, "calls_per_window": args.calls,
                         "latency_us": "GPU time per call: CUDA events around a window of eager calls (normal: "
                                       "includes DeepEP's CPU wait inside the uncached dispatch)",
-                        "host_us": "perf_counter around the same window, per call, nothing synchronized inside; "
-                                   "the facade's synchronous low-latency calls wait for their kernels (error check)",
+                        "host_us": "perf_counter around the same window, per call, nothing synchronized inside",
                         "graph_us": f"low-latency only: CUDA graph of 2 calls, {PER_WINDOW} replays per window, "
                                     "per call; normal mode cannot be captured (the uncached dispatch waits on the "
                                     "CPU)",
-                        "point": "slowest rank's median window; windows started together (gloo barrier)"},
+                        "point": "slowest rank's median window; windows started together (eager: gloo barrier, "
+                                 "one untimed call, L2 flush; graph: gloo barrier)"},
              "floor": "every rank's bytes moved once (read + written) over the one GPU's copy bandwidth "
                       "(jobs.<P>.copy_bandwidth_Bps): the ranks share it"}
     write_partial_result(args.out, meta, points, unit="jobs", key="job", requested=requested_jobs(args))

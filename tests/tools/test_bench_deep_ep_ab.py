@@ -236,3 +236,15 @@ def test_device_check_runs_it_at_the_shared_gpu_rank_count() -> None:
     text = (REPO / "scripts/device_check.sh").read_text()
     assert "BENCHES_SHARED=(deep_ep_ab)" in text and '"$name --ranks $shared_gpu${spec:${#name}}"' in text
     assert subprocess.run(["bash", "-n", str(REPO / "scripts/device_check.sh")]).returncode == 0
+
+
+def test_an_eager_window_starts_after_the_barrier_one_untimed_call_and_a_fresh_flush(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' windows start together: the gloo barrier, then one untimed call (whose exchange releases every
+    rank's GPU at once), then the L2 flush the call undid, then the synchronization; the window's calls come after."""
+    order: list[str] = []
+    monkeypatch.setattr(ab.dist, "barrier", lambda: order.append("barrier"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: order.append("synchronize"))
+    flush = type("Flush", (), {"zero_": lambda self: order.append("flush")})()
+    ab.aligned_start(lambda: order.append("call"), flush)()
+    assert order == ["barrier", "call", "flush", "synchronize"]
