@@ -25,8 +25,8 @@ calls, per call; for the uncached dispatch that includes DeepEP's CPU wait betwe
 host time of the Python calls (``perf_counter`` around the same window, per call, no synchronization added), and for
 low-latency ``graph_us`` (a graph of two calls, so that DeepEP's two alternating buffers stay consistent across
 replays, per call). A point's figure is the slowest rank's median window (docs/bench_protocol.md), windows started
-together on every rank: before an eager window a gloo barrier, one untimed call (its exchange releases the ranks'
-GPUs together), the L2 flush and the device synchronization; before a graph window the gloo barrier.
+together on every rank: after the L2 flush and the device synchronization, a gloo barrier, and before an eager
+window one untimed call (its exchange releases the ranks' GPUs together; the window queues behind it).
 
 Floor: the bytes every rank of the GPU moves once (all P ranks share one GPU's memory bandwidth) over the copy
 bandwidth of the same run. No torch.distributed all-to-all is compared: on a gloo group it runs on the host (device
@@ -73,7 +73,6 @@ from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, normal_nvl_b
 
 from gc_moe_compat import originals
 from gc_moe_compat.ab.protocol import (
-    L2_FLUSH_BYTES,
     MULTICAST_OFF,
     capture_graph,
     gpu_setup,
@@ -479,17 +478,17 @@ def barrier() -> None:
     dist.barrier()
 
 
-def aligned_start(fn: Callable[[], object], flush: torch.Tensor) -> Callable[[], None]:
-    """What runs before each eager window: the gloo barrier, then one untimed call of ``fn``, then the L2 flush again
-    (``flush``: that call warmed the L2) and a synchronization. The call's own exchange waits for every rank on the
-    GPU, so the ranks' GPUs leave it together; the gloo barrier alone releases the processes at the host's pace, and
-    the first exchange of a short window would wait out their skew inside the timed window."""
+def aligned_start(fn: Callable[[], object]) -> Callable[[], None]:
+    """What runs before each eager window, after the L2 flush and the device synchronization: the gloo barrier, then
+    one untimed call of ``fn``, not waited for. The window's start event and calls queue behind that call, whose own
+    exchange waits for every rank on the GPU, so every rank's window starts when the ranks' GPUs leave it together;
+    the gloo barrier alone releases the processes at the host's pace, and the first exchange of a short window would
+    wait out their skew inside the timed window. The window's first call then finds that call's data in the L2, as
+    its later calls find their predecessors'."""
 
     def start() -> None:
         dist.barrier()
         fn()
-        flush.zero_()
-        torch.cuda.synchronize()
 
     return start
 
@@ -503,8 +502,7 @@ def eager_us(fn: Callable[[], object], args: argparse.Namespace) -> tuple[float,
         for _ in range(args.calls):
             fn()
 
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    device, host = timed_windows(window, args.warmup, args.windows, before_window=aligned_start(fn, flush),
+    device, host = timed_windows(window, args.warmup, args.windows, before_window=aligned_start(fn),
                                  launches=args.calls)
     return statistics.median(device), host
 
@@ -849,8 +847,8 @@ def write_results(args: argparse.Namespace, points: list[dict[str, object]], job
                         "graph_us": f"low-latency only: CUDA graph of 2 calls, {PER_WINDOW} replays per window, "
                                     "per call; normal mode cannot be captured (the uncached dispatch waits on the "
                                     "CPU)",
-                        "point": "slowest rank's median window; windows started together (eager: gloo barrier, "
-                                 "one untimed call, L2 flush; graph: gloo barrier)"},
+                        "point": "slowest rank's median window; windows started together (L2 flush, gloo "
+                                 "barrier; eager: then one untimed call the window queues behind)"},
              "floor": "every rank's bytes moved once (read + written) over the one GPU's copy bandwidth "
                       "(jobs.<P>.copy_bandwidth_Bps): the ranks share it"}
     write_partial_result(args.out, meta, points, unit="jobs", key="job", requested=requested_jobs(args))

@@ -6,7 +6,8 @@ For each op (normal ``dispatch`` BF16 uncached, ``combine``; low-latency ``low_l
 host time per call (issuing them) and the wall time (until the GPU has finished them); torch's profiler (CUPTI) over
 the same loop gives every kernel's GPU time per call; cProfile over the loop gives the host functions by cumulative
 time. A call whose wall time far exceeds its kernels' is host-bound, and the cProfile table names where; a table of
-the primitives' host costs (current-stream lookups, the low-latency dispatch's allocations) comes first. ``--ncu``:
+the primitives' host costs (current-stream lookups, the low-latency dispatch's allocations, beside an empty call's)
+follows the summary (the uncached dispatch's host time includes its CPU wait for the counts). ``--ncu``:
 instead, one call of each op (after three warm-up calls) between ``cudaProfilerStart`` and ``cudaProfilerStop``, for
 ``ncu --profile-from-start off`` (bench/README.md says which sections). This is a diagnosis, not a benchmark: the
 report is text, written to ``--out`` (default ``profile_deep_ep_host.txt`` in the working directory), and the timings
@@ -52,12 +53,14 @@ def host_and_wall_per_call(fn: Callable[[], object], calls: int) -> tuple[float,
 def primitive_costs(ll_shape: tuple[int, int, int], repeats: int = 20_000) -> list[str]:
     """Host microseconds per call of the primitives an eager call is made of, on this host: torch's current-stream
     lookup two ways (the facade's :func:`~gc_moe_compat.runtime.launch.current_stream_handle`), and allocations of
-    the low-latency dispatch's shapes (``ll_shape`` = local experts, slots, hidden): its received rows, its scales
-    (one strided allocation) and a small int32 tensor."""
+    the low-latency dispatch's shapes (``ll_shape`` = local experts, slots, hidden; at one rank every expert is
+    local and the slots are Tmax): its received rows, its scales (one strided allocation) and a small int32 tensor;
+    first an empty call, the loop's own cost that every other row includes."""
     device = torch.device("cuda", torch.cuda.current_device())
     local, slots, hidden = ll_shape
     groups = hidden // 128
     cases = {
+        "an empty call (the loop's own cost)": lambda: None,
         "torch.cuda.current_stream(device).cuda_stream": lambda: torch.cuda.current_stream(device).cuda_stream,
         "current_stream_handle(device)": lambda: current_stream_handle(device),
         f"torch.empty([{local}, {slots}, {hidden}] fp8)":
@@ -201,7 +204,7 @@ def main() -> int:
         primitives = primitive_costs((args.experts, args.ll_tokens, args.hidden))
     report = summary + ["", "primitives (host time per call):"] + primitives + [""] + report
     args.out.write_text("\n".join(report) + "\n")
-    print("\n".join(summary))
+    print("\n".join(summary + [""] + primitives))
     return 0
 
 

@@ -10,7 +10,8 @@ lookups; environment reads).
 and ``gc_moe_compat.runtime.launch``; only the driver is replaced: the kernel load (``jit.load_module``, which needs
 nvcc) by a fake module, ``cuLaunchKernel`` by a counter (which, for the normal mode's notify kernel, writes the host
 record of received counts the kernel would: the uncached dispatch reads it after its CPU wait),
-``cuStreamSynchronize`` by a no-op, and torch's current-stream lookup (``torch._C._cuda_getCurrentRawStream``) and
+``cuStreamSynchronize`` by a no-op, and torch's current-stream lookup (``torch._C._cuda_getCurrentRawStream``),
+``torch.cuda.current_device`` (the low-latency stand-in's CPU workspace names no device index) and
 ``is_current_stream_capturing`` by stand-ins.
 The workspaces are the host tests' stand-ins (CPU tensors: tests/facades/test_ep_ll_host.py's, and for the normal
 mode tests/fuzz/conftest.py's ``HostWorkspace`` of ``--ranks`` ranks, its GPU refusal lifted), so the path is the

@@ -238,13 +238,13 @@ def test_device_check_runs_it_at_the_shared_gpu_rank_count() -> None:
     assert subprocess.run(["bash", "-n", str(REPO / "scripts/device_check.sh")]).returncode == 0
 
 
-def test_an_eager_window_starts_after_the_barrier_one_untimed_call_and_a_fresh_flush(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ranks' windows start together: the gloo barrier, then one untimed call (whose exchange releases every
-    rank's GPU at once), then the L2 flush the call undid, then the synchronization; the window's calls come after."""
+def test_an_eager_window_queues_behind_the_barrier_and_one_untimed_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' windows start together: after timed_windows' flush and synchronization, the gloo barrier, then one
+    untimed call (whose exchange releases every rank's GPU at once) that nothing waits for, then the window."""
     order: list[str] = []
     monkeypatch.setattr(ab.dist, "barrier", lambda: order.append("barrier"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: order.append("synchronize"))
-    flush = type("Flush", (), {"zero_": lambda self: order.append("flush")})()
-    ab.aligned_start(lambda: order.append("call"), flush)()
-    assert order == ["barrier", "call", "flush", "synchronize"]
+    monkeypatch.setattr(ab, "timed_windows", lambda window, warmup, windows, before_window, launches: (
+        before_window(), window(), ([1.0], 2.0))[-1])
+    args = ab.parse_args(["--calls", "3"])
+    assert ab.eager_us(lambda: order.append("call"), args) == (1.0, 2.0)
+    assert order == ["barrier", "call", "call", "call", "call"]
