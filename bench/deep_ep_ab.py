@@ -487,7 +487,7 @@ def aligned_start(fn: Callable[[], object]) -> Callable[[], None]:
     its later calls find their predecessors'."""
 
     def start() -> None:
-        dist.barrier()
+        barrier()
         fn()
 
     return start

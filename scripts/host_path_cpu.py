@@ -234,10 +234,11 @@ def _profiled(fn: Callable[[], object], calls: int, counts: _Counts) -> dict[str
     excluded = sum(stats[key][0] for key in stand_ins) + sum(
         calls_from[0] for _, _, _, _, callers in stats.values() for caller, calls_from in callers.items()
         if caller in own_work)
-    empty = sum(cc for (_, _, name), (cc, *_rest) in stats.items() if name in _ALLOCATIONS)
+    allocations = sum(cc for (_, _, name), (cc, *_rest) in stats.items() if name in _ALLOCATIONS)
     total = sum(cc for cc, *_rest in stats.values()) - excluded
-    return {"python calls": total / calls, "allocations": empty / calls, "driver launches": counts.launches / calls,
-            "current_stream": counts.streams / calls, "environ reads": reads[0] / calls}
+    return {"python calls": total / calls, "allocations": allocations / calls,
+            "driver launches": counts.launches / calls, "current_stream": counts.streams / calls,
+            "environ reads": reads[0] / calls}
 
 
 def _report(calls: dict[str, Callable[[], object]], counts: _Counts, n: int) -> None:
