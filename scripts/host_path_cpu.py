@@ -9,10 +9,10 @@ lookups; environment reads).
 ``--mode all`` (the default): both. The whole Python path runs, down to the launch plumbing of ``gc_moe_compat.comm``
 and ``gc_moe_compat.runtime.launch``; only the driver is replaced: the kernel load (``jit.load_module``, which needs
 nvcc) by a fake module, ``cuLaunchKernel`` by a counter (which, for the normal mode's notify kernel, writes the host
-record of received counts the kernel would: the uncached dispatch reads it after its CPU wait),
-``cuStreamSynchronize`` by a no-op, and torch's current-stream lookup (``torch._C._cuda_getCurrentRawStream``),
-``torch.cuda.current_device`` (the low-latency stand-in's CPU workspace names no device index) and
-``is_current_stream_capturing`` by stand-ins.
+record of received counts and the tag the kernel would: the uncached dispatch reads them in its CPU wait),
+``cuStreamQuery`` by a stand-in (the stream has always run dry), and torch's current-stream lookup
+(``torch._C._cuda_getCurrentRawStream``), ``torch.cuda.current_device`` (the low-latency stand-in's CPU workspace
+names no device index) and ``is_current_stream_capturing`` by stand-ins.
 The workspaces are the host tests' stand-ins (CPU tensors: tests/facades/test_ep_ll_host.py's, and for the normal
 mode tests/fuzz/conftest.py's ``HostWorkspace`` of ``--ranks`` ranks, its GPU refusal lifted), so the path is the
 partition-off one (the default); the low-latency path skips the capture check and the partition-mode read a CUDA
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kit"))
 import normal_host_kit  # noqa: E402 (the tests' kit, put on the path above)
 from normal_host_kit import lift_gpu_refusal  # noqa: E402
 
-_STAND_INS = frozenset({"launch", "current_stream", "current_device", "capturing", "synchronize", "get",
+_STAND_INS = frozenset({"launch", "current_stream", "current_device", "capturing", "query", "get",
                         "begin_on_gpu"})
 """The stand-ins' frames, not counted as the path's function calls."""
 _ALLOCATIONS = frozenset({"<built-in method torch.empty>", "<built-in method torch.empty_strided>"})
@@ -95,7 +95,7 @@ class _Counts:
 
 
 def _stand_ins(counts: _Counts) -> None:
-    """Replaces the kernel load, the driver launch and synchronization and torch's current stream and capture check
+    """Replaces the kernel load, the driver launch and stream query and torch's current stream and capture check
     (see the module docstring)."""
     handles: dict[str, driver.CUkernel] = {}
 
@@ -113,14 +113,15 @@ def _stand_ins(counts: _Counts) -> None:
         counts.launches += 1
         if function is counts.notify:  # the kernel's host record: what the uncached dispatch reads after its wait
             params = ep_normal.EpNormalParams.from_address(ctypes.c_void_p.from_address(args[-2] + 8).value)
-            ctypes.memmove(params.host_counts, counts.record, len(counts.record))
+            ctypes.memmove(params.host_counts + 4 * ep_normal.HostRecord.RECV, counts.record, len(counts.record))
+            ctypes.c_int64.from_address(params.host_counts + 4 * ep_normal.HostRecord.TAG).value = params.op
         return success
 
-    def synchronize(stream: object) -> tuple:
+    def query(stream: object) -> tuple:
         return success
 
     driver.cuLaunchKernel = launch
-    driver.cuStreamSynchronize = synchronize
+    driver.cuStreamQuery = query
 
     def current_stream(index: int) -> int:
         counts.streams += 1

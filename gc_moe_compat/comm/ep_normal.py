@@ -58,6 +58,7 @@ __all__ = [
     "SOURCE",
     "THREADS",
     "EpNormalParams",
+    "HostRecord",
     "Kernel",
     "NormalLaunch",
     "NormalSite",
@@ -65,6 +66,7 @@ __all__ = [
     "combine_row_layout",
     "data_offset",
     "dispatch_row_layout",
+    "host_tag",
     "kernel_of",
     "make_params",
     "new_host_counts",
@@ -99,6 +101,23 @@ _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_not
           Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch_recv",
           Kernel.COMBINE_SEND: "gc_ep_normal_combine_send", Kernel.COMBINE_RECV: "gc_ep_normal_combine_recv",
           Kernel.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+
+
+class HostRecord(enum.IntEnum):
+    """Indices of the int32 host record notify fills (``gc_moe::HostRecord``; :func:`new_host_counts`): the tag, an
+    int64 over words 0 and 1 that notify stores last (the call's collective-op number), then the counts."""
+
+    TAG = 0
+    RECV = 2
+    MOST_RECV = 3
+    MOST_SENT = 4
+    EXPERTS = 5
+
+
+_HOST_COMMENTS = {"kHostTag": "int64 (words 0, 1): the call's op, stored after every count (release, system scope)",
+                  "kHostRecv": "rows this rank receives", "kHostMostRecv": "most rows any rank receives",
+                  "kHostMostSent": "most rows any rank sends",
+                  "kHostExperts": "first of the aligned per-local-expert counts"}
 
 
 class NormalSite(StatusSite):
@@ -246,7 +265,9 @@ def params_header() -> str:
     entries = {c_identifier("kNormal", kernel.name): name for kernel, name in _NAMES.items()}
     entries["kNormalKernelCount"] = "status records"
     indices = c_enum_declaration("NormalKernel", kernels, f"{__name__}.{Kernel.__qualname__}", entries)
-    return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices
+    record = c_enum_declaration("HostRecord", {c_identifier("kHost", i.name): int(i) for i in HostRecord},
+                                f"{__name__}.{HostRecord.__qualname__}", _HOST_COMMENTS)
+    return struct + "\n" + NormalSite.c_declaration("NormalSite", "kNormalSite") + "\n" + indices + "\n" + record
 
 
 def make_params(*, transient: Transient, data_rows: int, **fields: int) -> EpNormalParams:
@@ -341,9 +362,18 @@ def new_status_mirror(device: torch.device) -> torch.Tensor:
 
 
 def new_host_counts(local_experts: int, device: torch.device) -> torch.Tensor:
-    """The host record notify fills (pinned for a CUDA workspace): ``[received rows, most rows any rank receives,
-    most rows any rank sends, aligned per-local-expert counts...]`` (int32, -1 until written)."""
-    return torch.full((3 + local_experts,), -1, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda")
+    """The host record notify fills (pinned for a CUDA workspace; :class:`HostRecord`): int32 ``[tag (int64 over two
+    words), received rows, most rows any rank receives, most rows any rank sends, aligned per-local-expert
+    counts...]``, -1 until written. Notify stores the tag, the call's collective-op number, after the counts, so a
+    host that sees its call's op there reads them without waiting for the kernel's end (:func:`host_tag`)."""
+    return torch.full((HostRecord.EXPERTS + local_experts,), -1, dtype=torch.int32, device="cpu",
+                      pin_memory=device.type == "cuda")
+
+
+def host_tag(record: torch.Tensor) -> np.ndarray:
+    """The tag of a host record (:func:`new_host_counts`) as a one-element int64 array over its memory: every read
+    of ``tag[0]`` loads what notify last stored."""
+    return record.numpy()[HostRecord.TAG:HostRecord.TAG + 2].view(np.int64)
 
 
 def _raise_first(records: torch.Tensor, num_ranks: int, when: str) -> None:

@@ -16,10 +16,13 @@ unless ``async_finish`` (then the returned event is the one to wait on). A call'
 stream; the caller's stream of a synchronous call waits for the kernels, so no later use of their memory can overtake
 them; those of an ``async_finish`` call stay referenced by the Buffer until its event completes (the role of DeepEP's
 ``record_stream`` and ``allocate_on_comm_stream``). As with DeepEP, the only CPU wait is the uncached dispatch's for
-the received counts: the kernels' errors (``DeviceTimeoutError`` naming the rank, or ``DeviceCheckError``) are read
-from the pinned status mirror they copy their records into, at that wait (this call's), at the start of every call
-and in ``Buffer.destroy`` (what earlier calls recorded, "recorded by an earlier call": after a
-``torch.cuda.synchronize()``, the next call raises a synchronous call's error).
+the received counts, and like DeepEP's it polls pinned memory: notify stores the call's collective-op number into the
+host record after the counts (:func:`~gc_moe_compat.comm.ep_normal.host_tag`), and the host reads the counts once it
+sees it, not at the kernel's end. The kernels' errors (``DeviceTimeoutError`` naming the rank, or
+``DeviceCheckError``) are read from the pinned status mirror they copy their records into: at that wait when notify
+ended without the counts (this call's), at the start of every call and in ``Buffer.destroy`` (what earlier calls
+recorded, "recorded by an earlier call": after a ``torch.cuda.synchronize()``, the next call raises a synchronous
+call's error).
 
 A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_normal.NormalLaunch`, per
 Buffer and thread, keyed by the sizes its fixed fields depend on), as the low-latency mode's are: a call checks its
@@ -42,8 +45,10 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from cuda.bindings import driver
@@ -51,12 +56,14 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
+    HostRecord,
     Kernel,
     NormalLaunch,
     PackedKernel,
     combine_row_layout,
     data_offset,
     dispatch_row_layout,
+    host_tag,
     kernel_of,
     new_host_counts,
     new_launch,
@@ -78,7 +85,14 @@ from gc_moe_compat.runtime.cuda import call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import current_stream_handle, launch_packed
 from gc_moe_compat.runtime.side_launch import fork, join
-from gc_moe_compat.runtime.status import spin_timeout_ms, spin_timeout_ns, spin_timeout_setting, status_codes
+from gc_moe_compat.runtime.status import (
+    DeviceCheckError,
+    DeviceTimeoutError,
+    spin_timeout_ms,
+    spin_timeout_ns,
+    spin_timeout_setting,
+    status_codes,
+)
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
@@ -201,8 +215,46 @@ class _Stream:
         ``EventHandle``)."""
         return EventHandle() if self.ctx is None else _CommEvent(self.ctx, self.handle)
 
-    def synchronize(self) -> None:
-        call(driver.cuStreamSynchronize, self.stream)
+    def finished(self) -> bool:
+        """Whether everything queued on the stream has run (no synchronization; a CUDA error raises)."""
+        result = driver.cuStreamQuery(self.stream)[0]
+        if result == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if result != driver.CUresult.CUDA_SUCCESS:
+            call(lambda: (result,))
+        return True
+
+
+CPU_WAIT_TIMEOUT_S = 100.0
+"""Least seconds the uncached dispatch's CPU wait for the received counts runs before it raises (DeepEP's
+``NUM_CPU_TIMEOUT_SECS``); twice the spin timeout where that is longer, so that the kernels' own bounded waits
+report first."""
+_POLLS_PER_QUERY = 256
+"""Reads of the host record's tag between two queries of the stream (and of the clock) in that wait."""
+
+
+def _wait_for_counts(fn: str, tag: np.ndarray, op: int, stream: _Stream, timeout_ns: int) -> bool:
+    """DeepEP's CPU wait for the received counts: polls the host record's ``tag`` (:func:`host_tag`) until notify
+    has stored ``op`` there, after the counts (True), as DeepEP polls the pinned counters its notify kernel writes;
+    so the host goes on before the kernel's end and without the driver's wake-up of a stream synchronization.
+    False when the stream has run dry without it (notify's wait for a peer failed: its status record says why).
+    ``DeviceTimeoutError`` when neither happens within :data:`CPU_WAIT_TIMEOUT_S` (or twice ``timeout_ns``)."""
+    polls, limit, deadline = 0, max(CPU_WAIT_TIMEOUT_S, 2e-9 * timeout_ns), None
+    while tag[0] != op:
+        polls += 1
+        if polls % _POLLS_PER_QUERY:
+            continue
+        if stream.finished():
+            return bool(tag[0] == op)
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + limit
+        elif now > deadline:
+            raise DeviceTimeoutError(
+                f"{fn}: the CPU wait for the received counts ran past {limit:g} s: notify has not stored this "
+                "call's counts and the stream is still running (a rank of the group that does not call dispatch, "
+                "or earlier work on the stream that does not finish)")
+    return True
 
 
 def _launch_transfer(kernels: Sequence[PackedKernel], stream: _Stream) -> None:
@@ -313,7 +365,7 @@ class NormalMode:
         self.codes = status_codes(self.mirror)
         self.op = 0
         self._pending: list[tuple[_Event, tuple]] = []
-        self._host_counts: dict[int, torch.Tensor] = {}
+        self._host_counts: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         # The packed launches of each call shape (see _pack): a call checks its tensors, allocates its outputs,
         # sets its fields and launches.
         self._launches: dict[tuple, NormalLaunch] = {}
@@ -386,6 +438,12 @@ class NormalMode:
             self._launches.clear()
         self._launches[key] = launch
         return launch
+
+    def _new_host_record(self, local: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The host record of uncached dispatches with ``local`` experts per rank and its tag, kept for them."""
+        record = new_host_counts(local, self.device)
+        self._host_counts[local] = record, host_tag(record)
+        return self._host_counts[local]
 
     def _next_op(self) -> int:
         self.op += 1
@@ -584,9 +642,7 @@ class NormalMode:
             rank_prefix = torch.empty((self.ranks, self.ranks), dtype=torch.int32, device=self.device)
             channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
             send_head = torch.empty((tokens, self.ranks), dtype=torch.int32, device=self.device)
-            host = self._host_counts.get(local)
-            if host is None:
-                host = self._host_counts[local] = new_host_counts(local, self.device)
+            host, tag = self._host_counts.get(local) or self._new_host_record(local)
             timeout = _timeout_ns(spin_timeout_setting())
             n = launch.params[0]
             n.timeout_ns, n.op, n.host_counts = timeout, op, host.data_ptr()
@@ -598,11 +654,15 @@ class NormalMode:
             if num_worst_tokens:
                 num_recv, most_sent = num_worst_tokens, None
             else:
-                stream.synchronize()  # DeepEP's CPU wait for the received counts
-                self.raise_recorded(when="")  # notify copied the records: this call's, and what came before
+                if not _wait_for_counts(fn, tag, op, stream, timeout):
+                    self.raise_recorded(when="")  # the stream ran dry: notify copied this call's records
+                    raise DeviceCheckError(f"{fn}: the notify kernel finished without storing the received counts "
+                                           "and recorded no error (a protocol error of the facade)")
+                self.raise_recorded()  # what earlier calls recorded (notify's own wait succeeded)
                 counts = host.tolist()
-                num_recv, most_recv, most_sent = counts[0], counts[1], counts[2]
-                expert_list = counts[3:3 + local]
+                num_recv, most_recv, most_sent = (counts[HostRecord.RECV], counts[HostRecord.MOST_RECV],
+                                                  counts[HostRecord.MOST_SENT])
+                expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
                 self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
         recv_x = torch.empty((num_recv, hidden), dtype=payload.dtype, device=self.device)
         recv_scales = None if scales is None else torch.empty((num_recv, scales.shape[1]), dtype=scales.dtype,

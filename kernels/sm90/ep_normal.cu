@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
                     prefix[s * ranks + r] = sum;
                     row += counts[r * ranks + s];
                 }
-                if (r == own) host[0] = sum;
+                if (r == own) host[gc_moe::kHostRecv] = sum;
                 atomicMax(&most_recv, sum);
                 atomicMax(&most_sent, row);
             }
@@ -260,11 +260,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
             for (u32 le = threadIdx.x; le < local; le += kThreads) {
                 int sum = 0;
                 for (u32 s = 0; s < ranks; ++s) sum += experts[s * local + le];
-                host[3 + le] = (sum + static_cast<int>(p.expert_alignment) - 1) / static_cast<int>(p.expert_alignment) *
-                               static_cast<int>(p.expert_alignment);
+                host[gc_moe::kHostExperts + le] = (sum + static_cast<int>(p.expert_alignment) - 1) /
+                                          static_cast<int>(p.expert_alignment) * static_cast<int>(p.expert_alignment);
             }
             __syncthreads();
-            if (threadIdx.x == 0) host[1] = most_recv, host[2] = most_sent;
+            if (threadIdx.x == 0) host[gc_moe::kHostMostRecv] = most_recv, host[gc_moe::kHostMostSent] = most_sent;
+            // The tag last: the host reads the counts as soon as it sees this call's op there (DeepEP's CPU wait
+            // polls its pinned counters the same way), not when the kernel ends.
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0) gc_moe::st_release_sys(reinterpret_cast<u64*>(host + gc_moe::kHostTag), p.op);
         }
     } else {
         // A warp per (destination rank, channel): send_head[t][r] = the token's index among the channel's tokens to

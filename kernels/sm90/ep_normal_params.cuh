@@ -87,6 +87,16 @@ enum NormalKernel : unsigned int {
     kNormalCombineHeads = 6,  // gc_ep_normal_combine_heads
     kNormalKernelCount = 7,   // status records
 };
+
+// Generated from gc_moe_compat.comm.ep_normal.HostRecord.
+enum HostRecord : unsigned int {
+    kHostTag = 0,       // int64 (words 0, 1): the call's op, stored after every count (release, system scope)
+    kHostRecv = 2,      // rows this rank receives
+    kHostMostRecv = 3,  // most rows any rank receives
+    kHostMostSent = 4,  // most rows any rank sends
+    kHostExperts = 5,   // first of the aligned per-local-expert counts
+};
+
 // END GENERATED
 
 }  // namespace gc_moe

@@ -17,6 +17,7 @@ from nvcc_mark import needs_nvcc
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, _normal
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.status import DeviceTimeoutError
 from gc_moe_compat.runtime.workspace import PeerTable
 
 HEADER = Path(__file__).resolve().parents[2] / "kernels" / "sm90" / "ep_normal_params.cuh"
@@ -281,3 +282,52 @@ def test_packed_launches_fix_no_per_call_field() -> None:
     fields = dict(transient=ep_normal.data_offset(1, 1, 1), data_rows=0, x=1, op=2)
     with pytest.raises(TypeError, match=r"per-call fields of EpNormalParams: \['op', 'x'\]"):
         ep_normal.new_launch(PeerTable(), [(ep_normal.Kernel.LAYOUT, 1, 0)], [fields], max_ctas=16)
+
+
+class PollStream:
+    """The stream as the CPU wait queries it: it stores ``tag`` into the record at its ``store_at``-th query and
+    runs dry at its ``dry_at``-th (never when None)."""
+
+    def __init__(self, record: torch.Tensor, tag: int, store_at: int | None, dry_at: int | None) -> None:
+        self.record, self.value, self.store_at, self.dry_at, self.queries = record, tag, store_at, dry_at, 0
+
+    def finished(self) -> bool:
+        self.queries += 1
+        if self.queries == self.store_at:
+            ep_normal.host_tag(self.record)[0] = self.value
+        return self.dry_at is not None and self.queries >= self.dry_at
+
+
+def poll(store_at: int | None, dry_at: int | None, op: int = 7) -> tuple[bool, int]:
+    record = ep_normal.new_host_counts(4, torch.device("cpu"))
+    stream = PollStream(record, op, store_at, dry_at)
+    found = _normal._wait_for_counts("dispatch", ep_normal.host_tag(record), op, stream, 1_000_000)
+    return found, stream.queries
+
+
+def test_the_cpu_wait_polls_the_tag_until_notify_stores_the_calls_op() -> None:
+    """The record starts untagged (-1); the wait returns once this call's op is there (an earlier op does not end
+    it), False when the stream runs dry without it, and reads the tag, not the stream, while polling."""
+    record = ep_normal.new_host_counts(4, torch.device("cpu"))
+    assert record.tolist()[ep_normal.HostRecord.RECV:] == [-1] * 7 and ep_normal.host_tag(record)[0] == -1
+    assert poll(store_at=3, dry_at=None) == (True, 3)
+    assert poll(store_at=None, dry_at=2) == (False, 2)
+    assert poll(store_at=2, dry_at=2) == (True, 2)  # stored just before it ran dry
+    record = ep_normal.new_host_counts(4, torch.device("cpu"))
+    ep_normal.host_tag(record)[0] = 6  # the previous call's tag
+    stream = PollStream(record, 7, None, 1)
+    assert not _normal._wait_for_counts("dispatch", ep_normal.host_tag(record), 7, stream, 1_000_000)
+
+
+def test_the_cpu_wait_times_out_while_the_stream_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the tag nor the stream's end: DeviceTimeoutError after CPU_WAIT_TIMEOUT_S (or twice the spin
+    timeout, when longer), naming the wait; the clock is read only at the stream queries."""
+    clock = iter(range(0, 10_000, 50))
+    monkeypatch.setattr(_normal.time, "monotonic", lambda: next(clock))
+    with pytest.raises(DeviceTimeoutError, match=r"dispatch: the CPU wait for the received counts ran past 100 s"):
+        poll(store_at=None, dry_at=None)
+    clock = iter(range(0, 10_000, 50))
+    with pytest.raises(DeviceTimeoutError, match=r"ran past 300 s"):
+        record = ep_normal.new_host_counts(4, torch.device("cpu"))
+        _normal._wait_for_counts("dispatch", ep_normal.host_tag(record), 7, PollStream(record, 7, None, None),
+                                 150_000_000_000)

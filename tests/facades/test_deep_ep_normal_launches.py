@@ -5,10 +5,11 @@ share of the GPU, a spin timeout changed between calls), each launch's kernel, g
 peer table and ``EpNormalParams`` bytes equal what the test builds itself, field by field, from DeepEP's rules and
 the kernels' contract (kernels/sm90/ep_normal_params.cuh), in the calls' launch order.
 
-Only the driver is replaced (the kernel load, ``cuLaunchKernel``, ``cuStreamSynchronize``, torch's current stream
-and capture check, the events); the workspace is a CPU stand-in whose device reads as CUDA for the launch boundary's
-GPU check alone. The fake notify kernel writes the host record of counts that the uncached dispatch reads after its
-CPU wait, so the received row counts (and the outputs' pointers the parameters carry) are the test's choice.
+Only the driver is replaced (the kernel load, ``cuLaunchKernel``, ``cuStreamQuery``, torch's current stream and
+capture check, the events); the workspace is a CPU stand-in whose device reads as CUDA for the launch boundary's GPU
+check alone. The fake notify kernel writes the host record of counts that the uncached dispatch reads after its CPU
+wait, and the call's tag after them, so the received row counts (and the outputs' pointers the parameters carry) are
+the test's choice.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from cuda.bindings import driver
 from normal_host_kit import lift_gpu_refusal
 
 from gc_moe_compat.comm import ep_normal
-from gc_moe_compat.comm.ep_normal import EpNormalParams
+from gc_moe_compat.comm.ep_normal import EpNormalParams, HostRecord
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, _normal
 from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.status import STATUS_TIMEOUT, DeviceCheckError, DeviceTimeoutError, KernelStatus
 from gc_moe_compat.runtime.workspace import PeerTable
 
 NAMES = ("gc_ep_normal_layout", "gc_ep_normal_notify", "gc_ep_normal_dispatch_send", "gc_ep_normal_dispatch_recv",
@@ -83,6 +85,8 @@ class FakeDriver:
     def __init__(self) -> None:
         self.launches: list[Launch] = []
         self.record: list[int] = []
+        self.tag = True  # whether notify stores the call's tag (False: its wait for a peer failed)
+        self.notify_status: KernelStatus | None = None  # what notify then mirrors into its status record
         self.waits = 0
 
     def kernel(self, name: str) -> jit.Kernel:
@@ -94,9 +98,16 @@ class FakeDriver:
         params = ctypes.string_at(ctypes.c_void_p.from_address(args + 8).value, ctypes.sizeof(EpNormalParams))
         launch = Launch(NAMES[int(function) - 1], (gx, gy, gz), (bx, by, bz), shared, int(stream), extra, table,
                         params)
-        if launch.kernel == NOTIFY:
+        if launch.kernel == NOTIFY:  # the counts, then the tag (the call's op), as the kernel stores them
+            fields = launch.fields()
             words = (ctypes.c_int32 * len(self.record))(*self.record)
-            ctypes.memmove(launch.fields()["host_counts"], words, ctypes.sizeof(words))
+            ctypes.memmove(fields["host_counts"] + 4 * HostRecord.RECV, words, ctypes.sizeof(words))
+            if self.tag:
+                ctypes.c_int64.from_address(fields["host_counts"] + 4 * HostRecord.TAG).value = fields["op"]
+            elif self.notify_status is not None:
+                size = ctypes.sizeof(KernelStatus)
+                ctypes.memmove(fields["status_mirror"] + size * ep_normal.Kernel.NOTIFY, bytes(self.notify_status),
+                               size)
         self.launches.append(launch)
         return (driver.CUresult.CUDA_SUCCESS,)
 
@@ -134,7 +145,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     fake = FakeDriver()
     monkeypatch.setattr(jit, "load_module", lambda source, *args, **kwargs: fake)
     monkeypatch.setattr(driver, "cuLaunchKernel", fake.launch)
-    monkeypatch.setattr(driver, "cuStreamSynchronize", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(driver, "cuStreamQuery", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_normal, "EventHandle", FakeEvent)
@@ -372,3 +383,23 @@ def test_every_launch_is_the_expected_one(group: dist.ProcessGroup, monkeypatch:
     assert s.calls >= 50
     assert fake.waits == 3
     assert len(s.host_counts) == 1  # one host record per local-expert count, reused by every uncached dispatch
+
+
+def test_a_notify_without_its_tag_raises(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                         fake: FakeDriver) -> None:
+    """A notify that ends without storing the call's tag (the stream ran dry): the dispatch raises the error notify
+    recorded (here a spin timeout on rank 1, as the kernel mirrors it), or, with none recorded, a DeviceCheckError
+    naming the protocol error; no transfer is launched and the next call works."""
+    s = Session(group, monkeypatch, fake, 2)
+    s.dispatch(5, 4, 16, recv=9)
+    fake.tag = False
+    fake.notify_status = KernelStatus(code=STATUS_TIMEOUT, site=ep_normal.NormalSite.ARRIVE << 16 | 1, observed=3,
+                                      expected=4)
+    with pytest.raises(DeviceTimeoutError, match="gc_ep_normal_notify.*rank 1's token counts"):
+        s.dispatch(5, 4, 16, recv=9)
+    fake.notify_status = None
+    with pytest.raises(DeviceCheckError, match="finished without storing the received counts"):
+        s.dispatch(5, 4, 16, recv=9)
+    assert [launch.kernel for launch in fake.launches] == [NOTIFY, NOTIFY]
+    fake.launches, fake.tag, s.op = [], True, s.mode.op
+    s.dispatch(5, 4, 16, recv=9)
