@@ -229,9 +229,9 @@ def _prebuild_operator_kernels(presets: Sequence[str], tokens: Sequence[int]) ->
     bms = set()
     for preset in presets:
         e, k, _, _ = preset_dims(preset)
-        bms |= {block_m_for_call(t, WORLD, k, e * WORLD) for t in tokens}
+        bms |= {block_m_for_call(t, WORLD, k, e * WORLD, mma_type="fp8xfp8") for t in tokens}
     jobs = [(role1_dispatch.SOURCE, {}), (role3_finalize.SOURCE, {})]
-    variants = [role2_gemm.Role2Variant(bm, pipe) for bm in sorted(bms) for pipe in (False, True)]
+    variants = [v for bm in sorted(bms) for v in role2_gemm.variants_of(bm, "fp8xfp8")]
     jobs += [(v.source, v.defines) for v in variants]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         cubins = list(pool.map(lambda job: jit.compile_cubin(*job), jobs))

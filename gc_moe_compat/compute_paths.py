@@ -33,6 +33,8 @@ class ComputePath:
     GEMM source under ``kernels/``; ``operator_entry`` / ``standalone_entry``: its entry points compiled with
     ``GC_OPERATOR=1`` (role2 over the token ring) and without (the standalone grouped GEMM). ``native_fn`` /
     ``facade_fn``: the layer call of the native API and of the ``deep_gemm`` facade that run this path.
+    ``max_block_m``: the widest token block its role2 kernel compiles (WGMMA N): 96 for FP8xFP8, whose K loop runs a
+    wide step as 64-column units; 64 for FP8xFP4, whose register-A decode runs at its register limit there.
     """
 
     name: str
@@ -44,6 +46,7 @@ class ComputePath:
     standalone_entry: str
     native_fn: str
     facade_fn: str
+    max_block_m: int
 
     @property
     def fp4(self) -> bool:
@@ -55,11 +58,13 @@ class ComputePath:
 FP8XFP4 = ComputePath(
     name="fp8xfp4", recipe=(1, 1, 32), weight_format="mxfp4", intermediate_quant="ue8m0_128",
     kernel="sm90/role2_gemm_fp8xfp4.cu", operator_entry="gc_sm90_fp8_fp4_role2",
-    standalone_entry="gc_sm90_fp8_fp4_grouped_gemm", native_fn="fp8_fp4_gc_moe", facade_fn="fp8_fp4_mega_moe")
+    standalone_entry="gc_sm90_fp8_fp4_grouped_gemm", native_fn="fp8_fp4_gc_moe", facade_fn="fp8_fp4_mega_moe",
+    max_block_m=64)
 FP8XFP8 = ComputePath(
     name="fp8xfp8", recipe=(128, 128, 128), weight_format="fp8_block128", intermediate_quant="fp32_128",
     kernel="sm90/role2_gemm_fp8xfp8.cu", operator_entry="gc_sm90_fp8_role2",
-    standalone_entry="gc_sm90_fp8_grouped_gemm", native_fn="fp8_fp8_gc_moe", facade_fn="fp8_mega_moe")
+    standalone_entry="gc_sm90_fp8_grouped_gemm", native_fn="fp8_fp8_gc_moe", facade_fn="fp8_mega_moe",
+    max_block_m=96)
 
 PATHS: Mapping[str, ComputePath] = MappingProxyType({p.name: p for p in (FP8XFP4, FP8XFP8)})
 """Every compute path by ``mma_type``."""

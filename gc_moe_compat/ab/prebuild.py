@@ -42,11 +42,9 @@ def kernel_jobs(mma_types: Iterable[str], tokens: Sequence[int], num_ranks: int,
                                               (_predispatch.SOURCE, {})]
     if low_latency:
         jobs.append((ep_ll.SOURCE, {}))
-    bms = sorted({block_m_for_call(t, num_ranks, topk, num_experts) for t in tokens})
     for mma in sorted(set(mma_types)):
-        for bm in bms:
-            for pipelined in (False, True):
-                variant = role2_gemm.Role2Variant(bm, pipelined, mma_type=mma)
+        for bm in sorted({block_m_for_call(t, num_ranks, topk, num_experts, mma_type=mma) for t in tokens}):
+            for variant in role2_gemm.variants_of(bm, mma):
                 jobs.append((variant.source, variant.defines))
     return jobs
 

@@ -68,4 +68,4 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
     if global_num_tokens is not None:
         _checks.integer(fn, "global_num_tokens", global_num_tokens, 0, num_ranks * num_max_tokens_per_rank)
-    return block_m_for_call(num_tokens, num_ranks, num_topk, num_experts, global_num_tokens)
+    return block_m_for_call(num_tokens, num_ranks, num_topk, num_experts, global_num_tokens, mma_type=mma_type)

@@ -94,7 +94,7 @@ def ring_model(buffer: GcMoeBuffer, num_tokens: int) -> RingModel:
     """The ring model of a call with ``num_tokens`` tokens: ``BM`` from the block-size heuristic, the compute SMs
     the launch would get now."""
     s = buffer.shape
-    bm = block_m_for_call(num_tokens, s.num_ranks, s.topk, s.num_experts)
+    bm = block_m_for_call(num_tokens, s.num_ranks, s.topk, s.num_experts, mma_type=s.mma_type)
     return RingModel(s, bm, buffer.current_compute_sms(), buffer.layout.geometry)
 
 

@@ -6,7 +6,10 @@ consumer thread, only within its own task). Why these rules:
 
 * BM covers the expected rows of one expert plus one standard deviation of a balanced multinomial routing
   (``m + sqrt(m)``), so most experts fill one block; a larger BM would only stream padded token rows, a smaller one
-  would re-stream the expert's weights once per extra block (each block reads every weight tile).
+  would re-stream the expert's weights once per extra block (each block reads every weight tile, and a task's K loop
+  costs about the same whatever its rows: on an H200 the operator's W1 + W2 at 64 expected rows per expert, BM = 64,
+  took ~1.5x the tasks of one block per expert). Past 64 the FP8xFP8 role2 kernel has one wider block,
+  :data:`WIDE_BLOCK_M` (:func:`block_m_candidates`: a compute path's ``max_block_m``), pipelined only.
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
@@ -26,9 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from gc_moe_compat.compute_paths import compute_path
+from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
 
 BLOCK_M_CANDIDATES = (8, 16, 32, 64)
+"""Token block sizes every grouped-GEMM variant compiles (standalone, role2 of both paths, role4)."""
+WIDE_BLOCK_M = 96
+"""The wider block role2 runs where its compute path allows (``ComputePath.max_block_m``): up to ~86 expected rows
+per expert in one block (T = 256 on a DeepSeek-V3 or GLM-5.2 EP8 rank share: 64). 128 spills in the W1 epilogue."""
 MAX_STAGES = 8
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one H200 CTA may opt into
 BK = 128
@@ -62,19 +69,34 @@ def most_stages(smem_of: Callable[[int], int]) -> int:
     return stages
 
 
-def pipelined(tasks: int, num_sms: int) -> bool:
+def pipelined(tasks: int, num_sms: int, block_m: int = BLOCK_M_CANDIDATES[0]) -> bool:
     """Whether a persistent grid of at most ``num_sms`` CTAs runs the producer-warpgroup variant for ``tasks``
     expected tasks: only when some CTA gets more than one (module docstring), in every GEMM of the operator and in
-    the standalone one."""
-    return tasks > num_sms
+    the standalone one; always for the wide block (:data:`WIDE_BLOCK_M`: its 256-thread variant spills)."""
+    return tasks > num_sms or block_m > BLOCK_M_CANDIDATES[-1]
 
 
-def select_block_m(expected_rows: float) -> int:
-    """Smallest candidate BM covering ``m + sqrt(m)`` expected rows of an expert (the largest candidate beyond)."""
+def block_m_candidates(mma_type: str) -> tuple[int, ...]:
+    """The token block sizes role2 of ``mma_type``'s kernel compiles: :data:`BLOCK_M_CANDIDATES`, and
+    :data:`WIDE_BLOCK_M` where the path's ``max_block_m`` reaches it."""
+    wide = (WIDE_BLOCK_M,) if compute_path(mma_type).max_block_m >= WIDE_BLOCK_M else ()
+    return BLOCK_M_CANDIDATES + wide
+
+
+def workspace_block_ms() -> tuple[int, ...]:
+    """Every block role2 of any compute path runs: a workspace's ring and pool are sized for all of them, so that one
+    layout serves both paths (SGLang makes its Hopper buffer with ``mma_type='fp8xfp4'`` and calls
+    ``fp8_mega_moe`` on it)."""
+    return tuple(sorted({bm for mma_type in MMA_TYPES for bm in block_m_candidates(mma_type)}))
+
+
+def select_block_m(expected_rows: float, candidates: tuple[int, ...] = BLOCK_M_CANDIDATES) -> int:
+    """Smallest of ``candidates`` (ascending) covering ``m + sqrt(m)`` expected rows of an expert (the largest
+    beyond)."""
     if expected_rows < 0 or math.isnan(expected_rows):
         raise ValueError(f"expected_rows: must be a non-negative number of rows per expert, got {expected_rows}")
     need = expected_rows + math.sqrt(expected_rows)
-    return next((bm for bm in BLOCK_M_CANDIDATES if bm >= need), BLOCK_M_CANDIDATES[-1])
+    return next((bm for bm in candidates if bm >= need), candidates[-1])
 
 
 def expected_rows_per_expert(num_tokens: int, num_ranks: int, topk: int, num_experts: int,
@@ -89,7 +111,9 @@ def expected_rows_per_expert(num_tokens: int, num_ranks: int, topk: int, num_exp
 
 
 def block_m_for_call(num_tokens: int, num_ranks: int, topk: int, num_experts: int,
-                     global_num_tokens: int | None = None) -> int:
-    """The block-size rule of one call: :func:`select_block_m` of :func:`expected_rows_per_expert`. The operator,
-    the ``deep_gemm`` facade's ``get_block_m_for_mega_moe`` and the benchmarks all ask this one function."""
-    return select_block_m(expected_rows_per_expert(num_tokens, num_ranks, topk, num_experts, global_num_tokens))
+                     global_num_tokens: int | None = None, *, mma_type: str) -> int:
+    """The block-size rule of one call: :func:`select_block_m` of :func:`expected_rows_per_expert` over
+    ``mma_type``'s role2 blocks (:func:`block_m_candidates`). The operator, the ``deep_gemm`` facade's
+    ``get_block_m_for_mega_moe`` and the benchmarks all ask this one function."""
+    return select_block_m(expected_rows_per_expert(num_tokens, num_ranks, topk, num_experts, global_num_tokens),
+                          block_m_candidates(mma_type))

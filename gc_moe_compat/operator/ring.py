@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat.config import MoEShape, int_in_range
-from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES
+from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, workspace_block_ms
 
 __all__ = [
     "BLOCK_M_CANDIDATES",
@@ -113,8 +113,9 @@ class RingModel:
     def __post_init__(self) -> None:
         if not isinstance(self.shape, MoEShape):
             raise TypeError(f"shape: must be an MoEShape, got {type(self.shape).__name__}")
-        if self.block_m not in BLOCK_M_CANDIDATES:
-            raise ValueError(f"block_m: must be one of {BLOCK_M_CANDIDATES} (SM90 WGMMA N), got {self.block_m!r}")
+        if self.block_m not in workspace_block_ms():
+            raise ValueError(f"block_m: must be one of {workspace_block_ms()} (SM90 WGMMA N of a role2 kernel), got "
+                             f"{self.block_m!r}")
         int_in_range("compute_sms", self.compute_sms, 1, None, "SMs of the compute partition")
         if not isinstance(self.geometry, TaskGeometry):
             raise TypeError(f"geometry: must be a TaskGeometry, got {type(self.geometry).__name__}")
@@ -262,7 +263,7 @@ class RingCapacity:
     def for_partition(cls, shape: MoEShape, compute_sms: int,
                       geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
         """The capacity every ``BM`` candidate needs on a ``compute_sms``-SM compute partition."""
-        models = [RingModel(shape, bm, compute_sms, geometry) for bm in BLOCK_M_CANDIDATES]
+        models = [RingModel(shape, bm, compute_sms, geometry) for bm in workspace_block_ms()]
         return cls(rows=max(m.required_ring_blocks * m.block_m for m in models),
                    blocks=max(m.required_ring_blocks for m in models))
 
@@ -270,7 +271,7 @@ class RingCapacity:
     def whole_pool(cls, shape: MoEShape, geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
         """A ring holding every pool block of every ``BM`` candidate: what roles run in sequence need
         (``GC_MOE_PARTITION=off``: role1 finishes before role2 starts, so it can never wait for a refill)."""
-        models = [RingModel(shape, bm, 1, geometry) for bm in BLOCK_M_CANDIDATES]
+        models = [RingModel(shape, bm, 1, geometry) for bm in workspace_block_ms()]
         return cls(rows=max(m.pool_blocks * m.block_m for m in models), blocks=max(m.pool_blocks for m in models))
 
     def holds_pool(self, model: RingModel) -> bool:

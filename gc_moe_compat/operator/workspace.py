@@ -73,7 +73,8 @@ from types import MappingProxyType
 import torch
 
 from gc_moe_compat.config import MoEShape
-from gc_moe_compat.operator.ring import BLOCK_M_CANDIDATES, DEFAULT_GEOMETRY, RingCapacity, RingModel, TaskGeometry
+from gc_moe_compat.operator.heuristics import workspace_block_ms
+from gc_moe_compat.operator.ring import DEFAULT_GEOMETRY, RingCapacity, RingModel, TaskGeometry
 from gc_moe_compat.runtime.params import c_enum_declaration, c_identifier, c_struct_declaration
 from gc_moe_compat.runtime.status import KernelStatus
 from gc_moe_compat.runtime.workspace import DEFAULT_ALIGNMENT, LayoutPlanner, Region
@@ -194,7 +195,7 @@ class OperatorLayout:
             ring = RingCapacity.whole_pool(shape, geometry)
         else:
             ring = RingCapacity.for_partition(shape, compute_sms, geometry)
-        pool = max(RingModel(shape, bm, compute_sms, geometry).pool_blocks for bm in BLOCK_M_CANDIDATES)
+        pool = max(RingModel(shape, bm, compute_sms, geometry).pool_blocks for bm in workspace_block_ms())
         specs = {s.name: s for s in _specs(shape, ring, pool, topk_idx_dtype)}
         planner = _plan(specs.values())
         return cls(shape=shape, compute_sms=compute_sms, geometry=geometry, ring=ring, pool_blocks=pool,

@@ -124,9 +124,73 @@ __device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (
     }
 }
 
+// Wide blocks (WGMMA N above kWideN, operator mode): a K128 step of a slab runs as two units, columns [0, 64) and
+// [64, N), each four K32 WGMMAs of at most 64 columns into a 32-register temporary. Two temporaries alternate so
+// that a unit's promotion overlaps the next unit's MMAs (wait_group 1): with the main accumulators (128 registers
+// at N = 128) the step holds 192 accumulator registers, as a 64-column step does with both slabs' temporaries.
+constexpr int kWideN = 64;
+
+// Issues one wide unit: NU columns of tokens from b (the token tile's first row of the unit) against the slab at a.
+template <int NU>
+__device__ __forceinline__ void wide_unit_mma(float (&tmp)[kWideN / 2], u32 a, u32 b) {
+#pragma unroll
+    for (int i = 0; i < NU / 2; ++i) {
+        tmp[i] = 0.0f;
+        fence_operand(tmp[i]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        Wgmma<NU>::mma(tmp, smem_desc_sw128(a + k * 32), smem_desc_sw128(b + k * 32), k > 0);
+    }
+    wgmma_commit();
+}
+
+// Promotes a retired wide unit of NU columns into main accumulator registers [kFirst, kFirst + NU/2) of its slab, the
+// token scales read from the stage in shared memory at each use (no registers held for them across the step).
+// W1: registers i%4 in {0,1} are gate rows (scale w0), {2,3} up rows (w1); W2: w0 is the slab's block.
+template <int Epi, int NU, int kFirst>
+__device__ __forceinline__ void promote_unit(float (&acc)[kAcc], float (&tmp)[kWideN / 2], float w0, float w1,
+                                             const float* xs, int lane) {
+#pragma unroll
+    for (int j = 0; j < NU / 2; ++j) fence_operand(tmp[j]);
+#pragma unroll
+    for (int j = 0; j < NU / 2; ++j) {
+        const int i = kFirst + j;
+        const float w = Epi == 1 && (j & 2) ? w1 : w0;
+        acc[i] = fmaf(tmp[j], w * xs[acc_col(i, lane)], acc[i]);
+    }
+}
+
+// One wide K128 step of both slabs (units: slab 0 columns [0, 64), slab 0 [64, N), slab 1 [0, 64), slab 1
+// [64, N)); the caller frees the stage afterwards (the promotions read its token scales).
+template <int Epi, int N>
+__device__ __forceinline__ void wide_step(float (&acc)[kMSub][kAcc], u32 a_base, u32 b_base, float ws0, float ws1,
+                                          const float* xs, int lane) {
+    static_assert(kMSub == 2 && N > kWideN && N <= 2 * kWideN, "wide steps: two slabs, 64 < N <= 128");
+    static_assert(!kTaskScales && !kCluster, "wide steps: operator mode (token scales in the stage)");
+    constexpr int N2 = N - kWideN;
+    constexpr u32 kSlab = 64 * kBK, kHalf = kWideN * kBK;  // bytes of a 64-row slab / of 64 token rows
+    const float w2_slab1 = Epi == 1 ? ws0 : ws1;
+    float tmp[kWideN / 2];
+    wide_unit_mma<kWideN>(tmp, a_base, b_base);
+    wgmma_wait<0>();
+    promote_unit<Epi, kWideN, 0>(acc[0], tmp, ws0, ws1, xs, lane);
+    wide_unit_mma<N2>(tmp, a_base, b_base + kHalf);
+    wgmma_wait<0>();
+    promote_unit<Epi, N2, kWideN / 2>(acc[0], tmp, ws0, ws1, xs, lane);
+    wide_unit_mma<kWideN>(tmp, a_base + kSlab, b_base);
+    wgmma_wait<0>();
+    promote_unit<Epi, kWideN, 0>(acc[1], tmp, w2_slab1, ws1, xs, lane);
+    wide_unit_mma<N2>(tmp, a_base + kSlab, b_base + kHalf);
+    wgmma_wait<0>();
+    promote_unit<Epi, N2, kWideN / 2>(acc[1], tmp, w2_slab1, ws1, xs, lane);
+}
+
 // The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). Per
 // K128 step: wait for the stage, its four K32 WGMMAs per slab into a fresh (zeroed) accumulator set, wait for
-// them, free the stage, promote. Returns false when a wait gives up.
+// them, free the stage, promote. Above kWideN columns a step runs as wide units (wide_step) and frees the stage after
+// its last promotion, which reads the stage's token scales. Returns false when a wait gives up.
 template <int Epi, int N, typename WaitFull, typename Load>
 __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, u32& it, int kb_count,
                                          const float* const (&ws_row)[2], int cw, int lane, int local_tid,
@@ -135,23 +199,36 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
         const float ws0 = __ldg(ws_row[0] + kb), ws1 = __ldg(ws_row[1] + kb);
         const u32 stage = it % kStages;
         if (!wait_full(pipe.full(stage), (it / kStages) & 1)) return false;
-        float xsr[N / 4];
-        token_scales<N>(smem, stage, kb, lane, xsr);
-        float tmp[kMSub][N / 2];
-        zero(tmp);
-        fence_operands(tmp);
-        wgmma_fence();
-        mma_k128<N>(tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK, pipe.base + kOffX + stage * kXBytes);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(tmp);
-        __syncwarp();
-        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
-        if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-            if (!load(it + kStages, kb + kStages)) return false;
+        if constexpr (N > kWideN) {
+            wide_step<Epi, N>(acc, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK,
+                              pipe.base + kOffX + stage * kXBytes, ws0, ws1,
+                              reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes), lane);
+            __syncwarp();
+            if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
+            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+                if (!load(it + kStages, kb + kStages)) return false;
+            }
+            __syncwarp();
+        } else {
+            float xsr[N / 4];
+            token_scales<N>(smem, stage, kb, lane, xsr);
+            float tmp[kMSub][N / 2];
+            zero(tmp);
+            fence_operands(tmp);
+            wgmma_fence();
+            mma_k128<N>(tmp, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK,
+                        pipe.base + kOffX + stage * kXBytes);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(tmp);
+            __syncwarp();
+            if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
+            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+                if (!load(it + kStages, kb + kStages)) return false;
+            }
+            __syncwarp();
+            promote<Epi, N>(acc, tmp, ws0, ws1, xsr);
         }
-        __syncwarp();
-        promote<Epi, N>(acc, tmp, ws0, ws1, xsr);
     }
     return true;
 }

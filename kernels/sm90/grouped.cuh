@@ -114,7 +114,7 @@ struct WgmmaN {
 // Calls f(WgmmaN<n8 * 8>{}) for n8 * 8 <= kBM (WGMMA N, the block's valid rows rounded up to 8, is an immediate of
 // the instruction); any other n8 does nothing.
 // Call it once per task around the whole K loop, never around the MMAs of one stage: with a switch inside the loop
-// the accumulators of the eight N cases merge at every stage and ptxas serializes every WGMMA (C7511, "insufficient
+// the accumulators of the N cases merge at every stage and ptxas serializes every WGMMA (C7511, "insufficient
 // register resources": each QGMMA waits for the previous one). The same happens when an accumulator's first WGMMA
 // (scale-d 0) reads registers that were never written, so the kernels zero a fresh accumulator set before its MMAs.
 template <int kBM, typename F>
@@ -132,6 +132,10 @@ __device__ __forceinline__ void with_wgmma_n(int n8, F&& f) {
         GC_MMA_CASE(6)
         GC_MMA_CASE(7)
         GC_MMA_CASE(8)
+        GC_MMA_CASE(9)
+        GC_MMA_CASE(10)
+        GC_MMA_CASE(11)
+        GC_MMA_CASE(12)
 #undef GC_MMA_CASE
         default:
             break;

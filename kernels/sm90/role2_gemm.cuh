@@ -149,12 +149,13 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     }
     __syncthreads();
 
-    const int n = static_cast<int>(words[0]);
     const int t1 = static_cast<int>(params.w1_tasks), t2 = static_cast<int>(params.w2_tasks);
     const int w = static_cast<int>(params.lookahead);
-    // The task count n * (t1 + t2), re-read from shared memory at every step instead of held in a register across
-    // the loops (the FP8xFP4 consumers at BM = 64 run at their 232-register limit; ptxas would spill it).
-    const auto num_tasks = [&] { return static_cast<int>(words[0]) * (t1 + t2); };
+    // The pool block count n and the task count n * (t1 + t2), re-read from shared memory at every step instead of
+    // held in a register across the loops (the FP8xFP4 consumers at BM = 64 and the FP8xFP8 ones at BM = 128 run at
+    // their 232-register limit; ptxas would spill them).
+    const auto pool_blocks = [&] { return static_cast<int>(words[0]); };
+    const auto num_tasks = [&] { return pool_blocks() * (t1 + t2); };
     // The block table's address, recomputed from the parameters at each task (one 64-bit value fewer held across
     // the consumers' K loops, which run at the register limit in the FP8xFP4 W1 + W2 grid).
     const auto table = [&] { return a.at<const int>(off.pool_table); };
@@ -167,7 +168,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
             u32 it = 0;
             u64 mask_seen = 0;
             for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
-                const OpTask ot = role2_task(s, n, w, t1, t2);
+                const OpTask ot = role2_task(s, pool_blocks(), w, t1, t2);
                 const Task t = ring_task(table(), ot);
                 const int kb_count = static_cast<int>(ot.w1 ? params.hidden : params.inter) / K::kBK;
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
@@ -188,7 +189,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     u32 it = 0;
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
     for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
-        const OpTask ot = role2_task(s, n, w, t1, t2);
+        const OpTask ot = role2_task(s, pool_blocks(), w, t1, t2);
         const Task t = ring_task(table(), ot);
         const u32 b = static_cast<u32>(ot.block) % params.ring_blocks;
         const auto wait_full = [&](u32 bar, u32 parity) { return op_wait_full(a, bar, parity, it, words + 1); };

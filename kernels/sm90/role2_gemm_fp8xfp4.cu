@@ -73,6 +73,7 @@ constexpr u32 kSmemBytes = smem_bytes(kOffBar);
 
 static_assert(kUnitBytes % 128 == 0 && kSlabs * kUnitRows <= 256, "weight unit: whole 128-byte rows, TMA box <= 256");
 static_assert(kSmemBytes <= 232448, "shared memory: too many stages for this tile");
+static_assert(kBM <= 64, "GC_BM: the register-A decode runs at its register limit from BM = 64 (FP8xFP4 max_block_m)");
 static_assert(kMSub == 1 || kMSub == 2, "consume_n: one or two slabs per warpgroup (two A register sets)");
 
 using Pipeline = StagePipeline<kOffBar, kStages>;

@@ -24,8 +24,13 @@ from gc_moe_compat.operator.heuristics import (
     SMEM_LIMIT,
     W1_SLABS,
     W2_SLABS,
+    WIDE_BLOCK_M,
+    block_m_candidates,
+    block_m_for_call,
+    pipelined,
     select_block_m,
     smem_bytes,
+    workspace_block_ms,
 )
 from gc_moe_compat.operator.sm90.fp4_layout import UNIT_BYTES, UNIT_ROWS, decode_units, permute_units, unpermute_units
 from gc_moe_compat.runtime import jit
@@ -40,6 +45,21 @@ def test_block_m_covers_mean_plus_sd(rows: float, bm: int) -> None:
     assert select_block_m(rows) == bm
     assert bm in BLOCK_M_CANDIDATES
     assert bm >= rows + math.sqrt(rows) or bm == BLOCK_M_CANDIDATES[-1]
+
+
+@pytest.mark.parametrize(("rows", "fp8", "fp4"), [(27, 64, 64), (56, 64, 64), (57, 96, 64), (64, 96, 64),
+                                                  (86, 96, 64), (500, 96, 64)])
+def test_wide_block_for_fp8_role2_only(rows: float, fp8: int, fp4: int) -> None:
+    """Past 64 covered rows FP8xFP8's role2 runs one 96-row block (DeepSeek-V3 / GLM-5.2 EP8 shares at T = 256:
+    64 expected rows); FP8xFP4's kernel stops at 64. A workspace is sized for both."""
+    assert select_block_m(rows, block_m_candidates("fp8xfp8")) == fp8
+    assert select_block_m(rows, block_m_candidates("fp8xfp4")) == fp4
+    assert select_block_m(rows) == min(fp8, BLOCK_M_CANDIDATES[-1])  # the standalone kernels' blocks
+    assert workspace_block_ms() == BLOCK_M_CANDIDATES + (WIDE_BLOCK_M,)
+    # T = 256 per rank, EP8, top-8, 256 experts: 64 rows per expert
+    assert block_m_for_call(256, 8, 8, 256, mma_type="fp8xfp8") == WIDE_BLOCK_M
+    assert block_m_for_call(256, 8, 8, 256, mma_type="fp8xfp4") == 64
+    assert pipelined(1, 132, WIDE_BLOCK_M) and not pipelined(1, 132, 64)
 
 
 def test_block_m_rejects_bad_input() -> None:

@@ -33,7 +33,7 @@ from nvcc_mark import needs_nvcc, serialized_wgmma
 from gc_moe_compat.compute_paths import FP8XFP4, FP8XFP8, compute_path
 from gc_moe_compat.config import MMA_TYPES, MoEShape
 from gc_moe_compat.operator import api, ring
-from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, SMEM_LIMIT
+from gc_moe_compat.operator.heuristics import SMEM_LIMIT, block_m_candidates
 from gc_moe_compat.operator.sm90 import layer, role1_dispatch, role2_gemm, role3_finalize
 from gc_moe_compat.operator.workspace import StatusRecord
 from gc_moe_compat.runtime import jit
@@ -73,8 +73,7 @@ def test_role2_sites_are_generated_into_both_headers() -> None:
         role2_gemm.Role2Site)
 
 
-@pytest.mark.parametrize("mma_type", MMA_TYPES)
-@pytest.mark.parametrize("bm", BLOCK_M_CANDIDATES)
+@pytest.mark.parametrize(("bm", "mma_type"), [(bm, m) for m in MMA_TYPES for bm in block_m_candidates(m)])
 def test_operator_smem_fits_and_stages_are_maximal(bm: int, mma_type: str) -> None:
     stages = role2_gemm.operator_stages(bm, mma_type)
     assert stages >= 2 and role2_gemm.operator_smem_bytes(bm, stages, mma_type) <= SMEM_LIMIT
@@ -97,9 +96,25 @@ def test_variant_picks_the_kernel_of_its_weight_format() -> None:
         assert role2_gemm.role2_variant(ring.RingModel(shape, 8, 16), 4).mma_type == mma_type
 
 
+def test_wide_block_variants() -> None:
+    """The 96-row block exists only in the FP8xFP8 kernel and only pipelined; a call that picks it runs the
+    producer warpgroup even with few tasks, and a prebuild compiles just that variant."""
+    wide = role2_gemm.Role2Variant(96, True)
+    assert (wide.defines["GC_BM"], wide.defines["GC_STAGES"]) == (96, 3) and wide.smem <= SMEM_LIMIT
+    with pytest.raises(ValueError, match="BM=96 compiles only with the producer warpgroup"):
+        role2_gemm.Role2Variant(96, False)
+    with pytest.raises(ValueError, match=r"bm: must be one of \(8, 16, 32, 64\) \(the fp8xfp4"):
+        role2_gemm.Role2Variant(96, True, mma_type="fp8xfp4")
+    assert [v.pipelined for v in role2_gemm.variants_of(96, "fp8xfp8")] == [True]
+    assert [v.pipelined for v in role2_gemm.variants_of(64, "fp8xfp4")] == [False, True]
+    shape = MoEShape(num_experts=16, num_ranks=1, hidden=1024, intermediate=512, topk=4, capacity=512,
+                     mma_type="fp8xfp8")
+    assert role2_gemm.role2_variant(ring.RingModel(shape, 96, 132), 1).pipelined
+
+
 @needs_nvcc
-@pytest.mark.parametrize("variant", [role2_gemm.Role2Variant(bm, p, mma_type=m) for m in MMA_TYPES
-                                     for bm in BLOCK_M_CANDIDATES for p in (True, False)],
+@pytest.mark.parametrize("variant", [v for m in MMA_TYPES for bm in block_m_candidates(m)
+                                     for v in role2_gemm.variants_of(bm, m)],
                          ids=lambda v: f"{v.mma_type}-bm{v.bm}-prod{int(v.pipelined)}")
 def test_operator_variants_compile_without_spills(variant: role2_gemm.Role2Variant, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,7 @@ from gc_moe_compat.operator.heuristics import (
     BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
     W1_SLABS,
+    block_m_candidates,
     most_stages,
     pipelined,
     smem_bytes,
@@ -61,6 +62,7 @@ __all__ = [
     "Role2Site",
     "Role2Variant",
     "Role2Weights",
+    "check_variant",
     "fp4_units",
     "grouped_header",
     "operator_smem_bytes",
@@ -71,6 +73,7 @@ __all__ = [
     "role2_defines",
     "role2_node",
     "role2_variant",
+    "variants_of",
     "task_sequence",
 ]
 
@@ -154,12 +157,22 @@ def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
     return most_stages(lambda stages: operator_smem_bytes(bm, stages, mma_type))
 
 
+def check_variant(bm: int, pipelined: bool, mma_type: str) -> None:
+    """Refuses a variant the ``mma_type`` kernel does not compile: ``bm`` outside its role2 blocks
+    (:func:`~gc_moe_compat.operator.heuristics.block_m_candidates`), or the wide block without the producer
+    warpgroup."""
+    candidates = block_m_candidates(mma_type)
+    if bm not in candidates:
+        raise ValueError(f"bm: must be one of {candidates} (the {mma_type} role2 kernel's blocks), got {bm!r}")
+    if bm > BLOCK_M_CANDIDATES[-1] and not pipelined:
+        raise ValueError(f"pipelined: BM={bm} compiles only with the producer warpgroup (heuristics.pipelined)")
+
+
 def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: str = "fp8xfp8") -> dict[str, int]:
     """Compile-time parameters of one operator-mode variant of the ``mma_type`` kernel (256-row
     tasks for both GEMMs); ``GC_OP_SMEM_BYTES`` is :func:`operator_smem_bytes`, which the kernel asserts equal to
     its own ``kSmemBytes``."""
-    if bm not in BLOCK_M_CANDIDATES:
-        raise ValueError(f"bm: must be one of {BLOCK_M_CANDIDATES}, got {bm!r}")
+    check_variant(bm, pipelined, mma_type)
     stages = operator_stages(bm, mma_type)
     return {"GC_OPERATOR": 1, "GC_BM": bm, "GC_EPI": 1, "GC_M_SUB": W1_SLABS, "GC_PRODUCER_WG": int(pipelined),
             "GC_STAGES": stages, "GC_FAST_MATH": int(fast_math),
@@ -177,7 +190,7 @@ class Role2Variant:
     mma_type: str = "fp8xfp8"
 
     def __post_init__(self) -> None:
-        compute_path(self.mma_type)
+        check_variant(self.bm, self.pipelined, self.mma_type)
 
     @property
     def source(self) -> str:
@@ -211,7 +224,14 @@ def role2_variant(model: RingModel, num_tokens: int, *, fast_math: bool = True) 
     rows = num_tokens * s.num_ranks * min(s.topk, s.num_local_experts)
     blocks = min(model.pool_blocks, -(-rows // model.block_m) + min(s.num_local_experts, rows))
     tasks = blocks * (model.w1_tasks_per_block + model.w2_tasks_per_block)
-    return Role2Variant(model.block_m, pipelined(tasks, model.compute_sms), fast_math, s.mma_type)
+    return Role2Variant(model.block_m, pipelined(tasks, model.compute_sms, model.block_m), fast_math, s.mma_type)
+
+
+def variants_of(bm: int, mma_type: str, fast_math: bool = True) -> list[Role2Variant]:
+    """Every variant a call with block ``bm`` can run (with and without the producer warpgroup where both exist):
+    what a prebuild compiles."""
+    return [Role2Variant(bm, p, fast_math, mma_type) for p in (False, True)
+            if p or not pipelined(0, 1, bm)]
 
 
 def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, int, int]]:
