@@ -1,15 +1,16 @@
 """Block size, pipelining and stages of the SM90 expert GEMMs, chosen on the host from the expected tokens per expert.
 
-Paper §4.4: ``BM in {8, 16, 32, 64}`` (the ring block's token rows, the WGMMA N extent) and a 384-thread pipelined
-variant (a producer warpgroup that runs ahead across tasks) or a 256-thread non-pipelined one (loads issued by a
-consumer thread, only within its own task). Why these rules:
+Paper §4.4: ``BM in {8, 16, 32, 64}`` (the ring block's token rows, the WGMMA N extent; FP8xFP8's role2 adds 96)
+and a 384-thread pipelined variant (a producer warpgroup that runs ahead across tasks) or a 256-thread non-pipelined
+one (loads issued by a consumer thread, only within its own task). Why these rules:
 
 * BM covers the expected rows of one expert plus one standard deviation of a balanced multinomial routing
   (``m + sqrt(m)``), so most experts fill one block; a larger BM would only stream padded token rows, a smaller one
   would re-stream the expert's weights once per extra block (each block reads every weight tile, and a task's K loop
-  costs about the same whatever its rows: on an H200 the operator's W1 + W2 at 64 expected rows per expert, BM = 64,
-  took ~1.5x the tasks of one block per expert). Past 64 the FP8xFP8 role2 kernel has one wider block,
-  :data:`WIDE_BLOCK_M` (:func:`block_m_candidates`: a compute path's ``max_block_m``), pipelined only.
+  costs about as much whatever its rows). Past 64 the FP8xFP8 role2 kernel has one wider block,
+  :data:`WIDE_BLOCK_M` (:func:`block_m_candidates`: a compute path's ``max_block_m``), pipelined only: on an H200 it
+  took the layer at 64 expected rows per expert from 620 to 559 us (a DeepSeek-V3 EP8 share) and from 517 to 483 us
+  (GLM-5.2) against BM = 64 (bench/README.md).
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
