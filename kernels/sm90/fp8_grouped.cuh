@@ -124,72 +124,58 @@ __device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (
     }
 }
 
-// Wide blocks (WGMMA N above kWideN, operator mode): a K128 step of a slab runs as two units, columns [0, 64) and
-// [64, N), each four K32 WGMMAs of at most 64 columns into a 32-register temporary. Two temporaries alternate so
-// that a unit's promotion overlaps the next unit's MMAs (wait_group 1): with the main accumulators (128 registers
-// at N = 128) the step holds 192 accumulator registers, as a 64-column step does with both slabs' temporaries.
+// Wide blocks (WGMMA N above kWideN, operator mode: BM = 96). A K128 step issues each slab's four K32 WGMMAs into its
+// own temporary (two commit groups), then promotes slab 0 while slab 1's MMAs run (wait_group 1) and slab 1 after
+// them, reading the token scales from the stage in shared memory at each use: the main accumulators (48 registers
+// per slab at N = 96) and both temporaries leave no room for the scales in registers (the 64-column step holds them).
+// Measured on an H200 at 64 expected rows per expert: 2-4 % faster than 64-column units (bench/README.md).
 constexpr int kWideN = 64;
 
-// Issues one wide unit: NU columns of tokens from b (the token tile's first row of the unit) against the slab at a.
-template <int NU>
-__device__ __forceinline__ void wide_unit_mma(float (&tmp)[kWideN / 2], u32 a, u32 b) {
-#pragma unroll
-    for (int i = 0; i < NU / 2; ++i) {
-        tmp[i] = 0.0f;
-        fence_operand(tmp[i]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        Wgmma<NU>::mma(tmp, smem_desc_sw128(a + k * 32), smem_desc_sw128(b + k * 32), k > 0);
-    }
-    wgmma_commit();
-}
-
-// Promotes a retired wide unit of NU columns into main accumulator registers [kFirst, kFirst + NU/2) of its slab, the
-// token scales read from the stage in shared memory at each use (no registers held for them across the step).
-// W1: registers i%4 in {0,1} are gate rows (scale w0), {2,3} up rows (w1); W2: w0 is the slab's block.
-template <int Epi, int NU, int kFirst>
-__device__ __forceinline__ void promote_unit(float (&acc)[kAcc], float (&tmp)[kWideN / 2], float w0, float w1,
+// Promotes slab s's retired temporary into its main accumulators (W1: registers i%4 in {0,1} are gate rows, scale
+// ws0, {2,3} up rows, ws1; W2: ws is the slab's block).
+template <int Epi, int N>
+__device__ __forceinline__ void promote_wide(float (&acc)[kAcc], float (&tmp)[N / 2], float ws, float ws1,
                                              const float* xs, int lane) {
 #pragma unroll
-    for (int j = 0; j < NU / 2; ++j) fence_operand(tmp[j]);
+    for (int i = 0; i < N / 2; ++i) fence_operand(tmp[i]);
 #pragma unroll
-    for (int j = 0; j < NU / 2; ++j) {
-        const int i = kFirst + j;
-        const float w = Epi == 1 && (j & 2) ? w1 : w0;
-        acc[i] = fmaf(tmp[j], w * xs[acc_col(i, lane)], acc[i]);
+    for (int i = 0; i < N / 2; ++i) {
+        const float w = Epi == 1 && (i & 2) ? ws1 : ws;
+        acc[i] = fmaf(tmp[i], w * xs[acc_col(i, lane)], acc[i]);
     }
 }
 
-// One wide K128 step of both slabs (units: slab 0 columns [0, 64), slab 0 [64, N), slab 1 [0, 64), slab 1
-// [64, N)); the caller frees the stage afterwards (the promotions read its token scales).
+// One wide K128 step of both slabs; the caller frees the stage afterwards (the promotions read its token scales).
 template <int Epi, int N>
 __device__ __forceinline__ void wide_step(float (&acc)[kMSub][kAcc], u32 a_base, u32 b_base, float ws0, float ws1,
                                           const float* xs, int lane) {
-    static_assert(kMSub == 2 && N > kWideN && N <= 2 * kWideN, "wide steps: two slabs, 64 < N <= 128");
+    static_assert(kMSub == 2 && N > kWideN, "wide steps: two slabs, N > 64");
     static_assert(!kTaskScales && !kCluster, "wide steps: operator mode (token scales in the stage)");
-    constexpr int N2 = N - kWideN;
-    constexpr u32 kSlab = 64 * kBK, kHalf = kWideN * kBK;  // bytes of a 64-row slab / of 64 token rows
-    const float w2_slab1 = Epi == 1 ? ws0 : ws1;
-    float tmp[kWideN / 2];
-    wide_unit_mma<kWideN>(tmp, a_base, b_base);
+    float tmp[kMSub][N / 2];
+#pragma unroll
+    for (int s = 0; s < kMSub; ++s) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            tmp[s][i] = 0.0f;
+            fence_operand(tmp[s][i]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            Wgmma<N>::mma(tmp[s], smem_desc_sw128(a_base + s * 64 * kBK + k * 32), smem_desc_sw128(b_base + k * 32),
+                          k > 0);
+        }
+        wgmma_commit();
+    }
+    wgmma_wait<1>();
+    promote_wide<Epi, N>(acc[0], tmp[0], ws0, ws1, xs, lane);
     wgmma_wait<0>();
-    promote_unit<Epi, kWideN, 0>(acc[0], tmp, ws0, ws1, xs, lane);
-    wide_unit_mma<N2>(tmp, a_base, b_base + kHalf);
-    wgmma_wait<0>();
-    promote_unit<Epi, N2, kWideN / 2>(acc[0], tmp, ws0, ws1, xs, lane);
-    wide_unit_mma<kWideN>(tmp, a_base + kSlab, b_base);
-    wgmma_wait<0>();
-    promote_unit<Epi, kWideN, 0>(acc[1], tmp, w2_slab1, ws1, xs, lane);
-    wide_unit_mma<N2>(tmp, a_base + kSlab, b_base + kHalf);
-    wgmma_wait<0>();
-    promote_unit<Epi, N2, kWideN / 2>(acc[1], tmp, w2_slab1, ws1, xs, lane);
+    promote_wide<Epi, N>(acc[1], tmp[1], Epi == 1 ? ws0 : ws1, ws1, xs, lane);
 }
 
 // The consumer K loop of one task with N token columns (with_wgmma_n picks N once per task: see grouped.cuh). Per
 // K128 step: wait for the stage, its four K32 WGMMAs per slab into a fresh (zeroed) accumulator set, wait for
-// them, free the stage, promote. Above kWideN columns a step runs as wide units (wide_step) and frees the stage after
+// them, free the stage, promote. Above kWideN columns a step runs as a wide step (wide_step) and frees the stage after
 // its last promotion, which reads the stage's token scales. Returns false when a wait gives up.
 template <int Epi, int N, typename WaitFull, typename Load>
 __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, u32& it, int kb_count,

@@ -149,7 +149,8 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // The accumulator operands of an m64nNk32 WGMMA: N/2 FP32 registers d[0..N/2) ("+f": read and written), and the
-// text of their register list, built in steps of 8 (the shapes below use N = 8, 16, ..., 64).
+// text of their register list, built in steps of 8 (the shapes below use N = 8, 16, ..., 96: 72-96 for
+// role2's wide block; the register-A shapes stop at 64).
 #define GC_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define GC_ACC8(i) GC_ACC4(i), GC_ACC4(i + 4)
 #define GC_ACC_N8 GC_ACC4(0)
@@ -160,6 +161,10 @@ __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r
 #define GC_ACC_N48 GC_ACC_N32, GC_ACC8(16)
 #define GC_ACC_N56 GC_ACC_N48, GC_ACC4(24)
 #define GC_ACC_N64 GC_ACC_N48, GC_ACC8(24)
+#define GC_ACC_N72 GC_ACC_N64, GC_ACC4(32)
+#define GC_ACC_N80 GC_ACC_N72, GC_ACC4(36)
+#define GC_ACC_N88 GC_ACC_N80, GC_ACC4(40)
+#define GC_ACC_N96 GC_ACC_N88, GC_ACC4(44)
 #define GC_REGS_N8 "%0, %1, %2, %3"
 #define GC_REGS_N16 GC_REGS_N8 ", %4, %5, %6, %7"
 #define GC_REGS_N24 GC_REGS_N16 ", %8, %9, %10, %11"
@@ -168,6 +173,10 @@ __device__ __forceinline__ void fence_operand(u32& r) { asm volatile("" : "+r"(r
 #define GC_REGS_N48 GC_REGS_N40 ", %20, %21, %22, %23"
 #define GC_REGS_N56 GC_REGS_N48 ", %24, %25, %26, %27"
 #define GC_REGS_N64 GC_REGS_N56 ", %28, %29, %30, %31"
+#define GC_REGS_N72 GC_REGS_N64 ", %32, %33, %34, %35"
+#define GC_REGS_N80 GC_REGS_N72 ", %36, %37, %38, %39"
+#define GC_REGS_N88 GC_REGS_N80 ", %40, %41, %42, %43"
+#define GC_REGS_N96 GC_REGS_N88 ", %44, %45, %46, %47"
 // The instruction text up to its A operand: `p` is the operand number of the accumulate flag.
 #define GC_WGMMA_HEAD(N, p)                                                                                        \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %" #p ", 0;\n"                                                               \
@@ -196,6 +205,10 @@ GC_WGMMA_SS(40, 20, 21, 22)
 GC_WGMMA_SS(48, 24, 25, 26)
 GC_WGMMA_SS(56, 28, 29, 30)
 GC_WGMMA_SS(64, 32, 33, 34)
+GC_WGMMA_SS(72, 36, 37, 38)
+GC_WGMMA_SS(80, 40, 41, 42)
+GC_WGMMA_SS(88, 44, 45, 46)
+GC_WGMMA_SS(96, 48, 49, 50)
 #undef GC_WGMMA_SS
 
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T with A from REGISTERS: four 32-bit registers of four E4M3 values each,
