@@ -124,6 +124,20 @@ __device__ __forceinline__ void promote(float (&acc)[kMSub][kAcc], const float (
     }
 }
 
+// Frees consumed stage `stage` (one arrival per consumer warp; both CTAs' in a cluster pair) and, in the
+// non-pipelined variant, has consumer thread 0 issue K step kb + kStages into it. False when that load gives up.
+template <typename Load>
+__device__ __forceinline__ bool free_stage(const Pipeline& pipe, u32 stage, u32 it, int kb, int kb_count, int lane,
+                                           int local_tid, Load& load) {
+    __syncwarp();
+    if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
+    if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
+        if (!load(it + kStages, kb + kStages)) return false;
+    }
+    __syncwarp();
+    return true;
+}
+
 // Wide blocks (WGMMA N above kWideN, operator mode: BM = 96). A K128 step issues each slab's four K32 WGMMAs into its
 // own temporary (two commit groups), then promotes slab 0 while slab 1's MMAs run (wait_group 1) and slab 1 after
 // them, reading the token scales from the stage in shared memory at each use: the main accumulators (48 registers
@@ -189,12 +203,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
             wide_step<Epi, N>(acc, pipe.base + stage * kWBytes + cw * kMSub * 64 * kBK,
                               pipe.base + kOffX + stage * kXBytes, ws0, ws1,
                               reinterpret_cast<const float*>(smem + kOffS + stage * kSBytes), lane);
-            __syncwarp();
-            if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
-            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                if (!load(it + kStages, kb + kStages)) return false;
-            }
-            __syncwarp();
+            if (!free_stage(pipe, stage, it, kb, kb_count, lane, local_tid, load)) return false;
         } else {
             float xsr[N / 4];
             token_scales<N>(smem, stage, kb, lane, xsr);
@@ -207,12 +216,7 @@ __device__ __forceinline__ bool consume_n(const Pipeline& pipe, const u8* smem, 
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(tmp);
-            __syncwarp();
-            if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
-            if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-                if (!load(it + kStages, kb + kStages)) return false;
-            }
-            __syncwarp();
+            if (!free_stage(pipe, stage, it, kb, kb_count, lane, local_tid, load)) return false;
             promote<Epi, N>(acc, tmp, ws0, ws1, xsr);
         }
     }
@@ -285,12 +289,7 @@ __device__ __forceinline__ bool consume_n_k32(const Pipeline& pipe, const u8* sm
         }
         wgmma_wait<0>();
         fence_operands(tmp);
-        __syncwarp();
-        if (lane == 0) release_stage<kCluster>(pipe.empty(stage));
-        if (!kProducerWG && local_tid == 0 && kb + kStages < kb_count) {
-            if (!load(it + kStages, kb + kStages)) return false;
-        }
-        __syncwarp();
+        if (!free_stage(pipe, stage, it, kb, kb_count, lane, local_tid, load)) return false;
         promote_k32<N>(acc[kMSub - 1], tmp[(kUnits - 1) & 1], w[kMSub - 1][0], w[kMSub - 1][1], 3, xsr);
     }
     return true;
