@@ -98,7 +98,7 @@ def select_config(
         )
     bm = block_m or select_block_m(expected_rows)
     blocks = active_experts * max(1, math.ceil(expected_rows / bm))
-    pipe = pipelined(blocks * tiles_per_block, num_sms)
+    pipe = pipelined(blocks * tiles_per_block, num_sms, block_m=bm)
     cluster = cluster_pairs(expected_rows, bm, pipe, mma_type)
     # Cluster pairs stream each W2 tile once for two blocks; with 128-row tasks that W2 was no faster on an H200 (its
     # steps, not its bytes, bound it), so it takes 256-row tasks like W1 (bench/README.md, session 6).

@@ -33,8 +33,8 @@ class ComputePath:
     GEMM source under ``kernels/``; ``operator_entry`` / ``standalone_entry``: its entry points compiled with
     ``GC_OPERATOR=1`` (role2 over the token ring) and without (the standalone grouped GEMM). ``native_fn`` /
     ``facade_fn``: the layer call of the native API and of the ``deep_gemm`` facade that run this path.
-    ``max_block_m``: the widest token block its role2 kernel compiles (WGMMA N): 96 for FP8xFP8, whose K loop runs a
-    wide step as 64-column units; 64 for FP8xFP4, whose register-A decode runs at its register limit there.
+    ``max_block_m``: the widest token block its role2 kernel compiles (WGMMA N): 96 for FP8xFP8 (its K loop's wide
+    step); 64 for FP8xFP4, whose register-A decode runs at its register limit there.
     """
 
     name: str

@@ -55,7 +55,8 @@ from gc_moe_compat.operator.workspace import OperatorLayout
 __all__ = ["HOST_COMPUTE_SMS", "TOKEN_ALIGNMENT", "SymmBuffer", "buffer_of", "get_symm_buffer_for_mega_moe",
            "get_symm_buffer_for_sm90_mega_moe"]
 
-# num_max_tokens_per_rank is rounded up to a multiple of every candidate BM (DeepGEMM rounds to its own LCM).
+# num_max_tokens_per_rank is rounded up to a multiple of every BM the kernels share (DeepGEMM rounds to its own LCM);
+# role2's wide block needs no alignment of the capacity (its ring is sized for it).
 TOKEN_ALIGNMENT = math.lcm(*BLOCK_M_CANDIDATES)
 HOST_COMPUTE_SMS = 128
 """Compute SMs the token ring is sized for on a host without CUDA (an H200's compute partition at the default

@@ -58,7 +58,11 @@ def get_block_m_for_mega_moe(num_ranks: int, num_experts: int,
 
     The expected tokens per expert ``m = T_total * k / E`` with ``T_total = global_num_tokens`` when given (the
     tokens all EP ranks send this call, DeepGEMM's meaning), else ``num_tokens * num_ranks``, goes through the SM90
-    kernels' own rule (:func:`gc_moe_compat.operator.heuristics.block_m_for_call`), so this answer is the BM they run.
+    kernels' own rule (:func:`gc_moe_compat.operator.heuristics.block_m_for_call`) for ``mma_type``'s role2 kernel,
+    so this answer is the BM that kernel runs: :data:`BLOCK_M_CANDIDATES`, and 96 for ``fp8xfp8`` past 64 covered
+    rows. ``fp8_mega_moe`` runs the FP8xFP8 kernel on any buffer, so on SGLang's ``fp8xfp4``-typed Hopper buffer it
+    may run 96 where this call, asked with the buffer's ``mma_type``, answers 64 (SGLang reads the answer only for
+    its SM100 shared-expert staging).
     """
     fn = "get_block_m_for_mega_moe"
     # the routing sizes a buffer accepts (config.check_routing): no answer for a shape the operator refuses

@@ -8,9 +8,9 @@ one (loads issued by a consumer thread, only within its own task). Why these rul
   (``m + sqrt(m)``), so most experts fill one block; a larger BM would only stream padded token rows, a smaller one
   would re-stream the expert's weights once per extra block (each block reads every weight tile, and a task's K loop
   costs about as much whatever its rows). Past 64 the FP8xFP8 role2 kernel has one wider block,
-  :data:`WIDE_BLOCK_M` (:func:`block_m_candidates`: a compute path's ``max_block_m``), pipelined only: on an H200 it
-  took the layer at 64 expected rows per expert from 620 to 559 us (a DeepSeek-V3 EP8 share) and from 517 to 483 us
-  (GLM-5.2) against BM = 64 (bench/README.md).
+  :data:`WIDE_BLOCK_M` (:func:`block_m_candidates`: a compute path's ``max_block_m``), pipelined only
+  (:func:`producer_only`): on an H200 one block per expert at 64 expected rows took the layer from 620 to under
+  560 us on a DeepSeek-V3 EP8 share and from 517 to under 483 us on GLM-5.2, against BM = 64 (bench/README.md).
 * Pipelining across tasks pays only when a CTA gets more than one task: with at most one task per SM (small T, few
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
@@ -70,11 +70,18 @@ def most_stages(smem_of: Callable[[int], int]) -> int:
     return stages
 
 
-def pipelined(tasks: int, num_sms: int, block_m: int = BLOCK_M_CANDIDATES[0]) -> bool:
+def producer_only(block_m: int) -> bool:
+    """Whether blocks of ``block_m`` rows run only in the producer-warpgroup variant: the wide block
+    (:data:`WIDE_BLOCK_M`), whose pipelined variant is the one measured and tested on an H200 (the 256-thread one
+    compiles, but has never run)."""
+    return block_m > BLOCK_M_CANDIDATES[-1]
+
+
+def pipelined(tasks: int, num_sms: int, *, block_m: int) -> bool:
     """Whether a persistent grid of at most ``num_sms`` CTAs runs the producer-warpgroup variant for ``tasks``
-    expected tasks: only when some CTA gets more than one (module docstring), in every GEMM of the operator and in
-    the standalone one; always for the wide block (:data:`WIDE_BLOCK_M`: its 256-thread variant spills)."""
-    return tasks > num_sms or block_m > BLOCK_M_CANDIDATES[-1]
+    expected tasks of ``block_m``-row blocks: only when some CTA gets more than one (module docstring), in every GEMM
+    of the operator and in the standalone one, or where the block exists only so (:func:`producer_only`)."""
+    return tasks > num_sms or producer_only(block_m)
 
 
 def block_m_candidates(mma_type: str) -> tuple[int, ...]:

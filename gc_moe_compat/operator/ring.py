@@ -55,10 +55,9 @@ from dataclasses import dataclass
 import torch
 
 from gc_moe_compat.config import MoEShape, int_in_range
-from gc_moe_compat.operator.heuristics import BLOCK_M_CANDIDATES, workspace_block_ms
+from gc_moe_compat.operator.heuristics import workspace_block_ms
 
 __all__ = [
-    "BLOCK_M_CANDIDATES",
     "DEFAULT_GEOMETRY",
     "RingCapacity",
     "RingCapacityError",

@@ -142,7 +142,6 @@ __device__ __forceinline__ bool free_stage(const Pipeline& pipe, u32 stage, u32 
 // own temporary (two commit groups), then promotes slab 0 while slab 1's MMAs run (wait_group 1) and slab 1 after
 // them, reading the token scales from the stage in shared memory at each use: the main accumulators (48 registers
 // per slab at N = 96) and both temporaries leave no room for the scales in registers (the 64-column step holds them).
-// Measured on an H200 at 64 expected rows per expert: 2-4 % faster than 64-column units (bench/README.md).
 constexpr int kWideN = 64;
 
 // Promotes slab s's retired temporary into its main accumulators (W1: registers i%4 in {0,1} are gate rows, scale

@@ -55,9 +55,8 @@ constexpr u32 out_pitch(int rows) { return rows * 2 + 16; }
 constexpr u32 out_bytes(int rows) { return GC_OPERATOR ? kBM * out_pitch(rows) + 16 : 0; }
 constexpr u32 smem_bytes(u32 off_bar) { return off_bar + 2 * kStages * 8 + 1024; }
 
-// Up to 64 in every variant; 96 in the FP8xFP8 operator mode (role2, pipelined: compute_paths.max_block_m), whose K
-// loop then runs wide steps (fp8_grouped.cuh: wide_step); the FP8xFP4 sources keep 64 (their register-A decode);
-// 128 spills.
+// Up to 64 in every variant; 96 in the FP8xFP8 operator mode (role2: compute_paths.max_block_m), whose K loop then
+// runs wide steps (fp8_grouped.cuh: wide_step); the FP8xFP4 sources keep 64 (their register-A decode); 128 spills.
 static_assert(kBM % 8 == 0 && kBM >= 8 && (kBM <= 64 || (kBM == 96 && GC_OPERATOR)),
               "GC_BM: WGMMA N must be a multiple of 8 up to 64 (or 96 in operator mode)");
 static_assert(kEpi != 1 || kMSub == 2, "W1 epilogue: a task must cover the 256 rows of one 128-column requant group");

@@ -152,8 +152,8 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     const int t1 = static_cast<int>(params.w1_tasks), t2 = static_cast<int>(params.w2_tasks);
     const int w = static_cast<int>(params.lookahead);
     // The pool block count n and the task count n * (t1 + t2), re-read from shared memory at every step instead of
-    // held in a register across the loops (the FP8xFP4 consumers at BM = 64 and the FP8xFP8 ones at BM = 128 run at
-    // their 232-register limit; ptxas would spill them).
+    // held in a register across the loops (the FP8xFP4 consumers at BM = 64 and the FP8xFP8 ones at BM = 96 run near
+    // their 232-register limit; ptxas spilled n in an earlier BM = 96 step).
     const auto pool_blocks = [&] { return static_cast<int>(words[0]); };
     const auto num_tasks = [&] { return pool_blocks() * (t1 + t2); };
     // The block table's address, recomputed from the parameters at each task (one 64-bit value fewer held across

@@ -15,6 +15,7 @@ import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import layouts, quant
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import api
+from gc_moe_compat.operator.heuristics import block_m_candidates
 
 H, N_I, E, K = 512, 256, 16, 4
 
@@ -284,10 +285,11 @@ def test_block_m_heuristic() -> None:
     assert bm(16) == 8  # m = 4, 4 + 2 = 6
     assert bm(32) == 16  # m = 8, 8 + 2.83
     assert bm(64) == 32  # m = 16, 20
-    assert bm(128) == 64 and bm(256) == 64  # capped
+    assert bm(128) == 64 and bm(256) == 64  # capped (fp8xfp4's role2)
+    assert bm(256, mma_type="fp8xfp8") == 96 and bm(128, mma_type="fp8xfp8") == 64  # m = 64: FP8xFP8's wide block
     assert bm(1, global_num_tokens=8 * 64) == 32  # the global count decides when given
     values = [bm(t) for t in range(257)]
-    assert values == sorted(values) and set(values) <= set(_runtime.BLOCK_M_CANDIDATES)
+    assert values == sorted(values) and set(values) <= set(block_m_candidates("fp8xfp4"))
     for kw, arg in (({"num_tokens": 257}, "num_tokens"), ({"num_experts": 250}, "num_experts"),
                     ({"global_num_tokens": 8 * 256 + 1}, "global_num_tokens"), ({"num_topk": 0}, "num_topk")):
         with pytest.raises(ValueError, match=arg):

@@ -21,6 +21,7 @@ import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import buffer as op_buffer
+from gc_moe_compat.operator.heuristics import block_m_candidates
 from gc_moe_compat.runtime.workspace import make_peer_table
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -127,7 +128,7 @@ def test_get_block_m_for_mega_moe(default_dtype: torch.dtype, case: tuple[str, o
     names = (name, "num_tokens") if name == "num_max_tokens_per_rank" else (name,)  # num_tokens <= it
     check(lambda: dg.get_block_m_for_mega_moe(**kwargs), want, names, what=f"get_block_m({name}={value!r})")
     if want is None:
-        assert dg.get_block_m_for_mega_moe(**kwargs) in _runtime.BLOCK_M_CANDIDATES
+        assert dg.get_block_m_for_mega_moe(**kwargs) in block_m_candidates(kwargs.get("mma_type", "fp8xfp4"))
 
 
 @FUZZ

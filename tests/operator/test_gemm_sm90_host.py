@@ -27,7 +27,6 @@ from gc_moe_compat.operator.heuristics import (
     WIDE_BLOCK_M,
     block_m_candidates,
     block_m_for_call,
-    pipelined,
     select_block_m,
     smem_bytes,
     workspace_block_ms,
@@ -55,11 +54,13 @@ def test_wide_block_for_fp8_role2_only(rows: float, fp8: int, fp4: int) -> None:
     assert select_block_m(rows, block_m_candidates("fp8xfp8")) == fp8
     assert select_block_m(rows, block_m_candidates("fp8xfp4")) == fp4
     assert select_block_m(rows) == min(fp8, BLOCK_M_CANDIDATES[-1])  # the standalone kernels' blocks
+
+
+def test_wide_block_per_call_and_workspace() -> None:
     assert workspace_block_ms() == BLOCK_M_CANDIDATES + (WIDE_BLOCK_M,)
     # T = 256 per rank, EP8, top-8, 256 experts: 64 rows per expert
     assert block_m_for_call(256, 8, 8, 256, mma_type="fp8xfp8") == WIDE_BLOCK_M
     assert block_m_for_call(256, 8, 8, 256, mma_type="fp8xfp4") == 64
-    assert pipelined(1, 132, WIDE_BLOCK_M) and not pipelined(1, 132, 64)
 
 
 def test_block_m_rejects_bad_input() -> None:

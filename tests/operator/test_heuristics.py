@@ -3,7 +3,14 @@ rule that the standalone GEMM, role2 and role4 all read, each with its own share
 
 from __future__ import annotations
 
-from gc_moe_compat.operator.heuristics import MAX_STAGES, SMEM_LIMIT, most_stages, pipelined
+from gc_moe_compat.operator.heuristics import (
+    MAX_STAGES,
+    SMEM_LIMIT,
+    WIDE_BLOCK_M,
+    most_stages,
+    pipelined,
+    producer_only,
+)
 from gc_moe_compat.operator.sm90 import role2_gemm, role4_shared
 
 
@@ -13,8 +20,9 @@ def test_most_stages_is_the_largest_count_that_fits() -> None:
     assert most_stages(lambda s: SMEM_LIMIT + s) == 2  # nothing fits: the kernel reports its shortfall
 
 
-def test_pipelined_iff_some_cta_gets_a_second_task() -> None:
-    assert not pipelined(132, 132) and pipelined(133, 132) and not pipelined(0, 1)
+def test_pipelined_iff_some_cta_gets_a_second_task_or_the_block_needs_it() -> None:
+    assert not pipelined(132, 132, block_m=64) and pipelined(133, 132, block_m=64) and not pipelined(0, 1, block_m=8)
+    assert pipelined(1, 132, block_m=WIDE_BLOCK_M) and producer_only(WIDE_BLOCK_M) and not producer_only(64)
 
 
 def test_role2_and_role4_stages_follow_the_rule() -> None:

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gc_moe_compat import config
-from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import ring
 from gc_moe_compat.operator.heuristics import WIDE_BLOCK_M, workspace_block_ms
 from gc_moe_compat.testing import reference
@@ -27,10 +26,6 @@ shapes = st.builds(
     st.integers(1, 512))
 bms = st.sampled_from(workspace_block_ms())
 sms = st.integers(1, 160)
-
-
-def test_block_m_candidates_match_facade() -> None:
-    assert ring.BLOCK_M_CANDIDATES == _runtime.BLOCK_M_CANDIDATES
 
 
 def test_dsv41_flash_two_ranks() -> None:

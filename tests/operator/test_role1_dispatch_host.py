@@ -18,6 +18,7 @@ from nvcc_mark import needs_nvcc
 
 from gc_moe_compat import config
 from gc_moe_compat.operator import api, ring
+from gc_moe_compat.operator.heuristics import workspace_block_ms
 from gc_moe_compat.operator.sm90 import role1_dispatch
 from gc_moe_compat.operator.workspace import StatusRecord, WorkspaceOffsets
 from gc_moe_compat.runtime import jit
@@ -136,7 +137,7 @@ def _routings(draw: st.DrawFn) -> tuple[list[torch.Tensor], int, int, ring.RingP
         idx = idx.to(torch.int64)
         idx[torch.rand(idx.shape, generator=g) < draw(st.sampled_from([0.0, 0.3]))] = -1
         topk.append(idx)
-    plan = ring.RingPlan(draw(st.sampled_from(ring.BLOCK_M_CANDIDATES)), draw(st.integers(1, 5)), 2, 3, 4)
+    plan = ring.RingPlan(draw(st.sampled_from(workspace_block_ms())), draw(st.integers(1, 5)), 2, 3, 4)
     return topk, experts, draw(st.integers(0, ranks - 1)), plan
 
 

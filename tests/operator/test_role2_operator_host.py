@@ -101,7 +101,7 @@ def test_wide_block_variants() -> None:
     producer warpgroup even with few tasks, and a prebuild compiles just that variant."""
     wide = role2_gemm.Role2Variant(96, True)
     assert (wide.defines["GC_BM"], wide.defines["GC_STAGES"]) == (96, 3) and wide.smem <= SMEM_LIMIT
-    with pytest.raises(ValueError, match="BM=96 compiles only with the producer warpgroup"):
+    with pytest.raises(ValueError, match="BM=96 runs only with the producer warpgroup"):
         role2_gemm.Role2Variant(96, False)
     with pytest.raises(ValueError, match=r"bm: must be one of \(8, 16, 32, 64\) \(the fp8xfp4"):
         role2_gemm.Role2Variant(96, True, mma_type="fp8xfp4")

@@ -35,12 +35,12 @@ import torch
 from gc_moe_compat.compute_paths import MMA_TYPES, compute_path
 from gc_moe_compat.operator.buffer import GcMoeBuffer
 from gc_moe_compat.operator.heuristics import (
-    BLOCK_M_CANDIDATES,
     CONSUMER_WARPGROUPS,
     W1_SLABS,
     block_m_candidates,
     most_stages,
     pipelined,
+    producer_only,
     smem_bytes,
     tile_rows,
 )
@@ -164,8 +164,8 @@ def check_variant(bm: int, pipelined: bool, mma_type: str) -> None:
     candidates = block_m_candidates(mma_type)
     if bm not in candidates:
         raise ValueError(f"bm: must be one of {candidates} (the {mma_type} role2 kernel's blocks), got {bm!r}")
-    if bm > BLOCK_M_CANDIDATES[-1] and not pipelined:
-        raise ValueError(f"pipelined: BM={bm} compiles only with the producer warpgroup (heuristics.pipelined)")
+    if producer_only(bm) and not pipelined:
+        raise ValueError(f"pipelined: BM={bm} runs only with the producer warpgroup (heuristics.producer_only)")
 
 
 def role2_defines(bm: int, pipelined: bool, fast_math: bool = True, mma_type: str = "fp8xfp8") -> dict[str, int]:
@@ -224,14 +224,15 @@ def role2_variant(model: RingModel, num_tokens: int, *, fast_math: bool = True) 
     rows = num_tokens * s.num_ranks * min(s.topk, s.num_local_experts)
     blocks = min(model.pool_blocks, -(-rows // model.block_m) + min(s.num_local_experts, rows))
     tasks = blocks * (model.w1_tasks_per_block + model.w2_tasks_per_block)
-    return Role2Variant(model.block_m, pipelined(tasks, model.compute_sms, model.block_m), fast_math, s.mma_type)
+    pipe = pipelined(tasks, model.compute_sms, block_m=model.block_m)
+    return Role2Variant(model.block_m, pipe, fast_math, s.mma_type)
 
 
 def variants_of(bm: int, mma_type: str, fast_math: bool = True) -> list[Role2Variant]:
     """Every variant a call with block ``bm`` can run (with and without the producer warpgroup where both exist):
     what a prebuild compiles."""
     return [Role2Variant(bm, p, fast_math, mma_type) for p in (False, True)
-            if p or not pipelined(0, 1, bm)]
+            if p or not producer_only(bm)]
 
 
 def task_sequence(n: int, lookahead: int, t1: int, t2: int) -> list[tuple[str, int, int]]:

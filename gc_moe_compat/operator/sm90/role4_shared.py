@@ -212,7 +212,7 @@ def role4_variant(num_tokens: int, n_w: int, epi: int, compute_sms: int, *, mma_
     producer warpgroup when a CTA of the persistent grid gets more than one task, the scale rule of ``mma_type``,
     the weights' scale form (``k32``: :attr:`Role4Weights.k32`), ``task_scales`` as :class:`Role4Variant`'s."""
     bm = block_m_for_shared(num_tokens)
-    pipe = pipelined(_tasks(num_tokens, bm, n_w, epi), compute_sms)
+    pipe = pipelined(_tasks(num_tokens, bm, n_w, epi), compute_sms, block_m=bm)
     ue8m0 = compute_path(mma_type).intermediate_quant == "ue8m0_128"
     return Role4Variant(bm, epi, pipe, fast_math, ue8m0, k32, task_scales)
 
