@@ -27,6 +27,7 @@ sizes, cluster pairs: ``select_config``) lives beside its harness, bench/_standa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -91,6 +92,7 @@ def block_m_candidates(mma_type: str) -> tuple[int, ...]:
     return BLOCK_M_CANDIDATES + wide
 
 
+@functools.cache
 def workspace_block_ms() -> tuple[int, ...]:
     """Every block role2 of any compute path runs: a workspace's ring and pool are sized for all of them, so that one
     layout serves both paths (SGLang makes its Hopper buffer with ``mma_type='fp8xfp4'`` and calls
