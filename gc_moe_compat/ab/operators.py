@@ -8,10 +8,13 @@ tokens outside the graph (:meth:`Runner.stage`) and runs the layer (:meth:`Runne
 
 * ``facade`` - ``gc_moe_compat.deep_gemm`` (what ``GC_MOE_SWAP=deep_gemm`` makes ``import deep_gemm``) called as
   SGLang 0.5.23's Hopper Mega MoE path calls it: ``get_symm_buffer_for_mega_moe(..., mma_type='fp8xfp4')`` once,
-  ``transform_weights_for_mega_moe_sm90`` once, then per step ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe``.
+  ``transform_weights_for_mega_moe_sm90`` once, then per step ``mega_moe_pre_dispatch_sm90`` + ``fp8_mega_moe``,
+  under the default ``GC_MOE_PARTITION=auto`` (the partition per call: ``meta.partition`` records the buffer's
+  ``sequential_max_tokens``, the most tokens a call may have to run with the partition off).
 * ``facade_partition_off`` - the same sequence on a buffer created under ``GC_MOE_PARTITION=off``: the same kernels
   in sequence on the whole device (the overlap ablation).
-* ``facade_dispatch_sms_<N>`` (``--partition-sweep``) - the same sequence under ``GC_MOE_DISPATCH_SMS=N``.
+* ``facade_partition_on`` and ``facade_dispatch_sms_<N>`` (``--partition-sweep``) - the same sequence under
+  ``GC_MOE_PARTITION=on`` (partitioned at every T) and under ``GC_MOE_DISPATCH_SMS=N``.
 * ``native_fp8xfp4`` - the native API's FP8xFP4 path (``fp8_fp4_gc_moe``) on the same BF16 experts quantized to
   MXFP4, the tokens staged by the caller (the pre-dispatch's bytes, not timed).
 * ``original_deep_gemm`` - the installed original ``deep_gemm``'s ``fp8_mega_moe`` (SGLang's ``sgl-deep-gemm``,
@@ -436,7 +439,8 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
     """Every adapter, in report order (the dispatch-SM sweep entries with ``partition_sweep``)."""
     specs = [
         OperatorSpec("facade", "gc_moe_compat.deep_gemm facade, SGLang 0.5.23's Hopper sequence: "
-                     "mega_moe_pre_dispatch_sm90 + fp8_mega_moe (GC-MoE, partition on); timed: both calls",
+                     "mega_moe_pre_dispatch_sm90 + fp8_mega_moe (GC-MoE, partition per call: "
+                     "GC_MOE_PARTITION=auto); timed: both calls",
                      "fp8_block128", lambda ctx: MegaMoeSequence(_facade(), ctx), _always),
         OperatorSpec("facade_partition_off", "the same facade sequence on a buffer created with GC_MOE_PARTITION=off "
                      "(GC-MoE's kernels in sequence on the whole device: the overlap ablation); timed: both calls",
@@ -457,6 +461,10 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
                      "fp8_block128", ComposedDeepEpDeepGemm, _probe_composed),
     ]
     if partition_sweep:
+        specs.append(OperatorSpec(
+            "facade_partition_on", "the same facade sequence on a buffer created with GC_MOE_PARTITION=on (the green "
+            "partition at every T, also where the per-call rule runs the roles in sequence); timed: both calls",
+            "fp8_block128", lambda ctx: MegaMoeSequence(_facade(), ctx, {"GC_MOE_PARTITION": "on"}), _always))
         specs += [
             OperatorSpec(f"facade_dispatch_sms_{n}", f"the facade sequence on a buffer created with "
                          f"GC_MOE_DISPATCH_SMS={n} (communication partition request {n} SMs); timed: both calls",
@@ -474,7 +482,8 @@ def default_ops() -> list[str]:
 
 def select(names: Sequence[str] | None, partition_sweep: bool) -> list[OperatorSpec]:
     """The specs of ``names`` (all by default), in report order; unknown names raise ``ValueError``."""
-    specs = operator_specs(partition_sweep or any(n.startswith("facade_dispatch_sms_") for n in names or ()))
+    swept = ("facade_dispatch_sms_", "facade_partition_on")
+    specs = operator_specs(partition_sweep or any(n.startswith(swept) for n in names or ()))
     by_name = {s.name: s for s in specs}
     if names is None:
         return specs

@@ -101,18 +101,21 @@ def ring_model(buffer: GcMoeBuffer, num_tokens: int) -> RingModel:
 def ring_plan(buffer: GcMoeBuffer, num_tokens: int, model: RingModel | None = None) -> RingPlan:
     """The ring plan of a call with ``num_tokens`` tokens (``model`` default :func:`ring_model`), checked against
     the compute SMs the launch would get (:class:`gc_moe_compat.operator.ring.RingCapacityError` if undersized). With
-    the
-    partition off the roles run in sequence: role1 must never wait for a refill, so the ring must hold the pool."""
+    the partition off the roles run in sequence: role1 must never wait for a refill, so the ring must hold every
+    block the call can fill (:meth:`~gc_moe_compat.operator.ring.RingCapacity.holds_call`) and the live-block need
+    of a concurrent schedule does not apply."""
     model = model or ring_model(buffer, num_tokens)
     ring = buffer.layout.ring
-    plan = ring.plan(model)
-    if buffer.partition == "off" and not ring.holds_pool(model):
+    if buffer.partition == "on":
+        return ring.plan(model)
+    if not ring.holds_call(model, num_tokens):
         raise RingCapacityError(
-            f"buffer: GC_MOE_PARTITION=off runs role1 before role2, so the ring must hold the whole pool of "
-            f"{model.pool_blocks} blocks of BM={model.block_m} rows (role1 would otherwise wait forever for role2 to "
-            f"free a block); this buffer's ring holds {ring.ring_blocks(model)}: create the buffer with "
-            "partition='off' (it then sizes the ring for the whole pool)")
-    return plan
+            f"buffer: with the partition off role1 runs before role2, so the ring must hold every block the call "
+            f"can fill, {model.call_pool_blocks(num_tokens)} blocks of BM={model.block_m} rows at T={num_tokens} "
+            f"(role1 would otherwise wait forever for role2 to free a block); this buffer's ring holds "
+            f"{ring.ring_blocks(model)}: create the buffer with partition='off' (it then sizes the ring for the "
+            "whole pool)")
+    return RingPlan.for_model(model, ring.ring_blocks(model))
 
 
 def _weights(arg: str, w: object, path: ComputePath, gemm: str, num_local_experts: int) -> _Pair:
@@ -185,10 +188,12 @@ def run_checked_call(fn: str, buffer: GcMoeBuffer, y: torch.Tensor, w1: GcMoeWei
     """One layer call on ``y.shape[0]`` staged tokens whose arguments were checked where they entered: by the
     native calls, or by the ``deep_gemm`` facade (its ``validate_call`` on DeepGEMM's views, before the seam
     converts the weights), so that a facade call is validated once. Takes the workspace guard, plans the ring
-    (:class:`~gc_moe_compat.operator.ring.RingCapacityError`) and runs the graph; ``fn``, the caller's function,
-    prefixes the errors of the launch. ``shared``: the fused shared expert's pairs (None without one)."""
+    (:class:`~gc_moe_compat.operator.ring.RingCapacityError`) and runs the graph, with the partition the buffer's
+    plan gives a call of this size (:meth:`GcMoeBuffer.for_call`); ``fn``, the caller's function, prefixes the
+    errors of the launch. ``shared``: the fused shared expert's pairs (None without one)."""
     t = y.shape[0]
     with exclusive(buffer):
+        buffer = buffer.for_call(t)
         model = ring_model(buffer, t)
         plan = ring_plan(buffer, t, model)
         _launch(fn, buffer, y, w1, w2, t, model, plan, activation_alpha, activation_clamp, fast_math=fast_math,

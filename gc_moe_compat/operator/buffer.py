@@ -6,15 +6,18 @@ plain zeroed host tensor for a single rank on a host without CUDA (so layouts ca
 anywhere; running the operator needs the GPU). Every region is an attribute (``buffer.x``, ``buffer.l1_acts``,
 ``buffer.recv_counts``, ...); the caller stages ``x``, ``x_sf``, ``topk_idx``, ``topk_weights`` before each call.
 
-Partition mode (:func:`gc_moe_compat.runtime.split.partition_mode`). ``GC_MOE_PARTITION=on`` (default) runs role1
-on the communication green context and role2/role3 on the compute one; ``off`` runs the same kernels in sequence on
-the whole device (the overlap ablation). The ``partition`` argument wins over the environment. The ring is sized
+Partition mode (:func:`gc_moe_compat.runtime.split.partition_mode`). ``GC_MOE_PARTITION=on`` runs role1 on the
+communication green context and role2/role3 on the compute one; ``off`` runs the same kernels in sequence on the
+whole device (the overlap ablation); ``auto`` (default) is ``on`` except for the calls the operator's rule runs
+with the partition off (:func:`gc_moe_compat.operator.heuristics.sequential_max_tokens`, one rank only; such a call
+runs on :meth:`GcMoeBuffer.for_call`'s alias). The ``partition`` argument wins over the environment. The ring is sized
 from the compute SMs the roles will have (:func:`gc_moe_compat.runtime.green.plan_partition`, the buffer's one
 :class:`~gc_moe_compat.runtime.split.PartitionPlan`, which every launch reads): the green partition's
 compute side (``on``; its dispatch request comes from ``dispatch_sms`` > ``GC_MOE_DISPATCH_SMS`` >
 ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`) or every SM (``off``).
 With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring block: the ring then holds
-the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`). A workspace is
+the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`), and with ``auto`` every block of the
+calls it runs in sequence (:meth:`~gc_moe_compat.operator.ring.RingCapacity.for_sequential_calls`). A workspace is
 single-instance: :func:`exclusive` rejects overlapping calls.
 """
 
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 from gc_moe_compat import config
 from gc_moe_compat.config import MAX_SMS, integer
+from gc_moe_compat.operator.heuristics import sequential_max_tokens
 from gc_moe_compat.operator.workspace import OperatorLayout, WorkspaceOffsets
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.colocation import Placement, placement
@@ -105,7 +109,7 @@ class GcMoeBuffer:
         for name, view in self.views.items():
             setattr(self, name, view)
         self.alias_of: GcMoeBuffer | None = None
-        self._aliases: dict[str, GcMoeBuffer] = {}
+        self._aliases: dict[tuple[str, str], GcMoeBuffer] = {}
 
     def retyped(self, mma_type: str) -> GcMoeBuffer:
         """This workspace as a buffer of the other compute path ``mma_type`` (no new allocation).
@@ -118,23 +122,50 @@ class GcMoeBuffer:
         ever differ.
         """
         self._require_live()
-        primary = self.alias_of or self
-        if mma_type == primary.shape.mma_type:
-            return primary
         if mma_type not in config.MMA_TYPES:
             raise ValueError(f"mma_type: must be one of {config.MMA_TYPES}, got {mma_type!r}")
-        alias = primary._aliases.get(mma_type)
+        return self._alias(mma_type, self.plan)
+
+    def for_call(self, num_tokens: int) -> GcMoeBuffer:
+        """The buffer a call of ``num_tokens`` tokens runs on: this one, or, where the plan sends calls that small
+        to the partition off (``GC_MOE_PARTITION=auto``: ``plan.sequential_max_tokens``), this workspace with the
+        roles in sequence on the whole device (an alias like :meth:`retyped`'s; the ring was sized for such calls
+        when the buffer was made)."""
+        self._require_live()
+        if num_tokens > self.plan.sequential_max_tokens:
+            return self
+        cached = (self.alias_of or self)._aliases.get((self.shape.mma_type, "off"))
+        if cached is not None:
+            return cached
+        if torch.cuda.is_available() and self.storage.is_cuda:
+            off = plan_partition("off", self.plan.request, self.plan.ranks_on_device,
+                                 device_index=self.storage.device.index)
+        else:
+            off = PartitionPlan("off", self.plan.request, self.plan.request, self.plan.compute_sms)
+        return self._alias(self.shape.mma_type, off)
+
+    def _alias(self, mma_type: str, plan: PartitionPlan) -> GcMoeBuffer:
+        """The primary workspace as a buffer of ``mma_type`` launched by ``plan`` (cached per compute path and
+        partition mode: a buffer has one plan per mode; the primary itself for its own pair)."""
+        primary = self.alias_of or self
+        if mma_type == primary.shape.mma_type and plan == primary.plan:
+            return primary
+        key = (mma_type, plan.mode)
+        alias = primary._aliases.get(key)
         if alias is None:
-            shape = dataclasses.replace(primary.shape, mma_type=mma_type)
-            layout = OperatorLayout.build(shape, primary.layout.compute_sms, geometry=primary.layout.geometry,
-                                          topk_idx_dtype=primary.layout.specs["topk_idx"].dtype,
-                                          whole_pool=primary.partition == "off")
-            if layout.regions != primary.layout.regions or layout.ring != primary.layout.ring:
-                raise NotImplementedError(f"mma_type={mma_type!r}: its workspace layout differs from this buffer's "
-                                          f"({primary.shape.mma_type!r}); create a buffer for it")
+            shape, layout = primary.shape, primary.layout
+            if mma_type != shape.mma_type:
+                shape = dataclasses.replace(shape, mma_type=mma_type)
+                layout = OperatorLayout.build(shape, layout.compute_sms, geometry=layout.geometry,
+                                              topk_idx_dtype=layout.specs["topk_idx"].dtype,
+                                              whole_pool=primary.partition == "off",
+                                              sequential_tokens=primary.plan.sequential_max_tokens)
+                if layout.regions != primary.layout.regions or layout.ring != primary.layout.ring:
+                    raise NotImplementedError(f"mma_type={mma_type!r}: its workspace layout differs from this "
+                                              f"buffer's ({primary.shape.mma_type!r}); create a buffer for it")
             alias = copy.copy(primary)
-            alias.shape, alias.layout, alias.alias_of, alias._aliases = shape, layout, primary, {}
-            primary._aliases[mma_type] = alias
+            alias.shape, alias.layout, alias.plan, alias.alias_of, alias._aliases = shape, layout, plan, primary, {}
+            primary._aliases[key] = alias
         return alias
 
     def view(self, name: str) -> torch.Tensor:
@@ -258,16 +289,20 @@ def get_symm_buffer_for_gc_moe(group: dist.ProcessGroup, num_experts: int, capac
     where, reason = None, None
     if torch.cuda.is_available():
         where = placement(group, torch.cuda.current_device())
-        if where.shares_device and mode == "on":
+        if where.shares_device and mode != "off":
             mode, reason = "off", (f"{where.ranks_on_device} ranks share this GPU: green contexts do not confine "
                                    "under CUDA MPS, so the roles run in sequence on this rank's share of the SMs")
             log.warning("get_symm_buffer_for_gc_moe: partition off: %s", reason)
-        plan = plan_partition(mode, request, where.ranks_on_device, reason)
+        plan = plan_partition("on" if mode == "auto" else mode, request, where.ranks_on_device, reason)
     elif compute_sms is None:
         raise ValueError("compute_sms: required on a host without CUDA (the ring is sized from the compute "
                          "partition's SM count), got None")
     else:
-        plan = PartitionPlan(mode, request, request, compute_sms)
+        plan = PartitionPlan("on" if mode == "auto" else mode, request, request, compute_sms)
+    if mode == "auto":
+        plan = dataclasses.replace(plan, sequential_max_tokens=sequential_max_tokens(
+            shape.num_ranks, shape.topk, shape.num_experts, shape.capacity))
     planned = plan.compute_sms if compute_sms is None else compute_sms
-    layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off")
+    layout = OperatorLayout.build(shape, planned, topk_idx_dtype=topk_idx_dtype, whole_pool=mode == "off",
+                                  sequential_tokens=plan.sequential_max_tokens)
     return GcMoeBuffer(group, shape, layout, plan, planned, where)

@@ -15,6 +15,13 @@ one (loads issued by a consumer thread, only within its own task). Why these rul
   active experts) the producer warpgroup has nothing to run ahead into and the 256-thread variant is used.
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
   bytes in flight per SM are what hide the DRAM latency.
+* The partition per call (``GC_MOE_PARTITION=auto``, :func:`sequential_max_tokens`): on one rank, a call with fewer
+  than :data:`SEQUENTIAL_BELOW_ROWS` expected rows per expert runs the roles in sequence on the whole device. There
+  the dispatch is too short for its overlap to pay, and the GEMM streams the same weights on all SMs instead of the
+  compute partition's (on an H200, 132 against 128). On the A/B runs of three workloads (bench/README.md) the
+  sequential mode was faster at 12 of the 13 points up to 2 expected rows (by up to 5 %), the partition at every
+  point from 8 up; the threshold picked the faster mode at 25 of 27 points (the two misses by 1.1 %). With more
+  ranks the dispatch crosses GPUs and the rule is unmeasured: the partition stays on.
 
 The shared-memory formulas mirror ``kSmemBytes`` in ``kernels/sm90/role2_gemm_fp8xfp8.cu`` (``"fp8xfp8"``) and
 ``kernels/sm90/role2_gemm_fp8xfp4.cu`` (``"fp8xfp4"``: a 64-row slab of one K128 step is a 4352-byte unit of FP4
@@ -118,6 +125,21 @@ def expected_rows_per_expert(num_tokens: int, num_ranks: int, topk: int, num_exp
     """
     total = num_tokens * num_ranks if global_num_tokens is None else global_num_tokens
     return total * topk / num_experts
+
+
+SEQUENTIAL_BELOW_ROWS = 4.0
+"""Expected rows per expert below which a one-rank call runs with the partition off (module docstring)."""
+
+
+def sequential_max_tokens(num_ranks: int, topk: int, num_experts: int, capacity: int) -> int:
+    """The most tokens a call may have and still run with the partition off under ``GC_MOE_PARTITION=auto``: the
+    largest ``T <= capacity`` with fewer than :data:`SEQUENTIAL_BELOW_ROWS` expected rows per expert on one rank,
+    0 with more ranks (module docstring)."""
+    if num_ranks != 1:
+        return 0
+    fits = [t for t in range(1, capacity + 1)
+            if expected_rows_per_expert(t, 1, topk, num_experts) < SEQUENTIAL_BELOW_ROWS]
+    return max(fits, default=0)
 
 
 def block_m_for_call(num_tokens: int, num_ranks: int, topk: int, num_experts: int,

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gc_moe_compat.compute_paths import MMA_TYPES
 from gc_moe_compat.config import MoEShape, int_in_range
-from gc_moe_compat.operator.heuristics import workspace_block_ms
+from gc_moe_compat.operator.heuristics import block_m_for_call, workspace_block_ms
 
 __all__ = [
     "DEFAULT_GEOMETRY",
@@ -133,6 +134,16 @@ class RingModel:
     def pool_blocks(self) -> int:
         """Logical pool blocks: ``ceil(A/BM) + e`` (each expert's last block may be partial)."""
         return -(-self.max_assignments // self.block_m) + self.shape.num_local_experts
+
+    def call_pool_blocks(self, num_tokens: int) -> int:
+        """Pool blocks one call can fill when this rank passes ``num_tokens`` tokens: ``ceil(T·min(k, e)/BM) + e``
+        on one rank (its ``T`` is every rank's), the whole pool with more ranks (the others' ``T`` is unknown
+        here)."""
+        s = self.shape
+        if s.num_ranks != 1:
+            return self.pool_blocks
+        rows = num_tokens * min(s.topk, s.num_local_experts)
+        return min(self.pool_blocks, -(-rows // self.block_m) + s.num_local_experts)
 
     @property
     def w1_tasks_per_block(self) -> int:
@@ -273,9 +284,29 @@ class RingCapacity:
         models = [RingModel(shape, bm, 1, geometry) for bm in workspace_block_ms()]
         return cls(rows=max(m.pool_blocks * m.block_m for m in models), blocks=max(m.pool_blocks for m in models))
 
-    def holds_pool(self, model: RingModel) -> bool:
-        """Whether this capacity holds ``model``'s whole pool (no ring block is ever refilled)."""
-        return self.ring_blocks(model) >= model.pool_blocks
+    @classmethod
+    def for_sequential_calls(cls, shape: MoEShape, max_tokens: int,
+                             geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
+        """A ring holding every block a call of at most ``max_tokens`` tokens can fill, at the block size each such
+        call runs (either compute path's): what calls run with the roles in sequence need without the whole pool
+        (``GC_MOE_PARTITION=auto``'s small calls, :func:`~gc_moe_compat.operator.heuristics.sequential_max_tokens`)."""
+        rows = blocks = 0
+        for t in range(1, max_tokens + 1):
+            for mma_type in MMA_TYPES:
+                bm = block_m_for_call(t, shape.num_ranks, shape.topk, shape.num_experts, mma_type=mma_type)
+                need = RingModel(shape, bm, 1, geometry).call_pool_blocks(t)
+                rows, blocks = max(rows, need * bm), max(blocks, need)
+        return cls(rows=rows, blocks=blocks)
+
+    def union(self, other: RingCapacity) -> RingCapacity:
+        """The capacity holding both this one's rings and ``other``'s."""
+        return RingCapacity(rows=max(self.rows, other.rows), blocks=max(self.blocks, other.blocks))
+
+    def holds_call(self, model: RingModel, num_tokens: int) -> bool:
+        """Whether this capacity holds every block a call of ``num_tokens`` tokens can fill
+        (:meth:`RingModel.call_pool_blocks`): then no ring block is ever refilled, which roles run in sequence
+        need."""
+        return self.ring_blocks(model) >= model.call_pool_blocks(num_tokens)
 
     def ring_blocks(self, model: RingModel) -> int:
         """Ring blocks of ``model.block_m`` rows this capacity holds (never more than the pool uses)."""

@@ -184,9 +184,12 @@ class OperatorLayout:
 
     @classmethod
     def build(cls, shape: MoEShape, compute_sms: int, *, geometry: TaskGeometry = DEFAULT_GEOMETRY,
-              topk_idx_dtype: torch.dtype = torch.int64, whole_pool: bool = False) -> OperatorLayout:
+              topk_idx_dtype: torch.dtype = torch.int64, whole_pool: bool = False,
+              sequential_tokens: int = 0) -> OperatorLayout:
         """Plan every region for ``shape`` with a ring sized for a ``compute_sms``-SM compute partition, or, with
-        ``whole_pool``, holding the whole pool (roles in sequence, ``GC_MOE_PARTITION=off``)."""
+        ``whole_pool``, holding the whole pool (roles in sequence, ``GC_MOE_PARTITION=off``); ``sequential_tokens``:
+        the ring also holds every block of a call of at most that many tokens (the calls ``GC_MOE_PARTITION=auto``
+        runs in sequence)."""
         if not isinstance(shape, MoEShape):
             raise TypeError(f"shape: must be an MoEShape, got {type(shape).__name__}")
         if topk_idx_dtype not in (torch.int64, torch.int32):
@@ -195,6 +198,8 @@ class OperatorLayout:
             ring = RingCapacity.whole_pool(shape, geometry)
         else:
             ring = RingCapacity.for_partition(shape, compute_sms, geometry)
+            if sequential_tokens:
+                ring = ring.union(RingCapacity.for_sequential_calls(shape, sequential_tokens, geometry))
         pool = max(RingModel(shape, bm, compute_sms, geometry).pool_blocks for bm in workspace_block_ms())
         specs = {s.name: s for s in _specs(shape, ring, pool, topk_idx_dtype)}
         planner = _plan(specs.values())

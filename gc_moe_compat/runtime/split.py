@@ -2,7 +2,8 @@
 partitions.
 
 Settings: ``GC_MOE_PARTITION`` (:func:`partition_mode`: ``on`` runs role1 on the communication green context,
-``off`` every role on the whole device, in sequence), ``GC_MOE_DEEP_EP_PARTITION`` (:func:`deep_ep_partition_mode`:
+``off`` every role on the whole device, in sequence, ``auto`` (the default) picks one of the two per call from the
+operator's measured rule), ``GC_MOE_DEEP_EP_PARTITION`` (:func:`deep_ep_partition_mode`:
 the same choice for the ``deep_ep`` facade's kernels, off by default) and the dispatch SM request
 (:func:`dispatch_request`: argument > ``GC_MOE_DISPATCH_SMS`` > ``GC_MOE_SM90_DISPATCH_SMS`` > 4). Kept free of
 driver calls so that CI can test it on a machine without a GPU: the driver-facing code in
@@ -44,7 +45,8 @@ class PartitionPlan:
     sequence on the whole device, or on this rank's share of it). ``request``: the dispatch SM request the green
     partition is made (and cached) for. ``dispatch_sms`` / ``compute_sms``: the SMs the launches get (the driver's
     aligned split when ``on``). ``ranks_on_device``: ranks of the group on this GPU; ``reason``: why the mode is
-    ``off`` when it was forced (ranks sharing a GPU)."""
+    ``off`` when it was forced (ranks sharing a GPU). ``sequential_max_tokens``: with ``on``, calls of at most this
+    many tokens run with the partition off instead (``GC_MOE_PARTITION=auto``'s per-call rule; 0: none)."""
 
     mode: str
     request: int
@@ -52,11 +54,13 @@ class PartitionPlan:
     compute_sms: int
     ranks_on_device: int = 1
     reason: str | None = None
+    sequential_max_tokens: int = 0
 
     def describe(self) -> dict[str, object]:
         """The plan as result files' meta and the buffers' reports record it."""
         return {"partition": self.mode, "partition_reason": self.reason, "requested_dispatch_sms": self.request,
-                "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms}
+                "dispatch_sms": self.dispatch_sms, "compute_sms": self.compute_sms,
+                "sequential_max_tokens": self.sequential_max_tokens}
 
 
 def _env_int(name: str) -> int | None:
@@ -81,33 +85,35 @@ def dispatch_request(explicit: int | None = None) -> int:
 
 
 PARTITION_ENV = "GC_MOE_PARTITION"
-PARTITION_MODES = ("on", "off")
+PARTITION_MODES = ("auto", "on", "off")
+"""The operator's modes: ``auto`` picks ``on`` or ``off`` per call (the operator's rule), the others force one."""
 
 
 DEEP_EP_PARTITION_ENV = "GC_MOE_DEEP_EP_PARTITION"
+DEEP_EP_PARTITION_MODES = ("on", "off")
 
 
-def _env_mode(name: str, default: str) -> str:
+def _env_mode(name: str, default: str, modes: tuple[str, ...]) -> str:
     raw = os.environ.get(name, "").strip()
     if raw == "":
         return default
-    if raw not in PARTITION_MODES:
-        raise ValueError(f"{name}: must be one of {PARTITION_MODES} (green-context split on/off), got {raw!r}")
+    if raw not in modes:
+        raise ValueError(f"{name}: must be one of {modes} (green-context split), got {raw!r}")
     return raw
 
 
 def partition_mode(partition: str | bool | None = None) -> str:
-    """The operator's mode, ``"on"`` or ``"off"``: the argument (a mode string or a bool) wins, else
-    ``GC_MOE_PARTITION``, else ``"on"``."""
+    """The operator's mode, ``"auto"``, ``"on"`` or ``"off"``: the argument (a mode string, or a bool for on/off)
+    wins, else ``GC_MOE_PARTITION``, else ``"auto"``."""
     if partition is None:
-        return _env_mode(PARTITION_ENV, "on")
+        return _env_mode(PARTITION_ENV, "auto", PARTITION_MODES)
     if isinstance(partition, bool):
         return "on" if partition else "off"
     if not isinstance(partition, str):
         raise TypeError(f"partition: must be one of {PARTITION_MODES}, a bool or None, got "
                         f"{type(partition).__name__}")
     if partition not in PARTITION_MODES:
-        raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split on/off), "
+        raise ValueError(f"partition: must be one of {PARTITION_MODES} (green-context split per call, on, off), "
                          f"got {partition!r}")
     return partition
 
@@ -119,7 +125,7 @@ def deep_ep_partition_mode() -> str:
     ``"off"``. Off by default because it was faster everywhere it was measured on one H200 (bench/README.md): eager
     low-latency kernels took 4.6x as long on the 20-SM partition as with full-device grids, and beside a concurrent
     GEMM the partitioned dispatch + combine made the whole step 0.3-13 % slower."""
-    return _env_mode(DEEP_EP_PARTITION_ENV, "off")
+    return _env_mode(DEEP_EP_PARTITION_ENV, "off", DEEP_EP_PARTITION_MODES)
 
 
 def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> SplitPlan:

@@ -60,8 +60,8 @@ def _stage(buf: api.GcMoeBuffer, t: int) -> None:
 
 
 @pytest.mark.parametrize(("arg", "env", "want"), [
-    (None, None, "on"), (None, "off", "off"), (None, " on ", "on"), ("off", "on", "off"), (True, "off", "on"),
-    (False, None, "off"), (None, "", "on"),
+    (None, None, "auto"), (None, "off", "off"), (None, " on ", "on"), ("off", "on", "off"), (True, "off", "on"),
+    (False, None, "off"), (None, "", "auto"), ("auto", "off", "auto"), (None, "auto", "auto"),
 ])
 def test_partition_mode(monkeypatch: pytest.MonkeyPatch, arg: object, env: str | None, want: str) -> None:
     if env is not None:
@@ -71,13 +71,46 @@ def test_partition_mode(monkeypatch: pytest.MonkeyPatch, arg: object, env: str |
 
 def test_partition_mode_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GC_MOE_PARTITION", "maybe")
-    with pytest.raises(ValueError, match="GC_MOE_PARTITION: must be one of \\('on', 'off'\\).*'maybe'"):
+    with pytest.raises(ValueError, match="GC_MOE_PARTITION: must be one of \\('auto', 'on', 'off'\\).*'maybe'"):
         partition_mode()
     assert partition_mode("on") == "on"  # the argument wins over a bad environment
     with pytest.raises(ValueError, match="partition: must be one of .*'ON'"):
         partition_mode("ON")
     with pytest.raises(TypeError, match="partition: must be one of .* got int"):
         partition_mode(1)
+
+
+def test_partition_auto_runs_small_calls_in_sequence(group: dist.ProcessGroup) -> None:
+    """``auto`` (the default): a partitioned buffer whose calls below 4 expected rows per expert (T*K/E < 4: T <= 15
+    here) run on an alias with the partition off, on the same storage and guard, with a ring holding their blocks."""
+    buf = _buffer(group)
+    assert (buf.partition, buf.plan.sequential_max_tokens) == ("on", 15)
+    assert buf.describe()["sequential_max_tokens"] == 15
+    assert buf.for_call(16) is buf and buf.for_call(TMAX) is buf
+    seq = buf.for_call(1)
+    assert seq is buf.for_call(15) and seq is not buf and seq.alias_of is buf
+    assert (seq.partition, seq.plan.sequential_max_tokens) == ("off", 0)
+    assert seq.storage is buf.storage and seq.layout is buf.layout and seq.shape == buf.shape
+    with exclusive(buf), pytest.raises(WorkspaceBusyError), exclusive(seq):
+        pass
+    for t in range(1, 16):  # every sequential call's blocks fit the ring: no refill, no live-block check
+        model = api.ring_model(seq, t)
+        assert buf.layout.ring.holds_call(model, t)
+        assert api.ring_plan(seq, t, model).ring_blocks >= model.call_pool_blocks(t)
+    assert buf.layout.ring == ring.RingCapacity.for_partition(buf.shape, 64).union(
+        ring.RingCapacity.for_sequential_calls(buf.shape, 15))
+    # a retyped alias keeps its own sequential alias
+    fp8 = buf.retyped("fp8xfp8")
+    assert fp8.for_call(1).shape.mma_type == "fp8xfp8" and fp8.for_call(1).partition == "off"
+    assert fp8.for_call(1) is not seq and fp8.for_call(1).alias_of is buf
+
+
+def test_partition_on_and_off_have_no_sequential_calls(group: dist.ProcessGroup) -> None:
+    on, off = _buffer(group, partition="on"), _buffer(group, partition="off")
+    assert on.plan.sequential_max_tokens == off.plan.sequential_max_tokens == 0
+    assert on.for_call(1) is on and off.for_call(1) is off
+    assert on.layout.ring == ring.RingCapacity.for_partition(on.shape, 64)
+    assert off.layout.ring == ring.RingCapacity.whole_pool(off.shape)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -128,7 +161,7 @@ def test_buffer_dispatch_sms_from_environment(group: dist.ProcessGroup, monkeypa
     ({"dispatch_sms": 1}, ValueError, "get_symm_buffer_for_gc_moe: dispatch_sms must be in \\[2, 1024\\], got 1"),
     ({"dispatch_sms": 10**9}, ValueError, "dispatch_sms must be in \\[2, 1024\\], got 1000000000"),
     ({"dispatch_sms": 4.0}, TypeError, "dispatch_sms must be an int, got float \\(4.0\\)"),
-    ({"partition": "auto"}, ValueError, "partition: must be one of"),
+    ({"partition": "maybe"}, ValueError, "partition: must be one of"),
     ({"compute_sms": None}, ValueError, "compute_sms: required on a host without CUDA"),
     ({"compute_sms": 0}, ValueError, "get_symm_buffer_for_gc_moe: compute_sms must be in \\[2, 1024\\], got 0"),
     ({"compute_sms": 1}, ValueError, "compute_sms must be in \\[2, 1024\\], got 1"),
@@ -252,8 +285,8 @@ def test_call_validates_then_reaches_the_launch(group: dist.ProcessGroup, mma_ty
         call(y, w1, w2, buf, **kw)
 
 
-def _call_args(group: dist.ProcessGroup, compute_sms: int = 64) -> dict:
-    buf = _buffer(group, compute_sms=compute_sms)
+def _call_args(group: dist.ProcessGroup, compute_sms: int = 64, partition: str = "auto") -> dict:
+    buf = _buffer(group, compute_sms=compute_sms, partition=partition)
     _stage(buf, 4)
     w1, w2 = api.transform_weights_for_gc_moe(*_fp4_pairs())
     return dict(y=torch.empty(4, H, dtype=torch.bfloat16), w1=w1, w2=w2, buffer=buf)
@@ -311,7 +344,7 @@ def test_call_weight_and_buffer_mismatches(group: dist.ProcessGroup) -> None:
 
 
 def test_call_raises_on_undersized_ring(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = _call_args(group, compute_sms=4)  # ring sized for a 4-SM compute partition
+    args = _call_args(group, compute_sms=4, partition="on")  # ring sized for a 4-SM compute partition
     buf = args["buffer"]
     monkeypatch.setattr(type(buf), "current_compute_sms", lambda self: 1024)  # the launch would get more SMs
     with pytest.raises(ring.RingCapacityError, match="1024-SM compute partition"):

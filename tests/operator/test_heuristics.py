@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from gc_moe_compat.operator.heuristics import (
     MAX_STAGES,
+    SEQUENTIAL_BELOW_ROWS,
     SMEM_LIMIT,
     WIDE_BLOCK_M,
     most_stages,
     pipelined,
     producer_only,
+    sequential_max_tokens,
 )
 from gc_moe_compat.operator.sm90 import role2_gemm, role4_shared
 
@@ -31,3 +33,12 @@ def test_role2_and_role4_stages_follow_the_rule() -> None:
         assert v2.defines["GC_STAGES"] == most_stages(lambda s, b=bm: role2_gemm.operator_smem_bytes(b, s, "fp8xfp4"))
         v4 = role4_shared.Role4Variant(bm, 1, True, task_scales=56)
         assert v4.stages == most_stages(v4._smem) and v4.smem <= SMEM_LIMIT
+
+
+def test_sequential_max_tokens_is_below_four_expected_rows_on_one_rank() -> None:
+    assert SEQUENTIAL_BELOW_ROWS == 4
+    assert sequential_max_tokens(1, 8, 32, 256) == 15  # glm52 / DeepSeek-V3 share: T * 8 / 32 < 4
+    assert sequential_max_tokens(1, 6, 48, 256) == 31  # dsv41-flash share: T * 6 / 48 < 4
+    assert sequential_max_tokens(1, 8, 32, 10) == 10  # capped by the buffer's capacity
+    assert sequential_max_tokens(1, 8, 1, 256) == 0  # no call stays below 4 rows per expert
+    assert sequential_max_tokens(2, 8, 64, 256) == 0  # more ranks: unmeasured, the partition stays on

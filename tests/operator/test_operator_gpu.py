@@ -202,6 +202,23 @@ def test_replays_with_fresh_inputs(group: dist.ProcessGroup, weights: dict[str, 
         check_accuracy(y, reference_ys([inputs], [w])[0], f"{mma_type} replay block {block} ({kind})", "dsv41-flash")
 
 
+@pytest.mark.parametrize("kind", ("zipf", "one_expert"))
+def test_partition_auto_matches_partition_on(group: dist.ProcessGroup, weights: dict[str, RankWeights],
+                                             mma_type: str, kind: str) -> None:
+    """GC_MOE_PARTITION=auto (the default): calls up to ``sequential_max_tokens`` run with the partition off on a
+    ring sized for them, larger ones partitioned; both give the partitioned graph's y bit for bit, at the rule's
+    edge too (one-expert routing: the most blocks a call of that size can fill)."""
+    w, auto = weights["dsv41-flash"], _buffer(group, "dsv41-flash", mma_type, "auto")
+    edge = auto.plan.sequential_max_tokens
+    assert edge == 31 and auto.partition == "on"  # 48 experts, top-6: T * 6 / 48 < 4
+    for tokens in (1, edge, edge + 1, CAPACITY):
+        assert auto.for_call(tokens).partition == ("off" if tokens <= edge else "on")
+        seed = 3100 + tokens
+        got = _checked_call(auto, w, "dsv41-flash", kind, tokens, seed=seed)
+        on = _checked_call(_buffer(group, "dsv41-flash", mma_type, "on"), w, "dsv41-flash", kind, tokens, seed=seed)
+        assert_bits_equal(got, on, f"{mma_type} partition auto vs on, {kind} T={tokens}")
+
+
 @pytest.mark.parametrize("tokens", (1, 37, CAPACITY))
 def test_partition_off_matches_partition_on(group: dist.ProcessGroup, weights: dict[str, RankWeights], mma_type: str,
                                             tokens: int) -> None:

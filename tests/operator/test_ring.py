@@ -171,3 +171,32 @@ def test_pool_table_errors() -> None:
         ring.pool_table(torch.tensor([1, -1]), plan)
     assert ring.pool_table(torch.tensor([0, 0]), plan).shape == (0, 3)
     assert ring.pool_table(torch.tensor([17, 0, 16]), plan).tolist() == [[0, 16, 0], [0, 1, 16], [2, 16, 32]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(1, 64), bms, st.randoms(use_true_random=False))
+def test_call_pool_bound_holds_for_any_routing_of_one_rank(e: int, k: int, t: int, bm: int, rnd) -> None:
+    """One rank: every routing of a call's T tokens fills at most ``call_pool_blocks(T)`` pool blocks (the bound
+    the sequential calls' ring is sized by); with more ranks the bound is the whole pool."""
+    k = min(k, e)
+    shape = config.MoEShape(num_experts=e, num_ranks=1, hidden=256, intermediate=128, topk=k, capacity=64)
+    model = ring.RingModel(shape, bm, 32)
+    idx = torch.tensor([rnd.sample(range(e), k) for _ in range(t)], dtype=torch.int64).reshape(t, k)
+    counts = reference.recv_counts(reference.dispatch_plan([idx], e))[0]
+    table = ring.pool_table(counts, ring.RingPlan.for_model(model, 1))
+    assert table.shape[0] <= model.call_pool_blocks(t) == min(model.pool_blocks, -(-t * k // bm) + e)
+    assert model.call_pool_blocks(64) == model.pool_blocks
+    two = ring.RingModel(config.MoEShape(num_experts=2 * e, num_ranks=2, hidden=256, intermediate=128, topk=k,
+                                         capacity=64), bm, 32)
+    assert two.call_pool_blocks(1) == two.pool_blocks
+
+
+def test_sequential_calls_capacity_holds_every_call_up_to_its_tokens() -> None:
+    shape = _shape(num_ranks=1, num_experts=32, topk=8, capacity=256)
+    cap = ring.RingCapacity.for_sequential_calls(shape, 15)
+    assert (cap.rows, cap.blocks) == (8 * (15 + 32), 15 + 32)  # T = 15 at BM = 8: ceil(120 / 8) + 32 blocks
+    for t in range(1, 16):
+        assert cap.holds_call(ring.RingModel(shape, 8, 132), t)
+    assert not cap.holds_call(ring.RingModel(shape, 8, 132), 16)
+    big = ring.RingCapacity(rows=10, blocks=100).union(ring.RingCapacity(rows=20, blocks=5))
+    assert (big.rows, big.blocks) == (20, 100)

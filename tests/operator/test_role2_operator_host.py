@@ -452,7 +452,7 @@ def test_partition_off_ring_holds_the_pool(group: dist.ProcessGroup) -> None:
     assert buf.layout.ring == ring.RingCapacity.whole_pool(buf.shape)
     for t in (1, TMAX):
         model = api.ring_model(buf, t)
-        assert buf.layout.ring.holds_pool(model)
+        assert buf.layout.ring.holds_call(model, t) and buf.layout.ring.holds_call(model, TMAX)
         assert api.ring_plan(buf, t, model).ring_blocks == model.pool_blocks
 
 
@@ -461,11 +461,11 @@ def test_partition_off_rejects_a_ring_without_the_pool(group: dist.ProcessGroup)
                      mma_type="fp8xfp8")
     small = ring.RingCapacity.for_partition(shape, 4)
     model = ring.RingModel(shape, 8, 4)
-    assert not small.holds_pool(model)  # a 4-SM ring does not hold this pool
+    assert not small.holds_call(model, 1)  # a 4-SM ring does not hold the blocks of even a one-token call
     buf = api.get_symm_buffer_for_gc_moe(group, num_experts=64, capacity=512, topk=8, hidden=H,
                                             intermediate=N_I, mma_type="fp8xfp8", compute_sms=4, partition="on")
     buf.plan = dataclasses.replace(buf.plan, mode="off")  # the mode changed after a partitioned buffer was sized
-    with pytest.raises(ring.RingCapacityError, match="GC_MOE_PARTITION=off runs role1 before role2"):
+    with pytest.raises(ring.RingCapacityError, match="with the partition off role1 runs before role2"):
         api.ring_plan(buf, 1)
 
 
