@@ -54,7 +54,7 @@ def _epilog() -> str:
 
     lines = ["subcommand:", "  matrix: the compatibility matrix of the facades on this machine (= gc-moe-matrix; "
              "gc-moe-ab matrix --help)", "",
-             f"operators (--ops NAME ...; default: every one below but facade_dispatch_sms_N; speedups divide by "
+             f"operators (--ops NAME ...; default: every one below but the --partition-sweep ones; speedups divide by "
              f"{operators.REFERENCE_OP}):"]
     for spec in operators.operator_specs(partition_sweep=True):
         if spec.name.startswith("facade_dispatch_sms_") and not spec.name.endswith(f"_{operators.DISPATCH_SWEEP[0]}"):
@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ops", nargs="+", default=None, metavar="NAME",
                      help="operators to compare (default: all; the list is below)")
     run.add_argument("--partition-sweep", action="store_true",
-                     help="add the facade at dispatch SM requests 4/8/16/24 (GC_MOE_DISPATCH_SMS)")
+                     help="add the facade partitioned at every T (GC_MOE_PARTITION=on) and at dispatch SM requests "
+                          "4/8/16/24 (GC_MOE_DISPATCH_SMS)")
     run.add_argument("--world-size", type=int, default=None,
                      help="ranks, one per GPU (default: every visible one); more than the GPUs needs --shared-gpu")
     run.add_argument("--shared-gpu", action="store_true",
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "scripts/mps.sh); the results say so and are no NVLink figures")
     run.add_argument("--warmup", type=int, default=10, help="warm-up windows (default 10)")
     run.add_argument("--windows", type=int, default=30, help="measured windows of 100 graph replays (default 30)")
+    run.add_argument("--repeats", type=_at_least_one, default=2, metavar="N",
+                     help="timing rounds per point, interleaved over the operators (each round: the warm-up and "
+                          "measured windows); the latency is the median of every round's windows, the result file "
+                          "keeps each round's and their spread (default 2)")
     run.add_argument("--quick", action="store_true",
                      help=f"smoke run: {QUICK_WINDOWS[0]} + {QUICK_WINDOWS[1]} windows instead of the protocol's")
     run.add_argument("--out", type=Path, default=None,
@@ -122,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print what would run and what is missing (no GPU needed); exit 2 if a constraint blocks "
                           "a requested point, else 0")
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    """``--repeats``'s value: a whole number >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (timing rounds per point), got {text!r}")
+    return value
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -202,6 +218,25 @@ def placement_lines(world: int, gpus: int) -> list[str]:
     return lines
 
 
+def partition_rule_line(w: Workload, world: int, gpus: int) -> str:
+    """What ``GC_MOE_PARTITION`` makes of each T of this workload: under ``auto`` the tokens up to which one rank's
+    calls run with the partition off (:func:`gc_moe_compat.operator.heuristics.sequential_max_tokens`)."""
+    from gc_moe_compat.operator.heuristics import SEQUENTIAL_BELOW_ROWS, sequential_max_tokens
+    from gc_moe_compat.runtime.split import partition_mode
+
+    mode = partition_mode()
+    if world > max(gpus, 1):
+        return "partition per call: off at every T (ranks share a GPU)"
+    if mode != "auto":
+        return f"partition per call: {mode} at every T (GC_MOE_PARTITION={mode})"
+    edge = sequential_max_tokens(world, w.topk, w.local_experts * world, w.capacity)
+    if edge == 0:
+        return (f"partition per call: on at every T ({world} ranks: the rule that runs small calls in sequence is "
+                "measured on one rank only)")
+    return (f"partition per call: off for T <= {edge} (fewer than {SEQUENTIAL_BELOW_ROWS:g} expected rows per expert), "
+            f"on above (GC_MOE_PARTITION=auto)")
+
+
 def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -> list[str]:
     """``--check``'s report: the workload, the shape per GPU count, each operator with why it cannot run, the
     optional packages."""
@@ -221,6 +256,7 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
              f"{torch.__version__}"]
     lines += [f"constraint: {p}" for p in problems] or ["constraints: the shape is inside the operator's envelope"]
     lines += placement_lines(world, gpus)
+    lines.append(partition_rule_line(w, world, gpus))
     for spec in operators.select(args.ops, args.partition_sweep):
         reason = spec.probe()
         lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"
@@ -324,6 +360,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ["gc-moe-ab", *argv]  # without --out it writes the same default file again
     out = args.out or default_out(w)
     cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
-                        args.partition_sweep)), warmup=warmup, windows=windows, out=out,
+                        args.partition_sweep)), warmup=warmup, windows=windows, repeats=args.repeats, out=out,
                         command=tuple(command), quick=args.quick, prebuild_only=args.prebuild_only)
     return run.main_ranks(cfg)

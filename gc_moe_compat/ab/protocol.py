@@ -8,6 +8,8 @@ time the same way:
   least twice the H200's 50 MiB L2) and the device synchronized;
 * each rank keeps its median window, a point's latency is the slowest rank's (:func:`slowest_rank`), a mean speedup
   is the arithmetic mean of per-point ratios (:func:`mean_of_ratios`);
+* ``gc-moe-ab`` times a point in several rounds (:func:`graph_windows` each) and reports their spread
+  (:func:`spread_pct`) with the GPU's clocks, temperature and power after each round (:func:`gpu_conditions`);
 * the floor is the bytes the layer must stream once (:func:`expert_floor_bytes`) over the copy bandwidth measured in
   the same run (:func:`copy_bandwidth`);
 * the GPU should be idle: :func:`idle_gpu_check` reports other compute processes or a busy GPU (a warning, the run
@@ -46,6 +48,8 @@ __all__ = [
     "capture_graph",
     "copy_bandwidth",
     "expert_floor_bytes",
+    "gpu_conditions",
+    "graph_windows",
     "idle_gpu_check",
     "mean_of_ratios",
     "median_graph_window",
@@ -53,6 +57,7 @@ __all__ = [
     "portable_text",
     "result_meta",
     "slowest_rank",
+    "spread_pct",
     "timed_windows",
     "torchrun_command",
     "write_partial_result",
@@ -68,6 +73,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 inherits these."""
 IDLE_UTILIZATION_PCT = 5
 """A GPU reporting more utilization than this before the run is not idle (nvidia-smi's sampled figure)."""
+GPU_CONDITIONS = {"sm_mhz": "clocks.sm", "mem_mhz": "clocks.mem", "temp_c": "temperature.gpu", "power_w": "power.draw"}
+"""What :func:`gpu_conditions` records, and the nvidia-smi query field of each (in query order)."""
 
 
 def timed_windows(window: Callable[[], None], warmup: int, windows: int,
@@ -120,15 +127,22 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def median_graph_window(graph: torch.cuda.CUDAGraph, warmup: int, windows: int,
-                        before_window: Callable[[], None] | None = None) -> float:
-    """This rank's median window of ``graph`` replays (µs per replay)."""
+def graph_windows(graph: torch.cuda.CUDAGraph, warmup: int, windows: int,
+                  before_window: Callable[[], None] | None = None) -> list[float]:
+    """This rank's measured windows of ``graph`` replays (µs per replay, in order): :func:`timed_windows` of
+    :data:`PER_WINDOW` replays a window. A caller that times in rounds pools or summarizes them itself."""
 
     def window() -> None:
         for _ in range(PER_WINDOW):
             graph.replay()
 
-    return statistics.median(timed_windows(window, warmup, windows, before_window=before_window)[0])
+    return timed_windows(window, warmup, windows, before_window=before_window)[0]
+
+
+def median_graph_window(graph: torch.cuda.CUDAGraph, warmup: int, windows: int,
+                        before_window: Callable[[], None] | None = None) -> float:
+    """This rank's median window of ``graph`` replays (µs per replay)."""
+    return statistics.median(graph_windows(graph, warmup, windows, before_window=before_window))
 
 
 def slowest_rank(per_rank_us: Sequence[float]) -> float:
@@ -136,6 +150,14 @@ def slowest_rank(per_rank_us: Sequence[float]) -> float:
     if not per_rank_us:
         raise ValueError("per_rank_us: needs one median window per rank, got none")
     return max(per_rank_us)
+
+
+def spread_pct(round_us: Sequence[float]) -> float | None:
+    """The spread of one operator's latencies over timing rounds: ``100 (max - min) / min``, in percent; None with
+    fewer than two rounds (nothing to compare)."""
+    if len(round_us) < 2:
+        return None
+    return 100 * (max(round_us) - min(round_us)) / min(round_us)
 
 
 def mean_of_ratios(ratios: Sequence[float]) -> float | None:
@@ -273,6 +295,24 @@ def idle_gpu_check(device: int = 0) -> dict[str, object]:
         problems.append(f"utilization {busy}% > {IDLE_UTILIZATION_PCT}%")
     detail = "; ".join(problems) or f"no other compute process, utilization {busy}%"
     return {"idle": not problems, "detail": detail}
+
+
+def gpu_conditions(device: int = 0) -> dict[str, float | None]:
+    """GPU ``device``'s SM and memory clocks (MHz), temperature (°C) and power draw (W) now, from one nvidia-smi
+    call: what may explain a spread between timing rounds, measured right after each (:data:`GPU_CONDITIONS`). A
+    field nvidia-smi does not answer (no nvidia-smi, ``[N/A]``) is None."""
+    out = _run("nvidia-smi", f"--query-gpu={','.join(GPU_CONDITIONS.values())}", "--format=csv,noheader,nounits",
+               "-i", str(device))
+    values = out.splitlines()[0].split(",") if out else []
+    return {key: _number(values[i]) if i < len(values) else None for i, key in enumerate(GPU_CONDITIONS)}
+
+
+def _number(text: str) -> float | None:
+    """nvidia-smi's figure as a float; None for what is not one (``[N/A]``, ``[Not Supported]``)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def result_meta(script: str, argv: list[str], partition: dict[str, object], *, world_size: int = 1,

@@ -58,15 +58,16 @@ def pyplot() -> ModuleType | None:
 
 
 class Progress:
-    """One task's progress: :meth:`advance` after each measured (point, operator)."""
+    """One task's progress: :meth:`advance` after each timed (point, operator, round)."""
 
     def __init__(self, bar: object | None, task: object | None, total: int) -> None:
         self._bar, self._task, self.total, self.done = bar, task, total, 0
 
-    def advance(self, what: str) -> None:
-        self.done += 1
+    def advance(self, what: str, steps: int = 1) -> None:
+        """``steps`` steps done (more than one: an operator left out of its remaining rounds), ``what`` the last."""
+        self.done += steps
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, description=what)
+            self._bar.update(self._task, advance=steps, description=what)
         else:
             print(f"[{self.done}/{self.total}] {what}", flush=True)
 
@@ -102,13 +103,21 @@ def _fmt(value: float | None, spec: str) -> str:
 TABLE_WIDTH = 120
 """The terminal table's width at most: one row per (T, operator), so any number of operators fits."""
 TABLE_HEADER = ("T", "operator", "µs", "over {ref}", "efficiency", "cosine")
+SPREAD_HEADER = "spread %"
+"""The column :func:`table_rows` adds where the points were timed in two rounds or more."""
+
+
+def _has_spread(points: Sequence[Mapping[str, object]]) -> bool:
+    """Whether any point was timed in two rounds or more (older files and ``--repeats 1`` runs have no spread)."""
+    return any(p.get("spread_pct") for p in points)
 
 
 def table_rows(points: Sequence[Mapping[str, object]], ops: Sequence[str], reference_op: str) -> list[list[str]]:
     """The table's cells, one row per point and measured operator (in ``ops`` order): T, the operator, its latency
     (µs, slowest rank), its latency over the reference op's (> 1: the reference is faster), its efficiency (the
-    floor of its weight format over its latency) and its worst cosine against the quantization-faithful
-    reference."""
+    floor of its weight format over its latency), its worst cosine against the quantization-faithful reference and,
+    where the points carry ``spread_pct`` (two timing rounds or more), its spread between the rounds."""
+    spread_column = _has_spread(points)
     rows = []
     for p in points:
         lat, sp, eff = p["latency_us"], p["speedup"], p["efficiency"]
@@ -119,6 +128,8 @@ def table_rows(points: Sequence[Mapping[str, object]], ops: Sequence[str], refer
             acc = p["accuracy"].get(op, {}).get("faithful", {})
             rows.append([str(p["tokens_per_rank"]), op, _fmt(lat[op], ".1f"), ratio, _fmt(eff.get(op), ".2f"),
                          _fmt(acc.get("cosine_min"), ".6f")])
+            if spread_column:
+                rows[-1].append(_fmt(p.get("spread_pct", {}).get(op), ".2f"))
     return rows
 
 
@@ -126,7 +137,7 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
           unavailable: Mapping[str, str]) -> None:
     """The terminal table that ends a run (at most :data:`TABLE_WIDTH` columns wide), then one line per operator
     that did not run, with its reason."""
-    header = [h.format(ref=reference_op) for h in TABLE_HEADER]
+    header = [h.format(ref=reference_op) for h in TABLE_HEADER] + [SPREAD_HEADER] * _has_spread(points)
     rows = table_rows(points, ops, reference_op)
     rich = _rich()
     if rich is None:
@@ -144,7 +155,8 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
         rich.console.Console(width=width).print(t)
     print(f"over {reference_op}: the latency over {reference_op}'s (> 1: {reference_op} faster); efficiency: the floor "
           "(bytes / copy bandwidth)\nover the latency; cosine: the worst rank's against the quantization-faithful "
-          "reference")
+          "reference" + ("\nspread %: 100 (max - min) / min of the timing rounds' latencies (each round's: the slowest "
+                         "rank's median window)" if _has_spread(points) else ""))
     for op, why in unavailable.items():
         print(f"not run: {op}: {why}")
 
@@ -205,7 +217,8 @@ def readme_row(data: Mapping[str, object], name: str) -> str:
     """One results row of a gc-moe-ab result file (``name``: the file's name): the workload and how it was run,
     then each compared operator's latency over the reference operator's (the mean of the per-point ratios, their
     range and count; > 1: the reference is faster) or why it did not run, the reference operator's efficiency
-    range and its worst cosine against the quantization-faithful reference."""
+    range, its worst cosine against the quantization-faithful reference and, where the file has timing rounds'
+    spreads, the largest of any operator at any point."""
     meta, points = data["meta"], data["points"]
     ref = meta["reference_op"]
     w = meta["workload"]
@@ -234,6 +247,9 @@ def readme_row(data: Mapping[str, object], name: str) -> str:
         parts.append(f"`{ref}` efficiency {_range(eff, '.2f')}")
     if cos:
         parts.append(f"cosine ≥ {min(cos):.5f} vs the faithful reference")
+    spreads = [pct for p in points for pct in p.get("spread_pct", {}).values()]
+    if spreads:
+        parts.append(f"spread between {meta['timing']['repeats']} timing rounds ≤ {max(spreads):.2f} %")
     return f"| {what} | {'; '.join(parts)} |"
 
 

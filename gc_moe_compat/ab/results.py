@@ -1,20 +1,31 @@
 """The content of a ``gc-moe-ab`` result file: points assembled from every rank's record, the run's summary, and
 the schema check (docs/bench_protocol.md "Result files").
 
-A *rank record* (one per rank and point, JSON-able, gathered to rank 0) holds ``latency_us`` (op -> that rank's
-median window), ``accuracy`` (op -> {reference name -> metrics}), ``pairs`` ("a|b" -> metrics of op a's ``y``
-against op b's), ``bit_identical`` (op -> the replayed ``y`` equals the eager one), ``unavailable`` (op -> reason)
-and ``floor_bytes`` (mma type -> the bytes this rank must stream). Pure Python: tested on the CPU.
+A point is timed in N interleaved *rounds* (``gc-moe-ab --repeats N``): every round times every operator once
+(warm-up + measured windows). A *rank record* (one per rank and point, JSON-able, gathered to rank 0) holds
+``latency_us`` (op -> that rank's latency: the median of its measured windows of every round, pooled),
+``repeat_us`` (op -> that rank's median window of each round), ``repeat_window_us`` (op -> [min, median, max] of
+its windows of each round; :func:`rank_timing` makes these three), ``repeat_conditions`` (op -> the GPU's clocks,
+temperature and power after each round; filled on rank 0 only), ``accuracy`` (op -> {reference name -> metrics}),
+``pairs`` ("a|b" -> metrics of op a's ``y`` against op b's), ``bit_identical`` (op -> the replayed ``y`` equals the
+eager one), ``unavailable`` (op -> reason) and ``floor_bytes`` (mma type -> the bytes this rank must stream).
+
+Why the pooled median: every window of every round is a sample of the same graph under the same protocol; their
+median is the one figure that uses all of them and, like a single round's median, ignores the odd slow window. A
+round's latency is the slowest rank's median window of that round (as a point's latency is the slowest rank's);
+the spread (:func:`~gc_moe_compat.ab.protocol.spread_pct`) compares those round latencies. Pure Python: tested on
+the CPU.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Collection, Mapping, Sequence
 
-from gc_moe_compat.ab.protocol import mean_of_ratios, slowest_rank
+from gc_moe_compat.ab.protocol import mean_of_ratios, slowest_rank, spread_pct
 
-__all__ = ["COSINE_FAITHFUL", "PROCESSED_FAITHFUL", "assemble_point", "summarize", "validate_result"]
+__all__ = ["COSINE_FAITHFUL", "PROCESSED_FAITHFUL", "assemble_point", "rank_timing", "summarize", "validate_result"]
 
 COSINE_FAITHFUL, PROCESSED_FAITHFUL = 0.9999, 1e-4
 """docs/bench_protocol.md reference-1 targets."""
@@ -35,14 +46,38 @@ def _over_ranks(per_rank: Sequence[Mapping[str, float]]) -> dict[str, object]:
     }
 
 
+def rank_timing(rounds: Sequence[Sequence[float]]) -> dict[str, object]:
+    """One rank's record fields of one operator timed in ``rounds`` (each round's measured windows, µs):
+    ``latency_us`` (the median of every round's windows pooled), ``repeat_us`` (each round's median window) and
+    ``repeat_window_us`` (each round's [min, median, max] window)."""
+    if not rounds or not all(rounds):
+        raise ValueError(f"rounds: need at least one round of measured windows each, got {list(rounds)}")
+    medians = [statistics.median(r) for r in rounds]
+    return {"latency_us": statistics.median([w for r in rounds for w in r]), "repeat_us": medians,
+            "repeat_window_us": [[min(r), m, max(r)] for r, m in zip(rounds, medians, strict=True)]}
+
+
+def _slowest_rounds(records: Sequence[Mapping[str, object]], op: str) -> tuple[list[float], list[list[float]]]:
+    """Per round: the slowest rank's median window of that round and that rank's [min, median, max] window.
+    ``ValueError`` where the ranks timed different numbers of rounds."""
+    counts = [len(r["repeat_us"][op]) for r in records]
+    if len(set(counts)) != 1:
+        raise ValueError(f"repeat_us.{op}: every rank must time the same rounds, got {counts} rounds per rank")
+    per_rank = [list(zip(r["repeat_us"][op], r["repeat_window_us"][op], strict=True)) for r in records]
+    slowest = [max(ranks, key=lambda round_: round_[0]) for ranks in zip(*per_rank, strict=True)]
+    return [float(median) for median, _ in slowest], [[float(x) for x in window] for _, window in slowest]
+
+
 def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, object]], ops: Mapping[str, str],
                    bandwidths: Sequence[float], reference_op: str) -> dict[str, object]:
     """One point from every rank's record. ``ops`` maps each compared op to its mma type (in report order);
     ``bandwidths`` is each rank's copy bandwidth (bytes/s). An op is reported where every rank measured it;
-    otherwise its reasons are kept under ``unavailable``."""
+    otherwise its reasons are kept under ``unavailable``. The timing rounds (module docstring) give ``repeat_us``,
+    ``repeat_window_us``, ``repeat_conditions`` (rank 0's) and, with two rounds or more, ``spread_pct``."""
     if len(records) != len(bandwidths) or not records:
         raise ValueError(f"records: need one per rank ({len(bandwidths)}), got {len(records)}")
     latency, per_rank, accuracy, unavailable = {}, {}, {}, {}
+    repeat, repeat_window, conditions, spread = {}, {}, {}, {}
     for op, mma in ops.items():
         reasons = sorted({str(r["unavailable"][op]) for r in records if op in r.get("unavailable", {})})
         if reasons or not all(op in r["latency_us"] for r in records):
@@ -50,6 +85,10 @@ def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, ob
             continue
         per_rank[op] = [float(r["latency_us"][op]) for r in records]
         latency[op] = slowest_rank(per_rank[op])
+        repeat[op], repeat_window[op] = _slowest_rounds(records, op)
+        conditions[op] = records[0]["repeat_conditions"][op]
+        if (pct := spread_pct(repeat[op])) is not None:
+            spread[op] = pct
         refs = records[0]["accuracy"][op]
         summary: dict[str, object] = {ref: _over_ranks([r["accuracy"][op][ref] for r in records]) for ref in refs}
         summary["graph_bit_identical_to_eager"] = all(bool(r["bit_identical"][op]) for r in records)
@@ -83,7 +122,12 @@ def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, ob
         "floor_us_by_mma": floors,
         "efficiency": {op: floors[ops[op]] / us for op, us in latency.items()},
         "accuracy": {**accuracy, "pairs": pairs},
+        "repeat_us": repeat,
+        "repeat_window_us": repeat_window,
+        "repeat_conditions": conditions,
     }
+    if spread:
+        point["spread_pct"] = spread
     if unavailable:
         point["unavailable"] = unavailable
     return point
@@ -134,6 +178,24 @@ def validate_result(data: Mapping[str, object], known_ops: Collection[str] | Non
                                  f"is the latency {us}, got {ranks}")
             if op not in p["accuracy"]:
                 raise ValueError(f"points[{i}].accuracy.{op}: missing")
+        if "spread_pct" in p:
+            _check_spread(p, f"points[{i}]")
         missing = set(ops) - set(p["latency_us"]) - set(p.get("unavailable", {}))
         if missing:
             raise ValueError(f"points[{i}]: ops {sorted(missing)} neither measured nor marked unavailable")
+
+
+def _check_spread(point: Mapping[str, object], where: str) -> None:
+    """A point's ``spread_pct``: one finite percentage >= 0 per measured op, every op timed in the same number (>= 2)
+    of rounds (``repeat_us``)."""
+    spread, repeat = point["spread_pct"], point.get("repeat_us", {})
+    if not isinstance(spread, Mapping) or set(spread) != set(point["latency_us"]):
+        raise ValueError(f"{where}.spread_pct: must give every measured op {sorted(point['latency_us'])}, got "
+                         f"{spread}")
+    for op, pct in spread.items():
+        if not (isinstance(pct, (int, float)) and not isinstance(pct, bool) and math.isfinite(pct) and pct >= 0):
+            raise ValueError(f"{where}.spread_pct.{op}: must be a finite percentage >= 0, got {pct}")
+    rounds = {op: len(repeat[op]) if isinstance(repeat.get(op), list) else None for op in spread}
+    if len(set(rounds.values())) > 1 or any(n is None or n < 2 for n in rounds.values()):
+        raise ValueError(f"{where}.repeat_us: every op with a spread needs the same number (>= 2) of rounds, got "
+                         f"{rounds}")

@@ -3,11 +3,16 @@
 Per rank: the idle-GPU check (a warning), the copy bandwidth, every rank's weights (the P-rank references need
 them), each available operator built once (buffers, weight transforms: what a deployment does at load time). Per
 point ``T``: every rank's tokens; this rank's references (quantization-faithful for each weight format, BF16
-model); per operator: stage, one eager run (JIT, accuracy), capture of one step in a CUDA graph, timed replays
-(:func:`protocol.median_graph_window`, windows aligned across ranks by a device-side all-reduce), the device status
-check, and the replayed ``y`` compared bit for bit with the eager one; then each pair of operators' eager outputs
-against each other. A failure of one operator (on any rank) marks it unavailable at that point with the error;
-the run goes on. Rank 0 assembles the points (:mod:`results`) and writes the file after every point.
+model); per operator: stage, one eager run (JIT, accuracy), capture of one step in a CUDA graph. Then the timing, in
+``--repeats`` interleaved rounds: round 1 times every operator in turn (warm-up + measured windows of graph replays,
+:func:`protocol.graph_windows`, windows aligned across ranks by a device-side all-reduce; then rank 0's GPU clocks,
+temperature and power, :func:`protocol.gpu_conditions`), round 2 again every operator, ..., so that a drift of the
+machine hits every operator alike; each graph lives until its last round. Per operator then: the device status
+check and the replayed ``y`` compared bit for bit with the eager one; then each pair of operators' eager outputs
+against each other. An operator's latency on a rank is the median of its measured windows of all rounds pooled;
+the point keeps each round's figures and their spread (:mod:`results`). A failure of one operator (on any rank, in
+any step or round) marks it unavailable at that point with the error; the run goes on. Every rank runs the same
+rounds in the same order. Rank 0 assembles the points (:mod:`results`) and writes the file after every point.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +50,7 @@ class RunConfig:
     ops: tuple[OperatorSpec, ...]
     warmup: int
     windows: int
+    repeats: int
     out: Path
     command: tuple[str, ...]
     quick: bool = False
@@ -147,38 +153,113 @@ def _floor_bytes(tokens: Sequence[Tokens], workload: Workload, num_experts: int,
             for mma in MMA_TYPES}
 
 
-def _measure(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], ranks: Ranks, cfg: RunConfig,
-             record: dict[str, dict], ys: dict[str, torch.Tensor]) -> None:
-    """One operator at one point (module docstring); every rank calls it for the same operator."""
+@dataclass
+class _Timed:
+    """One operator ready to be timed at a point: its captured graph (alive until its last round), the output the
+    replays write, the eager output, and what this rank measured in each round so far."""
+
+    graph: torch.cuda.CUDAGraph | None
+    y: torch.Tensor
+    eager: torch.Tensor
+    rounds: list[list[float]] = field(default_factory=list)
+    conditions: list[dict[str, float | None]] = field(default_factory=list)
+
+
+def _prepare(spec: OperatorSpec, runner: Runner, refs: dict[str, torch.Tensor], ranks: Ranks,
+             record: dict[str, dict]) -> _Timed | None:
+    """One operator at one point before its timing: one eager run (accuracy) and the capture of its graph. None where
+    a rank failed (recorded as unavailable); every rank calls it for the same operator."""
     from gc_moe_compat.testing.reference import accuracy_metrics
 
-    error, graph, eager = None, None, None
+    error, timed = None, None
     try:
         y = runner.run()
         torch.cuda.synchronize()
         eager = y.clone()
         record["accuracy"][spec.name] = {name: accuracy_metrics(eager.float(), ref.float())
                                          for name, ref in refs.items()}
-        graph = protocol.capture_graph(runner.run)
+        timed = _Timed(protocol.capture_graph(runner.run), y, eager)
     except Exception as exc:  # noqa: BLE001 - recorded; every rank skips the timing together
         error = _error(exc)
     error = ranks.first_error(error)
     if error:
         record["unavailable"][spec.name] = f"failed: {error}"
-        return
-    latency = protocol.median_graph_window(graph, cfg.warmup, cfg.windows, before_window=ranks.align)
-    del graph
+        return None
+    return timed
+
+
+def _time_round(name: str, timed: _Timed, ranks: Ranks, cfg: RunConfig, record: dict[str, dict], round_: int) -> bool:
+    """One timing round of one operator (warm-up + measured windows), then rank 0's GPU conditions; False where a
+    rank failed (recorded as unavailable: the operator leaves the later rounds)."""
+    error = None
     try:
-        runner.check(f"{spec.name} replays")
+        timed.rounds.append(protocol.graph_windows(timed.graph, cfg.warmup, cfg.windows, before_window=ranks.align))
+    except Exception as exc:  # noqa: BLE001 - recorded; every rank drops the operator together
+        error = _error(exc)
+    error = ranks.first_error(error)
+    if error:
+        record["unavailable"][name] = f"failed in timing round {round_}: {error}"
+        return False
+    if ranks.rank == 0:
+        timed.conditions.append(protocol.gpu_conditions(ranks.device.index))
+    return True
+
+
+def _finish(name: str, runner: Runner, timed: _Timed, ranks: Ranks, record: dict[str, dict],
+            ys: dict[str, torch.Tensor]) -> None:
+    """After an operator's last round: its graph released, the device status check, the bit-identity of the replayed
+    ``y`` with the eager one, and this rank's timing fields (:func:`results.rank_timing`)."""
+    timed.graph = None
+    error = None
+    try:
+        runner.check(f"{name} replays")
     except Exception as exc:  # noqa: BLE001 - a device error makes the timing meaningless: recorded
         error = _error(exc)
     error = ranks.first_error(error)
     if error:
-        record["unavailable"][spec.name] = f"device error after the timed replays: {error}"
+        record["unavailable"][name] = f"device error after the timed replays: {error}"
         return
-    record["latency_us"][spec.name] = latency
-    record["bit_identical"][spec.name] = torch.equal(y.view(torch.int16), eager.view(torch.int16))
-    ys[spec.name] = eager
+    for key, value in results.rank_timing(timed.rounds).items():
+        record[key][name] = value
+    if ranks.rank == 0:
+        record["repeat_conditions"][name] = timed.conditions
+    record["bit_identical"][name] = torch.equal(timed.y.view(torch.int16), timed.eager.view(torch.int16))
+    ys[name] = timed.eager
+
+
+def _measure_point(specs: Sequence[OperatorSpec], runners: dict[str, Runner], tokens: Tokens,
+                   refs: dict[str, dict[str, torch.Tensor]], ranks: Ranks, cfg: RunConfig, record: dict[str, dict],
+                   bar: report.Progress, what: str) -> dict[str, torch.Tensor]:
+    """Every operator at one point on this rank (module docstring): staged, run eagerly and captured one after the
+    other, timed in ``cfg.repeats`` interleaved rounds, then checked. Returns the measured operators' eager
+    outputs; ``bar`` advances once per operator and round."""
+    ready: dict[str, _Timed] = {}
+    for spec in specs:
+        error, timed = None, None
+        try:
+            runners[spec.name].stage(tokens)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            error = _error(exc)
+        error = ranks.first_error(error)
+        if error:
+            record["unavailable"][spec.name] = f"staging failed: {error}"
+        else:
+            timed = _prepare(spec, runners[spec.name], refs[spec.weight_format], ranks, record)
+        if timed is None:
+            bar.advance(f"{what} {spec.name}: not timed", steps=cfg.repeats)
+        else:
+            ready[spec.name] = timed
+    for round_ in range(1, cfg.repeats + 1):
+        for name in list(ready):
+            if _time_round(name, ready[name], ranks, cfg, record, round_):
+                bar.advance(f"{what} {name} round {round_}/{cfg.repeats}")
+            else:
+                del ready[name]
+                bar.advance(f"{what} {name}: failed", steps=cfg.repeats - round_ + 1)
+    ys: dict[str, torch.Tensor] = {}
+    for name, timed in ready.items():
+        _finish(name, runners[name], timed, ranks, record, ys)
+    return ys
 
 
 def _build(specs: Sequence[OperatorSpec], ctx: Context, ranks: Ranks, unavailable: dict[str, str]
@@ -264,33 +345,23 @@ def run(cfg: RunConfig) -> int:
     specs = [s for s in cfg.ops if s.name in runners]
     points: list[dict[str, object]] = []
     partition = _partition_meta(runners)
-    with report.progress(len(cfg.tokens) * len(specs), enabled=lead) as bar:
+    with report.progress(len(cfg.tokens) * len(specs) * cfg.repeats, enabled=lead) as bar:
         for t in cfg.tokens:
             tokens = [make_tokens(t, shape.num_experts, w.topk, w.hidden, r, world, w.routed_scaling_factor,
                                   ranks.device) for r in range(world)]
             refs = _references(tokens, weights, {s.weight_format for s in specs}, w.activation_clamp, rank)
-            record: dict[str, dict] = {"latency_us": {}, "accuracy": {}, "bit_identical": {},
+            record: dict[str, dict] = {"latency_us": {}, "repeat_us": {}, "repeat_window_us": {},
+                                       "repeat_conditions": {}, "accuracy": {}, "bit_identical": {},
                                        "unavailable": dict(unavailable), "pairs": {},
                                        "floor_bytes": _floor_bytes(tokens, w, shape.num_experts, rank)}
-            ys: dict[str, torch.Tensor] = {}
-            for spec in specs:
-                runner = runners[spec.name]
-                try:
-                    runner.stage(tokens[rank])
-                    error = None
-                except Exception as exc:  # noqa: BLE001 - recorded
-                    error = _error(exc)
-                error = ranks.first_error(error)
-                if error:
-                    record["unavailable"][spec.name] = f"staging failed: {error}"
-                else:
-                    _measure(spec, runner, refs[spec.weight_format], ranks, cfg, record, ys)
-                bar.advance(f"{w.name} T={t} {spec.name}")
+            ys = _measure_point(specs, runners, tokens[rank], refs, ranks, cfg, record, bar, f"{w.name} T={t}")
             _pairs(ys, record)
             records = ranks.gather(record)
             if lead:
                 points.append(results.assemble_point(w.name, t, records, ops, bandwidths, REFERENCE_OP))
-                lat = ", ".join(f"{op} {us:.1f}" for op, us in points[-1]["latency_us"].items())
+                spread = points[-1].get("spread_pct", {})
+                lat = ", ".join(f"{op} {us:.1f}" + (f" (spread {spread[op]:.2f} %)" if op in spread else "")
+                                for op, us in points[-1]["latency_us"].items())
                 bar.note(f"T={t}: {lat} µs; floor {points[-1]['floor_us']:.1f} µs")
                 _write(cfg, points, partition, bandwidths, idle, unavailable, world, final=False)
     for runner in runners.values():
@@ -328,9 +399,15 @@ def _write(cfg: RunConfig, points: list[dict[str, object]], partition: dict[str,
                 for s in cfg.ops},
         "reference_op": REFERENCE_OP,
         "timing": {"warmup_windows": cfg.warmup, "windows": cfg.windows, "replays_per_window": protocol.PER_WINDOW,
-                   "l2_flush_bytes": protocol.L2_FLUSH_BYTES, "quick": cfg.quick,
+                   "repeats": cfg.repeats, "l2_flush_bytes": protocol.L2_FLUSH_BYTES, "quick": cfg.quick,
                    "window_start": "device all-reduce across ranks after the L2 flush and synchronization",
-                   "point_latency": "max over ranks of each rank's median window"},
+                   "rounds": "each point is timed in `repeats` interleaved rounds: round 1 times every op (warm-up + "
+                             "measured windows), then round 2 every op, ...; each op's graph is captured once",
+                   "point_latency": "max over ranks of each rank's median of its measured windows of all rounds "
+                                    "pooled",
+                   "spread": "repeat_us: per round, the slowest rank's median window; spread_pct = 100 (max - min) "
+                             "/ min over those (two rounds or more); repeat_conditions: rank 0's GPU SM/memory "
+                             "clocks, temperature and power (nvidia-smi) right after each round"},
         "idle_gpu_check": idle,
         "copy_bandwidth_bytes_per_s": bandwidths,
         "floor": "per rank: unique active experts' weights + scales (per mma type) + received rows in (FP8 + FP32 "

@@ -34,6 +34,27 @@ def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exit
     assert "package rich:" in out and "package matplotlib:" in out
     assert "ranks: 1 on 1 GPU(s): peers mapped by local, host collectives nccl" in out
     assert "deep_gemm.set_num_sms is kept for get_num_sms and does not shape it" in out
+    # glm52's share at one rank: 32 experts, top-8, so T * 8 / 32 < 4 up to T = 15
+    assert "partition per call: off for T <= 15 (fewer than 4 expected rows per expert), on above" in out
+
+
+@pytest.mark.parametrize(("world", "gpus", "env", "want"), [
+    (1, 1, None, "off for T <= 31 (fewer than 4 expected rows per expert), on above (GC_MOE_PARTITION=auto)"),
+    (1, 1, "on", "on at every T (GC_MOE_PARTITION=on)"),
+    (2, 2, None, "on at every T (2 ranks: the rule that runs small calls in sequence is measured on one rank"),
+    (2, 1, None, "off at every T (ranks share a GPU)"),
+])
+def test_check_says_which_calls_run_with_the_partition_off(monkeypatch: pytest.MonkeyPatch, world: int, gpus: int,
+                                                           env: str | None, want: str) -> None:
+    from gc_moe_compat.ab.cli import partition_rule_line, workload_from_args
+
+    if env is None:
+        monkeypatch.delenv("GC_MOE_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("GC_MOE_PARTITION", env)
+    args, _, _ = cli.parse(["--preset", "dsv41-flash"])
+    line = partition_rule_line(workload_from_args(args), world, gpus)
+    assert line.startswith(f"partition per call: {want}"), line
 
 
 @pytest.mark.parametrize(("world", "gpus", "want"), [
@@ -70,7 +91,8 @@ def test_help_lists_the_subcommand_the_operators_and_the_defaults() -> None:
         assert f"  {spec.name}: " in text
     assert "facade_dispatch_sms_N (N = 4, 8, 16, 24" in text
     for default in ("(default 8)", "(default 256)", "(default 1 2 4 8 16 32 64 128 256)", "(default 10)",
-                    "(default 30)", "ab_<workload>.json in the working directory", "every visible one"):
+                    "(default 30)", "their spread (default 2)", "ab_<workload>.json in the working directory",
+                    "every visible one"):
         assert default in " ".join(text.split()), default
 
 
@@ -87,6 +109,17 @@ def test_results_go_to_the_working_directory_unless_out_names_a_file(tmp_path: P
     assert cli.main(["--preset", "glm52", "--tokens", "1", "--out", "bench/results/ab_glm52.json"]) == 0
     assert [c.out for c in seen] == [tmp_path / "ab_glm52.json", tmp_path / "ab_DeepSeek-V3.json",
                                      Path("bench/results/ab_glm52.json")]
+    assert [c.repeats for c in seen] == [2, 2, 2]  # the default: two timing rounds per point
+    assert cli.main(["--preset", "glm52", "--tokens", "1", "--repeats", "5"]) == 0 and seen[-1].repeats == 5
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_repeats_below_one_is_refused_naming_the_option(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--check", "--preset", "glm52", "--repeats", value])
+    assert exit_.value.code == 2
+    assert (f"argument --repeats: must be a whole number >= 1 (timing rounds per point), got '{value}'"
+            in capsys.readouterr().err)
 
 
 def test_the_matrix_writes_to_the_working_directory_by_default(tmp_path: Path,
@@ -147,7 +180,10 @@ def test_every_operator_is_labelled_and_the_sweep_adds_the_dispatch_requests() -
     specs = operators.operator_specs(partition_sweep=True)
     names = [s.name for s in specs]
     assert names[0] == operators.REFERENCE_OP == "facade"
-    assert {"facade_partition_off", "native_fp8xfp4", "original_deep_gemm", "composed_deepep_deepgemm"} <= set(names)
+    assert {"facade_partition_off", "native_fp8xfp4", "original_deep_gemm", "composed_deepep_deepgemm",
+            "facade_partition_on"} <= set(names)
+    assert "facade_partition_on" not in operators.default_ops()  # the sweep's, like the dispatch requests'
+    assert [s.name for s in operators.select(["facade_partition_on"], False)] == ["facade_partition_on"]
     assert [n for n in names if n.startswith("facade_dispatch_sms_")] == [
         f"facade_dispatch_sms_{n}" for n in operators.DISPATCH_SWEEP] == [
         "facade_dispatch_sms_4", "facade_dispatch_sms_8", "facade_dispatch_sms_16", "facade_dispatch_sms_24"]

@@ -38,6 +38,16 @@ def test_a_row_names_the_workload_the_command_the_ratios_and_what_did_not_run() 
     assert "`composed_deepep_deepgemm` not run" in row
     assert "`facade` efficiency 0.10–0.20" in row and "cosine ≥ 0.99993 vs the faithful reference" in row
     assert "incomplete" in report.readme_row(_result(complete=False), "ab_glm52.json")
+    assert "spread" not in row  # no timing rounds in the file
+
+
+def test_a_row_of_a_run_in_rounds_gives_the_largest_spread() -> None:
+    data = _result()
+    data["meta"]["timing"] = {"repeats": 3}
+    data["points"][0]["spread_pct"] = {"facade": 0.4, "original_deep_gemm": 1.234}
+    data["points"][1]["spread_pct"] = {"facade": 0.9, "original_deep_gemm": 0.2}
+    assert report.readme_row(data, "ab_glm52.json").endswith(
+        "cosine ≥ 0.99993 vs the faithful reference; spread between 3 timing rounds ≤ 1.23 % |")
 
 
 def test_rows_replace_only_what_lies_between_the_markers(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """gc-moe-ab's result file on the CPU: points from rank records (slowest rank, per-op floors and efficiency,
-speedups over the reference operator, accuracy targets, pairs), the mean of per-point ratios, the schema check,
-the table and the PNG; and the protocol helpers the benchmarks share."""
+speedups over the reference operator, accuracy targets, pairs, timing rounds and their spread), the mean of
+per-point ratios, the schema check, the table and the PNG; and the protocol helpers the benchmarks share."""
 
 from __future__ import annotations
 
@@ -20,9 +20,20 @@ def _metrics(cos: float) -> dict[str, float]:
             "nonfinite_ref": 0}
 
 
-def _record(lat: dict[str, float], floor_fp8: int, cos: float = 0.99995) -> dict[str, object]:
+COOL = {"sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 38.0, "power_w": 120.5}
+WARM = {"sm_mhz": 1755.0, "mem_mhz": 3201.0, "temp_c": 61.0, "power_w": None}
+
+
+def _record(lat: dict[str, float | list[list[float]]], floor_fp8: int, cos: float = 0.99995,
+            rank: int = 0) -> dict[str, object]:
+    """A rank record as run.py gathers it; an op's latency is either its timing rounds' windows or one figure (one
+    round of one window). Rank 0's record carries the GPU conditions after each round (warmer each round)."""
     refs = {"faithful": _metrics(cos), "bf16_model": _metrics(0.995)}
-    return {"latency_us": lat, "accuracy": {op: refs for op in lat}, "bit_identical": dict.fromkeys(lat, True),
+    timing = {op: results.rank_timing(us if isinstance(us, list) else [[us]]) for op, us in lat.items()}
+    fields = {key: {op: t[key] for op, t in timing.items()} for key in ("latency_us", "repeat_us", "repeat_window_us")}
+    conditions = {op: [COOL, WARM][: len(t["repeat_us"])] for op, t in timing.items()} if rank == 0 else {}
+    return {**fields, "repeat_conditions": conditions, "accuracy": {op: refs for op in lat},
+            "bit_identical": dict.fromkeys(lat, True),
             "unavailable": {"original_deep_gemm": "no original deep_gemm package is installed on sys.path"},
             "pairs": {"facade|native_fp8xfp4": _metrics(0.99)},
             "floor_bytes": {"fp8xfp8": floor_fp8, "fp8xfp4": floor_fp8 // 2}}
@@ -31,7 +42,7 @@ def _record(lat: dict[str, float], floor_fp8: int, cos: float = 0.99995) -> dict
 def _point(t: int, facade: float = 50.0) -> dict[str, object]:
     records = [_record({"facade": facade, "facade_partition_off": 60.0, "native_fp8xfp4": 30.0}, 4_000_000),
                _record({"facade": facade + 5, "facade_partition_off": 58.0, "native_fp8xfp4": 31.0}, 8_000_000,
-                       cos=0.9998)]
+                       cos=0.9998, rank=1)]
     return results.assemble_point("glm52", t, records, OPS, [4e12, 4e12], "facade")
 
 
@@ -49,6 +60,42 @@ def test_a_point_takes_the_slowest_rank_and_each_ops_own_floor() -> None:
     assert facade["faithful"]["cosine_min"] == 0.9998 and facade["meets_faithful_targets"] is False
     assert facade["meets_model_target"] is True and facade["graph_bit_identical_to_eager"] is True
     assert p["accuracy"]["pairs"]["facade|native_fp8xfp4"]["cosine_min"] == 0.99
+    assert p["repeat_us"]["facade"] == [55.0] and p["repeat_window_us"]["facade"] == [[55.0, 55.0, 55.0]]
+    assert p["repeat_conditions"]["facade"] == [COOL]  # rank 0's
+    assert "spread_pct" not in p  # one round: nothing to compare
+
+
+FACADE_ROUNDS = ([[50.0, 52.0, 51.0], [53.0, 54.0, 60.0]],  # rank 0: round medians 51, 54; pooled median 52.5
+                 [[55.0, 56.0, 54.0], [52.0, 53.0, 51.0]])  # rank 1: round medians 55, 52; pooled median 53.5
+ORIGINAL_ROUNDS = ([[40.0, 40.0, 40.0], [40.0, 40.0, 40.0]], [[41.0, 42.0, 40.0], [40.0, 40.0, 40.0]])
+
+
+def _two_round_point(t: int = 8) -> dict[str, object]:
+    records = [_record({"facade": FACADE_ROUNDS[r], "original_deep_gemm": ORIGINAL_ROUNDS[r]}, 4_000_000, rank=r)
+               for r in (0, 1)]
+    for r in records:
+        r["unavailable"] = {"facade_partition_off": "not run", "native_fp8xfp4": "not run"}
+    return results.assemble_point("glm52", t, records, OPS, [4e12, 4e12], "facade")
+
+
+def test_two_rounds_on_two_ranks_give_the_pooled_median_each_rounds_slowest_rank_and_the_spread() -> None:
+    timing = results.rank_timing(FACADE_ROUNDS[0])
+    assert timing == {"latency_us": 52.5, "repeat_us": [51.0, 54.0],
+                      "repeat_window_us": [[50.0, 51.0, 52.0], [53.0, 54.0, 60.0]]}
+    p = _two_round_point()
+    assert p["per_rank_us"]["facade"] == [52.5, 53.5] and p["latency_us"]["facade"] == 53.5
+    assert p["repeat_us"]["facade"] == [55.0, 54.0]  # round 1: rank 1's median, round 2: rank 0's
+    assert p["repeat_window_us"]["facade"] == [[54.0, 55.0, 56.0], [53.0, 54.0, 60.0]]
+    assert p["spread_pct"]["facade"] == pytest.approx(100 * (55 - 54) / 54) == pytest.approx(1.851852)
+    assert p["repeat_us"]["original_deep_gemm"] == [41.0, 40.0]
+    assert p["spread_pct"]["original_deep_gemm"] == pytest.approx(2.5)
+    assert p["repeat_conditions"]["facade"] == [COOL, WARM]
+    assert protocol.spread_pct([54.0]) is None and protocol.spread_pct([54.0, 54.0]) == 0.0
+    records = [_record({"facade": FACADE_ROUNDS[0]}, 1), _record({"facade": FACADE_ROUNDS[1][:1]}, 1, rank=1)]
+    with pytest.raises(ValueError, match=r"repeat_us.facade: every rank must time the same rounds, got \[2, 1\]"):
+        results.assemble_point("glm52", 8, records, {"facade": "fp8xfp8"}, [4e12, 4e12], "facade")
+    with pytest.raises(ValueError, match="rounds: need at least one round"):
+        results.rank_timing([[50.0], []])
 
 
 def test_the_summary_is_the_mean_of_per_point_ratios_not_a_ratio_of_means() -> None:
@@ -67,6 +114,24 @@ def _data(points: list[dict[str, object]]) -> dict[str, object]:
                                                  "partition": {"dispatch_sms": 20, "compute_sms": 112,
                                                                "workqueue": "plain"}}
     return {"meta": meta, "points": points}
+
+
+def test_the_schema_check_takes_the_rounds_and_rejects_a_malformed_spread() -> None:
+    data = _data([_two_round_point(1), _two_round_point(8)])
+    results.validate_result(data)
+    for field, value, message in [
+        ("spread_pct", {"facade": -0.5, "original_deep_gemm": 2.5}, r"spread_pct.facade: must be a finite percentage"),
+        ("spread_pct", {"facade": float("nan"), "original_deep_gemm": 2.5}, r"spread_pct.facade: must be a finite"),
+        ("spread_pct", {"facade": "1.8", "original_deep_gemm": 2.5}, r"spread_pct.facade: must be a finite"),
+        ("spread_pct", {"facade": 1.85}, r"spread_pct: must give every measured op \['facade', 'original_deep_gemm'\]"),
+        ("repeat_us", {"facade": [55.0, 54.0], "original_deep_gemm": [41.0, 40.0, 40.0]},
+         r"points\[1\].repeat_us: every op with a spread needs the same number \(>= 2\) of rounds"),
+        ("repeat_us", {"facade": [55.0], "original_deep_gemm": [41.0]}, r"same number \(>= 2\) of rounds"),
+    ]:
+        broken = json.loads(json.dumps(data))
+        broken["points"][1][field] = value
+        with pytest.raises(ValueError, match=message):
+            results.validate_result(broken)
 
 
 def test_the_schema_check_names_the_field() -> None:
@@ -101,11 +166,24 @@ def test_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_table_shows_each_ops_spread_where_the_points_have_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    points = [_two_round_point(1), _two_round_point(8)]
+    rows = report.table_rows(points, list(OPS), "facade")
+    assert rows[:2] == [["1", "facade", "53.5", "1", "0.02", "0.999950", "1.85"],
+                        ["1", "original_deep_gemm", "40.0", "0.75", "0.03", "0.999950", "2.50"]]
+    report.table("glm52", points, list(OPS), "facade", {})
+    out = capsys.readouterr().out
+    assert "spread %" in out and "spread %: 100 (max - min) / min of the timing rounds' latencies" in out
+    assert all(len(row) == 6 for row in report.table_rows([_point(1)], list(OPS), "facade"))  # one round: no column
+
+
 def test_progress_without_a_terminal_bar(capsys: pytest.CaptureFixture[str]) -> None:
     with report.progress(2, enabled=False) as bar:
         bar.advance("T=1 facade")
         bar.note("done")
-    assert "[1/2] T=1 facade" in capsys.readouterr().out
+        bar.advance("T=1 original_deep_gemm: failed", steps=3)
+    out = capsys.readouterr().out
+    assert "[1/2] T=1 facade" in out and "[4/2] T=1 original_deep_gemm: failed" in out and bar.done == 4
 
 
 def test_idle_check_reports_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,6 +203,24 @@ def test_idle_check_reports_other_processes(monkeypatch: pytest.MonkeyPatch) -> 
     assert protocol.idle_gpu_check(0)["idle"] is None
 
 
+def test_gpu_conditions_take_one_nvidia_smi_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, ...]] = []
+    answer: list[str | None] = ["1980, 3201, 45, 312.75"]
+
+    def fake(*cmd: str) -> str | None:
+        calls.append(cmd)
+        return answer[0]
+
+    monkeypatch.setattr(protocol, "_run", fake)
+    assert protocol.gpu_conditions(3) == {"sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 45.0, "power_w": 312.75}
+    assert calls == [("nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                      "--format=csv,noheader,nounits", "-i", "3")]
+    answer[0] = "1755, 3201, 61, [N/A]"
+    assert protocol.gpu_conditions(0) == {"sm_mhz": 1755.0, "mem_mhz": 3201.0, "temp_c": 61.0, "power_w": None}
+    answer[0] = None  # no nvidia-smi
+    assert protocol.gpu_conditions(0) == dict.fromkeys(("sm_mhz", "mem_mhz", "temp_c", "power_w"))
+
+
 def test_result_meta_writes_a_runnable_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(protocol.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200 (faked)")
     monkeypatch.setenv("GC_MOE_PARTITION", "off")
@@ -134,13 +230,18 @@ def test_result_meta_writes_a_runnable_command(monkeypatch: pytest.MonkeyPatch) 
     assert protocol.result_meta("bench/x.py", ["--out", "r.json"], {})["command"] == "python bench/x.py --out r.json"
 
 
+@pytest.mark.parametrize("with_spread", [False, True])
 @pytest.mark.parametrize("rich_installed", [True, False])
 def test_the_table_of_a_real_run_fits_120_columns(monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str], rich_installed: bool) -> None:
-    """The committed glm52 run (5 operators x 9 T, the longest operator names): every line <= 120 characters and
-    every row on one line."""
+                                                  capsys: pytest.CaptureFixture[str], rich_installed: bool,
+                                                  with_spread: bool) -> None:
+    """The committed glm52 run (5 operators x 9 T, the longest operator names), also with a spread per op (a run
+    of several timing rounds): every line <= 120 characters and every row on one line."""
     data = json.loads((Path(__file__).resolve().parents[2] / "bench/results/ab_glm52.json").read_text())
     ops = list(data["meta"]["ops"])
+    if with_spread:
+        for p in data["points"]:
+            p["spread_pct"] = dict.fromkeys(p["latency_us"], 12.345)
     if not rich_installed:
         monkeypatch.setattr(report, "_rich", lambda: None)
     report.table("gc-moe-ab glm52", data["points"], ops, "facade", {})
