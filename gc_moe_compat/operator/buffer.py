@@ -132,7 +132,7 @@ class GcMoeBuffer:
         roles in sequence on the whole device (an alias like :meth:`retyped`'s; the ring was sized for such calls
         when the buffer was made)."""
         self._require_live()
-        if num_tokens > self.plan.sequential_max_tokens:
+        if num_tokens > self.plan.sequential_max_tokens or not self.plan.sequential_max_tokens:
             return self
         cached = (self.alias_of or self)._aliases.get((self.shape.mma_type, "off"))
         if cached is not None:

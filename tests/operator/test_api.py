@@ -88,6 +88,7 @@ def test_partition_auto_runs_small_calls_in_sequence(group: dist.ProcessGroup) -
     assert buf.describe()["sequential_max_tokens"] == 15
     assert buf.for_call(16) is buf and buf.for_call(TMAX) is buf
     seq = buf.for_call(1)
+    assert buf.for_call(0) is seq  # an empty call fills the fewest blocks
     assert seq is buf.for_call(15) and seq is not buf and seq.alias_of is buf
     assert (seq.partition, seq.plan.sequential_max_tokens) == ("off", 0)
     assert seq.storage is buf.storage and seq.layout is buf.layout and seq.shape == buf.shape
@@ -109,6 +110,7 @@ def test_partition_on_and_off_have_no_sequential_calls(group: dist.ProcessGroup)
     on, off = _buffer(group, partition="on"), _buffer(group, partition="off")
     assert on.plan.sequential_max_tokens == off.plan.sequential_max_tokens == 0
     assert on.for_call(1) is on and off.for_call(1) is off
+    assert on.for_call(0) is on and off.for_call(0) is off  # T = 0 too: no rule, no alias
     assert on.layout.ring == ring.RingCapacity.for_partition(on.shape, 64)
     assert off.layout.ring == ring.RingCapacity.whole_pool(off.shape)
 
