@@ -274,13 +274,25 @@ def _gpu_name() -> str:
         return "none"
 
 
+def smi_device(device: int) -> str:
+    """How nvidia-smi names torch's CUDA device ``device``: ``GPU-<uuid>`` (nvidia-smi's numbering ignores
+    ``CUDA_VISIBLE_DEVICES``, a reordered visibility would point an index at another GPU), the index where torch cannot
+    tell the UUID (no CUDA here)."""
+    if torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            return f"GPU-{uuid}"
+    return str(device)
+
+
 def idle_gpu_check(device: int = 0) -> dict[str, object]:
     """Whether GPU ``device`` looked idle before the run: other processes' compute contexts and the sampled
     utilization (nvidia-smi). ``{"idle": bool | None, "detail": str}``; None where nvidia-smi cannot say."""
     own = str(os.getpid())
-    apps = _run("nvidia-smi", f"--id={device}", "--query-compute-apps=pid,process_name,used_memory",
+    which = smi_device(device)
+    apps = _run("nvidia-smi", f"--id={which}", "--query-compute-apps=pid,process_name,used_memory",
                 "--format=csv,noheader")
-    util = _run("nvidia-smi", f"--id={device}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits")
+    util = _run("nvidia-smi", f"--id={which}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits")
     if apps is None or util is None:
         return {"idle": None, "detail": "nvidia-smi did not answer: idleness unknown"}
     others = [line.strip() for line in apps.splitlines() if line.strip() and line.split(",")[0].strip() != own]
@@ -302,7 +314,7 @@ def gpu_conditions(device: int = 0) -> dict[str, float | None]:
     call: what may explain a spread between timing rounds, measured right after each (:data:`GPU_CONDITIONS`). A
     field nvidia-smi does not answer (no nvidia-smi, ``[N/A]``) is None."""
     out = _run("nvidia-smi", f"--query-gpu={','.join(GPU_CONDITIONS.values())}", "--format=csv,noheader,nounits",
-               "-i", str(device))
+               "-i", smi_device(device))
     values = out.splitlines()[0].split(",") if out else []
     return {key: _number(values[i]) if i < len(values) else None for i, key in enumerate(GPU_CONDITIONS)}
 

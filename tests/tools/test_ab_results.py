@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from gc_moe_compat.ab import protocol, report, results
 
@@ -221,6 +223,22 @@ def test_gpu_conditions_take_one_nvidia_smi_answer(monkeypatch: pytest.MonkeyPat
     assert protocol.gpu_conditions(0) == dict.fromkeys(("sm_mhz", "mem_mhz", "temp_c", "power_w"))
 
 
+def test_nvidia_smi_is_asked_by_uuid_where_torch_knows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi numbers GPUs without CUDA_VISIBLE_DEVICES: torch's device 0 may be its GPU 3, so the UUID names it."""
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(protocol, "_run", lambda *cmd: calls.append(cmd) or "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(uuid=f"6c1a2b3c-0000-0000-0000-00000000000{d}"))
+    assert protocol.smi_device(1) == "GPU-6c1a2b3c-0000-0000-0000-000000000001"
+    protocol.gpu_conditions(0)
+    protocol.idle_gpu_check(2)
+    assert calls[0][-2:] == ("-i", "GPU-6c1a2b3c-0000-0000-0000-000000000000")
+    assert all(c[1] == "--id=GPU-6c1a2b3c-0000-0000-0000-000000000002" for c in calls[1:]) and len(calls) == 3
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace())  # an older torch
+    assert protocol.smi_device(1) == "1"
+
+
 def test_result_meta_writes_a_runnable_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(protocol.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200 (faked)")
     monkeypatch.setenv("GC_MOE_PARTITION", "off")
@@ -230,15 +248,18 @@ def test_result_meta_writes_a_runnable_command(monkeypatch: pytest.MonkeyPatch) 
     assert protocol.result_meta("bench/x.py", ["--out", "r.json"], {})["command"] == "python bench/x.py --out r.json"
 
 
+@pytest.mark.parametrize(("run", "num_ops"), [("ab_glm52.json", 3), ("archive/ab5/ab_glm52.json", 5)])
 @pytest.mark.parametrize("with_spread", [False, True])
 @pytest.mark.parametrize("rich_installed", [True, False])
 def test_the_table_of_a_real_run_fits_120_columns(monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str], rich_installed: bool,
-                                                  with_spread: bool) -> None:
-    """The committed glm52 run (5 operators x 9 T, the longest operator names), also with a spread per op (a run
-    of several timing rounds): every line <= 120 characters and every row on one line."""
-    data = json.loads((Path(__file__).resolve().parents[2] / "bench/results/ab_glm52.json").read_text())
+                                                  with_spread: bool, run: str, num_ops: int) -> None:
+    """The committed glm52 runs (the headline one, and the archived five-operator one with the longest operator
+    names; 9 T each), also with a spread per op (a run of several timing rounds): every line <= 120 characters and
+    every row on one line."""
+    data = json.loads((Path(__file__).resolve().parents[2] / "bench/results" / run).read_text())
     ops = list(data["meta"]["ops"])
+    assert len(ops) == num_ops
     if with_spread:
         for p in data["points"]:
             p["spread_pct"] = dict.fromkeys(p["latency_us"], 12.345)
@@ -248,7 +269,7 @@ def test_the_table_of_a_real_run_fits_120_columns(monkeypatch: pytest.MonkeyPatc
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= report.TABLE_WIDTH
     rows = report.table_rows(data["points"], ops, "facade")
-    assert len(rows) == len(ops) * len(data["points"]) == 45
+    assert len(rows) == num_ops * len(data["points"]) == num_ops * 9
     for row in rows:  # each row's cells on one line
         assert sum(all(cell in line for cell in row[1:4]) for line in lines) >= 1, row
 
