@@ -280,8 +280,9 @@ def smi_device(device: int) -> str:
     tell the UUID (no CUDA here)."""
     if torch.cuda.is_available():
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-        if uuid is not None:
-            return f"GPU-{uuid}"
+        if uuid is not None:  # torch prints it in 8-4-4-4-12 form, nvidia-smi wants its "GPU-" in front
+            text = str(uuid)
+            return text if text.startswith("GPU-") else f"GPU-{text}"
     return str(device)
 
 

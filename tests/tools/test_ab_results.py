@@ -235,6 +235,8 @@ def test_nvidia_smi_is_asked_by_uuid_where_torch_knows_it(monkeypatch: pytest.Mo
     protocol.idle_gpu_check(2)
     assert calls[0][-2:] == ("-i", "GPU-6c1a2b3c-0000-0000-0000-000000000000")
     assert all(c[1] == "--id=GPU-6c1a2b3c-0000-0000-0000-000000000002" for c in calls[1:]) and len(calls) == 3
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid="GPU-1234"))
+    assert protocol.smi_device(0) == "GPU-1234"  # already in nvidia-smi's form: not prefixed twice
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace())  # an older torch
     assert protocol.smi_device(1) == "1"
 
