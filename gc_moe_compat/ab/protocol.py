@@ -286,14 +286,22 @@ def smi_device(device: int) -> str:
     return str(device)
 
 
+def _smi(device: int, *query: str) -> str | None:
+    """nvidia-smi's answer to ``query`` for GPU ``device``, asked by :func:`smi_device`'s name, then by the index
+    where that gets no answer (a driver that does not take the UUID form); None where neither does."""
+    for which in dict.fromkeys((smi_device(device), str(device))):
+        out = _run("nvidia-smi", f"--id={which}", *query)
+        if out is not None:
+            return out
+    return None
+
+
 def idle_gpu_check(device: int = 0) -> dict[str, object]:
     """Whether GPU ``device`` looked idle before the run: other processes' compute contexts and the sampled
     utilization (nvidia-smi). ``{"idle": bool | None, "detail": str}``; None where nvidia-smi cannot say."""
     own = str(os.getpid())
-    which = smi_device(device)
-    apps = _run("nvidia-smi", f"--id={which}", "--query-compute-apps=pid,process_name,used_memory",
-                "--format=csv,noheader")
-    util = _run("nvidia-smi", f"--id={which}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits")
+    apps = _smi(device, "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader")
+    util = _smi(device, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits")
     if apps is None or util is None:
         return {"idle": None, "detail": "nvidia-smi did not answer: idleness unknown"}
     others = [line.strip() for line in apps.splitlines() if line.strip() and line.split(",")[0].strip() != own]
@@ -314,8 +322,7 @@ def gpu_conditions(device: int = 0) -> dict[str, float | None]:
     """GPU ``device``'s SM and memory clocks (MHz), temperature (°C) and power draw (W) now, from one nvidia-smi
     call: what may explain a spread between timing rounds, measured right after each (:data:`GPU_CONDITIONS`). A
     field nvidia-smi does not answer (no nvidia-smi, ``[N/A]``) is None."""
-    out = _run("nvidia-smi", f"--query-gpu={','.join(GPU_CONDITIONS.values())}", "--format=csv,noheader,nounits",
-               "-i", smi_device(device))
+    out = _smi(device, f"--query-gpu={','.join(GPU_CONDITIONS.values())}", "--format=csv,noheader,nounits")
     values = out.splitlines()[0].split(",") if out else []
     return {key: _number(values[i]) if i < len(values) else None for i, key in enumerate(GPU_CONDITIONS)}
 

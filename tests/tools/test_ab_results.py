@@ -215,8 +215,8 @@ def test_gpu_conditions_take_one_nvidia_smi_answer(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(protocol, "_run", fake)
     assert protocol.gpu_conditions(3) == {"sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 45.0, "power_w": 312.75}
-    assert calls == [("nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
-                      "--format=csv,noheader,nounits", "-i", "3")]
+    assert calls == [("nvidia-smi", "--id=3", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                      "--format=csv,noheader,nounits")]
     answer[0] = "1755, 3201, 61, [N/A]"
     assert protocol.gpu_conditions(0) == {"sm_mhz": 1755.0, "mem_mhz": 3201.0, "temp_c": 61.0, "power_w": None}
     answer[0] = None  # no nvidia-smi
@@ -233,8 +233,12 @@ def test_nvidia_smi_is_asked_by_uuid_where_torch_knows_it(monkeypatch: pytest.Mo
     assert protocol.smi_device(1) == "GPU-6c1a2b3c-0000-0000-0000-000000000001"
     protocol.gpu_conditions(0)
     protocol.idle_gpu_check(2)
-    assert calls[0][-2:] == ("-i", "GPU-6c1a2b3c-0000-0000-0000-000000000000")
+    assert calls[0][1] == "--id=GPU-6c1a2b3c-0000-0000-0000-000000000000"
     assert all(c[1] == "--id=GPU-6c1a2b3c-0000-0000-0000-000000000002" for c in calls[1:]) and len(calls) == 3
+    calls.clear()  # a driver that does not take the UUID form: asked again by the index
+    monkeypatch.setattr(protocol, "_run", lambda *cmd: calls.append(cmd) or (None if "GPU-" in cmd[1] else "1, 2"))
+    assert protocol.gpu_conditions(1)["sm_mhz"] == 1.0
+    assert [c[1] for c in calls] == ["--id=GPU-6c1a2b3c-0000-0000-0000-000000000001", "--id=1"]
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid="GPU-1234"))
     assert protocol.smi_device(0) == "GPU-1234"  # already in nvidia-smi's form: not prefixed twice
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace())  # an older torch
