@@ -222,10 +222,11 @@ def partition_rule_line(w: Workload, world: int, gpus: int) -> str:
     """What ``GC_MOE_PARTITION`` makes of each T of this workload: under ``auto`` the tokens up to which one rank's
     calls run with the partition off (:func:`gc_moe_compat.operator.heuristics.sequential_max_tokens`)."""
     from gc_moe_compat.operator.heuristics import SEQUENTIAL_BELOW_ROWS, sequential_max_tokens
+    from gc_moe_compat.runtime.colocation import host_backend
     from gc_moe_compat.runtime.split import partition_mode
 
     mode = partition_mode()
-    if world > max(gpus, 1):
+    if host_backend(world, max(gpus, 1))[1]:  # why gloo: the ranks share a GPU
         return "partition per call: off at every T (ranks share a GPU)"
     if mode != "auto":
         return f"partition per call: {mode} at every T (GC_MOE_PARTITION={mode})"

@@ -137,7 +137,8 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
           unavailable: Mapping[str, str]) -> None:
     """The terminal table that ends a run (at most :data:`TABLE_WIDTH` columns wide), then one line per operator
     that did not run, with its reason."""
-    header = [h.format(ref=reference_op) for h in TABLE_HEADER] + [SPREAD_HEADER] * _has_spread(points)
+    spread = _has_spread(points)
+    header = [h.format(ref=reference_op) for h in TABLE_HEADER] + [SPREAD_HEADER] * spread
     rows = table_rows(points, ops, reference_op)
     rich = _rich()
     if rich is None:
@@ -156,7 +157,7 @@ def table(title: str, points: Sequence[Mapping[str, object]], ops: Sequence[str]
     print(f"over {reference_op}: the latency over {reference_op}'s (> 1: {reference_op} faster); efficiency: the floor "
           "(bytes / copy bandwidth)\nover the latency; cosine: the worst rank's against the quantization-faithful "
           "reference" + ("\nspread %: 100 (max - min) / min of the timing rounds' latencies (each round's: the slowest "
-                         "rank's median window)" if _has_spread(points) else ""))
+                         "rank's median window)" if spread else ""))
     for op, why in unavailable.items():
         print(f"not run: {op}: {why}")
 
