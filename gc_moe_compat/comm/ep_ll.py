@@ -1,10 +1,12 @@
 """Host side of the low-latency expert-parallel kernels behind the ``deep_ep`` facade (kernels/sm90/ep_ll.cu).
 
-DeepEP's low-latency mode moves decode tokens in two halves per direction, each its own launch so that a caller can
-split them with ``return_recv_hook`` exactly as with DeepEP. The halves are two phases of one kernel per direction
-(``gc_moe::ep_ll::dispatch``, ``gc_moe::ep_ll::combine``): a profiler sees one kernel name per phase of the layer,
-which is what DeepEP's ``bench_kineto(kernel_names=('dispatch', 'combine'))`` matches (one table line per name, and
-``::dispatch`` / ``::combine`` in the trace events, two per call with a hook).
+DeepEP's low-latency mode moves decode tokens in two halves per direction: one launch of the direction's kernel
+(``gc_moe::ep_ll::dispatch``, ``gc_moe::ep_ll::combine``) runs both (:data:`PHASE_BOTH`,
+:meth:`LlLaunches.launch_fused`: the receive half waits in the same grid for the words the send half publishes, as
+DeepEP's kernels do), or, when the caller asks for ``return_recv_hook``, one launch each (the hook launches the
+receive half, exactly as with DeepEP). A profiler sees one kernel name per direction, which is what DeepEP's
+``bench_kineto(kernel_names=('dispatch', 'combine'))`` matches (one table line per name, and ``::dispatch`` /
+``::combine`` in the trace events, one per call, two with a hook).
 
 * dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
   rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
@@ -35,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +65,9 @@ __all__ = [
     "HINT_TOPK",
     "MAX_EXPERTS",
     "MAX_TOPK",
+    "PHASE_BOTH",
+    "PHASE_RECV",
+    "PHASE_SEND",
     "SOURCE",
     "THREADS",
     "EpLlParams",
@@ -69,6 +75,7 @@ __all__ = [
     "LlLaunches",
     "LlShape",
     "LlSite",
+    "fused_grid",
     "ll_grid",
     "load_in",
     "ll_sites",
@@ -91,12 +98,16 @@ HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
 """Upper bound of a grid (one CTA per SM of an H200)."""
+PHASE_SEND, PHASE_RECV, PHASE_BOTH = 0, 1, 2
+"""``EpLlParams.phase``: the send half, the receive half (the two launches of a call with a receive hook), or both in
+one launch (``gc_moe::kLlPhase*``)."""
 
 
 class Kernel(enum.IntEnum):
-    """The four launches of a dispatch and a combine (two phases of each direction's kernel); the value is also the
-    index of the launch's status record and arrival counters (``gc_moe::LlKernel``, generated into
-    kernels/sm90/ep_ll_params.cuh by :func:`params_header`)."""
+    """The four halves of a dispatch and a combine (two phases of each direction's kernel, launched one each with a
+    receive hook, together by :meth:`LlLaunches.launch_fused` without); the value is also the index of the half's
+    status record and arrival counters (``gc_moe::LlKernel``, generated into kernels/sm90/ep_ll_params.cuh by
+    :func:`params_header`)."""
 
     DISPATCH_SEND = 0
     DISPATCH_RECV = 1
@@ -111,8 +122,18 @@ class Kernel(enum.IntEnum):
 
     @property
     def phase(self) -> int:
-        """``EpLlParams.phase`` of this launch: 0 the send half, 1 the receive half."""
-        return int(self) % 2
+        """``EpLlParams.phase`` of this half's own launch: :data:`PHASE_SEND` or :data:`PHASE_RECV`."""
+        return PHASE_RECV if int(self) % 2 else PHASE_SEND
+
+    @property
+    def send(self) -> Kernel:
+        """The send half of this half's direction."""
+        return Kernel(int(self) & ~1)
+
+    @property
+    def receive(self) -> Kernel:
+        """The receive half of this half's direction."""
+        return Kernel(int(self) | 1)
 
     @property
     def label(self) -> str:
@@ -218,7 +239,7 @@ class EpLlParams(ctypes.Structure):
     ``src_info`` int32 ``[E/P, P*Tmax]`` is DeepEP's (source token), ``src_route`` the same rows' ``token * k + slot``
     and ``routing`` int32 ``[T, k]`` the dispatch's checked routing (both kept by the handle for the combine).
     ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
-    ``phase``: 0 the send half, 1 the receive half.
+    ``phase``: :data:`PHASE_SEND`, :data:`PHASE_RECV` or :data:`PHASE_BOTH`.
     """
 
     _fields_ = [
@@ -298,10 +319,11 @@ def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeo
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
-    """CTAs of one launch: a CTA per token (dispatch send); for dispatch receive and combine send, CTAs owning whole
-    local experts (every CTA up to the cap: with fewer local experts than the cap, each expert gets the same number
-    of CTAs, ``L * (cap // L)``); for combine receive a warp per (token, 256 columns). At least one, at most
-    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    """CTAs of one half's own launch (a call with a receive hook; :func:`fused_grid` for both in one): a CTA per
+    token (dispatch send); for dispatch receive and combine send, CTAs owning whole local experts (every CTA up to the
+    cap: with fewer local experts than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for
+    combine receive a warp per (token, 256 columns). At least one, at most ``max_ctas`` (the SMs of the partition the
+    launch runs on; at most :data:`MAX_SMS`)."""
     cap = max(1, min(MAX_SMS, max_ctas))
     if kernel is Kernel.DISPATCH_SEND:
         return max(1, min(cap, num_tokens))
@@ -310,6 +332,15 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
         return max(1, min(cap, -(-warps // (THREADS // 32))))
     local = shape.local_experts
     return cap if local >= cap else local * (cap // local)
+
+
+def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
+    """CTAs of the fused launch (:data:`PHASE_BOTH`) of ``kernel``'s direction: the larger of its two halves'
+    :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
+    without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
+    grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
+    (kernels/sm90/ep_ll.cu, "Co-residency")."""
+    return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 
 @functools.cache
@@ -346,14 +377,17 @@ _BLOCK = (THREADS, 1, 1)
 
 
 class LlLaunches:
-    """The four launches of low-latency calls of one shape on one workspace, packed once: ``params`` (the calls'
+    """The launches of low-latency calls of one shape on one workspace, packed once: ``params`` (the calls'
     :class:`EpLlParams`, everything but the per-call pointers fixed: a call sets its pointers, then launches),
-    ``args`` (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and each launch's
-    grid without a partition. The driver copies the arguments when a launch (or a captured node) is made, so every
-    call reuses the same ones instead of packing its own; an instance serves one thread, and a receive hook launches
-    from a :meth:`detached` copy, which later calls do not reach."""
+    ``args`` (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and the grids
+    without a partition of each half's launch (``grids``) and of each direction's fused launch (``fused_grids``, by
+    either half), at most ``max_ctas`` CTAs: at most the SMs one launch of the rank may fill (the facade passes
+    :attr:`~gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`), which the fused launches' co-residency
+    rests on. The driver copies the arguments when a launch (or a captured node) is made, so every call reuses the
+    same ones instead of packing its own; an instance serves one thread, and a receive hook launches from a
+    :meth:`detached` copy, which later calls do not reach."""
 
-    __slots__ = ("args", "grids", "max_ctas", "num_tokens", "params", "shape", "table")
+    __slots__ = ("args", "fused_grids", "grids", "max_ctas", "num_tokens", "params", "shape", "table")
 
     def __init__(self, table: PeerTable, params: EpLlParams, shape: LlShape, num_tokens: int,
                  max_ctas: int = MAX_SMS) -> None:
@@ -361,6 +395,7 @@ class LlLaunches:
         self.args = KernelArgs(table, params)
         cap = min(max_ctas, MAX_SMS)
         self.grids = tuple((ll_grid(kernel, shape, num_tokens, cap), 1, 1) for kernel in Kernel)
+        self.fused_grids = tuple((fused_grid(kernel, shape, num_tokens, cap), 1, 1) for kernel in Kernel)
 
     def detached(self) -> LlLaunches:
         """A copy with parameters of its own (as set now): what a receive hook launches later."""
@@ -368,17 +403,33 @@ class LlLaunches:
                           self.max_ctas)
 
     def launch(self, kernel: Kernel, stream: driver.CUstream, partition: Partition | None = None) -> None:
-        """Launches ``kernel`` (its phase set in ``params``) in the order of ``stream`` (torch's current stream, or a
-        capture's): without a partition on ``stream`` itself with the full-device grid (at most ``max_ctas`` CTAs:
-        a rank's share of a GPU that several ranks share,
+        """Launches the half ``kernel`` alone (a call with a receive hook) in the order of ``stream`` (torch's
+        current stream, or a capture's): without a partition on ``stream`` itself with the full-device grid (at most
+        ``max_ctas`` CTAs: a rank's share of a GPU that several ranks share,
         :attr:`gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`); else on the communication side of
         ``partition`` with a grid of at most its SMs."""
-        self.params.phase = _PHASES[kernel]
+        self._launch(kernel, _PHASES[kernel], self.grids[kernel], ll_grid, stream, partition)
+
+    def launch_fused(self, kernel: Kernel, stream: driver.CUstream, partition: Partition | None = None) -> None:
+        """Launches both halves of ``kernel``'s direction as one kernel (:data:`PHASE_BOTH`; a call without a
+        receive hook), where :meth:`launch` would, with :func:`fused_grid`'s grid: at most as many CTAs as the SMs
+        the launch may use, so that the whole grid is resident at once, which the receive half's waits on words of
+        its own grid need (the device's SMs, a rank's share of a shared GPU, a partition's SMs: every path meets it,
+        so a call without a hook never needs two launches)."""
+        self._launch(kernel, PHASE_BOTH, self.fused_grids[kernel], fused_grid, stream, partition)
+
+    def _launch(self, kernel: Kernel, phase: int, grid: tuple[int, int, int],
+                grid_of: Callable[[Kernel, LlShape, int, int], int], stream: driver.CUstream,
+                partition: Partition | None) -> None:
+        """Launches ``kernel``'s entry point with ``phase`` set in ``params``: on ``stream`` with ``grid`` (the
+        full-device one), or on the communication side of ``partition`` with ``grid_of``'s grid for its SMs."""
+        self.params.phase = phase
         if partition is None:
-            launch_packed(kernel_of(kernel).handle, self.grids[kernel], _BLOCK, self.args.address, stream)
+            launch_packed(kernel_of(kernel).handle, grid, _BLOCK, self.args.address, stream)
             return
-        grid = ll_grid(kernel, self.shape, self.num_tokens, min(self.max_ctas, partition.dispatch_sms))
-        launch_on(partition, Role.COMM, kernel_of(kernel), grid, THREADS, self.args, stream)
+        cap = min(self.max_ctas, partition.dispatch_sms)
+        launch_on(partition, Role.COMM, kernel_of(kernel), grid_of(kernel, self.shape, self.num_tokens, cap), THREADS,
+                  self.args, stream)
 
 
 def new_launches(table: PeerTable, shape: LlShape, *, num_tokens: int, idx_bytes: int, flags: int,

@@ -134,7 +134,9 @@ class LowLatencyHandle(tuple):
 class _Call:
     """One call's launches: its packed arguments (``launches``, this call's pointers set), the partition, the tensors
     they point at (held until the receive half has been launched) and the caller's stream (torch's current stream,
-    looked up at the first launch: once per call, and a receive hook's when it is called)."""
+    looked up at the first launch: once per call, and a receive hook's when it is called). Without a receive hook a
+    call makes one fused launch of its direction (:meth:`launch_fused`), with one the send half's launch, then the
+    hook's (:meth:`launch`)."""
 
     __slots__ = ("device", "launches", "partition", "stream", "tensors")
 
@@ -144,9 +146,15 @@ class _Call:
         self.stream: driver.CUstream | None = None
 
     def launch(self, kernel: Kernel) -> None:
+        self.launches.launch(kernel, self._stream(), self.partition)
+
+    def launch_fused(self, kernel: Kernel) -> None:
+        self.launches.launch_fused(kernel, self._stream(), self.partition)
+
+    def _stream(self) -> driver.CUstream:
         if self.stream is None:
             self.stream = as_stream(current_stream_handle(self.device))
-        self.launches.launch(kernel, self.stream, self.partition)
+        return self.stream
 
 
 def comm_partition(workspace: SymmetricWorkspace, request: int) -> Partition | None:
@@ -339,14 +347,14 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     params.recv_stats = 0 if recv_stats is None else recv_stats.data_ptr()
     call = _Call(launches, device, comm_partition(workspace, num_sms),
                  (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, private, recv_stats))
-    call.launch(Kernel.DISPATCH_SEND)
     handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
                               topk=topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
                               workspace=workspace)
     out = recv_x if scales is None else (recv_x, scales)
     if return_recv_hook:
+        call.launch(Kernel.DISPATCH_SEND)
         return out, recv_count, handle, _receive_hook(call, Kernel.DISPATCH_RECV)
-    call.launch(Kernel.DISPATCH_RECV)
+    call.launch_fused(Kernel.DISPATCH_SEND)
     return out, recv_count, handle, None
 
 
@@ -428,10 +436,10 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     params.call_gen = call_gen.data_ptr()
     call = _Call(launches, device, comm_partition(workspace, num_sms),
                  (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen))
-    call.launch(Kernel.COMBINE_SEND)
     if return_recv_hook:
+        call.launch(Kernel.COMBINE_SEND)
         return out, _receive_hook(call, Kernel.COMBINE_RECV)
-    call.launch(Kernel.COMBINE_RECV)
+    call.launch_fused(Kernel.COMBINE_SEND)
     return out, None
 
 

@@ -1,12 +1,16 @@
 // Low-latency expert-parallel dispatch and combine behind the deep_ep facade (DeepEP's low_latency_dispatch /
-// low_latency_combine semantics). Two entry points, gc_moe::ep_ll::dispatch and gc_moe::ep_ll::combine, each launched
-// twice per call: EpLlParams.phase 0 is the send half, 1 the receive half (so that a caller can split each direction
-// with a receive hook, and a profiler sees one kernel name per direction, as DeepEP's bench_kineto expects).
+// low_latency_combine semantics). Two entry points, gc_moe::ep_ll::dispatch and gc_moe::ep_ll::combine (one kernel
+// name per direction, as DeepEP's bench_kineto expects), each running its direction's send half and receive half as
+// EpLlParams.phase says: kLlPhaseBoth runs both in one launch (a call without a receive hook, as DeepEP's own kernels
+// do: send, then wait for the words and receive), kLlPhaseSend / kLlPhaseRecv one half each (a call with a receive
+// hook: the hook launches the receive half later, DeepEP's contract).
 //
 // Workspace (symmetric, one copy per rank; offsets in EpLlParams). Every persistent word is generation-tagged and
 // indexed by the generation's parity, so replays need no host reset and two calls of a kind may be in flight:
 //   seq[2]                    last generation taken by dispatch send / combine send (this rank only)
-//   arrive[4][2]              grid arrival counter per phase and parity (this rank only; the last CTA resets it)
+//   arrive[4][2]              grid arrival counter per half (LlKernel) and parity (this rank only; the last CTA
+//                             resets it); a fused launch arrives at both of its direction's, as it reports
+//                             into both halves' status records
 //   consumed[2][2]            last generation whose stage this rank has read, per direction and parity (read by peers)
 //   ready[P][2]               combine readiness of source rank q for this rank (written by q)
 //   mask[P]                   u32, this rank's rank mask (DeepEP's shrink mode; read only with kLlShrink)
@@ -38,9 +42,31 @@
 //  * combine receive: threads acquire ready[q][p] >= n for every q and bar.sync before the reduction; the last CTA
 //    stores consumed[1][p] = n.
 //  * The generation of a call: send halves read seq at their start and the last CTA stores seq = n and the call's
-//    own word call_gen = n, which the receive half of that call reads (stream order: it runs after the send).
+//    own word call_gen = n. A receive launch (kLlPhaseRecv) reads call_gen (stream order: it runs after the send
+//    launch). A fused launch's receive half takes the n its own CTA's send half computed: every CTA reads seq before
+//    its arrival and the last CTA stores seq after every arrival, so the grid agrees on n, while call_gen may not be
+//    stored yet when another CTA starts receiving.
+//  * A fused launch's receive half has no launch boundary after the send half: it reads nothing the send half wrote
+//    except through the words above. Its own rank's stage rows are ordered like a peer's, by the counts / ready word
+//    the send half's last CTA publishes after every CTA's arrival; the checked routing is read only by the send
+//    half's last CTA (after the arrival) and by a later combine. A rank mask a send half's timeout sets (kLlShrink) is
+//    seen by the combine receive (unless its own rank is masked, it acquires its own rank's ready word, published
+//    after every send-half arrival, before the bar.sync that precedes its slot decisions); a dispatch receive thread
+//    sees it once visible, and a source whose count it acquired first is received (its rows are complete: it
+//    published them).
 // Every wait is bounded by timeout_ns and gives up once the phase's status record holds a timeout; a failed wait
 // leaves its words unpublished (so consumers report too) and every kernel still completes.
+//
+// Co-residency (kLlPhaseBoth): receiving CTAs spin on words that the grid's own last CTA publishes (its rank's counts
+// or ready word), so every CTA of the grid must be resident at once: a waiting CTA must never hold the SM that a CTA
+// of its grid that has not started needs. The host's fused grid (ep_ll.fused_grid) is the larger of the two halves'
+// grids, so at most the SMs the launch may use, like theirs: the device's, the rank's share where ranks share the GPU
+// (their kernels together then fill each SM at most once), or the communication partition's; and one CTA fits an
+// empty SM (__launch_bounds__(kThreads, 1): at most 255 registers a thread; static shared memory under 48 KiB, which
+// the compile test checks). Work on other streams only delays CTAs (it completes without these kernels); as the
+// shared-GPU rule does, this assumes one low-latency kernel of a rank resident at a time. Each half loops over its
+// work with a grid stride (a CTA without work in a half only arrives), so one grid serves both. Every launch path
+// meets the bound, so only a receive hook keeps the two launches.
 //
 // Rank masking (kLlShrink, DeepEP's enable_shrink): a rank whose mask word is set is neither waited for nor sent to;
 // its rows count as zero and its experts' combine slots are skipped. A wait on an unmasked rank that times out masks
@@ -252,7 +278,8 @@ __device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long 
     return true;
 }
 
-__device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlParams& p) {
+// Returns the call's generation n (the one this CTA read from seq).
+__device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null: unused, or owner masked)
@@ -380,6 +407,7 @@ __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpLlPar
             *reinterpret_cast<u64*>(p.call_gen) = gen;
         }
     }
+    return gen;
 }
 
 // The work split of dispatch receive and combine send (DeepEP's: a warp group per expert): a CTA owns whole local
@@ -453,12 +481,12 @@ __device__ __forceinline__ u32 pair_of_row(const u32* first_row, u32 r) {
     return lo;
 }
 
-__device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlParams& p) {
+// Receives generation `gen` (receive_generation).
+__device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlParams& p, u64 gen) {
     __shared__ u32 pair_first[kThreads];   // the batch's pairs: first row in the batch's row list
     __shared__ u32 pair_before[kThreads];  // the pair's first slot in its expert's list: rows of earlier sources
     __shared__ u32 expert_bad[kThreads];   // the batch's experts: a source's count failed (no rows, no layout)
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchRecv);
-    const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const u32 ranks = static_cast<u32>(pt.world_size);
     const u64 slots = static_cast<u64>(ranks) * p.max_tokens;  // P * Tmax rows per local expert
@@ -553,7 +581,8 @@ __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlPar
     }
 }
 
-__device__ __forceinline__ void combine_send(const PeerTable& pt, const EpLlParams& p) {
+// Returns the call's generation n (the one this CTA read from seq).
+__device__ __forceinline__ u64 combine_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ u32 pair_first[kThreads];    // the batch's pairs: first row in the batch's row list
     __shared__ u32 pair_before[kThreads];   // the pair's first slot in its expert's list (its layout_range)
     __shared__ u32 source_state[kThreads];  // per source rank: 0 no rows in the batch, else 1 + its wait's outcome
@@ -610,6 +639,7 @@ __device__ __forceinline__ void combine_send(const PeerTable& pt, const EpLlPara
             *reinterpret_cast<u64*>(p.call_gen) = gen;
         }
     }
+    return gen;
 }
 
 // Whether combine receive sums slot f: the dispatch's checked expert, equal to the caller's checked entry, with a
@@ -633,9 +663,9 @@ __device__ __forceinline__ bool combine_slot(const PeerTable& pt, const EpLlPara
     return !is_masked(pt, p, static_cast<u32>(dispatched) / p.local_experts);
 }
 
-__device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlParams& p) {
+// Receives generation `gen` (receive_generation).
+__device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlParams& p, u64 gen) {
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineRecv);
-    const u64 gen = *reinterpret_cast<volatile const u64*>(p.call_gen);
     const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
     const u32 ranks = static_cast<u32>(pt.world_size);
     bool ok = true;
@@ -713,26 +743,30 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     }
 }
 
+// The generation a receive half serves: in a fused launch the one this CTA's send half read from seq (`sent`; the
+// send half's last CTA stores call_gen after every arrival, which no launch boundary orders before this read), in a
+// receive launch the one the call's send launch stored in call_gen (stream order).
+__device__ __forceinline__ u64 receive_generation(const EpLlParams& p, u64 sent) {
+    if (p.phase == gc_moe::kLlPhaseBoth) return sent;
+    return *reinterpret_cast<volatile const u64*>(p.call_gen);
+}
+
 }  // namespace
 
 namespace gc_moe::ep_ll {
 
-// Dispatch: phase 0 sends this rank's tokens, phase 1 receives and packs them (DeepEP's layout).
+// Dispatch: the send half sends this rank's tokens, the receive half receives and packs them (DeepEP's layout).
 __global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, const EpLlParams p) {
-    if (p.phase == 0) {
-        dispatch_send(pt, p);
-    } else {
-        dispatch_recv(pt, p);
-    }
+    u64 gen = 0;
+    if (p.phase != kLlPhaseRecv) gen = dispatch_send(pt, p);
+    if (p.phase != kLlPhaseSend) dispatch_recv(pt, p, receive_generation(p, gen));
 }
 
-// Combine: phase 0 sends the expert outputs back to their tokens' ranks, phase 1 reduces them.
+// Combine: the send half sends the expert outputs back to their tokens' ranks, the receive half reduces them.
 __global__ void __launch_bounds__(kThreads, 1) combine(const PeerTable pt, const EpLlParams p) {
-    if (p.phase == 0) {
-        combine_send(pt, p);
-    } else {
-        combine_recv(pt, p);
-    }
+    u64 gen = 0;
+    if (p.phase != kLlPhaseRecv) gen = combine_send(pt, p);
+    if (p.phase != kLlPhaseSend) combine_recv(pt, p, receive_generation(p, gen));
 }
 
 }  // namespace gc_moe::ep_ll

@@ -75,4 +75,9 @@ constexpr unsigned int kLlRoundScale = 2u;  // scales rounded up to powers of tw
 constexpr unsigned int kLlUe8m0 = 4u;       // scales stored as UE8M0 bytes, four per int32
 constexpr unsigned int kLlShrink = 8u;      // rank masking (DeepEP's enable_shrink): skip masked ranks
 
+// EpLlParams.phase
+constexpr unsigned int kLlPhaseSend = 0u;  // the send half (a call with a receive hook)
+constexpr unsigned int kLlPhaseRecv = 1u;  // the receive half (that call's hook)
+constexpr unsigned int kLlPhaseBoth = 2u;  // the send half, then the receive half in the same grid (no hook)
+
 }  // namespace gc_moe

@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from ll_launches import COMBINE, DISPATCH, record_ll_launches
 
 import gc_moe_compat.deep_gemm as dg
 from gc_moe_compat import quant
 from gc_moe_compat.comm.ep_ll import HINT_TOPK, MAX_SMS, LlShape, required_bytes
-from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency
+from gc_moe_compat.deep_ep import Buffer, _buffer
 from gc_moe_compat.deep_gemm import _runtime
 from gc_moe_compat.operator import api
 from gc_moe_compat.runtime.workspace import PeerTable
@@ -38,10 +39,8 @@ class FakeWorkspace:
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
-    recorded: list = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(kernel))
     monkeypatch.setattr(_buffer, "SymmetricWorkspace", FakeWorkspace)
-    return recorded
+    return record_ll_launches(monkeypatch)
 
 
 @pytest.fixture
@@ -90,10 +89,10 @@ def test_dispatch_and_combine_defaults_still_run(ll: Buffer, launches: list) -> 
     """DeepEP's defaults (use_fp8=True, round_scale/use_ue8m0/async_finish/return_recv_hook False) pass the checks."""
     x, topk_idx = _inputs()
     (recv, _), _, handle, _, hook = ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS)
-    assert hook is None and len(launches) == 2
+    assert hook is None and [what for what, _ in launches] == [DISPATCH]
     out, _, hook = ll.low_latency_combine(torch.zeros(recv.shape, dtype=torch.bfloat16), topk_idx,
                                           torch.ones(TOKENS, TOPK), handle)
-    assert hook is None and len(launches) == 4 and out.shape == (TOKENS, HIDDEN)
+    assert hook is None and [what for what, _ in launches] == [DISPATCH, COMBINE] and out.shape == (TOKENS, HIDDEN)
 
 
 @pytest.mark.parametrize(("flag", "value"), [

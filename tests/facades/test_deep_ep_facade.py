@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from ll_launches import Launch, record_ll_launches
 
 from gc_moe_compat.comm import ep_ll
-from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_SMS, EpLlParams, Kernel, LlShape, required_bytes
-from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer, _low_latency
+from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_SMS, Kernel, LlShape, required_bytes
+from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer
 from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX
 from gc_moe_compat.runtime.workspace import PeerTable
 
@@ -35,12 +36,10 @@ class FakeWorkspace:
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, object]]:
-    """Every kernel launch a low-latency call makes, as ``(kernel, params)``, instead of launching."""
-    recorded: list[tuple[Kernel, object]] = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(
-        (kernel, EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
-    return recorded
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """Every kernel launch a low-latency call makes, as ``(what, params)`` (tests/kit/ll_launches.py), instead of
+    launching."""
+    return record_ll_launches(monkeypatch)
 
 
 @pytest.fixture

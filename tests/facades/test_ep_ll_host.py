@@ -7,12 +7,14 @@ import ctypes
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from ctypes_layout import natural_layout_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ll_launches import COMBINE, DISPATCH, Launch, record_ll_launches
 from nvcc_mark import needs_nvcc
 
 from gc_moe_compat.comm import ep_ll, ep_normal
@@ -65,7 +67,8 @@ def test_header_flags_and_kernel_constants_equal_the_host() -> None:
     indices are generated)."""
     flags = _constants(r"constexpr unsigned int (kLl\w+) = (\d+)u;")
     assert flags == {"kLlFp8": ep_ll.FLAG_FP8, "kLlRoundScale": ep_ll.FLAG_ROUND_SCALE, "kLlUe8m0": ep_ll.FLAG_UE8M0,
-                     "kLlShrink": ep_ll.FLAG_SHRINK}
+                     "kLlShrink": ep_ll.FLAG_SHRINK, "kLlPhaseSend": ep_ll.PHASE_SEND,
+                     "kLlPhaseRecv": ep_ll.PHASE_RECV, "kLlPhaseBoth": ep_ll.PHASE_BOTH}
     source = (KERNELS_DIR / "sm90" / "ep_ll.cu").read_text()
     assert f"constexpr u32 kThreads = {THREADS};" in source
     assert f"constexpr u32 kMaxTopk = {ep_ll.MAX_TOPK};" in source
@@ -82,13 +85,16 @@ def test_header_flags_and_kernel_constants_equal_the_host() -> None:
 
 def test_one_kernel_name_per_direction_as_deepep_profiling_matches() -> None:
     """DeepEP's bench_kineto(kernel_names=('dispatch', 'combine')) wants each name in one profile line and
-    ``::dispatch`` / ``::combine`` in the trace events: each direction's two launches are one entry point, and no
-    entry point's name holds the other direction's."""
+    ``::dispatch`` / ``::combine`` in the trace events: each direction's halves (launched together or one each) are
+    one entry point, and no entry point's name holds the other direction's."""
     assert [k.entry for k in Kernel].count("gc_moe::ep_ll::dispatch") == 2
     for kernel in Kernel:
         other = "combine" if "dispatch" in kernel.entry else "dispatch"
         assert other not in kernel.entry and kernel.entry.count("::") == 2
-    assert [k.phase for k in Kernel] == [0, 1, 0, 1]
+        assert kernel.send.entry == kernel.receive.entry == kernel.entry
+        assert (kernel.send.phase, kernel.receive.phase) == (ep_ll.PHASE_SEND, ep_ll.PHASE_RECV)
+    assert [k.phase for k in Kernel] == [ep_ll.PHASE_SEND, ep_ll.PHASE_RECV] * 2 == [0, 1, 0, 1]
+    assert ep_ll.PHASE_BOTH not in (ep_ll.PHASE_SEND, ep_ll.PHASE_RECV)
 
 
 def test_packed_launches_set_each_launch_phase_and_pass_the_shared_arguments(monkeypatch: pytest.MonkeyPatch
@@ -119,6 +125,35 @@ def test_packed_launches_set_each_launch_phase_and_pass_the_shared_arguments(mon
     assert (launched[4][4].phase, launched[4][4].x, launched[4][4].status_mirror) == (1, 0x100, 0x40)
     table_arg = PeerTable.from_address(ctypes.c_void_p.from_address(launches.args.address).value)
     assert bytes(table_arg) == bytes(table) and ctypes.addressof(table_arg) != ctypes.addressof(table)
+
+
+def test_fused_launches_run_both_halves_with_the_fused_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused launch passes the packed arguments with phase PHASE_BOTH to its direction's entry point (named by
+    either half), with :func:`ep_ll.fused_grid`'s grid: the full-device one (at most the rank's share) without a
+    partition, the one for the partition's SMs with one; a half's launch after it sets its own phase again."""
+    launched: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(ep_ll, "kernel_of", lambda kernel: jit.Kernel(kernel.entry, "host", kernel, None))
+
+    def record(handle: Kernel, grid: tuple[int, int, int] | int, args: int) -> None:
+        params = ep_ll.EpLlParams.from_address(ctypes.c_void_p.from_address(args + 8).value)
+        launched.append((handle.entry, grid if isinstance(grid, int) else grid[0], params.phase))
+
+    monkeypatch.setattr(ep_ll, "launch_packed", lambda function, grid, block, args, stream: record(
+        function, grid, args))
+    monkeypatch.setattr(ep_ll, "launch_on", lambda partition, role, kernel, grid, block, args, stream: record(
+        kernel.handle, grid, args.address))
+    shape = LlShape(8, 288, 128, 7168, 8)  # 36 local experts
+    launches = ep_ll.new_launches(PeerTable(), shape, num_tokens=5, idx_bytes=8, flags=0, timeout_ms=None,
+                                  max_ctas=100)
+    for kernel in Kernel:
+        launches.launch_fused(kernel, "stream")
+        launches.launch_fused(kernel, "stream", SimpleNamespace(dispatch_sms=20))
+    launches.launch(Kernel.COMBINE_RECV, "stream")
+    dispatch, combine, both = "gc_moe::ep_ll::dispatch", "gc_moe::ep_ll::combine", ep_ll.PHASE_BOTH
+    # Dispatch: max(5 tokens, 36 * (100 // 36) = 72 expert CTAs) = 72, max(5, 20) = 20 on the partition; combine:
+    # max(72 expert CTAs, 5 * 28 / 8 -> 18 column-unit CTAs) = 72, max(20, 18) = 20; the receive half alone: 18.
+    assert launched == [(dispatch, 72, both), (dispatch, 20, both)] * 2 + \
+        [(combine, 72, both), (combine, 20, both)] * 2 + [(combine, 18, ep_ll.PHASE_RECV)]
 
 
 def test_every_generated_constant_is_used_by_the_kernels() -> None:
@@ -199,6 +234,36 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 0) == 1
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 3) == 11  # 3 tokens * 28 column chunks = 84 warps
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes, st.integers(0, 512), st.integers(1, 200))
+def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
+    """A direction's fused grid (named by either half) is the larger of its halves' grids, so every CTA either half
+    would launch is there and the grid stays within the cap the halves' grids keep: the SMs the launch may use, every
+    CTA resident at once (the kernel's receive half waits for words of its own grid)."""
+    cap = max(1, min(MAX_SMS, max_ctas))
+    for send in (Kernel.DISPATCH_SEND, Kernel.COMBINE_SEND):
+        halves = [ep_ll.ll_grid(k, shape, num_tokens, max_ctas) for k in (send, send.receive)]
+        for kernel in (send, send.receive):
+            assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == max(halves) <= cap
+
+
+def test_fused_grid_examples() -> None:
+    """The issue's shape (one rank, 256 experts, H 7168): one CTA per SM of an H200 at T = 1 and T = 128 (the receive
+    half's 132 expert CTAs at T = 1, though dispatch send has one token); a rank's share of a shared GPU or a
+    partition's SMs bound it."""
+    one = LlShape(1, 256, 128, 7168, 8)
+    for tokens in (1, 128):
+        assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, tokens) == ep_ll.fused_grid(Kernel.COMBINE_SEND, one,
+                                                                                       tokens) == MAX_SMS
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # two ranks share an H200
+    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 1, max_ctas=20) == 20  # a 20-SM partition
+    eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == 128  # a CTA per token
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 7) == 108
+    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, eight, 1) == 108
+    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, eight, 128) == MAX_SMS  # 448 column-unit CTAs, capped
 
 
 def test_make_params() -> None:
@@ -290,11 +355,8 @@ def _workspace(ranks: int = 1, zero_copy: bool = True) -> _Workspace:
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Kernel, ep_ll.EpLlParams]]:
-    recorded: list[tuple[Kernel, ep_ll.EpLlParams]] = []
-    monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: recorded.append(
-        (kernel, ep_ll.EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
-    return recorded
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    return record_ll_launches(monkeypatch)
 
 
 def _dispatch(ws: _Workspace, topk_idx: torch.Tensor | None = None, experts: int = EXPERTS,
@@ -326,7 +388,7 @@ def test_handle_holds_deepep_contents_and_what_the_combine_needs(launches: list)
                                                     handle.routing.data_ptr())
     _combine(ws, handle, topk_idx)
     p = launches[-1][1]
-    assert [k for k, _ in launches] == list(Kernel)
+    assert [what for what, _ in launches] == [DISPATCH, COMBINE]
     assert (p.src_route, p.routing, p.topk_idx) == (handle.src_route.data_ptr(), handle.routing.data_ptr(),
                                                     topk_idx.data_ptr())
 
@@ -487,19 +549,19 @@ def test_recorded_error_raises_at_the_next_call_before_any_launch(launches: list
     call (before any launch, naming kernel and site) or by ``raise_recorded`` (Buffer.destroy's check)."""
     ws = _workspace()
     _, _, handle, _, topk_idx = _dispatch(ws)
-    assert len(launches) == 2
+    assert len(launches) == 1
     mirror = _low_latency._states[ws].mirror
     record = KernelStatus(code=2, site=ep_ll.LlSite.EXPERT_RANGE << 16, observed=300, expected=EXPERTS)
     mirror[Kernel.DISPATCH_SEND] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
     with pytest.raises(DeviceCheckError, match=r"dispatch send .*\(recorded by an earlier call\).*observed 300"):
         _combine(ws, handle, topk_idx)
-    assert len(launches) == 2 and not mirror.any()
+    assert len(launches) == 1 and not mirror.any()
     _low_latency.raise_recorded(ws)  # clean
     mirror[Kernel.DISPATCH_SEND] = torch.frombuffer(bytearray(bytes(record)), dtype=torch.uint8)
     with pytest.raises(DeviceCheckError, match="recorded by an earlier call"):
         _low_latency.raise_recorded(ws)
     _combine(ws, handle, topk_idx)
-    assert len(launches) == 4
+    assert len(launches) == 2
 
 
 def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,7 +603,7 @@ def test_packed_launches_are_per_workspace_and_see_a_spin_timeout_change(launche
     monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")
     _dispatch(ws)
     _combine(ws, handle, topk_idx)
-    assert [p.timeout_ns for _, p in launches[-4:]] == [5_000_000] * 4
+    assert [p.timeout_ns for _, p in launches[-2:]] == [5_000_000] * 2
     monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS")
     _dispatch(ws)
     assert launches[-1][1].timeout_ns == 10_000_000_000
@@ -565,3 +627,38 @@ def test_a_receive_hook_keeps_its_call_pointers(launches: list) -> None:
     hook()
     assert [k for k, _ in launches] == [Kernel.DISPATCH_SEND] * 2 + [Kernel.DISPATCH_RECV]
     assert launches[1][1].recv_x == second.data_ptr() != first.data_ptr() == launches[2][1].recv_x
+
+
+def test_a_call_without_a_hook_is_one_launch_per_direction(launches: list) -> None:
+    """Without ``return_recv_hook`` a dispatch or a combine is one launch running both halves (one fixed kernel cost
+    per direction, as DeepEP's kernels); with it the call launches the send half and its hook the receive half
+    (DeepEP's contract), both with the call's parameters."""
+    ws = _workspace()
+    x = torch.randn(TOKENS, HIDDEN).to(torch.bfloat16)
+    topk_idx = torch.randint(-1, EXPERTS, (TOKENS, TOPK))
+    y = torch.zeros(EXPERTS, T_MAX, HIDDEN, dtype=torch.bfloat16)
+    common = dict(async_finish=False, shrink=False, num_sms=20)
+
+    def dispatch(hooked: bool) -> tuple:
+        return _low_latency.dispatch(ws, x, topk_idx, T_MAX, EXPERTS, recv_stats=None, use_fp8=True, round_scale=False,
+                                     use_ue8m0=False, return_recv_hook=hooked, **common)
+
+    def combine(handle: LowLatencyHandle, hooked: bool) -> tuple:
+        return _low_latency.combine(ws, y, topk_idx, torch.ones(TOKENS, TOPK), handle, out=None, zero_copy=False,
+                                    return_recv_hook=hooked, **common)
+
+    recv, _, handle, hook = dispatch(False)
+    assert hook is None and [what for what, _ in launches] == [DISPATCH]
+    assert launches[0][1].recv_x == recv[0].data_ptr()
+    out, hook = combine(handle, False)
+    assert hook is None and [what for what, _ in launches] == [DISPATCH, COMBINE]
+    assert launches[1][1].out == out.data_ptr()
+    launches.clear()
+    _, _, handle, hook = dispatch(True)
+    assert [what for what, _ in launches] == [Kernel.DISPATCH_SEND]
+    hook()
+    _, hook = combine(handle, True)
+    assert [what for what, _ in launches] == [Kernel.DISPATCH_SEND, Kernel.DISPATCH_RECV, Kernel.COMBINE_SEND]
+    hook()
+    assert [what for what, _ in launches][3:] == [Kernel.COMBINE_RECV]
+    assert bytes(launches[0][1]) == bytes(launches[1][1]) and bytes(launches[2][1]) == bytes(launches[3][1])

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from ll_launches import record_ll_launches
 
-from gc_moe_compat.comm.ep_ll import MAX_SMS, EpLlParams
-from gc_moe_compat.deep_ep import Buffer, _buffer, _low_latency, _normal
+from gc_moe_compat.comm.ep_ll import MAX_SMS
+from gc_moe_compat.deep_ep import Buffer, _buffer, _normal
 from gc_moe_compat.runtime.workspace import LayoutPlanner, PeerTable, SymmetricWorkspace
 
 
@@ -38,13 +39,12 @@ class HostWorkspace(SymmetricWorkspace):
 
 class DeepEpHost:
     """Makes deep_ep Buffers on :class:`HostWorkspace`; ``launched`` records every low-latency launch as
-    ``(kernel, params)`` (nothing runs). A normal-mode call that passes its checks reaches the GPU refusal of its
-    launch (``fuzz_model.NEEDS_GPU``)."""
+    ``(what, params)`` (tests/kit/ll_launches.py; nothing runs). A normal-mode call that passes its checks reaches
+    the GPU refusal of its launch (``fuzz_model.NEEDS_GPU``)."""
 
     def __init__(self, group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.group, self.monkeypatch, self.launched = group, monkeypatch, []
-        monkeypatch.setattr(_low_latency._Call, "launch", lambda call, kernel: self.launched.append(
-            (kernel, EpLlParams.from_buffer_copy(call.launches.params))))  # a copy: a later call sets the same one
+        self.group, self.monkeypatch = group, monkeypatch
+        self.launched = record_ll_launches(monkeypatch)
 
     def buffer(self, *args: object, ranks: int = 1, **kwargs: object) -> Buffer:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""

@@ -5,9 +5,11 @@ Every rank draws every rank's inputs from one seed (so each can build the refere
 its own outputs: ``recv_count``, every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the
 cumulative statistics, and the combine (outputs poisoned with NaN first, expert-output rows past ``recv_count``
 poisoned with NaN so a read of them shows). Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64
-and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, 200 calls with
-fresh inputs), ``graph`` (dispatch + an expert stand-in + combine captured once, replayed with fresh inputs) and
-``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer then works on both ranks),
+and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, a one-launch
+dispatch inside a hooked one, 200 calls with fresh inputs), ``graph`` / ``graph_fused`` (dispatch + an expert
+stand-in + combine captured once, replayed with fresh inputs; the dispatch or the combine with a receive hook, the
+other in one launch) and ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer
+then works on both ranks),
 ``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from the call
 after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
 ``torch.set_default_device('cuda')``, as DeepEP's own test harness runs them).
@@ -185,6 +187,17 @@ def suite_modes(rank: int, ranks: int) -> None:
     check_dispatch(rank, b, rb[0], rb[1], "plain")
     print(f"rank {rank}: two dispatches in flight bit-exact", flush=True)
 
+    # A dispatch in one launch (no hook) between a hooked dispatch's send and its hook: the next generation, served
+    # by its own words while the earlier one's receive waits.
+    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, experts_for(ranks),
+                                  return_recv_hook=True)
+    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, experts_for(ranks))
+    ra[4]()
+    torch.cuda.synchronize()
+    check_dispatch(rank, a, ra[0], ra[1], "plain")
+    check_dispatch(rank, b, rb[0], rb[1], "plain")
+    print(f"rank {rank}: a one-launch dispatch inside a hooked one bit-exact", flush=True)
+
     # Many calls with fresh inputs: the generation-tagged, parity-buffered words need no reset.
     for i in range(200):
         run_once(buf, rank, ranks, 5000 + i, [TMAX - (i + q) % 5 for q in range(ranks)], "plain", torch.int64,
@@ -193,6 +206,18 @@ def suite_modes(rank: int, ranks: int) -> None:
 
 
 def suite_graph(rank: int, ranks: int) -> None:
+    """The dispatch's two launches (send, then its hook) and the combine's fused launch, captured."""
+    graph_replays(rank, ranks, hooked="dispatch")
+
+
+def suite_graph_fused(rank: int, ranks: int) -> None:
+    """The dispatch's fused launch and the combine's two launches (send, then its hook), captured."""
+    graph_replays(rank, ranks, hooked="combine")
+
+
+def graph_replays(rank: int, ranks: int, hooked: str) -> None:
+    """A layer (dispatch, an expert stand-in, combine; the ``hooked`` direction with a receive hook, the other in
+    one launch) captured once, replayed with fresh inputs against the references, then 1000 times bit-identically."""
     buf = ll_buffer(ranks)
     tokens = [TMAX - 3 * q for q in range(ranks)]
     static = Inputs(1, ranks, tokens, torch.int64)
@@ -200,9 +225,12 @@ def suite_graph(rank: int, ranks: int) -> None:
 
     def layer() -> torch.Tensor:
         recv, _, handle, _, hook = buf.low_latency_dispatch(x, idx, TMAX, experts_for(ranks), use_fp8=False,
-                                                            return_recv_hook=True)
-        hook()
-        combined, _, _ = buf.low_latency_combine(recv * 2, idx, w, handle)
+                                                            return_recv_hook=hooked == "dispatch")
+        if hook is not None:
+            hook()
+        combined, _, hook = buf.low_latency_combine(recv * 2, idx, w, handle, return_recv_hook=hooked == "combine")
+        if hook is not None:
+            hook()
         return combined
 
     layer()  # eager warm-up (kernel loads)
@@ -227,7 +255,7 @@ def suite_graph(rank: int, ranks: int) -> None:
                 outs.append(y)
             want = combine_reference(rank, fresh.idx[rank], fresh.w[rank], outs, fresh.plan)
             assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"graph replay {replay}"
-    print(f"rank {rank}: 100 graph replays with fresh inputs bit-exact", flush=True)
+    print(f"rank {rank}: 100 graph replays with fresh inputs bit-exact ({hooked} hooked)", flush=True)
     # 1000 more replays of the last inputs: every output bit-identical to the reference (compared on the device).
     want = want.cuda().view(torch.int16)
     differing = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -236,7 +264,7 @@ def suite_graph(rank: int, ranks: int) -> None:
         graph.replay()
         differing += (out.view(torch.int16) != want).sum()
     assert differing.item() == 0, f"{differing.item()} elements differ over 1000 replays"
-    print(f"rank {rank}: 1000 captured replays bit-identical", flush=True)
+    print(f"rank {rank}: 1000 captured replays bit-identical ({hooked} hooked)", flush=True)
 
 
 def suite_timeout(rank: int, ranks: int) -> None:
@@ -462,6 +490,7 @@ def suite_default_device(rank: int, ranks: int) -> None:
 
 
 if __name__ == "__main__":
-    run_suite({"modes": suite_modes, "graph": suite_graph, "timeout": suite_timeout, "bad_ids": suite_bad_ids,
+    run_suite({"modes": suite_modes, "graph": suite_graph, "graph_fused": suite_graph_fused,
+               "timeout": suite_timeout, "bad_ids": suite_bad_ids,
                "bad_values": suite_bad_values, "mask": suite_mask, "partition": suite_partition,
                "default_device": suite_default_device})

@@ -1,7 +1,7 @@
 """scripts/host_path_cpu.py (the CPU stand-in's diagnosis of the deep_ep facade's host path) runs end to end here,
 as a user runs it, and reports each call's driver launches as the facade makes them: DeepEP's kernel sequence per call
-(low-latency send + receive; layout alone; an uncached dispatch notify, send, receive; a cached one send, receive;
-a combine the send_head rewrite, send, receive)."""
+(low-latency without a hook: send and receive in one launch; layout alone; an uncached dispatch notify, send, receive;
+a cached one send, receive; a combine the send_head rewrite, send, receive)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHES = {"low_latency_dispatch (FP8)": 2, "low_latency_combine": 2, "get_dispatch_layout": 1,
+LAUNCHES = {"low_latency_dispatch (FP8)": 1, "low_latency_combine": 1, "get_dispatch_layout": 1,
             "dispatch BF16 (uncached)": 3, "dispatch FP8 (uncached)": 3, "dispatch BF16 (cached)": 2, "combine": 3}
 
 
