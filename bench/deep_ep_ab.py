@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import PER_WINDOW, copy_bandwidth, pyplot, require_gpus, result_meta, write_partial_result
+from call_trace import summarize_file, trace_calls
 from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, normal_nvl_bytes, payload_bytes, routing
 
 from gc_moe_compat import originals
@@ -154,6 +155,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="NVSHMEM settings for the original's low-latency probe, one 'K=V K=V' string per try")
     parser.add_argument("--probe-timeout", type=float, default=45.0, help="seconds per low-latency probe")
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds per rank count's measurement")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="also write a Kineto trace of a few eager calls per op, implementation, rank and point "
+                             "of --trace-tokens (bench/call_trace.py) and its summary into this folder")
+    parser.add_argument("--trace-tokens", type=int, nargs="+", default=[512, 1],
+                        help="the T (normal or low-latency) traced with --trace")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -507,6 +513,23 @@ def eager_us(fn: Callable[[], object], args: argparse.Namespace) -> tuple[float,
     return statistics.median(device), host
 
 
+def maybe_trace(job: Job, mode: str, shape: str, tokens: int, impl: str, rank: int,
+                calls: Mapping[str, Callable[[], object]]) -> None:
+    """With ``--trace``, at ``--trace-tokens``: this rank's Kineto trace of ``calls`` (bench/call_trace.py) and its
+    summary beside it (``.txt``), named after the point, the implementation and the rank."""
+    args = job.args
+    if args.trace is None or tokens not in args.trace_tokens:
+        return
+    path = args.trace / f"{mode}_P{job.ranks}_{shape}_T{tokens}_{impl}_rank{rank}.json"
+
+    def sync() -> None:
+        torch.cuda.synchronize()
+        barrier()
+
+    trace_calls(calls, path, sync)
+    path.with_suffix(".txt").write_text("\n".join(summarize_file(path)) + "\n")
+
+
 def graph_us(fn: Callable[[], object], args: argparse.Namespace) -> float:
     """µs per call of ``fn`` replayed from a CUDA graph of two calls: DeepEP's low-latency calls alternate between
     two buffers and each cleans the other one, so a graph of one call would reuse an uncleaned buffer at every
@@ -632,6 +655,7 @@ def normal_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping
             record["recv_rows"] = outputs[impl]["recv_x"].shape[0]
             for op, fn in calls.items():
                 record["latency_us"][f"{impl}/{op}"], record["host_us"][f"{impl}/{op}"] = eager_us(fn, job.args)
+            maybe_trace(job, "normal", shape, tokens, impl, rank, calls)
         except Exception as exc:  # recorded, the run goes on
             record["errors"][impl] = f"{type(exc).__name__}: {exc}"
     if len(outputs) == 2:
@@ -793,6 +817,7 @@ def ll_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping[str
                     eager_us(calls[op], job.args)
             for op in LL_OPS:
                 record["graph_us"][f"{impl}/{op}"] = graph_us(calls[f"graph:{op}"], job.args)
+            maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: calls[op] for op in LL_OPS})
         except Exception as exc:  # recorded, the run goes on
             record["errors"][impl] = f"{type(exc).__name__}: {exc}"
     if len(outputs) == 2:
