@@ -55,6 +55,7 @@ import os
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -357,9 +358,37 @@ def read_job_file(path: Path) -> dict[str, Any]:
         return {}
 
 
-def probe_original_ll(ranks: int, args: argparse.Namespace, workdir: Path) -> tuple[dict[str, str] | None, str]:
+DEVICE_READY_COMMAND = (sys.executable, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")
+"""A fresh process that opens a CUDA context and runs a kernel: whether the GPU (its MPS server) takes new clients."""
+DEVICE_READY_SECONDS = 90.0
+"""How long :func:`wait_for_device` tries after a killed probe. Killing eight NVSHMEM ranks left the MPS server
+refusing new clients (``cudaErrorMpsServerNotReady``, then ``cudaErrorDevicesUnavailable``) long enough that every
+rank of the next measurement failed its CUDA initialisation."""
+
+
+def wait_for_device(limit: float, command: Sequence[str] = DEVICE_READY_COMMAND) -> tuple[bool, str]:
+    """Run ``command`` until it succeeds or ``limit`` seconds have passed (one try a second, each bounded by the
+    time left): (True, how long it took) or (False, the last try's error)."""
+    start, last = time.monotonic(), "not tried"
+    while (left := limit - (time.monotonic() - start)) > 0:
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=max(left, 1.0))
+        except subprocess.TimeoutExpired:
+            last = f"a CUDA context took over {left:.0f} s"
+            break
+        if proc.returncode == 0:
+            return True, f"the GPU took a new client after {time.monotonic() - start:.0f} s"
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        time.sleep(min(1.0, max(0.0, limit - (time.monotonic() - start))))
+    return False, f"the GPU took no new client within {limit:.0f} s: {last}"
+
+
+def probe_original_ll(ranks: int, args: argparse.Namespace, workdir: Path,
+                      ready: Callable[[], tuple[bool, str]] = lambda: wait_for_device(DEVICE_READY_SECONDS)
+                      ) -> tuple[dict[str, str] | None, str]:
     """Try the original's low-latency mode at ``ranks`` ranks with each ``--ll-original-env`` setting in turn (a
-    child group each, killed at ``--probe-timeout``): the first setting it started with, or None and why not."""
+    child group each, killed at ``--probe-timeout``): the first setting it started with, or None and why not. After
+    a killed try, waits until the GPU takes new clients again (``ready``) and says so in the verdict."""
     reasons = []
     for i, text in enumerate(args.ll_original_env):
         env = env_variant(text)
@@ -368,6 +397,8 @@ def probe_original_ll(ranks: int, args: argparse.Namespace, workdir: Path) -> tu
         if outcome.ok and outcome.data.get("started"):
             return env, f"started with {text!r}"
         why = outcome.data.get("error") or outcome.status(args.probe_timeout)
+        if outcome.timed_out:
+            why += f"; then {ready()[1]}"
         reasons.append(f"{text!r}: {why}")
     return None, "did not start: " + "; ".join(reasons)
 

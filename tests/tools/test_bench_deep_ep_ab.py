@@ -248,3 +248,26 @@ def test_an_eager_window_queues_behind_the_barrier_and_one_untimed_call(monkeypa
     args = ab.parse_args(["--calls", "3"])
     assert ab.eager_us(lambda: order.append("call"), args) == (1.0, 2.0)
     assert order == ["barrier", "call", "call", "call", "call"]
+
+
+def test_wait_for_device_retries_until_a_fresh_process_gets_the_gpu(tmp_path: Path) -> None:
+    flag = tmp_path / "tries"
+    # fails twice (as a CUDA init against an MPS server that is not ready), then succeeds
+    code = (f"import pathlib, sys; p = pathlib.Path({str(flag)!r}); n = int(p.read_text()) if p.exists() else 0; "
+            "p.write_text(str(n + 1)); sys.exit(0 if n >= 2 else print('Error 807: MPS server is not ready', "
+            "file=sys.stderr) or 1)")
+    ok, why = ab.wait_for_device(30.0, [sys.executable, "-c", code])
+    assert ok and why.startswith("the GPU took a new client after") and flag.read_text() == "3"
+    ok, why = ab.wait_for_device(1.5, [sys.executable, "-c", "import sys; sys.exit('device busy or unavailable')"])
+    assert not ok and why == "the GPU took no new client within 2 s: device busy or unavailable"
+
+
+def test_a_killed_probe_waits_for_the_gpu_before_the_measurement(tmp_path: Path, monkeypatch) -> None:
+    outcome = ab.Outcome()
+    outcome.timed_out, outcome.exit_codes, outcome.data = True, [-9, -9], {}
+    monkeypatch.setattr(ab, "run_job", lambda job, timeout: outcome)
+    calls = []
+    env, verdict = ab.probe_original_ll(8, ab.parse_args(["--probe-timeout", "10"]), tmp_path,
+                                        ready=lambda: calls.append(1) or (True, "the GPU took a new client after 3 s"))
+    assert env is None and calls == [1]
+    assert verdict.endswith("timed out after 10 s (ranks killed); then the GPU took a new client after 3 s")
