@@ -485,7 +485,7 @@ def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num
     host ``mirror`` (``[4, 32]`` uint8): one read of its code words (``codes``: :func:`status_codes` of ``mirror``,
     kept by the caller so the check costs no view either), no synchronization, so it may lag the device by the calls
     still in flight. Clears the records and the mirror before raising."""
-    if not (status_codes(mirror) if codes is None else codes).any():
+    if not np.count_nonzero(status_codes(mirror) if codes is None else codes):
         return
     saved = mirror.clone()
     status_records(workspace).zero_()

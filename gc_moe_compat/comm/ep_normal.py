@@ -391,7 +391,7 @@ def raise_for_mirrored_status(workspace: torch.Tensor, mirror: torch.Tensor, num
     the device by the calls still in flight; ``when`` ends the kernel's name in the message (the default: at the
     start of a call; ``""`` where the communication stream has just been synchronized, so the records are this
     call's). Clears records and mirror before raising."""
-    if not (status_codes(mirror) if codes is None else codes).any():
+    if not np.count_nonzero(status_codes(mirror) if codes is None else codes):
         return
     saved = mirror.clone()
     status_records(workspace).zero_()

@@ -318,7 +318,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
         if recv_stats.shape[0] != local:
             raise ValueError(f"cumulative_local_expert_recv_stats: must have num_experts / group size = {local} "
                              f"entries, got {recv_stats.shape[0]}")
-    recv_x = torch.empty((local, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+    recv_x = torch.empty(local, slots, hidden, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                          device=device)
     scales = None
     if use_fp8:
@@ -328,8 +328,8 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
         scales = torch.empty_strided((local, slots, groups), (groups * slots, 1, slots),
                                      dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
-    src_info = torch.empty((local, slots), dtype=torch.int32, device=device)
-    layout_range = torch.empty((local, ranks), dtype=torch.int64, device=device)
+    src_info = torch.empty(local, slots, dtype=torch.int32, device=device)
+    layout_range = torch.empty(local, ranks, dtype=torch.int64, device=device)
     # One allocation for what only the kernels and the handle's combine use: the call's generation word (int64),
     # then the handle's src_route [L, P*Tmax] and routing [T, k] (int32), each 16-byte aligned.
     route_at = 4
@@ -419,7 +419,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         raise ValueError(f"topk_weights: must be float32 {list(expected)} like topk_idx, got "
                          f"{list(topk_weights.shape)}")
     if out is None:
-        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
     else:
         out = _tensor("out", out, (torch.bfloat16,), 2, device)
         if tuple(out.shape) != (num_tokens, hidden):

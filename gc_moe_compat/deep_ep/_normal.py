@@ -540,7 +540,7 @@ class NormalMode:
         stream = self._begin(fn, num_sms)
         per_rank = torch.empty(self.ranks, dtype=torch.int32, device=self.device)
         per_expert = torch.empty(experts, dtype=torch.int32, device=self.device)
-        in_rank = torch.empty((tokens, self.ranks), dtype=torch.bool, device=self.device)
+        in_rank = torch.empty(tokens, self.ranks, dtype=torch.bool, device=self.device)
         # A pointer field is 0 for an empty tensor (the kernels' contract): here, exactly when there are no tokens.
         p = launch.params[0]
         p.timeout_ns = _timeout_ns(spin_timeout_setting())
@@ -636,14 +636,30 @@ class NormalMode:
         op = self._next_op()
         stream.wait(previous_event)
         expert_list: list[int] = []
+        recv_channel_prefix = None
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its tokens (or received rows) are none (its other extents are positive).
         if not cached:
-            rank_prefix = torch.empty((self.ranks, self.ranks), dtype=torch.int32, device=self.device)
-            channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
-            send_head = torch.empty((tokens, self.ranks), dtype=torch.int32, device=self.device)
+            rank_prefix = torch.empty(self.ranks, self.ranks, dtype=torch.int32, device=self.device)
+            channel_prefix = torch.empty(self.ranks, channels, dtype=torch.int32, device=self.device)
+            send_head = torch.empty(tokens, self.ranks, dtype=torch.int32, device=self.device)
+            recv_channel_prefix = torch.empty(self.ranks, channels, dtype=torch.int32, device=self.device)
+        timeout = _timeout_ns(spin_timeout_setting())
+        # The transfer's fields that do not depend on the received count are set before notify's launch, so that
+        # after the CPU wait only the received tensors are allocated and pointed to: every host microsecond there
+        # delays the transfer (DeepEP's C++ does only that much after its wait).
+        p = launch.params[-1]
+        p.timeout_ns, p.op = timeout, op
+        p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+        p.recv_channel_prefix = 0 if cached else recv_channel_prefix.data_ptr()
+        if tokens:
+            p.x, p.send_head = payload.data_ptr(), send_head.data_ptr()
+            p.x_scales = 0 if scales is None else scales.data_ptr()
+            p.topk_idx, p.topk_weights = (topk_idx.data_ptr(), topk_weights.data_ptr()) if topk else (0, 0)
+        else:
+            p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
+        if not cached:
             host, tag = self._host_counts.get(local) or self._new_host_record(local)
-            timeout = _timeout_ns(spin_timeout_setting())
             n = launch.params[0]
             n.timeout_ns, n.op, n.host_counts = timeout, op, host.data_ptr()
             n.num_tokens_per_rank, n.num_tokens_per_expert = (num_tokens_per_rank.data_ptr(),
@@ -664,28 +680,15 @@ class NormalMode:
                                                   counts[HostRecord.MOST_SENT])
                 expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
                 self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
-        recv_x = torch.empty((num_recv, hidden), dtype=payload.dtype, device=self.device)
-        recv_scales = None if scales is None else torch.empty((num_recv, scales.shape[1]), dtype=scales.dtype,
+        recv_x = torch.empty(num_recv, hidden, dtype=payload.dtype, device=self.device)
+        recv_scales = None if scales is None else torch.empty(num_recv, scales.shape[1], dtype=scales.dtype,
                                                                device=self.device)
         recv_src_idx = torch.empty(num_recv, dtype=torch.int32, device=self.device)
-        recv_topk_idx = recv_topk_weights = recv_channel_prefix = None
+        recv_topk_idx = recv_topk_weights = None
         if topk:
-            recv_topk_idx = torch.empty((num_recv, topk), dtype=topk_idx.dtype, device=self.device)
-            recv_topk_weights = torch.empty((num_recv, topk), dtype=torch.float32, device=self.device)
-        if not cached:
-            recv_channel_prefix = torch.empty((self.ranks, channels), dtype=torch.int32, device=self.device)
-        else:  # the transfer's parameters are the first this call sets
-            timeout = _timeout_ns(spin_timeout_setting())
-        p = launch.params[-1]
-        p.timeout_ns, p.op, p.recv_rows = timeout, op, num_recv
-        p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-        p.recv_channel_prefix = 0 if cached else recv_channel_prefix.data_ptr()
-        if tokens:
-            p.x, p.send_head = payload.data_ptr(), send_head.data_ptr()
-            p.x_scales = 0 if scales is None else scales.data_ptr()
-            p.topk_idx, p.topk_weights = (topk_idx.data_ptr(), topk_weights.data_ptr()) if topk else (0, 0)
-        else:
-            p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
+            recv_topk_idx = torch.empty(num_recv, topk, dtype=topk_idx.dtype, device=self.device)
+            recv_topk_weights = torch.empty(num_recv, topk, dtype=torch.float32, device=self.device)
+        p.recv_rows = num_recv
         if num_recv:
             p.recv_x, p.recv_src_idx = recv_x.data_ptr(), recv_src_idx.data_ptr()
             p.recv_scales = 0 if scales is None else recv_scales.data_ptr()
@@ -763,8 +766,8 @@ class NormalMode:
             self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
-        out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=self.device)
-        out_weights = None if not topk else torch.empty((tokens, topk), dtype=torch.float32, device=self.device)
+        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=self.device)
+        out_weights = None if not topk else torch.empty(tokens, topk, dtype=torch.float32, device=self.device)
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its rows (received, or the handle's tokens) are none (its other extents are positive).
         p = launch.params[0]
