@@ -69,8 +69,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _call_trace import summarize_file, trace_calls
 from _common import PER_WINDOW, copy_bandwidth, pyplot, require_gpus, result_meta, write_partial_result
-from call_trace import summarize_file, trace_calls
 from deep_ep_sm90 import dispatch_kwargs, fp8_rows, ll_floor_bytes, normal_nvl_bytes, payload_bytes, routing
 
 from gc_moe_compat import originals
@@ -158,7 +158,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds per rank count's measurement")
     parser.add_argument("--trace", type=Path, default=None,
                         help="also write a Kineto trace of a few eager calls per op, implementation, rank and point "
-                             "of --trace-tokens (bench/call_trace.py) and its summary into this folder")
+                             "of --trace-tokens (bench/_call_trace.py) and its summary into this folder")
     parser.add_argument("--trace-tokens", type=int, nargs="+", default=[512, 1],
                         help="the T (normal or low-latency) traced with --trace")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
@@ -546,7 +546,7 @@ def eager_us(fn: Callable[[], object], args: argparse.Namespace) -> tuple[float,
 
 def maybe_trace(job: Job, mode: str, shape: str, tokens: int, impl: str, rank: int,
                 calls: Mapping[str, Callable[[], object]]) -> None:
-    """With ``--trace``, at ``--trace-tokens``: this rank's Kineto trace of ``calls`` (bench/call_trace.py) and its
+    """With ``--trace``, at ``--trace-tokens``: this rank's Kineto trace of ``calls`` (bench/_call_trace.py) and its
     summary beside it (``.txt``), named after the point, the implementation and the rank."""
     args = job.args
     if args.trace is None or tokens not in args.trace_tokens:

@@ -1,4 +1,4 @@
-"""bench/call_trace.py: the per-call summary of a Kineto trace (launches matched to their kernels by correlation id,
+"""bench/_call_trace.py: the per-call summary of a Kineto trace (launches matched to their kernels by correlation id,
 host gaps, allocation time), on a hand-made trace with known times; the CLI on a saved file."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-import call_trace  # noqa: E402 - bench/ is a script folder, put on the path above
+import _call_trace as call_trace  # noqa: E402 - bench/ is a script folder, put on the path above
 
 
 def _x(cat: str, name: str, ts: float, dur: float, **args: object) -> dict[str, object]:

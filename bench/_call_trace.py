@@ -6,7 +6,7 @@ The summary answers what the result files' ``latency_us`` / ``host_us`` cannot s
 (entry to return), each kernel it launched (the launch's host offset from the call's entry, the kernel's GPU start
 and end offsets and its duration), and the host gaps between two launches, where an uncached dispatch's CPU wait
 for the received counts and the allocations after it show up. ``bench/deep_ep_ab.py --trace DIR`` writes the traces
-(one Chrome trace per implementation, rank and point) and their summaries; ``python bench/call_trace.py DIR``
+(one Chrome trace per implementation, rank and point) and their summaries; ``python bench/_call_trace.py DIR``
 summarizes saved traces again. Tracing adds host time to every call (the profiler's callbacks): read offsets and
 gaps against each other, not against the untraced ``host_us``.
 """
