@@ -168,9 +168,11 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
   store(r.params, kRecvCount, recv_count.const_data_ptr());
   store(r.params, kSrcInfo, src_info.const_data_ptr());
   store(r.params, kLayoutRange, layout_range.const_data_ptr());
-  store(r.params, kCallGen, priv.const_data_ptr());
-  store(r.params, kSrcRoute, src_route.const_data_ptr());
-  store(r.params, kRouting, routing.const_data_ptr());
+  // The views' addresses from the allocation's (an empty view's data pointer is null, its place in params is not).
+  const auto* base = static_cast<const char*>(priv.const_data_ptr());
+  store(r.params, kCallGen, base);
+  store(r.params, kSrcRoute, base + r.route_at * priv.element_size());
+  store(r.params, kRouting, base + r.routing_at * priv.element_size());
   store(r.params, kRecvStats, stats.defined() ? stats.const_data_ptr() : nullptr);
   return py::make_tuple(r.launches, wrap(std::move(recv_x)), scales.defined() ? wrap(std::move(scales)) : py::none(),
                         wrap(std::move(recv_count)), wrap(std::move(src_info)), wrap(std::move(layout_range)),
