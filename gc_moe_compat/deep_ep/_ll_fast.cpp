@@ -129,7 +129,8 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
     return py::none();
   }
   const py::tuple key = py::make_tuple(x.size(0), x.size(1), idx.size(1), idx.element_size());
-  const py::handle found = PyDict_GetItem(records.ptr(), key.ptr());  // borrowed; sets no error
+  // Held for the call (an allocation may run Python code, a dispatch mode's, which could drop it from the dict).
+  const auto found = py::reinterpret_borrow<py::object>(PyDict_GetItem(records.ptr(), key.ptr()));
   if (!found) {
     return py::none();
   }
@@ -189,7 +190,7 @@ py::object combine(const py::dict& records, const py::handle& src_info_obj, cons
     return py::none();
   }
   const py::int_ key(idx.element_size());
-  const py::handle found = PyDict_GetItem(records.ptr(), key.ptr());
+  const auto found = py::reinterpret_borrow<py::object>(PyDict_GetItem(records.ptr(), key.ptr()));
   if (!found) {
     return py::none();
   }

@@ -79,6 +79,7 @@ _STATS_DTYPE = torch.int32
 _PRIVATE_DTYPE = torch.int32
 """The dtype of a dispatch's private allocation, so of the handle's ``src_route`` and ``routing`` views."""
 
+
 class _State:
     """What the calls on one workspace keep (created with its first call): the pinned status mirror and the numpy
     view of its code words, the packed launches of each call shape (:class:`LlLaunches`, keyed by the thread, the
@@ -307,7 +308,7 @@ def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
     return receive
 
 
-DispatchMade = tuple[LlLaunches, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
+_DispatchMade = tuple[LlLaunches, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
                      torch.Tensor, torch.Tensor, torch.Tensor]
 """A dispatch's packed launches (this call's pointers set) and its tensors: ``recv_x``, the scales (None for BF16),
 ``recv_count``, ``src_info``, ``layout_range``, the private allocation and its two views ``src_route`` and
@@ -347,7 +348,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
 
 def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: ModuleType | None, x: object,
                       topk_idx: object, max_tokens: object, num_experts: object, recv_stats: object, *,
-                      use_fp8: bool, round_scale: bool, use_ue8m0: bool, flags: int) -> DispatchMade:
+                      use_fp8: bool, round_scale: bool, use_ue8m0: bool, flags: int) -> _DispatchMade:
     """The Python host path of a dispatch: checks its arguments (raising what a bad one breaks), allocates its
     outputs and sets their pointers in the shape's packed launches; with the compiled module (``fast``), records
     the call shape for its later calls (:func:`_remember`)."""
