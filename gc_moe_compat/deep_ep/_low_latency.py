@@ -11,7 +11,7 @@ never take the compute partition's SMs (slower on one H200 even beside a concurr
 A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_ll.LlLaunches`, per
 workspace and thread, keyed by the sizes, the flags and ``GC_MOE_SPIN_TIMEOUT_MS`` as set at the call), so a call
 checks its tensors, allocates its outputs, sets its pointers and launches. Once a call shape has passed the Python
-checks, its later calls do those three steps in one call of the compiled host path (:mod:`._ll_fast`: the checks
+checks, its later calls do those three steps in one call of the compiled host path (:mod:`._compiled_host`: the checks
 against the shape's record, at least as strict; at any difference the Python path runs and raises its own errors),
 unless ``GC_MOE_DEEP_EP_HOST_PATH=python`` or the extension could not be built. ``GC_MOE_DEEP_EP_PARTITION`` and
 ``GC_MOE_SPIN_TIMEOUT_MS`` are read at every call (a read of each, under a microsecond), as the operator's calls read
@@ -61,7 +61,7 @@ from gc_moe_compat.comm.ep_ll import (
     required_bytes,
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
-from gc_moe_compat.deep_ep import _ll_fast
+from gc_moe_compat.deep_ep import _compiled_host
 from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
@@ -325,7 +325,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     state = _state(workspace, _capturing(workspace))
     flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
         (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
-    fast = _ll_fast.compiled()
+    fast = _compiled_host.compiled()
     records = None if fast is None else _records(state, "dispatch", max_tokens, num_experts, flags)
     made = None if records is None else fast.dispatch(records, x, topk_idx, recv_stats)
     if made is None:
@@ -456,7 +456,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     it raises what earlier calls recorded once its checks passed (before the launch); where they do not, the Python
     path runs from the start: a call raises the Python path's errors in its order."""
     capturing = _capturing(workspace)
-    fast = _ll_fast.compiled()
+    fast = _compiled_host.compiled()
     made = None
     if fast is not None and isinstance(handle, LowLatencyHandle) and handle.comes_from(workspace) and \
             (state := _states.get(workspace)) is not None:

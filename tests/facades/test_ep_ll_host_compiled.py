@@ -1,6 +1,6 @@
-"""The compiled host path of the low-latency calls (gc_moe_compat/deep_ep/_ll_fast.cpp) against the Python path, on
-the host tests' CPU workspace stand-in (test_ep_ll_host.py's): the same outputs (dtype, shape, strides, device,
-views) and the same launch parameters for every call shape; every argument the record does not match runs the
+"""The compiled host path of the low-latency calls (gc_moe_compat/deep_ep/_compiled_host.cpp) against the Python
+path, on the host tests' CPU workspace stand-in (test_ep_ll_host.py's): the same outputs (dtype, shape, strides,
+device, views) and the same launch parameters for every call shape; every argument the record does not match runs the
 Python path, which raises its own exception; a new shape gets its own record; ``GC_MOE_DEEP_EP_HOST_PATH=python``
 forces the Python path; a failed build leaves the Python path and says why."""
 
@@ -18,22 +18,22 @@ from ll_launches import Launch, record_ll_launches
 from test_ep_ll_host import _Workspace
 
 from gc_moe_compat import swap
-from gc_moe_compat.comm import ep_ll
+from gc_moe_compat.comm import ep_ll, ep_normal
 from gc_moe_compat.comm.ep_ll import EpLlParams, LlShape
-from gc_moe_compat.deep_ep import _ll_fast, _low_latency
+from gc_moe_compat.deep_ep import _compiled_host, _low_latency
 from gc_moe_compat.deep_ep._low_latency import LowLatencyHandle
 from gc_moe_compat.runtime.status import DeviceCheckError, KernelStatus
 from gc_moe_compat.runtime.workspace import PeerTable
 
-ENV = _ll_fast.HOST_PATH_ENV
+ENV = _compiled_host.HOST_PATH_ENV
 POINTERS = [name for name, _ in EpLlParams._fields_ if name in ep_ll._POINTER_FIELDS]
 
 
 @pytest.fixture(scope="module")
 def fast() -> ModuleType:
-    module = _ll_fast.compiled()
+    module = _compiled_host.compiled()
     if module is None:
-        pytest.skip(f"the extension did not build here: {_ll_fast.host_path()['reason']}")
+        pytest.skip(f"the extension did not build here: {_compiled_host.host_path()['reason']}")
     return module
 
 
@@ -351,7 +351,7 @@ def test_the_variable_forces_the_python_path(fast: ModuleType, launches: list, p
         handle = _dispatch(ws, x, idx, 8, 8)[2]
         _combine(ws, torch.zeros(8, 8, 256, dtype=torch.bfloat16), idx, torch.ones(5, 4), handle)
     assert python_calls == ["_checked_dispatch", "_checked_combine"] * 3
-    assert _ll_fast.host_path() == {"host_path": "python", "reason": f"{ENV}=python"}
+    assert _compiled_host.host_path() == {"host_path": "python", "reason": f"{ENV}=python"}
     monkeypatch.setenv(ENV, "cpp")
     with pytest.raises(ValueError, match=rf"{ENV}: must be one of \('compiled', 'python'\) .* got 'cpp'"):
         _dispatch(ws, x, idx, 8, 8)
@@ -382,9 +382,9 @@ def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Non
     """A build of its own in ``tmp_path`` (the test's), then the regular one again."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
-    _ll_fast._build.cache_clear()
+    _compiled_host._build.cache_clear()
     yield
-    _ll_fast._build.cache_clear()
+    _compiled_host._build.cache_clear()
 
 
 def test_a_failed_build_leaves_the_python_path_and_says_why(fresh_build: None, tmp_path: Path, launches: list,
@@ -393,28 +393,28 @@ def test_a_failed_build_leaves_the_python_path_and_says_why(fresh_build: None, t
                                                            capsys: pytest.CaptureFixture) -> None:
     """A compile error, or no ninja: ``host_path`` and ``swap --check`` report the Python path and the error, the
     calls run the Python path (and build no record), one warning is logged."""
-    broken = tmp_path / "_ll_fast.cpp"
+    broken = tmp_path / "_compiled_host.cpp"
     broken.write_text('#error "a broken source"\n')
-    monkeypatch.setattr(_ll_fast, "SOURCE", broken)
-    with caplog.at_level(logging.WARNING, logger=_ll_fast.__name__):
-        report = _ll_fast.host_path()
+    monkeypatch.setattr(_compiled_host, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=_compiled_host.__name__):
+        report = _compiled_host.host_path()
         ws = _workspace(1, 8, 8, 256)
         x, idx = torch.zeros(5, 256, dtype=torch.bfloat16), torch.zeros(5, 4, dtype=torch.int64)
         for _ in range(2):
             _dispatch(ws, x, idx, 8, 8)
     assert report["host_path"] == "python" and "a broken source" in report["reason"]
-    assert report["reason"].startswith(f"_ll_fast.cpp could not be built in {tmp_path / 'deep_ep_ll_fast'}")
+    assert report["reason"].startswith(f"_compiled_host.cpp could not be built in {tmp_path / 'deep_ep_compiled_host'}")
     assert python_calls == ["_checked_dispatch"] * 2 and _low_latency._states[ws].records == {}
     assert len([r for r in caplog.records if "Python host path" in r.getMessage()]) == 1
     assert swap.check() == 0
-    assert capsys.readouterr().out.endswith(f"deep_ep facade, low-latency host path: python ({report['reason']})\n")
-    _ll_fast._build.cache_clear()
-    unbuilt = tmp_path / "unbuilt" / "_ll_fast.cpp"  # a source torch's loader has not seen in this process
+    assert capsys.readouterr().out.endswith(f"deep_ep facade host path: python ({report['reason']})\n")
+    _compiled_host._build.cache_clear()
+    unbuilt = tmp_path / "unbuilt" / "_compiled_host.cpp"  # a source torch's loader has not seen in this process
     unbuilt.parent.mkdir()
     unbuilt.write_text("// never compiled\n")
-    monkeypatch.setattr(_ll_fast, "SOURCE", unbuilt)
+    monkeypatch.setattr(_compiled_host, "SOURCE", unbuilt)
     monkeypatch.setenv("PATH", str(tmp_path))  # no ninja, no compiler
-    report = _ll_fast.host_path()
+    report = _compiled_host.host_path()
     assert report["host_path"] == "python" and "Ninja is required" in report["reason"], report
 
 
@@ -423,23 +423,32 @@ def test_the_check_command_reports_the_host_path(fast: ModuleType, monkeypatch: 
     monkeypatch.delenv(ENV, raising=False)
     assert swap.check() == 0
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.startswith("deep_ep facade, low-latency host path: compiled (_ll_fast.cpp built in ")
-    assert _ll_fast.host_path()["host_path"] == "compiled"
+    assert line.startswith("deep_ep facade host path: compiled (_compiled_host.cpp built in ")
+    assert _compiled_host.host_path()["host_path"] == "compiled"
     monkeypatch.setenv(ENV, "python")
     assert swap.check() == 0
     assert capsys.readouterr().out.splitlines()[-1] == \
-        f"deep_ep facade, low-latency host path: python ({ENV}=python)"
+        f"deep_ep facade host path: python ({ENV}=python)"
     monkeypatch.setenv(ENV, "fast")
     assert swap.check() == 2
     assert capsys.readouterr().out.splitlines()[-1].startswith(
-        f"deep_ep facade, low-latency host path: configuration error: {ENV}: must be one of")
+        f"deep_ep facade host path: configuration error: {ENV}: must be one of")
 
 
 def test_the_extension_stores_at_the_ctypes_fields_offsets(fast: ModuleType) -> None:
-    """The fields the extension stores are 64-bit pointer fields of EpLlParams, their offsets the ctypes ones."""
-    assert set(fast.PARAM_FIELDS) <= ep_ll._POINTER_FIELDS
-    assert {name: _ll_fast._u64_offset(name) for name in fast.PARAM_FIELDS} == {
-        name: getattr(EpLlParams, name).offset for name in fast.PARAM_FIELDS}
-    with pytest.raises(TypeError, match="EpLlParams.num_tokens: the extension stores a 64-bit address there"):
-        _ll_fast._u64_offset("num_tokens")
+    """The fields the extension stores are the per-call fields of EpLlParams (its pointers) and EpNormalParams
+    (its pointers and received rows; the spin timeout and the op number stay Python's), at the ctypes offsets and
+    widths."""
+    assert set(fast.PARAM_FIELDS) == set(_compiled_host.PARAM_STRUCTS) == {"EpLlParams", "EpNormalParams"}
+    assert set(fast.PARAM_FIELDS["EpLlParams"]) <= ep_ll._POINTER_FIELDS
+    assert set(fast.PARAM_FIELDS["EpNormalParams"]) == ep_normal.PER_CALL_FIELDS - {"timeout_ns", "op"}
+    for struct, fields in fast.PARAM_FIELDS.items():
+        params = _compiled_host.PARAM_STRUCTS[struct]
+        for name, width in fields.items():
+            field = getattr(params, name)
+            assert (_compiled_host.field_offset(params, name, width), width) == (field.offset, field.size)
+    with pytest.raises(TypeError, match="EpLlParams.num_tokens: the extension stores 8 bytes there, the field has 4"):
+        _compiled_host.field_offset(EpLlParams, "num_tokens", 8)
+    with pytest.raises(ValueError, match="set_param_offsets: no parameter struct EpOtherParams"):
+        fast.set_param_offsets("EpOtherParams", {}, 8)
     assert ctypes.sizeof(EpLlParams) == 232
