@@ -18,7 +18,9 @@ Behaviour:
   silently fall back to the original), and ``--check`` reports it with exit status 2.
 * The first swapped import logs one line (logger ``gc_moe_compat.swap``, INFO) naming what is replaced.
 
-``python -m gc_moe_compat.swap --check`` prints the variable, what is active and where each module comes from.
+``python -m gc_moe_compat.swap --check`` prints the variable, what is active and where each module comes from, and
+the host path of the ``deep_ep`` facade's calls (compiled, or Python and why: building it if no call has, so a check
+before serving also takes the build off the first call).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def _hook_line(value: str | None) -> tuple[str, int]:
 
 
 def check() -> int:
-    """Print the variable, the active swap and each module's source; 0 when consistent, 2 on a bad value."""
+    """Print the variable, the active swap, each module's source and the ``deep_ep`` facade's host path; 0 when
+    consistent, 2 on a bad value (of ``GC_MOE_SWAP`` or ``GC_MOE_DEEP_EP_HOST_PATH``)."""
     value = os.environ.get(ENV)
     print(f"{ENV}={value!r}")
     line, status = _hook_line(value)
@@ -105,7 +108,23 @@ def check() -> int:
         return status
     for name in MODULES:
         print(f"{name}: {_describe(name)}")
-    return 0
+    line, status = _deep_ep_host_path()
+    print(f"deep_ep facade host path: {line}")
+    return status
+
+
+def _deep_ep_host_path() -> tuple[str, int]:
+    """``compiled`` or ``python`` and why (:func:`gc_moe_compat.deep_ep._compiled_host.host_path`), and the exit
+    status (2: ``GC_MOE_DEEP_EP_HOST_PATH`` has a bad value, which every deep_ep dispatch and combine would raise)."""
+    try:
+        from gc_moe_compat.deep_ep._compiled_host import host_path
+    except ImportError as exc:
+        return f"not importable: {exc}", 0
+    try:
+        report = host_path()
+    except ValueError as exc:
+        return f"configuration error: {exc}", 2
+    return f"{report['host_path']} ({report['reason']})", 0
 
 
 def main(argv: list[str] | None = None) -> int:

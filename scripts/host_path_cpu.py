@@ -19,6 +19,11 @@ partition-off one (the default); the low-latency path skips the capture check an
 workspace adds. CPU ``torch.empty`` of a large tensor is an mmap here, not a caching-allocator hit. A diagnosis of
 the host work, not a benchmark of the GPU path (bench/profile_deep_ep_host.py is, on an H200).
 
+The calls take the host path ``GC_MOE_DEEP_EP_HOST_PATH`` selects (printed first: the compiled one by default, whose
+checks, allocations and pointer stores are one C++ call per call, two for an uncached normal dispatch, its
+``at::empty`` not counted as allocations; ``python``: the Python path), so an A/B is two runs, one with the variable
+set.
+
 ``PYTHONPATH=. python scripts/host_path_cpu.py [--mode all|ll|normal] [--calls 2000] [--hidden 7168]
 [--experts 256] [--tokens 128] [--normal-tokens 4096] [--ranks 2]``
 """
@@ -41,7 +46,7 @@ import torch
 from cuda.bindings import driver
 
 from gc_moe_compat.comm import ep_ll, ep_normal
-from gc_moe_compat.deep_ep import Buffer, _low_latency, _normal
+from gc_moe_compat.deep_ep import Buffer, _compiled_host, _low_latency, _normal
 from gc_moe_compat.deep_ep._config import aligned_bytes
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.single_rank import single_rank_group
@@ -263,6 +268,8 @@ def main() -> None:
     args = parser.parse_args()
     counts = _Counts()
     _stand_ins(counts)
+    where = _compiled_host.host_path()
+    print(f"host path: {where['host_path']} ({where['reason']})")
     if args.mode in ("all", "ll"):
         _report(_ll_calls(args.hidden, args.experts, args.tokens, args.topk), counts, args.calls)
     if args.mode in ("all", "normal"):

@@ -10,7 +10,10 @@ never take the compute partition's SMs (slower on one H200 even beside a concurr
 
 A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_ll.LlLaunches`, per
 workspace and thread, keyed by the sizes, the flags and ``GC_MOE_SPIN_TIMEOUT_MS`` as set at the call), so a call
-checks its tensors, allocates its outputs, sets its pointers and launches. ``GC_MOE_DEEP_EP_PARTITION`` and
+checks its tensors, allocates its outputs, sets its pointers and launches. Once a call shape has passed the Python
+checks, its later calls do those three steps in one call of the compiled host path (:mod:`._compiled_host`: the checks
+against the shape's record, at least as strict; at any difference the Python path runs and raises its own errors),
+unless ``GC_MOE_DEEP_EP_HOST_PATH=python`` or the extension could not be built. ``GC_MOE_DEEP_EP_PARTITION`` and
 ``GC_MOE_SPIN_TIMEOUT_MS`` are read at every call (a read of each, under a microsecond), as the operator's calls read
 them when they are built: a change between two calls of one Buffer takes effect at the next call, which the tests and
 tools that switch them around calls rely on; DeepEP users, who set them before the first call, see no difference.
@@ -31,9 +34,11 @@ call).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from cuda.bindings import driver
@@ -56,6 +61,7 @@ from gc_moe_compat.comm.ep_ll import (
     required_bytes,
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
+from gc_moe_compat.deep_ep import _compiled_host
 from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
@@ -68,18 +74,25 @@ __all__ = ["LowLatencyHandle", "check_sizes", "clean_mask", "combine", "comm_par
            "next_combine_buffer", "partition_report", "query_mask", "update_mask"]
 
 Hook = Callable[[], None]
+_STATS_DTYPE = torch.int32
+"""The dtype of ``cumulative_local_expert_recv_stats`` (DeepEP's), the one the checks of both host paths accept."""
+_PRIVATE_DTYPE = torch.int32
+"""The dtype of a dispatch's private allocation, so of the handle's ``src_route`` and ``routing`` views."""
+
 
 class _State:
     """What the calls on one workspace keep (created with its first call): the pinned status mirror and the numpy
-    view of its code words, and the packed launches of each call shape (:class:`LlLaunches`, keyed by the thread,
-    the kind of call, its sizes and flags and the spin timeout setting: see :func:`_launches`)."""
+    view of its code words, the packed launches of each call shape (:class:`LlLaunches`, keyed by the thread, the
+    kind of call, its sizes and flags and the spin timeout setting: see :func:`_launches`) and beside them the
+    compiled host path's records of the same shapes (``records``: see :func:`_records`)."""
 
-    __slots__ = ("codes", "launches", "mirror")
+    __slots__ = ("codes", "launches", "mirror", "records")
 
     def __init__(self, device: torch.device) -> None:
         self.mirror = new_status_mirror(device)
         self.codes = status_codes(self.mirror)
         self.launches: dict[tuple, LlLaunches] = {}
+        self.records: dict[tuple, dict[object, object]] = {}
 
 
 _states: weakref.WeakKeyDictionary[SymmetricWorkspace, _State] = weakref.WeakKeyDictionary()
@@ -93,6 +106,25 @@ def _state(workspace: SymmetricWorkspace, capturing: bool) -> _State:
     if not capturing:
         raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
     return state
+
+
+def _records(state: _State, kind: str, *sizes: object) -> dict[object, object] | None:
+    """The compiled host path's records of the calls of ``kind`` with these ``sizes`` and flags (the arguments that
+    are no tensor) on this thread under the spin timeout setting as set now (a change is seen by the next call, as
+    with :func:`_launches`), keyed by what the extension reads off the tensors (``(T, H, k, index bytes)`` for a
+    dispatch, the index bytes for a combine); None where no call of them passed the Python path yet. Sizes of
+    another type than int (the first two) are never looked up: the Python path checks them."""
+    if type(sizes[0]) is not int or type(sizes[1]) is not int:
+        return None
+    return state.records.get((kind, threading.get_ident(), *sizes, spin_timeout_setting()))
+
+
+def _remember(state: _State, kind: str, sizes: tuple, shape_key: object, make: Callable[[], object]) -> None:
+    """Keeps the record ``make`` builds for the call shape the Python path just checked (once per shape), where
+    :func:`_records` finds it for the calls of ``kind``, ``sizes`` (exact ints) and ``shape_key``."""
+    records = state.records.setdefault((kind, threading.get_ident(), *sizes, spin_timeout_setting()), {})
+    if shape_key not in records:
+        records[shape_key] = make()
 
 
 def raise_recorded(workspace: SymmetricWorkspace) -> None:
@@ -258,6 +290,7 @@ def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShap
                             status_mirror=state.mirror.data_ptr(), **fixed)
     if len(state.launches) >= MAX_LAUNCH_SHAPES:  # a decode step's token count: up to Tmax entries per kind
         state.launches.clear()
+        state.records.clear()
     key = (kind, threading.get_ident(), shape.max_tokens, shape.hidden, shape.num_experts, shape.topk, num_tokens,
            idx_bytes, flags, zero_copy, setting)
     state.launches[key] = launches
@@ -275,6 +308,13 @@ def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
     return receive
 
 
+_DispatchMade = tuple[LlLaunches, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
+                     torch.Tensor, torch.Tensor, torch.Tensor]
+"""A dispatch's packed launches (this call's pointers set) and its tensors: ``recv_x``, the scales (None for BF16),
+``recv_count``, ``src_info``, ``layout_range``, the private allocation and its two views ``src_route`` and
+``routing`` (what either host path makes)."""
+
+
 def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
              num_experts: int, *, recv_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
              use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, shrink: bool, num_sms: int
@@ -283,6 +323,36 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     skip the masked ranks (DeepEP's ``enable_shrink``); ``num_sms``: the communication partition's request."""
     device = workspace.device
     state = _state(workspace, _capturing(workspace))
+    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
+        (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
+    fast = _compiled_host.compiled()
+    records = None if fast is None else _records(state, "dispatch", max_tokens, num_experts, flags)
+    made = None if records is None else fast.dispatch(records, x, topk_idx, recv_stats)
+    if made is None:
+        made = _checked_dispatch(workspace, state, fast, x, topk_idx, max_tokens, num_experts, recv_stats,
+                                 use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, flags=flags)
+    launches, recv_x, scales, recv_count, src_info, layout_range, private, src_route, routing = made
+    shape = launches.shape
+    call = _Call(launches, device, comm_partition(workspace, num_sms),
+                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, private, recv_stats))
+    handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, shape.hidden, shape.num_experts),
+                              topk=shape.topk, num_tokens=launches.num_tokens, src_route=src_route, routing=routing,
+                              workspace=workspace)
+    out = recv_x if scales is None else (recv_x, scales)
+    if return_recv_hook:
+        call.launch(Kernel.DISPATCH_SEND)
+        return out, recv_count, handle, _receive_hook(call, Kernel.DISPATCH_RECV)
+    call.launch_fused(Kernel.DISPATCH_SEND)
+    return out, recv_count, handle, None
+
+
+def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: ModuleType | None, x: object,
+                      topk_idx: object, max_tokens: object, num_experts: object, recv_stats: object, *,
+                      use_fp8: bool, round_scale: bool, use_ue8m0: bool, flags: int) -> _DispatchMade:
+    """The Python host path of a dispatch: checks its arguments (raising what a bad one breaks), allocates its
+    outputs and sets their pointers in the shape's packed launches; with the compiled module (``fast``), records
+    the call shape for its later calls (:func:`_remember`)."""
+    device = workspace.device
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
     topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
     num_tokens, hidden = x.shape
@@ -296,8 +366,6 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     if use_ue8m0 and not (use_fp8 and round_scale):
         raise ValueError("use_ue8m0: needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales), "
                          f"got use_fp8={use_fp8}, round_scale={round_scale}")
-    flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
-        (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
     idx_bytes = topk_idx.element_size()
     launches = _launches(workspace, state, "dispatch", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
                          flags)
@@ -314,17 +382,17 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     ranks, local = shape.num_ranks, shape.local_experts
     slots = ranks * shape.max_tokens
     if recv_stats is not None:
-        recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (torch.int32,), 1, device)
+        recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (_STATS_DTYPE,), 1, device)
         if recv_stats.shape[0] != local:
             raise ValueError(f"cumulative_local_expert_recv_stats: must have num_experts / group size = {local} "
                              f"entries, got {recv_stats.shape[0]}")
     recv_x = torch.empty(local, slots, hidden, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                          device=device)
     scales = None
+    groups = hidden // 512 if use_ue8m0 else hidden // 128
     if use_fp8:
         # Column-major in the last two dimensions (what TMA and DeepGEMM's masked GEMM read), as DeepEP returns them
         # (its transposed [E/P, H/g, P*Tmax]): one strided allocation, not an allocation and a transposed view.
-        groups = hidden // 512 if use_ue8m0 else hidden // 128
         scales = torch.empty_strided((local, slots, groups), (groups * slots, 1, slots),
                                      dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
@@ -334,7 +402,7 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     # then the handle's src_route [L, P*Tmax] and routing [T, k] (int32), each 16-byte aligned.
     route_at = 4
     routing_at = route_at + -(-local * slots // 4) * 4
-    private = torch.empty(routing_at + num_tokens * topk, dtype=torch.int32, device=device)
+    private = torch.empty(routing_at + num_tokens * topk, dtype=_PRIVATE_DTYPE, device=device)
     src_route = private.as_strided((local, slots), (slots, 1), route_at)
     routing = private.as_strided((num_tokens, topk), (topk, 1), routing_at)
     base = private.data_ptr()
@@ -345,17 +413,16 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
                                                                layout_range.data_ptr())
     params.call_gen, params.src_route, params.routing = base, base + 4 * route_at, base + 4 * routing_at
     params.recv_stats = 0 if recv_stats is None else recv_stats.data_ptr()
-    call = _Call(launches, device, comm_partition(workspace, num_sms),
-                 (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, private, recv_stats))
-    handle = LowLatencyHandle((src_info, layout_range, shape.max_tokens, hidden, shape.num_experts),
-                              topk=topk, num_tokens=num_tokens, src_route=src_route, routing=routing,
-                              workspace=workspace)
-    out = recv_x if scales is None else (recv_x, scales)
-    if return_recv_hook:
-        call.launch(Kernel.DISPATCH_SEND)
-        return out, recv_count, handle, _receive_hook(call, Kernel.DISPATCH_RECV)
-    call.launch_fused(Kernel.DISPATCH_SEND)
-    return out, recv_count, handle, None
+    if fast is not None:  # the record holds the dtypes this call checked and allocated
+        _remember(state, "dispatch", (shape.max_tokens, shape.num_experts, flags),
+                  (num_tokens, hidden, topk, idx_bytes), lambda: fast.DispatchRecord(
+                      launches=launches, params=ctypes.addressof(params), device=device, num_tokens=num_tokens,
+                      hidden=hidden, topk=topk, local=local, slots=slots, ranks=ranks, groups=groups,
+                      route_at=route_at, routing_at=routing_at, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
+                      stats_dtype=_STATS_DTYPE, recv_dtype=recv_x.dtype,
+                      scale_dtype=None if scales is None else scales.dtype, count_dtype=recv_count.dtype,
+                      src_info_dtype=src_info.dtype, layout_dtype=layout_range.dtype, private_dtype=private.dtype))
+    return launches, recv_x, scales, recv_count, src_info, layout_range, private, src_route, routing
 
 
 def _handle(workspace: SymmetricWorkspace, handle: object, fn: str) -> LowLatencyHandle:
@@ -385,11 +452,45 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
             return_recv_hook: bool, shrink: bool, num_sms: int) -> tuple[torch.Tensor, Hook | None]:
     """DeepEP ``low_latency_combine`` on ``workspace``: returns ``(combined_x, hook)``. With ``zero_copy`` the rows
     are read from the workspace's send rows (:func:`next_combine_buffer`, which the caller filled) instead of ``x``
-    (still checked, as DeepEP does)."""
+    (still checked, as DeepEP does). The compiled host path checks the handle's members with the other tensors, so
+    it raises what earlier calls recorded once its checks passed (before the launch); where they do not, the Python
+    path runs from the start: a call raises the Python path's errors in its order."""
+    capturing = _capturing(workspace)
+    fast = _compiled_host.compiled()
+    made = None
+    if fast is not None and isinstance(handle, LowLatencyHandle) and handle.comes_from(workspace) and \
+            (state := _states.get(workspace)) is not None:
+        _, _, max_tokens, hidden, num_experts = handle
+        records = _records(state, "combine", max_tokens, num_experts, hidden, handle.topk, handle.num_tokens,
+                           FLAG_SHRINK if shrink else 0, zero_copy)
+        made = None if records is None else fast.combine(records, handle[0], handle[1], handle.src_route,
+                                                         handle.routing, x, topk_idx, topk_weights, out)
+        if made is not None and not capturing:
+            raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
+    if made is None:
+        made = _checked_combine(workspace, capturing, fast, x, topk_idx, topk_weights, handle, out=out,
+                                zero_copy=zero_copy, shrink=shrink)
+    launches, out, call_gen = made
+    call = _Call(launches, workspace.device, comm_partition(workspace, num_sms),
+                 (x, topk_idx, topk_weights, handle[0], handle.src_route, handle.routing, handle[1], out, call_gen))
+    if return_recv_hook:
+        call.launch(Kernel.COMBINE_SEND)
+        return out, _receive_hook(call, Kernel.COMBINE_RECV)
+    call.launch_fused(Kernel.COMBINE_SEND)
+    return out, None
+
+
+def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: ModuleType | None, x: object,
+                     topk_idx: object, topk_weights: object, handle: object, *, out: object, zero_copy: bool,
+                     shrink: bool) -> tuple[LlLaunches, torch.Tensor, torch.Tensor]:
+    """The Python host path of a combine: checks the handle, raises what earlier calls recorded (outside capture),
+    checks the other arguments (raising what a bad one breaks), allocates and sets the pointers in the shape's
+    packed launches; with the compiled module (``fast``), records the call shape for its later calls. Returns the
+    launches, ``out`` and the call's generation word."""
     handle = _handle(workspace, handle, "low_latency_combine")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     device = workspace.device
-    state = _state(workspace, _capturing(workspace))
+    state = _state(workspace, capturing)
     num_tokens, topk = handle.num_tokens, handle.topk
     idx_bytes = topk_idx.element_size() if isinstance(topk_idx, torch.Tensor) else 0
     flags = FLAG_SHRINK if shrink else 0
@@ -434,13 +535,15 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     params.src_info, params.layout_range = src_info.data_ptr(), layout_range.data_ptr()
     params.src_route, params.routing = handle.src_route.data_ptr(), handle.routing.data_ptr()
     params.call_gen = call_gen.data_ptr()
-    call = _Call(launches, device, comm_partition(workspace, num_sms),
-                 (x, topk_idx, topk_weights, src_info, handle.src_route, handle.routing, layout_range, out, call_gen))
-    if return_recv_hook:
-        call.launch(Kernel.COMBINE_SEND)
-        return out, _receive_hook(call, Kernel.COMBINE_RECV)
-    call.launch_fused(Kernel.COMBINE_SEND)
-    return out, None
+    if fast is not None:  # the record holds the dtypes this call checked and allocated, the routes' the dispatch's
+        _remember(state, "combine", (shape.max_tokens, shape.num_experts, hidden, topk, num_tokens, flags, zero_copy),
+                  idx_bytes, lambda: fast.CombineRecord(
+                      launches=launches, params=ctypes.addressof(params), device=device, num_tokens=num_tokens,
+                      hidden=hidden, topk=topk, local=local, slots=slots, ranks=shape.num_ranks,
+                      zero_copy=zero_copy, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
+                      weights_dtype=topk_weights.dtype, out_dtype=out.dtype, src_info_dtype=src_info.dtype,
+                      layout_dtype=layout_range.dtype, route_dtype=_PRIVATE_DTYPE, call_gen_dtype=call_gen.dtype))
+    return launches, out, call_gen
 
 
 def next_combine_buffer(workspace: SymmetricWorkspace, handle: object) -> torch.Tensor:

@@ -27,8 +27,14 @@ call's error).
 A call's launch arguments are packed once per call shape (:class:`~gc_moe_compat.comm.ep_normal.NormalLaunch`, per
 Buffer and thread, keyed by the sizes its fixed fields depend on), as the low-latency mode's are: a call checks its
 tensors, allocates its outputs, sets its per-call fields (its tensors' addresses, its collective-op number, its
-received rows and the spin timeout) and launches. ``GC_MOE_SPIN_TIMEOUT_MS`` and ``GC_MOE_DEEP_EP_PARTITION`` are
-read at every call, so a change between two calls takes effect at the next.
+received rows and the spin timeout) and launches. Once a call shape of ``dispatch`` or ``combine`` has passed the
+Python checks, its later calls check their tensors, allocate and set their addresses in one call of the compiled
+host path (:mod:`._compiled_host`; an uncached dispatch in two: before notify's launch, and for the received tensors
+after the CPU wait): its checks are the shape's record's, at least as strict, and at any difference the Python path
+runs and raises its own errors; ``GC_MOE_DEEP_EP_HOST_PATH=python`` forces the Python path. The flags, the config,
+the launch boundary, the op number, the CPU wait, the capacity checks and the launches stay Python's, in the same
+order on both paths. ``GC_MOE_SPIN_TIMEOUT_MS`` and ``GC_MOE_DEEP_EP_PARTITION`` are read at every call, so a change
+between two calls takes effect at the next.
 
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
 NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
@@ -43,10 +49,12 @@ bytes it needs and the size hint. ``topk_idx`` values are read only by the layou
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 import time
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -56,6 +64,7 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
+    EpNormalParams,
     HostRecord,
     Kernel,
     NormalLaunch,
@@ -71,6 +80,7 @@ from gc_moe_compat.comm.ep_normal import (
     raise_for_mirrored_status,
 )
 from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
+from gc_moe_compat.deep_ep import _compiled_host
 from gc_moe_compat.deep_ep._config import (
     C_INT_MAX,
     INTERNODE_MISSING,
@@ -96,6 +106,19 @@ from gc_moe_compat.runtime.status import (
 from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
+
+_COUNT_DTYPE = torch.int32
+"""The dtype of ``num_tokens_per_rank`` / ``num_tokens_per_expert`` (DeepEP's): what the layout returns and the
+dispatch's checks of both host paths accept."""
+_MASK_DTYPE = torch.bool
+"""The dtype of ``is_token_in_rank`` (the layout's output, the dispatch's input, the handle's fifth member)."""
+_INDEX_DTYPE = torch.int32
+"""The dtype of the handle's other members (the prefix matrices, ``recv_src_idx``, ``send_head``), as either host
+path allocates and checks them."""
+_WEIGHT_DTYPE = torch.float32
+"""The dtype of the top-k weights: the dispatch's and the combine's input, the received and the combined ones."""
+_ROW_DTYPE = torch.bfloat16
+"""The dtype of the combine's rows: ``x``, the biases and ``out``."""
 
 
 # DeepEP's recommended configs (deep_ep/buffers/legacy.py), as (nvl send, nvl recv, rdma send, rdma recv) chunks;
@@ -342,6 +365,18 @@ def _x_parts(fn: str, x: object, device: torch.device) -> tuple[torch.Tensor, to
     return payload, scales
 
 
+def _set_sent(p: EpNormalParams, tokens: int, payload: torch.Tensor, scales: torch.Tensor | None,
+              topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, send_head: torch.Tensor) -> None:
+    """A dispatch transfer's fields of the tokens it sends (``tokens`` of them; 0 for none, the kernels' contract
+    for an empty tensor; the top-k ones 0 without ``topk_idx``)."""
+    if tokens:
+        p.x, p.send_head = payload.data_ptr(), send_head.data_ptr()
+        p.x_scales = 0 if scales is None else scales.data_ptr()
+        p.topk_idx, p.topk_weights = (0, 0) if topk_idx is None else (topk_idx.data_ptr(), topk_weights.data_ptr())
+    else:
+        p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
+
+
 class NormalMode:
     """The normal-mode state of one Buffer: its workspace, status mirror, collective-op counter and the tensors of
     calls still running on the communication stream."""
@@ -367,8 +402,10 @@ class NormalMode:
         self._pending: list[tuple[_Event, tuple]] = []
         self._host_counts: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         # The packed launches of each call shape (see _pack): a call checks its tensors, allocates its outputs,
-        # sets its fields and launches.
+        # sets its fields and launches. Beside them the compiled host path's records of the same shapes (see
+        # _remember), cleared with them.
         self._launches: dict[tuple, NormalLaunch] = {}
+        self._records: dict[tuple, dict[tuple, object]] = {}
 
     def destroy(self) -> None:
         """Waits for the calls still running on the communication stream, raises what their kernels recorded and
@@ -436,8 +473,19 @@ class NormalMode:
                             self.grid_cap)
         if len(self._launches) >= MAX_LAUNCH_SHAPES:
             self._launches.clear()
+            self._records.clear()
         self._launches[key] = launch
         return launch
+
+    def _remember(self, kinds: tuple, record: object) -> None:
+        """Keeps the compiled host path's ``record`` of a call shape the Python path just checked (unless one of its
+        key is kept): among the records of the calls of ``kinds`` = ``(kind, config.num_sms, ints...)`` on this
+        thread (the kind: ``"dispatch"``, ``"cached"`` or ``"combine"``; the ints: a dispatch's
+        ``expert_alignment`` and ``num_worst_tokens``, looked up only as exact ints), by ``record.key``: what the
+        extension reads off a call's tensors to find it."""
+        kind, *sizes = kinds
+        records = self._records.setdefault((kind, threading.get_ident(), *sizes), {})
+        records.setdefault(record.key, record)
 
     def _new_host_record(self, local: int) -> tuple[torch.Tensor, np.ndarray]:
         """The host record of uncached dispatches with ``local`` experts per rank and its tag, kept for them."""
@@ -493,7 +541,7 @@ class NormalMode:
             raise TypeError(f"{fn}: handle must be the handle {source} returned, got {type(handle).__name__}")
         if len(handle) != 6:
             raise ValueError(f"{fn}: handle must hold the dispatch's 6 tensors (DeepEP's handle), got {len(handle)}")
-        ranks, i32 = self.ranks, (torch.int32,)
+        ranks, i32 = self.ranks, (_INDEX_DTYPE,)
         _tensor(fn, "handle[0] (rank_prefix_matrix)", handle[0], i32, (ranks, ranks), self.device)
         channel_prefix = _tensor(fn, "handle[1] (channel_prefix_matrix)", handle[1], i32, (ranks, None), self.device)
         if channel_prefix.shape[1] != config.num_sms // 2:
@@ -502,7 +550,7 @@ class NormalMode:
         _tensor(fn, "handle[2] (recv_channel_prefix_matrix)", handle[2], i32, (ranks, channel_prefix.shape[1]),
                 self.device)
         _tensor(fn, "handle[3] (recv_src_idx)", handle[3], i32, (None,), self.device)
-        in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (torch.bool,), (None, ranks), self.device)
+        in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (_MASK_DTYPE,), (None, ranks), self.device)
         _tensor(fn, "handle[5] (send_head)", handle[5], i32, (in_rank.shape[0], ranks), self.device)
         if handle.most_sent is not None:  # None: a num_worst_tokens dispatch's (no CPU wait, so no count)
             integer(fn, "handle.most_sent (the rows the dispatch's busiest rank sent)", handle.most_sent, 0, C_INT_MAX)
@@ -538,9 +586,9 @@ class NormalMode:
         launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts,
                                           topk_idx.dtype.itemsize, num_sms))
         stream = self._begin(fn, num_sms)
-        per_rank = torch.empty(self.ranks, dtype=torch.int32, device=self.device)
-        per_expert = torch.empty(experts, dtype=torch.int32, device=self.device)
-        in_rank = torch.empty(tokens, self.ranks, dtype=torch.bool, device=self.device)
+        per_rank = torch.empty(self.ranks, dtype=_COUNT_DTYPE, device=self.device)
+        per_expert = torch.empty(experts, dtype=_COUNT_DTYPE, device=self.device)
+        in_rank = torch.empty(tokens, self.ranks, dtype=_MASK_DTYPE, device=self.device)
         # A pointer field is 0 for an empty tensor (the kernels' contract): here, exactly when there are no tokens.
         p = launch.params[0]
         p.timeout_ns = _timeout_ns(spin_timeout_setting())
@@ -582,9 +630,54 @@ class NormalMode:
                  is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
                  expert_alignment: object, num_worst_tokens: object, config: Config, previous_event: object,
                  async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        """DeepEP's intranode dispatch (uncached without ``handle``, cached with it). After the flags and the config,
+        a call shape that passed the Python checks before takes the compiled host path (its checks against the
+        shape's record, its allocations and the stores into the packed launches in one C++ call; an uncached
+        dispatch's received tensors in a second one after the CPU wait); at any difference the Python path runs
+        from there, so a call raises its errors in their order."""
         fn = "dispatch"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
         config = _check_config(fn, config, self.max_sms)
+        fast = _compiled_host.compiled()
+        made = None
+        if fast is not None and num_tokens_per_rdma_rank is None and type(expert_alignment) is int and \
+                type(num_worst_tokens) is int:
+            if handle is None:
+                records = self._records.get(("dispatch", threading.get_ident(), config.num_sms, expert_alignment,
+                                             num_worst_tokens))
+                if records is not None:
+                    made = fast.normal_dispatch(records, x, num_tokens_per_rank, is_token_in_rank,
+                                                num_tokens_per_expert, topk_idx, topk_weights)
+            elif type(handle) is NormalHandle and topk_idx is None and topk_weights is None:
+                records = self._records.get(("cached", threading.get_ident(), config.num_sms, expert_alignment,
+                                             num_worst_tokens))
+                if records is not None:
+                    made = fast.normal_cached_dispatch(records, x, handle, handle.most_sent)
+        if made is None:
+            made = self._checked_dispatch(fn, fast, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                          is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                          expert_alignment, num_worst_tokens, config)
+        if handle is None:
+            return self._uncached_dispatch(fn, fast, made, num_worst_tokens, config, previous_event, async_finish)
+        launch, payload, scales, recv_x, recv_scales, recv_src_idx = made
+        stream = self._begin(fn, config.num_sms)
+        op = self._next_op()
+        stream.wait(previous_event)
+        p = launch.params[-1]
+        p.timeout_ns, p.op = _timeout_ns(spin_timeout_setting()), op
+        _launch_transfer(launch.kernels, stream)
+        event = self._finish(stream, async_finish, (payload, scales, handle, recv_x, recv_scales, recv_src_idx))
+        return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
+
+    def _checked_dispatch(self, fn: str, fast: ModuleType | None, x: object, handle: object,
+                          num_tokens_per_rank: object, num_tokens_per_rdma_rank: object, is_token_in_rank: object,
+                          num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
+                          expert_alignment: object, num_worst_tokens: object, config: Config) -> tuple:
+        """The Python host path of a dispatch after its flags and config: checks its arguments (raising what a bad
+        one breaks), finds or packs the shape's launches, allocates and sets in them what does not depend on the
+        received count (all of a cached dispatch's, whose received rows are the handle's) and, with the compiled
+        module (``fast``), records the call shape for its later calls. Returns what the compiled path returns (an
+        uncached dispatch's record: None, so its received tensors are the Python path's too)."""
         channels = config.num_sms // 2
         payload, scales = _x_parts(fn, x, self.device)
         tokens, hidden = payload.shape
@@ -595,23 +688,23 @@ class NormalMode:
                                       "implemented; pass the None get_dispatch_layout returns")
         cached = handle is not None
         if cached:
-            rank_prefix, channel_prefix, _, recv_src_idx, in_rank, send_head = self._handle(
+            rank_prefix, channel_prefix, _, handle_src_idx, in_rank, send_head = self._handle(
                 fn, handle, "an uncached dispatch", config)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{fn}: a cached dispatch (handle=...) takes no topk_idx / topk_weights (DeepEP's "
                                  "rule); they were given")
             if send_head.shape != (tokens, self.ranks):
                 raise ValueError(f"{fn}: x must have the handle's {send_head.shape[0]} tokens, got {tokens}")
-            experts, topk, num_recv, most_sent = self.ranks, 0, recv_src_idx.shape[0], handle.most_sent
+            experts, topk = self.ranks, 0
         else:
             for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                                 ("num_tokens_per_expert", num_tokens_per_expert)):
                 if value is None:
                     raise ValueError(f"{fn}: an uncached dispatch needs {name} (from get_dispatch_layout), got None")
-            _tensor(fn, "num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), (self.ranks,), self.device)
-            in_rank = _tensor(fn, "is_token_in_rank", is_token_in_rank, (torch.bool,), (tokens, self.ranks),
+            _tensor(fn, "num_tokens_per_rank", num_tokens_per_rank, (_COUNT_DTYPE,), (self.ranks,), self.device)
+            in_rank = _tensor(fn, "is_token_in_rank", is_token_in_rank, (_MASK_DTYPE,), (tokens, self.ranks),
                               self.device)
-            _tensor(fn, "num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), (None,), self.device)
+            _tensor(fn, "num_tokens_per_expert", num_tokens_per_expert, (_COUNT_DTYPE,), (None,), self.device)
             experts = self._experts(fn, "num_tokens_per_expert.shape[0]", num_tokens_per_expert.shape[0])
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError(f"{fn}: topk_idx and topk_weights go together (DeepEP's rule), got "
@@ -621,92 +714,129 @@ class NormalMode:
             if topk_idx is not None:
                 topk_idx = self._topk_idx(fn, topk_idx, tokens)
                 topk = topk_idx.shape[1]
-                topk_weights = _tensor(fn, "topk_weights", topk_weights, (torch.float32,), (tokens, topk), self.device)
+                topk_weights = _tensor(fn, "topk_weights", topk_weights, (_WEIGHT_DTYPE,), (tokens, topk),
+                                       self.device)
             if num_worst_tokens and topk_idx is None:
                 raise ValueError(f"{fn}: num_worst_tokens > 0 needs topk_idx and topk_weights (DeepEP's rule), got "
                                  f"num_worst_tokens={num_worst_tokens} without them")
         local = experts // self.ranks
+        scale_layout = (0, 0, 0) if scales is None else (scales.shape[1], *scales.stride())
         launch = self._dispatch_launch(fn, (
-            "dispatch", threading.get_ident(), cached, tokens, hidden, payload.dtype.itemsize,
-            (0, 0, 0) if scales is None else (scales.shape[1], *scales.stride()), topk,
+            "dispatch", threading.get_ident(), cached, tokens, hidden, payload.dtype.itemsize, scale_layout, topk,
             0 if topk_idx is None else topk_idx.dtype.itemsize, experts, channels, expert_alignment))
-        if num_worst_tokens and not cached:
-            self._need(fn, num_worst_tokens, launch, "num_worst_tokens received rows")
-        stream = self._begin(fn, config.num_sms)
-        op = self._next_op()
-        stream.wait(previous_event)
-        expert_list: list[int] = []
-        recv_channel_prefix = None
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its tokens (or received rows) are none (its other extents are positive).
-        if not cached:
-            rank_prefix = torch.empty(self.ranks, self.ranks, dtype=torch.int32, device=self.device)
-            channel_prefix = torch.empty(self.ranks, channels, dtype=torch.int32, device=self.device)
-            send_head = torch.empty(tokens, self.ranks, dtype=torch.int32, device=self.device)
-            recv_channel_prefix = torch.empty(self.ranks, channels, dtype=torch.int32, device=self.device)
-        timeout = _timeout_ns(spin_timeout_setting())
-        # The transfer's fields that do not depend on the received count are set before notify's launch, so that
-        # after the CPU wait only the received tensors are allocated and pointed to: every host microsecond there
-        # delays the transfer (DeepEP's C++ does only that much after its wait).
         p = launch.params[-1]
-        p.timeout_ns, p.op = timeout, op
-        p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-        p.recv_channel_prefix = 0 if cached else recv_channel_prefix.data_ptr()
-        if tokens:
-            p.x, p.send_head = payload.data_ptr(), send_head.data_ptr()
-            p.x_scales = 0 if scales is None else scales.data_ptr()
-            p.topk_idx, p.topk_weights = (topk_idx.data_ptr(), topk_weights.data_ptr()) if topk else (0, 0)
+        if cached:
+            recv_x, recv_scales, recv_src_idx, _, _ = self._received(launch, payload, scales, None,
+                                                                     handle_src_idx.shape[0])
+            p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+            p.recv_channel_prefix = 0
+            _set_sent(p, tokens, payload, scales, None, None, send_head)
+            host = tag = None
         else:
-            p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
-        if not cached:
+            rank_prefix = torch.empty(self.ranks, self.ranks, dtype=_INDEX_DTYPE, device=self.device)
+            channel_prefix = torch.empty(self.ranks, channels, dtype=_INDEX_DTYPE, device=self.device)
+            send_head = torch.empty(tokens, self.ranks, dtype=_INDEX_DTYPE, device=self.device)
+            recv_channel_prefix = torch.empty(self.ranks, channels, dtype=_INDEX_DTYPE, device=self.device)
+            # The transfer's fields that do not depend on the received count are set before notify's launch, so
+            # that after the CPU wait only the received tensors are allocated and pointed to: every host
+            # microsecond there delays the transfer (DeepEP's C++ does only that much after its wait).
+            p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+            p.recv_channel_prefix = recv_channel_prefix.data_ptr()
+            _set_sent(p, tokens, payload, scales, topk_idx, topk_weights, send_head)
             host, tag = self._host_counts.get(local) or self._new_host_record(local)
             n = launch.params[0]
-            n.timeout_ns, n.op, n.host_counts = timeout, op, host.data_ptr()
+            n.host_counts = host.data_ptr()
             n.num_tokens_per_rank, n.num_tokens_per_expert = (num_tokens_per_rank.data_ptr(),
                                                               num_tokens_per_expert.data_ptr())
             n.is_token_in_rank, n.send_head = (in_rank.data_ptr(), send_head.data_ptr()) if tokens else (0, 0)
             n.rank_prefix, n.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-            _launch_transfer(launch.kernels[:1], stream)
-            if num_worst_tokens:
-                num_recv, most_sent = num_worst_tokens, None
-            else:
-                if not _wait_for_counts(fn, tag, op, stream, timeout):
-                    self.raise_recorded(when="")  # the stream ran dry: notify copied this call's records
-                    raise DeviceCheckError(f"{fn}: the notify kernel finished without storing the received counts "
-                                           "and recorded no error (a protocol error of the facade)")
-                self.raise_recorded()  # what earlier calls recorded (notify's own wait succeeded)
-                counts = host.tolist()
-                num_recv, most_recv, most_sent = (counts[HostRecord.RECV], counts[HostRecord.MOST_RECV],
-                                                  counts[HostRecord.MOST_SENT])
-                expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
-                self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
-        recv_x = torch.empty(num_recv, hidden, dtype=payload.dtype, device=self.device)
-        recv_scales = None if scales is None else torch.empty(num_recv, scales.shape[1], dtype=scales.dtype,
+        if fast is not None:  # the record holds the dtypes this call checked and allocated
+            self._remember(("cached" if cached else "dispatch", config.num_sms, expert_alignment, num_worst_tokens),
+                           fast.NormalDispatchRecord(
+                               launch=launch, host=host, tag=tag,
+                               notify_params=0 if cached else ctypes.addressof(launch.params[0]),
+                               params=ctypes.addressof(p), host_counts=0 if cached else host.data_ptr(),
+                               device=self.device, cached=cached, ranks=self.ranks, channels=channels, tokens=tokens,
+                               hidden=hidden, experts=experts, topk=topk, num_scales=scale_layout[0],
+                               scale_token_stride=scale_layout[1], scale_hidden_stride=scale_layout[2],
+                               x_dtype=payload.dtype, scale_dtype=None if scales is None else scales.dtype,
+                               idx_dtype=None if topk_idx is None else topk_idx.dtype, count_dtype=_COUNT_DTYPE,
+                               mask_dtype=_MASK_DTYPE, index_dtype=_INDEX_DTYPE, weight_dtype=_WEIGHT_DTYPE))
+        if cached:
+            return launch, payload, scales, recv_x, recv_scales, recv_src_idx
+        return (launch, None, host, tag, local, payload, scales, topk_idx, topk_weights, in_rank, rank_prefix,
+                channel_prefix, send_head, recv_channel_prefix)
+
+    def _received(self, launch: NormalLaunch, payload: torch.Tensor, scales: torch.Tensor | None,
+                  topk_idx: torch.Tensor | None, rows: int) -> tuple:
+        """The Python host path's received tensors of a dispatch receiving ``rows`` rows (``recv_x``, its scales,
+        ``recv_src_idx``, the top-k ids and weights; None where the call has none), their addresses and the row
+        count set in the transfer's parameters."""
+        recv_x = torch.empty(rows, payload.shape[1], dtype=payload.dtype, device=self.device)
+        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype,
                                                                device=self.device)
-        recv_src_idx = torch.empty(num_recv, dtype=torch.int32, device=self.device)
+        recv_src_idx = torch.empty(rows, dtype=_INDEX_DTYPE, device=self.device)
         recv_topk_idx = recv_topk_weights = None
-        if topk:
-            recv_topk_idx = torch.empty(num_recv, topk, dtype=topk_idx.dtype, device=self.device)
-            recv_topk_weights = torch.empty(num_recv, topk, dtype=torch.float32, device=self.device)
-        p.recv_rows = num_recv
-        if num_recv:
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty(rows, topk_idx.shape[1], dtype=topk_idx.dtype, device=self.device)
+            recv_topk_weights = torch.empty(rows, topk_idx.shape[1], dtype=_WEIGHT_DTYPE, device=self.device)
+        p = launch.params[-1]
+        p.recv_rows = rows
+        if rows:
             p.recv_x, p.recv_src_idx = recv_x.data_ptr(), recv_src_idx.data_ptr()
             p.recv_scales = 0 if scales is None else recv_scales.data_ptr()
-            p.recv_topk_idx, p.recv_topk_weights = (recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr()) if topk \
-                else (0, 0)
+            p.recv_topk_idx, p.recv_topk_weights = (recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr()) \
+                if topk_idx is not None else (0, 0)
         else:
             p.recv_x = p.recv_src_idx = p.recv_scales = p.recv_topk_idx = p.recv_topk_weights = 0
+        return recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights
+
+    def _uncached_dispatch(self, fn: str, fast: ModuleType | None, made: tuple, num_worst_tokens: int,
+                           config: Config, previous_event: EventOverlap | None, async_finish: bool) -> tuple:
+        """An uncached dispatch once either host path has checked it and set its count-independent fields
+        (``made``): notify's launch, the CPU wait for the received count (none with ``num_worst_tokens``), the
+        received tensors (the compiled path's where ``made`` holds a record), the transfer's launch."""
+        (launch, record, host, tag, local, payload, scales, topk_idx, topk_weights, in_rank, rank_prefix,
+         channel_prefix, send_head, recv_channel_prefix) = made
+        if num_worst_tokens:
+            self._need(fn, num_worst_tokens, launch, "num_worst_tokens received rows")
+        stream = self._begin(fn, config.num_sms)
+        op = self._next_op()
+        stream.wait(previous_event)
+        timeout = _timeout_ns(spin_timeout_setting())
+        n, p = launch.params
+        n.timeout_ns = p.timeout_ns = timeout
+        n.op = p.op = op
+        _launch_transfer(launch.kernels[:1], stream)
+        expert_list: list[int] = []
+        if num_worst_tokens:
+            num_recv, most_sent = num_worst_tokens, None
+        else:
+            if not _wait_for_counts(fn, tag, op, stream, timeout):
+                self.raise_recorded(when="")  # the stream ran dry: notify copied this call's records
+                raise DeviceCheckError(f"{fn}: the notify kernel finished without storing the received counts "
+                                       "and recorded no error (a protocol error of the facade)")
+            self.raise_recorded()  # what earlier calls recorded (notify's own wait succeeded)
+            counts = host.tolist()
+            num_recv, most_recv, most_sent = (counts[HostRecord.RECV], counts[HostRecord.MOST_RECV],
+                                              counts[HostRecord.MOST_SENT])
+            expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
+            self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
+        received = None if record is None else fast.normal_received(record, num_recv)
+        if received is None:  # the Python path's call, or an allocation the compiled one could not make
+            received = self._received(launch, payload, scales, topk_idx, num_recv)
+        recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = received
         _launch_transfer(launch.kernels[-2:], stream)
         event = self._finish(stream, async_finish,
                              (payload, scales, topk_idx, topk_weights, in_rank, rank_prefix, channel_prefix, send_head,
                               recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
                               recv_channel_prefix))
-        out_x = recv_x if scales is None else (recv_x, recv_scales)
-        if cached:
-            return out_x, None, None, None, None, event
         new_handle = NormalHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head),
                                   most_sent)
-        return out_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle, event
+        return (recv_x if scales is None else (recv_x, recv_scales)), recv_topk_idx, recv_topk_weights, expert_list, \
+            new_handle, event
 
     # -- combine ----------------------------------------------------------------------------------------------------
 
@@ -732,26 +862,56 @@ class NormalMode:
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        """DeepEP's intranode combine. After the flags and the config, a call shape that passed the Python checks
+        before takes the compiled host path (the checks against the shape's record, the allocations and the stores
+        into the packed launch in one C++ call); at any difference the Python path runs from there, so a call
+        raises its errors in their order."""
         fn = "combine"
         _flags(fn, previous_event, async_finish, allocate_on_comm_stream)
         config = _check_config(fn, config, self.max_sms)
+        fast = _compiled_host.compiled()
+        made = None
+        if fast is not None and type(handle) is NormalHandle:
+            records = self._records.get(("combine", threading.get_ident(), config.num_sms))
+            if records is not None:
+                made = fast.normal_combine(records, x, handle, handle.most_sent, topk_weights, bias)
+        if made is None:
+            made = self._checked_combine(fn, fast, x, handle, topk_weights, bias, config)
+        launch, out, out_weights = made
+        if handle.most_sent is not None:
+            self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
+        stream = self._begin(fn, config.num_sms)
+        op = self._next_op()
+        p = launch.params[0]
+        p.timeout_ns, p.op = _timeout_ns(spin_timeout_setting()), op
+        stream.wait(previous_event)
+        _launch_transfer(launch.kernels, stream)
+        event = self._finish(stream, async_finish, (x, topk_weights, bias, handle, out, out_weights))
+        return out, out_weights, event
+
+    def _checked_combine(self, fn: str, fast: ModuleType | None, x: object, handle: object, topk_weights: object,
+                         bias: object, config: Config) -> tuple[NormalLaunch, torch.Tensor, torch.Tensor | None]:
+        """The Python host path of a combine after its flags and config: checks its arguments (raising what a bad
+        one breaks), finds or packs the shape's launches, allocates the outputs and sets the launch's per-call
+        fields but the op and the spin timeout; with the compiled module (``fast``), records the call shape for its
+        later calls. Returns the launches, ``out`` and the combined weights (None without ``topk_weights``)."""
         rank_prefix, channel_prefix, _, recv_src_idx, _, send_head = self._handle(fn, handle, "dispatch", config)
         channels = config.num_sms // 2
         rows = recv_src_idx.shape[0]
-        x = _tensor(fn, "x", x, (torch.bfloat16,), (rows, None), self.device)
+        x = _tensor(fn, "x", x, (_ROW_DTYPE,), (rows, None), self.device)
         tokens, hidden = send_head.shape[0], x.shape[1]
         if hidden % 8 or hidden == 0:
             raise ValueError(f"{fn}: x's hidden size must be a positive multiple of 8 (16-byte rows), got {hidden}")
         topk = 0
         if topk_weights is not None:
-            topk_weights = _tensor(fn, "topk_weights", topk_weights, (torch.float32,), (rows, None), self.device)
+            topk_weights = _tensor(fn, "topk_weights", topk_weights, (_WEIGHT_DTYPE,), (rows, None), self.device)
             topk = topk_weights.shape[1]
             if not 1 <= topk <= MAX_TOPK:
                 raise ValueError(f"{fn}: topk_weights must have 1 to {MAX_TOPK} columns, got {topk}")
         if bias is None:
             bias_0 = bias_1 = None
         elif isinstance(bias, torch.Tensor):
-            bias_0 = _tensor(fn, "bias[0]", bias, (torch.bfloat16,), (tokens, hidden), self.device)
+            bias_0 = _tensor(fn, "bias[0]", bias, (_ROW_DTYPE,), (tokens, hidden), self.device)
             bias_1 = None
         elif not isinstance(bias, tuple):
             raise TypeError(f"{fn}: bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
@@ -759,19 +919,15 @@ class NormalMode:
             raise ValueError(f"{fn}: bias must be a pair (bias_0, bias_1) when a tuple (DeepEP's rule), got a tuple of "
                              f"{len(bias)}")
         else:
-            bias_0, bias_1 = (None if b is None else _tensor(fn, f"bias[{i}]", b, (torch.bfloat16,), (tokens, hidden),
+            bias_0, bias_1 = (None if b is None else _tensor(fn, f"bias[{i}]", b, (_ROW_DTYPE,), (tokens, hidden),
                                                              self.device) for i, b in enumerate(bias))
         launch = self._combine_launch(fn, ("combine", threading.get_ident(), tokens, hidden, topk, channels))
-        if handle.most_sent is not None:
-            self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
-        stream = self._begin(fn, config.num_sms)
-        op = self._next_op()
-        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=self.device)
-        out_weights = None if not topk else torch.empty(tokens, topk, dtype=torch.float32, device=self.device)
+        out = torch.empty(tokens, hidden, dtype=_ROW_DTYPE, device=self.device)
+        out_weights = None if not topk else torch.empty(tokens, topk, dtype=_WEIGHT_DTYPE, device=self.device)
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its rows (received, or the handle's tokens) are none (its other extents are positive).
         p = launch.params[0]
-        p.timeout_ns, p.op, p.recv_rows = _timeout_ns(spin_timeout_setting()), op, rows
+        p.recv_rows = rows
         p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
         p.x = x.data_ptr() if rows else 0
         p.topk_weights = topk_weights.data_ptr() if topk and rows else 0
@@ -782,7 +938,9 @@ class NormalMode:
             p.bias_1 = 0 if bias_1 is None else bias_1.data_ptr()
         else:
             p.send_head = p.out = p.out_topk_weights = p.bias_0 = p.bias_1 = 0
-        stream.wait(previous_event)
-        _launch_transfer(launch.kernels, stream)
-        event = self._finish(stream, async_finish, (x, topk_weights, bias_0, bias_1, handle, out, out_weights))
-        return out, out_weights, event
+        if fast is not None:
+            self._remember(("combine", config.num_sms), fast.NormalCombineRecord(
+                launch=launch, params=ctypes.addressof(p), device=self.device, ranks=self.ranks, channels=channels,
+                tokens=tokens, hidden=hidden, topk=topk, row_dtype=_ROW_DTYPE, weight_dtype=_WEIGHT_DTYPE,
+                index_dtype=_INDEX_DTYPE, mask_dtype=_MASK_DTYPE))
+        return launch, out, out_weights
