@@ -14,14 +14,12 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed as dist
-from cuda.bindings import driver
-from normal_host_kit import lift_gpu_refusal
-from test_deep_ep_normal_launches import STREAM, FakeDriver, FakeEvent, HostWorkspace
+from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths
+from test_deep_ep_normal_launches import FakeDriver, HostWorkspace, install_fakes
 
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.comm.ep_normal import EpNormalParams
 from gc_moe_compat.deep_ep import Buffer, Config, _compiled_host, _normal
-from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import DeviceCheckError, KernelStatus
 
 ENV = _compiled_host.HOST_PATH_ENV
@@ -31,27 +29,13 @@ H = 256
 
 @pytest.fixture(scope="module")
 def fast() -> ModuleType:
-    module = _compiled_host.compiled()
-    if module is None:
-        pytest.skip(f"the extension did not build here: {_compiled_host.host_path()['reason']}")
-    return module
+    return compiled_or_skip()
 
 
 @pytest.fixture
 def driver_fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
-    """The driver stand-ins of test_deep_ep_normal_launches.py (its ``fake`` fixture), the default host path."""
-    fake = FakeDriver()
-    monkeypatch.setattr(jit, "load_module", lambda source, *args, **kwargs: fake)
-    monkeypatch.setattr(driver, "cuLaunchKernel", fake.launch)
-    monkeypatch.setattr(driver, "cuStreamQuery", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(_normal, "EventHandle", FakeEvent)
-    for name in ("GC_MOE_DEEP_EP_PARTITION", "GC_MOE_SPIN_TIMEOUT_MS", ENV):
-        monkeypatch.delenv(name, raising=False)
-    lift_gpu_refusal(monkeypatch.setattr)
-    ep_normal.kernel_of.cache_clear()
-    yield fake
+    """The driver stand-ins of test_deep_ep_normal_launches.py, the default host path."""
+    yield install_fakes(monkeypatch)
     ep_normal.kernel_of.cache_clear()
 
 
@@ -232,25 +216,6 @@ def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.Pro
         out[0][0].data_ptr(), out[0][1].data_ptr(), out[4][3].data_ptr(), out[4][5].data_ptr())
 
 
-def _raised(call: Callable[[], object]) -> tuple[type, str] | None:
-    try:
-        call()
-    except Exception as exc:  # the exception of either path, compared below
-        return type(exc), str(exc)
-    return None
-
-
-class _Subclass(torch.Tensor):
-    """A tensor subclass: the Python path accepts it, the compiled one leaves it to the Python path."""
-
-
-def _misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return torch.zeros(numel + 16, dtype=dtype)[1:1 + numel].view(shape)
-
-
 def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, group: dist.ProcessGroup,
                                                           monkeypatch: pytest.MonkeyPatch, driver_fake: FakeDriver,
                                                           python_calls: list) -> None:
@@ -272,13 +237,13 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
     forged = [_normal.NormalHandle(tuple(handle[:i]) + (member,) + tuple(handle[i + 1:]), handle.most_sent)
               for i, member in ((0, handle[0].float()), (1, handle[1][:, :2]), (2, handle[2].tolist()),
                                 (3, handle[3].long()), (4, handle[4].int()), (5, handle[5].t()),
-                                (0, handle[0].to("meta")), (5, _misaligned((6, 2), torch.int32)))]
+                                (0, handle[0].to("meta")), (5, misaligned((6, 2), torch.int32)))]
     bad_dispatch = {
         "x list": dict(x=[1]), "x bf16 float32": dict(x=payload.float()), "x triple": dict(x=(payload, scales, None)),
         "x scales float16": dict(x=(payload, scales.half())), "x scales rows": dict(x=(payload, scales[:2])),
         "x payload bf16": dict(x=(payload.to(torch.bfloat16), scales)), "x 3-D": dict(x=(payload[None], scales)),
         "x non-contiguous": dict(x=(payload.t().contiguous().t(), scales)),
-        "x misaligned": dict(x=(_misaligned((6, H), torch.float8_e4m3fn), scales)),
+        "x misaligned": dict(x=(misaligned((6, H), torch.float8_e4m3fn), scales)),
         "x meta": dict(x=(payload.to("meta"), scales)), "x hidden": dict(x=(payload[:, :8], scales)),
         "per_rank int64": dict(num_tokens_per_rank=calls.per_rank.long()),
         "per_rank none": dict(num_tokens_per_rank=None), "in_rank int": dict(is_token_in_rank=calls.in_rank.int()),
@@ -307,7 +272,7 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
     }
     bad_combine = {
         "x rows": dict(x=calls.y[:2]), "x float32": dict(x=calls.y.float()), "x list": dict(x=[1]),
-        "x hidden": dict(x=calls.y[:, :4].contiguous()), "x misaligned": dict(x=_misaligned((5, H), torch.bfloat16)),
+        "x hidden": dict(x=calls.y[:, :4].contiguous()), "x misaligned": dict(x=misaligned((5, H), torch.bfloat16)),
         "weights 33": dict(topk_weights=torch.zeros(5, 33)), "weights 0": dict(topk_weights=torch.zeros(5, 0)),
         "weights rows": dict(topk_weights=calls.cw[:2]),
         "weights int": dict(topk_weights=calls.cw.int()), "bias list": dict(bias=[calls.b[0]]),
@@ -320,14 +285,7 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
     }
 
     def both(call: Callable[[], object], early: bool) -> tuple[type, str] | None:
-        monkeypatch.setenv(ENV, "python")
-        want = _raised(call)
-        monkeypatch.delenv(ENV)
-        python_calls.clear()
-        got = _raised(call)
-        assert got == want
-        assert early or python_calls, "a refused argument must run the Python path"
-        return got
+        return same_on_both_paths(call, monkeypatch, python_calls, must_fall_back=not early)
 
     early = ("config", "config odd", "async str")
     for name, bad in bad_dispatch.items():
@@ -349,13 +307,13 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
     class Pair(tuple):
         """A tuple subclass (the Python path takes it as a pair)."""
 
-    sub_handle = _normal.NormalHandle((handle[0].as_subclass(_Subclass), *handle[1:]), handle.most_sent)
-    for accepted in (lambda: buf.dispatch(**calls.dispatch() | dict(x=(payload.as_subclass(_Subclass), scales))),
+    sub_handle = _normal.NormalHandle((handle[0].as_subclass(TensorSubclass), *handle[1:]), handle.most_sent)
+    for accepted in (lambda: buf.dispatch(**calls.dispatch() | dict(x=(payload.as_subclass(TensorSubclass), scales))),
                      lambda: buf.dispatch(**calls.dispatch() | dict(is_token_in_rank=calls.in_rank.as_subclass(
-                         _Subclass))),
+                         TensorSubclass))),
                      lambda: buf.dispatch(**calls.dispatch() | dict(x=Pair((payload, scales)))),
                      lambda: buf.dispatch(Pair(calls.x), handle, config=cfg),
-                     lambda: buf.combine(calls.y.as_subclass(_Subclass), handle, calls.cw, (b0, b1), config=cfg),
+                     lambda: buf.combine(calls.y.as_subclass(TensorSubclass), handle, calls.cw, (b0, b1), config=cfg),
                      lambda: buf.combine(calls.y, handle, calls.cw, Pair((b0, b1)), config=cfg),
                      lambda: buf.combine(calls.y, sub_handle, calls.cw, (b0, b1), config=cfg)):
         python_calls.clear()

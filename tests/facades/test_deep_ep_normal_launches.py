@@ -139,9 +139,9 @@ class HostWorkspace:
         return self.buffer
 
 
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
-    """The driver stand-ins; the normal mode's workspace device reads as CUDA inside its launch boundary only."""
+def install_fakes(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    """The driver stand-ins, the default host path; the normal mode's workspace device reads as CUDA inside its
+    launch boundary only (the caller clears ``ep_normal.kernel_of``'s cache afterwards)."""
     fake = FakeDriver()
     monkeypatch.setattr(jit, "load_module", lambda source, *args, **kwargs: fake)
     monkeypatch.setattr(driver, "cuLaunchKernel", fake.launch)
@@ -149,11 +149,16 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: STREAM, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_normal, "EventHandle", FakeEvent)
-    monkeypatch.delenv("GC_MOE_DEEP_EP_PARTITION", raising=False)
-    monkeypatch.delenv("GC_MOE_SPIN_TIMEOUT_MS", raising=False)
+    for name in ("GC_MOE_DEEP_EP_PARTITION", "GC_MOE_SPIN_TIMEOUT_MS", "GC_MOE_DEEP_EP_HOST_PATH"):
+        monkeypatch.delenv(name, raising=False)
     lift_gpu_refusal(monkeypatch.setattr)
     ep_normal.kernel_of.cache_clear()
-    yield fake
+    return fake
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
+    yield install_fakes(monkeypatch)
     ep_normal.kernel_of.cache_clear()
 
 

@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths
 from ll_launches import Launch, record_ll_launches
 from test_ep_ll_host import _Workspace
 
@@ -31,10 +32,7 @@ POINTERS = [name for name, _ in EpLlParams._fields_ if name in ep_ll._POINTER_FI
 
 @pytest.fixture(scope="module")
 def fast() -> ModuleType:
-    module = _compiled_host.compiled()
-    if module is None:
-        pytest.skip(f"the extension did not build here: {_compiled_host.host_path()['reason']}")
-    return module
+    return compiled_or_skip()
 
 
 @pytest.fixture
@@ -210,25 +208,6 @@ def test_a_compiled_dispatch_is_one_c_call(fast: ModuleType, launches: list, pyt
     assert launches[2][1].recv_x == second[0].data_ptr() and launches[3][1].out == out2.data_ptr()
 
 
-def _raised(call: Callable[[], object]) -> tuple[type, str] | None:
-    try:
-        call()
-    except Exception as exc:  # the exception of either path, compared below
-        return type(exc), str(exc)
-    return None
-
-
-class _Subclass(torch.Tensor):
-    """A tensor subclass: the Python path accepts it, the compiled one leaves it to the Python path."""
-
-
-def _misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return torch.zeros(numel + 16, dtype=dtype)[1:1 + numel].view(shape)
-
-
 def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, launches: list, python_calls: list,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """With the shape's records in place, each bad argument (type, dtype, rank, shape, device, layout, alignment,
@@ -258,11 +237,11 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
     bad_dispatch = {
         "x list": dict(x=x.tolist()), "x float32": dict(x=x.float()), "x 3-D": dict(x=x.view(1, T, H)),
         "x transposed": dict(x=torch.zeros(H, T, dtype=torch.bfloat16).t()),
-        "x misaligned": dict(x=_misaligned((T, H), torch.bfloat16)), "x meta": dict(x=x.to("meta")),
+        "x misaligned": dict(x=misaligned((T, H), torch.bfloat16)), "x meta": dict(x=x.to("meta")),
         "x too many tokens": dict(x=torch.zeros(9, H, dtype=torch.bfloat16), idx=torch.zeros(9, K, dtype=torch.int64)),
         "x hidden": dict(x=torch.zeros(T, 200, dtype=torch.bfloat16)),
         "idx int16": dict(idx=idx.short()), "idx rows": dict(idx=idx[:-1]), "idx k 0": dict(idx=idx[:, :0]),
-        "idx non-contiguous": dict(idx=idx.t().contiguous().t()), "idx misaligned": dict(idx=_misaligned((T, K),
+        "idx non-contiguous": dict(idx=idx.t().contiguous().t()), "idx misaligned": dict(idx=misaligned((T, K),
                                                                                                        torch.int64)),
         "stats int64": dict(stats=stats.long()), "stats length": dict(stats=stats[:-1]),
         "stats list": dict(stats=[0] * L), "stats strided": dict(stats=torch.zeros(2 * L, dtype=torch.int32)[::2]),
@@ -271,26 +250,19 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
     }
     bad_combine = {
         "y float32": dict(y=y.float()), "y shape": dict(y=y[:, :8]), "y list": dict(y=[1]),
-        "y misaligned": dict(y=_misaligned((L, S, H), torch.bfloat16)),
+        "y misaligned": dict(y=misaligned((L, S, H), torch.bfloat16)),
         "y non-contiguous": dict(y=y.transpose(0, 1).contiguous().transpose(0, 1)),
         "idx shape": dict(idx=idx[:, :2]), "idx float": dict(idx=idx.float()), "idx meta": dict(idx=idx.to("meta")),
         "weights float64": dict(w=w.double()), "weights shape": dict(w=w[:2]),
         "weights non-contiguous": dict(w=torch.ones(K, T).t()),
         "out float32": dict(out=torch.zeros(T, H)), "out shape": dict(out=torch.zeros(T, 256, dtype=torch.bfloat16)),
-        "out misaligned": dict(out=_misaligned((T, H), torch.bfloat16)), "out tuple": dict(out=(1,)),
+        "out misaligned": dict(out=misaligned((T, H), torch.bfloat16)), "out tuple": dict(out=(1,)),
         "handle tuple": dict(handle=tuple(handle)), "handle foreign": dict(handle=foreign),
         **{f"handle forged {i}": dict(handle=h) for i, h in enumerate(forged)},
     }
 
     def both(call: Callable[[], object]) -> tuple[type, str] | None:
-        monkeypatch.setenv(ENV, "python")
-        want = _raised(call)
-        monkeypatch.delenv(ENV)
-        python_calls.clear()
-        got = _raised(call)
-        assert got == want
-        assert python_calls, "a refused argument must run the Python path"
-        return got
+        return same_on_both_paths(call, monkeypatch, python_calls)
 
     for name, bad in bad_dispatch.items():
         args = dict(x=x, idx=idx, stats=stats, max_tokens=8, experts=16, use_ue8m0=False) | bad
@@ -303,8 +275,8 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
         assert error is not None and error[0] in (TypeError, ValueError), (name, error)
     assert len(launches) == launched
     # Accepted by the Python path, not by the records: the Python path runs and succeeds.
-    for accepted in (lambda: _dispatch(ws, x.as_subclass(_Subclass), idx, 8, 16, **kwargs),
-                     lambda: _combine(ws, y, idx, w.as_subclass(_Subclass), handle),
+    for accepted in (lambda: _dispatch(ws, x.as_subclass(TensorSubclass), idx, 8, 16, **kwargs),
+                     lambda: _combine(ws, y, idx, w.as_subclass(TensorSubclass), handle),
                      lambda: _combine(ws, y, idx, w, LowLatencyHandle(
                          (handle[0].t().contiguous().t(), *handle[1:]), topk=K, num_tokens=T,
                          src_route=handle.src_route, routing=handle.routing, workspace=ws))):

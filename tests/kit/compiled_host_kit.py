@@ -1,0 +1,57 @@
+"""What the compiled host path's tests (tests/facades/test_ep_ll_host_compiled.py,
+test_deep_ep_normal_host_compiled.py) share: the module (or a skip), arguments the compiled path must hand to the
+Python path (a tensor subclass, a misaligned view) and the exception a call raised."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+
+from gc_moe_compat.deep_ep import _compiled_host
+
+
+def compiled_or_skip() -> ModuleType:
+    """The compiled host path's module, or the test skips saying why it did not build here."""
+    module = _compiled_host.compiled()
+    if module is None:
+        pytest.skip(f"the extension did not build here: {_compiled_host.host_path()['reason']}")
+    return module
+
+
+def raised(call: Callable[[], object]) -> tuple[type, str] | None:
+    """The type and message of what ``call`` raised, or None."""
+    try:
+        call()
+    except Exception as exc:  # the exception of either path, compared by the caller
+        return type(exc), str(exc)
+    return None
+
+
+class TensorSubclass(torch.Tensor):
+    """A tensor subclass: the Python path accepts it, the compiled one leaves it to the Python path."""
+
+
+def misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous zero tensor of ``shape`` whose address is one element past a 16-byte boundary."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.zeros(numel + 16, dtype=dtype)[1:1 + numel].view(shape)
+
+
+def same_on_both_paths(call: Callable[[], object], monkeypatch: pytest.MonkeyPatch, python_calls: list[str],
+                       must_fall_back: bool = True) -> tuple[type, str] | None:
+    """What ``call`` raises on the Python host path (``GC_MOE_DEEP_EP_HOST_PATH=python``), checked equal to what it
+    raises on the default path, whose call must have handed over to the Python path (``python_calls``: the Python
+    path's calls, counted by the caller's fixture) unless ``must_fall_back`` is False (an error raised before it)."""
+    monkeypatch.setenv(_compiled_host.HOST_PATH_ENV, "python")
+    want = raised(call)
+    monkeypatch.delenv(_compiled_host.HOST_PATH_ENV)
+    python_calls.clear()
+    got = raised(call)
+    assert got == want
+    assert not must_fall_back or python_calls, "a refused argument must run the Python path"
+    return got
