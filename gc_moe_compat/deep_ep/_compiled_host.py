@@ -28,7 +28,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 from gc_moe_compat.comm.ep_ll import EpLlParams
 from gc_moe_compat.comm.ep_normal import EpNormalParams
 from gc_moe_compat.runtime.jit import cache_dir
+from gc_moe_compat.runtime.split import env_choice
 
 __all__ = ["HOST_PATH_ENV", "HOST_PATHS", "PARAM_STRUCTS", "SOURCE", "compiled", "host_path"]
 
@@ -66,12 +66,7 @@ class _Build:
 def _requested() -> str:
     """``GC_MOE_DEEP_EP_HOST_PATH`` as set now: ``compiled`` (also when unset or empty) or ``python``; another value
     raises ``ValueError`` naming the variable."""
-    raw = os.environ.get(HOST_PATH_ENV, "").strip()
-    if raw == "":
-        return "compiled"
-    if raw not in HOST_PATHS:
-        raise ValueError(f"{HOST_PATH_ENV}: must be one of {HOST_PATHS} (the deep_ep facade's host path), got {raw!r}")
-    return raw
+    return env_choice(HOST_PATH_ENV, "compiled", HOST_PATHS, "the deep_ep facade's host path")
 
 
 def _digest() -> str:

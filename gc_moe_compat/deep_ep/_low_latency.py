@@ -116,13 +116,19 @@ def _records(state: _State, kind: str, *sizes: object) -> dict[object, object] |
     another type than int (the first two) are never looked up: the Python path checks them."""
     if type(sizes[0]) is not int or type(sizes[1]) is not int:
         return None
-    return state.records.get((kind, threading.get_ident(), *sizes, spin_timeout_setting()))
+    return state.records.get(_record_key(kind, sizes))
+
+
+def _record_key(kind: str, sizes: tuple) -> tuple:
+    """The key of the records of the calls of ``kind`` with ``sizes`` on this thread under the spin timeout setting
+    as set now."""
+    return kind, threading.get_ident(), *sizes, spin_timeout_setting()
 
 
 def _remember(state: _State, kind: str, sizes: tuple, shape_key: object, make: Callable[[], object]) -> None:
     """Keeps the record ``make`` builds for the call shape the Python path just checked (once per shape), where
     :func:`_records` finds it for the calls of ``kind``, ``sizes`` (exact ints) and ``shape_key``."""
-    records = state.records.setdefault((kind, threading.get_ident(), *sizes, spin_timeout_setting()), {})
+    records = state.records.setdefault(_record_key(kind, sizes), {})
     if shape_key not in records:
         records[shape_key] = make()
 

@@ -828,7 +828,7 @@ class NormalMode:
         if received is None:  # the Python path's call, or an allocation the compiled one could not make
             received = self._received(launch, payload, scales, topk_idx, num_recv)
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = received
-        _launch_transfer(launch.kernels[-2:], stream)
+        _launch_transfer(launch.kernels[1:], stream)
         event = self._finish(stream, async_finish,
                              (payload, scales, topk_idx, topk_weights, in_rank, rank_prefix, channel_prefix, send_head,
                               recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,

@@ -93,12 +93,14 @@ DEEP_EP_PARTITION_ENV = "GC_MOE_DEEP_EP_PARTITION"
 DEEP_EP_PARTITION_MODES = ("on", "off")
 
 
-def _env_mode(name: str, default: str, modes: tuple[str, ...]) -> str:
+def env_choice(name: str, default: str, choices: tuple[str, ...], what: str = "green-context split") -> str:
+    """Environment variable ``name`` as set now: ``default`` when unset or blank, else one of ``choices``; another
+    value raises ``ValueError`` naming the variable, the choices and ``what`` it selects."""
     raw = os.environ.get(name, "").strip()
     if raw == "":
         return default
-    if raw not in modes:
-        raise ValueError(f"{name}: must be one of {modes} (green-context split), got {raw!r}")
+    if raw not in choices:
+        raise ValueError(f"{name}: must be one of {choices} ({what}), got {raw!r}")
     return raw
 
 
@@ -106,7 +108,7 @@ def partition_mode(partition: str | bool | None = None) -> str:
     """The operator's mode, ``"auto"``, ``"on"`` or ``"off"``: the argument (a mode string, or a bool for on/off)
     wins, else ``GC_MOE_PARTITION``, else ``"auto"``."""
     if partition is None:
-        return _env_mode(PARTITION_ENV, "auto", PARTITION_MODES)
+        return env_choice(PARTITION_ENV, "auto", PARTITION_MODES)
     if isinstance(partition, bool):
         return "on" if partition else "off"
     if not isinstance(partition, str):
@@ -125,7 +127,7 @@ def deep_ep_partition_mode() -> str:
     ``"off"``. Off by default because it was faster everywhere it was measured on one H200 (bench/README.md): eager
     low-latency kernels took 4.6x as long on the 20-SM partition as with full-device grids, and beside a concurrent
     GEMM the partitioned dispatch + combine made the whole step 0.3-13 % slower."""
-    return _env_mode(DEEP_EP_PARTITION_ENV, "off", DEEP_EP_PARTITION_MODES)
+    return env_choice(DEEP_EP_PARTITION_ENV, "off", DEEP_EP_PARTITION_MODES)
 
 
 def validate_split(total_sms: int, dispatch_sms: int, compute_sms: int) -> SplitPlan:
