@@ -29,7 +29,7 @@
 // Task sequence (ring.py's live-block model, role2_task; operator/sm90/role2_gemm.task_sequence mirrors it):
 // the W1 tasks of pool blocks 0..min(w, n)-1 (tile-major), then for j = 0..n-1 the t2 W2 tasks of block j followed
 // by the t1 W1 tasks of block j + w (while j + w < n). A CTA takes the next task of the sequence whenever its
-// producer is ready for one (role2_ring.cuh: op_take_task; the last CTA to leave resets the count), so each CTA's
+// producer is ready for one (role2_ring.cuh: op_take_task; the last to leave resets the count), so each CTA's
 // tasks are in sequence order; its producer runs ahead in the same order and hands each task's sequence index to
 // the consumers in a shared word of the stage its first K step fills. A task waits only on strictly earlier tasks:
 // W2 of j on W1 of j; W1 of p on
@@ -185,12 +185,14 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
                     if (!op_produce<K>(a, pipe, it, ot, t, kb, maps, mask_seen, kb == 0 ? words + 2 : nullptr, s)) {
                         words[1] = it;
+                        op_schedule_done(a, 2);
                         return;
                     }
                 }
             }
             __threadfence_block();  // the last take before the stop the consumers leave at
             words[1] = it;
+            op_schedule_done(a, 2);
         }
         return;
     }
@@ -240,7 +242,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         }
     }
     __threadfence_system();  // this thread's combine stores (local and peers') performed at system scope
-    if (local_tid == 0) op_schedule_done(a);
+    if (local_tid == 0) op_schedule_done(a, K::kProducerWG ? 2 : 1);
 }
 
 }  // namespace sm90

@@ -134,12 +134,16 @@ __device__ __forceinline__ int op_take_task(const OpArgs& a) {
     return static_cast<int>(atomicAdd(a.at<unsigned long long>(a.off.role2_schedule), 1ull));
 }
 
-// Consumer thread 0 of every CTA once its consumers have left the task loop (so after every take of its CTA): the
-// CTA that completes the count stores 0 to both words, the schedule the next launch starts from.
-__device__ __forceinline__ void op_schedule_done(const OpArgs& a) {
+// Every thread that takes tasks, once it takes no more, and consumer thread 0 once its consumers have left the task
+// loop: `per_cta` arrivals per CTA (2 with a producer warpgroup: its thread 0 and consumer thread 0, so a consumer
+// that leaves at its wait's backstop, before the producer's last take, cannot reset the count under it; 1 without:
+// consumer thread 0 takes). The arrival that completes the count stores 0 to both words (after an acquire fence: the
+// takes before every other arrival precede the reset), the schedule the next launch starts from.
+__device__ __forceinline__ void op_schedule_done(const OpArgs& a, unsigned per_cta) {
     unsigned long long* words = a.at<unsigned long long>(a.off.role2_schedule);
     __threadfence();
-    if (atomicAdd(words + 1, 1ull) == gridDim.x - 1) {
+    if (atomicAdd(words + 1, 1ull) == static_cast<unsigned long long>(per_cta) * gridDim.x - 1) {
+        __threadfence();
         atomicExch(words, 0ull);
         atomicExch(words + 1, 0ull);
     }

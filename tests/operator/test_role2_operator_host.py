@@ -246,7 +246,7 @@ def _simulate(n: int, ring_blocks: int, ctas: int, w: int, t1: int, t2: int, row
               held: int = 2) -> bool:
     """Discrete simulation of role1 (pulls pool blocks in order, refill waits on W1 and W2 of p - R) and role2's
     grid (a CTA takes the next task of the sequence whenever it holds fewer than ``held``: the consumers' current
-    task and the one its producer has taken ahead; only the first it holds runs; a W1 task needs its block landed, a
+    task and those its producer has taken ahead; only the first it holds runs; a W1 task needs its block landed, a
     W2 task every W1 tile of its block). Returns whether everything finished (False: no actor could move, a
     deadlock)."""
     seq = role2_gemm.task_sequence(n, w, t1, t2)
@@ -329,7 +329,8 @@ def test_grid_never_deadlocks_with_the_checked_ring(compute_sms: int, bm: int, m
     t1, t2, w = model.w1_tasks_per_block, model.w2_tasks_per_block, model.lookahead_blocks
     for n in (1, model.pool_blocks // 3, model.pool_blocks):
         for r in (model.required_ring_blocks, model.deadlock_free_blocks):
-            assert _simulate(n, r, compute_sms, w, t1, t2), (n, r)
+            for held in (1, 2, 9):  # a producer holds up to kStages + 1 tasks when they are shorter than its stages
+                assert _simulate(n, r, compute_sms, w, t1, t2, held=held), (n, r, held)
 
 
 def test_ring_below_the_look_ahead_can_deadlock() -> None:
