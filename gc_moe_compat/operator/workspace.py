@@ -35,6 +35,8 @@ region                  dtype      shape                   written by (read by)
 ``pool_header``         int64      ``[1]``                 own role1: ``(1 << 32) | pool blocks``; role3 -> 0
 ``pool_table``          int32      ``[pool, 3]``           own role1: (local expert, valid rows, ring row
                                                            offset) per pool block (the GEMM's block table)
+``role2_schedule``      int64      ``[2]``                 own role2: [0] the next task of the sequence a CTA
+                                                           takes, [1] CTAs done; the last CTA stores 0 to both
 ``l1_acts``             e4m3fn     ``[rows, H]``           own role1: token ring payload (role2 W1 TMA)
 ``l1_acts_sf``          float32    ``[H/128, rows]``       own role1: scales, transposed (K128 step ``kb`` of a
                                                            block is ``BM`` contiguous floats)
@@ -120,8 +122,9 @@ SHARED_REGIONS = ("shared_l2_acts", "shared_l2_acts_sf")
 
 REGION_NAMES = (
     *INPUT_VIEWS, "tag1_barrier", "replay_seq", "recv_parity", "send_counts", "recv_counts", "combine_ready",
-    "finalize_arrive", "src_index", "pool_header", "pool_table", "l1_acts", "l1_acts_sf", "l1_routing_weights",
-    "l1_source", "l1_full_count", "l1_empty_count", "l2_full_mask", "l2_empty_count", "l2_acts", "l2_acts_sf",
+    "finalize_arrive", "src_index", "pool_header", "pool_table", "role2_schedule", "l1_acts", "l1_acts_sf",
+    "l1_routing_weights", "l1_source", "l1_full_count", "l1_empty_count", "l2_full_mask", "l2_empty_count",
+    "l2_acts", "l2_acts_sf",
     *SHARED_REGIONS, "combine", "status",
 )
 """Every region in placement order (the field order of :class:`WorkspaceOffsets`)."""
@@ -252,6 +255,7 @@ def _specs(shape: MoEShape, ring: RingCapacity, pool: int, topk_idx_dtype: torch
         RegionSpec("src_index", torch.int32, (e, p, t)),
         RegionSpec("pool_header", torch.int64, (1,)),
         RegionSpec("pool_table", torch.int32, (pool, 3)),
+        RegionSpec("role2_schedule", torch.int64, (2,)),
         RegionSpec("l1_acts", _FP8, (rows, h)),
         RegionSpec("l1_acts_sf", torch.float32, (h // 128, rows)),
         RegionSpec("l1_routing_weights", torch.float32, (rows,)),

@@ -21,6 +21,7 @@ struct WorkspaceOffsets {
     unsigned long long src_index;
     unsigned long long pool_header;
     unsigned long long pool_table;
+    unsigned long long role2_schedule;
     unsigned long long l1_acts;
     unsigned long long l1_acts_sf;
     unsigned long long l1_routing_weights;
@@ -40,7 +41,7 @@ struct WorkspaceOffsets {
     unsigned int ring_blocks;
     unsigned int pool_blocks;
 };
-static_assert(sizeof(WorkspaceOffsets) == 240, "WorkspaceOffsets must match gc_moe_compat/operator/workspace.py");
+static_assert(sizeof(WorkspaceOffsets) == 248, "WorkspaceOffsets must match gc_moe_compat/operator/workspace.py");
 
 // Generated from gc_moe_compat.operator.workspace.StatusRecord.
 enum StatusRecord : unsigned int {

@@ -49,10 +49,12 @@ constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thread (m64nBMk32)
 
 // The shared-memory tail after a kernel's stages and amax scratch: in operator mode the W2 epilogue's BF16 tile
-// [kBM tokens][rows] (rows padded by 16 bytes against bank conflicts) for 16-byte scatter stores, and 16 bytes holding
-// the pool block count and the producer's stop slot; then the stage barriers and slack to align the base to 1024.
+// [kBM tokens][rows] (rows padded by 16 bytes against bank conflicts) for 16-byte scatter stores, and kOpWords
+// 32-bit words in whole 16-byte units (the pool block count, the producer's stop slot, then per stage the task whose
+// first K step fills it: sm90/role2_gemm.cuh); then the stage barriers and slack to align the base to 1024.
+constexpr u32 kOpWords = 2 + kStages;
 constexpr u32 out_pitch(int rows) { return rows * 2 + 16; }
-constexpr u32 out_bytes(int rows) { return GC_OPERATOR ? kBM * out_pitch(rows) + 16 : 0; }
+constexpr u32 out_bytes(int rows) { return GC_OPERATOR ? kBM * out_pitch(rows) + (4 * kOpWords + 15) / 16 * 16 : 0; }
 constexpr u32 smem_bytes(u32 off_bar) { return off_bar + 2 * kStages * 8 + 1024; }
 
 // Up to 64 in every variant; 96 in the FP8xFP8 operator mode (role2: compute_paths.max_block_m), whose K loop then

@@ -28,8 +28,11 @@
 //
 // Task sequence (ring.py's live-block model, role2_task; operator/sm90/role2_gemm.task_sequence mirrors it):
 // the W1 tasks of pool blocks 0..min(w, n)-1 (tile-major), then for j = 0..n-1 the t2 W2 tasks of block j followed
-// by the t1 W1 tasks of block j + w (while j + w < n). CTA c runs tasks c, c + C, c + 2C, ... in order; its
-// producer runs ahead in the same order. A task waits only on strictly earlier tasks: W2 of j on W1 of j; W1 of p on
+// by the t1 W1 tasks of block j + w (while j + w < n). A CTA takes the next task of the sequence whenever its
+// producer is ready for one (role2_ring.cuh: op_take_task; the last to leave resets the count), so each CTA's
+// tasks are in sequence order; its producer runs ahead in the same order and hands each task's sequence index to
+// the consumers in a shared word of the stage its first K step fills. A task waits only on strictly earlier tasks:
+// W2 of j on W1 of j; W1 of p on
 // role1's pull of p, which (for g >= 1) waits on W1 and W2 of p - R, and W2 of p - R precedes W1 of p iff R >= w
 // (W2 of j sits in segment j, W1 of j + w in the same segment after it). Hence, with every CTA resident, the
 // smallest unfinished task always has its dependencies done and its CTA at it (both warpgroup roles of a CTA walk
@@ -69,13 +72,20 @@ namespace sm90 {
 
 // Producer side of K step kb of task `ot`: the ring signal it needs, the stage wait, then the kernel's loads.
 // `mask_seen` caches the last acquired l2_full_mask of the current W2 task.
+// `task_words` (the pipelined producer, a task's first K step): the stage's shared word receives the task's sequence
+// index `s` once the stage is free, before the issue's arrival publishes the stage (release; the consumers read the
+// word after their full wait, before they free the stage again).
 template <typename K>
 __device__ __forceinline__ bool op_produce(const OpArgs& a, const typename K::Pipeline& pipe, u32 it,
                                            const OpTask& ot, const Task& t, int kb, const OpMaps& maps,
-                                           u64& mask_seen) {
+                                           u64& mask_seen, volatile u32* task_words = nullptr, int s = 0) {
     if (!op_ring_acquire(a, ot, kb, mask_seen)) return false;
     const u32 stage = it % K::kStages, parity = ((it / K::kStages) & 1) ^ 1;
     if (!op_wait_empty(a, pipe.empty(stage), parity)) return false;
+    if (task_words != nullptr) {
+        task_words[stage] = static_cast<u32>(s);
+        __threadfence_block();
+    }
     K::op_issue(a, pipe, it, ot, t, kb, maps);
     return true;
 }
@@ -134,7 +144,8 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     u8* smem = align_smem_1024(smem_raw);
     const Pipeline pipe{smem_addr(smem)};
     u8* out_tile = smem + K::kOffOut;
-    // [0] pool blocks, [1] stop
+    // [0] pool blocks, [1] stop slot, [2 + stage] the task whose first K step fills the stage (the pipelined
+    // producer's), [2] also the non-pipelined consumers' next task (gemm_variant.cuh: kOpWords)
     volatile u32* words = reinterpret_cast<volatile u32*>(out_tile + K::kBM * K::kOutPitch);
     const int tid = threadIdx.x;
     if (!has_dyn_smem(K::kSmemBytes, tid, a.status(), kSiteSmem)) return;
@@ -167,17 +178,21 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         if (tid == 0) {
             u32 it = 0;
             u64 mask_seen = 0;
-            for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
+            for (int s = op_take_task(a); s < num_tasks(); s = op_take_task(a)) {
                 const OpTask ot = role2_task(s, pool_blocks(), w, t1, t2);
                 const Task t = ring_task(table(), ot);
                 const int kb_count = static_cast<int>(ot.w1 ? params.hidden : params.inter) / K::kBK;
                 for (int kb = 0; kb < kb_count; ++kb, ++it) {
-                    if (!op_produce<K>(a, pipe, it, ot, t, kb, maps, mask_seen)) {
+                    if (!op_produce<K>(a, pipe, it, ot, t, kb, maps, mask_seen, kb == 0 ? words + 2 : nullptr, s)) {
                         words[1] = it;
+                        op_schedule_done(a, 2);
                         return;
                     }
                 }
             }
+            __threadfence_block();  // the last take before the stop the consumers leave at
+            words[1] = it;
+            op_schedule_done(a, 2);
         }
         return;
     }
@@ -188,7 +203,21 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     float* red = reinterpret_cast<float*>(smem + K::kOffRed);
     u32 it = 0;
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
-    for (int s = blockIdx.x; s < num_tasks(); s += gridDim.x) {
+    while (true) {
+        // The next task: from the stage its first K step fills (pipelined; the producer's stop slot ends the loop),
+        // or taken by consumer thread 0 and passed through a shared word (non-pipelined; every consumer thread has
+        // read the previous one: the epilogue's barriers lie between).
+        int s;
+        if constexpr (K::kProducerWG) {
+            const u32 stage = it % K::kStages;
+            if (!op_wait_full(a, pipe.full(stage), (it / K::kStages) & 1, it, words + 1)) break;
+            s = static_cast<int>(words[2 + stage]);
+        } else {
+            if (local_tid == 0) words[2] = static_cast<u32>(op_take_task(a));
+            named_barrier(K::kConsumerBarrier, K::kConsumerThreads);
+            s = static_cast<int>(words[2]);
+            if (s >= num_tasks()) break;
+        }
         const OpTask ot = role2_task(s, pool_blocks(), w, t1, t2);
         const Task t = ring_task(table(), ot);
         const u32 b = static_cast<u32>(ot.block) % params.ring_blocks;
@@ -200,19 +229,20 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         float acc[K::kMSub][K::kAcc];
         if (ot.w1) {
             if (!K::template op_consume<1>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) {
-                return;
+                break;
             }
             K::op_epilogue_w1(a, acc, t, cw, warp, lane, red);
             op_release_w1(a, b, t.tile, local_tid, K::kConsumerBarrier, K::kConsumerThreads);
         } else {
             if (!K::template op_consume<2>(a, pipe, smem, it, t, cw, warp, lane, local_tid, acc, wait_full, load)) {
-                return;
+                break;
             }
             op_epilogue_w2<K>(a, acc, t, ot.block, cw, warp, lane, local_tid, out_tile);
             op_release_w2(a, b, local_tid, K::kConsumerBarrier, K::kConsumerThreads);
         }
     }
     __threadfence_system();  // this thread's combine stores (local and peers') performed at system scope
+    if (local_tid == 0) op_schedule_done(a, K::kProducerWG ? 2 : 1);
 }
 
 }  // namespace sm90

@@ -126,6 +126,29 @@ __device__ __forceinline__ OpTask role2_task(int s, int n, int w, int t1, int t2
     return OpTask{false, paired + s / t2, s % t2};
 }
 
+// The dynamic schedule (role2_schedule: [0] the next task of the sequence, [1] CTAs done). A CTA takes the next
+// task when it is ready for one (its producer thread; consumer thread 0 in the non-pipelined variant), so CTAs that
+// drew short W2 tasks (I/128 K steps) take more of them than CTAs in long W1 tasks (H/128): a static c, c + C, ...
+// split gave some CTAs 1.1-1.7x the mean work wherever the sequence's period (t1 + t2 tasks per block) divides C.
+__device__ __forceinline__ int op_take_task(const OpArgs& a) {
+    return static_cast<int>(atomicAdd(a.at<unsigned long long>(a.off.role2_schedule), 1ull));
+}
+
+// Every thread that takes tasks, once it takes no more, and consumer thread 0 once its consumers have left the task
+// loop: `per_cta` arrivals per CTA (2 with a producer warpgroup: its thread 0 and consumer thread 0, so a consumer
+// that leaves at its wait's backstop, before the producer's last take, cannot reset the count under it; 1 without:
+// consumer thread 0 takes). The arrival that completes the count stores 0 to both words (after an acquire fence: the
+// takes before every other arrival precede the reset), the schedule the next launch starts from.
+__device__ __forceinline__ void op_schedule_done(const OpArgs& a, unsigned per_cta) {
+    unsigned long long* words = a.at<unsigned long long>(a.off.role2_schedule);
+    __threadfence();
+    if (atomicAdd(words + 1, 1ull) == static_cast<unsigned long long>(per_cta) * gridDim.x - 1) {
+        __threadfence();
+        atomicExch(words, 0ull);
+        atomicExch(words + 1, 0ull);
+    }
+}
+
 // The GEMM task of `ot` from the block table (ring rows: rewritten by role1 this replay, L2 loads).
 __device__ __forceinline__ Task ring_task(const int* table, const OpTask& ot) {
     const int* row = table + 3 * ot.block;

@@ -22,7 +22,7 @@ def _expected_bytes(shape: config.MoEShape, cap: ring.RingCapacity, pool: int, i
         "x": t * h, "x_sf": t * h // 128 * 4, "topk_idx": t * k * idx_bytes, "topk_weights": t * k * 4,
         "tag1_barrier": 8, "replay_seq": 8, "recv_parity": 8, "send_counts": 8 * shape.num_experts,
         "recv_counts": 8 * 2 * p * e, "combine_ready": 8 * p, "finalize_arrive": 8, "src_index": 4 * e * p * t,
-        "pool_header": 8,
+        "pool_header": 8, "role2_schedule": 16,
         "pool_table": 12 * pool, "l1_acts": cap.rows * h, "l1_acts_sf": 4 * cap.rows * h // 128,
         "l1_routing_weights": 4 * cap.rows, "l1_source": 16 * cap.rows, "l1_full_count": 4 * cap.blocks,
         "l1_empty_count": 4 * cap.blocks, "l2_full_mask": 8 * cap.blocks, "l2_empty_count": 4 * cap.blocks,
@@ -57,7 +57,7 @@ def test_dsv41_flash_two_ranks_total() -> None:
     layout = OperatorLayout.build(config.preset_shape("dsv41-flash", 2), 128)
     # ring rows of the widest role2 block (FP8xFP8's 96), for either path: one layout serves both
     assert (layout.ring.rows, layout.ring.blocks, layout.pool_blocks) == (23 * 96, 23, 432)
-    assert layout.total_bytes == 37_385_984
+    assert layout.total_bytes == 37_386_240
 
 
 def test_views_dtype_shape_and_aliasing() -> None:

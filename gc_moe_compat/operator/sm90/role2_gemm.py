@@ -10,7 +10,9 @@ power-of-two scales stored as FP32 in ``l2_acts_sf`` like the FP8 path's). Their
 (``kernels/sm90/role2_gemm.cuh``, ``role2_ring.cuh``). One persistent grid of one CTA per compute SM (less the
 SMs a fused shared expert beside it reserves, :func:`~.role4_shared.reserve_sms`) acquires ``pool_header``
 (role1), reads the block table from ``pool_table`` and walks the task sequence of
-:func:`task_sequence`: W1 tiles of ring blocks as role1 fills them (``l1_full_count``), W1 epilogue into ``l2_acts`` /
+:func:`task_sequence`, each CTA taking the next task whenever it is ready for one (the workspace's
+``role2_schedule`` count: W1 tasks take ``H/128`` K steps, W2 tasks ``I/128``, and a static split left some CTAs
+1.1-1.7x the mean work): W1 tiles of ring blocks as role1 fills them (``l1_full_count``), W1 epilogue into ``l2_acts`` /
 ``l2_acts_sf`` toggling ``l2_full_mask`` and releasing ``l1_empty_count``, W2 tiles once their intermediate tiles are
 there, W2 epilogue storing BF16 partial rows straight into the source rank's ``combine`` slot ``(slot, src_token)``
 and releasing ``l2_empty_count``. The ordering argument (deadlock freedom, proxy fences, why role3's fence/release
@@ -147,8 +149,10 @@ def grouped_header() -> str:
 def operator_smem_bytes(bm: int, stages: int, mma_type: str = "fp8xfp8") -> int:
     """Dynamic shared memory of an operator-mode variant (``kSmemBytes`` with ``GC_OPERATOR=1``): the standalone
     W1 layout of the ``mma_type`` kernel (:func:`~gc_moe_compat.operator.heuristics.smem_bytes`, 256-row tasks) plus the
-    W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and 16 bytes of shared words."""
-    return smem_bytes(bm, W1_SLABS, stages, mma_type) + bm * (TASK_ROWS * 2 + 16) + 16
+    W2 epilogue's staged BF16 tile ``[bm][256 rows + 8 pad]`` and ``2 + stages`` 32-bit shared words (the pool block
+    count, the producer's stop slot, the task of each stage) in whole 16-byte units."""
+    words = 4 * (2 + stages)
+    return smem_bytes(bm, W1_SLABS, stages, mma_type) + bm * (TASK_ROWS * 2 + 16) + -(-words // 16) * 16
 
 
 def operator_stages(bm: int, mma_type: str = "fp8xfp8") -> int:
