@@ -50,6 +50,7 @@ constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
                                    // combine heads' 32-token chunks
+constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -348,6 +349,15 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
         for_each_rank(held, rows, [&](u32 r, u64 row) {
             if (lane == 0) *reinterpret_cast<int4*>(row_at(r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
         });
+        // The token's first scale words (strided: DeepEP's scales are column-major) are loaded before its payload,
+        // in flight with the payload's loads instead of one more memory latency after its stores.
+        u32 early[kEarlyScaleWords];
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
+                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
+        }
         const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         // Warp-uniform loops (for_each_rank shuffles across the warp).
         for (u32 base = 0; base < vecs; base += 32 * kBatch) {
@@ -363,7 +373,16 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
                     if (v0 + 32 * i < vecs) dst[v0 + 32 * i] = v[i];
             });
         }
-        for (u32 base = 0; base < p.num_scales; base += 32) {
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            if (32 * k >= p.num_scales) break;  // warp-uniform
+            const u32 i = 32 * k + lane;
+            const bool live = i < p.num_scales;
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                if (live) reinterpret_cast<u32*>(row_at(r, row) + p.off_row_scales)[i] = early[k];
+            });
+        }
+        for (u32 base = 32 * kEarlyScaleWords; base < p.num_scales; base += 32) {
             const u32 i = base + lane;
             const bool live = i < p.num_scales;
             const u64 at = static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride;
