@@ -1,25 +1,27 @@
 """Host side of DeepEP's normal-mode (high-throughput) intranode kernels behind the ``deep_ep`` facade
 (kernels/sm90/ep_normal.cu): the parameter struct, the workspace layout, the kernel launches and the error records.
 
-Seven kernels, each its own launch on the communication stream (the caller picks it: the communication green
-context's, or the caller's stream with the partition off):
+Five kernels (seven roles, each with its status record), each its own launch on the communication stream (the caller
+picks it: the communication green context's, or the caller's stream with the partition off):
 
 * layout: ``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank`` from ``topk_idx``;
 * notify (uncached dispatch): every rank's per-rank and per-expert counts exchanged through the workspace behind a
   generation-tagged barrier; ``rank_prefix_matrix`` (all ``P x P`` entries), the received and ``expert_alignment``-
   aligned per-expert counts into a pinned host record (DeepEP's CPU sync), ``send_head`` and ``channel_prefix_matrix``
   over DeepEP's channels (``config.num_sms / 2`` contiguous token ranges);
-* dispatch send / receive: each token's row (payload, scales, transformed top-k) is stored into the data region of
-  every rank it goes to, at DeepEP's receive position (source rank, then channel, then token); the receiver copies
-  its rows into the outputs;
+* dispatch (a send half, then a receive half in each CTA: one launch, as DeepEP's): each token's row (payload,
+  scales, transformed top-k) is stored into the data region of every rank it goes to, at DeepEP's receive position
+  (source rank, then channel, then token); the receiver copies its rows into the outputs. A CTA's receive half waits
+  for its own grid's send half, so the grid is at most the CTAs the launch can hold at once (``max_ctas``, the
+  rank's share of the SMs);
 * combine heads: first in a combine, the rewrite DeepEP's intranode combine makes to the caller's handle in place
   (``cached_notify_combine``): each ``send_head`` entry of a token that does not go to a rank becomes
   ``-h - 1``, ``h`` the head of the channel's next token to that rank (``-(1 << 25) - 1`` where none follows), so
   that the handle holds DeepEP's bytes after a combine
   (:func:`~gc_moe_compat.testing.ep_normal_reference.combined_send_head` is its reference); idempotent, and the
   other kernels read any negative entry as "not sent";
-* combine send / receive: each received row goes back to its source rank, which sums them (FP32, rank order, after
-  ``bias_0 + bias_1``) into BF16, as DeepEP's intranode combine does.
+* combine (send and receive halves, as dispatch): each received row goes back to its source rank, which sums them
+  (FP32, rank order, after ``bias_0 + bias_1``) into BF16, as DeepEP's intranode combine does.
 
 Synchronization words (``arrive``, ``ready``, ``released``) carry the Buffer's collective-op number (the same on
 every rank: dispatches and combines are collective and called in the same order), so no call needs a reset. Waits
@@ -58,6 +60,7 @@ __all__ = [
     "SOURCE",
     "THREADS",
     "EpNormalParams",
+    "Entry",
     "HostRecord",
     "Kernel",
     "NormalLaunch",
@@ -85,8 +88,9 @@ MAX_TOPK = 32
 
 
 class Kernel(enum.IntEnum):
-    """The seven kernels; the value is also the index of the kernel's status record (``gc_moe::NormalKernel``;
-    COMBINE_HEADS, which neither waits nor checks, never writes its record)."""
+    """The seven roles of the normal-mode kernels; the value is the index of the role's status record
+    (``gc_moe::NormalKernel``; COMBINE_HEADS, which neither waits nor checks, never writes its record). A
+    direction's send and receive halves are one kernel (:class:`Entry`), each half reporting in its own record."""
 
     LAYOUT = 0
     NOTIFY = 1
@@ -97,10 +101,27 @@ class Kernel(enum.IntEnum):
     COMBINE_HEADS = 6
 
 
+class Entry(enum.IntEnum):
+    """The kernels' entry points, what a launch names: DISPATCH and COMBINE run their direction's send half, then its
+    receive half, in one grid."""
+
+    LAYOUT = 0
+    NOTIFY = 1
+    DISPATCH = 2
+    COMBINE = 3
+    COMBINE_HEADS = 4
+
+
+_ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_notify",
+                Entry.DISPATCH: "gc_ep_normal_dispatch", Entry.COMBINE: "gc_ep_normal_combine",
+                Entry.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
 _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
-          Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch_send", Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch_recv",
-          Kernel.COMBINE_SEND: "gc_ep_normal_combine_send", Kernel.COMBINE_RECV: "gc_ep_normal_combine_recv",
+          Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch (send half)",
+          Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch (receive half)",
+          Kernel.COMBINE_SEND: "gc_ep_normal_combine (send half)",
+          Kernel.COMBINE_RECV: "gc_ep_normal_combine (receive half)",
           Kernel.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+"""Each role's name in error messages and in the generated header: its entry point, and which half."""
 
 
 class HostRecord(enum.IntEnum):
@@ -287,14 +308,14 @@ collective-op number and its received rows. :func:`new_launch` fixes every other
 
 
 @functools.cache
-def kernel_of(kernel: Kernel) -> jit.Kernel:
+def kernel_of(entry: Entry) -> jit.Kernel:
     """The loaded kernel, looked up once per process: ``jit.load_module`` hashes the source tree for its cache key
     (milliseconds), which would otherwise be paid by every launch of a normal-mode call."""
-    return jit.load_module(SOURCE).kernel(_NAMES[kernel])
+    return jit.load_module(SOURCE).kernel(_ENTRY_NAMES[entry])
 
 
-PackedKernel = tuple[Kernel, Dim3, Dim3, int]
-"""One launch of a :class:`NormalLaunch`: the kernel, its grid, its block and the address of its packed arguments
+PackedKernel = tuple[Entry, Dim3, Dim3, int]
+"""One launch of a :class:`NormalLaunch`: the entry point, its grid, its block and the address of its packed arguments
 (with :func:`kernel_of`'s handle, what :func:`~gc_moe_compat.runtime.launch.launch_packed` takes before the
 stream; the kernel is loaded at its first launch, not when the launches are packed)."""
 _BLOCK = (THREADS, 1, 1)
@@ -311,7 +332,7 @@ class NormalLaunch:
     __slots__ = ("args", "kernels", "params")
 
     def __init__(self, table: PeerTable, params: Sequence[EpNormalParams],
-                 kernels: Sequence[tuple[Kernel, int, int]], max_ctas: int) -> None:
+                 kernels: Sequence[tuple[Entry, int, int]], max_ctas: int) -> None:
         self.params = tuple(params)
         self.args = tuple(KernelArgs(table, p) for p in self.params)
         self.kernels: tuple[PackedKernel, ...] = tuple(
@@ -319,12 +340,14 @@ class NormalLaunch:
             for kernel, grid, index in kernels)
 
 
-def new_launch(table: PeerTable, kernels: Sequence[tuple[Kernel, int, int]], fields: Sequence[Mapping[str, object]],
+def new_launch(table: PeerTable, kernels: Sequence[tuple[Entry, int, int]], fields: Sequence[Mapping[str, object]],
                max_ctas: int) -> NormalLaunch:
     """The :class:`NormalLaunch` of calls of one shape: ``fields``, each parameter set's :func:`make_params`
     arguments (none of :data:`PER_CALL_FIELDS`); ``kernels``, in launch order, each ``(kernel, grid, index of its
     parameter set)``, its grid at least 1 CTA and at most ``max_ctas`` (every kernel loops over its work with a grid
-    stride; notify needs 2, which every rank's share holds: its CTA 0 waits while the others compute)."""
+    stride; notify needs 2, which every rank's share holds: its CTA 0 waits while the others compute; the direction
+    kernels' receive halves wait for their own grid's send half, so ``max_ctas`` must be CTAs the launch's SMs hold
+    at once)."""
     for f in fields:
         if f.keys() & PER_CALL_FIELDS:
             raise TypeError(f"new_launch: per-call fields of EpNormalParams: {sorted(f.keys() & PER_CALL_FIELDS)}")

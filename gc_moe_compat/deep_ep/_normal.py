@@ -64,9 +64,9 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
+    Entry,
     EpNormalParams,
     HostRecord,
-    Kernel,
     NormalLaunch,
     PackedKernel,
     combine_row_layout,
@@ -464,7 +464,7 @@ class NormalMode:
             self._pending.append((event, tensors))
         return EventOverlap(event)
 
-    def _pack(self, key: tuple, kernels: Sequence[tuple[Kernel, int, int]], *fields: dict) -> NormalLaunch:
+    def _pack(self, key: tuple, kernels: Sequence[tuple[Entry, int, int]], *fields: dict) -> NormalLaunch:
         """New packed launches for the calls of ``key`` (:func:`~gc_moe_compat.comm.ep_normal.new_launch`: the peer
         table, the status mirror, grids bounded by :attr:`grid_cap`), kept for them. The key holds the calling
         thread and every size the fixed fields depend on; past ``MAX_LAUNCH_SHAPES`` the cache starts again."""
@@ -574,7 +574,7 @@ class NormalMode:
         local = experts // self.ranks
         fields = dict(transient=data_offset(self.ranks, local, 1), data_rows=0, num_tokens=tokens, topk=topk,
                       num_experts=experts, local_experts=local, idx_bytes=idx_bytes)
-        return self._pack(key, ((Kernel.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
+        return self._pack(key, ((Entry.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
 
     def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
                             async_finish: bool, allocate_on_comm_stream: bool, num_sms: int) -> tuple:
@@ -605,7 +605,7 @@ class NormalMode:
         """A dispatch's launches for ``key`` = ``("dispatch", thread, cached, tokens, hidden, payload element size,
         scales, topk, idx_bytes, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
         column stride, zeros without; a cached dispatch's experts: the ranks), checked (the header and the counts
-        fit) and packed now unless kept: notify (uncached: its own parameters), then dispatch send and receive."""
+        fit) and packed now unless kept: notify (uncached: its own parameters), then the dispatch kernel."""
         launch = self._launches.get(key)
         if launch is not None:
             return launch
@@ -621,9 +621,8 @@ class NormalMode:
                         scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk, idx_bytes=idx_bytes)
         sms = 2 * channels
         if cached:
-            return self._pack(key, ((Kernel.DISPATCH_SEND, sms, 0), (Kernel.DISPATCH_RECV, sms, 0)), transfer)
-        kernels = ((Kernel.NOTIFY, 1 + -(-self.ranks * channels // 8), 0), (Kernel.DISPATCH_SEND, sms, 1),
-                   (Kernel.DISPATCH_RECV, sms, 1))
+            return self._pack(key, ((Entry.DISPATCH, sms, 0),), transfer)
+        kernels = ((Entry.NOTIFY, 1 + -(-self.ranks * channels // 8), 0), (Entry.DISPATCH, sms, 1))
         return self._pack(key, kernels, dict(**common, expert_alignment=expert_alignment), transfer)
 
     def dispatch(self, x: object, handle: object, num_tokens_per_rank: object, num_tokens_per_rdma_rank: object,
@@ -854,10 +853,9 @@ class NormalMode:
                       hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
                       num_channels=channels)
         # DeepEP's in-place rewrite of the caller's send_head first (a warp per channel and rank), ahead of its
-        # readers, combine send and receive; all on one parameter set
+        # reader, the combine's receive half; both on one parameter set
         sms = 2 * channels
-        kernels = ((Kernel.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Kernel.COMBINE_SEND, sms, 0),
-                   (Kernel.COMBINE_RECV, sms, 0))
+        kernels = ((Entry.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Entry.COMBINE, sms, 0))
         return self._pack(key, kernels, fields)
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,

@@ -1,6 +1,7 @@
 // DeepEP's normal-mode (high-throughput) intranode dispatch and combine behind the deep_ep facade: the layout
-// kernel, the count exchange (notify), a send and a receive kernel per direction, all on the symmetric workspace
-// (num_nvl_bytes), and the combine's rewrite of the handle's send_head; launched on the communication green context.
+// kernel, the count exchange (notify), one kernel per direction (its send half, then its receive half), all on the
+// symmetric workspace (num_nvl_bytes), and the combine's rewrite of the handle's send_head; launched on the
+// communication green context.
 //
 // Workspace (one copy per rank; offsets in EpNormalParams):
 //   arrive[P]   u64  notify barrier: rank q stores op into arrive[q] of every rank after writing its counts
@@ -15,10 +16,12 @@
 // Ordering (op n = the Buffer's collective-op counter, the same on every rank; every word only grows):
 //  * notify: CTA 0 stores this rank's per-rank and per-expert counts into every rank's counts, fence, then
 //    st.release.sys arrive[own] = n on every rank, then acquires arrive[q] >= n for every q and reduces the matrix.
-//  * a send kernel first acquires released[r] >= n - 1 of every rank r it may write to (that rank read op n - 1's
+//  * a send half first acquires released[r] >= n - 1 of every rank r it may write to (that rank read op n - 1's
 //    rows), writes its rows with peer stores, and its last CTA (fences around the arrival atomic) stores
-//    ready[own] = n on every rank; a receive kernel acquires ready[q] >= n for every q before reading its data
-//    region, and its last CTA stores released[own] = n on every rank.
+//    ready[own] = n on every rank; a receive half acquires ready[q] >= n for every q before reading its data
+//    region, and its last CTA stores released[own] = n on every rank. Each CTA runs the send half, then the receive
+//    half: a CTA's receive half waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the
+//    launch can hold at once (the host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
 // Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error; a failed wait
 // leaves its words unpublished (so peers report too) and every kernel still completes.
 #include <cuda_bf16.h>
@@ -47,6 +50,7 @@ constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
                                    // combine heads' 32-token chunks
+constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -301,11 +305,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
     }
 }
 
-// dispatch send: every token's row goes to each rank it is in, at DeepEP's receive position
+// dispatch, send half: every token's row goes to each rank it is in, at DeepEP's receive position
 // M[own-1][r] + channel start + send_head. A warp per token: lane r finds the row at rank r, lane k loads top-k slot
 // k, then each batch of the token's vectors (kBatch per lane) is loaded once and stored to every rank.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_send(const PeerTable pt,
-                                                                                 const EpNormalParams p) {
+static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchSend);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
@@ -346,6 +349,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
         for_each_rank(held, rows, [&](u32 r, u64 row) {
             if (lane == 0) *reinterpret_cast<int4*>(row_at(r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
         });
+        // The token's first scale words (strided: DeepEP's scales are column-major) are loaded before its payload,
+        // in flight with the payload's loads instead of one more memory latency after its stores.
+        u32 early[kEarlyScaleWords];
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
+                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
+        }
         const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         // Warp-uniform loops (for_each_rank shuffles across the warp).
         for (u32 base = 0; base < vecs; base += 32 * kBatch) {
@@ -361,7 +373,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
                     if (v0 + 32 * i < vecs) dst[v0 + 32 * i] = v[i];
             });
         }
-        for (u32 base = 0; base < p.num_scales; base += 32) {
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            if (32 * k >= p.num_scales) break;  // warp-uniform
+            const u32 i = 32 * k + lane;
+            const bool live = i < p.num_scales;
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                if (live) reinterpret_cast<u32*>(row_at(r, row) + p.off_row_scales)[i] = early[k];
+            });
+        }
+        for (u32 base = 32 * kEarlyScaleWords; base < p.num_scales; base += 32) {
             const u32 i = base + lane;
             const bool live = i < p.num_scales;
             const u64 at = static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride;
@@ -392,10 +413,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_
     }
 }
 
-// dispatch receive: this rank's data region rows [0, num_recv) into DeepEP's outputs; rows past num_recv up to a
+// dispatch, receive half: this rank's data region rows [0, num_recv) into DeepEP's outputs; rows past num_recv up to a
 // worst-case allocation get top-k index -1; a warp per row.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch_recv(const PeerTable pt,
-                                                                                 const EpNormalParams p) {
+static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchRecv);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
@@ -488,11 +508,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_h
     }
 }
 
-// combine send: received row j (from source rank s) goes back to s, at row sum_{r' < own} sent(s, r') + (j - M[s-1][own])
+// combine, send half: received row j (from source rank s) goes back to s, at row sum_{r' < own} sent(s, r') + (j - M[s-1][own])
 // of s's data region; a warp per row (its top-k weights loaded in flight with its first vectors), both terms per
 // source rank in shared memory.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_send(const PeerTable pt,
-                                                                                const EpNormalParams p) {
+static __device__ __forceinline__ void combine_send(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 recv_end[kMaxRanks];  // M[s][own]: the end of source rank s's rows in this rank's received rows
     __shared__ u32 back_start[kMaxRanks];  // sum_{r' < own} sent(s, r'): the first row of own's rows at rank s
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineSend);
@@ -529,12 +548,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_s
     }
 }
 
-// combine receive: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
+// combine, receive half: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
 // from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each rank in
 // order its kBatch vectors, before summing them (kBatch loads in flight per lane instead of one).
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_recv(const PeerTable pt,
-                                                                                const EpNormalParams p) {
+static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
@@ -617,4 +635,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_r
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
     }
+}
+
+// The two directions' kernels: each CTA runs the send half, then the receive half (the halves' status records stay
+// apart: gc_moe::kNormalDispatchSend / Recv, kNormalCombineSend / Recv).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch(const PeerTable pt,
+                                                                            const EpNormalParams p) {
+    dispatch_send(pt, p);
+    dispatch_recv(pt, p);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine(const PeerTable pt,
+                                                                           const EpNormalParams p) {
+    combine_send(pt, p);
+    combine_recv(pt, p);
 }

@@ -80,10 +80,10 @@ enum NormalSite : unsigned int {
 enum NormalKernel : unsigned int {
     kNormalLayout = 0,        // gc_ep_normal_layout
     kNormalNotify = 1,        // gc_ep_normal_notify
-    kNormalDispatchSend = 2,  // gc_ep_normal_dispatch_send
-    kNormalDispatchRecv = 3,  // gc_ep_normal_dispatch_recv
-    kNormalCombineSend = 4,   // gc_ep_normal_combine_send
-    kNormalCombineRecv = 5,   // gc_ep_normal_combine_recv
+    kNormalDispatchSend = 2,  // gc_ep_normal_dispatch (send half)
+    kNormalDispatchRecv = 3,  // gc_ep_normal_dispatch (receive half)
+    kNormalCombineSend = 4,   // gc_ep_normal_combine (send half)
+    kNormalCombineRecv = 5,   // gc_ep_normal_combine (receive half)
     kNormalCombineHeads = 6,  // gc_ep_normal_combine_heads
     kNormalKernelCount = 7,   // status records
 };

@@ -103,7 +103,7 @@ def test_combine_heads_kernel_rewrites_send_head_as_deepep(tokens: int, ranks: i
                                        send_head=heads.data_ptr(), num_tokens=tokens, num_channels=channels,
                                        timeout_ns=spin_timeout_ns())
         for which in ("first", "second"):
-            launch(ep_normal.kernel_of(ep_normal.Kernel.COMBINE_HEADS), grid, ep_normal.THREADS,
+            launch(ep_normal.kernel_of(ep_normal.Entry.COMBINE_HEADS), grid, ep_normal.THREADS,
                    KernelArgs(table, params), stream)
             torch.cuda.synchronize()
             got = words.cpu()

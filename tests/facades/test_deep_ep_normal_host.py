@@ -52,7 +52,7 @@ def buf(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Buffer:
 def test_ep_normal_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_normal.SOURCE).resources
-    assert set(resources) == set(ep_normal._NAMES.values())
+    assert set(resources) == set(ep_normal._ENTRY_NAMES.values())
     for name, res in resources.items():
         assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
         assert res.registers * ep_normal.THREADS <= 65536 and res.shared_bytes < 48 * 1024, name
@@ -200,12 +200,11 @@ def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
                                    torch.zeros(1, channels, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                                    torch.zeros(T, 1, dtype=torch.bool), send_head), most_sent=rows)
     buf.combine(torch.zeros(rows, H, dtype=torch.bfloat16), handle, config=Config(2 * channels, 6, 256))
-    kernels = ep_normal.Kernel
-    assert [(k, g) for k, g, _ in launches] == [(kernels.COMBINE_HEADS, 3), (kernels.COMBINE_SEND, 2 * channels),
-                                                (kernels.COMBINE_RECV, 2 * channels)]
+    entries = ep_normal.Entry
+    assert [(k, g) for k, g, _ in launches] == [(entries.COMBINE_HEADS, 3), (entries.COMBINE, 2 * channels)]
     params = ep_normal.EpNormalParams.from_buffer_copy(launches[0][2])
     assert (params.send_head, params.num_tokens, params.num_channels) == (send_head.data_ptr(), T, channels)
-    assert launches[1][2] == launches[2][2] == launches[0][2]
+    assert launches[1][2] == launches[0][2]
 
 
 def test_internode_is_not_implemented(buf: Buffer) -> None:
@@ -269,7 +268,7 @@ def test_grids_stay_within_the_ranks_share() -> None:
     """A kernel's grid is DeepEP's (config.num_sms, or the layout's and notify's own) bounded by the rank's share of
     the GPU: at 8 ranks on one H200 (a share of 16 SMs) 24-CTA grids of spinning kernels did not all fit; an empty
     layout's grid is still one CTA (the packed launches' grids)."""
-    kernels = [(ep_normal.Kernel.DISPATCH_SEND, grid, 0) for grid in (0, 1, 2, 13, 24, 132)]
+    kernels = [(ep_normal.Entry.DISPATCH, grid, 0) for grid in (0, 1, 2, 13, 24, 132)]
     launch = ep_normal.new_launch(PeerTable(), kernels, [dict(transient=ep_normal.data_offset(1, 1, 1), data_rows=0)],
                                   max_ctas=16)
     assert [grid for _, grid, _, _ in launch.kernels] == [(g, 1, 1) for g in (1, 1, 2, 13, 16, 16)]
@@ -281,7 +280,7 @@ def test_packed_launches_fix_no_per_call_field() -> None:
     assert not {"status_mirror", "num_tokens", "data_rows", "off_data"} & ep_normal.PER_CALL_FIELDS
     fields = dict(transient=ep_normal.data_offset(1, 1, 1), data_rows=0, x=1, op=2)
     with pytest.raises(TypeError, match=r"per-call fields of EpNormalParams: \['op', 'x'\]"):
-        ep_normal.new_launch(PeerTable(), [(ep_normal.Kernel.LAYOUT, 1, 0)], [fields], max_ctas=16)
+        ep_normal.new_launch(PeerTable(), [(ep_normal.Entry.LAYOUT, 1, 0)], [fields], max_ctas=16)
 
 
 class PollStream:

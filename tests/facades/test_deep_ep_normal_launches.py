@@ -31,9 +31,9 @@ from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.status import STATUS_TIMEOUT, DeviceCheckError, DeviceTimeoutError, KernelStatus
 from gc_moe_compat.runtime.workspace import PeerTable
 
-NAMES = ("gc_ep_normal_layout", "gc_ep_normal_notify", "gc_ep_normal_dispatch_send", "gc_ep_normal_dispatch_recv",
-         "gc_ep_normal_combine_send", "gc_ep_normal_combine_recv", "gc_ep_normal_combine_heads")
-LAYOUT, NOTIFY, DISPATCH_SEND, DISPATCH_RECV, COMBINE_SEND, COMBINE_RECV, COMBINE_HEADS = NAMES
+NAMES = ("gc_ep_normal_layout", "gc_ep_normal_notify", "gc_ep_normal_dispatch", "gc_ep_normal_combine",
+         "gc_ep_normal_combine_heads")
+LAYOUT, NOTIFY, DISPATCH, COMBINE, COMBINE_HEADS = NAMES
 FIXED_OFFSETS = dict(off_arrive=0, off_ready=1024, off_released=2048, off_status=3072, off_layout_arrive=3328,
                      off_notify_arrive=3336, off_send_arrive=3344, off_recv_arrive=3352, off_scratch=3584)
 """The fixed header's words (kernels/sm90/ep_normal.cu reads them at these offsets)."""
@@ -271,7 +271,7 @@ class Session:
             topk=k, recv_rows=rows, idx_bytes=0 if idx is None else idx.element_size())
         self.check(f"dispatch T={tokens} k={topk} fp8={fp8} recv={rows}",
                    [self.launch(NOTIFY, 1 + -(-ranks * channels // 8), notify),
-                    self.launch(DISPATCH_SEND, sms, send), self.launch(DISPATCH_RECV, sms, send)])
+                    self.launch(DISPATCH, sms, send)])
         return x_arg, out
 
     def cached(self, x: object, handle: tuple, sms: int = 8, **flags: object) -> tuple:
@@ -298,7 +298,7 @@ class Session:
             num_scales=num_scales, scale_token_stride=0 if sc is None else sc.stride(0),
             scale_hidden_stride=0 if sc is None else sc.stride(1), recv_rows=rows)
         self.check(f"cached dispatch rows={rows} fp8={sc is not None}",
-                   [self.launch(DISPATCH_SEND, sms, send), self.launch(DISPATCH_RECV, sms, send)])
+                   [self.launch(DISPATCH, sms, send)])
         return out
 
     def combine(self, handle: tuple, sms: int = 8, topk: int = 0, bias: object = None, **flags: object) -> tuple:
@@ -324,8 +324,7 @@ class Session:
             num_tokens=tokens, hidden=H, row_bytes=2 * H, row_stride=stride, off_row_topk=2 * H, topk=topk,
             num_channels=channels, recv_rows=rows)
         self.check(f"combine rows={rows} k={topk} bias={bias}",
-                   [self.launch(COMBINE_HEADS, -(-ranks * channels // 8), params),
-                    self.launch(COMBINE_SEND, sms, params), self.launch(COMBINE_RECV, sms, params)])
+                   [self.launch(COMBINE_HEADS, -(-ranks * channels // 8), params), self.launch(COMBINE, sms, params)])
         return out, out_w
 
     def next_op(self) -> int:
