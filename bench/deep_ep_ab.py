@@ -406,13 +406,22 @@ def probe_original_ll(ranks: int, args: argparse.Namespace, workdir: Path,
 # -- one rank ----------------------------------------------------------------------------------------------------------
 
 
+_STARTED = time.monotonic()
+"""When this process started (a spawned rank imports the module anew): the log's seconds since then."""
+
+
 def rank_main(rank: int, job: Job) -> None:
     """A spawned rank: join the group, run the job, leave with ``os._exit`` (no destructor of a Buffer runs: the
     original's NVSHMEM teardown is not this benchmark's to wait for)."""
     os.environ.update(job.rank_env(rank))
+    # P processes share the host's cores: torch's default of one intra-op thread per core in each would oversubscribe
+    # them P times over in the CPU work of a point (its seeded inputs, the uncached dispatch's CPU wait)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.ranks))
     code = 0
     try:
         device = colocation.init_rank_group()
+        if rank == 0:
+            print(f"{job.kind} P={job.ranks}: group joined after {time.monotonic() - _STARTED:.1f} s", flush=True)
         (run_probe if job.kind == "probe" else run_measure)(rank, device, job)
         dist.barrier()
     except Exception as exc:
@@ -503,7 +512,7 @@ def record_point(out: JobFile | None, point: dict[str, object] | None) -> None:
         return
     out.add_point(point)
     lat, host = point["latency_us"], point["host_us"]
-    print(f"{point['job']} {point['preset']} T={point['tokens_per_rank']}: " +
+    print(f"[{time.monotonic() - _STARTED:.1f} s] {point['job']} {point['preset']} T={point['tokens_per_rank']}: " +
           ", ".join(f"{key} {us:.1f} us (host {host[key]:.1f})" for key, us in lat.items()) +
           f" | mismatches {point['accuracy'].get('mismatch', {})}", flush=True)
 
