@@ -415,7 +415,7 @@ def rank_main(rank: int, job: Job) -> None:
     original's NVSHMEM teardown is not this benchmark's to wait for)."""
     os.environ.update(job.rank_env(rank))
     # P processes share the host's cores: torch's default of one intra-op thread per core in each would oversubscribe
-    # them P times over in the CPU work of a point (its seeded inputs, the uncached dispatch's CPU wait)
+    # them P times over in the CPU work of a point (its seeded inputs on the host)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.ranks))
     code = 0
     try:
