@@ -103,7 +103,8 @@ class Kernel(enum.IntEnum):
 
 class Entry(enum.IntEnum):
     """The kernels' entry points, what a launch names: DISPATCH and COMBINE run their direction's send half, then its
-    receive half, in one grid."""
+    receive half, in one grid (COMBINE first rewrites the handle's send_head); COMBINE_HEADS is that rewrite alone,
+    which the kernel test launches to check DeepEP's bytes on any grid."""
 
     LAYOUT = 0
     NOTIFY = 1
@@ -120,7 +121,7 @@ _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_not
           Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch (receive half)",
           Kernel.COMBINE_SEND: "gc_ep_normal_combine (send half)",
           Kernel.COMBINE_RECV: "gc_ep_normal_combine (receive half)",
-          Kernel.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+          Kernel.COMBINE_HEADS: "gc_ep_normal_combine (send_head rewrite)"}
 """Each role's name in error messages and in the generated header: its entry point, and which half."""
 
 
