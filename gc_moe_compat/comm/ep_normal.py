@@ -54,6 +54,7 @@ from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_sta
 from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
+    "ENTRY_NAMES",
     "HEADER_BYTES",
     "MAX_TOPK",
     "PER_CALL_FIELDS",
@@ -113,9 +114,10 @@ class Entry(enum.IntEnum):
     COMBINE_HEADS = 4
 
 
-_ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_notify",
+ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_notify",
                 Entry.DISPATCH: "gc_ep_normal_dispatch", Entry.COMBINE: "gc_ep_normal_combine",
                 Entry.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+"""Each entry point's kernel name in kernels/sm90/ep_normal.cu."""
 _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
           Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch (send half)",
           Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch (receive half)",
@@ -312,7 +314,7 @@ collective-op number and its received rows. :func:`new_launch` fixes every other
 def kernel_of(entry: Entry) -> jit.Kernel:
     """The loaded kernel, looked up once per process: ``jit.load_module`` hashes the source tree for its cache key
     (milliseconds), which would otherwise be paid by every launch of a normal-mode call."""
-    return jit.load_module(SOURCE).kernel(_ENTRY_NAMES[entry])
+    return jit.load_module(SOURCE).kernel(ENTRY_NAMES[entry])
 
 
 PackedKernel = tuple[Entry, Dim3, Dim3, int]

@@ -52,7 +52,7 @@ def buf(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> Buffer:
 def test_ep_normal_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_normal.SOURCE).resources
-    assert set(resources) == set(ep_normal._ENTRY_NAMES.values())
+    assert set(resources) == set(ep_normal.ENTRY_NAMES.values())
     for name, res in resources.items():
         assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
         assert res.registers * ep_normal.THREADS <= 65536 and res.shared_bytes < 48 * 1024, name
