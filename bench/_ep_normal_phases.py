@@ -65,7 +65,12 @@ class PhaseTimes:
         fn()
         torch.cuda.synchronize()
         block = self.times.view(len(DIRECTIONS), CTAS, len(MARKS))[DIRECTIONS[direction]].cpu().numpy()
-        return block[block[:, 0] != 0]
+        marks = block[block[:, 0] != 0]
+        if not len(marks):
+            raise RuntimeError(f"the {direction} kernel stored no phase marks: it did not run the phase-timed variant "
+                               "in this context (GC_MOE_DEEP_EP_PARTITION=on launches on a green context, whose copy "
+                               "of the global this process did not set)")
+        return marks
 
 
 @functools.cache
@@ -79,12 +84,12 @@ def variant(device: torch.device) -> Iterator[PhaseTimes]:
     """Within the block the facade's normal-mode calls launch the phase-timed variant (the normal mode's
     ``kernel_of``, which it reads at every launch, swapped), whose marks go to the returned buffer; after it, the
     production kernels again."""
-    times = phase_times(device)
+    times, production = phase_times(device), _normal.kernel_of
     _normal.kernel_of = _variant_kernel
     try:
         yield times
     finally:
-        _normal.kernel_of = ep_normal.kernel_of
+        _normal.kernel_of = production
 
 
 def summary(calls: Sequence[np.ndarray]) -> dict[str, object]:

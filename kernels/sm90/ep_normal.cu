@@ -31,6 +31,11 @@
 #include "common/sync.cuh"
 #include "sm90/ep_normal_params.cuh"
 
+#ifdef GC_EP_NORMAL_PHASES
+// Outside the anonymous namespace, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
+__device__ unsigned long long* gc_ep_normal_phase_times;
+#endif
+
 namespace {
 
 using gc_moe::EpNormalParams;
@@ -53,18 +58,18 @@ constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive'
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
-// Phase timing, in the variant bench/profile_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark
-// of a direction kernel the CTA synchronizes and its thread 0 stores %globaltimer into
+// Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark of a
+// direction kernel the CTA synchronizes and its thread 0 stores %globaltimer into
 // gc_ep_normal_phase_times[(direction * kPhaseCtas + CTA) * kPhaseMarks + mark], where the host points the global
 // (nothing while it is null). The marks: entry, send half's wait done, send half's rows done, receive half's wait
-// done, receive half's rows done, exit. The production build has no global and no marks.
+// done, receive half's rows done, exit (the combine's send_head rewrite runs between entry and its send wait). The
+// production build has no global and no marks.
 constexpr u32 kPhaseMarks = 6;
 constexpr u32 kPhaseCtas = 256;
-__device__ u64* gc_ep_normal_phase_times;
 
 __device__ __forceinline__ void phase_mark(u32 direction, u32 mark) {
     __syncthreads();
-    u64* times = gc_ep_normal_phase_times;
+    u64* times = ::gc_ep_normal_phase_times;
     if (times && threadIdx.x == 0 && blockIdx.x < kPhaseCtas)
         times[(direction * kPhaseCtas + blockIdx.x) * kPhaseMarks + mark] = gc_moe::globaltimer_ns();
 }

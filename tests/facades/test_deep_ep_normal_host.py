@@ -182,9 +182,9 @@ def test_combine_checks(buf: Buffer) -> None:
 
 def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A checked combine launches, in order on its stream: the send_head rewrite (DeepEP's in-place one, on the
-    caller's handle[5] itself, a warp per channel and rank: 20 channels of one rank fill 3 CTAs of 8 warps), then
-    combine send and receive, all three with the same parameters (the same packed arguments)."""
+    """A checked combine is one launch on its stream, the combine kernel with a CTA per channel half (its CTAs make
+    the send_head rewrite, DeepEP's in-place one on the caller's handle[5] itself, then the send and the receive
+    halves), its parameters pointing at that send_head."""
     launches: list[tuple[ep_normal.Kernel, int, bytes]] = []
     monkeypatch.setattr(_normal.NormalMode, "_begin", lambda self, fn, num_sms: _normal._Stream(0, None, 0))
 
