@@ -11,9 +11,9 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
 * dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
   rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
   owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
-  earlier (token, slot) entries with that expert; it also writes the checked routing (int32 ``[T, k]``, -1 where an
-  entry was dropped) that the handle keeps for the combine; the grid's last CTA then publishes
-  ``(generation << 32) | rows`` for every (expert, source) pair;
+  earlier (token, slot) entries with that expert; it also writes the routing the handle keeps for the combine (int32
+  ``[2, T, k]``: the checked expert, -1 where an entry was dropped, then the entry's row); the grid's last CTA then
+  publishes ``(generation << 32) | rows`` for every (expert, source) pair;
 * dispatch receive: waits for the counts of every source, packs the stage rows into DeepEP's layout
   (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` (the source token,
   DeepEP's meaning) / ``layout_range``; the row's slot goes to a private ``src_route`` of ``token * k + slot``);
@@ -22,6 +22,11 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
   every rank;
 * combine receive: waits for every rank's readiness and writes ``out[t] = BF16(sum over valid slots, slot order, of
   weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
+
+At one rank (the direct path) there is no stage: dispatch send stores the rows straight into ``recv_x`` and its last
+CTA writes ``recv_count`` and ``layout_range``, combine receive reads the rows of ``x`` in place at the rows the
+routing names; each direction's first launch does it all (:func:`fused_grid` sizes it for that half; a receive hook's
+launch returns at once), with the same outputs as the staged path.
 
 Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
@@ -237,7 +242,8 @@ class EpLlParams(ctypes.Structure):
     Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
     receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
     ``src_info`` int32 ``[E/P, P*Tmax]`` is DeepEP's (source token), ``src_route`` the same rows' ``token * k + slot``
-    and ``routing`` int32 ``[T, k]`` the dispatch's checked routing (both kept by the handle for the combine).
+    and ``routing`` int32 ``[2, T, k]`` the dispatch's checked routing, then each valid slot's row in its expert's list
+    of this rank's rows (both kept by the handle for the combine).
     ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
     ``phase``: :data:`PHASE_SEND`, :data:`PHASE_RECV` or :data:`PHASE_BOTH`.
     """
@@ -339,7 +345,11 @@ def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = 
     :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
     without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
     grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
-    (kernels/sm90/ep_ll.cu, "Co-residency")."""
+    (kernels/sm90/ep_ll.cu, "Co-residency"). At one rank the grid of the half the direct path runs: the dispatch's
+    send half, the combine's receive half."""
+    if shape.num_ranks == 1:
+        half = kernel.send if kernel.send is Kernel.DISPATCH_SEND else kernel.receive
+        return ll_grid(half, shape, num_tokens, max_ctas)
     return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 

@@ -241,24 +241,28 @@ def test_ll_grid_examples() -> None:
 def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """A direction's fused grid (named by either half) is the larger of its halves' grids, so every CTA either half
     would launch is there and the grid stays within the cap the halves' grids keep: the SMs the launch may use, every
-    CTA resident at once (the kernel's receive half waits for words of its own grid)."""
+    CTA resident at once (the kernel's receive half waits for words of its own grid). At one rank it is the grid of
+    the half the direct path runs (the dispatch's send half, the combine's receive half), within the same cap."""
     cap = max(1, min(MAX_SMS, max_ctas))
     for send in (Kernel.DISPATCH_SEND, Kernel.COMBINE_SEND):
         halves = [ep_ll.ll_grid(k, shape, num_tokens, max_ctas) for k in (send, send.receive)]
+        direct = halves[0] if send is Kernel.DISPATCH_SEND else halves[1]
         for kernel in (send, send.receive):
-            assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == max(halves) <= cap
+            want = direct if shape.num_ranks == 1 else max(halves)
+            assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == want <= cap
 
 
 def test_fused_grid_examples() -> None:
-    """The issue's shape (one rank, 256 experts, H 7168): one CTA per SM of an H200 at T = 1 and T = 128 (the receive
-    half's 132 expert CTAs at T = 1, though dispatch send has one token); a rank's share of a shared GPU or a
-    partition's SMs bound it."""
+    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token for the dispatch, a warp
+    per (token, 256 columns) for the combine, each within a rank's share of a shared GPU or a partition's SMs; at
+    eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
-    for tokens in (1, 128):
-        assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, tokens) == ep_ll.fused_grid(Kernel.COMBINE_SEND, one,
-                                                                                       tokens) == MAX_SMS
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 1
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 128
+    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 4  # 28 column-unit warps
+    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == MAX_SMS  # 3584 column-unit warps, capped
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # two ranks share an H200
-    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 1, max_ctas=20) == 20  # a 20-SM partition
+    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 20  # a 20-SM partition
     eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == 128  # a CTA per token
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 7) == 108
@@ -381,7 +385,7 @@ def test_handle_holds_deepep_contents_and_what_the_combine_needs(launches: list)
     src_info, layout_range, tmax, hidden, experts = handle
     assert (src_info.dtype, tuple(src_info.shape), layout_range.dtype, (tmax, hidden, experts)) == (
         torch.int32, (EXPERTS, T_MAX), torch.int64, (T_MAX, HIDDEN, EXPERTS))
-    assert (handle.src_route.shape, handle.routing.shape, handle.routing.dtype) == (src_info.shape, (TOKENS, TOPK),
+    assert (handle.src_route.shape, handle.routing.shape, handle.routing.dtype) == (src_info.shape, (2, TOKENS, TOPK),
                                                                                      torch.int32)
     p = launches[0][1]
     assert (p.src_info, p.src_route, p.routing) == (src_info.data_ptr(), handle.src_route.data_ptr(),
