@@ -24,9 +24,9 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
   weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
 
 At one rank (the direct path) there is no stage: dispatch send stores the rows straight into ``recv_x`` and its last
-CTA writes ``recv_count`` and ``layout_range``, combine receive reads the rows of ``x`` in place at the rows the
-routing names; each direction's first launch does it all (:func:`fused_grid` sizes it for that half; a receive hook's
-launch returns at once), with the same outputs as the staged path.
+CTA writes ``recv_count``, ``layout_range`` and the statistics, combine receive reads the rows of ``x`` in place at
+the rows the routing names; each direction's first launch does it all (the fused one, or a hooked call's send launch:
+:func:`ll_grid` sizes both for that half, and a hook's launch returns at once), with the staged path's outputs.
 
 Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
@@ -245,6 +245,7 @@ class EpLlParams(ctypes.Structure):
     and ``routing`` int32 ``[2, T, k]`` the dispatch's checked routing, then each valid slot's row in its expert's list
     of this rank's rows (both kept by the handle for the combine).
     ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
+    ``status_mirror`` is written by the last CTA of each receive half (at one rank, of each half that runs).
     ``phase``: :data:`PHASE_SEND`, :data:`PHASE_RECV` or :data:`PHASE_BOTH`.
     """
 
@@ -328,12 +329,15 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     """CTAs of one half's own launch (a call with a receive hook; :func:`fused_grid` for both in one): a CTA per
     token (dispatch send); for dispatch receive and combine send, CTAs owning whole local experts (every CTA up to the
     cap: with fewer local experts than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for
-    combine receive a warp per (token, 256 columns). At least one, at most ``max_ctas`` (the SMs of the partition the
-    launch runs on; at most :data:`MAX_SMS`)."""
+    combine receive a warp per (token, 256 columns). At one rank (the direct path) the combine's send launch does the
+    receive half's work and gets its grid, and a receive launch, which returns at once, one CTA. At least one, at most
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
     cap = max(1, min(MAX_SMS, max_ctas))
+    if shape.num_ranks == 1 and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
+        return 1  # the direct path: a hook's launch, which returns at once
     if kernel is Kernel.DISPATCH_SEND:
         return max(1, min(cap, num_tokens))
-    if kernel is Kernel.COMBINE_RECV:
+    if kernel is Kernel.COMBINE_RECV or shape.num_ranks == 1:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
         return max(1, min(cap, -(-warps // (THREADS // 32))))
     local = shape.local_experts
@@ -345,11 +349,7 @@ def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = 
     :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
     without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
     grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
-    (kernels/sm90/ep_ll.cu, "Co-residency"). At one rank the grid of the half the direct path runs: the dispatch's
-    send half, the combine's receive half."""
-    if shape.num_ranks == 1:
-        half = kernel.send if kernel.send is Kernel.DISPATCH_SEND else kernel.receive
-        return ll_grid(half, shape, num_tokens, max_ctas)
+    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's)."""
     return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 
@@ -424,8 +424,8 @@ class LlLaunches:
         """Launches both halves of ``kernel``'s direction as one kernel (:data:`PHASE_BOTH`; a call without a
         receive hook), where :meth:`launch` would, with :func:`fused_grid`'s grid: at most as many CTAs as the SMs
         the launch may use, so that the whole grid is resident at once, which the receive half's waits on words of
-        its own grid need (the device's SMs, a rank's share of a shared GPU, a partition's SMs: every path meets it,
-        so a call without a hook never needs two launches)."""
+        its own grid need at more than one rank (the device's SMs, a rank's share of a shared GPU, a partition's SMs:
+        every path meets it, so a call without a hook never needs two launches)."""
         self._launch(kernel, PHASE_BOTH, self.fused_grids[kernel], fused_grid, stream, partition)
 
     def _launch(self, kernel: Kernel, phase: int, grid: tuple[int, int, int],

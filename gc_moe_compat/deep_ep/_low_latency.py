@@ -151,7 +151,7 @@ class LowLatencyHandle(tuple):
     ``(first row << 32) | rows`` of source rank ``q``, as with DeepEP. It also keeps what the combine needs besides:
     the dispatch's top-k and token count, each row's slot (``src_route``: ``token * k + slot``), the dispatch's
     routing (``routing`` int32 ``[2, T, k]``: the checked expert of each slot, -1 where it was dropped, then the
-    slot's row in that expert's list of this rank's rows) and the workspace it came from."""
+    slot's row in that expert's list of this rank's rows, -1 where no row was sent) and the workspace it came from."""
 
     topk: int
     num_tokens: int
@@ -557,7 +557,8 @@ def next_combine_buffer(workspace: SymmetricWorkspace, handle: object) -> torch.
     """DeepEP's ``get_next_low_latency_combine_buffer``: the BF16 ``[E/P, P*Tmax, H]`` rows in the workspace that a
     ``low_latency_combine(..., zero_copy=True)`` with this handle sends (the caller writes its expert outputs here,
     so the combine does not read ``x``). One set of rows serves every combine: a write queued on the stream after a
-    combine cannot overtake that combine's send half, which reads them."""
+    combine cannot overtake that combine's first launch, which reads them (its send half; at one rank the receive
+    half that launch runs)."""
     handle = _handle(workspace, handle, "get_next_low_latency_combine_buffer")
     _, _, max_tokens, hidden, num_experts = handle
     shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=True)

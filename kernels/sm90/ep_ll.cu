@@ -7,10 +7,11 @@
 //
 // Workspace (symmetric, one copy per rank; offsets in EpLlParams). Every persistent word is generation-tagged and
 // indexed by the generation's parity, so replays need no host reset and two calls of a kind may be in flight:
-//   seq[2]                    last generation taken by dispatch send / combine send (this rank only)
+//   seq[2]                    last generation taken by dispatch send / combine send (combine receive at one rank)
+//                             (this rank only)
 //   arrive[4][2]              grid arrival counter per half (LlKernel) and parity (this rank only; the last CTA
 //                             resets it); a fused launch arrives at both of its direction's, as it reports
-//                             into both halves' status records
+//                             into both halves' status records (at one rank only at the half that runs)
 //   consumed[2][2]            last generation whose stage this rank has read, per direction and parity (read by peers)
 //   ready[P][2]               combine readiness of source rank q for this rank (written by q)
 //   mask[P]                   u32, this rank's rank mask (DeepEP's shrink mode; read only with kLlShrink)
@@ -23,9 +24,10 @@
 // earlier slot of the same token already names (a stage list holds at most Tmax rows: one per token). Invalid
 // entries are dropped (never used as an address) and reported in the status record. Dispatch send writes into
 // EpLlParams.routing (int32 [2][T, k], which the handle keeps for the combine) the checked routing (-1 where dropped),
-// then each valid slot's row in its expert's list of this rank's rows; combine receive sums a slot only where the
-// caller's entry equals the checked one, the weight is finite and the owner is not masked (a differing entry or a
-// non-finite weight is reported and dropped).
+// then each slot's row in its expert's list of this rank's rows (-1 where no row was sent: a dropped slot, a masked
+// owner, a CTA whose wait failed); combine receive sums a slot only where the caller's entry equals the checked one,
+// the weight is finite and the owner is not masked (a differing entry or a non-finite weight is reported and
+// dropped), and on the direct path only where a row was sent.
 //
 // One rank (the direct path, world_size 1): no peer, so no stage and no wait. Dispatch send stores each slot's row
 // straight into recv_x (its scales into recv_scales, its source into src_info / src_route) at the row the receive
@@ -33,7 +35,10 @@
 // and the statistics from the checked routing; combine receive reads each slot's row of x in place, at the row the
 // dispatch's routing names. A dispatch is then its send half and a combine its receive half, each run by the
 // direction's first launch (fused, or a hooked call's send launch: a hook's launch returns at once), so each byte
-// moves once instead of through a stage, and no CTA waits on a word.
+// moves once instead of through a stage, and no CTA waits on a word. The words that remain: combine receive takes and
+// stores seq[1] and call_gen as a send half does; each launch that works arrives at its half's counter
+// (kDispatchSend, kCombineRecv), and that half's last CTA mirrors the status records. The ordering and
+// co-residency rules below are those of more than one rank.
 //
 // Ordering (n = the call's generation, p = n & 1):
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
@@ -204,8 +209,9 @@ __device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelSta
     return static_cast<int>(e);
 }
 
-// Copies the four status records into the pinned host mirror (the last CTA of each receive half), so that the
-// host sees errors of asynchronous, hooked and graph-replayed calls without synchronizing.
+// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank of the
+// halves that run), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
+// synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
     constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
     if (p.status_mirror && threadIdx.x < kWords) {
@@ -336,6 +342,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             slot_of[threadIdx.x] = e;
             slot_row[threadIdx.x] = 0;
             reinterpret_cast<int*>(p.routing)[t * k_slots + threadIdx.x] = e;  // the handle's checked routing
+            if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] = -1;
         }
         __syncthreads();
         if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
@@ -369,7 +376,6 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             u8* row = nullptr;
             u8* scales = nullptr;
             const u32 owner = e >= 0 ? static_cast<u32>(e) / p.local_experts : 0;
-            reinterpret_cast<int*>(p.routing)[entries + t * k_slots + threadIdx.x] = e >= 0 ? static_cast<int>(j) : -1;
             if (e >= 0 && !is_masked(pt, p, owner)) {
                 const u32 le = static_cast<u32>(e) % p.local_experts;
                 if (direct) {  // the row recv_x packs it at: source 0, row j of the expert's list
@@ -390,6 +396,8 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             }
             slot_dst[threadIdx.x] = row;
             slot_scales[threadIdx.x] = scales;
+            reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] =
+                row != nullptr ? static_cast<int>(j) : -1;
         }
         __syncthreads();
         // The row, read once (kSendUnroll vectors per thread in flight), each vector stored to every slot's row; an
@@ -752,13 +760,12 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
         const bool in_row = col < p.hidden;
         const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
-        // Slot k's row in `rows` (-1: the dispatch dropped the slot, nothing to read).
+        // Slot k's row in `rows` (direct: -1 where the dispatch sent no row, nothing to read).
         const auto row_of = [&](u32 k) -> long long {
             if (!direct) return static_cast<long long>(token_rows + k);
-            const int e = routing[t * p.topk + k];
-            return e < 0 ? -1
-                         : static_cast<long long>(static_cast<u32>(e) % p.local_experts) * p.max_tokens +
-                               entry_rows[t * p.topk + k];
+            const int e = routing[t * p.topk + k], j = entry_rows[t * p.topk + k];
+            if (e < 0 || j < 0) return -1;
+            return static_cast<long long>(static_cast<u32>(e) % p.local_experts) * p.max_tokens + j;
         };
         // The first kCombineUnroll slots' vectors and weights go out before the slot decisions, so that their latency
         // overlaps the routing checks (every (token, slot) row lies in the stage: an unused slot's vector is loaded
@@ -776,7 +783,8 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
         }
         // Lane j decides slot j once for the warp (reported by the token's first column unit only).
         const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
-                                                           u % chunks == 0 ? status : nullptr);
+                                                           u % chunks == 0 ? status : nullptr) &&
+                             (!direct || row_of(lane) >= 0);
         const u32 used_slots = __ballot_sync(~0u, decided);
         if (!in_row) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

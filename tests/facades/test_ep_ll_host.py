@@ -208,15 +208,23 @@ def test_required_bytes_example() -> None:
 def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """At least one CTA, at most the cap; dispatch send has a CTA per token; dispatch receive and combine send use
     every CTA up to the cap, or an equal number per local expert below it; combine receive a warp per (token, 256
-    columns) (8 per CTA), up to the cap, and no CTA without work below it."""
+    columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct path) the
+    combine's send launch, which reduces, has combine receive's grid and the receive launches one CTA."""
     cap = max(1, min(MAX_SMS, max_ctas))
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens))
+    units = num_tokens * -(-shape.hidden // 256)
+    if shape.num_ranks == 1:  # the direct path: the combine's send launch reduces, the receive launches return
+        assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, num_tokens, max_ctas) == 1
+        assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas) == 1
+        grid = ep_ll.ll_grid(Kernel.COMBINE_SEND, shape, num_tokens, max_ctas)
+        assert 1 <= grid <= cap and (grid == cap or grid * (THREADS // 32) >= units)
+        assert grid == 1 or (grid - 1) * (THREADS // 32) < units
+        return
     local = shape.local_experts
     for kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_SEND):
         grid = ep_ll.ll_grid(kernel, shape, num_tokens, max_ctas)
         assert 1 <= grid <= cap
         assert grid == cap if local >= cap else (grid % local == 0 and grid + local > cap), kernel
-    units = num_tokens * -(-shape.hidden // 256)
     grid = ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas)
     assert 1 <= grid <= cap
     assert grid == cap or grid * (THREADS // 32) >= units
@@ -228,7 +236,9 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == 128
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 0) == 1
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == 128  # 128 local experts, one CTA each
-    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(4, 1024, 128, 7168, 8), 128) == MAX_SMS  # 256 local
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == 1  # one rank: nothing to do
+    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 4  # one rank: it reduces
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
@@ -241,15 +251,12 @@ def test_ll_grid_examples() -> None:
 def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """A direction's fused grid (named by either half) is the larger of its halves' grids, so every CTA either half
     would launch is there and the grid stays within the cap the halves' grids keep: the SMs the launch may use, every
-    CTA resident at once (the kernel's receive half waits for words of its own grid). At one rank it is the grid of
-    the half the direct path runs (the dispatch's send half, the combine's receive half), within the same cap."""
+    CTA resident at once (the kernel's receive half waits for words of its own grid)."""
     cap = max(1, min(MAX_SMS, max_ctas))
     for send in (Kernel.DISPATCH_SEND, Kernel.COMBINE_SEND):
         halves = [ep_ll.ll_grid(k, shape, num_tokens, max_ctas) for k in (send, send.receive)]
-        direct = halves[0] if send is Kernel.DISPATCH_SEND else halves[1]
         for kernel in (send, send.receive):
-            want = direct if shape.num_ranks == 1 else max(halves)
-            assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == want <= cap
+            assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == max(halves) <= cap
 
 
 def test_fused_grid_examples() -> None:
