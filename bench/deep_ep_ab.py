@@ -10,7 +10,8 @@ its own seeded inputs and hands the same tensors to both implementations.
 
 * ``normal``: ``get_dispatch_layout`` then an uncached ``dispatch`` of BF16 rows (``dispatch_bf16``) or FP8 rows with
   FP32 1x128 scales, column-major, as DeepEP's tests make them (``dispatch_fp8``), and ``combine`` of the received
-  BF16 rows (scaled per rank) with their weights; ``Config(num_sms, 8, 256)``; T in 512 .. 8192 tokens per rank. The
+  BF16 rows (scaled per rank) with their weights; ``Config(num_sms, 8, 256)`` with ``num_sms`` at most the rank's
+  share of the SMs (:func:`normal_num_sms`); T in 512 .. 8192 tokens per rank. The
   uncached dispatch waits on the CPU for the received count (both implementations), so normal mode cannot be
   captured in a CUDA graph: it is timed eagerly only.
 * ``low_latency``: ``low_latency_dispatch`` (BF16 in, FP8 1x128 out) and ``low_latency_combine`` at T = 1 .. 256
@@ -90,6 +91,7 @@ from gc_moe_compat.ab.protocol import (
 )
 from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS
 from gc_moe_compat.runtime import colocation
+from gc_moe_compat.runtime.split import shared_device_sms
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up windows (the protocol's: 10)")
     parser.add_argument("--windows", type=int, default=10, help="measured windows (the protocol's: 30)")
     parser.add_argument("--calls", type=int, default=5, help="eager calls per timed window")
-    parser.add_argument("--num-sms", type=int, default=NUM_SMS, help="normal mode's Config.num_sms (both)")
+    parser.add_argument("--num-sms", type=int, default=NUM_SMS,
+                        help="normal mode's Config.num_sms (both; at most the rank's even SM share)")
     parser.add_argument("--no-original", action="store_true", help="the facade alone")
     parser.add_argument("--ll-original-env", nargs="+", default=list(LL_ORIGINAL_ENV),
                         help="NVSHMEM settings for the original's low-latency probe, one 'K=V K=V' string per try")
@@ -219,7 +222,8 @@ def plan_lines(args: argparse.Namespace) -> list[str]:
              "aligned before each",
              "shapes: " + "; ".join(f"{name} = {SHAPES[name].label}" for name in args.shapes)]
     if "normal" in args.modes:
-        lines.append(f"normal: T {args.tokens} x {list(NORMAL_OPS)}, Config({args.num_sms}, 8, 256), "
+        lines.append(f"normal: T {args.tokens} x {list(NORMAL_OPS)}, Config(min({args.num_sms}, the rank's even SM "
+                     "share), 8, 256), "
                      f"{args.calls} eager calls per window (not capturable: the uncached dispatch waits on the CPU)")
     if "low_latency" in args.modes:
         probe = "not run (--no-original)" if args.no_original else \
@@ -671,6 +675,15 @@ HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_pr
                  "is_token_in_rank", "send_head")
 
 
+def normal_num_sms(requested: int, ranks: int, total_sms: int) -> int:
+    """``Config.num_sms`` of both implementations at ``ranks`` ranks on one ``total_sms``-SM GPU: ``requested``, at
+    most the rank's even share of the SMs (:func:`~gc_moe_compat.runtime.split.shared_device_sms`, the facade's own
+    grid bound there). As on P GPUs of their own, every rank's kernels then fit the GPU together: DeepEP's intranode
+    kernels (one 768-thread CTA per SM) spin on their peers' CTAs, and 8 ranks x 24 of them would not all be resident
+    on an H200's 132 SMs."""
+    return min(requested, shared_device_sms(total_sms, ranks, 2))
+
+
 def normal_outputs(buf: Any, module: ModuleType, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                    experts: int, rank: int, num_sms: int) -> tuple[dict[str, object], dict[str, Callable[[], object]]]:
     """One implementation's outputs on these inputs (what the comparison reads) and its three timed calls."""
@@ -698,15 +711,16 @@ def normal_outputs(buf: Any, module: ModuleType, x: torch.Tensor, idx: torch.Ten
 
 
 def normal_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping[str, Any], shape: str,
-                       tokens: int) -> dict[str, Any]:
-    """This rank's part of one normal-mode point: each implementation's outputs and timings, their comparison."""
+                       tokens: int, num_sms: int) -> dict[str, Any]:
+    """This rank's part of one normal-mode point: each implementation's outputs and timings (``Config(num_sms, 8,
+    256)``), their comparison."""
     s = SHAPES[shape]
     x, idx, w = (t.to(device) for t in routing(tokens, s.hidden, s.topk, s.experts, normal_seed(shape, tokens, rank)))
     record: dict[str, Any] = {"latency_us": {}, "host_us": {}, "errors": {}}
     outputs = {}
     for impl, (module, buf) in impls.items():
         try:
-            outputs[impl], calls = normal_outputs(buf, module, x, idx, w, s.experts, rank, job.args.num_sms)
+            outputs[impl], calls = normal_outputs(buf, module, x, idx, w, s.experts, rank, num_sms)
             record["recv_rows"] = outputs[impl]["recv_x"].shape[0]
             for op, fn in calls.items():
                 record["latency_us"][f"{impl}/{op}"], record["host_us"][f"{impl}/{op}"] = eager_us(fn, job.args)
@@ -756,16 +770,17 @@ def build_buffers(modules: Mapping[str, ModuleType], make: Callable[[ModuleType]
 def run_normal(rank: int, device: torch.device, job: Job, modules: Mapping[str, ModuleType], bandwidth: float,
                out: JobFile | None, original: str | None) -> None:
     args = job.args
-    nvl = max(normal_nvl_bytes(SHAPES[s].hidden, max(args.tokens), job.ranks, args.num_sms) for s in args.shapes)
+    num_sms = normal_num_sms(args.num_sms, job.ranks, torch.cuda.get_device_properties(device).multi_processor_count)
+    nvl = max(normal_nvl_bytes(SHAPES[s].hidden, max(args.tokens), job.ranks, num_sms) for s in args.shapes)
     impls, status = build_buffers(
         modules, lambda module: module.Buffer(dist.group.WORLD, nvl, 0, explicitly_destroy=True), original)
     for shape in args.shapes:
         s = SHAPES[shape]
         for tokens in args.tokens:
-            records = gather(normal_rank_record(rank, device, job, impls, shape, tokens))
+            records = gather(normal_rank_record(rank, device, job, impls, shape, tokens, num_sms))
             base = {"mode": "normal", "job": job_name("normal", job.ranks), "case": job_name("normal", job.ranks),
                     "world_size": job.ranks, "preset": shape, "tokens_per_rank": tokens, "hidden": s.hidden,
-                    "topk": s.topk, "num_experts": s.experts,
+                    "topk": s.topk, "num_experts": s.experts, "config": f"Config({num_sms}, 8, 256)",
                     "recv_rows": [r.get("recv_rows") for r in records]}
             rows = [r.get("recv_rows") or 0 for r in records]
             floor = normal_floor_us(rows, s.hidden, bandwidth)
@@ -929,7 +944,8 @@ def write_results(args: argparse.Namespace, points: list[dict[str, object]], job
     meta |= {"world_sizes": list(args.ranks), "gpu_setup_per_world_size": {p: gpu_setup(p) for p in args.ranks},
              "shared_gpu_label": colocation.SHARED_GPU_LABEL, "original_deep_ep": original, "jobs": jobs,
              "shapes": {name: vars(SHAPES[name]) for name in args.shapes},
-             "normal_config": f"Config({args.num_sms}, 8, 256)", "max_dispatch_tokens_per_rank": args.ll_tmax,
+             "normal_config": f"Config(min({args.num_sms}, the rank's even SM share), 8, 256): each point's config",
+             "max_dispatch_tokens_per_rank": args.ll_tmax,
              "all_to_all": ALL_TO_ALL_NOTE,
              "timing": {"warmup_windows": args.warmup, "windows": args.windows, "calls_per_window": args.calls,
                         "latency_us": "GPU time per call: CUDA events around a window of eager calls (normal: "

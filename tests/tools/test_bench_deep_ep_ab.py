@@ -91,6 +91,15 @@ def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
     assert size >= Config(24, 8, 256).get_nvl_buffer_size_hint(2 * 7168, 4)
 
 
+def test_normal_config_fits_every_rank_on_the_one_gpu() -> None:
+    """Config.num_sms is the requested 24 where P ranks' CTAs fit an H200's 132 SMs together (P = 2, 4), the rank's
+    even share where they would not (P = 8: 8 x 24 = 192 one-SM CTAs, the original's spinning on peers'), and never
+    more than asked."""
+    assert [ab.normal_num_sms(24, p, 132) for p in (1, 2, 4, 8)] == [24, 24, 24, 16]
+    assert ab.normal_num_sms(8, 8, 132) == 8
+    assert all(ab.normal_num_sms(24, p, 132) * p <= 132 for p in (1, 2, 4, 8))
+
+
 def test_mismatch_names_what_differs() -> None:
     a = torch.arange(6, dtype=torch.int32, device="cpu").view(2, 3)
     assert ab.mismatch(a, a.T.contiguous().T.clone()) is None
