@@ -170,6 +170,7 @@ class LlSite(StatusSite):
 
 # Fixed header of the workspace (independent of the call's shapes, so persistent words never move).
 _SEQ = 0                                   # u64 [2]: last generation taken by dispatch send, by combine send
+                                           # (by combine receive at one rank)
 _ARRIVE = 64                               # u64 [4 kinds][2 parities]: grid arrival counters
 _CONSUMED = 128                            # u64 [2 directions][2 parities]: last generation read from the stage
 _READY = 256                               # u64 [2 parities][MAX_RANKS]: combine readiness per source rank
