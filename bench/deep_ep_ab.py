@@ -91,7 +91,7 @@ from gc_moe_compat.ab.protocol import (
 )
 from gc_moe_compat.deep_ep._config import MAX_NVL_RANKS
 from gc_moe_compat.runtime import colocation
-from gc_moe_compat.runtime.split import shared_device_sms
+from gc_moe_compat.runtime.split import MIN_DISPATCH_SMS, shared_device_sms
 
 
 @dataclass(frozen=True)
@@ -681,7 +681,7 @@ def normal_num_sms(requested: int, ranks: int, total_sms: int) -> int:
     grid bound there). As on P GPUs of their own, every rank's kernels then fit the GPU together: DeepEP's intranode
     kernels (one 768-thread CTA per SM) spin on their peers' CTAs, and 8 ranks x 24 of them would not all be resident
     on an H200's 132 SMs."""
-    return min(requested, shared_device_sms(total_sms, ranks, 2))
+    return min(requested, shared_device_sms(total_sms, ranks, MIN_DISPATCH_SMS))
 
 
 def normal_outputs(buf: Any, module: ModuleType, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
