@@ -29,6 +29,10 @@ replays, per call). A point's figure is the slowest rank's median window (docs/b
 together on every rank: after the L2 flush and the device synchronization, a gloo barrier, and before an eager
 window one untimed call (its exchange releases the ranks' GPUs together; the window queues behind it).
 
+``--phases N``: after each normal-mode point's timing, N more facade calls per op on the phase-timed kernels
+(bench/_ep_normal_phases.py), each read back: per rank and op, when the median and the latest CTA passed each phase
+of the send and receive halves (the point's ``phases``, also printed in the log). Their timing is not the point's.
+
 Floor: the bytes every rank of the GPU moves once (all P ranks share one GPU's memory bandwidth) over the copy
 bandwidth of the same run. No torch.distributed all-to-all is compared: on a gloo group it runs on the host (device
 to host copies over TCP), which measures nothing about a GPU exchange; the result's meta says so.
@@ -67,6 +71,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import _ep_normal_phases
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -164,6 +169,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "of --trace-tokens (bench/_call_trace.py) and its summary into this folder")
     parser.add_argument("--trace-tokens", type=int, nargs="+", default=[512, 1],
                         help="the T (normal or low-latency) traced with --trace")
+    parser.add_argument("--phases", type=int, default=0,
+                        help="after each normal-mode point's timing, this many more facade calls per op on the "
+                             "phase-timed kernels (bench/_ep_normal_phases.py): where the time inside each goes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -174,7 +182,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Refuse what no run can do: counts below their minimum, rank counts past the facade's NVLink group (8) or
     that do not divide a chosen shape's experts, T outside its mode's range."""
     for name, value, low in (("--warmup", args.warmup, 0), ("--windows", args.windows, 1), ("--calls", args.calls, 1),
-                             ("--num-sms", args.num_sms, 2)):
+                             ("--num-sms", args.num_sms, 2), ("--phases", args.phases, 0)):
         if value < low:
             parser.error(f"{name}: must be >= {low}, got {value}")
     if args.num_sms % 2:
@@ -519,6 +527,11 @@ def record_point(out: JobFile | None, point: dict[str, object] | None) -> None:
     print(f"[{time.monotonic() - _STARTED:.1f} s] {point['job']} {point['preset']} T={point['tokens_per_rank']}: " +
           ", ".join(f"{key} {us:.1f} us (host {host[key]:.1f})" for key, us in lat.items()) +
           f" | mismatches {point['accuracy'].get('mismatch', {})}", flush=True)
+    for rank, ops in enumerate(point.get("phases") or []):
+        for op, marks in (ops or {}).items():
+            print(f"  phases rank {rank} {op}: median CTA " +
+                  " / ".join(f"{m} {us:.1f}" for m, us in marks["median_us"].items()) +
+                  f" us; latest CTA's exit {marks['latest_us']['exit']:.1f} us", flush=True)
 
 
 # -- timing ------------------------------------------------------------------------------------------------------------
@@ -643,6 +656,8 @@ def assemble_point(base: dict[str, object], records: Sequence[Mapping[str, Any]]
         for name, why in rec.get("accuracy", {}).get("mismatch", {}).items():
             accuracy.setdefault("mismatch", {})[f"rank {r}: {name}"] = why
     errors = {f"rank {r}: {k}": v for r, rec in enumerate(records) for k, v in rec.get("errors", {}).items()}
+    if any("phases" in rec for rec in records):
+        base = base | {"phases": [rec.get("phases") for rec in records]}
     return base | {"latency_us": latency, "host_us": host, "graph_us": graph,
                    "per_rank_us": {k: [r["latency_us"].get(k) for r in records] for k in latency},
                    "floor_us": dict(floor_us), "speedup": speedup, "graph_speedup": graph_speedup,
@@ -710,11 +725,22 @@ def normal_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping
             for op, fn in calls.items():
                 record["latency_us"][f"{impl}/{op}"], record["host_us"][f"{impl}/{op}"] = eager_us(fn, job.args)
             maybe_trace(job, "normal", shape, tokens, impl, rank, calls)
+            if impl == "facade" and job.args.phases:
+                record["phases"] = normal_phases(device, calls, job.args.phases)
         except Exception as exc:  # recorded, the run goes on
             record["errors"][impl] = f"{type(exc).__name__}: {exc}"
     if len(outputs) == 2:
         record["accuracy"] = compare(outputs["facade"], outputs["original"])
     return record
+
+
+def normal_phases(device: torch.device, calls: Mapping[str, Callable[[], object]], count: int) -> dict[str, object]:
+    """``count`` calls of each op on the phase-timed kernels, each read back (bench/_ep_normal_phases.py): per op the
+    marks' summary. Every rank makes the same calls in the same order (each is collective)."""
+    with _ep_normal_phases.variant(device) as times:
+        return {op: _ep_normal_phases.summary(
+            [times.timed(fn, "combine" if op == "combine" else "dispatch") for _ in range(count)])
+            for op, fn in calls.items()}
 
 
 def normal_floor_us(recv_rows: Sequence[int], hidden: int, bandwidth: float) -> dict[str, float]:

@@ -106,7 +106,7 @@ def _stand_ins(counts: _Counts) -> None:
 
     def kernel(name: str) -> jit.Kernel:
         handle = handles.setdefault(name, driver.CUkernel(len(handles) + 1))
-        if name == ep_normal._ENTRY_NAMES[ep_normal.Entry.NOTIFY]:
+        if name == ep_normal.ENTRY_NAMES[ep_normal.Entry.NOTIFY]:
             counts.notify = handle
         return jit.Kernel(name, "host", handle, None)
 

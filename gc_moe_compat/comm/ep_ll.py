@@ -11,9 +11,9 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
 * dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
   rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
   owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
-  earlier (token, slot) entries with that expert; it also writes the checked routing (int32 ``[T, k]``, -1 where an
-  entry was dropped) that the handle keeps for the combine; the grid's last CTA then publishes
-  ``(generation << 32) | rows`` for every (expert, source) pair;
+  earlier (token, slot) entries with that expert; it also writes the routing the handle keeps for the combine (int32
+  ``[2, T, k]``: the checked expert, -1 where an entry was dropped, then the entry's row); the grid's last CTA then
+  publishes ``(generation << 32) | rows`` for every (expert, source) pair;
 * dispatch receive: waits for the counts of every source, packs the stage rows into DeepEP's layout
   (``recv_x [e, P*Tmax, H]``, column-major scales, ``recv_count``, and the handle's ``src_info`` (the source token,
   DeepEP's meaning) / ``layout_range``; the row's slot goes to a private ``src_route`` of ``token * k + slot``);
@@ -22,6 +22,11 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
   every rank;
 * combine receive: waits for every rank's readiness and writes ``out[t] = BF16(sum over valid slots, slot order, of
   weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
+
+At one rank (the direct path) there is no stage: dispatch send stores the rows straight into ``recv_x`` and its last
+CTA writes ``recv_count``, ``layout_range`` and the statistics, combine receive reads the rows of ``x`` in place at
+the rows the routing names; each direction's first launch does it all (the fused one, or a hooked call's send launch:
+:func:`ll_grid` sizes both for that half, and a hook's launch returns at once), with the staged path's outputs.
 
 Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
@@ -165,6 +170,7 @@ class LlSite(StatusSite):
 
 # Fixed header of the workspace (independent of the call's shapes, so persistent words never move).
 _SEQ = 0                                   # u64 [2]: last generation taken by dispatch send, by combine send
+                                           # (by combine receive at one rank)
 _ARRIVE = 64                               # u64 [4 kinds][2 parities]: grid arrival counters
 _CONSUMED = 128                            # u64 [2 directions][2 parities]: last generation read from the stage
 _READY = 256                               # u64 [2 parities][MAX_RANKS]: combine readiness per source rank
@@ -237,8 +243,10 @@ class EpLlParams(ctypes.Structure):
     Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
     receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
     ``src_info`` int32 ``[E/P, P*Tmax]`` is DeepEP's (source token), ``src_route`` the same rows' ``token * k + slot``
-    and ``routing`` int32 ``[T, k]`` the dispatch's checked routing (both kept by the handle for the combine).
+    and ``routing`` int32 ``[2, T, k]`` the dispatch's checked routing, then each valid slot's row in its expert's list
+    of this rank's rows (both kept by the handle for the combine).
     ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
+    ``status_mirror`` is written by the last CTA of each receive half (at one rank, of each half that runs).
     ``phase``: :data:`PHASE_SEND`, :data:`PHASE_RECV` or :data:`PHASE_BOTH`.
     """
 
@@ -322,12 +330,15 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     """CTAs of one half's own launch (a call with a receive hook; :func:`fused_grid` for both in one): a CTA per
     token (dispatch send); for dispatch receive and combine send, CTAs owning whole local experts (every CTA up to the
     cap: with fewer local experts than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for
-    combine receive a warp per (token, 256 columns). At least one, at most ``max_ctas`` (the SMs of the partition the
-    launch runs on; at most :data:`MAX_SMS`)."""
+    combine receive a warp per (token, 256 columns). At one rank (the direct path) the combine's send launch does the
+    receive half's work and gets its grid, and a receive launch, which returns at once, one CTA. At least one, at most
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
     cap = max(1, min(MAX_SMS, max_ctas))
+    if shape.num_ranks == 1 and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
+        return 1  # the direct path: a hook's launch, which returns at once
     if kernel is Kernel.DISPATCH_SEND:
         return max(1, min(cap, num_tokens))
-    if kernel is Kernel.COMBINE_RECV:
+    if kernel is Kernel.COMBINE_RECV or shape.num_ranks == 1:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
         return max(1, min(cap, -(-warps // (THREADS // 32))))
     local = shape.local_experts
@@ -339,7 +350,7 @@ def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = 
     :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
     without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
     grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
-    (kernels/sm90/ep_ll.cu, "Co-residency")."""
+    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's)."""
     return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 
@@ -414,8 +425,8 @@ class LlLaunches:
         """Launches both halves of ``kernel``'s direction as one kernel (:data:`PHASE_BOTH`; a call without a
         receive hook), where :meth:`launch` would, with :func:`fused_grid`'s grid: at most as many CTAs as the SMs
         the launch may use, so that the whole grid is resident at once, which the receive half's waits on words of
-        its own grid need (the device's SMs, a rank's share of a shared GPU, a partition's SMs: every path meets it,
-        so a call without a hook never needs two launches)."""
+        its own grid need at more than one rank (the device's SMs, a rank's share of a shared GPU, a partition's SMs:
+        every path meets it, so a call without a hook never needs two launches)."""
         self._launch(kernel, PHASE_BOTH, self.fused_grids[kernel], fused_grid, stream, partition)
 
     def _launch(self, kernel: Kernel, phase: int, grid: tuple[int, int, int],

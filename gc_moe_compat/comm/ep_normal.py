@@ -54,6 +54,7 @@ from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_sta
 from gc_moe_compat.runtime.workspace import PeerTable
 
 __all__ = [
+    "ENTRY_NAMES",
     "HEADER_BYTES",
     "MAX_TOPK",
     "PER_CALL_FIELDS",
@@ -103,7 +104,8 @@ class Kernel(enum.IntEnum):
 
 class Entry(enum.IntEnum):
     """The kernels' entry points, what a launch names: DISPATCH and COMBINE run their direction's send half, then its
-    receive half, in one grid."""
+    receive half, in one grid (COMBINE first rewrites the handle's send_head); COMBINE_HEADS is that rewrite alone,
+    which the kernel test launches to check DeepEP's bytes on any grid."""
 
     LAYOUT = 0
     NOTIFY = 1
@@ -112,15 +114,16 @@ class Entry(enum.IntEnum):
     COMBINE_HEADS = 4
 
 
-_ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_notify",
+ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_notify",
                 Entry.DISPATCH: "gc_ep_normal_dispatch", Entry.COMBINE: "gc_ep_normal_combine",
                 Entry.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+"""Each entry point's kernel name in kernels/sm90/ep_normal.cu."""
 _NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
           Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch (send half)",
           Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch (receive half)",
           Kernel.COMBINE_SEND: "gc_ep_normal_combine (send half)",
           Kernel.COMBINE_RECV: "gc_ep_normal_combine (receive half)",
-          Kernel.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
+          Kernel.COMBINE_HEADS: "gc_ep_normal_combine (send_head rewrite)"}
 """Each role's name in error messages and in the generated header: its entry point, and which half."""
 
 
@@ -311,7 +314,7 @@ collective-op number and its received rows. :func:`new_launch` fixes every other
 def kernel_of(entry: Entry) -> jit.Kernel:
     """The loaded kernel, looked up once per process: ``jit.load_module`` hashes the source tree for its cache key
     (milliseconds), which would otherwise be paid by every launch of a normal-mode call."""
-    return jit.load_module(SOURCE).kernel(_ENTRY_NAMES[entry])
+    return jit.load_module(SOURCE).kernel(ENTRY_NAMES[entry])
 
 
 PackedKernel = tuple[Entry, Dim3, Dim3, int]

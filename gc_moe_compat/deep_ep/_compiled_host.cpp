@@ -209,9 +209,9 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
     recv_count = at::empty({r.local}, on(r.device, r.count_dtype));
     src_info = at::empty({r.local, r.slots}, on(r.device, r.src_info_dtype));
     layout_range = at::empty({r.local, r.ranks}, on(r.device, r.layout_dtype));
-    priv = at::empty({r.routing_at + r.num_tokens * r.topk}, on(r.device, r.private_dtype));
+    priv = at::empty({r.routing_at + 2 * r.num_tokens * r.topk}, on(r.device, r.private_dtype));
     src_route = at::as_strided(priv, {r.local, r.slots}, {r.slots, 1}, r.route_at);
-    routing = at::as_strided(priv, {r.num_tokens, r.topk}, {r.topk, 1}, r.routing_at);
+    routing = at::as_strided(priv, {2, r.num_tokens, r.topk}, {r.num_tokens * r.topk, r.topk, 1}, r.routing_at);
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();
   }
@@ -263,7 +263,7 @@ py::object combine(const py::dict& records, const py::handle& src_info_obj, cons
   if (!dense(src_info, r.src_info_dtype, 2, r.device) || !sizes_are(src_info, {r.local, r.slots}) ||
       !dense(layout, r.layout_dtype, 2, r.device) || !sizes_are(layout, {r.local, r.ranks}) ||
       !dense(route, r.route_dtype, 2, r.device) || !sizes_are(route, {r.local, r.slots}) ||
-      !dense(routing, r.route_dtype, 2, r.device) || !sizes_are(routing, {r.num_tokens, r.topk}) ||
+      !dense(routing, r.route_dtype, 3, r.device) || !sizes_are(routing, {2, r.num_tokens, r.topk}) ||
       !dense(x, r.x_dtype, 3, r.device) || !sizes_are(x, {r.local, r.slots, r.hidden}) ||
       !dense(idx, r.idx_dtype, 2, r.device) || !sizes_are(idx, {r.num_tokens, r.topk}) ||
       !dense(weights, r.weights_dtype, 2, r.device) || !sizes_are(weights, {r.num_tokens, r.topk}) ||

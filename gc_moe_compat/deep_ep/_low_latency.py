@@ -150,7 +150,8 @@ class LowLatencyHandle(tuple):
     ``src_info[e, j]`` is the source token of received row ``j`` of local expert ``e`` and ``layout_range[e, q]`` is
     ``(first row << 32) | rows`` of source rank ``q``, as with DeepEP. It also keeps what the combine needs besides:
     the dispatch's top-k and token count, each row's slot (``src_route``: ``token * k + slot``), the dispatch's
-    checked routing (``routing`` int32 ``[T, k]``, -1 where a slot was dropped) and the workspace it came from."""
+    routing (``routing`` int32 ``[2, T, k]``: the checked expert of each slot, -1 where it was dropped, then the
+    slot's row in that expert's list of this rank's rows, -1 where no row was sent) and the workspace it came from."""
 
     topk: int
     num_tokens: int
@@ -405,12 +406,12 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     src_info = torch.empty(local, slots, dtype=torch.int32, device=device)
     layout_range = torch.empty(local, ranks, dtype=torch.int64, device=device)
     # One allocation for what only the kernels and the handle's combine use: the call's generation word (int64),
-    # then the handle's src_route [L, P*Tmax] and routing [T, k] (int32), each 16-byte aligned.
+    # then the handle's src_route [L, P*Tmax] and routing [2, T, k] (int32), each 16-byte aligned.
     route_at = 4
     routing_at = route_at + -(-local * slots // 4) * 4
-    private = torch.empty(routing_at + num_tokens * topk, dtype=_PRIVATE_DTYPE, device=device)
+    private = torch.empty(routing_at + 2 * num_tokens * topk, dtype=_PRIVATE_DTYPE, device=device)
     src_route = private.as_strided((local, slots), (slots, 1), route_at)
-    routing = private.as_strided((num_tokens, topk), (topk, 1), routing_at)
+    routing = private.as_strided((2, num_tokens, topk), (num_tokens * topk, topk, 1), routing_at)
     base = private.data_ptr()
     params = launches.params
     params.x, params.topk_idx, params.recv_x = x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr()
@@ -556,7 +557,8 @@ def next_combine_buffer(workspace: SymmetricWorkspace, handle: object) -> torch.
     """DeepEP's ``get_next_low_latency_combine_buffer``: the BF16 ``[E/P, P*Tmax, H]`` rows in the workspace that a
     ``low_latency_combine(..., zero_copy=True)`` with this handle sends (the caller writes its expert outputs here,
     so the combine does not read ``x``). One set of rows serves every combine: a write queued on the stream after a
-    combine cannot overtake that combine's send half, which reads them."""
+    combine cannot overtake that combine's first launch, which reads them (its send half; at one rank the receive
+    half that launch runs)."""
     handle = _handle(workspace, handle, "get_next_low_latency_combine_buffer")
     _, _, max_tokens, hidden, num_experts = handle
     shape = _shape(workspace, max_tokens, hidden, num_experts, handle.topk, zero_copy=True)

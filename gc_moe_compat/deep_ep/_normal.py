@@ -852,10 +852,9 @@ class NormalMode:
         fields = dict(transient=transient, data_rows=self._capacity(transient.data, row.stride), num_tokens=tokens,
                       hidden=hidden, row_bytes=2 * hidden, row_stride=row.stride, off_row_topk=row.topk, topk=topk,
                       num_channels=channels)
-        # DeepEP's in-place rewrite of the caller's send_head first (a warp per channel and rank), ahead of its
-        # reader, the combine's receive half; both on one parameter set
-        sms = 2 * channels
-        kernels = ((Entry.COMBINE_HEADS, -(-self.ranks * channels // 8), 0), (Entry.COMBINE, sms, 0))
+        # one launch: its CTAs first make DeepEP's in-place rewrite of the caller's send_head (a warp per channel
+        # and rank), which the receive half reads, then the send half and the receive half
+        kernels = ((Entry.COMBINE, 2 * channels, 0),)
         return self._pack(key, kernels, fields)
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,

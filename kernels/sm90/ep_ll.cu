@@ -7,10 +7,11 @@
 //
 // Workspace (symmetric, one copy per rank; offsets in EpLlParams). Every persistent word is generation-tagged and
 // indexed by the generation's parity, so replays need no host reset and two calls of a kind may be in flight:
-//   seq[2]                    last generation taken by dispatch send / combine send (this rank only)
+//   seq[2]                    last generation taken by dispatch send / combine send (combine receive at one rank)
+//                             (this rank only)
 //   arrive[4][2]              grid arrival counter per half (LlKernel) and parity (this rank only; the last CTA
 //                             resets it); a fused launch arrives at both of its direction's, as it reports
-//                             into both halves' status records
+//                             into both halves' status records (at one rank only at the half that runs)
 //   consumed[2][2]            last generation whose stage this rank has read, per direction and parity (read by peers)
 //   ready[P][2]               combine readiness of source rank q for this rank (written by q)
 //   mask[P]                   u32, this rank's rank mask (DeepEP's shrink mode; read only with kLlShrink)
@@ -21,10 +22,23 @@
 //
 // Routing: an entry of topk_idx is -1 (unused), an expert in [0, E), or invalid: outside [-1, E), or an expert an
 // earlier slot of the same token already names (a stage list holds at most Tmax rows: one per token). Invalid
-// entries are dropped (never used as an address) and reported in the status record. Dispatch send writes the checked
-// routing (int32 [T, k], -1 where dropped) into EpLlParams.routing, which the handle keeps for the combine; combine
-// receive sums a slot only where the caller's entry equals it, the weight is finite and the owner is not masked
-// (a differing entry or a non-finite weight is reported and dropped).
+// entries are dropped (never used as an address) and reported in the status record. Dispatch send writes into
+// EpLlParams.routing (int32 [2][T, k], which the handle keeps for the combine) the checked routing (-1 where dropped),
+// then each slot's row in its expert's list of this rank's rows (-1 where no row was sent: a dropped slot, a masked
+// owner, a CTA whose wait failed); combine receive sums a slot only where the caller's entry equals the checked one,
+// the weight is finite and the owner is not masked (a differing entry or a non-finite weight is reported and
+// dropped), and on the direct path only where a row was sent.
+//
+// One rank (the direct path, world_size 1): no peer, so no stage and no wait. Dispatch send stores each slot's row
+// straight into recv_x (its scales into recv_scales, its source into src_info / src_route) at the row the receive
+// would give it (one source: the row in the expert's list), and the grid's last CTA writes recv_count, layout_range
+// and the statistics from the checked routing; combine receive reads each slot's row of x in place, at the row the
+// dispatch's routing names. A dispatch is then its send half and a combine its receive half, each run by the
+// direction's first launch (fused, or a hooked call's send launch: a hook's launch returns at once), so each byte
+// moves once instead of through a stage, and no CTA waits on a word. The words that remain: combine receive takes and
+// stores seq[1] and call_gen as a send half does; each launch that works arrives at its half's counter
+// (kDispatchSend, kCombineRecv), and that half's last CTA mirrors the status records. The ordering and
+// co-residency rules below are those of more than one rank.
 //
 // Ordering (n = the call's generation, p = n & 1):
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
@@ -195,8 +209,9 @@ __device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelSta
     return static_cast<int>(e);
 }
 
-// Copies the four status records into the pinned host mirror (the last CTA of each receive half), so that the
-// host sees errors of asynchronous, hooked and graph-replayed calls without synchronizing.
+// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank of the
+// halves that run), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
+// synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
     constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
     if (p.status_mirror && threadIdx.x < kWords) {
@@ -278,11 +293,26 @@ __device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long 
     return true;
 }
 
+// Stores the scale of group g (128 columns) of a dispatched FP8 row whose scales start at `base`: the stage's FP32
+// words after the payload, or (direct) the row's column of recv_scales, column-major per local expert with `slots`
+// rows: FP32 words, or UE8M0 bytes four groups a word (the layouts dispatch receive packs).
+__device__ __forceinline__ void store_scale(u8* base, u32 g, float scale_inv, bool direct, bool ue8m0, u64 slots) {
+    if (!direct) {
+        reinterpret_cast<float*>(base)[g] = scale_inv;
+    } else if (ue8m0) {
+        base[static_cast<u64>(g / 4) * slots * 4 + g % 4] = static_cast<u8>((__float_as_uint(scale_inv) >> 23) & 0xff);
+    } else {
+        *reinterpret_cast<float*>(base + static_cast<u64>(g) * slots * 4) = scale_inv;
+    }
+}
+
 // Returns the call's generation n (the one this CTA read from seq).
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
-    __shared__ u8* slot_dst[kMaxTopk];     // that row in the owner's receive stage (null: unused, or owner masked)
+    __shared__ u8* slot_dst[kMaxTopk];     // that row's payload in the owner's receive stage, or (direct) in recv_x
+                                           // (null: unused, or owner masked)
+    __shared__ u8* slot_scales[kMaxTopk];  // where that row's FP8 scales start (store_scale)
     __shared__ u32 rows_of[kMaxExperts];   // last CTA: rows per global expert
     KernelStatus* status = status_of(pt, p, gc_moe::kDispatchSend);
     u64* seq = word(pt, p.off_seq);
@@ -291,13 +321,16 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 k_slots = p.topk, entries = p.num_tokens * p.topk, vecs = p.hidden / 8;
     const bool fp8 = p.flags & gc_moe::kLlFp8, round_scale = p.flags & gc_moe::kLlRoundScale;
+    const bool ue8m0 = p.flags & gc_moe::kLlUe8m0, direct = ranks == 1;
+    const u64 slots = p.max_tokens;  // rows per local expert in recv_x at one rank (direct)
     // The first token's row loads go out before the wait and the routing work, which hide their latency.
     uint4 raw[kSendUnroll];
     if (blockIdx.x < p.num_tokens)
         load_row_pass(raw, reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(blockIdx.x) * vecs, 0, vecs);
-    // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied).
+    // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied; none
+    // on the direct path).
     bool ok = true;
-    for (u32 q = threadIdx.x; q < ranks && gen > 2; q += kThreads) {
+    for (u32 q = threadIdx.x; q < ranks && gen > 2 && !direct; q += kThreads) {
         const u64* flag = peer_ptr<u64>(pt, q, p.off_consumed + (0 * 2 + parity) * 8);
         ok = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | q, q) != kFailed && ok;
     }
@@ -309,6 +342,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             slot_of[threadIdx.x] = e;
             slot_row[threadIdx.x] = 0;
             reinterpret_cast<int*>(p.routing)[t * k_slots + threadIdx.x] = e;  // the handle's checked routing
+            if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] = -1;
         }
         __syncthreads();
         if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
@@ -338,15 +372,32 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         __syncthreads();
         if (threadIdx.x < k_slots) {
             const int e = slot_of[threadIdx.x];
+            const u32 j = slot_row[threadIdx.x];
             u8* row = nullptr;
+            u8* scales = nullptr;
             const u32 owner = e >= 0 ? static_cast<u32>(e) / p.local_experts : 0;
             if (e >= 0 && !is_masked(pt, p, owner)) {
                 const u32 le = static_cast<u32>(e) % p.local_experts;
-                const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
-                row = peer_ptr<u8>(pt, owner, p.off_recv_stage + (list + slot_row[threadIdx.x]) * p.row_stride);
-                *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x), 0, 0);
+                if (direct) {  // the row recv_x packs it at: source 0, row j of the expert's list
+                    const u64 slot = static_cast<u64>(le) * slots + j;
+                    row = reinterpret_cast<u8*>(p.recv_x) + slot * (fp8 ? p.hidden : 2 * p.hidden);
+                    const u64 group_rows = static_cast<u64>(le) * (ue8m0 ? p.hidden / 512 : p.hidden / 128) * slots;
+                    scales = fp8 ? reinterpret_cast<u8*>(p.recv_scales) + (group_rows + j) * 4 : nullptr;
+                    reinterpret_cast<int*>(p.src_info)[slot] = static_cast<int>(t);
+                    reinterpret_cast<int*>(p.src_route)[slot] = static_cast<int>(t * k_slots + threadIdx.x);
+                } else {
+                    const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
+                    row = peer_ptr<u8>(pt, owner, p.off_recv_stage + (list + j) * p.row_stride);
+                    *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x), 0,
+                                                              0);
+                    row += 16;  // the payload follows the (token, slot) header
+                    scales = row + p.hidden;
+                }
             }
             slot_dst[threadIdx.x] = row;
+            slot_scales[threadIdx.x] = scales;
+            reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] =
+                row != nullptr ? static_cast<int>(j) : -1;
         }
         __syncthreads();
         // The row, read once (kSendUnroll vectors per thread in flight), each vector stored to every slot's row; an
@@ -359,7 +410,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 const bool valid = v < vecs;
                 if (!fp8) {
                     for (u32 k = 0; k < k_slots; ++k)
-                        if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k] + 16)[v] = raw[i];
+                        if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k])[v] = raw[i];
                     continue;
                 }
                 float scale_inv;
@@ -367,8 +418,8 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 for (u32 k = 0; k < k_slots; ++k) {
                     u8* row = slot_dst[k];
                     if (!valid || row == nullptr) continue;
-                    reinterpret_cast<uint2*>(row + 16)[v] = q;
-                    if (v % 16 == 0) reinterpret_cast<float*>(row + 16 + p.hidden)[v / 16] = scale_inv;
+                    reinterpret_cast<uint2*>(row)[v] = q;
+                    if (v % 16 == 0) store_scale(slot_scales[k], v / 16, scale_inv, direct, ue8m0, slots);
                 }
             }
         }
@@ -392,9 +443,19 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 if (es[i] >= 0) atomicAdd(&rows_of[es[i]], 1u);
         }
         __syncthreads();
+        if (direct) {
+            // What dispatch receive writes at one rank: every expert's rows come from source 0 (none when masked).
+            const bool masked = is_masked(pt, p, own);
+            for (u32 le = threadIdx.x; le < p.local_experts; le += kThreads) {
+                const int rows = masked ? 0 : static_cast<int>(rows_of[le]);
+                reinterpret_cast<int*>(p.recv_count)[le] = rows;
+                reinterpret_cast<long long*>(p.layout_range)[le] = rows;  // (first slot 0) << 32 | rows
+                if (p.recv_stats) atomicAdd(reinterpret_cast<int*>(p.recv_stats) + le, rows);
+            }
+        }
         // A CTA whose wait timed out wrote no rows: leave the counts unpublished so that the owners report it too
         // (a dropped slot is reported, but the other rows are complete and published). Masked owners get nothing.
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
+        if (!direct && *reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
             for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) {
                 const u32 owner = e / p.local_experts, le = e % p.local_experts;
                 if (is_masked(pt, p, owner)) continue;
@@ -406,6 +467,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
         }
+        if (direct) mirror_status(pt, p);  // no receive half follows
     }
     return gen;
 }
@@ -663,13 +725,17 @@ __device__ __forceinline__ bool combine_slot(const PeerTable& pt, const EpLlPara
     return !is_masked(pt, p, static_cast<u32>(dispatched) / p.local_experts);
 }
 
-// Receives generation `gen` (receive_generation).
+// Receives generation `gen` (receive_generation), or on the direct path (one rank: no send half) reduces the rows of
+// x in place, taking the generation from seq and storing it as a send half does.
 __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlParams& p, u64 gen) {
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineRecv);
-    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
     const u32 ranks = static_cast<u32>(pt.world_size);
+    const bool direct = ranks == 1;
+    u64* seq = word(pt, p.off_seq) + 1;
+    if (direct) gen = *reinterpret_cast<volatile u64*>(seq) + 1;
+    const u32 parity = static_cast<u32>(gen & 1), lane = threadIdx.x & 31;
     bool ok = true;
-    for (u32 q = threadIdx.x; q < ranks; q += kThreads) {
+    for (u32 q = threadIdx.x; q < ranks && !direct; q += kThreads) {
         const u64* ready = word(pt, p.off_ready + (q * 2 + parity) * 8);
         u64 v = 0;
         const Wait w = wait_rank(pt, p, ready, gen, status, gc_moe::kLlSiteReady << 16 | q, q, &v);
@@ -684,28 +750,41 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     }
     ok = __syncthreads_and(ok);  // the acquires precede every thread's stage reads
     const float* weights = reinterpret_cast<const float*>(p.topk_weights);
+    const int* routing = reinterpret_cast<const int*>(p.routing);
+    const int* entry_rows = routing + static_cast<u64>(p.num_tokens) * p.topk;  // the routing's second plane
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
     const u32 units = ok ? p.num_tokens * chunks : 0;
-    const u8* stage = reinterpret_cast<const u8*>(pt.base + p.off_combine_stage);
+    // The rows summed: the combine stage's [parity][token][slot] rows, or (direct) x's [local expert][Tmax] rows.
+    const u8* rows = reinterpret_cast<const u8*>(direct ? p.x : pt.base + p.off_combine_stage);
     for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
         const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
         const bool in_row = col < p.hidden;
         const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
+        // Slot k's row in `rows` (direct: -1 where the dispatch sent no row, nothing to read).
+        const auto row_of = [&](u32 k) -> long long {
+            if (!direct) return static_cast<long long>(token_rows + k);
+            const int e = routing[t * p.topk + k], j = entry_rows[t * p.topk + k];
+            if (e < 0 || j < 0) return -1;
+            return static_cast<long long>(static_cast<u32>(e) % p.local_experts) * p.max_tokens + j;
+        };
         // The first kCombineUnroll slots' vectors and weights go out before the slot decisions, so that their latency
         // overlaps the routing checks (every (token, slot) row lies in the stage: an unused slot's vector is loaded
-        // and ignored).
+        // and ignored; on the direct path a dropped slot's is not).
         uint4 v[kCombineUnroll];
         float w[kCombineUnroll];
 #pragma unroll
         for (u32 i = 0; i < kCombineUnroll; ++i) {
             if (in_row && i < p.topk) {
                 w[i] = weights[t * p.topk + i];
-                v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + i) * p.hidden + col) * 2);
+                const long long r = row_of(i);
+                v[i] = r < 0 ? make_uint4(0, 0, 0, 0)
+                             : *reinterpret_cast<const uint4*>(rows + (static_cast<u64>(r) * p.hidden + col) * 2);
             }
         }
         // Lane j decides slot j once for the warp (reported by the token's first column unit only).
         const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
-                                                           u % chunks == 0 ? status : nullptr);
+                                                           u % chunks == 0 ? status : nullptr) &&
+                             (!direct || row_of(lane) >= 0);
         const u32 used_slots = __ballot_sync(~0u, decided);
         if (!in_row) continue;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -714,9 +793,10 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
 #pragma unroll
                 for (u32 i = 0; i < kCombineUnroll; ++i) {  // the next slots' loads, all in flight
                     const u32 k = k0 + i;
-                    if (k < p.topk && (used_slots >> k & 1u)) {
+                    if (k < p.topk && (used_slots >> k & 1u)) {  // a used slot's row: row_of(k) >= 0
                         w[i] = weights[t * p.topk + k];
-                        v[i] = *reinterpret_cast<const uint4*>(stage + ((token_rows + k) * p.hidden + col) * 2);
+                        const u64 r = static_cast<u64>(row_of(k));
+                        v[i] = *reinterpret_cast<const uint4*>(rows + (r * p.hidden + col) * 2);
                     }
                 }
             }
@@ -738,7 +818,12 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
             *reinterpret_cast<const uint4*>(out);
     }
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8))) {
-        if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
+        if (threadIdx.x == 0 && direct) {
+            *seq = gen;
+            *reinterpret_cast<u64*>(p.call_gen) = gen;
+        } else if (threadIdx.x == 0) {
+            gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
+        }
         mirror_status(pt, p);
     }
 }
@@ -759,11 +844,15 @@ namespace gc_moe::ep_ll {
 __global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, const EpLlParams p) {
     u64 gen = 0;
     if (p.phase != kLlPhaseRecv) gen = dispatch_send(pt, p);
-    if (p.phase != kLlPhaseSend) dispatch_recv(pt, p, receive_generation(p, gen));
+    if (p.phase != kLlPhaseSend && pt.world_size > 1) dispatch_recv(pt, p, receive_generation(p, gen));
 }
 
 // Combine: the send half sends the expert outputs back to their tokens' ranks, the receive half reduces them.
 __global__ void __launch_bounds__(kThreads, 1) combine(const PeerTable pt, const EpLlParams p) {
+    if (pt.world_size == 1) {  // the direct path: the receive half alone, run by the call's first launch
+        if (p.phase != kLlPhaseRecv) combine_recv(pt, p, 0);
+        return;
+    }
     u64 gen = 0;
     if (p.phase != kLlPhaseRecv) gen = combine_send(pt, p);
     if (p.phase != kLlPhaseSend) combine_recv(pt, p, receive_generation(p, gen));

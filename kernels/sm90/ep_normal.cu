@@ -31,6 +31,11 @@
 #include "common/sync.cuh"
 #include "sm90/ep_normal_params.cuh"
 
+#ifdef GC_EP_NORMAL_PHASES
+// Outside the anonymous namespace, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
+__device__ unsigned long long* gc_ep_normal_phase_times;
+#endif
+
 namespace {
 
 using gc_moe::EpNormalParams;
@@ -51,6 +56,27 @@ constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
                                    // combine heads' 32-token chunks
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
+
+#ifdef GC_EP_NORMAL_PHASES
+// Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark of a
+// direction kernel the CTA synchronizes and its thread 0 stores %globaltimer into
+// gc_ep_normal_phase_times[(direction * kPhaseCtas + CTA) * kPhaseMarks + mark], where the host points the global
+// (nothing while it is null). The marks: entry, send half's wait done, send half's rows done, receive half's wait
+// done, receive half's rows done, exit (the combine's send_head rewrite runs between entry and its send wait). The
+// production build has no global and no marks.
+constexpr u32 kPhaseMarks = 6;
+constexpr u32 kPhaseCtas = 256;
+
+__device__ __forceinline__ void phase_mark(u32 direction, u32 mark) {
+    __syncthreads();
+    u64* times = ::gc_ep_normal_phase_times;
+    if (times && threadIdx.x == 0 && blockIdx.x < kPhaseCtas)
+        times[(direction * kPhaseCtas + blockIdx.x) * kPhaseMarks + mark] = gc_moe::globaltimer_ns();
+}
+#else
+__device__ __forceinline__ void phase_mark(u32, u32) {}
+#endif
+constexpr u32 kDispatchPhases = 0, kCombinePhases = 1;  // phase_mark's directions
 
 __device__ __forceinline__ u8* base_of(const PeerTable& pt, u32 rank, u64 offset) {
     return peer_ptr<u8>(pt, rank, offset);
@@ -313,6 +339,7 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
     const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
+    phase_mark(kDispatchPhases, 1);
     const u32 vecs = p.row_bytes / 16;
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += gridDim.x * kWarps) {
         const u32 c = channel_of(p, t);
@@ -401,6 +428,7 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
             reinterpret_cast<float*>(topk + 8 * p.topk)[lane] = e >= 0 ? weight : 0.0f;
         });
     }
+    phase_mark(kDispatchPhases, 2);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
         // The receivers' recv_channel_prefix_matrix rows: this rank's exclusive channel starts toward each rank.
         for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads) {
@@ -420,6 +448,7 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
     const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    phase_mark(kDispatchPhases, 3);
     const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
     if (ok && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > p.recv_rows)
         gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv, p.recv_rows);
@@ -456,6 +485,7 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             else reinterpret_cast<int*>(p.recv_topk_idx)[f] = -1;
         }
     }
+    phase_mark(kDispatchPhases, 4);
     if (ok && p.recv_channel_prefix && blockIdx.x == 0) {
         for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
             reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
@@ -473,8 +503,10 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
 // (dispatch send, combine receive: head >= 0) reads either encoding alike. A warp per (channel, rank), warps of a CTA
 // on adjacent columns of the same rows: lane l holds the entry l tokens further from the channel's end than the
 // chunk's first, kBatch chunks loaded before they are scanned, the nearest later head carried from chunk to chunk.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_heads(const PeerTable pt,
-                                                                                 const EpNormalParams p) {
+// The combine kernel runs it first (before its send half's wait: it touches the caller's send_head only); the
+// receive half reads send_head after every CTA of this rank arrived past it (ready is published after the last
+// arrival, each CTA's stores fenced before its own).
+static __device__ __forceinline__ void combine_heads(const PeerTable& pt, const EpNormalParams& p) {
     constexpr int kNoLaterHead = 1 << 25;  // DeepEP's: above any channel's queue position
     const u32 ranks = static_cast<u32>(pt.world_size);
     const u32 lane = threadIdx.x & 31;
@@ -508,6 +540,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_h
     }
 }
 
+// The rewrite alone, one launch: what the kernel test launches to check DeepEP's bytes on any grid (the facade's
+// combine runs it inside gc_ep_normal_combine).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine_heads(const PeerTable pt,
+                                                                                 const EpNormalParams p) {
+    combine_heads(pt, p);
+}
+
 // combine, send half: received row j (from source rank s) goes back to s, at row sum_{r' < own} sent(s, r') + (j - M[s-1][own])
 // of s's data region; a warp per row (its top-k weights loaded in flight with its first vectors), both terms per
 // source rank in shared memory.
@@ -524,6 +563,7 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
         back_start[s] = before;
     }
     const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
+    phase_mark(kCombinePhases, 1);
     const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
     const u32 rows = ok ? min(num_recv, p.recv_rows) : 0;
     const u32 vecs = p.row_bytes / 16;
@@ -543,6 +583,7 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
                   lane);
         if (lane < p.topk) reinterpret_cast<float*>(dst + p.off_row_topk)[lane] = weight;
     }
+    phase_mark(kCombinePhases, 2);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
     }
@@ -562,6 +603,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
     const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
     const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
@@ -631,6 +673,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
                 reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
         }
     }
+    phase_mark(kCombinePhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
@@ -638,15 +681,20 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
 }
 
 // The two directions' kernels: each CTA runs the send half, then the receive half (the halves' status records stay
-// apart: gc_moe::kNormalDispatchSend / Recv, kNormalCombineSend / Recv).
+// apart: gc_moe::kNormalDispatchSend / Recv, kNormalCombineSend / Recv); the combine's CTAs first rewrite send_head.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch(const PeerTable pt,
                                                                             const EpNormalParams p) {
+    phase_mark(kDispatchPhases, 0);
     dispatch_send(pt, p);
     dispatch_recv(pt, p);
+    phase_mark(kDispatchPhases, 5);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine(const PeerTable pt,
                                                                            const EpNormalParams p) {
+    phase_mark(kCombinePhases, 0);
+    combine_heads(pt, p);
     combine_send(pt, p);
     combine_recv(pt, p);
+    phase_mark(kCombinePhases, 5);
 }

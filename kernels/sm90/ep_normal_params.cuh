@@ -84,7 +84,7 @@ enum NormalKernel : unsigned int {
     kNormalDispatchRecv = 3,  // gc_ep_normal_dispatch (receive half)
     kNormalCombineSend = 4,   // gc_ep_normal_combine (send half)
     kNormalCombineRecv = 5,   // gc_ep_normal_combine (receive half)
-    kNormalCombineHeads = 6,  // gc_ep_normal_combine_heads
+    kNormalCombineHeads = 6,  // gc_ep_normal_combine (send_head rewrite)
     kNormalKernelCount = 7,   // status records
 };
 

@@ -85,7 +85,8 @@ def test_combine_heads_kernel_rewrites_send_head_as_deepep(tokens: int, ranks: i
     """gc_ep_normal_combine_heads launched on its own (a peer table of ``ranks`` ranks: it reads only their count)
     on a dispatch's send_head between guard words: the result is the reference's rewrite (DeepEP v1.2.1's bytes), no
     word outside the tensor changes, and a second launch (a second combine on the handle) leaves it as it is; with the
-    facade's grid (a warp per channel and rank) and with one CTA (each warp striding over several)."""
+    grid of a warp per channel and rank and with one CTA (each warp striding over several); the facade's combine runs
+    the same rewrite inside its kernel."""
     gen = torch.Generator().manual_seed(7 * tokens + 131 * ranks + channels)
     in_rank = torch.rand((tokens, ranks), generator=gen, dtype=torch.float32, device="cpu") < density
     send_head = _send_head(in_rank, channels)

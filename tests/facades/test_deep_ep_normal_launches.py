@@ -33,7 +33,7 @@ from gc_moe_compat.runtime.workspace import PeerTable
 
 NAMES = ("gc_ep_normal_layout", "gc_ep_normal_notify", "gc_ep_normal_dispatch", "gc_ep_normal_combine",
          "gc_ep_normal_combine_heads")
-LAYOUT, NOTIFY, DISPATCH, COMBINE, COMBINE_HEADS = NAMES
+LAYOUT, NOTIFY, DISPATCH, COMBINE, _ = NAMES
 FIXED_OFFSETS = dict(off_arrive=0, off_ready=1024, off_released=2048, off_status=3072, off_layout_arrive=3328,
                      off_notify_arrive=3336, off_send_arrive=3344, off_recv_arrive=3352, off_scratch=3584)
 """The fixed header's words (kernels/sm90/ep_normal.cu reads them at these offsets)."""
@@ -324,7 +324,7 @@ class Session:
             num_tokens=tokens, hidden=H, row_bytes=2 * H, row_stride=stride, off_row_topk=2 * H, topk=topk,
             num_channels=channels, recv_rows=rows)
         self.check(f"combine rows={rows} k={topk} bias={bias}",
-                   [self.launch(COMBINE_HEADS, -(-ranks * channels // 8), params), self.launch(COMBINE, sms, params)])
+                   [self.launch(COMBINE, sms, params)])
         return out, out_w
 
     def next_op(self) -> int:

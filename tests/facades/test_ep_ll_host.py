@@ -208,15 +208,23 @@ def test_required_bytes_example() -> None:
 def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """At least one CTA, at most the cap; dispatch send has a CTA per token; dispatch receive and combine send use
     every CTA up to the cap, or an equal number per local expert below it; combine receive a warp per (token, 256
-    columns) (8 per CTA), up to the cap, and no CTA without work below it."""
+    columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct path) the
+    combine's send launch, which reduces, has combine receive's grid and the receive launches one CTA."""
     cap = max(1, min(MAX_SMS, max_ctas))
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens))
+    units = num_tokens * -(-shape.hidden // 256)
+    if shape.num_ranks == 1:  # the direct path: the combine's send launch reduces, the receive launches return
+        assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, num_tokens, max_ctas) == 1
+        assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas) == 1
+        grid = ep_ll.ll_grid(Kernel.COMBINE_SEND, shape, num_tokens, max_ctas)
+        assert 1 <= grid <= cap and (grid == cap or grid * (THREADS // 32) >= units)
+        assert grid == 1 or (grid - 1) * (THREADS // 32) < units
+        return
     local = shape.local_experts
     for kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_SEND):
         grid = ep_ll.ll_grid(kernel, shape, num_tokens, max_ctas)
         assert 1 <= grid <= cap
         assert grid == cap if local >= cap else (grid % local == 0 and grid + local > cap), kernel
-    units = num_tokens * -(-shape.hidden // 256)
     grid = ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas)
     assert 1 <= grid <= cap
     assert grid == cap or grid * (THREADS // 32) >= units
@@ -228,7 +236,9 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == 128
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 0) == 1
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == 128  # 128 local experts, one CTA each
-    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(4, 1024, 128, 7168, 8), 128) == MAX_SMS  # 256 local
+    assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == 1  # one rank: nothing to do
+    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 4  # one rank: it reduces
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
@@ -250,15 +260,16 @@ def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens
 
 
 def test_fused_grid_examples() -> None:
-    """The issue's shape (one rank, 256 experts, H 7168): one CTA per SM of an H200 at T = 1 and T = 128 (the receive
-    half's 132 expert CTAs at T = 1, though dispatch send has one token); a rank's share of a shared GPU or a
-    partition's SMs bound it."""
+    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token for the dispatch, a warp
+    per (token, 256 columns) for the combine, each within a rank's share of a shared GPU or a partition's SMs; at
+    eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
-    for tokens in (1, 128):
-        assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, tokens) == ep_ll.fused_grid(Kernel.COMBINE_SEND, one,
-                                                                                       tokens) == MAX_SMS
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 1
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 128
+    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 4  # 28 column-unit warps
+    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == MAX_SMS  # 3584 column-unit warps, capped
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # two ranks share an H200
-    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 1, max_ctas=20) == 20  # a 20-SM partition
+    assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 20  # a 20-SM partition
     eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == 128  # a CTA per token
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 7) == 108
@@ -381,7 +392,7 @@ def test_handle_holds_deepep_contents_and_what_the_combine_needs(launches: list)
     src_info, layout_range, tmax, hidden, experts = handle
     assert (src_info.dtype, tuple(src_info.shape), layout_range.dtype, (tmax, hidden, experts)) == (
         torch.int32, (EXPERTS, T_MAX), torch.int64, (T_MAX, HIDDEN, EXPERTS))
-    assert (handle.src_route.shape, handle.routing.shape, handle.routing.dtype) == (src_info.shape, (TOKENS, TOPK),
+    assert (handle.src_route.shape, handle.routing.shape, handle.routing.dtype) == (src_info.shape, (2, TOKENS, TOPK),
                                                                                      torch.int32)
     p = launches[0][1]
     assert (p.src_info, p.src_route, p.routing) == (src_info.data_ptr(), handle.src_route.data_ptr(),

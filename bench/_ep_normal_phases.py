@@ -1,0 +1,109 @@
+"""Where the time of one normal-mode dispatch or combine goes, per CTA, from inside the kernels: the phase-timed
+variant of kernels/sm90/ep_normal.cu (``GC_EP_NORMAL_PHASES`` defined: at six marks per direction kernel each CTA's
+thread 0 stores ``%globaltimer`` into a device buffer the host points it at). ``bench/deep_ep_ab.py --phases N``
+uses it for the facade: the eager timing runs first on the production kernels, then N more calls per op on the
+variant, each read back after a synchronization. Nsight Compute cannot split the fused send and receive halves of a
+launch, and does not profile ranks that share a GPU under MPS; the marks can.
+
+The marks (:data:`MARKS`): the kernel's entry, the send half's wait for every rank's previous release done, the send
+half's rows done, the receive half's wait for every rank's ready done, the receive half's rows done, the exit (the
+combine's send_head rewrite runs between its entry and its send wait). A CTA
+synchronizes its threads before each mark, so a mark is when its slowest warp got there. ``%globaltimer`` is one clock
+per GPU, so the ranks sharing it can be compared directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from cuda.bindings import driver
+
+from gc_moe_compat.comm import ep_normal
+from gc_moe_compat.deep_ep import _normal
+from gc_moe_compat.runtime import jit
+from gc_moe_compat.runtime.cuda import call
+
+DEFINES = {"GC_EP_NORMAL_PHASES": 1}
+"""The variant's JIT defines."""
+MARKS = ("entry", "send_wait", "send_rows", "recv_wait", "recv_rows", "exit")
+"""The kernel's marks, in order (``kPhaseMarks`` of the kernel)."""
+CTAS = 256
+"""CTAs per direction the buffer holds (``kPhaseCtas``)."""
+DIRECTIONS = {"dispatch": 0, "combine": 1}
+"""Each direction kernel's block of the buffer (``kDispatchPhases`` / ``kCombinePhases``)."""
+GLOBAL = b"gc_ep_normal_phase_times"
+
+
+@functools.cache
+def _variant_kernel(entry: ep_normal.Entry) -> jit.Kernel:
+    """``entry`` of the phase-timed variant (what :func:`install` makes the facade launch)."""
+    return jit.load_module(ep_normal.SOURCE, DEFINES).kernel(ep_normal.ENTRY_NAMES[entry])
+
+
+class PhaseTimes:
+    """The device buffer the variant's marks go to (``[direction][CTA][mark]`` u64 nanoseconds) and its readout."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.times = torch.zeros(len(DIRECTIONS) * CTAS * len(MARKS), dtype=torch.int64, device=device)
+        library = jit.load_module(ep_normal.SOURCE, DEFINES).library
+        address, size = call(driver.cuLibraryGetGlobal, library, GLOBAL)
+        if size != 8:
+            raise RuntimeError(f"{GLOBAL.decode()}: a pointer of 8 bytes expected, the module's global has {size}")
+        pointer = np.array([self.times.data_ptr()], dtype=np.uint64)
+        call(driver.cuMemcpyHtoD, address, pointer.ctypes.data, 8)
+
+    def timed(self, fn: Callable[[], object], direction: str) -> np.ndarray:
+        """Runs ``fn`` (one call whose direction kernel is ``direction``'s) on a cleared buffer and returns that
+        kernel's marks, ``[CTAs that ran, marks]`` in ns (rows of CTAs beyond the grid dropped: all zero)."""
+        self.times.zero_()
+        torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
+        block = self.times.view(len(DIRECTIONS), CTAS, len(MARKS))[DIRECTIONS[direction]].cpu().numpy()
+        marks = block[block[:, 0] != 0]
+        if not len(marks):
+            raise RuntimeError(f"the {direction} kernel stored no phase marks: it did not run the phase-timed variant "
+                               "in this context (GC_MOE_DEEP_EP_PARTITION=on launches on a green context, whose copy "
+                               "of the global this process did not set)")
+        return marks
+
+
+@functools.cache
+def phase_times(device: torch.device) -> PhaseTimes:
+    """This process's buffer on ``device`` (one: the variant's global points at it)."""
+    return PhaseTimes(device)
+
+
+@contextlib.contextmanager
+def variant(device: torch.device) -> Iterator[PhaseTimes]:
+    """Within the block the facade's normal-mode calls launch the phase-timed variant (the normal mode's
+    ``kernel_of``, which it reads at every launch, swapped), whose marks go to the returned buffer; after it, the
+    production kernels again."""
+    times, production = phase_times(device), _normal.kernel_of
+    _normal.kernel_of = _variant_kernel
+    try:
+        yield times
+    finally:
+        _normal.kernel_of = production
+
+
+def summary(calls: Sequence[np.ndarray]) -> dict[str, object]:
+    """Per mark, over the calls' medians: each mark's median and latest CTA in µs after the call's first entry, and
+    the calls' first entries (ns of the GPU's clock: ranks sharing the GPU compare them)."""
+    median: dict[str, list[float]] = {m: [] for m in MARKS}
+    latest: dict[str, list[float]] = {m: [] for m in MARKS}
+    for marks in calls:
+        start = marks[:, 0].min()
+        for i, name in enumerate(MARKS):
+            after = (marks[:, i] - start) / 1e3
+            median[name].append(float(np.median(after)))
+            latest[name].append(float(after.max()))
+    return {"median_us": {m: statistics.median(v) for m, v in median.items()},
+            "latest_us": {m: statistics.median(v) for m, v in latest.items()},
+            "ctas": int(calls[0].shape[0]) if calls else 0,
+            "first_entry_ns": [int(marks[:, 0].min()) for marks in calls]}
