@@ -263,6 +263,21 @@ def source_info(origin: str | None) -> dict[str, object]:
     return info
 
 
+def original_root(origin: str | None) -> str | None:
+    """The folder the original DeepEP was staged and built in (its ``__init__.py``'s grandparent): the prefix of the
+    source paths its compiled assertions print."""
+    return None if origin is None else str(Path(origin).resolve().parent.parent)
+
+
+def without_root(point: dict[str, object], root: str | None) -> dict[str, object]:
+    """``point`` with ``root`` in its error texts written as ``<original DeepEP>/``: a result file names no absolute
+    path of the machine, and the original's assertions name its build folder."""
+    errors = point.get("errors")
+    if root is None or not isinstance(errors, dict):
+        return point
+    return {**point, "errors": {k: str(v).replace(root + os.sep, "<original DeepEP>/") for k, v in errors.items()}}
+
+
 def _version(staging: Path) -> str | None:
     try:
         return importlib.metadata.version("deep_ep")
@@ -1065,7 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome, ll_status = run_rank_count(ranks, args, origin, Path(tmp), ll_failed)
             if ll_status.startswith("did not start"):
                 ll_failed = ll_failed or ll_status
-            points += outcome.data.get("points", [])
+            points += [without_root(p, original_root(origin)) for p in outcome.data.get("points", [])]
             jobs[str(ranks)] = {"status": outcome.status(args.job_timeout), "seconds": round(outcome.seconds, 1),
                                 "gpu_setup": gpu_setup(ranks), "low_latency_original": ll_status,
                                 **outcome.data.get("info", {}),

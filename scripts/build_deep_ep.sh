@@ -50,7 +50,13 @@ if [[ -n "$src" || -n "$gitdir" ]]; then
   rm -rf "$dest" && mkdir -p "$dest"
   if [[ -n "$src" ]]; then
     (cd "$src" && tar --exclude=.git -cf - .) | tar -xf - -C "$dest"
-    echo "$(cd "$src" && pwd) $(git -C "$src" rev-parse HEAD 2>/dev/null || echo unknown)" >"$dest/SOURCE"
+    if [[ ! -f "$src/SOURCE" ]]; then  # an earlier staging keeps its SOURCE (copied above): where it came from
+      # the commit only of a checkout that is itself a repository's top (not of a repository around a plain tree)
+      commit=unknown
+      [[ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" == "$(cd "$src" && pwd -P)" ]] &&
+        commit="$(git -C "$src" rev-parse HEAD)"
+      echo "$(cd "$src" && pwd) $commit" >"$dest/SOURCE"
+    fi
   else
     git --git-dir="$gitdir" archive "$ref" | tar -xf - -C "$dest"
     echo "$gitdir $ref $(git --git-dir="$gitdir" rev-parse "$ref^{commit}")" >"$dest/SOURCE"

@@ -85,6 +85,19 @@ def test_source_info_reads_the_staging_beside_the_package(tmp_path: Path) -> Non
     assert ab.source_info(None) == {"location": None}
 
 
+def test_errors_name_the_originals_build_folder_without_its_path(tmp_path: Path) -> None:
+    origin = tmp_path / "deep_ep/__init__.py"
+    root = ab.original_root(str(origin))
+    assert root == str(tmp_path.resolve()) and ab.original_root(None) is None
+    point = {"job": "normal P=2", "errors": {
+        "rank 0: original": f"RuntimeError: Failed: Assertion error {root}/csrc/kernels/intranode.cu:123 'x'"}}
+    clean = ab.without_root(point, root)
+    assert clean["errors"] == {
+        "rank 0: original": "RuntimeError: Failed: Assertion error <original DeepEP>/csrc/kernels/intranode.cu:123 'x'"}
+    assert point["errors"]["rank 0: original"].count(root) == 1  # the measured record is not changed in place
+    assert ab.without_root({"job": "x"}, root) == {"job": "x"} and ab.without_root(point, None) is point
+
+
 def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
     size = ab.normal_nvl_bytes(7168, 8192, 4, 24)
     assert size % 128 == 0 and size >= 4 * 8192 * 2 * 7168

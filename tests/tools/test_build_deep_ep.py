@@ -40,6 +40,23 @@ def test_stages_a_checkout_and_a_git_ref(tmp_path: Path) -> None:
     assert _run("--env", "--dest", dest).stdout.startswith(f"export PYTHONPATH={dest}")
 
 
+def test_a_restaged_or_plain_tree_names_no_enclosing_repositorys_commit(tmp_path: Path) -> None:
+    """Staging from an earlier staging keeps its ref and commit; a plain tree inside another repository (the
+    project's .carry/) records "unknown", never the enclosing repository's HEAD."""
+    src = _checkout(tmp_path / "DeepEP")
+    first, second = tmp_path / "outer" / "stage", tmp_path / "again"
+    assert _run("--git-dir", src / ".git", "--ref", "v1.2.1", "--dest", first).returncode == 0
+    outer = tmp_path / "outer"
+    for cmd in (["init", "-q"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-mo"]):
+        subprocess.run(["git", "-C", str(outer), *cmd], check=True, capture_output=True)
+    out = _run("--src", first, "--dest", second)
+    assert out.returncode == 0, out.stderr
+    assert (second / "SOURCE").read_text() == (first / "SOURCE").read_text()
+    (first / "SOURCE").unlink()
+    assert _run("--src", first, "--dest", second).returncode == 0
+    assert (second / "SOURCE").read_text().split() == [str(first), "unknown"]
+
+
 def test_refuses_what_it_cannot_stage_or_build(tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
