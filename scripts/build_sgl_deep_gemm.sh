@@ -27,7 +27,7 @@
 # LD_PRELOAD of the system libstdc++ (DeepGEMM's JIT crashes in std::regex under the torch image's one, docs/platform_notes.md).
 # Then: eval "$(bash scripts/build_sgl_deep_gemm.sh --env)"; gc-moe-ab ... (the tool loads the original through
 # gc_moe_compat.originals, beside the facade). Layout (what sgl_deep_gemm's __init__ expects, the package's parent as
-# its root): DEST/deep_gemm/ (__init__.py and VERSION from sgl_deep_gemm/, utils testing legacy mega,
+# its root): DEST/deep_gemm/ (the *.py and VERSION of sgl_deep_gemm/, utils testing legacy mega,
 # include/deep_gemm, include/{cute,cutlass} linked into DEST/third-party/cutlass/include), DEST/csrc,
 # DEST/third-party/{cutlass,fmt}/include, DEST/SOURCE (where it came from).
 set -euo pipefail
@@ -70,7 +70,10 @@ stage() {  # copy the source tree, cutlass, fmt (and the wheel) into DEST
     source_line="$ref = $(git --git-dir="$gitdir" rev-parse "$ref") from $gitdir"
   else
     src="$(cd "$src" && pwd)"
-    source_line="$src at $(git -C "$src" rev-parse HEAD 2>/dev/null || echo 'a tree that is not a git checkout')"
+    # the commit only of a checkout that is itself a repository's top (not of a repository around a plain tree)
+    source_line="$src at a tree that is not a git checkout"
+    [[ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" == "$(cd "$src" && pwd -P)" ]] &&
+      source_line="$src at $(git -C "$src" rev-parse HEAD)"
   fi
   cutlass="${cutlass:-$src/third-party/cutlass}" fmt="${fmt:-$src/third-party/fmt}"
   for f in sgl_deep_gemm/__init__.py sgl_deep_gemm/VERSION csrc/tvm_ffi_api.cpp csrc/apis/sm90_mega.hpp \
@@ -88,7 +91,7 @@ stage() {  # copy the source tree, cutlass, fmt (and the wheel) into DEST
   fi
   rm -rf "$dest"
   mkdir -p "$dest/deep_gemm/include" "$dest/third-party/cutlass" "$dest/third-party/fmt"
-  cp "$src/sgl_deep_gemm/__init__.py" "$src/sgl_deep_gemm/VERSION" "$dest/deep_gemm/"
+  cp "$src/sgl_deep_gemm/"*.py "$src/sgl_deep_gemm/VERSION" "$dest/deep_gemm/"  # __init__.py and its modules
   for sub in utils testing legacy mega; do cp -r "$src/deep_gemm/$sub" "$dest/deep_gemm/"; done
   cp -r "$src/deep_gemm/include/deep_gemm" "$dest/deep_gemm/include/"
   cp -r "$src/csrc" "$dest/"
