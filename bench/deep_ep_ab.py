@@ -1075,12 +1075,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     points: list[dict[str, object]] = []
     jobs: dict[str, object] = {}
     ll_failed = None
+    root = original_root(origin)
     with tempfile.TemporaryDirectory(prefix="deep_ep_ab_") as tmp:
         for ranks in args.ranks:
             outcome, ll_status = run_rank_count(ranks, args, origin, Path(tmp), ll_failed)
             if ll_status.startswith("did not start"):
                 ll_failed = ll_failed or ll_status
-            points += [without_root(p, original_root(origin)) for p in outcome.data.get("points", [])]
+            points += [without_root(p, root) for p in outcome.data.get("points", [])]
             jobs[str(ranks)] = {"status": outcome.status(args.job_timeout), "seconds": round(outcome.seconds, 1),
                                 "gpu_setup": gpu_setup(ranks), "low_latency_original": ll_status,
                                 **outcome.data.get("info", {}),

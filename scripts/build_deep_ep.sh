@@ -31,6 +31,7 @@ while (($#)); do
   shift
 done
 fail() { echo "build_deep_ep: $*" >&2; exit 1; }
+source "$repo/scripts/checkout_commit.sh"
 dest="$(mkdir -p "$(dirname "$dest")" && cd "$(dirname "$dest")" && pwd)/$(basename "$dest")"
 if ((env)); then
   echo "export PYTHONPATH=$dest\${PYTHONPATH:+:\$PYTHONPATH}"
@@ -51,11 +52,8 @@ if [[ -n "$src" || -n "$gitdir" ]]; then
   if [[ -n "$src" ]]; then
     (cd "$src" && tar --exclude=.git -cf - .) | tar -xf - -C "$dest"
     if [[ ! -f "$src/SOURCE" ]]; then  # an earlier staging keeps its SOURCE (copied above): where it came from
-      # the commit only of a checkout that is itself a repository's top (not of a repository around a plain tree)
-      commit=unknown
-      [[ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" == "$(cd "$src" && pwd -P)" ]] &&
-        commit="$(git -C "$src" rev-parse HEAD)"
-      echo "$(cd "$src" && pwd) $commit" >"$dest/SOURCE"
+      commit="$(checkout_commit "$src")"
+      echo "$(cd "$src" && pwd) ${commit:-unknown}" >"$dest/SOURCE"
     fi
   else
     git --git-dir="$gitdir" archive "$ref" | tar -xf - -C "$dest"

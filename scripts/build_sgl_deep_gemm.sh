@@ -49,6 +49,7 @@ while (($#)); do
   shift
 done
 fail() { echo "build_sgl_deep_gemm: $*" >&2; exit 1; }
+source "$repo/scripts/checkout_commit.sh"
 dest="$(mkdir -p "$(dirname "$dest")" && cd "$(dirname "$dest")" && pwd)/$(basename "$dest")"
 exports() {
   echo "export PYTHONPATH=$dest/site:$dest\${PYTHONPATH:+:\$PYTHONPATH}"
@@ -70,10 +71,8 @@ stage() {  # copy the source tree, cutlass, fmt (and the wheel) into DEST
     source_line="$ref = $(git --git-dir="$gitdir" rev-parse "$ref") from $gitdir"
   else
     src="$(cd "$src" && pwd)"
-    # the commit only of a checkout that is itself a repository's top (not of a repository around a plain tree)
-    source_line="$src at a tree that is not a git checkout"
-    [[ "$(git -C "$src" rev-parse --show-toplevel 2>/dev/null)" == "$(cd "$src" && pwd -P)" ]] &&
-      source_line="$src at $(git -C "$src" rev-parse HEAD)"
+    commit="$(checkout_commit "$src")"
+    source_line="$src at ${commit:-a tree that is not a git checkout}"
   fi
   cutlass="${cutlass:-$src/third-party/cutlass}" fmt="${fmt:-$src/third-party/fmt}"
   for f in sgl_deep_gemm/__init__.py sgl_deep_gemm/VERSION csrc/tvm_ffi_api.cpp csrc/apis/sm90_mega.hpp \
