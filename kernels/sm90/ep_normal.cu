@@ -57,7 +57,7 @@ constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive'
                                    // 32-token chunks
 constexpr u32 kRowBatch = 16;      // a row copy's 16-byte vectors in flight per lane (8 KB per warp: a 7168-byte FP8
                                    // row in one round; each round costs a memory latency per row)
-constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
+constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
 // Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark of a
