@@ -53,9 +53,11 @@ constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
-constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, the copies' vectors,
-                                   // combine heads' 32-token chunks
-constexpr u32 kEarlyScaleWords = 2;  // dispatch send: a token's first 64 scale words, loaded ahead of its payload
+constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
+                                   // 32-token chunks
+constexpr u32 kRowBatch = 16;      // a row copy's 16-byte vectors in flight per lane (8 KB per warp: a 7168-byte FP8
+                                   // row in one round; each round costs a memory latency per row)
+constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
 // Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark of a
@@ -137,17 +139,17 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
     return e;
 }
 
-// A warp copies `count` elements (16-byte vectors, or scale words), kBatch loads in flight per lane before their
+// A warp copies `count` elements (16-byte vectors, or scale words), kRowBatch loads in flight per lane before their
 // stores.
 template <typename T>
 __device__ __forceinline__ void warp_copy(T* dst, const T* src, u32 count, u32 lane) {
-    for (u32 v0 = lane; v0 < count; v0 += 32 * kBatch) {
-        T r[kBatch];
+    for (u32 v0 = lane; v0 < count; v0 += 32 * kRowBatch) {
+        T r[kRowBatch];
 #pragma unroll
-        for (u32 i = 0; i < kBatch; ++i)
+        for (u32 i = 0; i < kRowBatch; ++i)
             if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
 #pragma unroll
-        for (u32 i = 0; i < kBatch; ++i)
+        for (u32 i = 0; i < kRowBatch; ++i)
             if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
     }
 }
@@ -163,6 +165,26 @@ __device__ __forceinline__ void for_each_rank(const u32 (&held)[kRankWords], con
             f(32 * w + bit, __shfl_sync(~0u, rows[w], bit));
         }
     }
+}
+
+// Calls f(first, second, true) for the rows of consecutive pairs of the ranks set in held (increasing rank order, as
+// for_each_rank), and f(last, last, false) for an odd one out: two ranks' loads can be in flight together. Warp-uniform.
+template <typename Row, typename F>
+__device__ __forceinline__ void for_each_rank_pair(const u32 (&held)[kRankWords], const Row (&rows)[kRankWords],
+                                                   F&& f) {
+    bool pending = false;
+    Row first = 0;
+#pragma unroll
+    for (u32 w = 0; w < kRankWords; ++w) {
+        for (u32 m = held[w]; m; m &= m - 1) {
+            const u32 bit = __ffs(m) - 1;
+            const Row row = __shfl_sync(~0u, rows[w], bit);
+            if (pending) f(first, row, true);
+            else first = row;
+            pending = !pending;
+        }
+    }
+    if (pending) f(first, first, false);
 }
 
 __device__ __forceinline__ const int* matrix(const EpNormalParams& p) {
@@ -332,8 +354,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
 }
 
 // dispatch, send half: every token's row goes to each rank it is in, at DeepEP's receive position
-// M[own-1][r] + channel start + send_head. A warp per token: lane r finds the row at rank r, lane k loads top-k slot
-// k, then each batch of the token's vectors (kBatch per lane) is loaded once and stored to every rank.
+// M[own-1][r] + channel start + send_head. A warp per token: its top-k slots, first scale words and first kRowBatch
+// vectors per lane are loaded before lane r finds the row at rank r (the routing's loads then overlap the payload's
+// instead of preceding them: one memory latency per token fewer), then each batch of the token's vectors is loaded once
+// and stored to every rank.
 static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchSend);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
@@ -342,6 +366,26 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
     phase_mark(kDispatchPhases, 1);
     const u32 vecs = p.row_bytes / 16;
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += gridDim.x * kWarps) {
+        // What does not depend on the routing goes out first (a token of unused slots only wastes these loads).
+        long long expert = -1;
+        float weight = 0.f;
+        if (lane < p.topk) {
+            expert = slot_expert(p, static_cast<u64>(t) * p.topk + lane);
+            weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
+        }
+        // The token's first scale words (strided: DeepEP's scales are column-major).
+        u32 early[kEarlyScaleWords];
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
+                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
+        }
+        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
+        uint4 v[kRowBatch];
+#pragma unroll
+        for (u32 i = 0; i < kRowBatch; ++i)
+            if (lane + 32 * i < vecs) v[i] = src[lane + 32 * i];
         const u32 c = channel_of(p, t);
         u64 rows[kRankWords];
         u32 held[kRankWords];  // bit l of held[w]: the token goes to rank 32 w + l, at rows[w] of lane l
@@ -366,37 +410,22 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
 #pragma unroll
         for (u32 w = 0; w < kRankWords; ++w) any |= held[w];
         if (!any) continue;  // a token of unused slots only: nothing to send
-        long long expert = -1;
-        float weight = 0.f;
-        if (lane < p.topk) {
-            expert = slot_expert(p, static_cast<u64>(t) * p.topk + lane);
-            weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
-        }
         const auto row_at = [&](u32 r, u64 row) { return base_of(pt, r, p.off_data) + row * p.row_stride; };
         for_each_rank(held, rows, [&](u32 r, u64 row) {
             if (lane == 0) *reinterpret_cast<int4*>(row_at(r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
         });
-        // The token's first scale words (strided: DeepEP's scales are column-major) are loaded before its payload,
-        // in flight with the payload's loads instead of one more memory latency after its stores.
-        u32 early[kEarlyScaleWords];
-#pragma unroll
-        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
-            const u32 i = 32 * k + lane;
-            early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
-                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
-        }
-        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
-        // Warp-uniform loops (for_each_rank shuffles across the warp).
-        for (u32 base = 0; base < vecs; base += 32 * kBatch) {
+        // Warp-uniform loops (for_each_rank shuffles across the warp); the first batch is already in v.
+        for (u32 base = 0; base < vecs; base += 32 * kRowBatch) {
             const u32 v0 = base + lane;
-            uint4 v[kBatch];
+            if (base > 0) {
 #pragma unroll
-            for (u32 i = 0; i < kBatch; ++i)
-                if (v0 + 32 * i < vecs) v[i] = src[v0 + 32 * i];
+                for (u32 i = 0; i < kRowBatch; ++i)
+                    if (v0 + 32 * i < vecs) v[i] = src[v0 + 32 * i];
+            }
             for_each_rank(held, rows, [&](u32 r, u64 row) {
                 uint4* dst = reinterpret_cast<uint4*>(row_at(r, row) + 16);
 #pragma unroll
-                for (u32 i = 0; i < kBatch; ++i)
+                for (u32 i = 0; i < kRowBatch; ++i)
                     if (v0 + 32 * i < vecs) dst[v0 + 32 * i] = v[i];
             });
         }
@@ -456,7 +485,8 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
     const u32 vecs = p.row_bytes / 16;
     for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
         const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
-        // The source index and top-k slots are loaded first, in flight with the row's first vectors.
+        // The source index, top-k slots and first scale words are loaded first, in flight with the row's first
+        // vectors (the scales are not one more memory latency after the payload's stores).
         const bool slot = lane < p.topk && p.recv_topk_idx;
         int src_idx = 0;
         long long e = -1;
@@ -466,10 +496,24 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
             weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
         }
+        const u32* scales = reinterpret_cast<const u32*>(src + p.off_row_scales);
+        u32 early[kEarlyScaleWords];
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            early[k] = i < p.num_scales ? scales[i] : 0u;
+        }
         warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
                   reinterpret_cast<const uint4*>(src + 16), vecs, lane);
-        warp_copy(reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales,
-                  reinterpret_cast<const u32*>(src + p.off_row_scales), p.num_scales, lane);
+        u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            if (i < p.num_scales) recv_scales[i] = early[k];
+        }
+        if (p.num_scales > 32 * kEarlyScaleWords)
+            warp_copy(recv_scales + 32 * kEarlyScaleWords, scales + 32 * kEarlyScaleWords,
+                      p.num_scales - 32 * kEarlyScaleWords, lane);
         if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
         if (slot) {
             const u64 f = static_cast<u64>(j) * p.topk + lane;
@@ -591,8 +635,8 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
 
 // combine, receive half: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
-// from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each rank in
-// order its kBatch vectors, before summing them (kBatch loads in flight per lane instead of one).
+// from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each pair of ranks
+// in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane).
 static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
@@ -647,18 +691,35 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             }
             const bool weights = col0 == 0 && lane < p.topk;  // the first columns' warp also sums the top-k weights
             float weight = 0.f;
-            for_each_rank(held, rows, [&](u32, u32 row) {
-                const u8* src = data + static_cast<u64>(row) * p.row_stride;
-                const uint4* vec = reinterpret_cast<const uint4*>(src + (static_cast<u64>(col0) + lane * 8) * 2);
-                float wt = 0.f;
-                if (weights) wt = reinterpret_cast<const float*>(src + p.off_row_topk)[lane];
+            // Two ranks' vectors in flight per round, summed in rank order (the first's, then the second's).
+            for_each_rank_pair(held, rows, [&](u32 row_a, u32 row_b, bool two) {
+                const u8* src_a = data + static_cast<u64>(row_a) * p.row_stride;
+                const u8* src_b = data + static_cast<u64>(row_b) * p.row_stride;
+                const u64 col_bytes = (static_cast<u64>(col0) + lane * 8) * 2;
+                const uint4* vec_a = reinterpret_cast<const uint4*>(src_a + col_bytes);
+                const uint4* vec_b = reinterpret_cast<const uint4*>(src_b + col_bytes);
+                float wt_a = 0.f, wt_b = 0.f;
+                if (weights) {
+                    wt_a = reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
+                    if (two) wt_b = reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
+                }
+                uint4 u[kBatch];
 #pragma unroll
-                for (u32 i = 0; i < kBatch; ++i)
-                    if (live[i]) v[i] = vec[i * kColumns / 8];
+                for (u32 i = 0; i < kBatch; ++i) {
+                    u[i] = make_uint4(0, 0, 0, 0);
+                    if (live[i]) v[i] = vec_a[i * kColumns / 8];
+                    if (live[i] && two) u[i] = vec_b[i * kColumns / 8];
+                }
 #pragma unroll
                 for (u32 i = 0; i < kBatch; ++i)
                     if (live[i]) add_bf16x8(acc[i], v[i]);
-                weight += wt;
+                weight += wt_a;
+                if (two) {
+#pragma unroll
+                    for (u32 i = 0; i < kBatch; ++i)
+                        if (live[i]) add_bf16x8(acc[i], u[i]);
+                    weight += wt_b;
+                }
             });
 #pragma unroll
             for (u32 i = 0; i < kBatch; ++i) {

@@ -36,6 +36,8 @@ TIMEOUT_S = 400
 CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales) bit-exact",
          "normal num_worst_tokens bit-exact", "normal T = 0 on every rank bit-exact",
          "normal long channels (send_head's rewrite over several 32-token chunks) bit-exact",
+         "normal hidden 8320 FP8 bit-exact", "normal hidden 8320 BF16 + bias bit-exact",
+         "normal hidden 384 FP8 bit-exact",
          "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact")
 
 

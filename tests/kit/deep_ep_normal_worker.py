@@ -67,10 +67,10 @@ def check_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], kind: str, fp8: bool,
-             align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False) -> None:
+             align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False, hidden: int = HIDDEN) -> None:
     gen = torch.Generator().manual_seed(seed)
     experts = experts_for(ranks)
-    xs = [(torch.randn(t, HIDDEN, generator=gen, device="cpu") * 2).to(torch.bfloat16) for t in tokens]
+    xs = [(torch.randn(t, hidden, generator=gen, device="cpu") * 2).to(torch.bfloat16) for t in tokens]
     routes = [routing(gen, t, experts, kind) for t in tokens]
     idx, w = [r[0] for r in routes], [r[1] for r in routes]
     config = deep_ep.Config(SMS, 8, 256)
@@ -104,7 +104,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     torch.cuda.synchronize()
     n = len(ref.recv_rows)
     rows_x = torch.stack([xs[s][t] for s, t in ref.recv_rows]) if n else \
-        torch.zeros(0, HIDDEN, dtype=torch.bfloat16, device="cpu")
+        torch.zeros(0, hidden, dtype=torch.bfloat16, device="cpu")
     recv_x = recv[0] if fp8 else recv
     if worst:
         assert counts == [] and recv_x.shape[0] == worst and recv_idx.shape[0] == worst
@@ -115,9 +115,9 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     if fp8:
         quantized = [_fp8_of(q) for q in xs]
         want_payload = torch.stack([quantized[s][0][t] for s, t in ref.recv_rows]) if n else \
-            torch.zeros(0, HIDDEN, dtype=torch.float8_e4m3fn, device="cpu")
+            torch.zeros(0, hidden, dtype=torch.float8_e4m3fn, device="cpu")
         want_scales = torch.stack([quantized[s][1][t] for s, t in ref.recv_rows]) if n else \
-            torch.zeros(0, HIDDEN // 128, dtype=torch.float32, device="cpu")
+            torch.zeros(0, hidden // 128, dtype=torch.float32, device="cpu")
         check_equal("recv_x (FP8)", recv_x[:n], want_payload)
         check_equal("recv_x scales", recv[1][:n], want_scales)
     else:
@@ -142,13 +142,13 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
         rq = dispatch_reference(idx, w, experts, SMS // 2, q, align)
         rows_by_rank.append(rq.recv_rows)
         xq = torch.stack([xs[s][t] for s, t in rq.recv_rows]) if rq.recv_rows else \
-            torch.zeros(0, HIDDEN, dtype=torch.float32, device="cpu")
+            torch.zeros(0, hidden, dtype=torch.float32, device="cpu")
         outs[q] = (xq.float() * (q + 1.5)).to(torch.bfloat16)
         w_by_rank.append(rq.recv_topk_weights)
     mine = outs[rank]
-    pad = torch.full((recv_x.shape[0] - n, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cpu")
+    pad = torch.full((recv_x.shape[0] - n, hidden), float("nan"), dtype=torch.bfloat16, device="cpu")
     x_comb = torch.cat([mine, pad])
-    b = tuple(torch.randn(tokens[rank], HIDDEN, generator=gen, device="cpu").to(torch.bfloat16) for _ in range(2)) \
+    b = tuple(torch.randn(tokens[rank], hidden, generator=gen, device="cpu").to(torch.bfloat16) for _ in range(2)) \
         if bias else (None, None)
     want_x, want_w = combine_reference(rows_by_rank, outs, tokens[rank], rank, b, w_by_rank)
     poison()
@@ -185,7 +185,7 @@ def _fp8_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = x.shape[0]
     amax = x.float().view(t, -1, 128).abs().amax(dim=2).clamp(min=1e-4)
     scales = amax / 448
-    payload = (x.float().view(t, -1, 128) / scales.unsqueeze(2)).view(t, HIDDEN).to(torch.float8_e4m3fn)
+    payload = (x.float().view(t, -1, 128) / scales.unsqueeze(2)).view(t, x.shape[1]).to(torch.float8_e4m3fn)
     return payload, scales
 
 
@@ -206,6 +206,13 @@ def suite_cases(rank: int, ranks: int) -> None:
                                        kind="random", fp8=False)),
         ("long channels (send_head's rewrite over several 32-token chunks)",
          dict(seed=10, tokens=[600, 333] * (ranks // 2) + [413] * (ranks % 2), kind="random", fp8=False, bias=True)),
+        # Row sizes around the kernels' batches: 65 scale words (past the 64 loaded ahead), 520 FP8 / 1040 BF16
+        # vectors (512 per warp round: one or two full rounds and a partial one; the combine's last 2048-column chunk
+        # 128 columns wide), and a row of fewer vectors than a warp's lanes.
+        ("hidden 8320 FP8", dict(seed=11, tokens=[40] * ranks, kind="random", fp8=True, hidden=8320)),
+        ("hidden 8320 BF16 + bias", dict(seed=12, tokens=[40] * ranks, kind="random", fp8=False, bias=True,
+                                        hidden=8320)),
+        ("hidden 384 FP8", dict(seed=13, tokens=[40] * ranks, kind="random", fp8=True, hidden=384)),
     ]
     for name, case in cases:
         run_case(buf, rank, ranks, **case)
