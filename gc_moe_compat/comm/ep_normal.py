@@ -118,12 +118,14 @@ ENTRY_NAMES = {Entry.LAYOUT: "gc_ep_normal_layout", Entry.NOTIFY: "gc_ep_normal_
                 Entry.DISPATCH: "gc_ep_normal_dispatch", Entry.COMBINE: "gc_ep_normal_combine",
                 Entry.COMBINE_HEADS: "gc_ep_normal_combine_heads"}
 """Each entry point's kernel name in kernels/sm90/ep_normal.cu."""
-_NAMES = {Kernel.LAYOUT: "gc_ep_normal_layout", Kernel.NOTIFY: "gc_ep_normal_notify",
-          Kernel.DISPATCH_SEND: "gc_ep_normal_dispatch (send half)",
-          Kernel.DISPATCH_RECV: "gc_ep_normal_dispatch (receive half)",
-          Kernel.COMBINE_SEND: "gc_ep_normal_combine (send half)",
-          Kernel.COMBINE_RECV: "gc_ep_normal_combine (receive half)",
-          Kernel.COMBINE_HEADS: "gc_ep_normal_combine (send_head rewrite)"}
+_ROLE_ENTRIES = {Kernel.LAYOUT: (Entry.LAYOUT, ""), Kernel.NOTIFY: (Entry.NOTIFY, ""),
+                 Kernel.DISPATCH_SEND: (Entry.DISPATCH, " (send half)"),
+                 Kernel.DISPATCH_RECV: (Entry.DISPATCH, " (receive half)"),
+                 Kernel.COMBINE_SEND: (Entry.COMBINE, " (send half)"),
+                 Kernel.COMBINE_RECV: (Entry.COMBINE, " (receive half)"),
+                 Kernel.COMBINE_HEADS: (Entry.COMBINE, " (send_head rewrite)")}
+"""Each role's entry point (the grid it runs in) and which part of it the role is."""
+_NAMES = {kernel: ENTRY_NAMES[entry] + part for kernel, (entry, part) in _ROLE_ENTRIES.items()}
 """Each role's name in error messages and in the generated header: its entry point, and which half."""
 
 
