@@ -213,7 +213,8 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     u32 it = 0;
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
     while (true) {
-        // The next task: from the stage its first K step fills (pipelined; the producer's stop slot ends the loop),
+        // The next task: from the stage its first K step fills (pipelined; kNoTask there, or the producer's stop
+        // slot after a failure, ends the loop),
         // or taken by consumer thread 0 and passed through a shared word (non-pipelined; every consumer thread has
         // read the previous one: the epilogue's barriers lie between).
         int s;

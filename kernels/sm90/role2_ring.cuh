@@ -130,12 +130,12 @@ __device__ __forceinline__ OpTask role2_task(int s, int n, int w, int t1, int t2
 // task when it is ready for one (its producer thread; consumer thread 0 in the non-pipelined variant), so CTAs that
 // drew short W2 tasks (I/128 K steps) take more of them than CTAs in long W1 tasks (H/128): a static c, c + C, ...
 // split gave some CTAs 1.1-1.7x the mean work wherever the sequence's period (t1 + t2 tasks per block) divides C.
-// A stage's task word when the pipelined producer has no task left (role2_gemm.cuh: the consumers leave at it).
-constexpr u32 kNoTask = ~0u;
-
 __device__ __forceinline__ int op_take_task(const OpArgs& a) {
     return static_cast<int>(atomicAdd(a.at<unsigned long long>(a.off.role2_schedule), 1ull));
 }
+
+// A stage's task word when the pipelined producer has no task left (role2_gemm.cuh: the consumers leave at it).
+constexpr u32 kNoTask = ~0u;
 
 // Every thread that takes tasks, once it takes no more, and consumer thread 0 once its consumers have left the task
 // loop: `per_cta` arrivals per CTA (2 with a producer warpgroup: its thread 0 and consumer thread 0, so a consumer
