@@ -190,6 +190,15 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
                     }
                 }
             }
+            // No task left: the stage after the last one is published with kNoTask in its word (an arrival without
+            // bytes completes its full phase), so the consumers, waiting for it in mbarrier.try_wait, wake and leave at
+            // once; the stop slot alone would leave them suspended until try_wait's time limit ran out.
+            const u32 stage = it % K::kStages;
+            if (op_wait_empty(a, pipe.empty(stage), ((it / K::kStages) & 1) ^ 1)) {
+                words[2 + stage] = kNoTask;
+                __threadfence_block();
+                mbar_arrive(pipe.full(stage));
+            }
             __threadfence_block();  // the last take before the stop the consumers leave at
             words[1] = it;
             op_schedule_done(a, 2);
@@ -204,14 +213,17 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     u32 it = 0;
     u64 mask_seen = 0;  // non-pipelined variant: consumer thread 0 is the producer
     while (true) {
-        // The next task: from the stage its first K step fills (pipelined; the producer's stop slot ends the loop),
+        // The next task: from the stage its first K step fills (pipelined; kNoTask there, or the producer's stop
+        // slot after a failure, ends the loop),
         // or taken by consumer thread 0 and passed through a shared word (non-pipelined; every consumer thread has
         // read the previous one: the epilogue's barriers lie between).
         int s;
         if constexpr (K::kProducerWG) {
             const u32 stage = it % K::kStages;
             if (!op_wait_full(a, pipe.full(stage), (it / K::kStages) & 1, it, words + 1)) break;
-            s = static_cast<int>(words[2 + stage]);
+            const u32 word = words[2 + stage];
+            if (word == kNoTask) break;
+            s = static_cast<int>(word);
         } else {
             if (local_tid == 0) words[2] = static_cast<u32>(op_take_task(a));
             named_barrier(K::kConsumerBarrier, K::kConsumerThreads);

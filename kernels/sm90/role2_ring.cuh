@@ -134,6 +134,9 @@ __device__ __forceinline__ int op_take_task(const OpArgs& a) {
     return static_cast<int>(atomicAdd(a.at<unsigned long long>(a.off.role2_schedule), 1ull));
 }
 
+// A stage's task word when the pipelined producer has no task left (role2_gemm.cuh: the consumers leave at it).
+constexpr u32 kNoTask = ~0u;
+
 // Every thread that takes tasks, once it takes no more, and consumer thread 0 once its consumers have left the task
 // loop: `per_cta` arrivals per CTA (2 with a producer warpgroup: its thread 0 and consumer thread 0, so a consumer
 // that leaves at its wait's backstop, before the producer's last take, cannot reset the count under it; 1 without:
