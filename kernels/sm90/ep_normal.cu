@@ -57,6 +57,8 @@ constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive'
                                    // 32-token chunks
 constexpr u32 kRowBatch = 16;      // a row copy's 16-byte vectors in flight per lane (8 KB per warp: a 7168-byte FP8
                                    // row in one round; each round costs a memory latency per row)
+constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
+                                   // H200, ranks under MPS: 5-15 % faster at P = 2 / 4, 3.5-5 % slower at P = 8)
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
@@ -636,7 +638,8 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
 // combine, receive half: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
 // from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each pair of ranks
-// in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane).
+// in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane; one rank at a time past
+// kPairRanksMax ranks).
 static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
@@ -691,8 +694,9 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             }
             const bool weights = col0 == 0 && lane < p.topk;  // the first columns' warp also sums the top-k weights
             float weight = 0.f;
-            // Two ranks' vectors in flight per round, summed in rank order (the first's, then the second's).
-            for_each_rank_pair(held, rows, [&](u32 row_a, u32 row_b, bool two) {
+            // Up to kPairRanksMax ranks two ranks' vectors in flight per round, summed in rank order (the first's,
+            // then the second's); with more ranks one rank's at a time.
+            const auto add_rows = [&](u32 row_a, u32 row_b, bool two) {
                 const u8* src_a = data + static_cast<u64>(row_a) * p.row_stride;
                 const u8* src_b = data + static_cast<u64>(row_b) * p.row_stride;
                 const u64 col_bytes = (static_cast<u64>(col0) + lane * 8) * 2;
@@ -720,7 +724,9 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
                         if (live[i]) add_bf16x8(acc[i], u[i]);
                     weight += wt_b;
                 }
-            });
+            };
+            if (ranks <= kPairRanksMax) for_each_rank_pair(held, rows, add_rows);
+            else for_each_rank(held, rows, [&](u32, u32 row) { add_rows(row, row, false); });
 #pragma unroll
             for (u32 i = 0; i < kBatch; ++i) {
                 if (!live[i]) continue;
