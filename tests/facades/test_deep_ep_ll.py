@@ -39,6 +39,15 @@ def test_deep_ep_low_latency_modes(nproc: int) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
+def test_deep_ep_low_latency_shapes(nproc: int) -> None:
+    """Hidden 7168 / top-8 (DeepSeek-V3), 7296 (a partial 256-column chunk) / top-9 and 128 / top-12 (the combine's
+    path for more than 8 slots), bit for bit."""
+    out = run_suite("shapes", nproc, "hidden=7168 top-8 bit-exact", "hidden=7296 top-9 bit-exact",
+                    "hidden=128 top-12 bit-exact")
+    assert out.count("shape cases bit-exact") == nproc
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize(("suite", "hooked"), [("graph", "dispatch"), ("graph_fused", "combine")])
 def test_deep_ep_low_latency_cuda_graph(nproc: int, suite: str, hooked: str) -> None:
     """Captured layers: each direction once with a receive hook (two launches) and once without (one launch)."""

@@ -1,17 +1,15 @@
 """Worker of tests/facades/test_deep_ep_ll.py: the ``deep_ep`` facade's low-latency dispatch and combine on 1 or 2 ranks
-against the torch references of :mod:`gc_moe_compat.testing.ep_reference`, bit for bit.
-
-Every rank draws every rank's inputs from one seed (so each can build the reference of the whole group) and checks
-its own outputs: ``recv_count``, every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the
-cumulative statistics, and the combine (outputs poisoned with NaN first, expert-output rows past ``recv_count``
-poisoned with NaN so a read of them shows). Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64
-and int32 routing, holes, a rank with no tokens, hook and async variants, two dispatches in flight, a one-launch
-dispatch inside a hooked one, 200 calls with fresh inputs), ``graph`` / ``graph_fused`` (dispatch + an expert
-stand-in + combine captured once, replayed with fresh inputs; the dispatch or the combine with a receive hook, the
-other in one launch) and ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer
-then works on both ranks),
-``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from the call
-after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
+against the torch references of :mod:`gc_moe_compat.testing.ep_reference`, bit for bit. Every rank draws every rank's
+inputs from one seed (so each can build the reference of the whole group) and checks its own outputs: ``recv_count``,
+every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the cumulative statistics, and the combine
+(outputs poisoned with NaN first, expert-output rows past ``recv_count`` poisoned with NaN so a read of them shows).
+Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64 and int32 routing, holes, a rank with no tokens,
+hook and async variants, two dispatches in flight, a one-launch dispatch inside a hooked one, 200 calls with fresh
+inputs), ``shapes`` (other hidden sizes and top-k, SHAPES), ``graph`` / ``graph_fused`` (dispatch + an expert stand-in
++ combine captured once, replayed with fresh inputs; the dispatch or the combine with a receive hook, the other in one
+launch) and ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer then works on
+both ranks), ``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from
+the call after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
 ``torch.set_default_device('cuda')``, as DeepEP's own test harness runs them).
 """
 
@@ -19,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,33 +27,54 @@ import gc_moe_compat.deep_ep as deep_ep
 from gc_moe_compat.runtime.status import DeviceCheckError, DeviceTimeoutError
 from gc_moe_compat.testing.ep_reference import combine_reference, ll_quantize, receive_plan
 
-TMAX, HIDDEN, TOPK = 24, 1024, 4
+
+@dataclass(frozen=True)
+class Shape:
+    """A low-latency call shape: ``num_max_dispatch_tokens_per_rank``, hidden, top-k and experts per rank."""
+
+    tmax: int = 24
+    hidden: int = 1024
+    topk: int = 4
+    experts_per_rank: int = 8
+
+    def experts(self, ranks: int) -> int:
+        return self.experts_per_rank * ranks
+
+
+SHAPE = Shape()
+"""The shape of every suite but ``shapes``."""
+TMAX, HIDDEN, TOPK = SHAPE.tmax, SHAPE.hidden, SHAPE.topk
+SHAPES = (Shape(24, 7168, 8, 32), Shape(16, 7296, 9, 16), Shape(8, 128, 12, 16))
+"""The ``shapes`` suite's: DeepSeek-V3's hidden and top-k; 57 x 128 columns (a partial 256-column chunk in the
+combine) with top-9; one partial chunk with top-12 (the combine's path for more than 8 slots)."""
 
 
 def experts_for(ranks: int) -> int:
-    return 8 * ranks
+    return SHAPE.experts(ranks)
 
 
-def ll_buffer(ranks: int, **options: int) -> deep_ep.Buffer:
-    """A low-latency ``deep_ep.Buffer`` on every rank, sized by the facade's hint for this worker's shapes."""
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(TMAX, HIDDEN, ranks, experts_for(ranks))
+def ll_buffer(ranks: int, shape: Shape = SHAPE, **options: int) -> deep_ep.Buffer:
+    """A low-latency ``deep_ep.Buffer`` on every rank, sized by the facade's hint for ``shape``."""
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(shape.tmax, shape.hidden, ranks, shape.experts(ranks))
     return deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, **options)
 
 
 class Inputs:
     """Every rank's tokens, routing (with -1 holes and repeated experts across tokens) and weights from one seed."""
 
-    def __init__(self, seed: int, ranks: int, tokens: list[int], idx_dtype: torch.dtype) -> None:
+    def __init__(self, seed: int, ranks: int, tokens: list[int], idx_dtype: torch.dtype,
+                 shape: Shape = SHAPE) -> None:
         gen = torch.Generator().manual_seed(seed)
-        experts = experts_for(ranks)
+        experts, k = shape.experts(ranks), shape.topk
+        self.shape = shape
         self.x, self.idx, self.w = [], [], []
         for t in tokens:
-            self.x.append((torch.randn(t, HIDDEN, generator=gen) * 3).to(torch.bfloat16))
-            idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(t)]) if t else \
-                torch.zeros(0, TOPK, dtype=torch.int64)
-            holes = torch.rand(t, TOPK, generator=gen) < 0.15
+            self.x.append((torch.randn(t, shape.hidden, generator=gen) * 3).to(torch.bfloat16))
+            idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)]) if t else \
+                torch.zeros(0, k, dtype=torch.int64)
+            holes = torch.rand(t, k, generator=gen) < 0.15
             self.idx.append(torch.where(holes, -1, idx).to(idx_dtype))
-            self.w.append(torch.rand(t, TOPK, generator=gen))
+            self.w.append(torch.rand(t, k, generator=gen))
         self.plan = receive_plan([i.long() for i in self.idx], experts)
 
 
@@ -92,8 +112,9 @@ def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str,
         assert not bad.any(), (f"fp8 rows of expert {le}: {int(bad.sum())} of {bad.numel()} bytes differ, max |diff| "
                                f"{(got_q.float() - want_q.float()).abs().max().item()}")
         if mode == "ue8m0":
-            assert scales.dtype == torch.int32 and scales.shape[-1] == HIDDEN // 512
-            got_bytes = scales[le, :n].cpu().contiguous().view(torch.uint8).view(n, HIDDEN // 128)
+            hidden = inp.shape.hidden
+            assert scales.dtype == torch.int32 and scales.shape[-1] == hidden // 512
+            got_bytes = scales[le, :n].cpu().contiguous().view(torch.uint8).view(n, hidden // 128)
             want_bytes = ((want_s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
             assert torch.equal(got_bytes, want_bytes), f"ue8m0 scales of expert {le}"
         else:
@@ -101,25 +122,26 @@ def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str,
             assert torch.equal(scales[le, :n].cpu(), want_s), f"scales of expert {le}"
 
 
-def expert_outputs(ranks: int, count_lists: list[list[int]], seed: int) -> list[torch.Tensor]:
+def expert_outputs(ranks: int, count_lists: list[list[int]], seed: int, shape: Shape = SHAPE) -> list[torch.Tensor]:
     """Every rank's stand-in expert output: random BF16 valid rows, NaN past recv_count."""
     gen = torch.Generator().manual_seed(seed)
     outs = []
     for counts in count_lists:
-        y = torch.full((len(counts), ranks * TMAX, HIDDEN), float("nan"), dtype=torch.bfloat16)
+        y = torch.full((len(counts), ranks * shape.tmax, shape.hidden), float("nan"), dtype=torch.bfloat16)
         for le, n in enumerate(counts):
-            y[le, :n] = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+            y[le, :n] = torch.randn(n, shape.hidden, generator=gen).to(torch.bfloat16)
         outs.append(y)
     return outs
 
 
 def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], mode: str,
-             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None, zero_copy: bool = False) -> None:
-    inp = Inputs(seed, ranks, tokens, idx_dtype)
+             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None, zero_copy: bool = False,
+             shape: Shape = SHAPE) -> None:
+    inp = Inputs(seed, ranks, tokens, idx_dtype, shape)
     x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
     hooked, async_ = variant == "hook", variant == "async"
     recv, count, handle, event, hook = buf.low_latency_dispatch(
-        x, idx, TMAX, experts_for(ranks), cumulative_local_expert_recv_stats=stats, use_fp8=mode != "bf16",
+        x, idx, shape.tmax, shape.experts(ranks), cumulative_local_expert_recv_stats=stats, use_fp8=mode != "bf16",
         round_scale=mode in ("round", "ue8m0"), use_ue8m0=mode == "ue8m0", async_finish=async_,
         return_recv_hook=hooked)
     if hooked:
@@ -130,8 +152,8 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     torch.cuda.synchronize()
     check_dispatch(rank, inp, recv, count, mode, handle)
     counts = [[len(r) for r in inp.plan.rows[q]] for q in range(ranks)]
-    outs = expert_outputs(ranks, counts, seed + 1)
-    out = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    outs = expert_outputs(ranks, counts, seed + 1, shape)
+    out = torch.full((tokens[rank], shape.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     x = outs[rank].cuda()
     if zero_copy:  # the rows go into the workspace; x (still checked, as by DeepEP) is poisoned: it must not be read
         buf.get_next_low_latency_combine_buffer(handle).copy_(x)
@@ -203,6 +225,25 @@ def suite_modes(rank: int, ranks: int) -> None:
         run_once(buf, rank, ranks, 5000 + i, [TMAX - (i + q) % 5 for q in range(ranks)], "plain", torch.int64,
                  ("sync", "hook", "async")[i % 3])
     print(f"rank {rank}: 200 consecutive calls bit-exact", flush=True)
+
+
+def suite_shapes(rank: int, ranks: int) -> None:
+    """:data:`SHAPES`, each on its own Buffer: FP8 and BF16 payloads (UE8M0 where hidden is a multiple of 512), a
+    call in one launch per direction and one with receive hooks (its combine zero-copy), every rank full, then
+    uneven."""
+    case = 0
+    for shape in SHAPES:
+        buf = ll_buffer(ranks, shape)
+        modes = ("plain", "bf16", *(("ue8m0",) if shape.hidden % 512 == 0 else ()))
+        uneven = [(shape.tmax, 5)[r % 2] for r in range(ranks)]
+        for mode in modes:
+            for variant in ("sync", "hook"):
+                for tokens in ([shape.tmax] * ranks, uneven):
+                    case += 1
+                    run_once(buf, rank, ranks, 3000 + case, tokens, mode, torch.int64, variant,
+                             zero_copy=variant == "hook", shape=shape)
+        print(f"rank {rank}: shape Tmax={shape.tmax} hidden={shape.hidden} top-{shape.topk} bit-exact", flush=True)
+    print(f"rank {rank}: {case} shape cases bit-exact", flush=True)
 
 
 def suite_graph(rank: int, ranks: int) -> None:
@@ -490,7 +531,7 @@ def suite_default_device(rank: int, ranks: int) -> None:
 
 
 if __name__ == "__main__":
-    run_suite({"modes": suite_modes, "graph": suite_graph, "graph_fused": suite_graph_fused,
+    run_suite({"modes": suite_modes, "shapes": suite_shapes, "graph": suite_graph, "graph_fused": suite_graph_fused,
                "timeout": suite_timeout, "bad_ids": suite_bad_ids,
                "bad_values": suite_bad_values, "mask": suite_mask, "partition": suite_partition,
                "default_device": suite_default_device})
