@@ -106,18 +106,22 @@ __device__ __forceinline__ u64 arrive_generation(u64* counter, u32 blocks, bool*
 }
 
 // True in every thread of the CTA that arrives last at `counter` (which that CTA resets for the next launch of the
-// phase): a generation-free grid arrival. Fences on both sides of the atomic make every CTA's stores visible (system
-// scope) to whatever the last CTA publishes next. Call it from every thread of every CTA (it synchronizes the CTA).
-__device__ __forceinline__ bool last_cta(u64* counter) {
+// phase): a generation-free grid arrival. Fences on both sides of the atomic make every CTA's stores visible to
+// whatever the last CTA publishes next: at system scope where that goes to other processes or GPUs (`system`), at GPU
+// scope where every reader runs on this GPU in this process (one rank; a host mirror fences on its own). Call it from
+// every thread of every CTA (it synchronizes the CTA).
+__device__ __forceinline__ bool last_cta(u64* counter, bool system = true) {
     __shared__ u32 is_last;
-    __threadfence_system();
+    if (system) __threadfence_system();
+    else __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         const u64 old = atomicAdd(counter, 1ull);
         is_last = old == gridDim.x - 1;
         if (is_last) {
             atomicExch(counter, 0ull);
-            __threadfence_system();
+            if (system) __threadfence_system();
+            else __threadfence();
         }
     }
     __syncthreads();

@@ -429,7 +429,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     }
     // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows), counted
     // from the checked routing every CTA wrote before arriving (the arrival's fences make it visible here).
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8), pt.world_size > 1)) {
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         const volatile int* routing = reinterpret_cast<const volatile int*>(p.routing);  // other CTAs' stores
@@ -637,7 +637,7 @@ __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpLlPar
         }
         __syncthreads();  // the batch's shared words are rewritten by the next batch
     }
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchRecv * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchRecv * 2 + parity) * 8), pt.world_size > 1)) {
         if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (0 * 2 + parity) * 8), gen);
         mirror_status(pt, p);
     }
@@ -691,7 +691,7 @@ __device__ __forceinline__ u64 combine_send(const PeerTable& pt, const EpLlParam
         }
         __syncthreads();  // the batch's shared words are rewritten by the next batch
     }
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineSend * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineSend * 2 + parity) * 8), pt.world_size > 1)) {
         for (u32 rank = threadIdx.x; rank < ranks; rank += kThreads) {
             if (is_masked(pt, p, rank)) continue;
             gc_moe::st_release_sys(peer_ptr<u64>(pt, rank, p.off_ready + (own * 2 + parity) * 8), gen);
@@ -817,7 +817,7 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
         *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * p.hidden + col) =
             *reinterpret_cast<const uint4*>(out);
     }
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8))) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8), pt.world_size > 1)) {
         if (threadIdx.x == 0 && direct) {
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
