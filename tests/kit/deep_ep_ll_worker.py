@@ -49,10 +49,6 @@ SHAPES = (Shape(24, 7168, 8, 32), Shape(16, 7296, 9, 16), Shape(8, 128, 12, 16))
 combine) with top-9; one partial chunk with top-12 (the combine's path for more than 8 slots)."""
 
 
-def experts_for(ranks: int) -> int:
-    return SHAPE.experts(ranks)
-
-
 def ll_buffer(ranks: int, shape: Shape = SHAPE, **options: int) -> deep_ep.Buffer:
     """A low-latency ``deep_ep.Buffer`` on every rank, sized by the facade's hint for ``shape``."""
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(shape.tmax, shape.hidden, ranks, shape.experts(ranks))
@@ -173,11 +169,11 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
 
 
 def suite_modes(rank: int, ranks: int) -> None:
-    buf = ll_buffer(ranks, num_qps_per_rank=experts_for(ranks) // ranks)
+    buf = ll_buffer(ranks, num_qps_per_rank=SHAPE.experts(ranks) // ranks)
     full = [TMAX] * ranks
     uneven = [(TMAX, 7)[r % 2] for r in range(ranks)]  # every other rank sends 7 tokens
     idle = [(0, 11)[r % 2] for r in range(ranks)] if ranks > 1 else [0]  # every other rank sends none
-    stats = torch.zeros(experts_for(ranks) // ranks, dtype=torch.int32, device="cuda")
+    stats = torch.zeros(SHAPE.experts(ranks) // ranks, dtype=torch.int32, device="cuda")
     case = 0
     for mode in ("plain", "round", "ue8m0", "bf16"):
         for idx_dtype in (torch.int64, torch.int32):
@@ -198,9 +194,9 @@ def suite_modes(rank: int, ranks: int) -> None:
 
     # Two dispatches in flight (hooks received in call order, after both sends), then both combines.
     a, b = Inputs(71, ranks, full, torch.int64), Inputs(72, ranks, uneven, torch.int64)
-    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, experts_for(ranks),
+    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, SHAPE.experts(ranks),
                                   return_recv_hook=True)
-    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, experts_for(ranks),
+    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, SHAPE.experts(ranks),
                                   return_recv_hook=True)
     ra[4]()
     rb[4]()
@@ -211,9 +207,9 @@ def suite_modes(rank: int, ranks: int) -> None:
 
     # A dispatch in one launch (no hook) between a hooked dispatch's send and its hook: the next generation, served
     # by its own words while the earlier one's receive waits.
-    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, experts_for(ranks),
+    ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, SHAPE.experts(ranks),
                                   return_recv_hook=True)
-    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, experts_for(ranks))
+    rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, SHAPE.experts(ranks))
     ra[4]()
     torch.cuda.synchronize()
     check_dispatch(rank, a, ra[0], ra[1], "plain")
@@ -265,7 +261,7 @@ def graph_replays(rank: int, ranks: int, hooked: str) -> None:
     x, idx, w = static.x[rank].cuda(), static.idx[rank].cuda(), static.w[rank].cuda()
 
     def layer() -> torch.Tensor:
-        recv, _, handle, _, hook = buf.low_latency_dispatch(x, idx, TMAX, experts_for(ranks), use_fp8=False,
+        recv, _, handle, _, hook = buf.low_latency_dispatch(x, idx, TMAX, SHAPE.experts(ranks), use_fp8=False,
                                                             return_recv_hook=hooked == "dispatch")
         if hook is not None:
             hook()
@@ -289,7 +285,7 @@ def graph_replays(rank: int, ranks: int, hooked: str) -> None:
             torch.cuda.synchronize()
             outs = []
             for q in range(ranks):
-                y = torch.zeros(experts_for(ranks) // ranks, ranks * TMAX, HIDDEN, dtype=torch.bfloat16)
+                y = torch.zeros(SHAPE.experts(ranks) // ranks, ranks * TMAX, HIDDEN, dtype=torch.bfloat16)
                 for le, rows in enumerate(fresh.plan.rows[q]):
                     for i, (s, t, _) in enumerate(rows):
                         y[le, i] = fresh.x[s][t].float() * 2
@@ -313,10 +309,10 @@ def suite_timeout(rank: int, ranks: int) -> None:
     inp = Inputs(9, ranks, [TMAX] * ranks, torch.int64)
     if rank == 0:  # the call returns at once (no CPU wait, as with DeepEP); the next one raises the timeout
         with spin_timeout(MISSING_PEER_TIMEOUT_MS):
-            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
+            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, SHAPE.experts(ranks))
         torch.cuda.synchronize()  # until the receive half has timed out
         with raises(DeviceTimeoutError, rank, "missing peer", "rank 1's token counts", "recorded by an earlier call"):
-            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, experts_for(ranks))
+            buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, SHAPE.experts(ranks))
     dist.barrier()
     fresh = ll_buffer(ranks)
     run_once(fresh, rank, ranks, 10, [TMAX] * ranks, "plain", torch.int64, "sync")
@@ -327,7 +323,7 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     """An expert id >= num_experts: the error of a synchronous call (which returns without waiting, as DeepEP's) and
     of an asynchronous one is raised by the next call as DeviceCheckError naming it (from the pinned mirror, no
     synchronization); then calls are clean again."""
-    experts = experts_for(ranks)
+    experts = SHAPE.experts(ranks)
     buf = ll_buffer(ranks)
     inp = Inputs(21, ranks, [TMAX] * ranks, torch.int64)
     bad = inp.idx[rank].clone()
@@ -365,7 +361,7 @@ def _check_round(buf: deep_ep.Buffer, rank: int, ranks: int, inp: Inputs, want_i
     references of ``want_idx`` (the routing with the dropped slots removed; ``combine_want``: this rank's routing
     the combine sums, if it drops more); the next call raises DeviceCheckError naming ``expect`` (no
     synchronization in between: read from the host mirror), and the call after it is clean."""
-    experts = experts_for(ranks)
+    experts = SHAPE.experts(ranks)
     want = Inputs(seed, ranks, [TMAX] * ranks, torch.int64)
     want.idx, want.plan = want_idx, receive_plan([i.long() for i in want_idx], experts)
     recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx.cuda(), TMAX, experts,
@@ -393,7 +389,7 @@ def suite_bad_values(rank: int, ranks: int) -> None:
     """Every invalid routing value only the device sees (issue 19 item 7) is dropped and reported: ids >= E, < -1
     and 2**40, an expert repeated in a token's slots (dispatch), a combine topk_idx other than the dispatch's and a
     NaN weight (combine); the other slots' rows and sums stay exact."""
-    experts = experts_for(ranks)
+    experts = SHAPE.experts(ranks)
     buf = ll_buffer(ranks)
     inp = Inputs(23, ranks, [TMAX] * ranks, torch.int64)
     for name, value, needle in (("id >= E", experts + 3, f"observed {experts + 3}"), ("id < -1", -5, "below -1"),
@@ -427,7 +423,7 @@ def suite_mask(rank: int, ranks: int) -> None:
     """Rank masking (enable_shrink): query/update/clean; with nothing masked the calls are exact; a masked rank is
     neither waited for nor sent to (one rank: masking itself leaves nothing to receive or sum, no hang); P ranks:
     the others with the last rank masked, then with it silent and unmasked (the timeout masks it, no error)."""
-    experts = experts_for(ranks)
+    experts = SHAPE.experts(ranks)
     buf = ll_buffer(ranks, enable_shrink=True)
     status = torch.full((ranks,), 7, dtype=torch.int32, device="cuda")
     buf.low_latency_query_mask_buffer(status)
@@ -519,7 +515,7 @@ def suite_default_device(rank: int, ranks: int) -> None:
     try:
         buf = ll_buffer(ranks)
         idx = inp.idx[rank].cuda()
-        recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx, TMAX, experts_for(ranks))
+        recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx, TMAX, SHAPE.experts(ranks))
         combined, _, _ = buf.low_latency_combine(outs[rank].cuda(), idx, inp.w[rank].cuda(), handle)
         torch.cuda.synchronize()
     finally:
