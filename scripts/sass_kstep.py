@@ -31,12 +31,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gc_moe_compat.compute_paths import PATHS
+from gc_moe_compat.operator.ring import DEFAULT_GEOMETRY
 from gc_moe_compat.operator.sm90.role2_gemm import role2_defines
 from gc_moe_compat.runtime import jit
 
-ROLE2_SOURCE = "sm90/role2_gemm_fp8xfp8.cu"
 ROLE2_CONSUMER_WARPS = 8  # two consumer warpgroups (the producer warpgroup issues no MMA)
-ROLE2_ROWS = 256  # weight rows per task (ring.DEFAULT_GEOMETRY), the rows of every K step
+ROLE2_ROWS = DEFAULT_GEOMETRY.w1_rows  # weight rows per task, the rows of every K step (W1 and W2 alike)
 
 # The original's template arguments in its order (sm90_fp8_mega_moe_impl), at DeepSeek-V3's EP8 share (H 7168,
 # I 2048, 32 local experts, top-8), one rank, 2048 tokens of capacity, T = 256 per rank on 8 ranks: 64 expected rows
@@ -112,8 +113,8 @@ def compile_original(src: Path, args: str, workdir: Path) -> Path:
 
 
 def table(name: str, loops: list[KLoop], warps: int, weight_rows: int) -> list[str]:
-    """Markdown rows of one kernel's K loops; the last column scales the per-SM count to 256 weight rows per K step
-    (role2's task, the original's BLOCK_N 256), so that kernels of other tile widths compare per weight byte."""
+    """Markdown rows of one kernel's K loops; the last column scales the per-SM count to role2's 256 weight rows per
+    K step (the original's BLOCK_N 256), so that kernels of other tile widths compare per weight byte."""
     rows = [f"## {name} ({warps} math warps per CTA, {weight_rows} weight rows per K step)",
             "| loop | MMA | MMAs | instructions per warp | FFMA | FMUL | LDS | MUFU | per SM | per SM, 256 rows |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -121,7 +122,7 @@ def table(name: str, loops: list[KLoop], warps: int, weight_rows: int) -> list[s
         c, per_sm = loop.counts, loop.total * warps
         rows.append(f"| {loop.start:#x}-{loop.end:#x} | {loop.mma.removeprefix('QGMMA.')} | {loop.mmas} | "
                     f"{loop.total} | {c['FFMA']} | {c['FMUL']} | {c['LDS']} | {c['MUFU']} | {per_sm} | "
-                    f"{per_sm * 256 // weight_rows} |")
+                    f"{per_sm * ROLE2_ROWS // weight_rows} |")
     return rows
 
 
@@ -144,7 +145,7 @@ def main() -> None:
     cuobjdump = find_cuobjdump(args.cuobjdump)
     lines = [f"nvcc {jit.find_nvcc()}; static instructions per K step (128) of each innermost MMA loop"]
     for bm in args.bm:
-        cubin = jit.compile_cubin(ROLE2_SOURCE, role2_defines(bm, pipelined=True))
+        cubin = jit.compile_cubin(PATHS["fp8xfp8"].kernel, role2_defines(bm, pipelined=True))
         lines += ["", *table(f"role2 FP8xFP8 BM = {bm} ({cubin.path.name})",
                              mma_loops(disassemble(cubin.path, cuobjdump)), ROLE2_CONSUMER_WARPS, ROLE2_ROWS)]
     if args.original_src:
