@@ -10,24 +10,26 @@ What the originals' fused pre-dispatch kernels compute (sgl-deep-gemm's ``sm90_m
   scales (the ceil power of two of ``max(amax, 1e-4) / 448``), four codes packed per int32 into
   ``buf_x_sf [capacity, H/128]``.
 
-Both copy ``topk_idx`` rows ``[0, num_tokens)`` (int32 or int64, into the view's width) and ``topk_weights``, and set
-the routing rows ``[num_tokens, capacity)`` to ``(-1, 0.0)`` as the originals do, so no stale row routes anywhere.
+Both copy ``topk_idx`` rows ``[0, num_tokens)`` (int32, widened into the int64 view, the originals' two dtypes) and
+``topk_weights``, and set the routing rows ``[num_tokens, capacity)`` to ``(-1, 0.0)`` as the originals do, so no
+stale row routes anywhere. ``num_tokens`` is the row count of ``x``, ``topk_idx`` and ``topk_weights``, as the
+originals assert.
 On CUDA tensors the call is one launch of ``kernels/sm90/predispatch.cu`` on torch's current stream (no host sync:
 capturable in a CUDA graph); host tensors get the same bytes from the torch model of that arithmetic.
 
-Bad input. Everything the host can see is checked before any launch or write (``TypeError`` / ``ValueError`` naming
-the argument): dtypes, shapes (``H`` a multiple of 256 up to 8192, ``1 <= k <= 32``), layout, one device, and, when
-the views are a facade ``SymmBuffer``'s (:func:`gc_moe_compat.deep_gemm._buffer.buffer_of`), that each is that
-buffer's own view of its name (not swapped, not from two buffers). ``routed_scaling_factor`` must be finite in FP32
-(the kernel multiplies in FP32: ``1e39`` is ``inf`` there); whether each product ``weight * factor`` is finite depends
-on the weights. The routing values themselves are checked on the host for host tensors; on the GPU the call must not
-synchronize (and may be captured), so the kernel drops what is invalid instead: an id outside ``[-1, E)`` (the
-buffer's ``num_experts``; for views of no facade buffer, ``buf_topk_idx``'s integer range, so an int64 ``2**32 + 5``
-never becomes expert 5 in an int32 view) or a non-finite scaled weight is staged as the unused slot ``(-1, 0.0)`` and
-recorded (:mod:`gc_moe_compat.runtime.dropped`); the next eager call on the device, this one or ``fp8_mega_moe``,
-raises ``DeviceCheckError`` naming it. The activations likewise: a row of ``x`` holding a NaN or Inf (no FP8 scale
-represents it) is refused on the host (``ValueError`` naming ``x`` and the row) and, on the GPU, dropped whole (zero
-payload and scales, every slot ``(-1, 0.0)``) and reported as ``DeviceCheckError`` naming ``x``, the row and a column.
+Bad input. Everything the host can see is checked before any launch or write (``TypeError`` / ``ValueError`` naming the
+argument): dtypes, shapes (``H`` a multiple of 256 up to 8192, ``1 <= k <= 32``, ``num_tokens`` rows), layout, one
+device, and, when the views are a facade ``SymmBuffer``'s (:func:`gc_moe_compat.deep_gemm._buffer.buffer_of`), that each
+is that buffer's own view of its name (not swapped, not from two buffers). ``routed_scaling_factor`` must be finite in
+FP32 (the kernel multiplies in FP32: ``1e39`` is ``inf`` there); whether each product ``weight * factor`` is finite
+depends on the weights. The routing values themselves are checked on the host for host tensors; on the GPU the call must
+not synchronize (and may be captured), so the kernel drops what is invalid instead: an id outside ``[-1, E)`` (the
+buffer's ``num_experts``; below -1 only, for views of no facade buffer) or a non-finite scaled weight is staged as the
+unused slot ``(-1, 0.0)`` and recorded (:mod:`gc_moe_compat.runtime.dropped`); the next eager call on the device, this
+one or ``fp8_mega_moe``, raises ``DeviceCheckError`` naming it. The activations likewise: a row of ``x`` holding a NaN
+or Inf (no FP8 scale represents it) is refused on the host (``ValueError`` naming ``x`` and the row) and, on the GPU,
+dropped whole (zero payload and scales, every slot ``(-1, 0.0)``) and reported as ``DeviceCheckError`` naming ``x``, the
+row and a column.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ __all__ = ["PreDispatchParams", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_
 
 SOURCE = "sm90/predispatch.cu"
 KERNELS = {"fp32x128": "gc_pre_dispatch_fp32x128", "ue8m0x32": "gc_pre_dispatch_ue8m0x32"}
-_IDX = (torch.int32, torch.int64)
+_IDX_IN = (torch.int32,)
+"""``topk_idx``'s dtype: the originals assert int32 (``topk_idx.scalar_type() == torch::kInt32``)."""
+_IDX_OUT = (torch.int64,)
+"""``buf_topk_idx``'s dtype: the originals assert int64, the buffer's (:mod:`gc_moe_compat.deep_gemm._buffer`)."""
 _VIEWS = {"buf_x": "x", "buf_x_sf": "x_sf", "buf_topk_idx": "topk_idx", "buf_topk_weights": "topk_weights"}
 """Pre-dispatch view argument -> the facade SymmBuffer attribute it must be."""
 FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -57,7 +62,7 @@ FP32_MAX = float(torch.finfo(torch.float32).max)
 class PreDispatchParams(ctypes.Structure):
     """By-value argument of the pre-dispatch kernels (``gc_moe::PreDispatchParams``,
     kernels/sm90/predispatch_params.cuh): device addresses (``dropped`` / ``dropped_mirror``: the device's record of
-    dropped inputs), the largest valid id, sizes, index widths (1 = int64) and the weight factor."""
+    dropped inputs), the largest valid id, sizes and the weight factor (ids: int32 in, int64 out)."""
 
     _fields_ = [
         ("x", ctypes.c_uint64),
@@ -74,8 +79,6 @@ class PreDispatchParams(ctypes.Structure):
         ("capacity", ctypes.c_uint32),
         ("hidden", ctypes.c_uint32),
         ("topk", ctypes.c_uint32),
-        ("idx_in_64", ctypes.c_uint32),
-        ("idx_out_64", ctypes.c_uint32),
         ("routed_scaling_factor", ctypes.c_float),
         ("reserved", ctypes.c_uint32),
     ]
@@ -93,11 +96,11 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
     returns ``(num_tokens, id_max)``: the largest valid expert id."""
     tensors = {
         "x": _checks.tensor(fn, "x", x, (torch.bfloat16,), 2),
-        "topk_idx": _checks.tensor(fn, "topk_idx", topk_idx, _IDX, 2),
+        "topk_idx": _checks.tensor(fn, "topk_idx", topk_idx, _IDX_IN, 2),
         "topk_weights": _checks.tensor(fn, "topk_weights", topk_weights, (torch.float32,), 2),
         "buf_x": _checks.tensor(fn, "buf_x", buf_x, (torch.float8_e4m3fn,), 2),
         "buf_x_sf": _checks.tensor(fn, "buf_x_sf", buf_x_sf, (sf_dtype,), 2),
-        "buf_topk_idx": _checks.tensor(fn, "buf_topk_idx", buf_topk_idx, _IDX, 2),
+        "buf_topk_idx": _checks.tensor(fn, "buf_topk_idx", buf_topk_idx, _IDX_OUT, 2),
         "buf_topk_weights": _checks.tensor(fn, "buf_topk_weights", buf_topk_weights, (torch.float32,), 2),
     }
     hidden, topk = tensors["x"].shape[1], tensors["topk_idx"].shape[1]
@@ -108,13 +111,14 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
     if not 1 <= topk <= config.MAX_COMBINE_SLOTS:
         raise ValueError(f"{fn}: topk_idx must have 1 to {config.MAX_COMBINE_SLOTS} columns (the top-k; "
                          f"{config.MAX_COMBINE_SLOTS} combine slots per token), got shape {tuple(topk_idx.shape)}")
-    capacity = tensors["buf_x"].shape[0]
+    capacity, rows = tensors["buf_x"].shape[0], tensors["x"].shape[0]
     expected = {
         "buf_x": (capacity, hidden),
         "buf_x_sf": (capacity, hidden // 128),
         "buf_topk_idx": (capacity, topk),
         "buf_topk_weights": (capacity, topk),
-        "topk_weights": (tensors["topk_idx"].shape[0], topk),
+        "topk_idx": (rows, topk),
+        "topk_weights": (rows, topk),
     }
     for arg, shape in expected.items():
         if tuple(tensors[arg].shape) != shape:
@@ -126,8 +130,10 @@ def _check_views(fn: str, x: object, topk_idx: object, topk_weights: object, buf
         if not t.is_contiguous():
             raise ValueError(f"{fn}: {arg} must be contiguous (the kernel reads and writes whole rows), got strides "
                              f"{t.stride()}")
-    n = _checks.integer(fn, "num_tokens", num_tokens, 0, min(capacity, tensors["x"].shape[0],
-                                                             tensors["topk_idx"].shape[0]))
+    n = _checks.integer(fn, "num_tokens", num_tokens, 0, capacity)
+    if n != rows:
+        raise ValueError(f"{fn}: num_tokens must equal x's rows (the originals' num_tokens == x.size(0)), got "
+                         f"num_tokens={n}, x of shape {tuple(tensors['x'].shape)}")
     owner = _owner(fn, tensors)
     return n, owner.num_experts - 1 if owner is not None else int(torch.iinfo(tensors["buf_topk_idx"].dtype).max)
 
@@ -241,7 +247,7 @@ def _launch(recipe: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     params = PreDispatchParams(
         x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), buf_x.data_ptr(), buf_x_sf.data_ptr(),
         buf_topk_idx.data_ptr(), buf_topk_weights.data_ptr(), dropped, mirror, id_max, num_tokens, capacity,
-        hidden, topk, int(topk_idx.dtype == torch.int64), int(buf_topk_idx.dtype == torch.int64), factor, 0)
+        hidden, topk, factor, 0)
     kernel = jit.load_module(SOURCE).kernel(KERNELS[recipe])
     with torch.cuda.device(x.device):
         launch(kernel, num_tokens + pad_blocks, threads, KernelArgs(params),

@@ -8,9 +8,9 @@
 //     (UE8M0 byte, clamped to [1, 254]), payload = E4M3 saturating(x * 2^(127-e)), four bytes packed per int32
 //     [T, H/128] (byte j of word i = group 4i + j).
 //
-// Both copy topk_idx rows [0, T) (int32 or int64 in, widened or kept in the view's width) and topk_weights times
+// Both copy topk_idx rows [0, T) (int32, widened into the int64 view: the originals' dtypes) and topk_weights times
 // routed_scaling_factor, and fill the routing rows [T, capacity) with (-1, 0.0). Invalid routing (an id outside
-// [-1, id_max]: id_max = the buffer's E - 1, else the view's integer maximum; a non-finite scaled weight) is staged as (-1, 0.0)
+// [-1, id_max]: id_max = the buffer's E - 1, else the int64 maximum; a non-finite scaled weight) is staged as (-1, 0.0)
 // and recorded for the host (common/dropped.cuh), so no later kernel sees it. A token whose row of x holds a NaN or
 // Inf (no FP8 scale represents it) is dropped whole: zero payload and scales, every slot (-1, 0.0), recorded with
 // its row and the column of one such value. Grid: one CTA of H/8 threads per
@@ -48,8 +48,7 @@ __device__ __forceinline__ unsigned ceil_ue8m0(float s) {
 __device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsigned token, bool dropped) {
     for (unsigned j = threadIdx.x; j < p.topk; j += blockDim.x) {
         const unsigned long long off = static_cast<unsigned long long>(token) * p.topk + j;
-        long long id = p.idx_in_64 ? reinterpret_cast<const long long*>(p.topk_idx)[off]
-                                   : reinterpret_cast<const int*>(p.topk_idx)[off];
+        long long id = reinterpret_cast<const int*>(p.topk_idx)[off];
         float weight = reinterpret_cast<const float*>(p.topk_weights)[off] * p.routed_scaling_factor;
         const bool bad_id = id < -1 || id > p.id_max;
         const bool bad_weight = !isfinite(weight);
@@ -67,8 +66,7 @@ __device__ __forceinline__ void stage_routing(const PreDispatchParams& p, unsign
             id = -1;
             weight = 0.0f;
         }
-        if (p.idx_out_64) reinterpret_cast<long long*>(p.buf_topk_idx)[off] = id;
-        else reinterpret_cast<int*>(p.buf_topk_idx)[off] = static_cast<int>(id);
+        reinterpret_cast<long long*>(p.buf_topk_idx)[off] = id;
         reinterpret_cast<float*>(p.buf_topk_weights)[off] = weight;
     }
 }
@@ -77,8 +75,7 @@ __device__ __forceinline__ void fill_padding(const PreDispatchParams& p, unsigne
     const unsigned long long slot = static_cast<unsigned long long>(p.num_tokens) * p.topk +
                                     static_cast<unsigned long long>(pad_block) * blockDim.x + threadIdx.x;
     if (slot >= static_cast<unsigned long long>(p.capacity) * p.topk) return;
-    if (p.idx_out_64) reinterpret_cast<long long*>(p.buf_topk_idx)[slot] = -1;
-    else reinterpret_cast<int*>(p.buf_topk_idx)[slot] = -1;
+    reinterpret_cast<long long*>(p.buf_topk_idx)[slot] = -1;
     reinterpret_cast<float*>(p.buf_topk_weights)[slot] = 0.0f;
 }
 

@@ -21,12 +21,10 @@ struct PreDispatchParams {
     unsigned int capacity;
     unsigned int hidden;
     unsigned int topk;
-    unsigned int idx_in_64;
-    unsigned int idx_out_64;
     float routed_scaling_factor;
     unsigned int reserved;
 };
-static_assert(sizeof(PreDispatchParams) == 112, "PreDispatchParams must match gc_moe_compat/deep_gemm/_predispatch.py");
+static_assert(sizeof(PreDispatchParams) == 104, "PreDispatchParams must match gc_moe_compat/deep_gemm/_predispatch.py");
 // END GENERATED
 
 }  // namespace gc_moe

@@ -221,7 +221,7 @@ def test_native_sm_counts_named_through_the_facade_buffer(group: dist.ProcessGro
 
 def _pre(buf: dg.SymmBuffer, **kw: object) -> None:
     x = torch.zeros(5, H, dtype=torch.bfloat16)
-    idx, w = torch.zeros(5, K, dtype=torch.int64), torch.full((5, K), 0.5, dtype=torch.float32)
+    idx, w = torch.zeros(5, K, dtype=torch.int32), torch.full((5, K), 0.5, dtype=torch.float32)
     views = dict(buf_x=buf.x, buf_x_sf=buf.x_sf, buf_topk_idx=buf.topk_idx, buf_topk_weights=buf.topk_weights)
     args = {"x": x, "topk_idx": idx, "topk_weights": w, **views, "num_tokens": 5, **kw}
     dg.mega_moe_pre_dispatch_sm90(**args)
@@ -229,12 +229,14 @@ def _pre(buf: dg.SymmBuffer, **kw: object) -> None:
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
     ({"x": torch.zeros(5, 0, dtype=torch.bfloat16)}, ValueError, "x must have a hidden size .* got 0"),  # hidden 0
-    ({"topk_idx": torch.zeros(5, 0, dtype=torch.int64), "topk_weights": torch.zeros(5, 0, dtype=torch.float32)},
+    ({"topk_idx": torch.zeros(5, 0, dtype=torch.int32), "topk_weights": torch.zeros(5, 0, dtype=torch.float32)},
      ValueError, "topk_idx must have 1 to 32 columns"),  # top-k 0
     ({"x": torch.tensor(1.0, dtype=torch.bfloat16)}, ValueError, "x must be 2-D, got shape \\(\\)"),  # was IndexError
-    ({"topk_idx": torch.full((5, K), 2**32 + 5, dtype=torch.int64)}, ValueError,
-     "topk_idx: must be in \\[-1, 16\\)"),  # item 2: host tensors are checked, not narrowed to expert 5
-    ({"topk_idx": torch.full((5, K), -5, dtype=torch.int64)}, ValueError, "topk_idx: must be in \\[-1, 16\\)"),
+    ({"topk_idx": torch.full((5, K), 2**31 - 1, dtype=torch.int32)}, ValueError,
+     "topk_idx: must be in \\[-1, 16\\)"),  # item 2: host tensors are checked
+    ({"topk_idx": torch.full((5, K), -5, dtype=torch.int32)}, ValueError, "topk_idx: must be in \\[-1, 16\\)"),
+    ({"topk_idx": torch.zeros(5, K, dtype=torch.int64)}, TypeError,
+     "topk_idx must have dtype in \\['torch.int32'\\], got torch.int64"),  # the pin's int32 ids
     ({"topk_weights": torch.full((5, K), math.nan, dtype=torch.float32)}, ValueError,
      "topk_weights \\* routed_scaling_factor: must be finite"),
     ({"routed_scaling_factor": 1e39}, ValueError, "routed_scaling_factor must be finite in FP32"),  # item 3
@@ -262,7 +264,7 @@ def test_pre_dispatch_views_must_be_one_buffers_own(group: dist.ProcessGroup) ->
         _pre(a, buf_topk_idx=b.topk_idx)
     with pytest.raises(ValueError, match="mega_moe_pre_dispatch: buf_x_sf is float32, the SM90 layout .*"
                                          "mega_moe_pre_dispatch_sm90"):  # issue 22 point 3
-        dg.mega_moe_pre_dispatch(torch.zeros(5, H, dtype=torch.bfloat16), torch.zeros(5, K, dtype=torch.int64),
+        dg.mega_moe_pre_dispatch(torch.zeros(5, H, dtype=torch.bfloat16), torch.zeros(5, K, dtype=torch.int32),
                                  torch.zeros(5, K, dtype=torch.float32), a.x, a.x_sf, a.topk_idx, a.topk_weights, 5,
                                  mma_type="fp8xfp4")
     a.destroy()

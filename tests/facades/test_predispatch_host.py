@@ -62,15 +62,42 @@ def test_ue8m0_recipe_floors_amax_at_1e_4() -> None:
     assert q[2, 0].item() == 448.0 and (q[0].float() == 0).all()
 
 
-def test_host_path_fills_the_padding_and_keeps_widths() -> None:
-    x = torch.randn(3, 256).bfloat16()
-    idx = torch.tensor([[2**31 - 1, -1], [0, 5], [7, 7]], dtype=torch.int64)
-    w = torch.rand(3, 2)
+def test_host_path_widens_the_ids_and_fills_the_padding() -> None:
+    x = torch.randn(2, 256).bfloat16()
+    idx = torch.tensor([[2**31 - 1, -1], [0, 5]], dtype=torch.int32)
+    w = torch.rand(2, 2)
     bx, bsf = torch.zeros(6, 256, dtype=torch.float8_e4m3fn), torch.zeros(6, 2)
-    bidx, bw = torch.full((6, 2), 9, dtype=torch.int32), torch.full((6, 2), 9.0)
+    bidx, bw = torch.full((6, 2), 9, dtype=torch.int64), torch.full((6, 2), 9.0)
     dg.mega_moe_pre_dispatch_sm90(x, idx, w, bx, bsf, bidx, bw, num_tokens=2, routed_scaling_factor=0.5)
     assert bidx.tolist() == [[2**31 - 1, -1], [0, 5], [-1, -1], [-1, -1], [-1, -1], [-1, -1]]
-    assert torch.equal(bw[:2], w[:2] * 0.5) and (bw[2:] == 0).all()
+    assert torch.equal(bw[:2], w * 0.5) and (bw[2:] == 0).all()
+
+
+@pytest.mark.parametrize("fn", ["mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch"])
+@pytest.mark.parametrize(("case", "error", "match"), [
+    ("int64 topk_idx", TypeError, r"topk_idx must have dtype in \['torch.int32'\], got torch.int64"),
+    ("int32 buf_topk_idx", TypeError, r"buf_topk_idx must have dtype in \['torch.int64'\], got torch.int32"),
+    ("num_tokens below x's rows", ValueError, r"num_tokens must equal x's rows .* got num_tokens=3, x of shape "
+                                              r"\(4, 256\)"),
+    ("topk_idx rows", ValueError, r"topk_idx must have shape \(4, 2\), got \(5, 2\)"),
+    ("topk_weights rows", ValueError, r"topk_weights must have shape \(4, 2\), got \(3, 2\)"),
+])
+def test_the_pins_routing_rules(fn: str, case: str, error: type, match: str) -> None:
+    """sgl-deep-gemm's pre-dispatch asserts int32 ``topk_idx``, an int64 ``buf_topk_idx``, ``num_tokens == x.size(0)``
+    and the routing's rows equal to x's: each violation is refused before anything is written."""
+    x = torch.randn(4, 256).bfloat16()
+    idx = torch.zeros(5 if case == "topk_idx rows" else 4, 2,
+                      dtype=torch.int64 if case == "int64 topk_idx" else torch.int32)
+    w = torch.rand(3 if case == "topk_weights rows" else 4, 2)
+    sm90 = fn == "mega_moe_pre_dispatch_sm90"
+    views = (torch.zeros(8, 256, dtype=torch.float8_e4m3fn),
+             torch.zeros(8, 2) if sm90 else torch.zeros(8, 2, dtype=torch.int32),
+             torch.full((8, 2), 9, dtype=torch.int32 if case == "int32 buf_topk_idx" else torch.int64),
+             torch.full((8, 2), 9.0))
+    before = [v.clone() for v in views]
+    with pytest.raises(error, match=f"{fn}: {match}"):
+        getattr(dg, fn)(x, idx, w, *views, num_tokens=3 if case.startswith("num_tokens") else 4)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(views, before, strict=True))
 
 
 @pytest.mark.parametrize(("change", "error", "match"), [
@@ -106,7 +133,7 @@ def test_dev_branch_use_fp4_acts_spelling() -> None:
     ``mma_type`` does; ``True`` is FP4 activations (NotImplementedError); a non-bool or a positional bool in the
     pin's ``mma_type`` place is a TypeError naming the spellings; nothing is written by a refused call."""
     x = torch.randn(3, 256).bfloat16()
-    idx, w = torch.tensor([[0, 1], [2, -1], [3, 3]], dtype=torch.int64), torch.rand(3, 2)
+    idx, w = torch.tensor([[0, 1], [2, -1], [3, 3]], dtype=torch.int32), torch.rand(3, 2)
     pin, dev = _k32_views(4), _k32_views(4)
     dg.mega_moe_pre_dispatch(x, idx, w, *pin, num_tokens=3)
     dg.mega_moe_pre_dispatch(x, idx, w, *dev, num_tokens=3, use_fp4_acts=False)

@@ -155,16 +155,17 @@ def monkeypatch_module() -> object:
 def _pre_inputs(device: str = "cpu", sf_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
-    idx = torch.randint(-1, E, (5, K), generator=g, dtype=torch.int64)
+    idx = torch.randint(-1, E, (5, K), generator=g, dtype=torch.int32)
     w = torch.rand(5, K, generator=g, dtype=torch.float32)
     views = [torch.zeros(8, H, dtype=torch.float8_e4m3fn), torch.zeros(8, H // 128, dtype=sf_dtype),
              torch.zeros(8, K, dtype=torch.int64), torch.zeros(8, K, dtype=torch.float32)]
     return [t.to(device) for t in (x, idx, w, *views)]
 
 
-PRE_SPECS: dict[str, Spec] = {"num_tokens": Int(0, 5), "group_size": Choice((128,)),
+# num_tokens: x's 5 rows exactly (the originals assert num_tokens == x.size(0))
+PRE_SPECS: dict[str, Spec] = {"num_tokens": Int(5, 5), "group_size": Choice((128,)),
                               "routed_scaling_factor": Real(fp32=True)}
-UE8M0_SPECS: dict[str, Spec] = {"num_tokens": Int(0, 5), "group_size": Choice((32,), (16,)), "mma_type": MMA}
+UE8M0_SPECS: dict[str, Spec] = {"num_tokens": Int(5, 5), "group_size": Choice((32,), (16,)), "mma_type": MMA}
 
 
 @FUZZ
@@ -182,7 +183,7 @@ def test_pre_dispatch_sm90_scalars(default_dtype: torch.dtype, case: tuple[str, 
                                                                                            strict=True))
     if want is None and not meta:
         n = kwargs["num_tokens"]
-        assert torch.equal(tensors[5][:n], tensors[1][:n]) and (tensors[5][n:] == -1).all()
+        assert torch.equal(tensors[5][:n], tensors[1][:n].long()) and (tensors[5][n:] == -1).all()
 
 
 @FUZZ
@@ -213,6 +214,8 @@ PRE_TENSOR_CASES = {  # name -> (change of the tensors, expected error, argument
     "idx-float": (_replace(1, lambda t: t.float()), TypeError, "topk_idx"),
     "idx-k0": (_replace(1, lambda t: t[:, :0]), ValueError, "topk_idx"),
     "idx-999": (_replace(1, lambda t: torch.full_like(t, 999)), None, ""),  # plain int64 views: in range
+    "idx-int64": (_replace(1, lambda t: t.long()), TypeError, "topk_idx"),  # the originals' int32 ids
+    "idx-rows": (_replace(1, lambda t: t[:4]), ValueError, "topk_idx"),
     "idx-minus-5": (_replace(1, lambda t: torch.full_like(t, -5)), ValueError, "topk_idx"),
     "weights-nan": (_replace(2, lambda t: torch.full_like(t, float("nan"))), ValueError, "topk_weights"),
     "weights-shape": (_replace(2, lambda t: t[:, :2]), ValueError, "topk_weights"),
@@ -220,6 +223,7 @@ PRE_TENSOR_CASES = {  # name -> (change of the tensors, expected error, argument
     # H/128 == k: a [8, k] float32 tensor has buf_x_sf's shape (plain views: nothing to tell them apart)
     "buf-sf-swapped-width": (_replace(4, lambda t: torch.zeros(8, K, dtype=torch.float32)), None, ""),
     "buf-idx-uint8": (_replace(5, lambda t: t.to(torch.uint8)), TypeError, "buf_topk_idx"),
+    "buf-idx-int32": (_replace(5, lambda t: t.int()), TypeError, "buf_topk_idx"),  # the originals' int64 view
     "buf-weights-strided": (_replace(6, lambda t: torch.zeros(8, 2 * K, dtype=torch.float32)[:, ::2]), ValueError,
                             "buf_topk_weights"),
     "buf-weights-meta": (_replace(6, lambda t: t.to("meta")), ValueError, "buf_topk_weights"),
@@ -237,8 +241,8 @@ def test_pre_dispatch_tensor_table(default_dtype: torch.dtype, case: str) -> Non
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("fn", ["mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch"])
 def test_pre_dispatch_refuses_non_finite_activations(default_dtype: torch.dtype, value: float, fn: str) -> None:
-    """Issue 32 item 1: host tensors whose staged rows of x hold a NaN or Inf are refused (ValueError naming x and
-    the first such row) before anything is written; a non-finite row past num_tokens is not staged, so accepted.
+    """Issue 32 item 1: host tensors whose rows of x hold a NaN or Inf are refused (ValueError naming x and the first
+    such row) before anything is written; the finite rows alone are staged.
     (On the GPU the kernel drops the token and the next eager call reports it: test_predispatch_kernel.py.)"""
     tensors = _pre_inputs(sf_dtype=torch.float32 if fn == "mega_moe_pre_dispatch_sm90" else torch.int32)
     tensors[0][3, 100] = value
@@ -249,8 +253,8 @@ def test_pre_dispatch_refuses_non_finite_activations(default_dtype: torch.dtype,
         call(*tensors, 5)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors[3:], before,
                                                                                        strict=True))
-    call(*tensors, 3)  # rows 3 and 4 are not staged
-    assert torch.equal(tensors[5][:3], tensors[1][:3])
+    call(*(t[:3] for t in tensors[:3]), *tensors[3:], 3)  # the finite rows 0-2
+    assert torch.equal(tensors[5][:3], tensors[1][:3].long())
 
 
 def test_pre_dispatch_views_of_a_facade_buffer(group: dist.ProcessGroup, default_dtype: torch.dtype) -> None:
@@ -259,7 +263,7 @@ def test_pre_dispatch_views_of_a_facade_buffer(group: dist.ProcessGroup, default
     b = dg.get_symm_buffer_for_mega_moe(group, E, 8, K, H, N_I)
     x, idx, w = _pre_inputs()[:3]
     dg.mega_moe_pre_dispatch_sm90(x, idx, w, a.x, a.x_sf, a.topk_idx, a.topk_weights, 5)
-    assert torch.equal(a.topk_idx[:5], idx)
+    assert torch.equal(a.topk_idx[:5], idx.long())
     for views, arg in (((a.x, a.x_sf, a.topk_idx, b.topk_weights), "buf_topk_weights"),
                        ((a.x, a.topk_weights, a.topk_idx, a.x_sf), "buf_x_sf")):
         check(lambda views=views: dg.mega_moe_pre_dispatch_sm90(x, idx, w, *views, 5), ValueError, (arg,))
