@@ -24,7 +24,7 @@ rounded up to ``TOKEN_ALIGNMENT``. ``topk_idx`` is int64 as in DeepGEMM 2.8.2; S
 pre-dispatch, which converts them (the operator reads either width, the facade keeps DeepGEMM's). The layout is the
 SM90 operator's for both ``mma_type`` values ("E4M3FN with contiguous FP32 K128 scales", what SGLang's SM90 pin hands
 its Hopper kernel): SGLang creates its Hopper buffer with ``mma_type='fp8xfp4'`` and calls ``fp8_mega_moe`` on it.
-``num_shared_experts=1`` is accepted on SM90 (SGLang's pin asserts 0 there): ``fp8_fp4_mega_moe`` then runs the fused
+``num_shared_experts=1`` is kept on SM90 (SGLang's pin drops it there): ``fp8_fp4_mega_moe`` then runs the fused
 shared expert (:mod:`gc_moe_compat.deep_gemm._mega` says which weight form it takes).
 
 The operator's own regions (token ring and L2 activations: ``l1_acts``, ``l1_acts_sf``, ``l2_acts``, ``l2_acts_sf``,

@@ -31,8 +31,8 @@ dtype:
   interleaved gate/up by 8 and FP32 128x128 block scales ``[1, N/128, K/128]`` (natural order), L2 as is; the L1
   payload is de-interleaved once per weight tensor.
 
-:func:`_native_shared` does both. SGLang's pin asserts ``num_shared_experts == 0`` on SM90; this facade accepts 1
-(the native operator fuses it on Hopper).
+:func:`_native_shared` does both. SGLang's pin drops ``num_shared_experts`` on SM90 (its Hopper buffer has no shared
+expert); this facade keeps 1 (the native operator fuses it on Hopper).
 DeepGEMM options GC-MoE lacks (NVFP4, BF16, TRT-LLM layout, post-expert norm, ...) raise NotImplementedError naming
 the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 """
