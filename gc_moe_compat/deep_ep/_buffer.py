@@ -12,7 +12,8 @@ memory across ``group``; size it with :meth:`Buffer.get_low_latency_rdma_size_hi
 semantics, the zero-copy combine and rank masking (``enable_shrink``); they run on the communication green partition
 requested by ``Buffer.num_sms`` (:attr:`Buffer.low_latency_partition` reports it). What is not implemented raises
 ``NotImplementedError`` saying so: NVFP4 dispatch, LogFMT combine, the receive-cost statistics, and SGLang's
-single-batch-overlap signals.
+single-batch-overlap signals. ``use_fabric`` is accepted and unused, as by the pin (the workspace is torch symmetric
+memory either way).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_RANKS, check_rank_count, required_bytes
 from gc_moe_compat.config import MAX_SMS, boolean, integer, shown
 from gc_moe_compat.deep_ep import _low_latency, _normal
-from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX, Config, aligned_bytes
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX, MAX_NVL_RANKS, Config, aligned_bytes
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
 from gc_moe_compat.runtime.green import get_partition
@@ -46,6 +47,13 @@ def _flags(fn: str, **flags: object) -> None:
     for arg, value in flags.items():
         if value is not True and value is not False:  # the check's call only where it may fail: a per-call path
             boolean(fn, arg, value, none_ok=arg == "use_fabric")
+
+
+def _no_async_hook(fn: str, async_finish: bool, return_recv_hook: bool) -> None:
+    """DeepEP's ``not (async and return_recv_hook)``: a hooked call returns before its receive half, so there is no
+    finished event to wait for."""
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{fn}: async_finish and return_recv_hook cannot both be True (DeepEP's rule), got both")
 
 
 def _missing(what: str) -> NotImplementedError:
@@ -78,20 +86,29 @@ def _local_view(fn: str, region: torch.Tensor, dtype: torch.dtype, size: object,
     return region[offset:offset + numel * itemsize].view(dtype).view(dims)
 
 
-def _check_byte_counts(fn: str, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) -> None:
+def _check_byte_counts(fn: str, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
+                       num_ranks: int) -> None:
     """DeepEP's rules for the two byte counts (its ``Buffer`` constructor's asserts), as ``ValueError`` naming the
-    argument: multiples of :data:`BUFFER_ALIGNMENT_BYTES`; ``num_nvl_bytes`` above a C ``int`` only without RDMA
-    bytes; ``num_rdma_bytes`` above a C ``int`` only in low-latency mode."""
+    argument: multiples of :data:`BUFFER_ALIGNMENT_BYTES` and fewer than ``INT_MAX`` 16-byte vectors; RDMA bytes only
+    in low-latency mode or above :data:`MAX_NVL_RANKS` ranks (internode); ``num_nvl_bytes`` above a C ``int`` only
+    without RDMA bytes; ``num_rdma_bytes`` above a C ``int`` only in low-latency mode."""
     for arg, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
         if value % BUFFER_ALIGNMENT_BYTES:
             raise ValueError(f"{fn}: {arg} must be a multiple of {BUFFER_ALIGNMENT_BYTES} bytes (DeepEP's buffer "
                              f"alignment; the size hints return such counts), got {value}")
+        if value // 16 >= C_INT_MAX:
+            raise ValueError(f"{fn}: {arg} must be below {16 * C_INT_MAX} bytes (DeepEP counts 16-byte vectors in a "
+                             f"C int), got {value}")
     if num_nvl_bytes > C_INT_MAX and num_rdma_bytes:
         raise ValueError(f"{fn}: num_nvl_bytes above {C_INT_MAX} (a C int) needs num_rdma_bytes=0, as DeepEP's "
                          f"Buffer; got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
     if num_rdma_bytes > C_INT_MAX and not low_latency_mode:
         raise ValueError(f"{fn}: num_rdma_bytes above {C_INT_MAX} (a C int) needs low_latency_mode=True, as "
                          f"DeepEP's Buffer; got num_rdma_bytes={num_rdma_bytes}")
+    if num_rdma_bytes and not low_latency_mode and num_ranks <= MAX_NVL_RANKS:
+        raise ValueError(f"{fn}: num_rdma_bytes must be 0 for an intranode normal-mode Buffer (DeepEP uses RDMA "
+                         f"bytes in low-latency mode or above {MAX_NVL_RANKS} ranks), got num_rdma_bytes="
+                         f"{num_rdma_bytes} with {num_ranks} ranks and low_latency_mode=False")
 
 
 class Buffer:
@@ -114,22 +131,20 @@ class Buffer:
                use_fabric=use_fabric, explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
         integer(fn, "num_nvl_bytes", num_nvl_bytes, 0, _MAX_BYTES)
         integer(fn, "num_rdma_bytes", num_rdma_bytes, 0, _MAX_BYTES)
-        integer(fn, "num_qps_per_rank", num_qps_per_rank, 1)
-        _check_byte_counts(fn, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+        integer(fn, "num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else -C_INT_MAX - 1)  # DeepEP: > 0
         if allow_mnnvl:
             raise _missing("allow_mnnvl=True (multi-node NVLink: the workspace is torch symmetric memory within one "
                            "node, with no MNNVL / fabric memory handles)")
-        if use_fabric:
-            raise _missing("use_fabric=True (fabric memory: the workspace is torch symmetric memory, with no "
-                           "fabric memory handles)")
         if not allow_nvlink_for_low_latency_mode and low_latency_mode:
             raise _missing("allow_nvlink_for_low_latency_mode=False (the low-latency kernels use NVLink peer stores)")
         self.rank, self.group, self.group_size = dist.get_rank(group), group, dist.get_world_size(group)
         check_rank_count(self.group_size)
+        _check_byte_counts(fn, num_nvl_bytes, num_rdma_bytes, low_latency_mode, self.group_size)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.enable_shrink = enable_shrink
         self.workspace: SymmetricWorkspace | None = None
+        self._destroyed = False
         if num_rdma_bytes and not low_latency_mode and self.group_size > _normal.MAX_NVL_RANKS:
             raise _missing(f"num_rdma_bytes with {self.group_size} ranks (internode normal mode over NVSHMEM/RDMA)")
         self.normal: _normal.NormalMode | None = None
@@ -166,6 +181,9 @@ class Buffer:
         all the same."""
         if not self.explicitly_destroy:
             raise ValueError("destroy: the Buffer was created with explicitly_destroy=False")
+        if self._destroyed:
+            raise ValueError("destroy: the Buffer was already destroyed (DeepEP's runtime refuses a second destroy)")
+        self._destroyed = True
         workspace, normal = self.workspace, self.normal
         self.workspace = self.normal = None
         try:
@@ -371,9 +389,11 @@ class Buffer:
         """Sends this rank's tokens to their experts' ranks: ``(recv_x, recv_count, handle, event, hook)`` with
         DeepEP's layout (``recv_x [E/P, P*Tmax, H]`` FP8 with column-major FP32 1x128 scales, or BF16 when
         ``use_fp8=False``; rows ``[0, recv_count[e])`` of expert ``e`` are valid, ordered by source rank, then
-        token, then slot)."""
+        token, then slot). ``round_scale`` and ``use_ue8m0`` shape the FP8 scales only: with ``use_fp8=False`` they
+        are unused, as by DeepEP."""
         _flags("low_latency_dispatch", use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                use_nvfp4=use_nvfp4, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        _no_async_hook("low_latency_dispatch", async_finish, return_recv_hook)
         workspace = self._low_latency_workspace("low_latency_dispatch")
         if dispatch_wait_recv_cost_stats is not None:
             raise _missing("dispatch_wait_recv_cost_stats")
@@ -403,6 +423,7 @@ class Buffer:
         ``NotImplementedError`` (the operator's green-context overlap replaces that scheme)."""
         _flags("low_latency_combine", use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                return_recv_hook=return_recv_hook, overlap=overlap)
+        _no_async_hook("low_latency_combine", async_finish, return_recv_hook)
         workspace = self._low_latency_workspace("low_latency_combine")
         if use_logfmt:
             raise _missing("use_logfmt (LogFMT combine)")

@@ -47,6 +47,30 @@ class Config:
                       num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
         for name, value in values.items():  # DeepEP keeps them as C ints
             setattr(self, name, integer("Config", name, value, 0, C_INT_MAX))
+        self._check_chunks()
+
+    def _check_chunks(self) -> None:
+        """DeepEP's ``Config`` constructor asserts, as ``ValueError`` naming the fields: positive chunk sizes, each
+        send chunk below its receive chunk, the RDMA receive chunk rounded up to a multiple of the send chunk at least
+        twice it (only the intranode normal mode runs here, which reads no RDMA chunk: the fields keep the given
+        values; DeepEP's Config has no readable fields)."""
+        nvl_send, nvl_recv = self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens
+        rdma_send, rdma_recv = self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens
+        for kind, send, recv in (("nvl", nvl_send, nvl_recv), ("rdma", rdma_send, rdma_recv)):
+            if send <= 0 or recv <= 0:
+                raise ValueError(f"Config: num_max_{kind}_chunked_send_tokens and num_max_{kind}_chunked_recv_tokens "
+                                 f"must be > 0 (DeepEP's Config), got {send} and {recv}")
+        if nvl_send >= nvl_recv:
+            raise ValueError(f"Config: num_max_nvl_chunked_send_tokens must be below num_max_nvl_chunked_recv_tokens "
+                             f"(DeepEP's Config), got {nvl_send} and {nvl_recv}")
+        rounded = -(-rdma_recv // rdma_send) * rdma_send
+        if rounded > C_INT_MAX:
+            raise ValueError(f"Config: num_max_rdma_chunked_recv_tokens rounded up to a multiple of "
+                             f"num_max_rdma_chunked_send_tokens must be a C int (<= {C_INT_MAX}), got {rounded}")
+        if rdma_send > rounded // 2:  # also rdma_send < rounded
+            raise ValueError(f"Config: num_max_rdma_chunked_send_tokens must be at most half of "
+                             f"num_max_rdma_chunked_recv_tokens rounded up to a multiple of it (DeepEP's Config), got "
+                             f"{rdma_send} and {rdma_recv} (rounded {rounded})")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer bytes: its chunked queues (``num_sms / 2`` channels per NVLink rank, each of

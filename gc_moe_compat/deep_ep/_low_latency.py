@@ -330,6 +330,8 @@ def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Ten
     skip the masked ranks (DeepEP's ``enable_shrink``); ``num_sms``: the communication partition's request."""
     device = workspace.device
     state = _state(workspace, _capturing(workspace))
+    if not use_fp8:  # DeepEP reads both for the FP8 scales only
+        round_scale = use_ue8m0 = False
     flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
         (FLAG_UE8M0 if use_ue8m0 else 0) | (FLAG_SHRINK if shrink else 0)
     fast = _compiled_host.compiled()
@@ -370,9 +372,9 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     group = 512 if use_ue8m0 else 128
     if hidden % group or hidden == 0:
         raise ValueError(f"x.shape[1] (hidden): must be a positive multiple of {group}, got {hidden}")
-    if use_ue8m0 and not (use_fp8 and round_scale):
-        raise ValueError("use_ue8m0: needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales), "
-                         f"got use_fp8={use_fp8}, round_scale={round_scale}")
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0: FP8 UE8M0 scales need round_scale=True (UE8M0 holds power-of-two scales; "
+                         "DeepEP's rule), got round_scale=False")
     idx_bytes = topk_idx.element_size()
     launches = _launches(workspace, state, "dispatch", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
                          flags)

@@ -183,7 +183,9 @@ def test_rdma_size_hint_valid_sizes_unchanged() -> None:
     ({"num_qps_per_rank": -1}, ValueError, "Buffer: num_qps_per_rank must be >= 1, got -1"),
     ({"num_qps_per_rank": 2.0}, TypeError, "Buffer: num_qps_per_rank must be an int, got float"),
     ({"allow_mnnvl": True}, NotImplementedError, "allow_mnnvl=True \\(multi-node NVLink.*MNNVL"),
-    ({"use_fabric": True}, NotImplementedError, "use_fabric=True \\(fabric memory"),
+    ({"num_nvl_bytes": 1 << 35}, ValueError, "Buffer: num_nvl_bytes must be below 34359738352 bytes .*16-byte "
+                                            "vectors in a C int"),  # DeepEP: num_nvl_bytes / sizeof(int4) < INT_MAX
+    ({"low_latency_mode": False}, ValueError, "Buffer: num_rdma_bytes must be 0 for an intranode normal-mode Buffer"),
 ])
 def test_buffer_sizes_and_unimplemented_memory(group: dist.ProcessGroup, launches: list, kw: dict, exc: type,
                                                match: str) -> None:
@@ -192,6 +194,14 @@ def test_buffer_sizes_and_unimplemented_memory(group: dist.ProcessGroup, launche
     with pytest.raises(exc, match=match):
         Buffer(group, **args)
     assert FakeWorkspace.created == created  # refused before the workspace is allocated
+
+
+def test_buffer_accepts_what_the_pin_leaves_unused(group: dist.ProcessGroup, launches: list) -> None:
+    """sgl-deep-ep 0.1.2.post1 ignores ``use_fabric`` and reads ``num_qps_per_rank`` in low-latency mode only."""
+    Buffer(group, 0, 1 << 20, low_latency_mode=True, use_fabric=True)
+    Buffer(group, 0, 0, num_qps_per_rank=0)  # a normal-mode Buffer (the NVL bytes need no GPU for this check)
+    with pytest.raises(ValueError, match="Buffer: num_qps_per_rank must be >= 1, got 0"):
+        Buffer(group, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 10**7, 10**400, 2.0, True])

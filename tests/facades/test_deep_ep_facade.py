@@ -355,7 +355,7 @@ DISPATCH_ERRORS = [
     ("ue8m0 hidden 256", dict(round_scale=True, use_ue8m0=True), ValueError,
      r"x.shape\[1\] \(hidden\): must be a positive multiple of 512, got 256"),
     ("ue8m0 without round_scale", dict(inputs=_inputs(hidden=512), use_ue8m0=True), ValueError,
-     "use_ue8m0: needs use_fp8=True and round_scale=True"),
+     "use_ue8m0: FP8 UE8M0 scales need round_scale=True"),
     ("T > Tmax", dict(inputs=_inputs(tokens=T_MAX + 1)), ValueError,
      r"x.shape\[0\] \(tokens\): must be <= num_max_dispatch_tokens_per_rank=8, got 9"),
     ("Tmax 0", dict(tmax=0), ValueError, "num_max_dispatch_tokens_per_rank: must be in \\[1, 2147483647\\] .*, got 0"),

@@ -270,9 +270,16 @@ def test_normal_config_num_sms_is_bounded(deep_ep_host: DeepEpHost, default_dtyp
         run()
 
 
-CONFIG_SPECS: dict[str, Spec] = {name: Int(0, (1 << 31) - 1, draw_max=1024) for name in (
-    "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-    "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")}
+# One field changed from the defaults Config(20, 6, 256, 6, 256), under DeepEP's constructor rules: C ints, chunks > 0,
+# each send chunk below its receive chunk, the RDMA send chunk at most half the receive chunk rounded up to a multiple
+# of it (a send chunk of 129-255 rounds 256 up to twice itself; the receive chunk's rounding must stay a C int).
+CONFIG_SPECS: dict[str, Spec] = {
+    "num_sms": Int(0, C_INT_MAX, draw_max=1024),
+    "num_max_nvl_chunked_send_tokens": Int(1, 255, draw_max=1024),
+    "num_max_nvl_chunked_recv_tokens": Int(7, C_INT_MAX, draw_max=1024),
+    "num_max_rdma_chunked_send_tokens": Int(1, 255, draw_max=1024),
+    "num_max_rdma_chunked_recv_tokens": Int(7, C_INT_MAX // 6 * 6, draw_max=1024),
+}
 HINT_NVL_SPECS: dict[str, Spec] = {"hidden_bytes": Int(1, C_INT_MAX, draw_max=1 << 16),  # DeepEP's C ints
                                    "num_ranks": Int(1, C_INT_MAX, extra=lambda p: p <= 8 or p % 8 == 0, draw_max=64)}
 CONFIG_TABLE = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)

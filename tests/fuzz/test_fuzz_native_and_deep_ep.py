@@ -162,15 +162,17 @@ EP_BASE = dict(num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True, n
                allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=None, explicitly_destroy=False,
                enable_shrink=False)
 EP_SPECS: dict[str, Spec] = {
-    # DeepEP's rules: multiples of 128, num_nvl_bytes a C int beside the base's RDMA bytes (low-latency mode: no
-    # bound on num_rdma_bytes); the normal-mode calls need their header too (test_fuzz_deep_ep_calls.py)
+    # DeepEP's rules: multiples of 128, num_nvl_bytes a C int beside the base's RDMA bytes (low-latency mode: fewer
+    # than INT_MAX 16-byte vectors of num_rdma_bytes); the normal-mode calls need their header too
+    # (test_fuzz_deep_ep_calls.py); RDMA bytes at one rank only in low-latency mode
     "num_nvl_bytes": Int(0, C_INT_MAX, multiple=BUFFER_ALIGNMENT_BYTES, draw_max=1 << 16),
-    "num_rdma_bytes": Int(HEADER_BYTES, 2**63 - 1, multiple=BUFFER_ALIGNMENT_BYTES, draw_max=1 << 22),
+    "num_rdma_bytes": Int(HEADER_BYTES, (16 * C_INT_MAX - 1) // BUFFER_ALIGNMENT_BYTES * BUFFER_ALIGNMENT_BYTES,
+                          multiple=BUFFER_ALIGNMENT_BYTES, draw_max=1 << 22),
     "num_qps_per_rank": Int(1, None, draw_max=64),
-    "low_latency_mode": Flag(),
+    "low_latency_mode": Flag(refused=(False,)),
     "allow_nvlink_for_low_latency_mode": Flag(refused=(False,), refused_with=NotImplementedError),
     "allow_mnnvl": Flag(refused=(True,), refused_with=NotImplementedError),
-    "use_fabric": Flag(none_ok=True, refused=(True,), refused_with=NotImplementedError),
+    "use_fabric": Flag(none_ok=True),  # unused by the pin
     "explicitly_destroy": Flag(), "enable_shrink": Flag(),
 }
 
