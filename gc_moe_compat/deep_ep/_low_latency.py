@@ -62,7 +62,7 @@ from gc_moe_compat.comm.ep_ll import (
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep import _compiled_host
-from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
+from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES, TOPK_IDX_DTYPES, TOPK_IDX_RULE
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
@@ -221,13 +221,14 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
 
 
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
-            dense: bool = True) -> torch.Tensor:
+            dense: bool = True, rule: str | None = None) -> torch.Tensor:
     """``t`` as an ``ndim``-D tensor of one of ``dtypes`` on ``device``; ``dense`` (what the kernels read or write):
-    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch)."""
+    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch). ``rule``: how the message
+    names ``dtypes`` (default: their names)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes or t.dim() != ndim:
-        raise ValueError(f"{name}: must be a {ndim}-D tensor of {' or '.join(map(str, dtypes))}, got "
+        raise ValueError(f"{name}: must be a {ndim}-D tensor of {rule or ' or '.join(map(str, dtypes))}, got "
                          f"{tuple(t.shape)} {t.dtype}")
     if not dense and t.device != device:
         raise ValueError(f"{name}: must be on {device} (the buffer's device), got {t.device}")
@@ -361,7 +362,7 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     the call shape for its later calls (:func:`_remember`)."""
     device = workspace.device
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
-    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     if topk_idx.shape[0] != num_tokens or not 1 <= topk <= MAX_TOPK:
@@ -517,7 +518,7 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
     if tuple(x.shape) != (local, slots, hidden):
         raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
                          f"dispatch's layout), got {tuple(x.shape)}")
-    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
     expected = (num_tokens, topk)
     if tuple(topk_idx.shape) != expected:
         raise ValueError(f"topk_idx: must be the dispatch's [num_tokens, k] = {list(expected)}, got "

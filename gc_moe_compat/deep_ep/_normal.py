@@ -86,6 +86,8 @@ from gc_moe_compat.deep_ep._config import (
     INTERNODE_MISSING,
     MAX_LAUNCH_SHAPES,
     MAX_NVL_RANKS,
+    TOPK_IDX_DTYPES,
+    TOPK_IDX_RULE,
     Config,
     config_field,
 )
@@ -295,10 +297,11 @@ def _timeout_ns(setting: str | None) -> int:
 
 
 def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
-            device: torch.device, contiguous: bool = True) -> torch.Tensor:
+            device: torch.device, contiguous: bool = True, rule: str | None = None) -> torch.Tensor:
     """``t`` as a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; TypeError /
-    ValueError naming the argument, the rule and the value otherwise. Every call checks its tensors here: attribute
-    reads and the two method calls contiguity and alignment need, the message built only for a failure."""
+    ValueError naming the argument, the rule and the value otherwise (``rule``: how the message names ``dtypes``,
+    default their names). Every call checks its tensors here: attribute reads and the two method calls contiguity
+    and alignment need, the message built only for a failure."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     fits = t.dtype in dtypes and t.ndim == len(shape)
@@ -308,7 +311,7 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
                 fits = False
     if not fits:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {name} must be {want} of {' or '.join(map(str, dtypes))}, got "
+        raise ValueError(f"{fn}: {name} must be {want} of {rule or ' or '.join(map(str, dtypes))}, got "
                          f"{list(t.shape)} {t.dtype}")
     if t.device != device:
         raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
@@ -527,7 +530,8 @@ class NormalMode:
     # -- get_dispatch_layout ----------------------------------------------------------------------------------------
 
     def _topk_idx(self, fn: str, topk_idx: object, tokens: int | None = None) -> torch.Tensor:
-        topk_idx = _tensor(fn, "topk_idx", topk_idx, (torch.int64, torch.int32), (tokens, None), self.device)
+        topk_idx = _tensor(fn, "topk_idx", topk_idx, TOPK_IDX_DTYPES, (tokens, None), self.device,
+                           rule=TOPK_IDX_RULE)
         if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
             raise ValueError(f"{fn}: topk_idx must have 1 to {MAX_TOPK} columns (top-k), got {topk_idx.shape[1]}")
         return topk_idx

@@ -201,9 +201,8 @@ class Session:
 
     # -- calls ------------------------------------------------------------------------------------------------------
 
-    def layout(self, tokens: int, topk: int, experts: int, dtype: torch.dtype = torch.int64, **flags: object
-               ) -> tuple:
-        idx = torch.randint(-1, experts, (tokens, topk), generator=self.gen(tokens + topk), dtype=torch.int64).to(dtype)
+    def layout(self, tokens: int, topk: int, experts: int, **flags: object) -> tuple:
+        idx = torch.randint(-1, experts, (tokens, topk), generator=self.gen(tokens + topk), dtype=torch.int64)
         out = self.buf.get_dispatch_layout(idx, experts, **flags)
         per_rank, _, per_expert, in_rank, _ = out
         fields = dict(**transient(self.ranks, experts // self.ranks, 1), data_rows=0, topk_idx=ptr(idx),
@@ -335,9 +334,8 @@ class Session:
 def calls(s: Session, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sequence of calls, each checked as it is made."""
     experts = 8 * s.ranks
-    for tokens, topk, dtype in ((0, 4, torch.int64), (1, 1, torch.int32), (257, 8, torch.int64),
-                                (700, 3, torch.int32), (6000, 2, torch.int64)):
-        s.layout(tokens, topk, experts, dtype)
+    for tokens, topk in ((0, 4), (1, 1), (257, 8), (700, 3), (6000, 2)):
+        s.layout(tokens, topk, experts)
     s.layout(33, 4, experts, async_finish=True)
     s.layout(33, 4, experts, previous_event=EventOverlap(FakeEvent(s.fake)), async_finish=True,
              allocate_on_comm_stream=True)
