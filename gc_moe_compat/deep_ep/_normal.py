@@ -567,17 +567,17 @@ class NormalMode:
         return num_experts
 
     def _layout_launch(self, fn: str, key: tuple) -> NormalLaunch:
-        """The layout's launch for ``key`` = ``("layout", thread, tokens, topk, experts, idx_bytes, num_sms)``
+        """The layout's launch for ``key`` = ``("layout", thread, tokens, topk, experts, num_sms)``
         (checked: the fixed header fits), packed now unless kept."""
         launch = self._launches.get(key)
         if launch is not None:
             return launch
-        _, _, tokens, topk, experts, idx_bytes, num_sms = key
+        _, _, tokens, topk, experts, num_sms = key
         self._room(fn, HEADER_BYTES, "the fixed header: the kernels' synchronization words, status records and the "
                    "layout's histogram")
         local = experts // self.ranks
         fields = dict(transient=data_offset(self.ranks, local, 1), data_rows=0, num_tokens=tokens, topk=topk,
-                      num_experts=experts, local_experts=local, idx_bytes=idx_bytes)
+                      num_experts=experts, local_experts=local)
         return self._pack(key, ((Entry.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
 
     def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
@@ -587,8 +587,7 @@ class NormalMode:
         topk_idx = self._topk_idx(fn, topk_idx)
         experts = self._experts(fn, "num_experts", num_experts)
         tokens, topk = topk_idx.shape
-        launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts,
-                                          topk_idx.dtype.itemsize, num_sms))
+        launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts, num_sms))
         stream = self._begin(fn, num_sms)
         per_rank = torch.empty(self.ranks, dtype=_COUNT_DTYPE, device=self.device)
         per_expert = torch.empty(experts, dtype=_COUNT_DTYPE, device=self.device)
@@ -607,13 +606,13 @@ class NormalMode:
 
     def _dispatch_launch(self, fn: str, key: tuple) -> NormalLaunch:
         """A dispatch's launches for ``key`` = ``("dispatch", thread, cached, tokens, hidden, payload element size,
-        scales, topk, idx_bytes, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
+        scales, topk, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
         column stride, zeros without; a cached dispatch's experts: the ranks), checked (the header and the counts
         fit) and packed now unless kept: notify (uncached: its own parameters), then the dispatch kernel."""
         launch = self._launches.get(key)
         if launch is not None:
             return launch
-        _, _, cached, tokens, hidden, elsize, scales, topk, idx_bytes, experts, channels, expert_alignment = key
+        _, _, cached, tokens, hidden, elsize, scales, topk, experts, channels, expert_alignment = key
         local = experts // self.ranks
         transient = data_offset(self.ranks, local, channels)
         self._counts_room(fn, transient.data, local, 2 * channels)
@@ -622,7 +621,7 @@ class NormalMode:
                       num_channels=channels, num_experts=experts, local_experts=local)
         transfer = dict(**common, hidden=hidden, row_bytes=hidden * elsize, row_stride=row.stride,
                         off_row_scales=row.scales, off_row_topk=row.topk, num_scales=scales[0],
-                        scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk, idx_bytes=idx_bytes)
+                        scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk)
         sms = 2 * channels
         if cached:
             return self._pack(key, ((Entry.DISPATCH, sms, 0),), transfer)
@@ -726,7 +725,7 @@ class NormalMode:
         scale_layout = (0, 0, 0) if scales is None else (scales.shape[1], *scales.stride())
         launch = self._dispatch_launch(fn, (
             "dispatch", threading.get_ident(), cached, tokens, hidden, payload.dtype.itemsize, scale_layout, topk,
-            0 if topk_idx is None else topk_idx.dtype.itemsize, experts, channels, expert_alignment))
+            experts, channels, expert_alignment))
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its tokens (or received rows) are none (its other extents are positive).
         p = launch.params[-1]

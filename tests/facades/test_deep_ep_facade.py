@@ -279,8 +279,8 @@ def test_dispatch_fp8_layout_and_launches(ll: Buffer, launches: list) -> None:
     p = launches[0][1]
     assert (p.num_tokens, p.topk, p.hidden, p.num_experts, p.local_experts, p.max_tokens) == (
         TOKENS, TOPK, HIDDEN, EXPERTS, EXPERTS, T_MAX)
-    assert (p.flags, p.idx_bytes, p.x, p.topk_idx, p.recv_x, p.recv_scales, p.recv_count, p.recv_stats) == (
-        ep_ll.FLAG_FP8, 8, x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr(), scales.data_ptr(),
+    assert (p.flags, p.x, p.topk_idx, p.recv_x, p.recv_scales, p.recv_count, p.recv_stats) == (
+        ep_ll.FLAG_FP8, x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr(), scales.data_ptr(),
         recv_count.data_ptr(), 0)
     assert bytes(launches[1][1]) == bytes(p)  # the receive half runs with the same parameters
 
@@ -294,7 +294,7 @@ def test_dispatch_ue8m0_bf16_and_stats(ll: Buffer, launches: list) -> None:
     recv_x, *_ = _dispatch(ll, use_fp8=False, cumulative_local_expert_recv_stats=stats)
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (EXPERTS, T_MAX, HIDDEN)
     p = launches[-1][1]
-    assert (p.flags, p.idx_bytes, p.recv_scales, p.recv_stats) == (0, 8, 0, stats.data_ptr())
+    assert (p.flags, p.recv_scales, p.recv_stats) == (0, 0, stats.data_ptr())
 
 
 def test_combine_layout_and_launches(ll: Buffer, launches: list) -> None:

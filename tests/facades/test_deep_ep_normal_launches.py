@@ -208,7 +208,7 @@ class Session:
         fields = dict(**transient(self.ranks, experts // self.ranks, 1), data_rows=0, topk_idx=ptr(idx),
                       is_token_in_rank=ptr(in_rank), num_tokens_per_rank=per_rank.data_ptr(),
                       num_tokens_per_expert=per_expert.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
-                      local_experts=experts // self.ranks, idx_bytes=idx.element_size())
+                      local_experts=experts // self.ranks)
         grid = min(Buffer.num_sms, -(-tokens // 256))
         self.check(f"get_dispatch_layout T={tokens} k={topk}", [self.launch(LAYOUT, grid, self.params(**fields))])
         return idx, out
@@ -267,7 +267,7 @@ class Session:
             recv_src_idx=ptr(recv_src_idx), hidden=H, row_bytes=row_bytes, row_stride=stride,
             off_row_scales=16 + row_bytes, off_row_topk=top, num_scales=num_scales,
             scale_token_stride=0 if sc is None else sc.stride(0), scale_hidden_stride=0 if sc is None else sc.stride(1),
-            topk=k, recv_rows=rows, idx_bytes=0 if idx is None else idx.element_size())
+            topk=k, recv_rows=rows)
         self.check(f"dispatch T={tokens} k={topk} fp8={fp8} recv={rows}",
                    [self.launch(NOTIFY, 1 + -(-ranks * channels // 8), notify),
                     self.launch(DISPATCH, sms, send)])
