@@ -242,6 +242,7 @@ class EpLlParams(ctypes.Structure):
 
     Pointers are device addresses (0 where a kernel does not use one); ``status_mirror`` is pinned host memory the
     receive kernels copy the four status records into; ``off_*`` are byte offsets into every rank's workspace.
+    ``topk_idx`` (the dispatch's and the combine's) is int64 ``[T, k]`` (:data:`~gc_moe_compat.comm.TOPK_IDX_DTYPE`).
     ``src_info`` int32 ``[E/P, P*Tmax]`` is DeepEP's (source token), ``src_route`` the same rows' ``token * k + slot``
     and ``routing`` int32 ``[2, T, k]`` the dispatch's checked routing, then each valid slot's row in its expert's list
     of this rank's rows (both kept by the handle for the combine).
@@ -281,7 +282,6 @@ class EpLlParams(ctypes.Structure):
         ("num_experts", ctypes.c_uint32),
         ("local_experts", ctypes.c_uint32),
         ("max_tokens", ctypes.c_uint32),
-        ("idx_bytes", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("row_stride", ctypes.c_uint32),
         ("phase", ctypes.c_uint32),
@@ -302,28 +302,28 @@ _POINTER_FIELDS = fields_before(EpLlParams, "timeout_ns")
 """The device and pinned-host address fields of :class:`EpLlParams` (those before ``timeout_ns``)."""
 
 
-def make_params(shape: LlShape, *, num_tokens: int, idx_bytes: int = 8, flags: int = 0,
+def make_params(shape: LlShape, *, num_tokens: int, flags: int = 0,
                 timeout_ms: float | None = None, **pointers: int) -> EpLlParams:
     """The :class:`EpLlParams` of one call; ``pointers`` names device addresses (``x=...``, ``call_gen=...``). A
     fresh struct per call, copied from a cached template of everything but the pointers (the sizes, offsets, flags
     and timeout: what the shape and the flags fix), so a call sets only its pointers."""
     if not pointers.keys() <= _POINTER_FIELDS:
         raise TypeError(f"make_params: not pointer fields of EpLlParams: {sorted(pointers.keys() - _POINTER_FIELDS)}")
-    params = EpLlParams.from_buffer_copy(_template(shape, num_tokens, idx_bytes, flags, spin_timeout_ns(timeout_ms)))
+    params = EpLlParams.from_buffer_copy(_template(shape, num_tokens, flags, spin_timeout_ns(timeout_ms)))
     for name, value in pointers.items():
         setattr(params, name, value)
     return params
 
 
 @functools.lru_cache(maxsize=64)
-def _template(shape: LlShape, num_tokens: int, idx_bytes: int, flags: int, timeout_ns: int) -> EpLlParams:
+def _template(shape: LlShape, num_tokens: int, flags: int, timeout_ns: int) -> EpLlParams:
     """The pointer-free :class:`EpLlParams` of calls of ``shape`` (read only: :func:`make_params` copies it)."""
     return EpLlParams(
         timeout_ns=timeout_ns, off_seq=_SEQ, off_arrive=_ARRIVE, off_consumed=_CONSUMED, off_ready=_READY,
         off_status=_STATUS, off_mask=_MASK, off_counts=_COUNTS, off_recv_stage=shape.recv_stage_offset,
         off_combine_stage=shape.combine_stage_offset, num_tokens=num_tokens, topk=shape.topk, hidden=shape.hidden,
         num_experts=shape.num_experts, local_experts=shape.local_experts, max_tokens=shape.max_tokens,
-        idx_bytes=idx_bytes, flags=flags, row_stride=shape.row_stride)
+        flags=flags, row_stride=shape.row_stride)
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
@@ -443,12 +443,11 @@ class LlLaunches:
                   self.args, stream)
 
 
-def new_launches(table: PeerTable, shape: LlShape, *, num_tokens: int, idx_bytes: int, flags: int,
+def new_launches(table: PeerTable, shape: LlShape, *, num_tokens: int, flags: int,
                  timeout_ms: float | None, max_ctas: int = MAX_SMS, **pointers: int) -> LlLaunches:
     """The :class:`LlLaunches` of calls of ``shape`` (``pointers``: those fixed for every call, e.g. the status
     mirror; :func:`make_params` names the other arguments)."""
-    params = make_params(shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags, timeout_ms=timeout_ms,
-                         **pointers)
+    params = make_params(shape, num_tokens=num_tokens, flags=flags, timeout_ms=timeout_ms, **pointers)
     return LlLaunches(type(table).from_buffer_copy(table), params, shape, num_tokens, max_ctas)
 
 

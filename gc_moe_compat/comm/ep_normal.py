@@ -222,7 +222,8 @@ class EpNormalParams(ctypes.Structure):
 
     Pointers are device addresses (0 where a kernel does not use one); ``host_counts`` and ``status_mirror`` are
     pinned host memory the kernels store into; ``off_*`` are byte offsets into every rank's workspace (``off_row_*``
-    into a data-region row); ``op`` is the call's collective-op number."""
+    into a data-region row); ``op`` is the call's collective-op number. ``topk_idx`` and ``recv_topk_idx`` are int64
+    (:data:`~gc_moe_compat.comm.TOPK_IDX_DTYPE`)."""
 
     _fields_ = [
         ("x", ctypes.c_uint64),
@@ -278,7 +279,6 @@ class EpNormalParams(ctypes.Structure):
         ("num_channels", ctypes.c_uint32),
         ("recv_rows", ctypes.c_uint32),
         ("expert_alignment", ctypes.c_uint32),
-        ("idx_bytes", ctypes.c_uint32),
     ]
 
 

@@ -14,9 +14,8 @@ Any other attribute (``ElasticBuffer``, ...) is forwarded lazily to the real ``d
 
 from __future__ import annotations
 
-import torch
-
 from gc_moe_compat import originals
+from gc_moe_compat.comm import TOPK_IDX_DTYPE
 from gc_moe_compat.deep_ep._buffer import Buffer
 from gc_moe_compat.deep_ep._config import Config
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
@@ -26,8 +25,10 @@ from gc_moe_compat.originals import MissingOriginalError
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "MissingOriginalError",
            "topk_idx_t"]
 
-topk_idx_t = torch.int64
-"""The routing index dtype DeepEP's kernels take (int32 is accepted too)."""
+topk_idx_t = TOPK_IDX_DTYPE
+"""The routing index dtype, torch.int64 as DeepEP's: every call that takes a ``topk_idx`` (``get_dispatch_layout``,
+``dispatch``, ``low_latency_dispatch``, ``low_latency_combine``) raises ``ValueError`` for another dtype, as DeepEP
+asserts it."""
 
 PROVIDERS = "sgl-deep-ep==0.1.2.post1 (SGLang's pin) or DeepEP"
 

@@ -173,7 +173,8 @@ struct CombineRecord {
 
 // low_latency_dispatch's host work: None, or (launches, recv_x, scales or None, recv_count, src_info, layout_range,
 // private, src_route, routing). ``records``: the dispatch records of the call's other arguments, keyed by
-// (x.shape[0], x.shape[1], topk_idx.shape[1], topk_idx.element_size()).
+// (x.shape[0], x.shape[1], topk_idx.shape[1]); a topk_idx of another dtype than the record's (int64) goes to the
+// Python path, which refuses it.
 py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::handle& idx_obj,
                     const py::handle& stats_obj) {
   const at::Tensor x = plain_tensor(x_obj);
@@ -181,7 +182,7 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
   if (!g_ll.set() || !x.defined() || !idx.defined() || x.dim() != 2 || idx.dim() != 2) {
     return py::none();
   }
-  const py::tuple key = py::make_tuple(x.size(0), x.size(1), idx.size(1), idx.element_size());
+  const py::tuple key = py::make_tuple(x.size(0), x.size(1), idx.size(1));
   // Held for the call (an allocation may run Python code, a dispatch mode's, which could drop it from the dict).
   const auto found = py::reinterpret_borrow<py::object>(PyDict_GetItem(records.ptr(), key.ptr()));
   if (!found) {
@@ -233,21 +234,16 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
                         wrap(std::move(priv)), wrap(std::move(src_route)), wrap(std::move(routing)));
 }
 
-// low_latency_combine's host work: None, or (launches, out, call_gen). ``records``: the combine records of the
-// handle's sizes and the call's flags, keyed by topk_idx.element_size().
-py::object combine(const py::dict& records, const py::handle& src_info_obj, const py::handle& layout_obj,
+// low_latency_combine's host work: None, or (launches, out, call_gen). ``record``: the combine record of the
+// handle's sizes and the call's flags (held by the caller for the call); a topk_idx of another dtype than the
+// record's (int64) goes to the Python path, which refuses it.
+py::object combine(const CombineRecord& r, const py::handle& src_info_obj, const py::handle& layout_obj,
                    const py::handle& route_obj, const py::handle& routing_obj, const py::handle& x_obj,
                    const py::handle& idx_obj, const py::handle& weights_obj, const py::handle& out_obj) {
   const at::Tensor idx = plain_tensor(idx_obj);
   if (!g_ll.set() || !idx.defined()) {
     return py::none();
   }
-  const py::int_ key(idx.element_size());
-  const auto found = py::reinterpret_borrow<py::object>(PyDict_GetItem(records.ptr(), key.ptr()));
-  if (!found) {
-    return py::none();
-  }
-  const auto& r = found.cast<const CombineRecord&>();
   const at::Tensor src_info = plain_tensor(src_info_obj);
   const at::Tensor layout = plain_tensor(layout_obj);
   const at::Tensor route = plain_tensor(route_obj);
@@ -372,7 +368,7 @@ struct NormalDispatchRecord {
                             scale_token_stride, scale_hidden_stride);
     }
     return py::make_tuple(tokens, hidden, static_cast<int64_t>(x_dtype), dtype_code(scale_dtype), num_scales,
-                          scale_token_stride, scale_hidden_stride, topk, dtype_code(idx_dtype), experts);
+                          scale_token_stride, scale_hidden_stride, topk, experts);
   }
 };
 
@@ -442,7 +438,8 @@ py::object receive(const NormalDispatchRecord& r, int64_t rows) {
 // An uncached dispatch's host work before notify's launch: None, or (launch, record, host, tag, local, payload,
 // scales or None, topk_idx or None, topk_weights or None, is_token_in_rank, rank_prefix, channel_prefix, send_head,
 // recv_channel_prefix), every address that does not depend on the received count stored into both parameter sets.
-// ``records``: the uncached records of the call's config and flags, keyed by NormalDispatchRecord::key.
+// ``records``: the uncached records of the call's config and flags, keyed by NormalDispatchRecord::key; a topk_idx
+// of another dtype than the record's (int64) goes to the Python path, which refuses it.
 py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, const py::handle& per_rank_obj,
                            const py::handle& in_rank_obj, const py::handle& per_expert_obj,
                            const py::handle& idx_obj, const py::handle& weights_obj) {
@@ -463,12 +460,10 @@ py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, c
     return py::none();
   }
   const auto scale_dtype = scales.defined() ? std::optional<at::ScalarType>(scales.scalar_type()) : std::nullopt;
-  const auto idx_dtype = with_topk ? std::optional<at::ScalarType>(idx.scalar_type()) : std::nullopt;
   const py::tuple key = py::make_tuple(
       payload.size(0), payload.size(1), static_cast<int64_t>(payload.scalar_type()), dtype_code(scale_dtype),
       scales.defined() ? scales.size(1) : 0, scales.defined() ? scales.stride(0) : 0,
-      scales.defined() ? scales.stride(1) : 0, with_topk ? idx.size(1) : 0, dtype_code(idx_dtype),
-      per_expert.size(0));
+      scales.defined() ? scales.stride(1) : 0, with_topk ? idx.size(1) : 0, per_expert.size(0));
   const py::object found = lookup(records, key);
   if (!found) {
     return py::none();
@@ -713,7 +708,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("launches", &CombineRecord::launches);
   m.def("dispatch", &dispatch, py::arg("records"), py::arg("x"), py::arg("topk_idx"), py::arg("recv_stats"),
         "low_latency_dispatch's checks, allocations and pointer stores for a recorded call shape, or None.");
-  m.def("combine", &combine, py::arg("records"), py::arg("src_info"), py::arg("layout_range"), py::arg("src_route"),
+  m.def("combine", &combine, py::arg("record"), py::arg("src_info"), py::arg("layout_range"), py::arg("src_route"),
         py::arg("routing"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
         "low_latency_combine's checks, allocations and pointer stores for a recorded call shape, or None.");
   py::class_<NormalDispatchRecord>(m, "NormalDispatchRecord")

@@ -7,13 +7,20 @@ arithmetic so that callers size ``num_nvl_bytes`` as they do for DeepEP.
 
 from __future__ import annotations
 
+from gc_moe_compat.comm import TOPK_IDX_DTYPE
 from gc_moe_compat.config import integer
 
-__all__ = ["BUFFER_ALIGNMENT_BYTES", "C_INT_MAX", "INTERNODE_MISSING", "MAX_LAUNCH_SHAPES", "MAX_NVL_RANKS", "Config",
-           "aligned_bytes", "config_field"]
+__all__ = ["BUFFER_ALIGNMENT_BYTES", "C_INT_MAX", "INTERNODE_MISSING", "MAX_LAUNCH_SHAPES", "MAX_NVL_RANKS",
+           "TOPK_IDX_DTYPES", "TOPK_IDX_RULE", "Config", "aligned_bytes", "config_field"]
 
 C_INT_MAX = (1 << 31) - 1
 """DeepEP's sizes and counts are C ``int``s (pybind refuses a larger Python int): the facade's bound for them."""
+
+TOPK_IDX_DTYPES = (TOPK_IDX_DTYPE,)
+"""The dtypes a ``topk_idx`` may have in the calls that take one (both modes): DeepEP's ``topk_idx_t`` only. A call
+shape's compiled host record holds it, so a ``topk_idx`` of another dtype always reaches the Python path's refusal."""
+TOPK_IDX_RULE = f"{TOPK_IDX_DTYPE} (deep_ep.topk_idx_t, which DeepEP asserts)"
+"""How a call refusing a ``topk_idx`` of another dtype names the one it takes (the message's rule)."""
 
 BUFFER_ALIGNMENT_BYTES = 128
 """DeepEP's ``NUM_BUFFER_ALIGNMENT_BYTES``: ``Buffer`` takes ``num_nvl_bytes`` and ``num_rdma_bytes`` in multiples of

@@ -62,7 +62,7 @@ from gc_moe_compat.comm.ep_ll import (
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep import _compiled_host
-from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES
+from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES, TOPK_IDX_DTYPES, TOPK_IDX_RULE
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
@@ -92,7 +92,7 @@ class _State:
         self.mirror = new_status_mirror(device)
         self.codes = status_codes(self.mirror)
         self.launches: dict[tuple, LlLaunches] = {}
-        self.records: dict[tuple, dict[object, object]] = {}
+        self.records: dict[tuple, object] = {}
 
 
 _states: weakref.WeakKeyDictionary[SymmetricWorkspace, _State] = weakref.WeakKeyDictionary()
@@ -108,12 +108,14 @@ def _state(workspace: SymmetricWorkspace, capturing: bool) -> _State:
     return state
 
 
-def _records(state: _State, kind: str, *sizes: object) -> dict[object, object] | None:
+def _records(state: _State, kind: str, *sizes: object) -> object | None:
     """The compiled host path's records of the calls of ``kind`` with these ``sizes`` and flags (the arguments that
     are no tensor) on this thread under the spin timeout setting as set now (a change is seen by the next call, as
-    with :func:`_launches`), keyed by what the extension reads off the tensors (``(T, H, k, index bytes)`` for a
-    dispatch, the index bytes for a combine); None where no call of them passed the Python path yet. Sizes of
-    another type than int (the first two) are never looked up: the Python path checks them."""
+    with :func:`_launches`): for a dispatch a dict keyed by what the extension reads off the tensors (``(T, H, k)``),
+    for a combine (every size of which is its handle's) the one record; None where no call of them passed the
+    Python path yet. Sizes of another type than int (the first two) are never looked up: the Python path checks
+    them. A record holds the dtypes its call checked, so a tensor of another dtype (a ``topk_idx`` other than
+    int64 among them) is never served by it: the extension hands the call to the Python path, which refuses it."""
     if type(sizes[0]) is not int or type(sizes[1]) is not int:
         return None
     return state.records.get(_record_key(kind, sizes))
@@ -125,12 +127,12 @@ def _record_key(kind: str, sizes: tuple) -> tuple:
     return kind, threading.get_ident(), *sizes, spin_timeout_setting()
 
 
-def _remember(state: _State, kind: str, sizes: tuple, shape_key: object, make: Callable[[], object]) -> None:
-    """Keeps the record ``make`` builds for the call shape the Python path just checked (once per shape), where
-    :func:`_records` finds it for the calls of ``kind``, ``sizes`` (exact ints) and ``shape_key``."""
-    records = state.records.setdefault(_record_key(kind, sizes), {})
-    if shape_key not in records:
-        records[shape_key] = make()
+def _remember(records: dict, key: object, make: Callable[[], object]) -> None:
+    """Keeps the record ``make`` builds for the call shape the Python path just checked at ``key`` of ``records``
+    (once per shape), where :func:`_records` finds it: a dispatch's in the dict of its sizes and flags, by
+    ``(T, H, k)``; a combine's in ``state.records``, by :func:`_record_key` of its sizes and flags."""
+    if key not in records:
+        records[key] = make()
 
 
 def raise_recorded(workspace: SymmetricWorkspace) -> None:
@@ -221,13 +223,14 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
 
 
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
-            dense: bool = True) -> torch.Tensor:
+            dense: bool = True, rule: str | None = None) -> torch.Tensor:
     """``t`` as an ``ndim``-D tensor of one of ``dtypes`` on ``device``; ``dense`` (what the kernels read or write):
-    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch)."""
+    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch). ``rule``: how the message
+    names ``dtypes`` (default: their names)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes or t.dim() != ndim:
-        raise ValueError(f"{name}: must be a {ndim}-D tensor of {' or '.join(map(str, dtypes))}, got "
+        raise ValueError(f"{name}: must be a {ndim}-D tensor of {rule or ' or '.join(map(str, dtypes))}, got "
                          f"{tuple(t.shape)} {t.dtype}")
     if not dense and t.device != device:
         raise ValueError(f"{name}: must be on {device} (the buffer's device), got {t.device}")
@@ -274,32 +277,32 @@ def _shape(workspace: SymmetricWorkspace, max_tokens: object, hidden: int, num_e
 
 
 def _launches(workspace: SymmetricWorkspace, state: _State, kind: str, max_tokens: object, hidden: int,
-               num_experts: object, topk: int, num_tokens: int, idx_bytes: int, flags: int,
+               num_experts: object, topk: int, num_tokens: int, flags: int,
                zero_copy: bool = False) -> LlLaunches | None:
     """The packed launches of a call whose sizes were checked before (None: check them, then :func:`_pack`). The key
     holds the sizes as given (only exact ints are looked up, so another type is always checked) and
     ``GC_MOE_SPIN_TIMEOUT_MS`` as set now, so a change of the variable between calls is seen by the next one."""
     if type(max_tokens) is not int or type(num_experts) is not int:
         return None
-    key = (kind, threading.get_ident(), max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes, flags,
-           zero_copy, spin_timeout_setting())
+    key = (kind, threading.get_ident(), max_tokens, hidden, num_experts, topk, num_tokens, flags, zero_copy,
+           spin_timeout_setting())
     return state.launches.get(key)
 
 
-def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShape, num_tokens: int, idx_bytes: int,
-          flags: int, zero_copy: bool = False) -> LlLaunches:
+def _pack(workspace: SymmetricWorkspace, state: _State, kind: str, shape: LlShape, num_tokens: int, flags: int,
+          zero_copy: bool = False) -> LlLaunches:
     """New packed launches of a checked call (the status mirror and, zero-copy, the send rows set once), kept for
     the calls of its key (:func:`_launches`)."""
     setting = spin_timeout_setting()
     fixed = {"x": workspace.buffer.data_ptr() + shape.zero_copy_offset} if zero_copy else {}
-    launches = new_launches(workspace.peer_table, shape, num_tokens=num_tokens, idx_bytes=idx_bytes, flags=flags,
+    launches = new_launches(workspace.peer_table, shape, num_tokens=num_tokens, flags=flags,
                             timeout_ms=spin_timeout_ms(setting), max_ctas=workspace.sm_share,
                             status_mirror=state.mirror.data_ptr(), **fixed)
     if len(state.launches) >= MAX_LAUNCH_SHAPES:  # a decode step's token count: up to Tmax entries per kind
         state.launches.clear()
         state.records.clear()
     key = (kind, threading.get_ident(), shape.max_tokens, shape.hidden, shape.num_experts, shape.topk, num_tokens,
-           idx_bytes, flags, zero_copy, setting)
+           flags, zero_copy, setting)
     state.launches[key] = launches
     return launches
 
@@ -363,7 +366,7 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     the call shape for its later calls (:func:`_remember`)."""
     device = workspace.device
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
-    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     if topk_idx.shape[0] != num_tokens or not 1 <= topk <= MAX_TOPK:
@@ -375,9 +378,7 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: FP8 UE8M0 scales need round_scale=True (UE8M0 holds power-of-two scales; "
                          "DeepEP's rule), got round_scale=False")
-    idx_bytes = topk_idx.element_size()
-    launches = _launches(workspace, state, "dispatch", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
-                         flags)
+    launches = _launches(workspace, state, "dispatch", max_tokens, hidden, num_experts, topk, num_tokens, flags)
     if launches is None:
         shape = _shape(workspace, max_tokens, hidden, num_experts, topk)
         if shape.topk > shape.num_experts:
@@ -386,7 +387,7 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
         if num_tokens > shape.max_tokens:
             raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}"
                              f", got {num_tokens}")
-        launches = _pack(workspace, state, "dispatch", shape, num_tokens, idx_bytes, flags)
+        launches = _pack(workspace, state, "dispatch", shape, num_tokens, flags)
     shape = launches.shape
     ranks, local = shape.num_ranks, shape.local_experts
     slots = ranks * shape.max_tokens
@@ -423,8 +424,8 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     params.call_gen, params.src_route, params.routing = base, base + 4 * route_at, base + 4 * routing_at
     params.recv_stats = 0 if recv_stats is None else recv_stats.data_ptr()
     if fast is not None:  # the record holds the dtypes this call checked and allocated
-        _remember(state, "dispatch", (shape.max_tokens, shape.num_experts, flags),
-                  (num_tokens, hidden, topk, idx_bytes), lambda: fast.DispatchRecord(
+        _remember(state.records.setdefault(_record_key("dispatch", (shape.max_tokens, shape.num_experts, flags)), {}),
+                  (num_tokens, hidden, topk), lambda: fast.DispatchRecord(
                       launches=launches, params=ctypes.addressof(params), device=device, num_tokens=num_tokens,
                       hidden=hidden, topk=topk, local=local, slots=slots, ranks=ranks, groups=groups,
                       route_at=route_at, routing_at=routing_at, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
@@ -470,10 +471,10 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
     if fast is not None and isinstance(handle, LowLatencyHandle) and handle.comes_from(workspace) and \
             (state := _states.get(workspace)) is not None:
         _, _, max_tokens, hidden, num_experts = handle
-        records = _records(state, "combine", max_tokens, num_experts, hidden, handle.topk, handle.num_tokens,
-                           FLAG_SHRINK if shrink else 0, zero_copy)
-        made = None if records is None else fast.combine(records, handle[0], handle[1], handle.src_route,
-                                                         handle.routing, x, topk_idx, topk_weights, out)
+        record = _records(state, "combine", max_tokens, num_experts, hidden, handle.topk, handle.num_tokens,
+                          FLAG_SHRINK if shrink else 0, zero_copy)
+        made = None if record is None else fast.combine(record, handle[0], handle[1], handle.src_route,
+                                                        handle.routing, x, topk_idx, topk_weights, out)
         if made is not None and not capturing:
             raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
     if made is None:
@@ -501,10 +502,9 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
     device = workspace.device
     state = _state(workspace, capturing)
     num_tokens, topk = handle.num_tokens, handle.topk
-    idx_bytes = topk_idx.element_size() if isinstance(topk_idx, torch.Tensor) else 0
     flags = FLAG_SHRINK if shrink else 0
-    launches = _launches(workspace, state, "combine", max_tokens, hidden, num_experts, topk, num_tokens, idx_bytes,
-                         flags, zero_copy)
+    launches = _launches(workspace, state, "combine", max_tokens, hidden, num_experts, topk, num_tokens, flags,
+                         zero_copy)
     if launches is None:
         shape = _shape(workspace, max_tokens, hidden, num_experts, topk, zero_copy=zero_copy)
     else:
@@ -519,7 +519,7 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
     if tuple(x.shape) != (local, slots, hidden):
         raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
                          f"dispatch's layout), got {tuple(x.shape)}")
-    topk_idx = _tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
     expected = (num_tokens, topk)
     if tuple(topk_idx.shape) != expected:
         raise ValueError(f"topk_idx: must be the dispatch's [num_tokens, k] = {list(expected)}, got "
@@ -535,7 +535,7 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
         if tuple(out.shape) != (num_tokens, hidden):
             raise ValueError(f"out: must be [{num_tokens}, {hidden}], got {list(out.shape)}")
     if launches is None:
-        launches = _pack(workspace, state, "combine", shape, num_tokens, idx_bytes, flags, zero_copy)
+        launches = _pack(workspace, state, "combine", shape, num_tokens, flags, zero_copy)
     call_gen = torch.empty(1, dtype=torch.int64, device=device)
     params = launches.params
     if not zero_copy:  # the zero-copy send rows are the workspace's, set once
@@ -545,8 +545,9 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
     params.src_route, params.routing = handle.src_route.data_ptr(), handle.routing.data_ptr()
     params.call_gen = call_gen.data_ptr()
     if fast is not None:  # the record holds the dtypes this call checked and allocated, the routes' the dispatch's
-        _remember(state, "combine", (shape.max_tokens, shape.num_experts, hidden, topk, num_tokens, flags, zero_copy),
-                  idx_bytes, lambda: fast.CombineRecord(
+        _remember(state.records,
+                  _record_key("combine", (shape.max_tokens, shape.num_experts, hidden, topk, num_tokens, flags,
+                                          zero_copy)), lambda: fast.CombineRecord(
                       launches=launches, params=ctypes.addressof(params), device=device, num_tokens=num_tokens,
                       hidden=hidden, topk=topk, local=local, slots=slots, ranks=shape.num_ranks,
                       zero_copy=zero_copy, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,

@@ -86,6 +86,8 @@ from gc_moe_compat.deep_ep._config import (
     INTERNODE_MISSING,
     MAX_LAUNCH_SHAPES,
     MAX_NVL_RANKS,
+    TOPK_IDX_DTYPES,
+    TOPK_IDX_RULE,
     Config,
     config_field,
 )
@@ -295,10 +297,11 @@ def _timeout_ns(setting: str | None) -> int:
 
 
 def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
-            device: torch.device, contiguous: bool = True) -> torch.Tensor:
+            device: torch.device, contiguous: bool = True, rule: str | None = None) -> torch.Tensor:
     """``t`` as a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; TypeError /
-    ValueError naming the argument, the rule and the value otherwise. Every call checks its tensors here: attribute
-    reads and the two method calls contiguity and alignment need, the message built only for a failure."""
+    ValueError naming the argument, the rule and the value otherwise (``rule``: how the message names ``dtypes``,
+    default their names). Every call checks its tensors here: attribute reads and the two method calls contiguity
+    and alignment need, the message built only for a failure."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     fits = t.dtype in dtypes and t.ndim == len(shape)
@@ -308,7 +311,7 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
                 fits = False
     if not fits:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {name} must be {want} of {' or '.join(map(str, dtypes))}, got "
+        raise ValueError(f"{fn}: {name} must be {want} of {rule or ' or '.join(map(str, dtypes))}, got "
                          f"{list(t.shape)} {t.dtype}")
     if t.device != device:
         raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
@@ -527,7 +530,8 @@ class NormalMode:
     # -- get_dispatch_layout ----------------------------------------------------------------------------------------
 
     def _topk_idx(self, fn: str, topk_idx: object, tokens: int | None = None) -> torch.Tensor:
-        topk_idx = _tensor(fn, "topk_idx", topk_idx, (torch.int64, torch.int32), (tokens, None), self.device)
+        topk_idx = _tensor(fn, "topk_idx", topk_idx, TOPK_IDX_DTYPES, (tokens, None), self.device,
+                           rule=TOPK_IDX_RULE)
         if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
             raise ValueError(f"{fn}: topk_idx must have 1 to {MAX_TOPK} columns (top-k), got {topk_idx.shape[1]}")
         return topk_idx
@@ -563,17 +567,17 @@ class NormalMode:
         return num_experts
 
     def _layout_launch(self, fn: str, key: tuple) -> NormalLaunch:
-        """The layout's launch for ``key`` = ``("layout", thread, tokens, topk, experts, idx_bytes, num_sms)``
+        """The layout's launch for ``key`` = ``("layout", thread, tokens, topk, experts, num_sms)``
         (checked: the fixed header fits), packed now unless kept."""
         launch = self._launches.get(key)
         if launch is not None:
             return launch
-        _, _, tokens, topk, experts, idx_bytes, num_sms = key
+        _, _, tokens, topk, experts, num_sms = key
         self._room(fn, HEADER_BYTES, "the fixed header: the kernels' synchronization words, status records and the "
                    "layout's histogram")
         local = experts // self.ranks
         fields = dict(transient=data_offset(self.ranks, local, 1), data_rows=0, num_tokens=tokens, topk=topk,
-                      num_experts=experts, local_experts=local, idx_bytes=idx_bytes)
+                      num_experts=experts, local_experts=local)
         return self._pack(key, ((Entry.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
 
     def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
@@ -583,8 +587,7 @@ class NormalMode:
         topk_idx = self._topk_idx(fn, topk_idx)
         experts = self._experts(fn, "num_experts", num_experts)
         tokens, topk = topk_idx.shape
-        launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts,
-                                          topk_idx.dtype.itemsize, num_sms))
+        launch = self._layout_launch(fn, ("layout", threading.get_ident(), tokens, topk, experts, num_sms))
         stream = self._begin(fn, num_sms)
         per_rank = torch.empty(self.ranks, dtype=_COUNT_DTYPE, device=self.device)
         per_expert = torch.empty(experts, dtype=_COUNT_DTYPE, device=self.device)
@@ -603,13 +606,13 @@ class NormalMode:
 
     def _dispatch_launch(self, fn: str, key: tuple) -> NormalLaunch:
         """A dispatch's launches for ``key`` = ``("dispatch", thread, cached, tokens, hidden, payload element size,
-        scales, topk, idx_bytes, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
+        scales, topk, experts, channels, expert_alignment)`` (``scales``: their columns, token stride and
         column stride, zeros without; a cached dispatch's experts: the ranks), checked (the header and the counts
         fit) and packed now unless kept: notify (uncached: its own parameters), then the dispatch kernel."""
         launch = self._launches.get(key)
         if launch is not None:
             return launch
-        _, _, cached, tokens, hidden, elsize, scales, topk, idx_bytes, experts, channels, expert_alignment = key
+        _, _, cached, tokens, hidden, elsize, scales, topk, experts, channels, expert_alignment = key
         local = experts // self.ranks
         transient = data_offset(self.ranks, local, channels)
         self._counts_room(fn, transient.data, local, 2 * channels)
@@ -618,7 +621,7 @@ class NormalMode:
                       num_channels=channels, num_experts=experts, local_experts=local)
         transfer = dict(**common, hidden=hidden, row_bytes=hidden * elsize, row_stride=row.stride,
                         off_row_scales=row.scales, off_row_topk=row.topk, num_scales=scales[0],
-                        scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk, idx_bytes=idx_bytes)
+                        scale_token_stride=scales[1], scale_hidden_stride=scales[2], topk=topk)
         sms = 2 * channels
         if cached:
             return self._pack(key, ((Entry.DISPATCH, sms, 0),), transfer)
@@ -722,7 +725,7 @@ class NormalMode:
         scale_layout = (0, 0, 0) if scales is None else (scales.shape[1], *scales.stride())
         launch = self._dispatch_launch(fn, (
             "dispatch", threading.get_ident(), cached, tokens, hidden, payload.dtype.itemsize, scale_layout, topk,
-            0 if topk_idx is None else topk_idx.dtype.itemsize, experts, channels, expert_alignment))
+            experts, channels, expert_alignment))
         # A pointer field is 0 for an empty tensor (the kernels' contract): each tensor here is empty exactly when
         # its tokens (or received rows) are none (its other extents are positive).
         p = launch.params[-1]

@@ -176,9 +176,9 @@ __device__ __forceinline__ Wait wait_consumed(const PeerTable& pt, const EpLlPar
     return is_masked(pt, p, rank) ? kMasked : kArrived;
 }
 
+// Routing entry f of p.topk_idx as given (int64: DeepEP's topk_idx_t, the only dtype the host passes).
 __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
-    return p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
-                            : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
+    return reinterpret_cast<const long long*>(p.topk_idx)[f];
 }
 
 // The checked expert of routing entry f of p.topk_idx: -1 for an unused slot or a dropped one (an id outside

@@ -38,7 +38,6 @@ struct EpLlParams {
     unsigned int num_experts;
     unsigned int local_experts;
     unsigned int max_tokens;
-    unsigned int idx_bytes;
     unsigned int flags;
     unsigned int row_stride;
     unsigned int phase;

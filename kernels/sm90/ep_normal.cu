@@ -122,12 +122,11 @@ __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNorma
     __threadfence_system();
 }
 
-// Routing entry f's global expert; -1 for an unused slot. An id >= num_experts or < -1 is reported (when `status` is
-// given; a negative one as its negation, as the low-latency kernels do) and treated as unused, never used as an
-// address.
+// Routing entry f's global expert (p.topk_idx is int64: DeepEP's topk_idx_t, the only dtype the host passes); -1 for
+// an unused slot. An id >= num_experts or < -1 is reported (when `status` is given; a negative one as its negation,
+// as the low-latency kernels do) and treated as unused, never used as an address.
 __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
-    const long long e = p.idx_bytes == 8 ? reinterpret_cast<const long long*>(p.topk_idx)[f]
-                                         : static_cast<long long>(reinterpret_cast<const int*>(p.topk_idx)[f]);
+    const long long e = reinterpret_cast<const long long*>(p.topk_idx)[f];
     if (e >= static_cast<long long>(p.num_experts)) {
         if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteExpertRange << 16,
                                           static_cast<u64>(e), p.num_experts);
@@ -519,17 +518,14 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
         if (slot) {
             const u64 f = static_cast<u64>(j) * p.topk + lane;
-            if (p.idx_bytes == 8) reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
-            else reinterpret_cast<int*>(p.recv_topk_idx)[f] = static_cast<int>(e);
+            reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
             reinterpret_cast<float*>(p.recv_topk_weights)[f] = weight;
         }
     }
     if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
         const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
-        for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads) {
-            if (p.idx_bytes == 8) reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
-            else reinterpret_cast<int*>(p.recv_topk_idx)[f] = -1;
-        }
+        for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads)
+            reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
     }
     phase_mark(kDispatchPhases, 4);
     if (ok && p.recv_channel_prefix && blockIdx.x == 0) {

@@ -61,7 +61,6 @@ struct EpNormalParams {
     unsigned int num_channels;
     unsigned int recv_rows;
     unsigned int expert_alignment;
-    unsigned int idx_bytes;
 };
 static_assert(sizeof(EpNormalParams) == 368, "EpNormalParams must match gc_moe_compat/comm/ep_normal.py");
 

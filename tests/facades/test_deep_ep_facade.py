@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from ll_launches import Launch, record_ll_launches
 
-from gc_moe_compat.comm import ep_ll
+from gc_moe_compat import deep_ep
+from gc_moe_compat.comm import TOPK_IDX_DTYPE, ep_ll
 from gc_moe_compat.comm.ep_ll import HEADER_BYTES, HINT_TOPK, MAX_SMS, Kernel, LlShape, required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _buffer
-from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX
+from gc_moe_compat.deep_ep._config import BUFFER_ALIGNMENT_BYTES, C_INT_MAX, TOPK_IDX_DTYPES
 from gc_moe_compat.runtime.workspace import PeerTable
 
 T_MAX, HIDDEN, EXPERTS, TOPK, TOKENS = 8, 256, 8, 4, 5
@@ -61,10 +62,9 @@ def ll(make_ll: Callable[..., Buffer]) -> Buffer:
     return make_ll()
 
 
-def _inputs(tokens: int = TOKENS, hidden: int = HIDDEN, topk: int = TOPK,
-            idx_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(tokens: int = TOKENS, hidden: int = HIDDEN, topk: int = TOPK) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    topk_idx = torch.randint(-1, EXPERTS, (tokens, topk)).to(idx_dtype)
+    topk_idx = torch.randint(-1, EXPERTS, (tokens, topk), dtype=torch.int64)
     return x, topk_idx
 
 
@@ -279,23 +279,22 @@ def test_dispatch_fp8_layout_and_launches(ll: Buffer, launches: list) -> None:
     p = launches[0][1]
     assert (p.num_tokens, p.topk, p.hidden, p.num_experts, p.local_experts, p.max_tokens) == (
         TOKENS, TOPK, HIDDEN, EXPERTS, EXPERTS, T_MAX)
-    assert (p.flags, p.idx_bytes, p.x, p.topk_idx, p.recv_x, p.recv_scales, p.recv_count, p.recv_stats) == (
-        ep_ll.FLAG_FP8, 8, x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr(), scales.data_ptr(),
+    assert (p.flags, p.x, p.topk_idx, p.recv_x, p.recv_scales, p.recv_count, p.recv_stats) == (
+        ep_ll.FLAG_FP8, x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr(), scales.data_ptr(),
         recv_count.data_ptr(), 0)
     assert bytes(launches[1][1]) == bytes(p)  # the receive half runs with the same parameters
 
 
-def test_dispatch_ue8m0_bf16_int32_and_stats(ll: Buffer, launches: list) -> None:
+def test_dispatch_ue8m0_bf16_and_stats(ll: Buffer, launches: list) -> None:
     # UE8M0: four power-of-two exponents per int32, column-major [e][H/512][P*Tmax] words (DeepEP's packed layout).
     (recv_x, scales), *_ = _dispatch(ll, inputs=_inputs(hidden=512), round_scale=True, use_ue8m0=True)
     assert (scales.shape, scales.dtype, scales.stride()) == ((EXPERTS, T_MAX, 1), torch.int32, (T_MAX, 1, T_MAX))
     assert launches[-1][1].flags == ep_ll.FLAG_FP8 | ep_ll.FLAG_ROUND_SCALE | ep_ll.FLAG_UE8M0
     stats = torch.zeros(EXPERTS, dtype=torch.int32)
-    recv_x, *_ = _dispatch(ll, inputs=_inputs(idx_dtype=torch.int32), use_fp8=False,
-                           cumulative_local_expert_recv_stats=stats)
+    recv_x, *_ = _dispatch(ll, use_fp8=False, cumulative_local_expert_recv_stats=stats)
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (EXPERTS, T_MAX, HIDDEN)
     p = launches[-1][1]
-    assert (p.flags, p.idx_bytes, p.recv_scales, p.recv_stats) == (0, 4, 0, stats.data_ptr())
+    assert (p.flags, p.recv_scales, p.recv_stats) == (0, 0, stats.data_ptr())
 
 
 def test_combine_layout_and_launches(ll: Buffer, launches: list) -> None:
@@ -333,6 +332,10 @@ def _bf16(*shape: int) -> torch.Tensor:
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
+TOPK_IDX_REFUSED = (r"^topk_idx: must be a 2-D tensor of torch.int64 \(deep_ep.topk_idx_t, which DeepEP asserts\), "
+                    r"got {shape} {dtype}$")
+"""The refusal of a ``topk_idx`` of another dtype than DeepEP's ``topk_idx_t`` (int64), by dispatch and combine."""
+
 DISPATCH_ERRORS = [
     ("x list", dict(inputs=([[0.0]], torch.zeros(1, 1, dtype=torch.int64))), TypeError, "x: must be a torch.Tensor"),
     ("x float32", dict(inputs=(torch.zeros(TOKENS, HIDDEN), torch.zeros(TOKENS, TOPK, dtype=torch.int64))),
@@ -345,7 +348,9 @@ DISPATCH_ERRORS = [
     ("x strided", dict(inputs=(_bf16(HIDDEN, TOKENS).t(), torch.zeros(TOKENS, TOPK, dtype=torch.int64))), ValueError,
      "contiguous=False"),
     ("topk_idx float", dict(inputs=(_bf16(TOKENS, HIDDEN), torch.zeros(TOKENS, TOPK))), ValueError,
-     "topk_idx: must be a 2-D tensor of torch.int64 or torch.int32"),
+     TOPK_IDX_REFUSED.format(shape=r"\(5, 4\)", dtype="torch.float32")),
+    ("topk_idx int32", dict(inputs=(_bf16(TOKENS, HIDDEN), torch.zeros(TOKENS, TOPK, dtype=torch.int32))), ValueError,
+     TOPK_IDX_REFUSED.format(shape=r"\(5, 4\)", dtype="torch.int32")),
     ("topk_idx rows", dict(inputs=(_bf16(TOKENS, HIDDEN), torch.zeros(TOKENS + 1, TOPK, dtype=torch.int64))),
      ValueError, r"topk_idx: must be \[num_tokens=5, k\]"),
     ("topk 33", dict(inputs=(_bf16(TOKENS, HIDDEN), torch.zeros(TOKENS, 33, dtype=torch.int64))), ValueError,
@@ -368,6 +373,12 @@ DISPATCH_ERRORS = [
     ("stats length", dict(cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32)), ValueError,
      "cumulative_local_expert_recv_stats: must have num_experts / group size = 8 entries, got 3"),
 ]
+
+
+def test_topk_idx_t_is_the_one_dtype_the_calls_take() -> None:
+    """``deep_ep.topk_idx_t`` is DeepEP's (torch.int64) and the object the calls check ``topk_idx`` against."""
+    assert deep_ep.topk_idx_t is TOPK_IDX_DTYPE is torch.int64
+    assert (deep_ep.topk_idx_t,) == TOPK_IDX_DTYPES
 
 
 @pytest.mark.parametrize(("case", "kw", "error", "match"), DISPATCH_ERRORS, ids=[c[0] for c in DISPATCH_ERRORS])
@@ -420,6 +431,8 @@ COMBINE_ERRORS = [
     ("x float32", dict(x=torch.zeros(EXPERTS, T_MAX, HIDDEN)), ValueError, "x: must be a 3-D tensor of torch.bfloat16"),
     ("topk_idx shape", dict(topk_idx=torch.zeros(TOKENS, TOPK - 1, dtype=torch.int64)), ValueError,
      r"topk_idx: must be the dispatch's \[num_tokens, k\] = \[5, 4\]"),
+    ("topk_idx int32", dict(topk_idx=torch.zeros(TOKENS, TOPK, dtype=torch.int32)), ValueError,
+     TOPK_IDX_REFUSED.format(shape=r"\(5, 4\)", dtype="torch.int32")),
     ("weights float16", dict(topk_weights=torch.zeros(TOKENS, TOPK, dtype=torch.float16)), ValueError,
      "topk_weights: must be a 2-D tensor of torch.float32"),
     ("weights shape", dict(topk_weights=torch.zeros(TOKENS, TOPK + 1)), ValueError,

@@ -2,17 +2,17 @@
 (:mod:`gc_moe_compat.testing.ep_reference`), on one rank and on two (issue 6's ``deep_ep`` swap target).
 
 Each test runs ``deep_ep_ll_worker.py`` under torchrun: every payload mode (FP8, power-of-two scales, UE8M0, BF16),
-int64/int32 routing with holes, a rank without tokens, hook and async variants (a call with a receive hook is two
-launches per direction, one without: both halves in one kernel), the zero-copy combine (its ``x`` poisoned), DeepEP's
-handle contents (``src_info`` the source token, ``layout_range``), two dispatches in flight, a one-launch dispatch
-inside a hooked one, 200 consecutive calls, cumulative statistics, captured CUDA graphs (each direction once with a
-hook, once without) replayed with fresh inputs and then 1000 times bit-identically, (two ranks) a missing peer ending in
-``DeviceTimeoutError`` (raised by the next call: no call waits on the CPU, as with DeepEP) followed by a working new
-Buffer, the invalid values only the device sees (ids >= E, < -1, 2**40, a repeated expert, another combine topk_idx than
-the dispatch's, a NaN weight: dropped with the rest exact, reported by the next call), rank masking, the communication
-partition (``GC_MOE_DEEP_EP_PARTITION=on``; off, the default, everywhere else), and a round under
-``torch.set_default_device('cuda')`` (DeepEP's own test harness sets it; the facade's allocations must name their
-device).
+int64 routing with holes (int32 refused by both calls), a rank without tokens, hook and async variants (a call with a
+receive hook is two launches per direction, one without: both halves in one kernel), the zero-copy combine (its ``x``
+poisoned), DeepEP's handle contents (``src_info`` the source token, ``layout_range``), two dispatches in flight, a
+one-launch dispatch inside a hooked one, 200 consecutive calls, cumulative statistics, captured CUDA graphs (each
+direction once with a hook, once without) replayed with fresh inputs and then 1000 times bit-identically, (two ranks) a
+missing peer ending in ``DeviceTimeoutError`` (raised by the next call: no call waits on the CPU, as with DeepEP)
+followed by a working new Buffer, the invalid values only the device sees (ids >= E, < -1, 2**40, a repeated expert,
+another combine topk_idx than the dispatch's, a NaN weight: dropped with the rest exact, reported by the next call),
+rank masking, the communication partition (``GC_MOE_DEEP_EP_PARTITION=on``; off, the default, everywhere else), and a
+round under ``torch.set_default_device('cuda')`` (DeepEP's own test harness sets it; the facade's allocations must name
+their device).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def run_suite(suite: str, nproc: int, *expected: str) -> str:
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_modes(nproc: int) -> None:
-    out = run_suite("modes", nproc, "mode cases bit-exact", "two dispatches in flight bit-exact",
+    out = run_suite("modes", nproc, "mode cases bit-exact", "int32 topk_idx -> low_latency_dispatch -> ValueError",
+                    "int32 topk_idx -> low_latency_combine -> ValueError", "two dispatches in flight bit-exact",
                     "a one-launch dispatch inside a hooked one bit-exact", "200 consecutive calls bit-exact",
                     "cumulative_local_expert_recv_stats = reference")
     assert out.count("200 consecutive calls bit-exact") == nproc

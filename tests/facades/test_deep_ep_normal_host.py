@@ -81,6 +81,11 @@ def test_configs_and_hints_are_deepeps() -> None:
         Config().get_nvl_buffer_size_hint(1.5, 8)
 
 
+TOPK_IDX_REFUSED = (r"^{fn}: topk_idx must be \[{rows}, \*\] of torch.int64 "
+                    r"\(deep_ep.topk_idx_t, which DeepEP asserts\), got \[6, 4\] {dtype}$")
+"""The refusal of a ``[6, 4]`` ``topk_idx`` of another dtype than DeepEP's ``topk_idx_t`` (int64)."""
+
+
 def _layout_inputs() -> tuple[torch.Tensor, ...]:
     idx = torch.randint(-1, E, (T, K))
     x = torch.randn(T, H).to(torch.bfloat16)
@@ -93,8 +98,10 @@ def test_layout_checks(buf: Buffer) -> None:
     cases = [
         (TypeError, "get_dispatch_layout: topk_idx must be a torch.Tensor, got list",
          lambda: buf.get_dispatch_layout([[0]], E)),
-        (ValueError, r"topk_idx must be \[\*, \*\] of torch.int64 or torch.int32, got \[6, 4\] torch.float32",
+        (ValueError, TOPK_IDX_REFUSED.format(fn="get_dispatch_layout", rows=r"\*", dtype="torch.float32"),
          lambda: buf.get_dispatch_layout(idx.float(), E)),
+        (ValueError, TOPK_IDX_REFUSED.format(fn="get_dispatch_layout", rows=r"\*", dtype="torch.int32"),
+         lambda: buf.get_dispatch_layout(idx.int(), E)),
         (ValueError, "topk_idx must have 1 to 32 columns", lambda: buf.get_dispatch_layout(torch.zeros(2, 33,
                                                                                                          dtype=torch.int64),
                                                                                                E)),
@@ -131,6 +138,8 @@ def test_dispatch_checks(buf: Buffer) -> None:
         (ValueError, r"is_token_in_rank must be \[6, 1\] of torch.bool", dict(x=x, **{**layout,
                                                                                    "is_token_in_rank": in_rank[:2]})),
         (ValueError, "topk_idx and topk_weights go together", dict(x=x, topk_idx=idx, **layout)),
+        (ValueError, TOPK_IDX_REFUSED.format(fn="dispatch", rows=T, dtype="torch.int32"),
+         dict(x=x, topk_idx=idx.int(), topk_weights=w, **layout)),
         (ValueError, r"topk_weights must be \[6, 4\] of torch.float32", dict(x=x, topk_idx=idx, topk_weights=w[:, :2],
                                                                            **layout)),
         (ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights", dict(x=x, num_worst_tokens=4, **layout)),

@@ -96,7 +96,7 @@ class Calls:
     """A scenario's calls on one Buffer: an uncached dispatch, a cached one on its handle, a combine of its rows."""
 
     def __init__(self, buf: Buffer, fake: FakeDriver, ranks: int, tokens: int, topk: int, fp8: str | None,
-                 recv: int, sms: int, idx_dtype: torch.dtype, align_to: int, worst: int, bias: str | None,
+                 recv: int, sms: int, align_to: int, worst: int, bias: str | None,
                  weights: bool) -> None:
         self.buf, self.fake, self.ranks, self.sms = buf, fake, ranks, sms
         experts = 8 * ranks
@@ -109,7 +109,7 @@ class Calls:
                 torch.randint(0, 1 << 20, (tokens, 3), generator=g, dtype=torch.int32) if fp8 == "i32" else \
                 torch.rand(tokens, 3, generator=g)
             self.x = (x.to(torch.float8_e4m3fn), scales)
-        self.idx = torch.randint(-1, experts, (tokens, topk), generator=g).to(idx_dtype) if topk else None
+        self.idx = torch.randint(-1, experts, (tokens, topk), generator=g) if topk else None
         self.w = torch.rand(tokens, topk, generator=g) if topk else None
         self.in_rank = torch.rand(tokens, ranks, generator=g) < 0.5
         self.per_rank = self.in_rank.sum(0).to(torch.int32)
@@ -163,18 +163,18 @@ class Calls:
         return seen
 
 
-SHAPES = {  # ranks, tokens, topk, fp8, recv, sms, index dtype, expert_alignment, num_worst_tokens, bias, weights
-    "bf16-int64": (1, 5, 4, None, 9, 8, torch.int64, 1, 0, None, True),
-    "fp8-f32-int32": (2, 300, 8, "f32", 420, 24, torch.int32, 1, 0, "tensor", True),
-    "fp8-i32-scales": (2, 64, 2, "i32", 100, 2, torch.int64, 1, 0, "0", False),
-    "fp8-colmajor-scales": (2, 64, 4, "f32-colmajor", 33, 8, torch.int32, 1, 0, "1", True),
-    "no-topk": (1, 64, 0, None, 40, 8, torch.int64, 1, 0, "01", False),
-    "no-topk-fp8": (2, 64, 0, "f32", 40, 40, torch.int64, 1, 0, None, True),
-    "expert-alignment": (2, 64, 4, None, 10, 8, torch.int64, 128, 0, None, True),
-    "num-worst-tokens": (2, 64, 4, "f32", 0, 8, torch.int32, 1, 77, "01", True),
-    "nothing-received": (1, 5, 4, None, 0, 8, torch.int64, 1, 0, None, True),
-    "no-tokens": (2, 0, 4, None, 6, 8, torch.int64, 1, 0, "01", True),
-    "no-tokens-fp8": (1, 0, 3, "f32", 0, 8, torch.int32, 1, 0, "tensor", False),
+SHAPES = {  # ranks, tokens, topk, fp8, recv, sms, expert_alignment, num_worst_tokens, bias, weights
+    "bf16": (1, 5, 4, None, 9, 8, 1, 0, None, True),
+    "fp8-f32": (2, 300, 8, "f32", 420, 24, 1, 0, "tensor", True),
+    "fp8-i32-scales": (2, 64, 2, "i32", 100, 2, 1, 0, "0", False),
+    "fp8-colmajor-scales": (2, 64, 4, "f32-colmajor", 33, 8, 1, 0, "1", True),
+    "no-topk": (1, 64, 0, None, 40, 8, 1, 0, "01", False),
+    "no-topk-fp8": (2, 64, 0, "f32", 40, 40, 1, 0, None, True),
+    "expert-alignment": (2, 64, 4, None, 10, 8, 128, 0, None, True),
+    "num-worst-tokens": (2, 64, 4, "f32", 0, 8, 1, 77, "01", True),
+    "nothing-received": (1, 5, 4, None, 0, 8, 1, 0, None, True),
+    "no-tokens": (2, 0, 4, None, 6, 8, 1, 0, "01", True),
+    "no-tokens-fp8": (1, 0, 3, "f32", 0, 8, 1, 0, "tensor", False),
 }
 
 
@@ -203,7 +203,7 @@ def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.Pro
                                                monkeypatch: pytest.MonkeyPatch, driver_fake: FakeDriver,
                                                python_calls: list) -> None:
     """The compiled path's outputs are each call's own tensors, and its launches point at them."""
-    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 64, 4, "f32", 20, 8, torch.int64, 1, 0, None, True)
+    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 64, 4, "f32", 20, 8, 1, 0, None, True)
     firsts = [calls.buf.dispatch(**calls.dispatch()) for _ in range(2)]
     python_calls.clear()
     driver_fake.launches = []
@@ -223,7 +223,7 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
     a flag's type or range, a forged handle, a bias form) raises what ``GC_MOE_DEEP_EP_HOST_PATH=python`` raises,
     message included, through the Python path, and launches nothing; arguments the Python path accepts but the
     records do not (tensor subclasses, a tuple subclass) run the Python path."""
-    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 6, 4, "f32", 5, 8, torch.int64, 1, 0, "01", True)
+    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 6, 4, "f32", 5, 8, 1, 0, "01", True)
     buf, cfg = calls.buf, Config(8, 6, 256)
     handle = None
     for _ in range(2):
@@ -250,8 +250,8 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
         "in_rank shape": dict(is_token_in_rank=calls.in_rank[:3]),
         "per_expert odd": dict(num_tokens_per_expert=calls.per_expert[:5]),
         "idx without weights": dict(topk_weights=None), "weights without idx": dict(topk_idx=None),
-        "idx float": dict(topk_idx=calls.idx.float()), "idx 33": dict(topk_idx=torch.zeros(6, 33, dtype=torch.int64),
-                                                                       topk_weights=torch.zeros(6, 33)),
+        "idx float": dict(topk_idx=calls.idx.float()), "idx int32": dict(topk_idx=calls.idx.int()),
+        "idx 33": dict(topk_idx=torch.zeros(6, 33, dtype=torch.int64), topk_weights=torch.zeros(6, 33)),
         "idx 0": dict(topk_idx=calls.idx[:, :0], topk_weights=calls.w[:, :0]),
         "weights float64": dict(topk_weights=calls.w.double()), "weights shape": dict(topk_weights=calls.w[:, :2]),
         "worst without topk": dict(topk_idx=None, topk_weights=None, num_worst_tokens=4),
@@ -321,13 +321,50 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
         assert python_calls and python_calls[0] in ("_checked_dispatch", "_checked_combine")
 
 
+TOPK_IDX_REFUSED = (r"^{fn}: topk_idx must be \[{rows}, \*\] of torch.int64 "
+                    r"\(deep_ep.topk_idx_t, which DeepEP asserts\), got \[6, 4\] torch.int32$")
+
+
+def test_an_int32_topk_idx_is_refused_after_its_shape_was_recorded(fast: ModuleType, group: dist.ProcessGroup,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   driver_fake: FakeDriver,
+                                                                   python_calls: list) -> None:
+    """DeepEP's ``topk_idx_t`` is int64: once int64 dispatches of a shape have built its record (the second one
+    takes the compiled path), an int32 ``topk_idx`` of the same shape is never served by it: each such dispatch,
+    first and second, runs the Python path and raises its ``ValueError`` (the message of
+    ``GC_MOE_DEEP_EP_HOST_PATH=python``), launching nothing; ``get_dispatch_layout`` (checked in Python at every
+    call) refuses it alike after int64 calls of its shape."""
+    buf = _buffer(group, monkeypatch, 2)
+    calls = Calls(buf, driver_fake, 2, 6, 4, None, 5, 8, 1, 0, None, True)
+    for _ in range(2):
+        buf.get_dispatch_layout(calls.idx, 16)
+        buf.dispatch(**calls.dispatch())
+    assert python_calls.count("_checked_dispatch") == 1  # the second dispatch: the compiled path
+    launched = len(driver_fake.launches)
+    narrow = calls.idx.int()
+    for fn, rows, call in (("dispatch", 6, lambda: buf.dispatch(**calls.dispatch() | dict(topk_idx=narrow))),
+                           ("get_dispatch_layout", r"\*", lambda: buf.get_dispatch_layout(narrow, 16))):
+        python_calls.clear()
+        for _ in range(2):
+            with pytest.raises(ValueError, match=TOPK_IDX_REFUSED.format(fn=fn, rows=rows)):
+                call()
+        assert python_calls == (["_checked_dispatch"] * 2 if fn == "dispatch" else [])
+    error = same_on_both_paths(lambda: buf.dispatch(**calls.dispatch() | dict(topk_idx=narrow)), monkeypatch,
+                               python_calls)
+    assert error is not None and error[0] is ValueError
+    assert len(driver_fake.launches) == launched
+    python_calls.clear()
+    buf.dispatch(**calls.dispatch())
+    assert python_calls == []  # the int64 call still takes the compiled path
+
+
 def test_a_new_shape_gets_its_own_record(fast: ModuleType, group: dist.ProcessGroup,
                                          monkeypatch: pytest.MonkeyPatch, driver_fake: FakeDriver,
                                          python_calls: list) -> None:
     """Another token count, flag or config is a new record (its first call the Python path); each shape's later
     calls take the compiled path, whichever ran in between; records are cleared with the launches they hold."""
     buf = _buffer(group, monkeypatch, 1)
-    shapes = {t: Calls(buf, driver_fake, 1, t, 2, None, 3, 8, torch.int64, 1, 0, None, False) for t in (3, 9)}
+    shapes = {t: Calls(buf, driver_fake, 1, t, 2, None, 3, 8, 1, 0, None, False) for t in (3, 9)}
     for t in (3, 9, 3, 9):
         buf.dispatch(**shapes[t].dispatch())
     buf.dispatch(**shapes[3].dispatch() | dict(expert_alignment=4))
@@ -350,7 +387,7 @@ def test_the_variable_forces_the_python_path(fast: ModuleType, group: dist.Proce
                                              python_calls: list) -> None:
     """``GC_MOE_DEEP_EP_HOST_PATH=python``: every call checks in Python, records or not, and builds none."""
     buf = _buffer(group, monkeypatch, 2)
-    calls = Calls(buf, driver_fake, 2, 6, 4, None, 5, 8, torch.int64, 1, 0, None, True)
+    calls = Calls(buf, driver_fake, 2, 6, 4, None, 5, 8, 1, 0, None, True)
     monkeypatch.setenv(ENV, "python")
     calls.run()
     assert buf.normal._records == {}
@@ -373,7 +410,7 @@ def test_recorded_errors_are_raised_before_a_compiled_launch(fast: ModuleType, g
     """What the kernels recorded is raised at the next call's launch boundary on the compiled path too, before its
     launches and its op number."""
     buf = _buffer(group, monkeypatch, 2)
-    calls = Calls(buf, driver_fake, 2, 6, 4, None, 5, 8, torch.int64, 1, 0, None, True)
+    calls = Calls(buf, driver_fake, 2, 6, 4, None, 5, 8, 1, 0, None, True)
     calls.run()
     handle = buf.dispatch(**calls.dispatch())[4]
     record = KernelStatus(code=2, site=ep_normal.NormalSite.EXPERT_RANGE << 16, observed=300, expected=16)

@@ -201,15 +201,14 @@ class Session:
 
     # -- calls ------------------------------------------------------------------------------------------------------
 
-    def layout(self, tokens: int, topk: int, experts: int, dtype: torch.dtype = torch.int64, **flags: object
-               ) -> tuple:
-        idx = torch.randint(-1, experts, (tokens, topk), generator=self.gen(tokens + topk), dtype=torch.int64).to(dtype)
+    def layout(self, tokens: int, topk: int, experts: int, **flags: object) -> tuple:
+        idx = torch.randint(-1, experts, (tokens, topk), generator=self.gen(tokens + topk), dtype=torch.int64)
         out = self.buf.get_dispatch_layout(idx, experts, **flags)
         per_rank, _, per_expert, in_rank, _ = out
         fields = dict(**transient(self.ranks, experts // self.ranks, 1), data_rows=0, topk_idx=ptr(idx),
                       is_token_in_rank=ptr(in_rank), num_tokens_per_rank=per_rank.data_ptr(),
                       num_tokens_per_expert=per_expert.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
-                      local_experts=experts // self.ranks, idx_bytes=idx.element_size())
+                      local_experts=experts // self.ranks)
         grid = min(Buffer.num_sms, -(-tokens // 256))
         self.check(f"get_dispatch_layout T={tokens} k={topk}", [self.launch(LAYOUT, grid, self.params(**fields))])
         return idx, out
@@ -268,7 +267,7 @@ class Session:
             recv_src_idx=ptr(recv_src_idx), hidden=H, row_bytes=row_bytes, row_stride=stride,
             off_row_scales=16 + row_bytes, off_row_topk=top, num_scales=num_scales,
             scale_token_stride=0 if sc is None else sc.stride(0), scale_hidden_stride=0 if sc is None else sc.stride(1),
-            topk=k, recv_rows=rows, idx_bytes=0 if idx is None else idx.element_size())
+            topk=k, recv_rows=rows)
         self.check(f"dispatch T={tokens} k={topk} fp8={fp8} recv={rows}",
                    [self.launch(NOTIFY, 1 + -(-ranks * channels // 8), notify),
                     self.launch(DISPATCH, sms, send)])
@@ -335,9 +334,8 @@ class Session:
 def calls(s: Session, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sequence of calls, each checked as it is made."""
     experts = 8 * s.ranks
-    for tokens, topk, dtype in ((0, 4, torch.int64), (1, 1, torch.int32), (257, 8, torch.int64),
-                                (700, 3, torch.int32), (6000, 2, torch.int64)):
-        s.layout(tokens, topk, experts, dtype)
+    for tokens, topk in ((0, 4), (1, 1), (257, 8), (700, 3), (6000, 2)):
+        s.layout(tokens, topk, experts)
     s.layout(33, 4, experts, async_finish=True)
     s.layout(33, 4, experts, previous_event=EventOverlap(FakeEvent(s.fake)), async_finish=True,
              allocate_on_comm_stream=True)

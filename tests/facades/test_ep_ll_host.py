@@ -109,7 +109,7 @@ def test_packed_launches_set_each_launch_phase_and_pass_the_shared_arguments(mon
             ctypes.c_void_p.from_address(args + 8).value)))))
     table = PeerTable(base=0x1000, rank=0, world_size=1)
     shape = LlShape(1, 8, 8, 128, 2)
-    launches = ep_ll.new_launches(table, shape, num_tokens=3, idx_bytes=8, flags=0, timeout_ms=None, max_ctas=20,
+    launches = ep_ll.new_launches(table, shape, num_tokens=3, flags=0, timeout_ms=None, max_ctas=20,
                                   status_mirror=0x40)
     launches.params.x = 0x100
     hook = launches.detached()
@@ -143,7 +143,7 @@ def test_fused_launches_run_both_halves_with_the_fused_grid(monkeypatch: pytest.
     monkeypatch.setattr(ep_ll, "launch_on", lambda partition, role, kernel, grid, block, args, stream: record(
         kernel.handle, grid, args.address))
     shape = LlShape(8, 288, 128, 7168, 8)  # 36 local experts
-    launches = ep_ll.new_launches(PeerTable(), shape, num_tokens=5, idx_bytes=8, flags=0, timeout_ms=None,
+    launches = ep_ll.new_launches(PeerTable(), shape, num_tokens=5, flags=0, timeout_ms=None,
                                   max_ctas=100)
     for kernel in Kernel:
         launches.launch_fused(kernel, "stream")
@@ -279,7 +279,7 @@ def test_fused_grid_examples() -> None:
 
 def test_make_params() -> None:
     shape = LlShape(4, 64, 32, 1024, 6)
-    p = ep_ll.make_params(shape, num_tokens=17, idx_bytes=4, flags=ep_ll.FLAG_FP8 | ep_ll.FLAG_UE8M0,
+    p = ep_ll.make_params(shape, num_tokens=17, flags=ep_ll.FLAG_FP8 | ep_ll.FLAG_UE8M0,
                           timeout_ms=250, x=0x1000, call_gen=0x2000)
     assert (p.x, p.call_gen, p.topk_weights, p.out) == (0x1000, 0x2000, 0, 0)
     assert p.timeout_ns == 250_000_000
@@ -287,7 +287,7 @@ def test_make_params() -> None:
         ep_ll._SEQ, ep_ll._ARRIVE, ep_ll._CONSUMED, ep_ll._READY, ep_ll._STATUS, ep_ll._COUNTS)
     assert (p.off_recv_stage, p.off_combine_stage) == (shape.recv_stage_offset, shape.combine_stage_offset)
     assert (p.num_tokens, p.topk, p.hidden, p.num_experts, p.local_experts, p.max_tokens) == (17, 6, 1024, 64, 16, 32)
-    assert (p.idx_bytes, p.flags, p.row_stride) == (4, 5, 16 + 2048)
+    assert (p.flags, p.row_stride) == (5, 16 + 2048)
 
 
 def test_check_rank_count() -> None:
@@ -579,15 +579,15 @@ def test_params_come_from_a_cached_template_with_fresh_pointers(monkeypatch: pyt
     """make_params: every field as a full construction gives it, a new struct per call (a later call's pointers do
     not change an earlier one's), the spin timeout read per call, an unknown pointer name refused."""
     shape = LlShape(2, EXPERTS, T_MAX, HIDDEN, TOPK)
-    a = ep_ll.make_params(shape, num_tokens=3, idx_bytes=4, flags=ep_ll.FLAG_SHRINK, x=16, call_gen=32)
-    b = ep_ll.make_params(shape, num_tokens=3, idx_bytes=4, flags=ep_ll.FLAG_SHRINK, x=48)
+    a = ep_ll.make_params(shape, num_tokens=3, flags=ep_ll.FLAG_SHRINK, x=16, call_gen=32)
+    b = ep_ll.make_params(shape, num_tokens=3, flags=ep_ll.FLAG_SHRINK, x=48)
     want = ep_ll.EpLlParams(x=16, call_gen=32, timeout_ns=ep_ll.spin_timeout_ns(), off_seq=ep_ll._SEQ,
                             off_arrive=ep_ll._ARRIVE, off_consumed=ep_ll._CONSUMED, off_ready=ep_ll._READY,
                             off_status=ep_ll._STATUS, off_mask=ep_ll._MASK, off_counts=ep_ll._COUNTS,
                             off_recv_stage=shape.recv_stage_offset, off_combine_stage=shape.combine_stage_offset,
                             num_tokens=3, topk=TOPK, hidden=HIDDEN, num_experts=EXPERTS,
-                            local_experts=shape.local_experts, max_tokens=T_MAX, idx_bytes=4,
-                            flags=ep_ll.FLAG_SHRINK, row_stride=shape.row_stride)
+                            local_experts=shape.local_experts, max_tokens=T_MAX, flags=ep_ll.FLAG_SHRINK,
+                            row_stride=shape.row_stride)
     assert bytes(a) == bytes(want)
     assert (b.x, b.call_gen, a.x) == (48, 0, 16)
     monkeypatch.setenv("GC_MOE_SPIN_TIMEOUT_MS", "5")

@@ -120,29 +120,29 @@ def _dispatch_view(result: tuple, x: torch.Tensor, topk_idx: torch.Tensor, stats
     return tensors, (tuple(handle[2:]), handle.topk, handle.num_tokens)
 
 
-SHAPES = [  # ranks, experts, Tmax, hidden, T, k, index dtype, fp8, round_scale, ue8m0, recv_stats, shrink
-    (1, 8, 8, 256, 5, 4, torch.int64, False, False, False, False, False),
-    (2, 16, 8, 512, 7, 6, torch.int32, True, False, False, True, False),
-    (1, 8, 16, 1024, 16, 8, torch.int64, True, True, True, False, True),
-    (4, 16, 4, 128, 3, 2, torch.int32, True, True, False, True, True),
-    (1, 8, 8, 256, 0, 4, torch.int64, True, False, False, False, False),  # T = 0
-    (2, 8, 8, 512, 0, 3, torch.int32, True, True, True, True, False),  # T = 0, UE8M0
+SHAPES = [  # ranks, experts, Tmax, hidden, T, k, fp8, round_scale, ue8m0, recv_stats, shrink
+    (1, 8, 8, 256, 5, 4, False, False, False, False, False),
+    (2, 16, 8, 512, 7, 6, True, False, False, True, False),
+    (1, 8, 16, 1024, 16, 8, True, True, True, False, True),
+    (4, 16, 4, 128, 3, 2, True, True, False, True, True),
+    (1, 8, 8, 256, 0, 4, True, False, False, False, False),  # T = 0
+    (2, 8, 8, 512, 0, 3, True, True, True, True, False),  # T = 0, UE8M0
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launches: list, python_calls: list,
                                                          monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
-    """Per shape: a dispatch and a combine (allocated and given ``out``, zero-copy, int32/int64 routing) under
+    """Per shape: a dispatch and a combine (allocated and given ``out``, zero-copy) under
     ``GC_MOE_DEEP_EP_HOST_PATH=python``, then twice on the default path (the first builds the records, the second
     takes the compiled path): the same output layouts, handle sizes, launch kinds and parameters (every non-pointer
     byte equal, every pointer into the same tensor at the same offset)."""
-    ranks, experts, tmax, hidden, tokens, k, idx_dtype, fp8, round_scale, ue8m0, with_stats, shrink = shape
+    ranks, experts, tmax, hidden, tokens, k, fp8, round_scale, ue8m0, with_stats, shrink = shape
     ws = _workspace(ranks, experts, tmax, hidden)
     g = torch.Generator().manual_seed(len(python_calls) + tokens)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
-    topk_idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(idx_dtype) \
-        if tokens else torch.zeros(0, k, dtype=idx_dtype)
+    topk_idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) \
+        if tokens else torch.zeros(0, k, dtype=torch.int64)
     stats = torch.zeros(experts // ranks, dtype=torch.int32) if with_stats else None
     local, slots = experts // ranks, ranks * tmax
     y = torch.randn(local, slots, hidden, generator=g).to(torch.bfloat16)
@@ -161,9 +161,7 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launc
             seen.append(({role: _layout(t) for role, t in tensors.items() if role not in ("x", "topk_idx", "stats")},
                          sizes, [(what, _symbolic(p, tensors)) for what, p in launches[first:]]))
             handle = result[2]
-            for out, zero_copy, idx in ((None, False, topk_idx), (given, False, topk_idx), (None, True, topk_idx),
-                                        (None, False, topk_idx.to(torch.int64 if idx_dtype == torch.int32 else
-                                                                  torch.int32))):
+            for out, zero_copy, idx in ((None, False, topk_idx), (given, False, topk_idx), (None, True, topk_idx)):
                 first = len(launches)
                 combined, back = _combine(ws, y, idx, weights, handle, out=out, zero_copy=zero_copy,
                                           return_recv_hook=hook, shrink=shrink)
@@ -184,8 +182,8 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launc
     reference = run()
     monkeypatch.delenv(ENV)
     python_calls.clear()
-    assert run() == reference  # records built: the dispatch's, the combine's, the zero-copy one's, the other index's
-    assert python_calls == ["_checked_dispatch"] + ["_checked_combine"] * 3
+    assert run() == reference  # records built: the dispatch's, the combine's, the zero-copy one's
+    assert python_calls == ["_checked_dispatch"] + ["_checked_combine"] * 2
     python_calls.clear()
     assert run() == reference  # the compiled path throughout
     assert python_calls == []
@@ -240,7 +238,8 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
         "x misaligned": dict(x=misaligned((T, H), torch.bfloat16)), "x meta": dict(x=x.to("meta")),
         "x too many tokens": dict(x=torch.zeros(9, H, dtype=torch.bfloat16), idx=torch.zeros(9, K, dtype=torch.int64)),
         "x hidden": dict(x=torch.zeros(T, 200, dtype=torch.bfloat16)),
-        "idx int16": dict(idx=idx.short()), "idx rows": dict(idx=idx[:-1]), "idx k 0": dict(idx=idx[:, :0]),
+        "idx int16": dict(idx=idx.short()), "idx int32": dict(idx=idx.int()), "idx rows": dict(idx=idx[:-1]),
+        "idx k 0": dict(idx=idx[:, :0]),
         "idx non-contiguous": dict(idx=idx.t().contiguous().t()), "idx misaligned": dict(idx=misaligned((T, K),
                                                                                                        torch.int64)),
         "stats int64": dict(stats=stats.long()), "stats length": dict(stats=stats[:-1]),
@@ -252,7 +251,8 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
         "y float32": dict(y=y.float()), "y shape": dict(y=y[:, :8]), "y list": dict(y=[1]),
         "y misaligned": dict(y=misaligned((L, S, H), torch.bfloat16)),
         "y non-contiguous": dict(y=y.transpose(0, 1).contiguous().transpose(0, 1)),
-        "idx shape": dict(idx=idx[:, :2]), "idx float": dict(idx=idx.float()), "idx meta": dict(idx=idx.to("meta")),
+        "idx shape": dict(idx=idx[:, :2]), "idx float": dict(idx=idx.float()),
+        "idx int32": dict(idx=idx.int()), "idx meta": dict(idx=idx.to("meta")),
         "weights float64": dict(w=w.double()), "weights shape": dict(w=w[:2]),
         "weights non-contiguous": dict(w=torch.ones(K, T).t()),
         "out float32": dict(out=torch.zeros(T, H)), "out shape": dict(out=torch.zeros(T, 256, dtype=torch.bfloat16)),
@@ -286,23 +286,61 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, laun
 
 
 def test_a_new_shape_gets_its_own_record(fast: ModuleType, launches: list, python_calls: list) -> None:
-    """Another token count, index width or flag is a new record (its first call the Python path); each shape's later
-    calls take the compiled path, whichever ran in between (two micro-batches alternate)."""
+    """Another token count or flag is a new record (its first call the Python path); each shape's later calls take
+    the compiled path, whichever ran in between (two micro-batches alternate)."""
     ws = _workspace(1, 8, 16, 256)
     xs = {t: torch.zeros(t, 256, dtype=torch.bfloat16) for t in (3, 9)}
     idx = {t: torch.zeros(t, 2, dtype=torch.int64) for t in (3, 9)}
     for t in (3, 9, 3, 9):
         _dispatch(ws, xs[t], idx[t], 16, 8)
-    _dispatch(ws, xs[3], idx[3].int(), 16, 8)
-    _dispatch(ws, xs[3], idx[3].int(), 16, 8)
     _dispatch(ws, xs[3], idx[3], 16, 8, use_fp8=True)
-    assert python_calls == ["_checked_dispatch"] * 4
+    _dispatch(ws, xs[3], idx[3], 16, 8, use_fp8=True)
+    assert python_calls == ["_checked_dispatch"] * 3
     state = _low_latency._states[ws]
     by_flags = {key[4]: set(records) for key, records in state.records.items()}
-    assert by_flags == {0: {(3, 256, 2, 8), (9, 256, 2, 8), (3, 256, 2, 4)}, ep_ll.FLAG_FP8: {(3, 256, 2, 8)}}
+    assert by_flags == {0: {(3, 256, 2), (9, 256, 2)}, ep_ll.FLAG_FP8: {(3, 256, 2)}}
     for records in state.records.values():
         for record in records.values():
             assert record.launches in state.launches.values()
+
+
+TOPK_IDX_REFUSED = (r"^topk_idx: must be a 2-D tensor of torch.int64 \(deep_ep.topk_idx_t, which DeepEP asserts\), "
+                    r"got \(6, 4\) torch.int32$")
+
+
+def test_an_int32_topk_idx_is_refused_after_its_shape_was_recorded(fast: ModuleType, launches: list,
+                                                                   python_calls: list,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepEP's ``topk_idx_t`` is int64: once int64 calls of a shape have built its records (their second calls
+    take the compiled path), an int32 ``topk_idx`` of the same shape is never served by them: each such dispatch and
+    combine, first and second, runs the Python path and raises its ``ValueError`` (the message of
+    ``GC_MOE_DEEP_EP_HOST_PATH=python``), launching nothing."""
+    ws = _workspace(2, 16, 8, 512)
+    T, K = 6, 4  # noqa: N806 - the sizes' usual names
+    x = torch.randn(T, 512).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(16)[:K] for _ in range(T)])
+    y, w = torch.zeros(8, 16, 512, dtype=torch.bfloat16), torch.ones(T, K)
+    handle = _dispatch(ws, x, idx, 8, 16)[2]
+    _dispatch(ws, x, idx, 8, 16)
+    _combine(ws, y, idx, w, handle)
+    _combine(ws, y, idx, w, handle)
+    assert python_calls == ["_checked_dispatch", "_checked_combine"]  # each second call: the compiled path
+    launched = len(launches)
+    narrow = idx.int()
+    for checked, call in (("_checked_dispatch", lambda: _dispatch(ws, x, narrow, 8, 16)),
+                          ("_checked_combine", lambda: _combine(ws, y, narrow, w, handle))):
+        python_calls.clear()
+        for _ in range(2):
+            with pytest.raises(ValueError, match=TOPK_IDX_REFUSED):
+                call()
+        assert python_calls == [checked] * 2
+        error = same_on_both_paths(call, monkeypatch, python_calls)
+        assert error is not None and error[0] is ValueError
+    assert len(launches) == launched
+    python_calls.clear()
+    _dispatch(ws, x, idx, 8, 16)
+    _combine(ws, y, idx, w, handle)
+    assert python_calls == []  # the int64 calls still take the compiled path
 
 
 def test_the_variable_forces_the_python_path(fast: ModuleType, launches: list, python_calls: list,

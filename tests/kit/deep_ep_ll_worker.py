@@ -3,13 +3,13 @@ against the torch references of :mod:`gc_moe_compat.testing.ep_reference`, bit f
 inputs from one seed (so each can build the reference of the whole group) and checks its own outputs: ``recv_count``,
 every valid ``recv_x`` row (FP8 bytes and scales, UE8M0 bytes, or BF16), the cumulative statistics, and the combine
 (outputs poisoned with NaN first, expert-output rows past ``recv_count`` poisoned with NaN so a read of them shows).
-Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64 and int32 routing, holes, a rank with no tokens,
-hook and async variants, two dispatches in flight, a one-launch dispatch inside a hooked one, 200 calls with fresh
-inputs), ``shapes`` (other hidden sizes and top-k, SHAPES), ``graph`` / ``graph_fused`` (dispatch + an expert stand-in
-+ combine captured once, replayed with fresh inputs; the dispatch or the combine with a receive hook, the other in one
-launch) and ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer then works on
-both ranks), ``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous one and from
-the call after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
+Suites: ``modes`` (FP8 / power-of-two / UE8M0 / BF16 payloads, int64 routing with int32 refused by both calls, holes, a
+rank with no tokens, hook and async variants, two dispatches in flight, a one-launch dispatch inside a hooked one, 200
+calls with fresh inputs), ``shapes`` (other hidden sizes and top-k, SHAPES), ``graph`` / ``graph_fused`` (dispatch + an
+expert stand-in + combine captured once, replayed with fresh inputs; the dispatch or the combine with a receive hook,
+the other in one launch) and ``timeout`` (rank 1 stays away; rank 0's next call gets DeviceTimeoutError; a new Buffer
+then works on both ranks), ``bad_ids`` (an expert id >= num_experts: DeviceCheckError from the call after a synchronous
+one and from the call after an asynchronous one), ``default_device`` (a Buffer, a dispatch and a combine under
 ``torch.set_default_device('cuda')``, as DeepEP's own test harness runs them).
 """
 
@@ -58,8 +58,7 @@ def ll_buffer(ranks: int, shape: Shape = SHAPE, **options: int) -> deep_ep.Buffe
 class Inputs:
     """Every rank's tokens, routing (with -1 holes and repeated experts across tokens) and weights from one seed."""
 
-    def __init__(self, seed: int, ranks: int, tokens: list[int], idx_dtype: torch.dtype,
-                 shape: Shape = SHAPE) -> None:
+    def __init__(self, seed: int, ranks: int, tokens: list[int], shape: Shape = SHAPE) -> None:
         gen = torch.Generator().manual_seed(seed)
         experts, k = shape.experts(ranks), shape.topk
         self.shape = shape
@@ -69,9 +68,9 @@ class Inputs:
             idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)]) if t else \
                 torch.zeros(0, k, dtype=torch.int64)
             holes = torch.rand(t, k, generator=gen) < 0.15
-            self.idx.append(torch.where(holes, -1, idx).to(idx_dtype))
+            self.idx.append(torch.where(holes, -1, idx))
             self.w.append(torch.rand(t, k, generator=gen))
-        self.plan = receive_plan([i.long() for i in self.idx], experts)
+        self.plan = receive_plan(self.idx, experts)
 
 
 def check_dispatch(rank: int, inp: Inputs, recv, count: torch.Tensor, mode: str, handle: tuple | None = None) -> None:
@@ -131,9 +130,9 @@ def expert_outputs(ranks: int, count_lists: list[list[int]], seed: int, shape: S
 
 
 def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], mode: str,
-             idx_dtype: torch.dtype, variant: str, stats: torch.Tensor | None = None, zero_copy: bool = False,
+             variant: str, stats: torch.Tensor | None = None, zero_copy: bool = False,
              shape: Shape = SHAPE) -> None:
-    inp = Inputs(seed, ranks, tokens, idx_dtype, shape)
+    inp = Inputs(seed, ranks, tokens, shape)
     x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
     hooked, async_ = variant == "hook", variant == "async"
     recv, count, handle, event, hook = buf.low_latency_dispatch(
@@ -162,7 +161,7 @@ def run_once(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     elif async_:
         event.current_stream_wait()
     torch.cuda.synchronize()
-    want = combine_reference(rank, inp.idx[rank].long(), inp.w[rank], outs, inp.plan)
+    want = combine_reference(rank, inp.idx[rank], inp.w[rank], outs, inp.plan)
     assert not combined.isnan().any(), "combine left an element unwritten or read a poisoned row"
     assert torch.equal(combined.cpu().view(torch.int16), want.view(torch.int16)), (
         f"combine differs in {(combined.cpu() != want).sum().item()} elements")
@@ -176,24 +175,38 @@ def suite_modes(rank: int, ranks: int) -> None:
     stats = torch.zeros(SHAPE.experts(ranks) // ranks, dtype=torch.int32, device="cuda")
     case = 0
     for mode in ("plain", "round", "ue8m0", "bf16"):
-        for idx_dtype in (torch.int64, torch.int32):
-            for variant in ("sync", "hook", "async"):
-                for tokens in (full, uneven, idle):
-                    case += 1
-                    run_once(buf, rank, ranks, 1000 + case, tokens, mode, idx_dtype, variant, zero_copy=case % 2 == 0)
+        for variant in ("sync", "hook", "async"):
+            for tokens in (full, uneven, idle):
+                case += 1
+                run_once(buf, rank, ranks, 1000 + case, tokens, mode, variant, zero_copy=case % 2 == 0)
     print(f"rank {rank}: {case} mode cases bit-exact", flush=True)
+
+    # DeepEP's topk_idx_t is int64: int32 routing is refused by both calls on the host (no launch), on the compiled
+    # host path's recorded shape too; the int64 calls around them run.
+    experts, inp = SHAPE.experts(ranks), Inputs(1100, ranks, full)
+    x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, TMAX, experts)
+    for _ in range(2):
+        with raises(ValueError, rank, "int32 topk_idx -> low_latency_dispatch", "deep_ep.topk_idx_t", "torch.int32"):
+            buf.low_latency_dispatch(x, idx.int(), TMAX, experts)
+    y = torch.zeros(experts // ranks, ranks * TMAX, SHAPE.hidden, dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):
+        with raises(ValueError, rank, "int32 topk_idx -> low_latency_combine", "deep_ep.topk_idx_t", "torch.int32"):
+            buf.low_latency_combine(y, idx.int(), w, handle)
+    buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.synchronize()
 
     # Cumulative statistics over calls.
     expected = torch.zeros_like(stats)
     for i in range(3):
-        run_once(buf, rank, ranks, 50 + i, full, "plain", torch.int64, "sync", stats=stats)
-        inp = Inputs(50 + i, ranks, full, torch.int64)
+        run_once(buf, rank, ranks, 50 + i, full, "plain", "sync", stats=stats)
+        inp = Inputs(50 + i, ranks, full)
         expected += torch.tensor([len(r) for r in inp.plan.rows[rank]], dtype=torch.int32, device="cuda")
     assert torch.equal(stats, expected), (stats.tolist(), expected.tolist())
     print(f"rank {rank}: cumulative_local_expert_recv_stats = reference", flush=True)
 
     # Two dispatches in flight (hooks received in call order, after both sends), then both combines.
-    a, b = Inputs(71, ranks, full, torch.int64), Inputs(72, ranks, uneven, torch.int64)
+    a, b = Inputs(71, ranks, full), Inputs(72, ranks, uneven)
     ra = buf.low_latency_dispatch(a.x[rank].cuda(), a.idx[rank].cuda(), TMAX, SHAPE.experts(ranks),
                                   return_recv_hook=True)
     rb = buf.low_latency_dispatch(b.x[rank].cuda(), b.idx[rank].cuda(), TMAX, SHAPE.experts(ranks),
@@ -218,7 +231,7 @@ def suite_modes(rank: int, ranks: int) -> None:
 
     # Many calls with fresh inputs: the generation-tagged, parity-buffered words need no reset.
     for i in range(200):
-        run_once(buf, rank, ranks, 5000 + i, [TMAX - (i + q) % 5 for q in range(ranks)], "plain", torch.int64,
+        run_once(buf, rank, ranks, 5000 + i, [TMAX - (i + q) % 5 for q in range(ranks)], "plain",
                  ("sync", "hook", "async")[i % 3])
     print(f"rank {rank}: 200 consecutive calls bit-exact", flush=True)
 
@@ -236,7 +249,7 @@ def suite_shapes(rank: int, ranks: int) -> None:
             for variant in ("sync", "hook"):
                 for tokens in ([shape.tmax] * ranks, uneven):
                     case += 1
-                    run_once(buf, rank, ranks, 3000 + case, tokens, mode, torch.int64, variant,
+                    run_once(buf, rank, ranks, 3000 + case, tokens, mode, variant,
                              zero_copy=variant == "hook", shape=shape)
         print(f"rank {rank}: shape Tmax={shape.tmax} hidden={shape.hidden} top-{shape.topk} bit-exact", flush=True)
     print(f"rank {rank}: {case} shape cases bit-exact", flush=True)
@@ -257,7 +270,7 @@ def graph_replays(rank: int, ranks: int, hooked: str) -> None:
     one launch) captured once, replayed with fresh inputs against the references, then 1000 times bit-identically."""
     buf = ll_buffer(ranks)
     tokens = [TMAX - 3 * q for q in range(ranks)]
-    static = Inputs(1, ranks, tokens, torch.int64)
+    static = Inputs(1, ranks, tokens)
     x, idx, w = static.x[rank].cuda(), static.idx[rank].cuda(), static.w[rank].cuda()
 
     def layer() -> torch.Tensor:
@@ -276,7 +289,7 @@ def graph_replays(rank: int, ranks: int, hooked: str) -> None:
     with torch.cuda.graph(graph):
         out = layer()
     for replay in range(100):
-        fresh = Inputs(100 + replay, ranks, tokens, torch.int64)
+        fresh = Inputs(100 + replay, ranks, tokens)
         x.copy_(fresh.x[rank])
         idx.copy_(fresh.idx[rank])
         w.copy_(fresh.w[rank])
@@ -306,7 +319,7 @@ def graph_replays(rank: int, ranks: int, hooked: str) -> None:
 
 def suite_timeout(rank: int, ranks: int) -> None:
     buf = ll_buffer(ranks)
-    inp = Inputs(9, ranks, [TMAX] * ranks, torch.int64)
+    inp = Inputs(9, ranks, [TMAX] * ranks)
     if rank == 0:  # the call returns at once (no CPU wait, as with DeepEP); the next one raises the timeout
         with spin_timeout(MISSING_PEER_TIMEOUT_MS):
             buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, SHAPE.experts(ranks))
@@ -315,7 +328,7 @@ def suite_timeout(rank: int, ranks: int) -> None:
             buf.low_latency_dispatch(inp.x[0].cuda(), inp.idx[0].cuda(), TMAX, SHAPE.experts(ranks))
     dist.barrier()
     fresh = ll_buffer(ranks)
-    run_once(fresh, rank, ranks, 10, [TMAX] * ranks, "plain", torch.int64, "sync")
+    run_once(fresh, rank, ranks, 10, [TMAX] * ranks, "plain", "sync")
     print(f"rank {rank}: a new Buffer after the timeout works", flush=True)
 
 
@@ -325,7 +338,7 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     synchronization); then calls are clean again."""
     experts = SHAPE.experts(ranks)
     buf = ll_buffer(ranks)
-    inp = Inputs(21, ranks, [TMAX] * ranks, torch.int64)
+    inp = Inputs(21, ranks, [TMAX] * ranks)
     bad = inp.idx[rank].clone()
     bad[3, 1] = experts + 5
     buf.low_latency_dispatch(inp.x[rank].cuda(), bad.cuda(), TMAX, experts)
@@ -337,7 +350,7 @@ def suite_bad_ids(rank: int, ranks: int) -> None:
     torch.cuda.synchronize()
     with raises(DeviceCheckError, rank, "expert id >= E (async) -> next call", "recorded by an earlier"):
         buf.low_latency_dispatch(inp.x[rank].cuda(), inp.idx[rank].cuda(), TMAX, experts)
-    run_once(buf, rank, ranks, 22, [TMAX] * ranks, "plain", torch.int64, "sync")
+    run_once(buf, rank, ranks, 22, [TMAX] * ranks, "plain", "sync")
     print(f"rank {rank}: clean calls after the reported errors bit-exact", flush=True)
 
 
@@ -362,7 +375,7 @@ def _check_round(buf: deep_ep.Buffer, rank: int, ranks: int, inp: Inputs, want_i
     the combine sums, if it drops more); the next call raises DeviceCheckError naming ``expect`` (no
     synchronization in between: read from the host mirror), and the call after it is clean."""
     experts = SHAPE.experts(ranks)
-    want = Inputs(seed, ranks, [TMAX] * ranks, torch.int64)
+    want = Inputs(seed, ranks, [TMAX] * ranks)
     want.idx, want.plan = want_idx, receive_plan([i.long() for i in want_idx], experts)
     recv, count, handle, _, _ = buf.low_latency_dispatch(inp.x[rank].cuda(), idx.cuda(), TMAX, experts,
                                                          async_finish=True)
@@ -391,7 +404,7 @@ def suite_bad_values(rank: int, ranks: int) -> None:
     NaN weight (combine); the other slots' rows and sums stay exact."""
     experts = SHAPE.experts(ranks)
     buf = ll_buffer(ranks)
-    inp = Inputs(23, ranks, [TMAX] * ranks, torch.int64)
+    inp = Inputs(23, ranks, [TMAX] * ranks)
     for name, value, needle in (("id >= E", experts + 3, f"observed {experts + 3}"), ("id < -1", -5, "below -1"),
                                 ("id 2**40", 2**40, f"observed {2**40}")):
         bad = [i.clone() for i in inp.idx]
@@ -428,10 +441,10 @@ def suite_mask(rank: int, ranks: int) -> None:
     status = torch.full((ranks,), 7, dtype=torch.int32, device="cuda")
     buf.low_latency_query_mask_buffer(status)
     assert status.tolist() == [0] * ranks, status.tolist()
-    run_once(buf, rank, ranks, 61, [TMAX] * ranks, "plain", torch.int64, "sync")
+    run_once(buf, rank, ranks, 61, [TMAX] * ranks, "plain", "sync")
     print(f"rank {rank}: shrink mode, nothing masked: bit-exact", flush=True)
     if ranks == 1:
-        inp = Inputs(62, 1, [TMAX], torch.int64)
+        inp = Inputs(62, 1, [TMAX])
         buf.low_latency_update_mask_buffer(0, True)
         buf.low_latency_query_mask_buffer(status)
         assert status.tolist() == [1]
@@ -442,7 +455,7 @@ def suite_mask(rank: int, ranks: int) -> None:
         torch.cuda.synchronize()
         assert time.monotonic() - start < 2 and count.tolist() == [0] * experts and not combined.float().any()
         buf.low_latency_clean_mask_buffer()
-        run_once(buf, 0, 1, 63, [TMAX], "plain", torch.int64, "sync")
+        run_once(buf, 0, 1, 63, [TMAX], "plain", "sync")
         print(f"rank {rank}: masked rank skipped by dispatch and combine, no hang; clean: bit-exact again", flush=True)
         return
     dist.barrier()
@@ -451,13 +464,13 @@ def suite_mask(rank: int, ranks: int) -> None:
     tokens = [TMAX] * (ranks - 1) + [0]
     alone = ll_buffer(ranks, enable_shrink=True)
     if rank != masked:
-        inp = Inputs(64, ranks, tokens, torch.int64)
+        inp = Inputs(64, ranks, tokens)
         mine = [i.clone() for i in inp.idx]
         for m in mine:  # every served rank's slots of the masked rank's experts are skipped
             m[(m >= masked * local) & (m < (masked + 1) * local)] = -1
         alone.low_latency_update_mask_buffer(masked, True)
         start = time.monotonic()
-        want = Inputs(64, ranks, tokens, torch.int64)
+        want = Inputs(64, ranks, tokens)
         want.idx, want.plan = mine, receive_plan(mine, experts)
         x, idx, w = inp.x[rank].cuda(), inp.idx[rank].cuda(), inp.w[rank].cuda()
         recv, count, handle, _, _ = alone.low_latency_dispatch(x, idx, TMAX, experts)
@@ -494,12 +507,12 @@ def suite_partition(rank: int, ranks: int) -> None:
         assert report["partition"] == "on" and report["requested_dispatch_sms"] == request, report
         assert request <= report["dispatch_sms"] < request + 16 and report["dispatch_sms"] + report["compute_sms"] == \
             total, report
-        run_once(buf, rank, ranks, 70 + request, [TMAX] * ranks, "plain", torch.int64, "sync")
+        run_once(buf, rank, ranks, 70 + request, [TMAX] * ranks, "plain", "sync")
         print(f"rank {rank}: on the communication partition {report}: bit-exact", flush=True)
     deep_ep.Buffer.set_num_sms(20)
     del os.environ["GC_MOE_DEEP_EP_PARTITION"]
     assert buf.low_latency_partition["partition"] == "off"
-    run_once(buf, rank, ranks, 90, [TMAX] * ranks, "plain", torch.int64, "hook")
+    run_once(buf, rank, ranks, 90, [TMAX] * ranks, "plain", "hook")
     print(f"rank {rank}: GC_MOE_DEEP_EP_PARTITION=off (caller's stream): bit-exact", flush=True)
 
 
@@ -508,7 +521,7 @@ def suite_default_device(rank: int, ranks: int) -> None:
     creates the pinned status mirror) and a combine into a facade-allocated output under it, bit for bit against the
     references. Inputs and references are built (and checked) under torch's own defaults: they are this worker's
     host code, not the facade's."""
-    inp = Inputs(31, ranks, [TMAX] * ranks, torch.int64)
+    inp = Inputs(31, ranks, [TMAX] * ranks)
     outs = expert_outputs(ranks, [[len(r) for r in inp.plan.rows[q]] for q in range(ranks)], 32)
     want = combine_reference(rank, inp.idx[rank], inp.w[rank], outs, inp.plan)
     torch.set_default_device("cuda")
