@@ -129,6 +129,8 @@ def test_destroy(make_ll: Callable[..., Buffer]) -> None:
     buf.destroy()
     with pytest.raises(ValueError, match="clean_low_latency_buffer: the Buffer was destroyed"):
         buf.clean_low_latency_buffer(T_MAX, HIDDEN, EXPERTS)
+    with pytest.raises(ValueError, match="destroy: the Buffer was already destroyed"):  # DeepEP: `not destroyed`
+        buf.destroy()
 
 
 @pytest.fixture
@@ -176,6 +178,15 @@ def test_config() -> None:
                        (None, TypeError)):
         with pytest.raises(error, match="Config: num_max_nvl_chunked_recv_tokens must be (an int|in \\[0, )"):
             Config(num_max_nvl_chunked_recv_tokens=bad)
+    # DeepEP's constructor asserts on the chunk sizes
+    for args, match in (((20, 0, 256), "chunked_send_tokens and num_max_nvl_chunked_recv_tokens must be > 0"),
+                        ((20, 256, 256), "nvl_chunked_send_tokens must be below num_max_nvl_chunked_recv_tokens"),
+                        ((20, 6, 256, 6, 0), "rdma_chunked_send_tokens and num_max_rdma_chunked_recv_tokens must be"),
+                        ((20, 6, 256, 8, 8), "at most half of num_max_rdma_chunked_recv_tokens rounded up .*rounded 8"),
+                        ((20, 6, 256, 256, 256), "rounded 256")):
+        with pytest.raises(ValueError, match=f"Config: num_max_.*{match}"):
+            Config(*args)
+    assert Config(20, 6, 256, 129, 256).num_max_rdma_chunked_recv_tokens == 256  # 256 rounds up to 258 = 2 x 129
 
 
 class FakeEvent:
@@ -295,6 +306,11 @@ def test_dispatch_ue8m0_bf16_and_stats(ll: Buffer, launches: list) -> None:
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (EXPERTS, T_MAX, HIDDEN)
     p = launches[-1][1]
     assert (p.flags, p.recv_scales, p.recv_stats) == (0, 0, stats.data_ptr())
+    # DeepEP reads round_scale and use_ue8m0 for the FP8 scales only: a BF16 dispatch ignores them (SGLang's
+    # SGLANG_DEEPEP_BF16_DISPATCH passes use_ue8m0=True beside use_fp8=False)
+    for kw in (dict(use_ue8m0=True), dict(use_ue8m0=True, round_scale=True), dict(round_scale=True)):
+        recv_x, *_ = _dispatch(ll, use_fp8=False, **kw)
+        assert recv_x.dtype == torch.bfloat16 and launches[-1][1].flags == 0
 
 
 def test_combine_layout_and_launches(ll: Buffer, launches: list) -> None:
@@ -372,6 +388,8 @@ DISPATCH_ERRORS = [
      "cumulative_local_expert_recv_stats: must be a 1-D tensor of torch.int32"),
     ("stats length", dict(cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32)), ValueError,
      "cumulative_local_expert_recv_stats: must have num_experts / group size = 8 entries, got 3"),
+    ("async and hook", dict(async_finish=True), ValueError,
+     "low_latency_dispatch: async_finish and return_recv_hook cannot both be True"),
 ]
 
 
@@ -439,6 +457,8 @@ COMBINE_ERRORS = [
      r"topk_weights: must be float32 \[5, 4\] like topk_idx"),
     ("out shape", dict(out=_bf16(TOKENS + 1, HIDDEN)), ValueError, r"out: must be \[5, 256\], got \[6, 256\]"),
     ("out float32", dict(out=torch.zeros(TOKENS, HIDDEN)), ValueError, "out: must be a 2-D tensor of torch.bfloat16"),
+    ("async and hook", dict(async_finish=True), ValueError,
+     "low_latency_combine: async_finish and return_recv_hook cannot both be True"),
 ]
 
 
