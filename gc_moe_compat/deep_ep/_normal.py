@@ -525,7 +525,9 @@ class NormalMode:
             stride, data = params.row_stride, params.off_data
             raise ValueError(f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {stride} bytes after "
                              f"{data} header bytes = {data + rows * stride} bytes, the Buffer has "
-                             f"{self.buffer.numel()}")
+                             f"{self.buffer.numel()} (the facade has no chunked queue: a Buffer sized by "
+                             "Config.get_nvl_buffer_size_hint holds at least num_sms / 2 * ranks * "
+                             "num_max_nvl_chunked_recv_tokens rows; SGLang's --deepep-config sets those)")
 
     # -- get_dispatch_layout ----------------------------------------------------------------------------------------
 
