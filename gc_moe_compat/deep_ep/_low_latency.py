@@ -223,10 +223,11 @@ def partition_report(workspace: SymmetricWorkspace, request: int) -> dict[str, o
 
 
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
-            dense: bool = True, rule: str | None = None) -> torch.Tensor:
+            dense: bool = True, rule: str | None = None, vectors: bool = True) -> torch.Tensor:
     """``t`` as an ``ndim``-D tensor of one of ``dtypes`` on ``device``; ``dense`` (what the kernels read or write):
-    also contiguous and 16-byte aligned, else any layout (a tensor only torch ops touch). ``rule``: how the message
-    names ``dtypes`` (default: their names)."""
+    also contiguous and, where they access it by 16-byte vectors (``vectors``), 16-byte aligned (the routing, read
+    element by element, takes any row slice, as with DeepEP); else any layout (a tensor only torch ops touch).
+    ``rule``: how the message names ``dtypes`` (default: their names)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes or t.dim() != ndim:
@@ -239,7 +240,7 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
     if t.device != device or not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous on {device} (the buffer's device), got {t.device}, "
                          f"contiguous={t.is_contiguous()}")
-    if t.numel() and t.data_ptr() % 16:
+    if vectors and t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name}: must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
     return t
 
@@ -366,7 +367,7 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
     the call shape for its later calls (:func:`_remember`)."""
     device = workspace.device
     x = _tensor("x", x, (torch.bfloat16,), 2, device)
-    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE, vectors=False)
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     if topk_idx.shape[0] != num_tokens or not 1 <= topk <= MAX_TOPK:
@@ -519,12 +520,12 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
     if tuple(x.shape) != (local, slots, hidden):
         raise ValueError(f"x: must be [num_local_experts={local}, num_ranks*Tmax={slots}, hidden={hidden}] (the "
                          f"dispatch's layout), got {tuple(x.shape)}")
-    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE)
+    topk_idx = _tensor("topk_idx", topk_idx, TOPK_IDX_DTYPES, 2, device, rule=TOPK_IDX_RULE, vectors=False)
     expected = (num_tokens, topk)
     if tuple(topk_idx.shape) != expected:
         raise ValueError(f"topk_idx: must be the dispatch's [num_tokens, k] = {list(expected)}, got "
                          f"{list(topk_idx.shape)}")
-    topk_weights = _tensor("topk_weights", topk_weights, (torch.float32,), 2, device)
+    topk_weights = _tensor("topk_weights", topk_weights, (torch.float32,), 2, device, vectors=False)
     if tuple(topk_weights.shape) != expected:
         raise ValueError(f"topk_weights: must be float32 {list(expected)} like topk_idx, got "
                          f"{list(topk_weights.shape)}")

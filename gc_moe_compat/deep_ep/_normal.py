@@ -297,11 +297,14 @@ def _timeout_ns(setting: str | None) -> int:
 
 
 def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape: Sequence[int | None],
-            device: torch.device, contiguous: bool = True, rule: str | None = None) -> torch.Tensor:
+            device: torch.device, contiguous: bool = True, rule: str | None = None,
+            vectors: bool = True) -> torch.Tensor:
     """``t`` as a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; TypeError /
     ValueError naming the argument, the rule and the value otherwise (``rule``: how the message names ``dtypes``,
-    default their names). Every call checks its tensors here: attribute reads and the two method calls contiguity
-    and alignment need, the message built only for a failure."""
+    default their names). ``contiguous``: the kernels index it densely; ``vectors``: they also read it by 16-byte
+    vectors, so its address must be 16-byte aligned (a tensor they read element by element, such as the routing,
+    takes any row slice, as with DeepEP). Every call checks its tensors here: attribute reads and the two method
+    calls contiguity and alignment need, the message built only for a failure."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     fits = t.dtype in dtypes and t.ndim == len(shape)
@@ -317,7 +320,7 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
         raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
-    if contiguous and t.data_ptr() % 16 and t.numel():
+    if contiguous and vectors and t.data_ptr() % 16 and t.numel():
         raise ValueError(f"{fn}: {name} must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
     return t
 
@@ -533,7 +536,7 @@ class NormalMode:
 
     def _topk_idx(self, fn: str, topk_idx: object, tokens: int | None = None) -> torch.Tensor:
         topk_idx = _tensor(fn, "topk_idx", topk_idx, TOPK_IDX_DTYPES, (tokens, None), self.device,
-                           rule=TOPK_IDX_RULE)
+                           rule=TOPK_IDX_RULE, vectors=False)
         if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
             raise ValueError(f"{fn}: topk_idx must have 1 to {MAX_TOPK} columns (top-k), got {topk_idx.shape[1]}")
         return topk_idx
@@ -705,10 +708,12 @@ class NormalMode:
                                 ("num_tokens_per_expert", num_tokens_per_expert)):
                 if value is None:
                     raise ValueError(f"{fn}: an uncached dispatch needs {name} (from get_dispatch_layout), got None")
-            _tensor(fn, "num_tokens_per_rank", num_tokens_per_rank, (_COUNT_DTYPE,), (self.ranks,), self.device)
+            _tensor(fn, "num_tokens_per_rank", num_tokens_per_rank, (_COUNT_DTYPE,), (self.ranks,), self.device,
+                    vectors=False)
             in_rank = _tensor(fn, "is_token_in_rank", is_token_in_rank, (_MASK_DTYPE,), (tokens, self.ranks),
-                              self.device)
-            _tensor(fn, "num_tokens_per_expert", num_tokens_per_expert, (_COUNT_DTYPE,), (None,), self.device)
+                              self.device, vectors=False)
+            _tensor(fn, "num_tokens_per_expert", num_tokens_per_expert, (_COUNT_DTYPE,), (None,), self.device,
+                    vectors=False)
             experts = self._experts(fn, "num_tokens_per_expert.shape[0]", num_tokens_per_expert.shape[0])
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError(f"{fn}: topk_idx and topk_weights go together (DeepEP's rule), got "
@@ -719,7 +724,7 @@ class NormalMode:
                 topk_idx = self._topk_idx(fn, topk_idx, tokens)
                 topk = topk_idx.shape[1]
                 topk_weights = _tensor(fn, "topk_weights", topk_weights, (_WEIGHT_DTYPE,), (tokens, topk),
-                                       self.device)
+                                       self.device, vectors=False)
             if num_worst_tokens and topk_idx is None:
                 raise ValueError(f"{fn}: num_worst_tokens > 0 needs topk_idx and topk_weights (DeepEP's rule), got "
                                  f"num_worst_tokens={num_worst_tokens} without them")
@@ -906,7 +911,8 @@ class NormalMode:
             raise ValueError(f"{fn}: x's hidden size must be a positive multiple of 8 (16-byte rows), got {hidden}")
         topk = 0
         if topk_weights is not None:
-            topk_weights = _tensor(fn, "topk_weights", topk_weights, (_WEIGHT_DTYPE,), (rows, None), self.device)
+            topk_weights = _tensor(fn, "topk_weights", topk_weights, (_WEIGHT_DTYPE,), (rows, None), self.device,
+                                   vectors=False)
             topk = topk_weights.shape[1]
             if not 1 <= topk <= MAX_TOPK:
                 raise ValueError(f"{fn}: topk_weights must have 1 to {MAX_TOPK} columns, got {topk}")

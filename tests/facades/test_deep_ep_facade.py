@@ -331,6 +331,27 @@ def test_combine_layout_and_launches(ll: Buffer, launches: list) -> None:
     assert combined is out
 
 
+def test_routing_row_slices_are_read_in_place(ll: Buffer, launches: list) -> None:
+    """The kernels read topk_idx and topk_weights element by element: a row slice 8 or 4 bytes past a 16-byte
+    boundary (SGLang's two-batch overlap splitting a top-k batch) is taken in place, as by DeepEP; x and out, read
+    and written by 16-byte vectors, still need the alignment."""
+    x, ids = _inputs(tokens=TOKENS + 1)
+    topk_idx = torch.zeros(TOKENS * TOPK + 16, dtype=torch.int64)[1:1 + TOKENS * TOPK].view(TOKENS, TOPK)
+    topk_idx.copy_(ids[1:])
+    assert topk_idx.data_ptr() % 16 == 8
+    _, _, handle, _, _ = _dispatch(ll, inputs=(x[1:], topk_idx))
+    assert launches[0][1].topk_idx == topk_idx.data_ptr()
+    launches.clear()
+    weights = torch.rand(TOKENS * TOPK + 16)[1:1 + TOKENS * TOPK].view(TOKENS, TOPK)
+    assert weights.data_ptr() % 16 == 4
+    ll.low_latency_combine(torch.randn(EXPERTS, T_MAX, HIDDEN).to(torch.bfloat16), topk_idx, weights, handle,
+                           return_recv_hook=True)
+    assert (launches[0][1].topk_idx, launches[0][1].topk_weights) == (topk_idx.data_ptr(), weights.data_ptr())
+    with pytest.raises(ValueError, match="x: must be 16-byte aligned"):
+        _dispatch(ll, inputs=(torch.zeros(TOKENS * HIDDEN + 8, dtype=torch.bfloat16)[1:1 + TOKENS * HIDDEN].view(
+            TOKENS, HIDDEN), topk_idx))
+
+
 def test_clean_low_latency_buffer_checks_sizes(ll: Buffer, launches: list) -> None:
     ll.clean_low_latency_buffer(T_MAX, HIDDEN, EXPERTS)
     with pytest.raises(ValueError, match="hidden: must be a positive multiple of 128, got 200"):

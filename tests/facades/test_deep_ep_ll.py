@@ -33,7 +33,8 @@ def run_suite(suite: str, nproc: int, *expected: str) -> str:
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_modes(nproc: int) -> None:
     out = run_suite("modes", nproc, "mode cases bit-exact", "int32 topk_idx -> low_latency_dispatch -> ValueError",
-                    "int32 topk_idx -> low_latency_combine -> ValueError", "two dispatches in flight bit-exact",
+                    "int32 topk_idx -> low_latency_combine -> ValueError", "routing row slices bit-exact",
+                    "two dispatches in flight bit-exact",
                     "a one-launch dispatch inside a hooked one bit-exact", "200 consecutive calls bit-exact",
                     "cumulative_local_expert_recv_stats = reference")
     assert out.count("200 consecutive calls bit-exact") == nproc

@@ -189,6 +189,38 @@ def test_combine_checks(buf: Buffer) -> None:
     assert isinstance(EventOverlap(None), EventOverlap)
 
 
+def _off_16(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous tensor one element past a 16-byte boundary (a row slice's address)."""
+    out = torch.zeros(t.numel() + 16, dtype=t.dtype)[1:1 + t.numel()].view(t.shape)
+    assert out.data_ptr() % 16
+    return out.copy_(t)
+
+
+def test_routing_row_slices_reach_the_launch(buf: Buffer) -> None:
+    """The kernels read the routing and the counts element by element, so a tensor 4 or 8 bytes past a 16-byte
+    boundary (a row slice of a top-6 batch, as SGLang's two-batch overlap makes) is accepted, as by DeepEP: the
+    calls get past every check to the launch."""
+    x, idx, per_rank, per_expert, in_rank = _layout_inputs()
+    w = torch.rand(T, K)
+    for call in (lambda: buf.get_dispatch_layout(_off_16(idx), E),
+                 lambda: buf.dispatch(x, num_tokens_per_rank=_off_16(per_rank), is_token_in_rank=_off_16(in_rank),
+                                      num_tokens_per_expert=_off_16(per_expert), topk_idx=_off_16(idx),
+                                      topk_weights=_off_16(w), config=Config(8, 6, 256))):
+        with pytest.raises(AssertionError, match="a bad call reached a launch"):
+            call()
+    rows = 5
+    handle = _normal.NormalHandle((torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+                                   torch.zeros(1, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                                   torch.zeros(T, 1, dtype=torch.bool), torch.zeros(T, 1, dtype=torch.int32)),
+                                  most_sent=rows)
+    with pytest.raises(AssertionError, match="a bad call reached a launch"):
+        buf.combine(torch.zeros(rows, H, dtype=torch.bfloat16), handle, topk_weights=_off_16(torch.rand(rows, K)),
+                    config=Config(8, 6, 256))
+    with pytest.raises(ValueError, match="x must be 16-byte aligned"):  # rows read by 16-byte vectors
+        buf.dispatch(_off_16(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, config=Config(8, 6, 256))
+
+
 def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A checked combine is one launch on its stream, the combine kernel with a CTA per channel half (its CTAs make

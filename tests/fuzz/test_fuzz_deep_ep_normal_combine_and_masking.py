@@ -78,8 +78,8 @@ HANDLE = Items(NormalHandle, (
 COMBINE_SPECS: dict[str, Spec] = {
     "x": Tensor((torch.bfloat16,), (ROWS, None), extra=lambda t: t.shape[1] > 0 and t.shape[1] % 8 == 0),
     "handle": HANDLE,
-    "topk_weights": Tensor((torch.float32,), (ROWS, None), extra=lambda t: 1 <= t.shape[1] <= MAX_TOPK,
-                           none_ok=True),
+    "topk_weights": Tensor((torch.float32,), (ROWS, None), vectors=False,  # read element by element
+                           extra=lambda t: 1 <= t.shape[1] <= MAX_TOPK, none_ok=True),
     "bias": TensorOrPair(Tensor((torch.bfloat16,), (T, H))),
     "config": Instance(Config, (Config(2 * CHANNELS, 6, 256), Config(2 * CHANNELS, 1, 64), None), none_ok=True),
     "config.num_sms": Int(2, None, multiple=2, extra=lambda n: n == 2 * CHANNELS, draw_max=64),

@@ -196,6 +196,27 @@ def suite_modes(rank: int, ranks: int) -> None:
     buf.low_latency_combine(y, idx, w, handle)
     torch.cuda.synchronize()
 
+    # Routing row slices (the kernels read topk_idx and topk_weights element by element): tensors 8 / 4 bytes past a
+    # 16-byte boundary, as a two-batch split of a top-k batch makes, give the aligned tensors' bytes.
+    def off_16(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.numel() + 16, dtype=t.dtype, device=t.device)[1:1 + t.numel()].view(t.shape).copy_(t)
+
+    sliced_idx, sliced_w = off_16(idx), off_16(w)
+    assert sliced_idx.data_ptr() % 16 and sliced_w.data_ptr() % 16
+    y = torch.randn(experts // ranks, ranks * TMAX, SHAPE.hidden, generator=torch.Generator().manual_seed(rank))
+    y = y.to(device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for ids, weights in ((idx, w), (sliced_idx, sliced_w)):
+        (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, ids, TMAX, experts)
+        combined, _, _ = buf.low_latency_combine(y, ids, weights, handle)
+        torch.cuda.synchronize()
+        rows = [(recv_x[e, :n].view(torch.uint8).cpu(), scales[e, :n].cpu()) for e, n in enumerate(count.tolist())]
+        outs.append((count.cpu(), rows, combined.view(torch.int16).cpu()))
+    (count_a, rows_a, comb_a), (count_b, rows_b, comb_b) = outs
+    assert torch.equal(count_a, count_b) and torch.equal(comb_a, comb_b)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rows_a, rows_b, strict=True))
+    print(f"rank {rank}: routing row slices bit-exact", flush=True)
+
     # Cumulative statistics over calls.
     expected = torch.zeros_like(stats)
     for i in range(3):

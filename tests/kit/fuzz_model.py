@@ -90,14 +90,15 @@ class Instance:
 @dataclass(frozen=True)
 class Tensor:
     """A ``torch.Tensor`` of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``; ``dense``: also
-    contiguous and 16-byte aligned (read by the kernels' vector accesses); ``extra``: a rule on the tensor (e.g. a
-    row width in bytes); ``none_ok``: None accepted. Another type: TypeError; another dtype, shape, device, layout, or
-    ``extra`` not met: ValueError."""
+    contiguous and, with ``vectors`` (read by the kernels' vector accesses), 16-byte aligned; ``extra``: a rule on
+    the tensor (e.g. a row width in bytes); ``none_ok``: None accepted. Another type: TypeError; another dtype, shape,
+    device, layout, or ``extra`` not met: ValueError."""
 
     dtypes: tuple[torch.dtype, ...]
     shape: tuple[int | None, ...]
     device: str = "cpu"
     dense: bool = True
+    vectors: bool = True
     extra: Callable[[torch.Tensor], bool] | None = None
     none_ok: bool = False
 
@@ -203,7 +204,7 @@ def _expect_tensor(spec: Tensor, v: object) -> type[Exception] | None:
         return ValueError
     if v.device != torch.device(spec.device):
         return ValueError
-    if spec.dense and (not v.is_contiguous() or (v.numel() and v.data_ptr() % 16)):
+    if spec.dense and (not v.is_contiguous() or (spec.vectors and v.numel() and v.data_ptr() % 16)):
         return ValueError
     return ValueError if spec.extra is not None and not spec.extra(v) else None
 
