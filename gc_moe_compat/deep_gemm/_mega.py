@@ -39,6 +39,7 @@ the argument; ``nvfp4_mega_moe`` and ``bf16_mega_moe`` always do.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -151,6 +152,17 @@ def _native_shared(fn: str, buf: SymmBuffer, shared_l1: object, shared_l2: objec
     return out[0], out[1]
 
 
+def _clamp(fn: str, value: object) -> float | None:
+    """``activation_clamp`` as the pin checks it (``activation_clamp >= 0``, so ``+inf`` too): a real number, not NaN,
+    at least 0; ``+inf`` clamps nothing, so it runs as None (no clamp)."""
+    if value is None or (isinstance(value, float) and value == math.inf):
+        return None
+    clamp = _checks.finite_float(fn, "activation_clamp", value)
+    if clamp < 0:
+        raise ValueError(f"{fn}: activation_clamp must be >= 0 (the pin's rule; None or +inf: no clamp), got {value!r}")
+    return clamp
+
+
 def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
          shared_l1_weights: object, shared_l2_weights: object, stats: object, activation: object,
          activation_clamp: object, fast_math: object) -> None:
@@ -159,8 +171,7 @@ def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, s
     fn = path.facade_fn
     buf = _live_buffer(fn, sym_buffer)
     _checks.choice(fn, "activation", activation, _checks.SUPPORTED_ACTIVATIONS, _checks.DEEPGEMM_ONLY_ACTIVATIONS)
-    if activation_clamp is not None:
-        activation_clamp = _checks.finite_float(fn, "activation_clamp", activation_clamp, positive=True)
+    activation_clamp = _clamp(fn, activation_clamp)
     _checks.boolean(fn, "fast_math", fast_math)
     shape = config.MoEShape(
         num_experts=buf.num_experts, num_ranks=buf.shape.num_ranks, hidden=buf.hidden,

@@ -226,8 +226,12 @@ def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> 
         dg.fp8_mega_moe(y, _fp8_weights(E + 1)[0], l2, buf)
     with pytest.raises(TypeError, match="fp8_mega_moe: y"):
         dg.fp8_mega_moe(y.float(), l1, l2, buf)
-    with pytest.raises(ValueError, match="activation_clamp"):
-        dg.fp8_mega_moe(y, l1, l2, buf, activation_clamp=-1.0)
+    for clamp in (-1.0, math.nan, -math.inf):
+        with pytest.raises(ValueError, match="activation_clamp"):
+            dg.fp8_mega_moe(y, l1, l2, buf, activation_clamp=clamp)
+    for clamp in (0.0, math.inf):  # the pin checks activation_clamp >= 0; +inf clamps nothing
+        with pytest.raises(RuntimeError, match="fp8_mega_moe: buffer: lives in host memory .* needs the GPU"):
+            dg.fp8_mega_moe(y, l1, l2, buf, activation_clamp=clamp)
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
         dg.fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(TypeError, match="sym_buffer"):

@@ -293,7 +293,8 @@ def _fp8_weights() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tenso
 
 
 FP8_SPECS: dict[str, Spec] = {"recipe": Recipe((128, 128, 128)), "activation": ACTIVATION,
-                              "activation_clamp": Real(positive=True, none_ok=True), "fast_math": Flag()}
+                              "activation_clamp": Real(at_least_zero=True, none_ok=True),  # the pin: >= 0
+                              "fast_math": Flag()}
 
 
 @FUZZ

@@ -60,12 +60,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Real:
-    """A finite int or float (not bool; numpy float64 is a float); ``positive``: > 0; ``fp32``: finite in FP32;
-    ``none_ok``: None accepted."""
+    """A finite int or float (not bool; numpy float64 is a float); ``positive``: > 0; ``at_least_zero``: >= 0, the
+    float +inf included; ``fp32``: finite in FP32; ``none_ok``: None accepted."""
 
     positive: bool = False
     fp32: bool = False
     none_ok: bool = False
+    at_least_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,11 @@ def expect(spec: Spec, v: object) -> type[Exception] | None:
             return None
         if isinstance(v, bool) or not isinstance(v, int | float):
             return TypeError
+        if spec.at_least_zero and isinstance(v, float) and v == math.inf:
+            return None
         f = math.inf if _is_int(v) and abs(v) > 10**308 else float(v)
-        if not math.isfinite(f) or (spec.positive and f <= 0) or (spec.fp32 and abs(f) > FP32_MAX):
+        if not math.isfinite(f) or (spec.positive and f <= 0) or (spec.at_least_zero and f < 0) or (
+                spec.fp32 and abs(f) > FP32_MAX):
             return ValueError
         return None
     if isinstance(spec, Recipe):
