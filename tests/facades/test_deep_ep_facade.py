@@ -306,8 +306,8 @@ def test_dispatch_ue8m0_bf16_and_stats(ll: Buffer, launches: list) -> None:
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (EXPERTS, T_MAX, HIDDEN)
     p = launches[-1][1]
     assert (p.flags, p.recv_scales, p.recv_stats) == (0, 0, stats.data_ptr())
-    # DeepEP reads round_scale and use_ue8m0 for the FP8 scales only: a BF16 dispatch ignores them (SGLang's
-    # SGLANG_DEEPEP_BF16_DISPATCH passes use_ue8m0=True beside use_fp8=False)
+    # DeepEP reads round_scale and use_ue8m0 for the FP8 scales only: a BF16 dispatch ignores them (code that passes
+    # its FP8 flags unchanged beside use_fp8=False runs with DeepEP)
     for kw in (dict(use_ue8m0=True), dict(use_ue8m0=True, round_scale=True), dict(round_scale=True)):
         recv_x, *_ = _dispatch(ll, use_fp8=False, **kw)
         assert recv_x.dtype == torch.bfloat16 and launches[-1][1].flags == 0
