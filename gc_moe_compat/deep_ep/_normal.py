@@ -405,6 +405,7 @@ class NormalMode:
         self.mirror = new_status_mirror(self.device)
         self.codes = status_codes(self.mirror)
         self.op = 0
+        self._stranded: str | None = None  # an op whose transfer never ran (see _transfers_possible)
         self._pending: list[tuple[_Event, tuple]] = []
         self._host_counts: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         # The packed launches of each call shape (see _pack): a call checks its tensors, allocates its outputs,
@@ -443,6 +444,15 @@ class NormalMode:
                                       "synchronizes the CPU; run normal mode eagerly)")
         if self.ranks > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
+
+    def _transfers_possible(self, fn: str) -> None:
+        """A dispatch refused after its counts exchange (every rank refuses it alike) ran notify for its op but no
+        transfer, and a transfer publishes the op's ``released`` words that every later transfer waits for: after one,
+        the transfers of this Buffer raise ``RuntimeError`` naming it instead of waiting until they time out."""
+        if self._stranded is not None:
+            raise RuntimeError(f"{fn}: this Buffer's normal mode cannot transfer again: an earlier call was refused "
+                               f"after its counts were exchanged ({self._stranded}), so no rank published that op's "
+                               "'released' words the next transfer waits for; create a new Buffer")
 
     def _begin(self, fn: str, num_sms: int) -> _Stream:
         """Where a checked call's kernels run (the launch boundary: :meth:`_require_gpu`, then what earlier calls
@@ -667,6 +677,7 @@ class NormalMode:
         if handle is None:
             return self._uncached_dispatch(fn, fast, made, num_worst_tokens, config, previous_event, async_finish)
         launch, payload, scales, recv_x, recv_scales, recv_src_idx = made
+        self._transfers_possible(fn)
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
         stream.wait(previous_event)
@@ -811,6 +822,7 @@ class NormalMode:
          channel_prefix, send_head, recv_channel_prefix) = made
         if num_worst_tokens:
             self._need(fn, num_worst_tokens, launch, "num_worst_tokens received rows")
+        self._transfers_possible(fn)
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
         stream.wait(previous_event)
@@ -832,7 +844,12 @@ class NormalMode:
             num_recv, most_recv, most_sent = (counts[HostRecord.RECV], counts[HostRecord.MOST_RECV],
                                               counts[HostRecord.MOST_SENT])
             expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
-            self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
+            try:
+                self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
+            except ValueError as exc:
+                stream.join()  # notify's stream joins the caller's
+                self._stranded = f"dispatch op {op}: {exc}"
+                raise
         received = None if record is None else fast.normal_received(record, num_recv)
         if received is None:  # the Python path's call, or an allocation the compiled one could not make
             received = self._received(launch, payload, scales, topk_idx, num_recv)
@@ -887,6 +904,7 @@ class NormalMode:
         launch, out, out_weights = made
         if handle.most_sent is not None:
             self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
+        self._transfers_possible(fn)
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
         p = launch.params[0]

@@ -38,7 +38,8 @@ CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales
          "normal long channels (send_head's rewrite over several 32-token chunks) bit-exact",
          "normal hidden 8320 FP8 bit-exact", "normal hidden 8320 BF16 + bias bit-exact",
          "normal hidden 384 FP8 bit-exact",
-         "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact")
+         "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact",
+         "a dispatch past the workspace -> ValueError", "the next dispatch on that Buffer -> RuntimeError")
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])

@@ -221,6 +221,26 @@ def test_routing_row_slices_reach_the_launch(buf: Buffer) -> None:
                      num_tokens_per_expert=per_expert, config=Config(8, 6, 256))
 
 
+def test_a_stranded_op_stops_the_transfers_by_name(buf: Buffer) -> None:
+    """After a dispatch refused past its counts exchange (its op has no transfer: on the GPU, the worker's case), the
+    Buffer's dispatches and combines raise naming it, before a launch; the layout (no transfer) still runs."""
+    x, idx, per_rank, per_expert, in_rank = _layout_inputs()
+    buf.normal._stranded = "dispatch op 7: dispatch: num_nvl_bytes must hold ..."
+    message = "cannot transfer again: an earlier call was refused after its counts were exchanged \\(dispatch op 7"
+    with pytest.raises(RuntimeError, match=f"dispatch: this Buffer's normal mode {message}"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     config=Config(8, 6, 256))
+    rows = 5
+    handle = _normal.NormalHandle((torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+                                   torch.zeros(1, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                                   torch.zeros(T, 1, dtype=torch.bool), torch.zeros(T, 1, dtype=torch.int32)),
+                                  most_sent=rows)
+    with pytest.raises(RuntimeError, match=f"combine: this Buffer's normal mode {message}"):
+        buf.combine(torch.zeros(rows, H, dtype=torch.bfloat16), handle, config=Config(8, 6, 256))
+    with pytest.raises(AssertionError, match="a bad call reached a launch"):
+        buf.get_dispatch_layout(idx, E)
+
+
 def test_combine_rewrites_the_handles_send_head_before_its_readers(buf: Buffer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A checked combine is one launch on its stream, the combine kernel with a CTA per channel half (its CTAs make

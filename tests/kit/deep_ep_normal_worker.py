@@ -226,6 +226,15 @@ def suite_cases(rank: int, ranks: int) -> None:
     for i in range(20):
         run_case(buf, rank, ranks, seed=100 + i, tokens=[64 + 7 * i] * ranks, kind="random", fp8=i % 2 == 1)
     print(f"rank {rank}: 20 consecutive normal rounds bit-exact", flush=True)
+    # A Buffer too small for a dispatch's rows (64 KB: ~45 rows of 512 BF16 columns; every rank receives >= 96): every
+    # rank refuses it after the counts exchange; its op then has no transfer, so the next dispatch raises naming it at
+    # once instead of waiting for the op's 'released' words until it times out.
+    small = deep_ep.Buffer(dist.group.WORLD, 64 << 10, 0, explicitly_destroy=True)
+    with raises(ValueError, rank, "a dispatch past the workspace", "num_nvl_bytes must hold the rows the busiest rank"):
+        run_case(small, rank, ranks, seed=30, tokens=full, kind="random", fp8=False)
+    with raises(RuntimeError, rank, "the next dispatch on that Buffer", "cannot transfer again", "dispatch op"):
+        run_case(small, rank, ranks, seed=31, tokens=[8] * ranks, kind="random", fp8=False)
+    small.destroy()
 
 
 def suite_timeout(rank: int, ranks: int) -> None:
