@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from compiled_host_kit import misaligned
 from ll_launches import Launch, record_ll_launches
 
 from gc_moe_compat import deep_ep
@@ -336,20 +337,18 @@ def test_routing_row_slices_are_read_in_place(ll: Buffer, launches: list) -> Non
     boundary (SGLang's two-batch overlap splitting a top-k batch) is taken in place, as by DeepEP; x and out, read
     and written by 16-byte vectors, still need the alignment."""
     x, ids = _inputs(tokens=TOKENS + 1)
-    topk_idx = torch.zeros(TOKENS * TOPK + 16, dtype=torch.int64)[1:1 + TOKENS * TOPK].view(TOKENS, TOPK)
-    topk_idx.copy_(ids[1:])
+    topk_idx = misaligned((TOKENS, TOPK), torch.int64).copy_(ids[1:])
     assert topk_idx.data_ptr() % 16 == 8
     _, _, handle, _, _ = _dispatch(ll, inputs=(x[1:], topk_idx))
     assert launches[0][1].topk_idx == topk_idx.data_ptr()
     launches.clear()
-    weights = torch.rand(TOKENS * TOPK + 16)[1:1 + TOKENS * TOPK].view(TOKENS, TOPK)
+    weights = misaligned((TOKENS, TOPK), torch.float32).copy_(torch.rand(TOKENS, TOPK))
     assert weights.data_ptr() % 16 == 4
     ll.low_latency_combine(torch.randn(EXPERTS, T_MAX, HIDDEN).to(torch.bfloat16), topk_idx, weights, handle,
                            return_recv_hook=True)
     assert (launches[0][1].topk_idx, launches[0][1].topk_weights) == (topk_idx.data_ptr(), weights.data_ptr())
     with pytest.raises(ValueError, match="x: must be 16-byte aligned"):
-        _dispatch(ll, inputs=(torch.zeros(TOKENS * HIDDEN + 8, dtype=torch.bfloat16)[1:1 + TOKENS * HIDDEN].view(
-            TOKENS, HIDDEN), topk_idx))
+        _dispatch(ll, inputs=(misaligned((TOKENS, HIDDEN), torch.bfloat16), topk_idx))
 
 
 def test_clean_low_latency_buffer_checks_sizes(ll: Buffer, launches: list) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from compiled_host_kit import misaligned
 from ctypes_layout import natural_layout_size
 from nvcc_mark import needs_nvcc
 
@@ -190,10 +191,8 @@ def test_combine_checks(buf: Buffer) -> None:
 
 
 def _off_16(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in a contiguous tensor one element past a 16-byte boundary (a row slice's address)."""
-    out = torch.zeros(t.numel() + 16, dtype=t.dtype)[1:1 + t.numel()].view(t.shape)
-    assert out.data_ptr() % 16
-    return out.copy_(t)
+    """``t``'s values one element past a 16-byte boundary (a row slice's address)."""
+    return misaligned(tuple(t.shape), t.dtype).copy_(t)
 
 
 def test_routing_row_slices_reach_the_launch(buf: Buffer) -> None:
