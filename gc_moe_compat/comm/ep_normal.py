@@ -79,6 +79,7 @@ __all__ = [
     "normal_sites",
     "params_header",
     "raise_for_mirrored_status",
+    "released_word",
 ]
 
 SOURCE = "sm90/ep_normal.cu"
@@ -169,6 +170,13 @@ HEADER_BYTES = 12288
 """Bytes of the fixed header; the op's transient counts and the data region follow it."""
 assert MAX_RANKS * 8 <= 1024 and _STATUS + len(Kernel) * ctypes.sizeof(KernelStatus) <= _LAYOUT_ARRIVE
 assert _SCRATCH + 4 * (MAX_EXPERTS + MAX_RANKS) <= HEADER_BYTES
+
+
+def released_word(rank: int) -> int:
+    """The byte offset, in every rank's copy of the workspace, of ``released[rank]``: the last op whose rows ``rank``
+    has read from its data region (its receive half publishes it; the host stores it for an op whose counts were
+    exchanged but whose transfer was refused on every rank)."""
+    return _RELEASED + 8 * rank
 
 
 def _align(value: int, to: int) -> int:

@@ -283,7 +283,9 @@ class Buffer:
         over the whole elements from ``offset`` to the end when ``size`` is None. Writes through it are writes into
         the workspace (DeepEP's raw-buffer access); its first ``HEADER_BYTES`` hold the normal-mode kernels'
         persistent synchronization words and status records (:mod:`gc_moe_compat.comm.ep_normal`), the rest one
-        call's exchanged counts and rows, so write only between calls, as with DeepEP.
+        call's exchanged counts and rows, so write only between calls, as with DeepEP. A call that grows the
+        workspace (its rows did not fit: ``gc_moe_compat.deep_ep._normal``) replaces it, and a view taken before no
+        longer aliases it.
 
         Divergence: DeepEP's default view has ``num_nvl_bytes // itemsize`` elements whatever ``offset`` (it runs
         ``offset`` bytes past the buffer); this one ends at the buffer's end. ``use_rdma_buffer=True`` raises

@@ -38,8 +38,11 @@ between two calls takes effect at the next.
 
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
 NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
-chunked ring): a call that needs more rows than ``num_nvl_bytes`` holds raises ``ValueError`` naming the bytes it
-needs, on every rank alike (the counts exchange tells each rank the largest need of the group). The first
+chunked ring). Where a call needs more rows than it holds by a count alike on every rank (the counts exchange tells
+each rank the largest need of the group; a handle keeps its dispatch's), every rank grows its workspace in that call
+(at least doubling it, a ``RuntimeWarning`` naming the sizes: :meth:`NormalMode._grow`) and runs the call again;
+where a rank cannot allocate that, every rank raises ``ValueError`` naming the bytes and keeps its workspace. A
+``num_worst_tokens`` dispatch (no exchange before its transfer) whose rows do not fit raises ``ValueError``. The first
 ``HEADER_BYTES`` hold the kernels' synchronization words and status records, a call's exchanged counts follow (a count
 per rank and channel: they grow with ``config.num_sms``, which is at most the device's SMs): a Buffer too small for
 them constructs, as DeepEP's does, and each of its kernel calls raises ``ValueError`` naming ``num_nvl_bytes``, the
@@ -53,6 +56,7 @@ import ctypes
 import functools
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -78,6 +82,7 @@ from gc_moe_compat.comm.ep_normal import (
     new_launch,
     new_status_mirror,
     raise_for_mirrored_status,
+    released_word,
 )
 from gc_moe_compat.config import MAX_EXPERTS, MAX_SMS, boolean, integer
 from gc_moe_compat.deep_ep import _compiled_host
@@ -93,7 +98,7 @@ from gc_moe_compat.deep_ep._config import (
 )
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import deep_ep_mode_of
-from gc_moe_compat.runtime.cuda import call
+from gc_moe_compat.runtime.cuda import CudaError, call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import current_stream_handle, launch_packed
 from gc_moe_compat.runtime.side_launch import fork, join
@@ -105,7 +110,7 @@ from gc_moe_compat.runtime.status import (
     spin_timeout_setting,
     status_codes,
 )
-from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace
+from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace, WorkspaceAllocationError
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
 
@@ -155,15 +160,28 @@ def combine_config(num_ranks: int, num_sms: int) -> Config:
 
 class NormalHandle(tuple):
     """DeepEP's handle ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-    is_token_in_rank, send_head)``; ``most_sent`` is the most rows any rank of the group sent in that dispatch (None
-    after a ``num_worst_tokens`` dispatch, which does not synchronize), for the combine's capacity check."""
+    is_token_in_rank, send_head)``; ``most_sent`` / ``most_recv``: the most rows any rank of the group sent /
+    received in that dispatch (None after a ``num_worst_tokens`` dispatch, which does not synchronize), for the
+    capacity checks of the combine / a cached dispatch, alike on every rank."""
 
     most_sent: int | None
+    most_recv: int | None
 
-    def __new__(cls, items: tuple, most_sent: int | None) -> NormalHandle:
+    def __new__(cls, items: tuple, most_sent: int | None, most_recv: int | None = None) -> NormalHandle:
         handle = super().__new__(cls, items)
-        handle.most_sent = most_sent
+        handle.most_sent, handle.most_recv = most_sent, most_recv
         return handle
+
+
+class _OverflowError(ValueError):
+    """A call's rows do not fit the data region by a count alike on every rank (the group's busiest receiver or
+    sender), so every rank meets it in the same call: the Buffer grows its workspace (:meth:`NormalMode._grow`) and
+    runs the call again. ``nbytes``: the workspace the call needs; ``rows``: what did not fit, for the growth's
+    warning; ``refused_op``: the op whose counts were exchanged without a transfer (0: none was started)."""
+
+    def __init__(self, message: str, nbytes: int, rows: str, refused_op: int) -> None:
+        super().__init__(message)
+        self.nbytes, self.rows, self.refused_op = nbytes, rows, refused_op
 
 
 class _CommEvent:
@@ -383,14 +401,25 @@ def _set_sent(p: EpNormalParams, tokens: int, payload: torch.Tensor, scales: tor
         p.x = p.send_head = p.x_scales = p.topk_idx = p.topk_weights = 0
 
 
+_GROWTH_ALIGNMENT = 1 << 21
+"""A grown workspace's bytes are a multiple of this (2 MiB, the driver's large-page granule)."""
+
+
+def _new_workspace(group: dist.ProcessGroup, nbytes: int, device: torch.device | None = None) -> SymmetricWorkspace:
+    """The symmetric workspace of the normal mode: one region of ``nbytes`` (created collectively over ``group``,
+    a failure to allocate raised on every rank alike: :class:`WorkspaceAllocationError`)."""
+    layout = LayoutPlanner()
+    layout.add("normal", nbytes)
+    return SymmetricWorkspace(layout, group, device)
+
+
 class NormalMode:
     """The normal-mode state of one Buffer: its workspace, status mirror, collective-op counter and the tensors of
     calls still running on the communication stream."""
 
     def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int) -> None:
-        layout = LayoutPlanner()
-        layout.add("normal", num_nvl_bytes)
-        self.workspace = SymmetricWorkspace(layout, group)
+        self.group = group
+        self.workspace = _new_workspace(group, num_nvl_bytes)
         self.buffer = self.workspace.region("normal")
         self.ranks, self.rank = self.workspace.world_size, self.workspace.rank
         self.device = self.workspace.device
@@ -447,12 +476,66 @@ class NormalMode:
 
     def _transfers_possible(self, fn: str) -> None:
         """A dispatch refused after its counts exchange (every rank refuses it alike) ran notify for its op but no
-        transfer, and a transfer publishes the op's ``released`` words that every later transfer waits for: after one,
-        the transfers of this Buffer raise ``RuntimeError`` naming it instead of waiting until they time out."""
+        transfer, and a transfer publishes the op's ``released`` words that every later transfer waits for; the host
+        stores them instead (:meth:`_release`). Where that failed, the transfers of this Buffer raise
+        ``RuntimeError`` naming the op instead of waiting until they time out."""
         if self._stranded is not None:
             raise RuntimeError(f"{fn}: this Buffer's normal mode cannot transfer again: an earlier call was refused "
-                               f"after its counts were exchanged ({self._stranded}), so no rank published that op's "
-                               "'released' words the next transfer waits for; create a new Buffer")
+                               f"after its counts were exchanged ({self._stranded}), and storing that op's "
+                               "'released' words, which the next transfer waits for, failed; create a new Buffer")
+
+    def _grow(self, fn: str, overflow: _OverflowError) -> None:
+        """Replaces the workspace by one of at least twice the bytes that holds ``overflow``'s call, on every rank in
+        the same call (the count that overflowed is alike on every rank), with a ``RuntimeWarning`` naming both
+        sizes: where DeepEP streams any count through its chunked queues, the facade's data region holds a call's
+        rows at once. First the device is synchronized (no kernel of this Buffer runs, on any stream), then the
+        ranks create the new workspace together (each waits there for the others, so every rank's notify has
+        ended); its words start again from op 0, and every packed launch (its peer table, its capacity) and host
+        record (its tag) is dropped. Where a rank cannot allocate it, every rank raises ``ValueError`` (the call's
+        message, then the allocation's) and keeps its workspace, whose refused op, if any, is released first
+        (:meth:`_release`). A workspace off the GPU (or a capture) is refused first, as at a launch."""
+        self._require_gpu(fn)
+        for event, _ in self._pending:
+            if isinstance(event, _CommEvent):
+                call(driver.cuEventSynchronize, event.handle)
+        self._pending.clear()
+        torch.cuda.synchronize(self.device)
+        self.raise_recorded()
+        old = self.buffer.numel()
+        nbytes = -(-max(2 * old, overflow.nbytes) // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
+        try:
+            workspace = _new_workspace(self.group, nbytes, self.device)
+        except WorkspaceAllocationError as exc:
+            if overflow.refused_op:
+                self._release(overflow.refused_op)
+            raise ValueError(f"{overflow}; growing the workspace to {nbytes} bytes failed: {exc}") from exc
+        self.workspace, self.buffer, self.op = workspace, workspace.region("normal"), 0
+        self._launches.clear()
+        self._records.clear()
+        self._host_counts.clear()
+        warnings.warn(f"{overflow.rows} did not fit the normal mode's workspace, which grew from {old} to {nbytes} "
+                      "bytes on every rank (the facade has no chunked queue: a call's rows are in the workspace at "
+                      "once); a num_nvl_bytes that holds the largest call avoids the growth and its device "
+                      "synchronization", RuntimeWarning, stacklevel=4)
+
+    def _release(self, op: int) -> None:
+        """Stores ``op`` into this rank's ``released`` word of every rank's copy
+        (:func:`~gc_moe_compat.comm.ep_normal.released_word`), as the op's receive half would have, for a dispatch
+        refused on every rank after its counts exchange: no rank wrote or reads a row of it, and the Buffer's next
+        transfer waits for every rank's word of ``op``. Called once the group has agreed on the refusal (every
+        rank's notify of ``op`` has ended). Where a store fails, the Buffer's transfers raise naming the op
+        (:meth:`_transfers_possible`) and so does this."""
+        try:
+            stream = driver.CUstream(current_stream_handle(self.device))
+            table, word = self.workspace.peer_table, released_word(self.rank)
+            for r in range(self.ranks):
+                address = table.base + table.offsets[r] + word
+                call(driver.cuMemsetD32Async, address, op & 0xFFFFFFFF, 1, stream)
+                call(driver.cuMemsetD32Async, address + 4, op >> 32, 1, stream)
+            call(driver.cuStreamSynchronize, stream)
+        except CudaError:
+            self._stranded = f"dispatch op {op}"
+            raise
 
     def _begin(self, fn: str, num_sms: int) -> _Stream:
         """Where a checked call's kernels run (the launch boundary: :meth:`_require_gpu`, then what earlier calls
@@ -531,16 +614,22 @@ class NormalMode:
     def _capacity(self, transient_data: int, row_stride: int) -> int:
         return max(0, (self.buffer.numel() - transient_data) // row_stride)
 
-    def _need(self, fn: str, rows: int, launch: NormalLaunch, what: str) -> None:
-        """The data region of ``launch``'s calls holds ``rows`` rows, else ``ValueError`` naming the bytes."""
+    def _need(self, fn: str, rows: int, launch: NormalLaunch, what: str, refused_op: int | None = None) -> None:
+        """The data region of ``launch``'s calls holds ``rows`` rows, else ``ValueError`` naming the bytes. With
+        ``refused_op`` (``rows`` is alike on every rank; the op whose counts were exchanged, 0 for none) the error
+        is an :class:`_OverflowError`, on which the Buffer grows its workspace and runs the call again."""
         params = launch.params[-1]
         if rows > params.data_rows:
             stride, data = params.row_stride, params.off_data
-            raise ValueError(f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {stride} bytes after "
-                             f"{data} header bytes = {data + rows * stride} bytes, the Buffer has "
-                             f"{self.buffer.numel()} (the facade has no chunked queue: a Buffer sized by "
-                             "Config.get_nvl_buffer_size_hint holds at least num_sms / 2 * ranks * "
-                             "num_max_nvl_chunked_recv_tokens rows; SGLang's --deepep-config sets those)")
+            message = (f"{fn}: num_nvl_bytes must hold {what} at once: {rows} rows of {stride} bytes after {data} "
+                       f"header bytes = {data + rows * stride} bytes, the Buffer has {self.buffer.numel()} (the "
+                       "facade has no chunked queue: a Buffer sized by Config.get_nvl_buffer_size_hint holds at "
+                       "least num_sms / 2 * ranks * num_max_nvl_chunked_recv_tokens rows; SGLang's --deepep-config "
+                       "sets those)")
+            if refused_op is None:
+                raise ValueError(message)
+            raise _OverflowError(message, data + rows * stride, f"{fn}: {what} ({rows} rows of {stride} bytes)",
+                                 refused_op)
 
     # -- get_dispatch_layout ----------------------------------------------------------------------------------------
 
@@ -571,8 +660,10 @@ class NormalMode:
         _tensor(fn, "handle[3] (recv_src_idx)", handle[3], i32, (None,), self.device)
         in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (_MASK_DTYPE,), (None, ranks), self.device)
         _tensor(fn, "handle[5] (send_head)", handle[5], i32, (in_rank.shape[0], ranks), self.device)
-        if handle.most_sent is not None:  # None: a num_worst_tokens dispatch's (no CPU wait, so no count)
-            integer(fn, "handle.most_sent (the rows the dispatch's busiest rank sent)", handle.most_sent, 0, C_INT_MAX)
+        for name, most in (("most_sent", "sent"), ("most_recv", "received")):
+            value = getattr(handle, name)
+            if value is not None:  # None: a num_worst_tokens dispatch's (no CPU wait, so no count)
+                integer(fn, f"handle.{name} (the rows the dispatch's busiest rank {most})", value, 0, C_INT_MAX)
         return handle
 
     def _experts(self, fn: str, arg: str, num_experts: object) -> int:
@@ -647,6 +738,21 @@ class NormalMode:
                  is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
                  expert_alignment: object, num_worst_tokens: object, config: Config, previous_event: object,
                  async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        """DeepEP's intranode dispatch (:meth:`_dispatch`), run again on a grown workspace where the group's
+        busiest receiver's rows do not fit it (:meth:`_grow`)."""
+        args = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                allocate_on_comm_stream)
+        try:
+            return self._dispatch(*args)
+        except _OverflowError as overflow:
+            self._grow("dispatch", overflow)
+        return self._dispatch(*args)
+
+    def _dispatch(self, x: object, handle: object, num_tokens_per_rank: object, num_tokens_per_rdma_rank: object,
+                  is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
+                  expert_alignment: object, num_worst_tokens: object, config: Config, previous_event: object,
+                  async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         """DeepEP's intranode dispatch (uncached without ``handle``, cached with it). After the flags and the config,
         a call shape that passed the Python checks before takes the compiled host path (its checks against the
         shape's record, its allocations and the stores into the packed launches in one C++ call; an uncached
@@ -665,7 +771,8 @@ class NormalMode:
                 if records is not None:
                     made = fast.normal_dispatch(records, x, num_tokens_per_rank, is_token_in_rank,
                                                 num_tokens_per_expert, topk_idx, topk_weights)
-            elif type(handle) is NormalHandle and topk_idx is None and topk_weights is None:
+            elif type(handle) is NormalHandle and topk_idx is None and topk_weights is None and \
+                    (handle.most_recv is None or type(handle.most_recv) is int):
                 records = self._records.get(("cached", threading.get_ident(), config.num_sms, expert_alignment,
                                              num_worst_tokens))
                 if records is not None:
@@ -677,6 +784,8 @@ class NormalMode:
         if handle is None:
             return self._uncached_dispatch(fn, fast, made, num_worst_tokens, config, previous_event, async_finish)
         launch, payload, scales, recv_x, recv_scales, recv_src_idx = made
+        if handle.most_recv is not None:
+            self._need(fn, handle.most_recv, launch, "the rows the busiest rank of the group receives", refused_op=0)
         self._transfers_possible(fn)
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()
@@ -833,7 +942,7 @@ class NormalMode:
         _launch_transfer(launch.kernels[:1], stream)
         expert_list: list[int] = []
         if num_worst_tokens:
-            num_recv, most_sent = num_worst_tokens, None
+            num_recv, most_recv, most_sent = num_worst_tokens, None, None
         else:
             if not _wait_for_counts(fn, tag, op, stream, timeout):
                 self.raise_recorded(when="")  # the stream ran dry: notify copied this call's records
@@ -845,10 +954,9 @@ class NormalMode:
                                               counts[HostRecord.MOST_SENT])
             expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
             try:
-                self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives")
-            except ValueError as exc:
+                self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives", refused_op=op)
+            except _OverflowError:
                 stream.join()  # notify's stream joins the caller's
-                self._stranded = f"dispatch op {op}: {exc}"
                 raise
         received = None if record is None else fast.normal_received(record, num_recv)
         if received is None:  # the Python path's call, or an allocation the compiled one could not make
@@ -860,7 +968,7 @@ class NormalMode:
                               recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
                               recv_channel_prefix))
         new_handle = NormalHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head),
-                                  most_sent)
+                                  most_sent, most_recv)
         return (recv_x if scales is None else (recv_x, recv_scales)), recv_topk_idx, recv_topk_weights, expert_list, \
             new_handle, event
 
@@ -886,6 +994,17 @@ class NormalMode:
 
     def combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
+        """DeepEP's intranode combine (:meth:`_combine`), run again on a grown workspace where the rows the group's
+        busiest sender gets back do not fit it (:meth:`_grow`)."""
+        args = (x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream)
+        try:
+            return self._combine(*args)
+        except _OverflowError as overflow:
+            self._grow("combine", overflow)
+        return self._combine(*args)
+
+    def _combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
+                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         """DeepEP's intranode combine. After the flags and the config, a call shape that passed the Python checks
         before takes the compiled host path (the checks against the shape's record, the allocations and the stores
         into the packed launch in one C++ call); at any difference the Python path runs from there, so a call
@@ -903,7 +1022,7 @@ class NormalMode:
             made = self._checked_combine(fn, fast, x, handle, topk_weights, bias, config)
         launch, out, out_weights = made
         if handle.most_sent is not None:
-            self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back")
+            self._need(fn, handle.most_sent, launch, "the rows the busiest rank of the group gets back", refused_op=0)
         self._transfers_possible(fn)
         stream = self._begin(fn, config.num_sms)
         op = self._next_op()

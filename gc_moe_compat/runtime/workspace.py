@@ -7,6 +7,11 @@ With more than one rank every rank maps every peer's copy: through torch symmetr
 for up to 72 ranks, own rank) and reach rank ``r``'s region at ``base + offsets[r] + region_offset``. A group of one
 rank uses a plain allocation. Regions are carved with alignment by :class:`LayoutPlanner`. A workspace is
 single-instance: :meth:`SymmetricWorkspace.exclusive` rejects overlapping use.
+
+Creating one is collective, and so is its failure: every rank allocates, then the ranks agree
+(:func:`agree_on_allocation`) before any of them maps a peer, so a rank whose allocation fails (out of memory) makes
+every rank raise :class:`WorkspaceAllocationError` naming it, instead of leaving its peers in the exchange until the
+process group's timeout.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import contextlib
 import ctypes
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +135,39 @@ def _close_ipc(raw: bytes) -> None:
             driver.cuIpcCloseMemHandle(entry[0])
 
 
+class WorkspaceAllocationError(RuntimeError):
+    """A rank of the group could not allocate its copy of a workspace; raised on every rank of the group alike."""
+
+
+def agree_on_allocation(group: dist.ProcessGroup | None, nbytes: int, shared: object,
+                        failure: str | None) -> list[object]:
+    """Every rank's ``shared`` (what its peers need of its allocation), gathered over ``group`` once every rank has
+    tried its allocation of ``nbytes``: ``failure`` is this rank's error (None: allocated). A failure anywhere raises
+    :class:`WorkspaceAllocationError` on every rank, naming the ranks and their errors. A group of one rank (or
+    None) exchanges nothing."""
+    mine = (failure, None if failure else shared)
+    if group is None or dist.get_world_size(group) == 1:
+        gathered: list[object] = [mine]
+    else:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+    failed = {r: error for r, (error, _) in enumerate(gathered) if error is not None}
+    if failed:
+        named = "; ".join(f"rank {r}: {error}" for r, error in failed.items())
+        raise WorkspaceAllocationError(f"symmetric workspace: {len(failed)} of {len(gathered)} rank(s) could not "
+                                       f"allocate and share {nbytes} bytes ({named})")
+    return [value for _, value in gathered]
+
+
+def _try(allocate: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str | None]:
+    """``allocate()``, or None and its error's first line (torch's ``OutOfMemoryError``, a driver error: every
+    allocation failure is a ``RuntimeError``), which the group agrees on before any rank maps a peer."""
+    try:
+        return allocate(), None
+    except RuntimeError as exc:
+        return None, f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
+
+
 class WorkspaceBusyError(RuntimeError):
     """A call tried to use a workspace that another call is using (the workspace is single-instance)."""
 
@@ -159,15 +197,19 @@ class SymmetricWorkspace:
         self.placement = where if where is not None else placement(group, self.device.index)
         self._ipc_peers: list[bytes] = []
         if self.world_size == 1:
-            self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
-            addresses = [self.buffer.data_ptr()]
+            buffer, failure = _try(lambda: torch.zeros(layout.size, dtype=torch.uint8, device=self.device))
+            agree_on_allocation(group, layout.size, None, failure)
+            self.buffer = buffer
+            addresses = [buffer.data_ptr()]
         elif self.placement.shares_device:
-            self.buffer = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
-            addresses = self._ipc_rendezvous(group)
+            buffer, failure = _try(lambda: torch.zeros(layout.size, dtype=torch.uint8, device=self.device))
+            addresses = self._ipc_rendezvous(group, buffer, failure, layout.size)
         else:
             from torch.distributed import _symmetric_memory as symm_mem
 
-            self.buffer = symm_mem.empty(layout.size, dtype=torch.uint8, device=self.device)
+            buffer, failure = _try(lambda: symm_mem.empty(layout.size, dtype=torch.uint8, device=self.device))
+            agree_on_allocation(group, layout.size, None, failure)
+            self.buffer = buffer
             handle = symm_mem.rendezvous(self.buffer, group)
             self.buffer.zero_()
             addresses = [int(p) for p in handle.buffer_ptrs]
@@ -191,19 +233,22 @@ class SymmetricWorkspace:
         """``local``, ``cuda-ipc`` or ``torch-symm-mem``: how this workspace maps its peers."""
         return self.placement.rendezvous
 
-    def _ipc_rendezvous(self, group: dist.ProcessGroup | None) -> list[int]:
+    def _ipc_rendezvous(self, group: dist.ProcessGroup, buffer: torch.Tensor | None, failure: str | None,
+                        nbytes: int) -> list[int]:
         """Every rank's copy mapped into this process through CUDA IPC: this rank's allocation handle and the
-        buffer's offset in it are gathered over ``group``, each peer's opened here. Returns the addresses by rank."""
-        base, _ = call(driver.cuMemGetAddressRange, self.buffer.data_ptr())
-        try:
-            handle = call(driver.cuIpcGetMemHandle, base)
-        except CudaError as err:
-            raise RuntimeError(f"symmetric workspace: the buffer cannot be shared through CUDA IPC ({err.name}); "
-                               "ranks that share a GPU need torch's default caching allocator "
-                               "(PYTORCH_CUDA_ALLOC_CONF without expandable_segments)") from err
-        mine = (ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE), self.buffer.data_ptr() - int(base))
-        shared: list[object] = [None] * self.world_size
-        dist.all_gather_object(shared, mine, group=group)
+        buffer's offset in it (or its allocation's ``failure``) are gathered over ``group``
+        (:func:`agree_on_allocation`), each peer's opened here. Returns the addresses by rank."""
+        mine = None
+        if buffer is not None:
+            self.buffer = buffer
+            base, _ = call(driver.cuMemGetAddressRange, buffer.data_ptr())
+            try:
+                handle = call(driver.cuIpcGetMemHandle, base)
+                mine = (ctypes.string_at(handle.getPtr(), driver.CU_IPC_HANDLE_SIZE), buffer.data_ptr() - int(base))
+            except CudaError as err:  # agreed on like an allocation's failure, so that no peer waits for this rank
+                failure = (f"the buffer cannot be shared through CUDA IPC ({err.name}); ranks that share a GPU need "
+                           "torch's default caching allocator (PYTORCH_CUDA_ALLOC_CONF without expandable_segments)")
+        shared = agree_on_allocation(group, nbytes, mine, failure)
         addresses = []
         for r, (raw, offset) in enumerate(shared):
             if r == self.rank:

@@ -39,7 +39,9 @@ CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales
          "normal hidden 8320 FP8 bit-exact", "normal hidden 8320 BF16 + bias bit-exact",
          "normal hidden 384 FP8 bit-exact",
          "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact",
-         "a dispatch past the workspace -> ValueError", "the next dispatch on that Buffer -> RuntimeError")
+         "normal workspace grown by a dispatch and a combine",
+         "a growth the last rank cannot make -> ValueError",
+         "normal after a refused growth (the op released by the host) bit-exact")
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])

@@ -49,7 +49,8 @@ class DeepEpHost:
     def buffer(self, *args: object, ranks: int = 1, **kwargs: object) -> Buffer:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""
 
-        def workspace(layout: LayoutPlanner, group: dist.ProcessGroup | None = None) -> HostWorkspace:
+        def workspace(layout: LayoutPlanner, group: dist.ProcessGroup | None = None,
+                      device: torch.device | None = None) -> HostWorkspace:
             return HostWorkspace(layout, ranks)
 
         self.monkeypatch.setattr(_buffer, "SymmetricWorkspace", workspace)

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from gc_moe_compat.comm.ep_ll import required_bytes
 from gc_moe_compat.deep_ep import Buffer, Config, EventOverlap, LowLatencyHandle, _low_latency
+from gc_moe_compat.deep_ep._config import C_INT_MAX
 from gc_moe_compat.deep_ep._normal import MAX_TOPK, NormalHandle
 
 if TYPE_CHECKING:
@@ -83,15 +84,15 @@ COMBINE_SPECS: dict[str, Spec] = {
     "bias": TensorOrPair(Tensor((torch.bfloat16,), (T, H))),
     "config": Instance(Config, (Config(2 * CHANNELS, 6, 256), Config(2 * CHANNELS, 1, 64), None), none_ok=True),
     "config.num_sms": Int(2, None, multiple=2, extra=lambda n: n == 2 * CHANNELS, draw_max=64),
-    "handle.most_sent": Int(0, ROWS),
+    "handle.most_sent": Int(0, C_INT_MAX),
     "previous_event": Instance(EventOverlap, (EventOverlap(None), None), none_ok=True),
     "async_finish": Flag(),
     "allocate_on_comm_stream": Flag(refused=(True,)),  # DeepEP's rule: needs a previous_event and async_finish
 }
 """``config.num_sms`` is a Config's (its own type rule is test_fuzz_deep_ep_calls.py's): the handle's channels times
-two. ``handle.most_sent`` is the rows the dispatch's busiest rank sent (what a handle from another Buffer carries):
-this Buffer holds ROWS; it cannot hold more than ``NVL_BYTES / (2 H)`` (each row is at least a BF16 row), and the
-test draws no count in between (there the layout's header decides)."""
+two. ``handle.most_sent`` is the rows the dispatch's busiest rank sent (what a handle from another Buffer carries),
+an int in ``[0, INT_MAX]``: past what the Buffer holds, the combine grows the workspace first, on the GPU (past the
+host stand-in's refusal; tests/facades/test_deep_ep_normal_growth.py)."""
 NAMES = {"handle": ("handle", "config.num_sms", "x must be ["), "config.num_sms": ("config.num_sms",),
          "handle.most_sent": ("num_nvl_bytes", "handle.most_sent"), "bias": ("bias",)}
 

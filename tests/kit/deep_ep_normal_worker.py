@@ -18,11 +18,14 @@ reported by source, column range and the facade's recorded status).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from two_rank import MISSING_PEER_TIMEOUT_MS, raises, run_suite, spin_timeout
 
 import gc_moe_compat.deep_ep as deep_ep
+from gc_moe_compat.runtime import workspace
 from gc_moe_compat.runtime.status import DeviceTimeoutError
 from gc_moe_compat.testing.ep_normal_reference import (
     combine_reference,
@@ -226,14 +229,35 @@ def suite_cases(rank: int, ranks: int) -> None:
     for i in range(20):
         run_case(buf, rank, ranks, seed=100 + i, tokens=[64 + 7 * i] * ranks, kind="random", fp8=i % 2 == 1)
     print(f"rank {rank}: 20 consecutive normal rounds bit-exact", flush=True)
-    # A Buffer too small for a dispatch's rows (64 KB: ~45 rows of 512 BF16 columns; every rank receives >= 96): every
-    # rank refuses it after the counts exchange; its op then has no transfer, so the next dispatch raises naming it at
-    # once instead of waiting for the op's 'released' words until it times out.
+    # A Buffer too small for the calls' rows (64 KB): every rank grows it in the call that does not fit, with a
+    # RuntimeWarning, and the results stay bit-exact: the FP8 dispatch first, then its BF16 combine (wider rows than
+    # the FP8 ones: 1040 bytes against 592), then a call that fits.
     small = deep_ep.Buffer(dist.group.WORLD, 64 << 10, 0, explicitly_destroy=True)
-    with raises(ValueError, rank, "a dispatch past the workspace", "num_nvl_bytes must hold the rows the busiest rank"):
-        run_case(small, rank, ranks, seed=30, tokens=full, kind="random", fp8=False)
-    with raises(RuntimeError, rank, "the next dispatch on that Buffer", "cannot transfer again", "dispatch op"):
+    with warnings.catch_warnings(record=True) as grown:
+        warnings.simplefilter("always", RuntimeWarning)
+        run_case(small, rank, ranks, seed=30, tokens=[2500] * ranks, kind="random", fp8=True)
         run_case(small, rank, ranks, seed=31, tokens=[8] * ranks, kind="random", fp8=False)
+    messages = [str(w.message) for w in grown if issubclass(w.category, RuntimeWarning)]
+    assert [m.split(":")[0] for m in messages if "workspace, which grew" in m] == ["dispatch", "combine"], messages
+    print(f"rank {rank}: normal workspace grown by a dispatch and a combine ({small.normal.buffer.numel()} bytes), "
+          "bit-exact", flush=True)
+    small.destroy()
+    # A growth that a rank cannot make (the last rank's allocation made to fail): every rank raises ValueError and
+    # keeps its workspace; the refused dispatch's op (its counts were exchanged) is released by the host, so the next
+    # calls run at once, bit-exact, instead of waiting for that op's words.
+    small = deep_ep.Buffer(dist.group.WORLD, 64 << 10, 0, explicitly_destroy=True)
+    allocate = workspace._try
+    if rank == ranks - 1:
+        workspace._try = lambda make: (None, "RuntimeError: the test's refusal")
+    try:
+        with raises(ValueError, rank, "a growth the last rank cannot make", "growing the workspace to",
+                    f"rank {ranks - 1}: RuntimeError: the test's refusal"):
+            run_case(small, rank, ranks, seed=32, tokens=full, kind="random", fp8=False)
+    finally:
+        workspace._try = allocate
+    assert small.normal.buffer.numel() == 64 << 10
+    run_case(small, rank, ranks, seed=33, tokens=[8] * ranks, kind="random", fp8=False)
+    print(f"rank {rank}: normal after a refused growth (the op released by the host) bit-exact", flush=True)
     small.destroy()
 
 

@@ -1,0 +1,62 @@
+"""The symmetric workspace's collective allocation on the host: two processes in a gloo group agree on what each
+allocated before either maps a peer (:func:`~gc_moe_compat.runtime.workspace.agree_on_allocation`), so a rank that
+could not allocate makes both raise ``WorkspaceAllocationError`` naming it, instead of leaving its peer in the
+exchange; where both allocated, each gets every rank's shared value. The GPU paths that call it (CUDA IPC between
+ranks on one GPU, torch symmetric memory) are the runtime's two-rank GPU tests'."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gc_moe_compat.runtime.workspace import WorkspaceAllocationError, agree_on_allocation
+
+
+def _rank(rank: int, port: int, failing: tuple[int, ...], out: str) -> None:
+    """Rank ``rank`` of two: its allocation failed where it is in ``failing``; writes what the agreement returned
+    or raised to ``out``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        failure = "OutOfMemoryError: CUDA out of memory" if rank in failing else None
+        try:
+            result = repr(agree_on_allocation(dist.group.WORLD, 4096, ("handle", rank), failure))
+        except WorkspaceAllocationError as exc:
+            result = f"raised: {exc}"
+        Path(out, f"rank{rank}").write_text(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _agree(tmp_path: Path, failing: tuple[int, ...]) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(port, failing, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    return [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+
+
+@pytest.mark.parametrize(("failing", "named"), [((1,), "1 of 2 rank(s) could not allocate and share 4096 bytes "
+                                                       "(rank 1: OutOfMemoryError: CUDA out of memory)"),
+                                                ((0, 1), "2 of 2 rank(s) could not allocate and share 4096 bytes "
+                                                         "(rank 0: OutOfMemoryError: CUDA out of memory; rank 1: "
+                                                         "OutOfMemoryError: CUDA out of memory)")],
+                         ids=["one-rank", "both-ranks"])
+def test_a_rank_that_could_not_allocate_makes_every_rank_raise(tmp_path: Path, failing: tuple[int, ...],
+                                                               named: str) -> None:
+    assert _agree(tmp_path, failing) == [f"raised: symmetric workspace: {named}"] * 2
+
+
+def test_every_rank_gets_every_ranks_value_where_all_allocated(tmp_path: Path) -> None:
+    assert _agree(tmp_path, ()) == [repr([("handle", 0), ("handle", 1)])] * 2
+
+
+def test_one_rank_exchanges_nothing_and_raises_its_own_failure(group: dist.ProcessGroup) -> None:
+    assert agree_on_allocation(group, 64, "mine", None) == ["mine"]
+    assert agree_on_allocation(None, 64, "mine", None) == ["mine"]
+    with pytest.raises(WorkspaceAllocationError, match=r"^symmetric workspace: 1 of 1 rank\(s\) could not allocate "
+                                                        r"and share 64 bytes \(rank 0: OutOfMemoryError: no room\)$"):
+        agree_on_allocation(None, 64, "mine", "OutOfMemoryError: no room")
