@@ -186,7 +186,8 @@ def _normal_calls(group: object, counts: _Counts, hidden: int, experts: int, tok
     stride = ep_normal.dispatch_row_layout(2 * hidden, 0, topk).stride
     nvl = aligned_bytes(ep_normal.data_offset(ranks, experts // ranks, num_sms // 2).data + rows * stride)
 
-    def workspace(layout: LayoutPlanner, group: object = None, device: object = None) -> _NormalWorkspace:
+    def workspace(layout: LayoutPlanner, group: object = None, device: object = None,
+                  where: object = None) -> _NormalWorkspace:
         return _NormalWorkspace(torch.device("cpu"), ranks, torch.zeros(layout.size, dtype=torch.uint8), PeerTable())
 
     _normal.SymmetricWorkspace = workspace

@@ -57,7 +57,7 @@ import functools
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -97,7 +97,7 @@ from gc_moe_compat.deep_ep._config import (
     config_field,
 )
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
-from gc_moe_compat.runtime.colocation import deep_ep_mode_of
+from gc_moe_compat.runtime.colocation import Placement, deep_ep_mode_of
 from gc_moe_compat.runtime.cuda import CudaError, call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
 from gc_moe_compat.runtime.launch import current_stream_handle, launch_packed
@@ -110,7 +110,7 @@ from gc_moe_compat.runtime.status import (
     spin_timeout_setting,
     status_codes,
 )
-from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace, WorkspaceAllocationError
+from gc_moe_compat.runtime.workspace import LayoutPlanner, SymmetricWorkspace, WorkspaceAllocationError, agree
 
 __all__ = ["MAX_NVL_RANKS", "NormalHandle", "NormalMode", "combine_config", "dispatch_config"]
 
@@ -405,12 +405,14 @@ _GROWTH_ALIGNMENT = 1 << 21
 """A grown workspace's bytes are a multiple of this (2 MiB, the driver's large-page granule)."""
 
 
-def _new_workspace(group: dist.ProcessGroup, nbytes: int, device: torch.device | None = None) -> SymmetricWorkspace:
+def _new_workspace(group: dist.ProcessGroup, nbytes: int, device: torch.device | None = None,
+                   where: Placement | None = None) -> SymmetricWorkspace:
     """The symmetric workspace of the normal mode: one region of ``nbytes`` (created collectively over ``group``,
-    a failure to allocate raised on every rank alike: :class:`WorkspaceAllocationError`)."""
+    a failure to allocate raised on every rank alike: :class:`WorkspaceAllocationError`); ``device`` and ``where``:
+    a grown one's, the first one's (None: the current device, its placement exchanged)."""
     layout = LayoutPlanner()
     layout.add("normal", nbytes)
-    return SymmetricWorkspace(layout, group, device)
+    return SymmetricWorkspace(layout, group, device, where)
 
 
 class NormalMode:
@@ -477,46 +479,79 @@ class NormalMode:
     def _transfers_possible(self, fn: str) -> None:
         """A dispatch refused after its counts exchange (every rank refuses it alike) ran notify for its op but no
         transfer, and a transfer publishes the op's ``released`` words that every later transfer waits for; the host
-        stores them instead (:meth:`_release`). Where that failed, the transfers of this Buffer raise
-        ``RuntimeError`` naming the op instead of waiting until they time out."""
+        stores them instead (:meth:`_release`). Where they were not stored (that store, or the growth before it,
+        failed), the transfers of this Buffer raise ``RuntimeError`` naming the op instead of waiting until they
+        time out."""
         if self._stranded is not None:
             raise RuntimeError(f"{fn}: this Buffer's normal mode cannot transfer again: an earlier call was refused "
-                               f"after its counts were exchanged ({self._stranded}), and storing that op's "
-                               "'released' words, which the next transfer waits for, failed; create a new Buffer")
+                               f"after its counts were exchanged ({self._stranded}), and that op's 'released' words, "
+                               "which the next transfer waits for, were not stored; create a new Buffer")
 
-    def _grow(self, fn: str, overflow: _OverflowError) -> None:
+    def _growing(self, fn: str, run: Callable[..., tuple], args: tuple) -> tuple:
+        """``run(*args)``; where its rows do not fit the workspace by a count alike on every rank, the workspace
+        grows on every rank (:meth:`_grow`) and the call runs again, a ``RuntimeWarning`` naming the sizes once it
+        has. The grown workspace holds the call's rows, so a second overflow is a protocol error: its op, if its
+        counts were exchanged, then stops the Buffer's transfers by name (:meth:`_transfers_possible`)."""
+        try:
+            return run(*args)
+        except _OverflowError as overflow:
+            grown = self._grow(fn, overflow)
+        try:
+            result = run(*args)
+        except _OverflowError as overflow:
+            if overflow.refused_op:
+                self._stranded = f"{fn} op {overflow.refused_op}: {overflow} (after a growth)"
+            raise
+        warnings.warn(grown, RuntimeWarning, stacklevel=4)
+        return result
+
+    def _grow(self, fn: str, overflow: _OverflowError) -> str:
         """Replaces the workspace by one of at least twice the bytes that holds ``overflow``'s call, on every rank in
-        the same call (the count that overflowed is alike on every rank), with a ``RuntimeWarning`` naming both
-        sizes: where DeepEP streams any count through its chunked queues, the facade's data region holds a call's
-        rows at once. First the device is synchronized (no kernel of this Buffer runs, on any stream), then the
-        ranks create the new workspace together (each waits there for the others, so every rank's notify has
-        ended); its words start again from op 0, and every packed launch (its peer table, its capacity) and host
-        record (its tag) is dropped. Where a rank cannot allocate it, every rank raises ``ValueError`` (the call's
-        message, then the allocation's) and keeps its workspace, whose refused op, if any, is released first
-        (:meth:`_release`). A workspace off the GPU (or a capture) is refused first, as at a launch."""
+        the same call (the count that overflowed is alike on every rank); returns the warning naming both sizes:
+        where DeepEP streams any count through its chunked queues, the facade's data region holds a call's rows at
+        once. First each rank synchronizes its device (no kernel of this Buffer runs, on any stream) and raises what
+        its kernels recorded; the ranks agree on that before any creates the new workspace (each waits there for
+        the others, so every rank's notify has ended), so an error of one rank makes every rank raise instead of
+        waiting for it: that rank its own error, the others ``ValueError`` naming it. The new workspace's words start
+        again from op 0, and every packed launch (its peer table, its capacity) and host record (its tag) is dropped.
+        Where a rank cannot allocate it, every rank raises ``ValueError`` (the call's message, then the
+        allocation's) and keeps its workspace. Either way a refused op (one whose counts were exchanged) is released
+        first (:meth:`_release`); where the growth fails otherwise, the op stops the Buffer's transfers by name.
+        A workspace off the GPU (or a capture) is refused first, as at a launch."""
         self._require_gpu(fn)
-        for event, _ in self._pending:
-            if isinstance(event, _CommEvent):
-                call(driver.cuEventSynchronize, event.handle)
-        self._pending.clear()
-        torch.cuda.synchronize(self.device)
-        self.raise_recorded()
+        local: Exception | None = None
+        try:
+            for event, _ in self._pending:
+                if isinstance(event, _CommEvent):
+                    call(driver.cuEventSynchronize, event.handle)
+            self._pending.clear()
+            torch.cuda.synchronize(self.device)
+            self.raise_recorded()
+        except Exception as exc:  # raised after the agreement, so that no peer waits for this rank
+            local = exc
         old = self.buffer.numel()
         nbytes = -(-max(2 * old, overflow.nbytes) // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
         try:
-            workspace = _new_workspace(self.group, nbytes, self.device)
+            agree(self.group, f"prepare a growth of the normal mode's workspace to {nbytes} bytes", None,
+                  None if local is None else f"{type(local).__name__}: {local}")
+            workspace = _new_workspace(self.group, nbytes, self.device, self.workspace.placement)
         except WorkspaceAllocationError as exc:
             if overflow.refused_op:
                 self._release(overflow.refused_op)
+            if local is not None:
+                raise local from exc
             raise ValueError(f"{overflow}; growing the workspace to {nbytes} bytes failed: {exc}") from exc
-        self.workspace, self.buffer, self.op = workspace, workspace.region("normal"), 0
+        except BaseException:
+            if overflow.refused_op:
+                self._stranded = f"{fn} op {overflow.refused_op}: {overflow} (its workspace's growth failed)"
+            raise
+        self.workspace, self.buffer, self.op, self._stranded = workspace, workspace.region("normal"), 0, None
         self._launches.clear()
         self._records.clear()
         self._host_counts.clear()
-        warnings.warn(f"{overflow.rows} did not fit the normal mode's workspace, which grew from {old} to {nbytes} "
-                      "bytes on every rank (the facade has no chunked queue: a call's rows are in the workspace at "
-                      "once); a num_nvl_bytes that holds the largest call avoids the growth and its device "
-                      "synchronization", RuntimeWarning, stacklevel=4)
+        return (f"{overflow.rows} did not fit the normal mode's workspace, which grew from {old} to {nbytes} bytes "
+                "on every rank (the facade has no chunked queue: a call's rows are in the workspace at once); a "
+                "num_nvl_bytes that holds the largest call avoids the growth and its device synchronization")
 
     def _release(self, op: int) -> None:
         """Stores ``op`` into this rank's ``released`` word of every rank's copy
@@ -534,7 +569,7 @@ class NormalMode:
                 call(driver.cuMemsetD32Async, address + 4, op >> 32, 1, stream)
             call(driver.cuStreamSynchronize, stream)
         except CudaError:
-            self._stranded = f"dispatch op {op}"
+            self._stranded = f"dispatch op {op}: storing its 'released' words failed"
             raise
 
     def _begin(self, fn: str, num_sms: int) -> _Stream:
@@ -740,14 +775,10 @@ class NormalMode:
                  async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         """DeepEP's intranode dispatch (:meth:`_dispatch`), run again on a grown workspace where the group's
         busiest receiver's rows do not fit it (:meth:`_grow`)."""
-        args = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                allocate_on_comm_stream)
-        try:
-            return self._dispatch(*args)
-        except _OverflowError as overflow:
-            self._grow("dispatch", overflow)
-        return self._dispatch(*args)
+        return self._growing("dispatch", self._dispatch, (
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+            allocate_on_comm_stream))
 
     def _dispatch(self, x: object, handle: object, num_tokens_per_rank: object, num_tokens_per_rdma_rank: object,
                   is_token_in_rank: object, num_tokens_per_expert: object, topk_idx: object, topk_weights: object,
@@ -772,7 +803,8 @@ class NormalMode:
                     made = fast.normal_dispatch(records, x, num_tokens_per_rank, is_token_in_rank,
                                                 num_tokens_per_expert, topk_idx, topk_weights)
             elif type(handle) is NormalHandle and topk_idx is None and topk_weights is None and \
-                    (handle.most_recv is None or type(handle.most_recv) is int):
+                    (handle.most_recv is None or (type(handle.most_recv) is int and
+                                                  0 <= handle.most_recv <= C_INT_MAX)):
                 records = self._records.get(("cached", threading.get_ident(), config.num_sms, expert_alignment,
                                              num_worst_tokens))
                 if records is not None:
@@ -948,16 +980,16 @@ class NormalMode:
                 self.raise_recorded(when="")  # the stream ran dry: notify copied this call's records
                 raise DeviceCheckError(f"{fn}: the notify kernel finished without storing the received counts "
                                        "and recorded no error (a protocol error of the facade)")
-            self.raise_recorded()  # what earlier calls recorded (notify's own wait succeeded)
             counts = host.tolist()
             num_recv, most_recv, most_sent = (counts[HostRecord.RECV], counts[HostRecord.MOST_RECV],
                                               counts[HostRecord.MOST_SENT])
             expert_list = counts[HostRecord.EXPERTS:HostRecord.EXPERTS + local]
-            try:
+            try:  # before this rank's own errors: every rank must meet the group's overflow (see _grow)
                 self._need(fn, most_recv, launch, "the rows the busiest rank of the group receives", refused_op=op)
             except _OverflowError:
                 stream.join()  # notify's stream joins the caller's
                 raise
+            self.raise_recorded()  # what earlier calls recorded (notify's own wait succeeded)
         received = None if record is None else fast.normal_received(record, num_recv)
         if received is None:  # the Python path's call, or an allocation the compiled one could not make
             received = self._received(launch, payload, scales, topk_idx, num_recv)
@@ -996,12 +1028,8 @@ class NormalMode:
                 previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:
         """DeepEP's intranode combine (:meth:`_combine`), run again on a grown workspace where the rows the group's
         busiest sender gets back do not fit it (:meth:`_grow`)."""
-        args = (x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream)
-        try:
-            return self._combine(*args)
-        except _OverflowError as overflow:
-            self._grow("combine", overflow)
-        return self._combine(*args)
+        return self._growing("combine", self._combine, (x, handle, topk_weights, bias, config, previous_event,
+                                                        async_finish, allocate_on_comm_stream))
 
     def _combine(self, x: object, handle: object, topk_weights: object, bias: object, config: Config,
                  previous_event: object, async_finish: bool, allocate_on_comm_stream: bool) -> tuple:

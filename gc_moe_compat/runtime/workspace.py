@@ -9,7 +9,7 @@ rank uses a plain allocation. Regions are carved with alignment by :class:`Layou
 single-instance: :meth:`SymmetricWorkspace.exclusive` rejects overlapping use.
 
 Creating one is collective, and so is its failure: every rank allocates, then the ranks agree
-(:func:`agree_on_allocation`) before any of them maps a peer, so a rank whose allocation fails (out of memory) makes
+(:func:`agree`) before any of them maps a peer, so a rank whose allocation fails (out of memory) makes
 every rank raise :class:`WorkspaceAllocationError` naming it, instead of leaving its peers in the exchange until the
 process group's timeout.
 """
@@ -139,10 +139,9 @@ class WorkspaceAllocationError(RuntimeError):
     """A rank of the group could not allocate its copy of a workspace; raised on every rank of the group alike."""
 
 
-def agree_on_allocation(group: dist.ProcessGroup | None, nbytes: int, shared: object,
-                        failure: str | None) -> list[object]:
-    """Every rank's ``shared`` (what its peers need of its allocation), gathered over ``group`` once every rank has
-    tried its allocation of ``nbytes``: ``failure`` is this rank's error (None: allocated). A failure anywhere raises
+def agree(group: dist.ProcessGroup | None, what: str, shared: object, failure: str | None) -> list[object]:
+    """Every rank's ``shared`` (what its peers need of it), gathered over ``group`` once every rank has tried to
+    ``what``: ``failure`` is this rank's error (None: done). A failure anywhere raises
     :class:`WorkspaceAllocationError` on every rank, naming the ranks and their errors. A group of one rank (or
     None) exchanges nothing."""
     mine = (failure, None if failure else shared)
@@ -155,7 +154,7 @@ def agree_on_allocation(group: dist.ProcessGroup | None, nbytes: int, shared: ob
     if failed:
         named = "; ".join(f"rank {r}: {error}" for r, error in failed.items())
         raise WorkspaceAllocationError(f"symmetric workspace: {len(failed)} of {len(gathered)} rank(s) could not "
-                                       f"allocate and share {nbytes} bytes ({named})")
+                                       f"{what} ({named})")
     return [value for _, value in gathered]
 
 
@@ -166,6 +165,19 @@ def _try(allocate: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str
         return allocate(), None
     except RuntimeError as exc:
         return None, f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
+
+
+def _symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of torch symmetric memory on ``device``. Its allocator maps memory of its own, so the blocks torch's
+    caching allocator keeps are not free to it: where the first try finds no room, they go back to the driver
+    (``torch.cuda.empty_cache()``) and it tries once more."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    except RuntimeError:
+        torch.cuda.empty_cache()
+        return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class WorkspaceBusyError(RuntimeError):
@@ -198,7 +210,7 @@ class SymmetricWorkspace:
         self._ipc_peers: list[bytes] = []
         if self.world_size == 1:
             buffer, failure = _try(lambda: torch.zeros(layout.size, dtype=torch.uint8, device=self.device))
-            agree_on_allocation(group, layout.size, None, failure)
+            agree(group, f"allocate and share {layout.size} bytes", None, failure)
             self.buffer = buffer
             addresses = [buffer.data_ptr()]
         elif self.placement.shares_device:
@@ -207,8 +219,8 @@ class SymmetricWorkspace:
         else:
             from torch.distributed import _symmetric_memory as symm_mem
 
-            buffer, failure = _try(lambda: symm_mem.empty(layout.size, dtype=torch.uint8, device=self.device))
-            agree_on_allocation(group, layout.size, None, failure)
+            buffer, failure = _try(lambda: _symmetric_empty(layout.size, self.device))
+            agree(group, f"allocate and share {layout.size} bytes", None, failure)
             self.buffer = buffer
             handle = symm_mem.rendezvous(self.buffer, group)
             self.buffer.zero_()
@@ -237,7 +249,7 @@ class SymmetricWorkspace:
                         nbytes: int) -> list[int]:
         """Every rank's copy mapped into this process through CUDA IPC: this rank's allocation handle and the
         buffer's offset in it (or its allocation's ``failure``) are gathered over ``group``
-        (:func:`agree_on_allocation`), each peer's opened here. Returns the addresses by rank."""
+        (:func:`agree`), each peer's opened here. Returns the addresses by rank."""
         mine = None
         if buffer is not None:
             self.buffer = buffer
@@ -248,7 +260,7 @@ class SymmetricWorkspace:
             except CudaError as err:  # agreed on like an allocation's failure, so that no peer waits for this rank
                 failure = (f"the buffer cannot be shared through CUDA IPC ({err.name}); ranks that share a GPU need "
                            "torch's default caching allocator (PYTORCH_CUDA_ALLOC_CONF without expandable_segments)")
-        shared = agree_on_allocation(group, nbytes, mine, failure)
+        shared = agree(group, f"allocate and share {nbytes} bytes", mine, failure)
         addresses = []
         for r, (raw, offset) in enumerate(shared):
             if r == self.rank:

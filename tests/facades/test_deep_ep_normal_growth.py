@@ -29,6 +29,7 @@ from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.comm.ep_normal import released_word
 from gc_moe_compat.deep_ep import Buffer, Config, _normal
 from gc_moe_compat.runtime.cuda import CudaError
+from gc_moe_compat.runtime.status import DeviceCheckError
 from gc_moe_compat.runtime.workspace import WorkspaceAllocationError
 
 H, K, EXPERTS, SMS = 256, 4, 16, 8
@@ -49,8 +50,8 @@ class Group:
         # the growth's GPU refusal, lifted as the launch boundary's is (its workspace is the host stand-in)
         monkeypatch.setattr(_normal.NormalMode, "_require_gpu", lambda mode, fn: None)
 
-    def create(self, layout: object, group: dist.ProcessGroup | None = None,
-               device: torch.device | None = None) -> HostWorkspace:
+    def create(self, layout: object, group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+               where: object = None) -> HostWorkspace:
         if self.fail:
             raise WorkspaceAllocationError(f"symmetric workspace: 1 of 2 rank(s) could not allocate and share "
                                            f"{layout.size} bytes (rank 1: OutOfMemoryError: CUDA out of memory)")
@@ -110,7 +111,7 @@ def test_a_dispatch_past_the_workspace_grows_it_and_runs_again(buf: tuple[Buffer
     old_rows = _capacity(NVL_BYTES, STRIDE)
     assert _fields(fake) == [(NOTIFY, 1, old_rows), (DISPATCH, 1, old_rows)]
     fake.launches = []
-    old_record = mode._host_counts[EXPERTS // 2][0].data_ptr()
+    old_record = mode._host_counts[EXPERTS // 2][0]  # kept, so that the new one cannot reuse its memory
     need = old_rows + 1
     with pytest.warns(RuntimeWarning, match=rf"dispatch: the rows the busiest rank of the group receives \({need} rows "
                                             rf"of {STRIDE} bytes\) did not fit the normal mode's workspace, which grew "
@@ -121,7 +122,7 @@ def test_a_dispatch_past_the_workspace_grows_it_and_runs_again(buf: tuple[Buffer
     assert mode.buffer.numel() == 2 * NVL_BYTES and buffer.get_local_buffer_tensor(torch.uint8).numel() == \
         2 * NVL_BYTES
     assert _fields(fake) == [(NOTIFY, 2, old_rows), (NOTIFY, 1, new_rows), (DISPATCH, 1, new_rows)]
-    assert fake.launches[1].fields()["host_counts"] != old_record
+    assert fake.launches[1].fields()["host_counts"] != old_record.data_ptr()
     assert recv_x.shape == (30, H) and (handle.most_sent, handle.most_recv) == (7, need)
     fake.launches = []
     huge = 3 * new_rows  # past twice the bytes: the call's own need, rounded up to 2 MiB
@@ -155,8 +156,35 @@ def test_a_combine_or_cached_dispatch_past_the_workspace_grows_it_before_any_lau
     assert [(k, op) for k, op, _ in _fields(fake)] == [(DISPATCH, 1)]
 
 
+@pytest.fixture
+def stores(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The host's stores into device words (``cuMemsetD32Async``: address, value), recorded in order."""
+    stored: list[tuple[int, int]] = []
+
+    def memset(address: int, value: int, count: int, stream: driver.CUstream) -> tuple:
+        assert count == 1
+        stored.append((address, value))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(driver, "cuMemsetD32Async", memset)
+    monkeypatch.setattr(_normal, "current_stream_handle", lambda device: STREAM)
+    monkeypatch.setattr(driver, "cuStreamSynchronize", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
+    return stored
+
+
+def _released(table: object, op: int) -> list[tuple[int, int]]:
+    """The stores that release ``op`` for rank 0 in both ranks' copies: its u64 ``released`` word, low half first."""
+    return [(table.base + table.offsets[r] + released_word(0) + 4 * half, (op & 0xFFFFFFFF, op >> 32)[half])
+            for r in (0, 1) for half in (0, 1)]
+
+
+NEED = _capacity(NVL_BYTES, STRIDE) + 1
+"""The busiest receiver's rows that the first workspace does not hold."""
+
+
 def test_a_growth_no_rank_can_make_keeps_the_workspace_and_releases_the_refused_op(
-        buf: tuple[Buffer, Group], fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+        buf: tuple[Buffer, Group], fake: FakeDriver, stores: list[tuple[int, int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the agreement says a rank could not allocate the grown workspace, every rank raises ValueError (the
     call's need, then the allocation's error) and keeps its workspace; the refused dispatch's op (its counts were
     exchanged) is stored as released into this rank's word of every rank's copy, so the next transfer proceeds
@@ -164,27 +192,14 @@ def test_a_growth_no_rank_can_make_keeps_the_workspace_and_releases_the_refused_
     name."""
     buffer, growth = buf
     mode = buffer.normal
-    stores: list[tuple[int, int]] = []
-
-    def memset(address: int, value: int, count: int, stream: driver.CUstream) -> tuple:
-        stores.append((address, value))
-        return (driver.CUresult.CUDA_SUCCESS,)
-
-    monkeypatch.setattr(driver, "cuMemsetD32Async", memset)
-    monkeypatch.setattr(_normal, "current_stream_handle", lambda device: STREAM)
-    monkeypatch.setattr(driver, "cuStreamSynchronize", lambda stream: (driver.CUresult.CUDA_SUCCESS,))
     _dispatch(buffer, fake, 9, 12)
     workspace, fake.launches, growth.fail = mode.workspace, [], True
-    need = _capacity(NVL_BYTES, STRIDE) + 1
     with pytest.raises(ValueError, match=rf"dispatch: num_nvl_bytes must hold the rows the busiest rank of the group "
-                                         rf"receives at once: {need} rows .*; growing the workspace to {2 * NVL_BYTES} "
+                                         rf"receives at once: {NEED} rows .*; growing the workspace to {2 * NVL_BYTES} "
                                          r"bytes failed: symmetric workspace: 1 of 2 rank\(s\) could not allocate"):
-        _dispatch(buffer, fake, 30, need)
+        _dispatch(buffer, fake, 30, NEED)
     assert mode.workspace is workspace and mode.op == 2
-    table = workspace.peer_table
-    word = released_word(0)
-    assert stores == [(table.base + table.offsets[r] + word + 4 * half, (2, 0)[half]) for r in (0, 1)
-                      for half in (0, 1)]
+    assert stores == _released(workspace.peer_table, 2)
     assert [(k, op) for k, op, _ in _fields(fake)] == [(NOTIFY, 2)]
     fake.launches, growth.fail = [], False
     _dispatch(buffer, fake, 9, 12)
@@ -199,10 +214,79 @@ def test_a_growth_no_rank_can_make_keeps_the_workspace_and_releases_the_refused_
     monkeypatch.setattr(driver, "cuGetErrorString", lambda result: (driver.CUresult.CUDA_SUCCESS, b"illegal"))
     fake.launches, growth.fail = [], True
     with pytest.raises(CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
-        _dispatch(buffer, fake, 30, need)
+        _dispatch(buffer, fake, 30, NEED)
     with pytest.raises(RuntimeError, match=r"dispatch: this Buffer's normal mode cannot transfer again: .*"
-                                           r"\(dispatch op 4\), and storing that op's 'released' words"):
+                                           r"\(dispatch op 4: storing its 'released' words failed\)"):
         _dispatch(buffer, fake, 9, 12)
+
+
+def test_a_ranks_own_error_before_the_growth_is_agreed_on(buf: tuple[Buffer, Group], fake: FakeDriver,
+                                                          stores: list[tuple[int, int]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a rank's kernels recorded (raised after its device synchronization) goes into the agreement before the
+    new workspace is created: that rank raises its own error, a peer whose error it was raises ValueError naming
+    it; both release the refused op and keep their workspace, so the next call runs (no rank waits in the
+    creation for a rank that raised)."""
+    buffer, growth = buf
+    mode = buffer.normal
+    workspace = mode.workspace
+    recorded = DeviceCheckError("gc_ep_normal_layout: a topk_idx entry >= num_experts")
+    calls = []
+
+    def raise_recorded(when: str = "") -> None:  # the launch boundary's read finds nothing yet, the growth's this
+        calls.append(when)
+        if len(calls) == 2:
+            raise recorded
+
+    with monkeypatch.context() as this_rank:
+        this_rank.setattr(mode, "raise_recorded", raise_recorded)
+        with pytest.raises(DeviceCheckError, match="a topk_idx entry") as raised:
+            _dispatch(buffer, fake, 30, NEED)
+    assert isinstance(raised.value.__cause__, WorkspaceAllocationError)
+    assert "could not prepare a growth of the normal mode's workspace" in str(raised.value.__cause__)
+    assert stores == _released(workspace.peer_table, 1) and growth.sizes == [NVL_BYTES]
+
+    def peer_failed(group: object, what: str, shared: object, failure: str | None) -> list[object]:
+        raise WorkspaceAllocationError(f"symmetric workspace: 1 of 2 rank(s) could not {what} (rank 1: "
+                                       "DeviceCheckError: a topk_idx entry >= num_experts)")
+
+    monkeypatch.setattr(_normal, "agree", peer_failed)  # the peer's side: its agreement names this rank's error
+    stores.clear()
+    with pytest.raises(ValueError, match=r"; growing the workspace to \d+ bytes failed: .* could not prepare a growth "
+                                         r".*rank 1: DeviceCheckError"):
+        _dispatch(buffer, fake, 30, NEED)
+    assert stores == _released(workspace.peer_table, 2) and mode.workspace is workspace
+    fake.launches = []
+    _dispatch(buffer, fake, 9, 12)
+    assert [(k, op) for k, op, _ in _fields(fake)] == [(NOTIFY, 3), (DISPATCH, 3)]
+
+
+def test_a_growth_that_fails_otherwise_or_overflows_again_stops_the_transfers_by_name(
+        buf: tuple[Buffer, Group], fake: FakeDriver, stores: list[tuple[int, int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A creation that fails other than by an allocation (a rendezvous error) is raised as it is, and a retry that
+    overflows again (the grown workspace should hold it: a protocol error) raises its ValueError; neither leaves the
+    refused op's words stored, so the Buffer's next transfer raises RuntimeError naming the op at once instead of
+    waiting for them."""
+    buffer, growth = buf
+
+    def broken(layout: object, *args: object) -> None:
+        raise RuntimeError("cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(_normal, "SymmetricWorkspace", broken)
+    with pytest.raises(RuntimeError, match="cuIpcOpenMemHandle failed"):
+        _dispatch(buffer, fake, 30, NEED)
+    with pytest.raises(RuntimeError, match=r"cannot transfer again: .*\(dispatch op 1: .*its workspace's growth "
+                                           r"failed\)"):
+        _dispatch(buffer, fake, 9, 12)
+    assert stores == []
+    monkeypatch.setattr(_normal, "SymmetricWorkspace", growth.create)
+    other = Buffer(buffer.group, NVL_BYTES, 0)
+    monkeypatch.setattr(_normal.NormalMode, "_grow", lambda mode, fn, overflow: "not grown")
+    with pytest.raises(ValueError, match=rf"dispatch: num_nvl_bytes must hold .* at once: {NEED} rows"):
+        _dispatch(other, fake, 30, NEED)
+    with pytest.raises(RuntimeError, match=r"cannot transfer again: .*\(dispatch op 2: .* \(after a growth\)\)"):
+        _dispatch(other, fake, 9, 12)
 
 
 def test_a_worst_case_dispatch_past_the_workspace_raises_before_any_launch(buf: tuple[Buffer, Group],

@@ -28,7 +28,8 @@ T, H, K, E = 6, 256, 4, 8
 class FakeWorkspace:
     """CPU stand-in for ``SymmetricWorkspace`` (what NormalMode reads)."""
 
-    def __init__(self, layout: object, group: dist.ProcessGroup | None = None, device: object = None) -> None:
+    def __init__(self, layout: object, group: dist.ProcessGroup | None = None, device: object = None,
+                 where: object = None) -> None:
         self.device = torch.device("cpu")
         self.world_size, self.rank = 1, 0
         self.buffer = torch.zeros(layout.size, dtype=torch.uint8)

@@ -56,7 +56,7 @@ def python_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _buffer(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch, ranks: int) -> Buffer:
     monkeypatch.setattr(_normal, "SymmetricWorkspace",
-                        lambda layout, group=None, device=None: HostWorkspace(layout.size, ranks))
+                        lambda layout, group=None, device=None, where=None: HostWorkspace(layout.size, ranks))
     return Buffer(group, 8 << 20, 0)
 
 

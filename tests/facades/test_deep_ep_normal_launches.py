@@ -169,7 +169,7 @@ class Session:
     def __init__(self, group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch, fake: FakeDriver, ranks: int,
                  grid_cap: int | None = None) -> None:
         monkeypatch.setattr(_normal, "SymmetricWorkspace",
-                            lambda layout, group=None, device=None: HostWorkspace(layout.size, ranks))
+                            lambda layout, group=None, device=None, where=None: HostWorkspace(layout.size, ranks))
         self.buf = Buffer(group, NVL_BYTES, 0)
         self.mode = self.buf.normal
         if grid_cap is not None:

@@ -50,7 +50,7 @@ class DeepEpHost:
         """``Buffer(group, *args, **kwargs)`` whose workspaces are ``ranks``-rank host stand-ins."""
 
         def workspace(layout: LayoutPlanner, group: dist.ProcessGroup | None = None,
-                      device: torch.device | None = None) -> HostWorkspace:
+                      device: torch.device | None = None, where: object = None) -> HostWorkspace:
             return HostWorkspace(layout, ranks)
 
         self.monkeypatch.setattr(_buffer, "SymmetricWorkspace", workspace)

@@ -1,5 +1,5 @@
 """The symmetric workspace's collective allocation on the host: two processes in a gloo group agree on what each
-allocated before either maps a peer (:func:`~gc_moe_compat.runtime.workspace.agree_on_allocation`), so a rank that
+allocated before either maps a peer (:func:`~gc_moe_compat.runtime.workspace.agree`), so a rank that
 could not allocate makes both raise ``WorkspaceAllocationError`` naming it, instead of leaving its peer in the
 exchange; where both allocated, each gets every rank's shared value. The GPU paths that call it (CUDA IPC between
 ranks on one GPU, torch symmetric memory) are the runtime's two-rank GPU tests'."""
@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gc_moe_compat.runtime.workspace import WorkspaceAllocationError, agree_on_allocation
+from gc_moe_compat.runtime.workspace import WorkspaceAllocationError, agree
 
 
 def _rank(rank: int, port: int, failing: tuple[int, ...], out: str) -> None:
@@ -23,7 +23,7 @@ def _rank(rank: int, port: int, failing: tuple[int, ...], out: str) -> None:
     try:
         failure = "OutOfMemoryError: CUDA out of memory" if rank in failing else None
         try:
-            result = repr(agree_on_allocation(dist.group.WORLD, 4096, ("handle", rank), failure))
+            result = repr(agree(dist.group.WORLD, "allocate and share 4096 bytes", ("handle", rank), failure))
         except WorkspaceAllocationError as exc:
             result = f"raised: {exc}"
         Path(out, f"rank{rank}").write_text(result)
@@ -55,8 +55,8 @@ def test_every_rank_gets_every_ranks_value_where_all_allocated(tmp_path: Path) -
 
 
 def test_one_rank_exchanges_nothing_and_raises_its_own_failure(group: dist.ProcessGroup) -> None:
-    assert agree_on_allocation(group, 64, "mine", None) == ["mine"]
-    assert agree_on_allocation(None, 64, "mine", None) == ["mine"]
+    assert agree(group, "allocate and share 64 bytes", "mine", None) == ["mine"]
+    assert agree(None, "allocate and share 64 bytes", "mine", None) == ["mine"]
     with pytest.raises(WorkspaceAllocationError, match=r"^symmetric workspace: 1 of 1 rank\(s\) could not allocate "
                                                         r"and share 64 bytes \(rank 0: OutOfMemoryError: no room\)$"):
-        agree_on_allocation(None, 64, "mine", "OutOfMemoryError: no room")
+        agree(None, "allocate and share 64 bytes", "mine", "OutOfMemoryError: no room")
