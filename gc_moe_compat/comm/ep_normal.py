@@ -306,7 +306,11 @@ def params_header() -> str:
 
 def make_params(*, transient: Transient, data_rows: int, **fields: int) -> EpNormalParams:
     """The :class:`EpNormalParams` of launches with these sizes: the fixed offsets, ``transient``'s, ``data_rows``
-    and ``fields`` (device addresses such as ``x=...``, sizes such as ``num_tokens=...``, ``timeout_ns``)."""
+    and ``fields`` (device addresses such as ``x=...``, sizes such as ``num_tokens=...``, ``timeout_ns``); a name
+    that is not a field raises ``TypeError`` (ctypes would keep it as a plain attribute the kernels never see)."""
+    unknown = fields.keys() - {name for name, _ in EpNormalParams._fields_}
+    if unknown:
+        raise TypeError(f"make_params: not fields of EpNormalParams: {sorted(unknown)}")
     return EpNormalParams(
         **fields, data_rows=data_rows, off_arrive=_ARRIVE, off_ready=_READY, off_released=_RELEASED,
         off_status=_STATUS, off_layout_arrive=_LAYOUT_ARRIVE, off_notify_arrive=_NOTIFY_ARRIVE,

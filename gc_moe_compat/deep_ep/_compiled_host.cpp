@@ -125,16 +125,22 @@ at::Tensor plain_tensor(const py::handle& obj) {
   return type == g_tensor_type || type == g_parameter_type ? obj.cast<at::Tensor>() : at::Tensor();
 }
 
-// What the Python path's ``_tensor(..., dense=True)`` accepts, or stricter: ``dtype``, ``dim`` dimensions, a plain
-// strided tensor with storage (no conjugate or negative bit), on ``device``, contiguous, and a non-null 16-byte
-// aligned address unless it is empty.
-bool dense(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const at::Device& device) {
+// How the kernels read a tensor: by 16-byte vectors (its address 16-byte aligned), or element by element (the
+// routing: aligned to its element size, so that any row slice serves, as with DeepEP).
+enum class Reads { kVectors, kElements };
+
+// What the Python path's ``_tensor(..., dense=True)`` accepts (``vectors`` as ``reads`` says), or stricter:
+// ``dtype``, ``dim`` dimensions, a plain strided tensor with storage (no conjugate or negative bit), on ``device``,
+// contiguous, and a non-null address aligned as ``reads`` needs unless it is empty.
+bool dense(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const at::Device& device,
+           Reads reads = Reads::kVectors) {
   if (t.scalar_type() != dtype || t.dim() != dim || t.layout() != at::kStrided || t.is_nested() ||
       !t.has_storage() || t.is_conj() || t.is_neg() || t.device() != device || !t.is_contiguous()) {
     return false;
   }
   const auto address = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  return t.numel() == 0 || (address != 0 && address % 16 == 0);
+  const auto alignment = reads == Reads::kVectors ? uintptr_t{16} : static_cast<uintptr_t>(t.element_size());
+  return t.numel() == 0 || (address != 0 && address % alignment == 0);
 }
 
 bool sizes_are(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
@@ -190,7 +196,7 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
   }
   const auto& r = found.cast<const DispatchRecord&>();
   if (!dense(x, r.x_dtype, 2, r.device) || !sizes_are(x, {r.num_tokens, r.hidden}) ||
-      !dense(idx, r.idx_dtype, 2, r.device) || !sizes_are(idx, {r.num_tokens, r.topk})) {
+      !dense(idx, r.idx_dtype, 2, r.device, Reads::kElements) || !sizes_are(idx, {r.num_tokens, r.topk})) {
     return py::none();
   }
   at::Tensor stats;
@@ -261,8 +267,9 @@ py::object combine(const CombineRecord& r, const py::handle& src_info_obj, const
       !dense(route, r.route_dtype, 2, r.device) || !sizes_are(route, {r.local, r.slots}) ||
       !dense(routing, r.route_dtype, 3, r.device) || !sizes_are(routing, {2, r.num_tokens, r.topk}) ||
       !dense(x, r.x_dtype, 3, r.device) || !sizes_are(x, {r.local, r.slots, r.hidden}) ||
-      !dense(idx, r.idx_dtype, 2, r.device) || !sizes_are(idx, {r.num_tokens, r.topk}) ||
-      !dense(weights, r.weights_dtype, 2, r.device) || !sizes_are(weights, {r.num_tokens, r.topk}) ||
+      !dense(idx, r.idx_dtype, 2, r.device, Reads::kElements) || !sizes_are(idx, {r.num_tokens, r.topk}) ||
+      !dense(weights, r.weights_dtype, 2, r.device, Reads::kElements) ||
+      !sizes_are(weights, {r.num_tokens, r.topk}) ||
       (given && (!dense(out, r.out_dtype, 2, r.device) || !sizes_are(out, {r.num_tokens, r.hidden})))) {
     return py::none();
   }
@@ -469,12 +476,13 @@ py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, c
     return py::none();
   }
   const auto& r = found.cast<const NormalDispatchRecord&>();
-  if (r.cached || !x_matches(r, payload, scales) || !dense(per_rank, r.count_dtype, 1, r.device) ||
-      !sizes_are(per_rank, {r.ranks}) || !dense(in_rank, r.mask_dtype, 2, r.device) ||
-      !sizes_are(in_rank, {r.tokens, r.ranks}) || !dense(per_expert, r.count_dtype, 1, r.device) ||
+  constexpr Reads kEach = Reads::kElements;
+  if (r.cached || !x_matches(r, payload, scales) || !dense(per_rank, r.count_dtype, 1, r.device, kEach) ||
+      !sizes_are(per_rank, {r.ranks}) || !dense(in_rank, r.mask_dtype, 2, r.device, kEach) ||
+      !sizes_are(in_rank, {r.tokens, r.ranks}) || !dense(per_expert, r.count_dtype, 1, r.device, kEach) ||
       !sizes_are(per_expert, {r.experts}) ||
-      (r.topk && (!dense(idx, *r.idx_dtype, 2, r.device) || !sizes_are(idx, {r.tokens, r.topk}) ||
-                  !dense(weights, r.weight_dtype, 2, r.device) || !sizes_are(weights, {r.tokens, r.topk})))) {
+      (r.topk && (!dense(idx, *r.idx_dtype, 2, r.device, kEach) || !sizes_are(idx, {r.tokens, r.topk}) ||
+                  !dense(weights, r.weight_dtype, 2, r.device, kEach) || !sizes_are(weights, {r.tokens, r.topk})))) {
     return py::none();
   }
   at::Tensor rank_prefix, channel_prefix, send_head, recv_channel_prefix;
@@ -527,7 +535,7 @@ bool handle_matches(const py::handle& handle, const at::Device& device, int64_t 
   return dense(m[0], index_dtype, 2, device) && sizes_are(m[0], {ranks, ranks}) &&
          dense(m[1], index_dtype, 2, device) && sizes_are(m[1], {ranks, channels}) &&
          dense(m[2], index_dtype, 2, device) && sizes_are(m[2], {ranks, channels}) &&
-         dense(m[4], mask_dtype, 2, device) && sizes_are(m[4], {tokens, ranks}) &&
+         dense(m[4], mask_dtype, 2, device, Reads::kElements) && sizes_are(m[4], {tokens, ranks}) &&
          dense(m[5], index_dtype, 2, device) && sizes_are(m[5], {tokens, ranks});
 }
 
@@ -618,7 +626,8 @@ py::object normal_combine(const py::handle& records, const py::handle& x_obj, co
   int64_t rows = 0;
   if (!handle_matches(handle, r.device, r.ranks, r.channels, r.tokens, r.index_dtype, r.mask_dtype, rows) ||
       !dense(x, r.row_dtype, 2, r.device) || !sizes_are(x, {rows, r.hidden}) ||
-      (r.topk && (!dense(weights, r.weight_dtype, 2, r.device) || !sizes_are(weights, {rows, r.topk})))) {
+      (r.topk && (!dense(weights, r.weight_dtype, 2, r.device, Reads::kElements) ||
+                  !sizes_are(weights, {rows, r.topk})))) {
     return py::none();
   }
   at::Tensor bias_0, bias_1;

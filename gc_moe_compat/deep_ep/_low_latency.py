@@ -226,8 +226,8 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
             dense: bool = True, rule: str | None = None, vectors: bool = True) -> torch.Tensor:
     """``t`` as an ``ndim``-D tensor of one of ``dtypes`` on ``device``; ``dense`` (what the kernels read or write):
     also contiguous and, where they access it by 16-byte vectors (``vectors``), 16-byte aligned (the routing, read
-    element by element, takes any row slice, as with DeepEP); else any layout (a tensor only torch ops touch).
-    ``rule``: how the message names ``dtypes`` (default: their names)."""
+    element by element, takes any row slice, as with DeepEP, aligned to its elements); else any layout (a tensor
+    only torch ops touch). ``rule``: how the message names ``dtypes`` (default: their names)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes or t.dim() != ndim:
@@ -240,8 +240,10 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
     if t.device != device or not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous on {device} (the buffer's device), got {t.device}, "
                          f"contiguous={t.is_contiguous()}")
-    if vectors and t.numel() and t.data_ptr() % 16:
-        raise ValueError(f"{name}: must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
+    if t.numel() and t.data_ptr() % (16 if vectors else t.element_size()):
+        raise ValueError(f"{name}: must be " + ("16-byte aligned (16-byte vector accesses)" if vectors else
+                         f"aligned to its {t.element_size()}-byte elements (element reads)") +
+                         f", got {t.data_ptr():#x}")
     return t
 
 

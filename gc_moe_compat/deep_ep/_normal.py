@@ -321,8 +321,8 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
     ValueError naming the argument, the rule and the value otherwise (``rule``: how the message names ``dtypes``,
     default their names). ``contiguous``: the kernels index it densely; ``vectors``: they also read it by 16-byte
     vectors, so its address must be 16-byte aligned (a tensor they read element by element, such as the routing,
-    takes any row slice, as with DeepEP). Every call checks its tensors here: attribute reads and the two method
-    calls contiguity and alignment need, the message built only for a failure."""
+    takes any row slice, as with DeepEP, its address aligned to its elements). Every call checks its tensors here:
+    attribute reads and the two method calls contiguity and alignment need, the message built only for a failure."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     fits = t.dtype in dtypes and t.ndim == len(shape)
@@ -338,8 +338,10 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
         raise ValueError(f"{fn}: {name} must be on {device} (the Buffer's device), got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
-    if contiguous and vectors and t.data_ptr() % 16 and t.numel():
-        raise ValueError(f"{fn}: {name} must be 16-byte aligned (16-byte vector accesses), got {t.data_ptr():#x}")
+    if contiguous and t.numel() and t.data_ptr() % (16 if vectors else t.element_size()):
+        raise ValueError(f"{fn}: {name} must be " + ("16-byte aligned (16-byte vector accesses)" if vectors else
+                         f"aligned to its {t.element_size()}-byte elements (element reads)") +
+                         f", got {t.data_ptr():#x}")
     return t
 
 
@@ -693,7 +695,8 @@ class NormalMode:
         _tensor(fn, "handle[2] (recv_channel_prefix_matrix)", handle[2], i32, (ranks, channel_prefix.shape[1]),
                 self.device)
         _tensor(fn, "handle[3] (recv_src_idx)", handle[3], i32, (None,), self.device)
-        in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (_MASK_DTYPE,), (None, ranks), self.device)
+        in_rank = _tensor(fn, "handle[4] (is_token_in_rank)", handle[4], (_MASK_DTYPE,), (None, ranks), self.device,
+                          vectors=False)  # the dispatch's is_token_in_rank itself, any row slice
         _tensor(fn, "handle[5] (send_head)", handle[5], i32, (in_rank.shape[0], ranks), self.device)
         for name, most in (("most_sent", "sent"), ("most_recv", "received")):
             value = getattr(handle, name)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from compiled_host_kit import misaligned
+from compiled_host_kit import misaligned, unaligned
 from ll_launches import Launch, record_ll_launches
 
 from gc_moe_compat import deep_ep
@@ -349,6 +349,14 @@ def test_routing_row_slices_are_read_in_place(ll: Buffer, launches: list) -> Non
     assert (launches[0][1].topk_idx, launches[0][1].topk_weights) == (topk_idx.data_ptr(), weights.data_ptr())
     with pytest.raises(ValueError, match="x: must be 16-byte aligned"):
         _dispatch(ll, inputs=(misaligned((TOKENS, HIDDEN), torch.bfloat16), topk_idx))
+    # one byte past an element boundary (an array from outside torch): the kernels' element reads would fault
+    odd_idx = unaligned((TOKENS, TOPK), torch.int64).copy_(topk_idx)
+    with pytest.raises(ValueError, match=r"topk_idx: must be aligned to its 8-byte elements \(element reads\)"):
+        _dispatch(ll, inputs=(x[1:], odd_idx))
+    odd_weights = unaligned((TOKENS, TOPK), torch.float32).copy_(weights)
+    with pytest.raises(ValueError, match=r"topk_weights: must be aligned to its 4-byte elements"):
+        ll.low_latency_combine(torch.randn(EXPERTS, T_MAX, HIDDEN).to(torch.bfloat16), topk_idx, odd_weights, handle,
+                               return_recv_hook=True)
 
 
 def test_clean_low_latency_buffer_checks_sizes(ll: Buffer, launches: list) -> None:

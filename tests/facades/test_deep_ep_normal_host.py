@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from compiled_host_kit import misaligned
+from compiled_host_kit import misaligned, unaligned
 from ctypes_layout import natural_layout_size
 from nvcc_mark import needs_nvcc
 
@@ -219,6 +219,31 @@ def test_routing_row_slices_reach_the_launch(buf: Buffer) -> None:
     with pytest.raises(ValueError, match="x must be 16-byte aligned"):  # rows read by 16-byte vectors
         buf.dispatch(_off_16(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                      num_tokens_per_expert=per_expert, config=Config(8, 6, 256))
+    # the handle holds the dispatch's is_token_in_rank itself: a row slice there serves a cached dispatch too
+    sliced = _normal.NormalHandle((*handle[:4], _off_16(torch.ones(T, 1, dtype=torch.bool))[1:],
+                                   torch.zeros(T - 1, 1, dtype=torch.int32)), most_sent=rows)
+    assert sliced[4].data_ptr() % 16
+    with pytest.raises(AssertionError, match="a bad call reached a launch"):
+        buf.dispatch(x[1:], sliced, config=Config(8, 6, 256))
+
+
+def test_routing_off_its_element_boundary_is_refused(buf: Buffer) -> None:
+    """A routing tensor or count one byte past an element boundary (an array from outside torch: the kernels' 4- or
+    8-byte element reads would fault) is refused naming it and its element size, before any launch."""
+    x, idx, per_rank, per_expert, in_rank = _layout_inputs()
+    w = torch.rand(T, K)
+    with pytest.raises(ValueError, match=r"get_dispatch_layout: topk_idx must be aligned to its 8-byte elements "
+                                         r"\(element reads\), got 0x[0-9a-f]*1$"):
+        buf.get_dispatch_layout(unaligned((T, K), torch.int64).copy_(idx), E)
+    inputs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    for name, t in inputs.items():
+        if t.dtype == torch.bool:
+            continue  # one-byte elements: any address is aligned
+        bad = inputs | {name: unaligned(tuple(t.shape), t.dtype).copy_(t)}
+        with pytest.raises(ValueError, match=rf"dispatch: {name} must be aligned to its {t.element_size()}-byte "
+                                             r"elements \(element reads\)"):
+            buf.dispatch(x, **bad, config=Config(8, 6, 256))
 
 
 def test_a_stranded_op_stops_the_transfers_by_name(buf: Buffer) -> None:
@@ -390,3 +415,12 @@ def test_the_cpu_wait_times_out_while_the_stream_runs(monkeypatch: pytest.Monkey
         record = ep_normal.new_host_counts(4, torch.device("cpu"))
         _normal._wait_for_counts("dispatch", ep_normal.host_tag(record), 7, PollStream(record, 7, None, None),
                                  150_000_000_000)
+
+
+def test_make_params_refuses_names_that_are_not_fields() -> None:
+    """A misspelled or removed field (the kernels' int32/int64 ``idx_bytes`` is gone) raises instead of becoming a
+    plain attribute of the ctypes struct that no kernel reads."""
+    transient = ep_normal.data_offset(2, 4, 4)
+    assert ep_normal.make_params(transient=transient, data_rows=3, num_tokens=5).num_tokens == 5
+    with pytest.raises(TypeError, match=r"^make_params: not fields of EpNormalParams: \['idx_bytes'\]$"):
+        ep_normal.make_params(transient=transient, data_rows=3, num_tokens=5, idx_bytes=8)

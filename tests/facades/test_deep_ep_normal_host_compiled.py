@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed as dist
-from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths
+from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths, unaligned
 from test_deep_ep_normal_launches import FakeDriver, HostWorkspace, install_fakes
 
 from gc_moe_compat.comm import ep_normal
@@ -320,6 +320,43 @@ def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, grou
         python_calls.clear()
         accepted()
         assert python_calls and python_calls[0] in ("_checked_dispatch", "_checked_combine")
+
+
+def test_routing_row_slices_take_the_compiled_path(fast: ModuleType, group: dist.ProcessGroup,
+                                                   monkeypatch: pytest.MonkeyPatch, driver_fake: FakeDriver,
+                                                   python_calls: list) -> None:
+    """The routing and the counts (read element by element) one element past a 16-byte boundary, as a row slice of
+    a top-6 batch is, pass the records' checks as the Python path's: the dispatch, a cached dispatch on its handle
+    (which holds that is_token_in_rank) and a combine with such weights run on the compiled path, their launches
+    pointing at the slices; one byte past an element boundary runs the Python path, which refuses it."""
+    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 6, 4, "f32", 5, 8, 1, 0, None, True)
+    buf, cfg = calls.buf, Config(8, 6, 256)
+    for _ in range(2):  # the records, then the compiled path
+        handle = buf.dispatch(**calls.dispatch())[4]
+        buf.dispatch(calls.x, handle, config=cfg)
+        buf.combine(calls.y, handle, calls.cw, None, config=cfg)
+    sliced = {name: misaligned(tuple(t.shape), t.dtype).copy_(t) for name, t in (
+        ("num_tokens_per_rank", calls.per_rank), ("is_token_in_rank", calls.in_rank),
+        ("num_tokens_per_expert", calls.per_expert), ("topk_idx", calls.idx), ("topk_weights", calls.w))}
+    python_calls.clear()
+    driver_fake.launches = []
+    handle = buf.dispatch(**calls.dispatch() | sliced)[4]
+    weights = misaligned(tuple(calls.cw.shape), calls.cw.dtype).copy_(calls.cw)
+    buf.dispatch(calls.x, handle, config=cfg)
+    buf.combine(calls.y, handle, weights, None, config=cfg)
+    assert python_calls == [] and handle[4] is sliced["is_token_in_rank"]
+    notify, send = (launch.fields() for launch in driver_fake.launches[:2])
+    assert (notify["num_tokens_per_rank"], notify["is_token_in_rank"], notify["num_tokens_per_expert"]) == (
+        sliced["num_tokens_per_rank"].data_ptr(), sliced["is_token_in_rank"].data_ptr(),
+        sliced["num_tokens_per_expert"].data_ptr())
+    assert (send["topk_idx"], send["topk_weights"]) == (sliced["topk_idx"].data_ptr(),
+                                                        sliced["topk_weights"].data_ptr())
+    assert driver_fake.launches[-1].fields()["topk_weights"] == weights.data_ptr()
+    for name in ("num_tokens_per_rank", "topk_idx", "topk_weights"):
+        t = sliced[name]
+        bad = calls.dispatch() | {name: unaligned(tuple(t.shape), t.dtype).copy_(t)}
+        error = same_on_both_paths(lambda a=bad: buf.dispatch(**a), monkeypatch, python_calls)
+        assert error is not None and f"{name} must be aligned to its" in error[1], (name, error)
 
 
 TOPK_IDX_REFUSED = (r"^{fn}: topk_idx must be \[{rows}, \*\] of torch.int64 "

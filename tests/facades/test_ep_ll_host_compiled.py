@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths
+from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths, unaligned
 from ll_launches import Launch, record_ll_launches
 from test_ep_ll_host import _Workspace
 
@@ -204,6 +204,34 @@ def test_a_compiled_dispatch_is_one_c_call(fast: ModuleType, launches: list, pyt
     assert python_calls == ["_checked_dispatch", "_checked_combine"] and len(launches) == 4
     assert second[0].data_ptr() != first[0].data_ptr() and out2.data_ptr() != out.data_ptr()
     assert launches[2][1].recv_x == second[0].data_ptr() and launches[3][1].out == out2.data_ptr()
+
+
+def test_routing_row_slices_take_the_compiled_path(fast: ModuleType, launches: list, python_calls: list,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """topk_idx and topk_weights (read element by element) one element past a 16-byte boundary, as a row slice of a
+    top-6 batch is, pass the records' checks as the Python path's: dispatch and combine run on the compiled path,
+    their launches pointing at the slices; one byte past an element boundary runs the Python path, which refuses
+    it."""
+    ws = _workspace(2, 16, 8, 512)
+    x = torch.randn(7, 512).to(torch.bfloat16)
+    idx = torch.randint(0, 16, (7, 6))
+    w = torch.rand(7, 6)
+    y = torch.zeros(8, 16, 512, dtype=torch.bfloat16)
+    handle = _dispatch(ws, x, idx, 8, 16)[2]
+    _combine(ws, y, idx, w, handle)
+    python_calls.clear()
+    launches.clear()
+    odd_idx, odd_w = misaligned((7, 6), torch.int64).copy_(idx), misaligned((7, 6), torch.float32).copy_(w)
+    handle = _dispatch(ws, x, odd_idx, 8, 16)[2]
+    _combine(ws, y, odd_idx, odd_w, handle)
+    assert python_calls == [] and (odd_idx.data_ptr() % 16, odd_w.data_ptr() % 16) == (8, 4)
+    assert launches[0][1].topk_idx == odd_idx.data_ptr()
+    assert (launches[1][1].topk_idx, launches[1][1].topk_weights) == (odd_idx.data_ptr(), odd_w.data_ptr())
+    bad_idx, bad_w = unaligned((7, 6), torch.int64).copy_(idx), unaligned((7, 6), torch.float32).copy_(w)
+    for call, needle in ((lambda: _dispatch(ws, x, bad_idx, 8, 16), "topk_idx: must be aligned to its 8-byte"),
+                         (lambda: _combine(ws, y, idx, bad_w, handle), "topk_weights: must be aligned to its 4-byte")):
+        error = same_on_both_paths(call, monkeypatch, python_calls)
+        assert error is not None and needle in error[1], error
 
 
 def test_every_mismatch_raises_the_python_paths_exception(fast: ModuleType, launches: list, python_calls: list,

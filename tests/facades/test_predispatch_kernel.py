@@ -266,5 +266,5 @@ def test_non_finite_activations_drop_the_token_then_report(value: float, graph: 
         call(got)
     call(got)  # the record was cleared: the next call runs, and stages token 2 again
     torch.cuda.synchronize()
-    assert torch.equal(got[2][2], idx[2])
+    assert torch.equal(got[2][2], idx[2].long())
     dropped_record(torch.device("cuda")).raise_if_dropped("a valid call")

@@ -1,12 +1,13 @@
 """What the compiled host path's tests (tests/facades/test_ep_ll_host_compiled.py,
 test_deep_ep_normal_host_compiled.py) share: the module (or a skip), arguments the compiled path must hand to the
-Python path (a tensor subclass, a misaligned view) and the exception a call raised."""
+Python path (a tensor subclass, a view off a 16-byte or an element boundary) and the exception a call raised."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,15 @@ def same_on_both_paths(call: Callable[[], object], monkeypatch: pytest.MonkeyPat
     assert got == want
     assert not must_fall_back or python_calls, "a refused argument must run the Python path"
     return got
+
+
+def unaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous zero tensor of ``shape`` whose address is one byte past an element boundary (what torch's own
+    views never make; an array from outside torch can: here NumPy's, through ``torch.from_numpy``)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(numel * size + size, dtype=np.uint8)
+    as_numpy = torch.empty(0, dtype=dtype).numpy().dtype
+    return torch.from_numpy(np.frombuffer(raw.data, dtype=as_numpy, count=numel, offset=1).reshape(shape))

@@ -9,7 +9,8 @@ reference, with and without bias and top-k weights); after it the handle's send_
 the same results and leave that rewrite. The caching allocator is poisoned (freed 0xFF blocks) before each call, so
 an output row the kernels fail to write shows. Suites: ``cases`` (random routing with -1 slots, a rank without tokens
 on two ranks, T = 0, every token to one expert, expert_alignment, num_worst_tokens, async + previous_event, channels
-of several 32-token chunks, a default device of cuda), ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
+of several 32-token chunks, a default device of cuda, the routing and counts one element past a 16-byte boundary, a
+workspace grown by its calls and a growth refused), ``timeout`` (rank 1 stays away: rank 0's dispatch ends in
 DeviceTimeoutError naming rank 1) and ``legacy_shape`` (DeepEP's tests/legacy/test_intranode.py sizes and data: 4096
 tokens of hidden 7168 per rank, top-8 of 256 experts, 24 SMs, 2e9 NVL bytes, every row of rank r equal to r, in
 BF16 and FP8 with column-major scales; each received row is checked against its source rank and a bad one is
@@ -69,8 +70,17 @@ def check_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(bits(got), bits(want.to(got.dtype))), f"{what}: {(got != want).sum().item()} elements differ"
 
 
+def off_16(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor one element past a 16-byte boundary (a row slice's address)."""
+    return torch.zeros(t.numel() + 16, dtype=t.dtype, device=t.device)[1:1 + t.numel()].view(t.shape).copy_(t)
+
+
 def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], kind: str, fp8: bool,
-             align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False, hidden: int = HIDDEN) -> None:
+             align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False, hidden: int = HIDDEN,
+             sliced: bool = False) -> None:
+    """One layout, uncached dispatch, cached dispatch and two combines, every output against the references;
+    ``sliced``: the routing, the counts and the combine's weights passed one element past a 16-byte boundary (as
+    row slices of a larger batch are), which the kernels read element by element."""
     gen = torch.Generator().manual_seed(seed)
     experts = experts_for(ranks)
     xs = [(torch.randn(t, hidden, generator=gen, device="cpu") * 2).to(torch.bfloat16) for t in tokens]
@@ -90,6 +100,11 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     check_equal("num_tokens_per_rank", got_rank, per_rank)
     check_equal("num_tokens_per_expert", got_expert, per_expert)
     check_equal("is_token_in_rank", got_in, in_rank)
+    routing = (idx[rank].cuda(), w[rank].cuda())
+    if sliced:
+        got_rank, got_expert, got_in = off_16(got_rank), off_16(got_expert), off_16(got_in)
+        routing = tuple(off_16(t) for t in routing)
+        assert all(t.data_ptr() % 16 for t in (got_rank, got_expert, *routing) if t.numel())
     x = xs[rank].cuda()
     if fp8:
         payload, scales = _fp8_of(xs[rank])
@@ -100,7 +115,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     prev = deep_ep.Buffer.capture() if use_async else None
     recv, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
         x_in, num_tokens_per_rank=got_rank, is_token_in_rank=got_in, num_tokens_per_expert=got_expert,
-        topk_idx=idx[rank].cuda(), topk_weights=w[rank].cuda(), expert_alignment=align, num_worst_tokens=worst,
+        topk_idx=routing[0], topk_weights=routing[1], expert_alignment=align, num_worst_tokens=worst,
         config=config, previous_event=prev, async_finish=use_async)
     if use_async:
         ev.current_stream_wait()
@@ -128,6 +143,8 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     check_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
     check_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights)
     rank_prefix, channel_prefix, recv_chan, src_idx, h_in_rank, send_head = handle
+    if sliced:
+        recv_w = off_16(recv_w)
     check_equal("rank_prefix_matrix", rank_prefix, ref.rank_prefix_matrix)
     check_equal("channel_prefix_matrix", channel_prefix, ref.channel_prefix_matrix)
     check_equal("recv_channel_prefix_matrix", recv_chan, ref.recv_channel_prefix_matrix)
@@ -216,6 +233,8 @@ def suite_cases(rank: int, ranks: int) -> None:
         ("hidden 8320 BF16 + bias", dict(seed=12, tokens=[40] * ranks, kind="random", fp8=False, bias=True,
                                         hidden=8320)),
         ("hidden 384 FP8", dict(seed=13, tokens=[40] * ranks, kind="random", fp8=True, hidden=384)),
+        ("routing row slices", dict(seed=14, tokens=[37] * ranks, kind="random", fp8=False, bias=True, sliced=True)),
+        ("routing row slices FP8", dict(seed=15, tokens=[37] * ranks, kind="random", fp8=True, sliced=True)),
     ]
     for name, case in cases:
         run_case(buf, rank, ranks, **case)
