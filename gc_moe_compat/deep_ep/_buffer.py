@@ -167,11 +167,13 @@ class Buffer:
 
     def __repr__(self) -> str:
         """The modes this Buffer serves and where its kernels run: the partition mode, how its workspace maps the
-        peers and how many ranks share this GPU."""
+        peers and how many ranks share this GPU; the normal mode's workspace bytes where calls grew it."""
         spaces = [w for w in (self.workspace, None if self.normal is None else self.normal.workspace) if w is not None]
         where = f", rendezvous={spaces[0].rendezvous!r}, ranks_on_device={spaces[0].placement.ranks_on_device}, " \
                 f"partition={deep_ep_mode_of(spaces[0].placement)!r}" if spaces else ""
-        return (f"Buffer(rank={self.rank}, num_ranks={self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, "
+        grown = self.normal is not None and self.normal.buffer.numel() != self.num_nvl_bytes
+        nvl = f"{self.num_nvl_bytes} (grown to {self.normal.buffer.numel()})" if grown else f"{self.num_nvl_bytes}"
+        return (f"Buffer(rank={self.rank}, num_ranks={self.group_size}, num_nvl_bytes={nvl}, "
                 f"num_rdma_bytes={self.num_rdma_bytes}, low_latency_mode={self.low_latency_mode}{where})")
 
     def destroy(self) -> None:

@@ -8,6 +8,7 @@ real calls at one and two ranks, bit-exact) is the normal worker's (tests/kit/de
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +125,9 @@ def test_a_dispatch_past_the_workspace_grows_it_and_runs_again(buf: tuple[Buffer
     assert _fields(fake) == [(NOTIFY, 2, old_rows), (NOTIFY, 1, new_rows), (DISPATCH, 1, new_rows)]
     assert fake.launches[1].fields()["host_counts"] != old_record.data_ptr()
     assert recv_x.shape == (30, H) and (handle.most_sent, handle.most_recv) == (7, need)
+    mode.workspace.rendezvous = "local"  # what the Buffer's repr reads of a GPU workspace
+    mode.workspace.placement = SimpleNamespace(ranks_on_device=1, shares_device=False)
+    assert f"num_nvl_bytes={NVL_BYTES} (grown to {2 * NVL_BYTES})," in repr(buffer)
     fake.launches = []
     huge = 3 * new_rows  # past twice the bytes: the call's own need, rounded up to 2 MiB
     with pytest.warns(RuntimeWarning, match="grew from"):
