@@ -401,7 +401,10 @@ class Buffer:
         workspace = self._low_latency_workspace("low_latency_dispatch")
         if dispatch_wait_recv_cost_stats is not None:
             raise _missing("dispatch_wait_recv_cost_stats")
-        if use_nvfp4 or x_global_scale is not None:
+        if x_global_scale is not None and not isinstance(x_global_scale, torch.Tensor):
+            raise TypeError(f"low_latency_dispatch: x_global_scale must be a torch.Tensor or None, got "
+                            f"{type(x_global_scale).__name__}")
+        if use_nvfp4:  # x_global_scale is NVFP4's alone: without it, unused, as by DeepEP
             raise _missing("NVFP4 dispatch (use_nvfp4, x_global_scale)")
         recv_x, recv_count, handle, hook = _low_latency.dispatch(
             workspace, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -428,6 +431,7 @@ class Buffer:
         _flags("low_latency_combine", use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                return_recv_hook=return_recv_hook, overlap=overlap)
         _no_async_hook("low_latency_combine", async_finish, return_recv_hook)
+        integer("low_latency_combine", "src_signal_expect_value", src_signal_expect_value, 0, (1 << 32) - 1)
         workspace = self._low_latency_workspace("low_latency_combine")
         if use_logfmt:
             raise _missing("use_logfmt (LogFMT combine)")

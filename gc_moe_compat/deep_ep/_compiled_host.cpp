@@ -202,7 +202,8 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
   at::Tensor stats;
   if (!stats_obj.is_none()) {
     stats = plain_tensor(stats_obj);
-    if (!stats.defined() || !dense(stats, r.stats_dtype, 1, r.device) || !sizes_are(stats, {r.local})) {
+    if (!stats.defined() || !dense(stats, r.stats_dtype, 1, r.device, Reads::kElements) ||
+        !sizes_are(stats, {r.local})) {
       return py::none();
     }
   }

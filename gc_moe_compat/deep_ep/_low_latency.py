@@ -390,12 +390,17 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
         if num_tokens > shape.max_tokens:
             raise ValueError(f"x.shape[0] (tokens): must be <= num_max_dispatch_tokens_per_rank={shape.max_tokens}"
                              f", got {num_tokens}")
+        if shape.num_ranks * shape.max_tokens % 4:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank: times the group size ({shape.num_ranks}) must be a "
+                             f"multiple of 4 (DeepEP's rule: its receive layout's rows, read by TMA), got "
+                             f"{shape.max_tokens}")
         launches = _pack(workspace, state, "dispatch", shape, num_tokens, flags)
     shape = launches.shape
     ranks, local = shape.num_ranks, shape.local_experts
     slots = ranks * shape.max_tokens
     if recv_stats is not None:
-        recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (_STATS_DTYPE,), 1, device)
+        recv_stats = _tensor("cumulative_local_expert_recv_stats", recv_stats, (_STATS_DTYPE,), 1, device,
+                             vectors=False)  # an atomicAdd per local expert
         if recv_stats.shape[0] != local:
             raise ValueError(f"cumulative_local_expert_recv_stats: must have num_experts / group size = {local} "
                              f"entries, got {recv_stats.shape[0]}")

@@ -374,7 +374,8 @@ def _flags(fn: str, previous_event: object, async_finish: object, allocate_on_co
 
 
 def _x_parts(fn: str, x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` as (payload, scales): BF16 ``[T, H]``, or (FP8 ``[T, H]``, FP32/int32 ``[T, S]`` of any strides)."""
+    """``x`` as (payload, scales): BF16 ``[T, H]``, or (FP8 ``[T, H]``, FP32/int32 ``[T, S]`` of any strides that
+    fit the kernels' 32-bit fields)."""
     if isinstance(x, tuple):
         if len(x) != 2:
             raise ValueError(f"{fn}: x must be a BF16 tensor or a (FP8 tensor, scales) pair, got a tuple of {len(x)}")
@@ -383,6 +384,11 @@ def _x_parts(fn: str, x: object, device: torch.device) -> tuple[torch.Tensor, to
                          contiguous=False)
         if scales.shape[1] < 1:
             raise ValueError(f"{fn}: x[1] (scales) needs at least one column per token, got {list(scales.shape)}")
+        token_stride, hidden_stride = scales.stride()
+        if scales.shape[1] * hidden_stride >= C_INT_MAX or token_stride > C_INT_MAX:
+            raise ValueError(f"{fn}: x[1] (scales) must have num_scales * hidden stride < {C_INT_MAX} (DeepEP's "
+                             f"rule) and a token stride <= {C_INT_MAX} (the kernels' 32-bit strides), got "
+                             f"{list(scales.shape)} with strides {scales.stride()}")
     else:
         payload, scales = _tensor(fn, "x", x, (torch.bfloat16,), (None, None), device), None
     row_bytes = payload.shape[1] * payload.dtype.itemsize

@@ -225,13 +225,37 @@ def test_event_overlap() -> None:
 @pytest.mark.parametrize(("option", "value", "match"), [
     ("dispatch_wait_recv_cost_stats", torch.zeros(EXPERTS, dtype=torch.int64), "dispatch_wait_recv_cost_stats"),
     ("use_nvfp4", True, "use_nvfp4"),
-    ("x_global_scale", torch.ones(1), "x_global_scale"),
 ])
 def test_dispatch_unimplemented_options(ll: Buffer, launches: list, option: str, value: object, match: str) -> None:
     x, topk_idx = _inputs()
     with pytest.raises(NotImplementedError, match=match):
         ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, **{option: value})
     assert launches == []
+
+
+def test_x_global_scale_is_unused_without_nvfp4(ll: Buffer, launches: list) -> None:
+    """``x_global_scale`` is NVFP4's alone: DeepEP reads it only with ``use_nvfp4=True`` (which raises here), so a
+    tensor beside ``use_nvfp4=False`` (SGLang passes it whenever its quant config has an input global scale) runs the
+    dispatch as without it; another type than a tensor is refused."""
+    x, topk_idx = _inputs()
+    ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, x_global_scale=torch.ones(1), return_recv_hook=True)
+    assert len(launches) == 1
+    with pytest.raises(NotImplementedError, match="use_nvfp4, x_global_scale"):
+        ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, x_global_scale=torch.ones(1), use_nvfp4=True)
+    with pytest.raises(TypeError, match="x_global_scale must be a torch.Tensor or None, got float"):
+        ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, x_global_scale=1.0)
+
+
+def test_src_signal_expect_value_is_a_uint32(ll: Buffer, launches: list) -> None:
+    """DeepEP's ``src_signal_expect_value`` is a C ``uint32_t`` (pybind refuses -1 or a str); unused without SGLang's
+    single-batch overlap, it is still checked as one."""
+    x, topk_idx = _inputs()
+    handle = ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, return_recv_hook=True)[2]
+    y, w = torch.randn(EXPERTS, T_MAX, HIDDEN).to(torch.bfloat16), torch.rand(TOKENS, TOPK)
+    ll.low_latency_combine(y, topk_idx, w, handle, src_signal_expect_value=(1 << 32) - 1, return_recv_hook=True)
+    for value, error in ((-1, ValueError), (1 << 32, ValueError), ("x", TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="low_latency_combine: src_signal_expect_value must be"):
+            ll.low_latency_combine(y, topk_idx, w, handle, src_signal_expect_value=value, return_recv_hook=True)
 
 
 @pytest.mark.parametrize(("option", "value", "match"), [
@@ -330,6 +354,29 @@ def test_combine_layout_and_launches(ll: Buffer, launches: list) -> None:
     out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16)
     combined, _, _ = ll.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=True, out=out)
     assert combined is out
+
+
+def test_the_groups_receive_rows_are_a_multiple_of_4(ll: Buffer, launches: list) -> None:
+    """DeepEP asserts ``num_ranks * num_max_dispatch_tokens_per_rank % 4 == 0`` (its receive layout's rows, read by
+    TMA): at one rank a Tmax of 5 is refused naming it, before any launch, as the pin refuses it."""
+    x, topk_idx = _inputs(tokens=5)
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank: times the group size \(1\) must be a "
+                                         r"multiple of 4 \(DeepEP's rule.*got 5$"):
+        ll.low_latency_dispatch(x, topk_idx, 5, EXPERTS)
+    assert launches == []
+    ll.low_latency_dispatch(x, topk_idx, 8, EXPERTS, return_recv_hook=True)
+    assert len(launches) == 1
+
+
+def test_the_recv_stats_take_a_row_slice(ll: Buffer, launches: list) -> None:
+    """``cumulative_local_expert_recv_stats`` gets an atomic add per local expert: a slice 4 bytes past a 16-byte
+    boundary is taken in place."""
+    x, topk_idx = _inputs()
+    stats = misaligned((EXPERTS,), torch.int32)
+    assert stats.data_ptr() % 16 == 4
+    ll.low_latency_dispatch(x, topk_idx, T_MAX, EXPERTS, cumulative_local_expert_recv_stats=stats,
+                            return_recv_hook=True)
+    assert launches[-1][1].recv_stats == stats.data_ptr()
 
 
 def test_routing_row_slices_are_read_in_place(ll: Buffer, launches: list) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -424,3 +425,21 @@ def test_make_params_refuses_names_that_are_not_fields() -> None:
     assert ep_normal.make_params(transient=transient, data_rows=3, num_tokens=5).num_tokens == 5
     with pytest.raises(TypeError, match=r"^make_params: not fields of EpNormalParams: \['idx_bytes'\]$"):
         ep_normal.make_params(transient=transient, data_rows=3, num_tokens=5, idx_bytes=8)
+
+
+def test_fp8_scales_whose_strides_overflow_the_kernels_fields_are_refused(buf: Buffer) -> None:
+    """DeepEP asserts ``num_scales * scale_hidden_stride < INT_MAX``; the kernels keep both strides in 32-bit fields:
+    scales whose strides exceed them are refused naming x[1], not truncated; column-major scales fit."""
+    x, idx, per_rank, per_expert, in_rank = _layout_inputs()
+    payload = x.to(torch.float8_e4m3fn)
+    base = np.zeros(2, dtype=np.float32)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                config=Config(8, 6, 256))
+    for strides in ((1, 1 << 31), (1 << 32, 1)):  # views no real storage could back: never read, refused first
+        scales = torch.from_numpy(np.lib.stride_tricks.as_strided(base, (T, 2), tuple(4 * s for s in strides)))
+        assert scales.stride() == strides
+        with pytest.raises(ValueError, match=r"dispatch: x\[1\] \(scales\) must have num_scales \* hidden stride < "
+                                             r"2147483647 \(DeepEP's rule\) and a token stride <= 2147483647"):
+            buf.dispatch((payload, scales), **args)
+    with pytest.raises(AssertionError, match="a bad call reached a launch"):
+        buf.dispatch((payload, torch.rand(2, T).t()), **args)

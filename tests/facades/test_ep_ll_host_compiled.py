@@ -224,7 +224,10 @@ def test_routing_row_slices_take_the_compiled_path(fast: ModuleType, launches: l
     odd_idx, odd_w = misaligned((7, 6), torch.int64).copy_(idx), misaligned((7, 6), torch.float32).copy_(w)
     handle = _dispatch(ws, x, odd_idx, 8, 16)[2]
     _combine(ws, y, odd_idx, odd_w, handle)
+    odd_stats = misaligned((8,), torch.int32)  # the local experts' counters: an atomic add each
+    _dispatch(ws, x, odd_idx, 8, 16, recv_stats=odd_stats)
     assert python_calls == [] and (odd_idx.data_ptr() % 16, odd_w.data_ptr() % 16) == (8, 4)
+    assert launches[-1][1].recv_stats == odd_stats.data_ptr()
     assert launches[0][1].topk_idx == odd_idx.data_ptr()
     assert (launches[1][1].topk_idx, launches[1][1].topk_weights) == (odd_idx.data_ptr(), odd_w.data_ptr())
     bad_idx, bad_w = unaligned((7, 6), torch.int64).copy_(idx), unaligned((7, 6), torch.float32).copy_(w)

@@ -90,7 +90,8 @@ def _fits(max_tokens: int = TMAX, hidden: int = H, experts: int = E, topk: int =
 
 
 LL_DISPATCH_SPECS: dict[str, Spec] = {
-    "num_max_dispatch_tokens_per_rank": Int(T, C_INT_MAX, extra=_fits, draw_max=4 * TMAX),  # >= the tokens, fits
+    # >= the tokens, fits, and (one rank) a multiple of 4: DeepEP's TMA rule on the group size x Tmax
+    "num_max_dispatch_tokens_per_rank": Int(T, C_INT_MAX, extra=lambda t: _fits(t) and t % 4 == 0, draw_max=4 * TMAX),
     "num_experts": Int(K, LL_MAX_EXPERTS, extra=lambda e: e <= E),  # >= top-k (every id < E); sized for E
 }
 
