@@ -184,6 +184,8 @@ def _run(path: ComputePath, y: object, l1_weights: object, l2_weights: object, s
         inputs = {name: getattr(buf, name) for name in ("x", "x_sf", "topk_idx", "topk_weights")}
         api.validate_call(shape, y, inputs, l1_weights, l2_weights, shared_l1_weights, shared_l2_weights,
                           check_values=False)
+        if isinstance(stats, torch.Tensor) and stats.dim() != 1 and stats.is_contiguous():
+            stats = stats.view(-1)  # the pin checks only numel() == E/P: [1, E/P] serves, counted in place
         stats = api.check_recv_stats(stats, buf.workspace)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{fn}: {exc}") from exc
@@ -224,11 +226,14 @@ def fp8_fp4_mega_moe(y: torch.Tensor,
     _checks.unsupported_feature(fn, "use_x_scales", use_x_scales, False, "per-token outer scales (NVFP4 only)")
     for arg, value in (("l1_alphas", l1_alphas), ("l2_alphas", l2_alphas), ("l2_act_scales", l2_act_scales)):
         _checks.unsupported_feature(fn, arg, value, None, "NVFP4 per-expert alphas / activation scales")
-    for arg, value, default in (("post_expert_norm", post_expert_norm, False),
-                                ("post_expert_norm_weight", post_expert_norm_weight, None),
-                                ("post_expert_norm_eps", post_expert_norm_eps, 1e-6),
-                                ("post_expert_norm_weight_first", post_expert_norm_weight_first, False)):
-        _checks.unsupported_feature(fn, arg, value, default, "fused post-expert norm")
+    # the norm's options are read only with the norm on, as by the pin (which checks eps >= 0 only then)
+    _checks.unsupported_feature(fn, "post_expert_norm", post_expert_norm, False, "fused post-expert norm")
+    _checks.boolean(fn, "post_expert_norm_weight_first", post_expert_norm_weight_first)
+    if isinstance(post_expert_norm_eps, bool) or not isinstance(post_expert_norm_eps, int | float):
+        raise TypeError(f"{fn}: post_expert_norm_eps must be a float, got {type(post_expert_norm_eps).__name__}")
+    if post_expert_norm_weight is not None and not isinstance(post_expert_norm_weight, torch.Tensor):
+        raise TypeError(f"{fn}: post_expert_norm_weight must be a torch.Tensor or None, got "
+                        f"{type(post_expert_norm_weight).__name__}")
     if global_num_tokens is not None and isinstance(sym_buffer, SymmBuffer) and sym_buffer.workspace is not None:
         own = y.shape[0] if isinstance(y, torch.Tensor) and y.dim() == 2 else 0  # at least this rank's tokens
         _checks.integer(fn, "global_num_tokens", global_num_tokens, own,

@@ -286,9 +286,10 @@ def mega_moe_pre_dispatch(x: torch.Tensor,
             raise NotImplementedError(f"{fn}: use_fp4_acts=True stages FP4 (E2M1) activations: GC-MoE has no "
                                       "FP4-activation path (only FP8 activations)")
     _checks.choice(fn, "mma_type", mma_type, _checks.SUPPORTED_MMA_TYPES, _checks.DEEPGEMM_ONLY_MMA_TYPES)
-    _checks.choice(fn, "group_size", group_size, (32,), (16,))
+    _checks.choice(fn, "group_size", group_size, (32,), (16, 64, 128))
     _checks.unsupported_feature(fn, "buf_x_scales", buf_x_scales, None, "per-token outer scales (NVFP4 only)")
-    _checks.unsupported_feature(fn, "expert_scales", expert_scales, None, "per-expert input scales (NVFP4 only)")
+    _checks.unsupported_feature(fn, "expert_scales", expert_scales, None,
+                                "per-expert scaling of the staged top-k weights in its pre-dispatch kernel")
     if isinstance(buf_x_sf, torch.Tensor) and buf_x_sf.dtype == torch.float32:
         raise ValueError(f"{fn}: buf_x_sf is float32, the SM90 layout (FP32 1x128 scales, the facade's Hopper "
                          f"buffer for every mma_type): stage it with mega_moe_pre_dispatch_sm90; "

@@ -192,6 +192,12 @@ def test_pre_dispatch_refusals(group: dist.ProcessGroup) -> None:
         dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4, mma_type="mxf4xmxf4")
     with pytest.raises(NotImplementedError, match="buf_x_scales"):
         dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4, buf_x_scales=buf.x_scales)
+    # the pin's other scale groups and its per-expert weight scales (a multiply in its kernel, for every kind)
+    for group_size in (16, 64, 128):
+        with pytest.raises(NotImplementedError, match=f"group_size={group_size} is a DeepGEMM option"):
+            dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4, group_size=group_size)
+    with pytest.raises(NotImplementedError, match="expert_scales=.*per-expert scaling of the staged top-k weights"):
+        dg.mega_moe_pre_dispatch(x, idx, w, *views, num_tokens=4, expert_scales=torch.ones(E))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -234,6 +240,11 @@ def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> 
             dg.fp8_mega_moe(y, l1, l2, buf, activation_clamp=clamp)
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
         dg.fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
+    local = buf.workspace.shape.num_local_experts  # the pin checks numel() == E/P only: [1, E/P] serves, in place
+    with pytest.raises(RuntimeError, match="fp8_mega_moe: buffer: lives in host memory .* needs the GPU"):
+        dg.fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=torch.zeros(1, local, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):  # numel() differs
+        dg.fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=torch.zeros(2, local, dtype=torch.int32))
     with pytest.raises(TypeError, match="sym_buffer"):
         dg.fp8_mega_moe(y, l1, l2, object())
     buf.destroy()
@@ -250,8 +261,11 @@ def test_fp8_mega_moe_validates_then_runs_operator(group: dist.ProcessGroup) -> 
     ({"weight_layout": "trtllm"}, NotImplementedError, "weight_layout"),
     ({"weight_layout": "other"}, ValueError, "weight_layout"),
     ({"post_expert_norm": True}, NotImplementedError, "post_expert_norm"),
-    ({"post_expert_norm_eps": 1e-5}, NotImplementedError, "post_expert_norm_eps"),
+    ({"post_expert_norm_eps": "1e-5"}, TypeError, "post_expert_norm_eps"),  # read only with the norm on, as by the pin
+    ({"post_expert_norm_weight_first": 1}, TypeError, "post_expert_norm_weight_first"),
+    ({"post_expert_norm_weight": [1.0]}, TypeError, "post_expert_norm_weight"),
     ({"global_num_tokens": 10_000}, ValueError, "global_num_tokens"),
+    ({"global_num_tokens": 1}, ValueError, "global_num_tokens"),  # below this rank's rows (the pin: >= 0)
     ({"activation": "situ"}, NotImplementedError, "activation"),
     ({"fast_math": 1}, TypeError, "fast_math"),
 ])
@@ -262,6 +276,18 @@ def test_fp8_fp4_mega_moe_arguments(group: dist.ProcessGroup, kw: dict, exc: typ
     l1, l2 = _fp4_weights()
     with pytest.raises(exc, match=f"fp8_fp4_mega_moe: .*{arg}"):
         dg.fp8_fp4_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
+
+
+def test_the_norms_options_pass_with_the_norm_off_as_with_the_pin(group: dist.ProcessGroup) -> None:
+    """With ``post_expert_norm=False`` the pin reads neither its eps nor its weight order (it checks ``eps >= 0``
+    only with the norm on): those calls get past the facade's own checks to the weights' (here uint8 scales, refused
+    by their own rule)."""
+    buf = _buffer(group)
+    l1, l2 = _fp4_weights()
+    for kw in ({"post_expert_norm_eps": 1e-5}, {"post_expert_norm_eps": -1.0, "post_expert_norm_weight_first": True},
+               {"post_expert_norm_weight": torch.ones(H)}):
+        with pytest.raises(TypeError, match=r"l1_weights\[1\]: must be int32"):
+            dg.fp8_fp4_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
 
 
 def test_unsupported_families_raise(group: dist.ProcessGroup) -> None:
