@@ -60,7 +60,7 @@ FUNCTIONS: tuple[str, ...] = (
     "get_num_sms",
     "set_num_sms",
 )
-METHODS: tuple[str, ...] = ("SymmBuffer.__init__", "SymmBuffer.destroy")
+METHODS: tuple[str, ...] = ("SymmBuffer.__init__", "SymmBuffer.destroy", "SM90SymmBuffer.__init__")
 
 # ``deep_ep`` classes whose public methods the facade keeps (DeepEP's legacy buffer API, as SGLang's pin ships it).
 DEEP_EP_CLASSES: tuple[str, ...] = ("Buffer", "EventOverlap")

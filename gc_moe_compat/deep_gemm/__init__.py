@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from gc_moe_compat import originals
 from gc_moe_compat.deep_gemm import mega
-from gc_moe_compat.deep_gemm._buffer import SymmBuffer, get_symm_buffer_for_mega_moe, get_symm_buffer_for_sm90_mega_moe
+from gc_moe_compat.deep_gemm._buffer import (
+    SM90SymmBuffer,
+    SymmBuffer,
+    get_symm_buffer_for_mega_moe,
+    get_symm_buffer_for_sm90_mega_moe,
+)
 from gc_moe_compat.deep_gemm._mega import bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, nvfp4_mega_moe
 from gc_moe_compat.deep_gemm._predispatch import mega_moe_pre_dispatch, mega_moe_pre_dispatch_sm90
 from gc_moe_compat.deep_gemm._runtime import get_block_m_for_mega_moe, get_num_sms, set_num_sms
@@ -49,8 +54,6 @@ __all__ = [
     "transform_weights_for_mega_moe_sm90",
 ]
 
-# SGLang's pin names its Hopper buffer class separately; here one class carries the SM90 layout for every mma_type.
-SM90SymmBuffer = SymmBuffer
 
 PROVIDERS = "sgl-deep-gemm==0.2.3.post2 (SGLang's pin) or deepinfer-gemm==2.8.2 (DeepGEMM)"
 

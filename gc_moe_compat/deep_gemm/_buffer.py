@@ -210,16 +210,36 @@ def get_symm_buffer_for_mega_moe(group: dist.ProcessGroup,
                       num_shared_experts, mma_type=mma_type, activation=activation)
 
 
+def _fp8_dispatch_only(fn: str, use_fp8_dispatch: object) -> None:
+    """The SM90 constructors' ``use_fp8_dispatch``: a bool, and True (GC-MoE's SM90 path dispatches FP8 only)."""
+    _checks.boolean(fn, "use_fp8_dispatch", use_fp8_dispatch)
+    if use_fp8_dispatch is not True:
+        raise NotImplementedError(f"{fn}: use_fp8_dispatch={use_fp8_dispatch!r}: GC-MoE's SM90 path dispatches FP8 "
+                                  "activations only")
+
+
+class SM90SymmBuffer(SymmBuffer):
+    """The pin's SM90 buffer class, with its constructor's signature (the facade's views and layout are
+    :class:`SymmBuffer`'s): FP8 dispatch only, no shared expert."""
+
+    def __init__(self, group: dist.ProcessGroup,
+                 num_experts: int,
+                 num_max_tokens_per_rank: int, num_topk: int,
+                 hidden: int, intermediate_hidden: int,
+                 use_fp8_dispatch: bool = True,
+                 activation: str = 'swiglu') -> None:
+        _fp8_dispatch_only("SM90SymmBuffer", use_fp8_dispatch)
+        super().__init__(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                         mma_type='fp8xfp8', activation=activation)
+
+
 def get_symm_buffer_for_sm90_mega_moe(group: dist.ProcessGroup,
                                       num_experts: int,
                                       num_max_tokens_per_rank: int, num_topk: int,
                                       hidden: int, intermediate_hidden: int,
                                       use_fp8_dispatch: bool = True,
-                                      activation: str = 'swiglu') -> SymmBuffer:
-    """SGLang pin's SM90 constructor: FP8 dispatch only (the layout is the same SM90 layout)."""
-    _checks.boolean("get_symm_buffer_for_sm90_mega_moe", "use_fp8_dispatch", use_fp8_dispatch)
-    if use_fp8_dispatch is not True:
-        raise NotImplementedError(f"get_symm_buffer_for_sm90_mega_moe: use_fp8_dispatch={use_fp8_dispatch!r}: "
-                                  "GC-MoE's SM90 path dispatches FP8 activations only")
-    return SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                      mma_type='fp8xfp8', activation=activation)
+                                      activation: str = 'swiglu') -> SM90SymmBuffer:
+    """SGLang pin's SM90 constructor: an :class:`SM90SymmBuffer`, FP8 dispatch only."""
+    _fp8_dispatch_only("get_symm_buffer_for_sm90_mega_moe", use_fp8_dispatch)
+    return SM90SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                          activation=activation)

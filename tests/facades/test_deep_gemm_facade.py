@@ -290,6 +290,21 @@ def test_the_norms_options_pass_with_the_norm_off_as_with_the_pin(group: dist.Pr
             dg.fp8_fp4_mega_moe(torch.empty(2, H, dtype=torch.bfloat16), l1, l2, buf, **kw)
 
 
+def test_sm90_symm_buffer_takes_the_pins_arguments(group: dist.ProcessGroup) -> None:
+    """The pin's ``SM90SymmBuffer(group, E, T, k, H, I, use_fp8_dispatch=True, activation='swiglu')``: positional
+    ``use_fp8_dispatch`` binds there (not to a shared-expert count), the buffer is the facade's FP8xFP8 SymmBuffer,
+    and ``get_symm_buffer_for_sm90_mega_moe`` makes one; FP8 dispatch only."""
+    buf = dg.SM90SymmBuffer(group, E, 40, K, H, N_I, True, "swiglu")
+    assert isinstance(buf, dg.SymmBuffer) and (buf.num_shared_experts, buf.workspace.shape.mma_type) == (0, "fp8xfp8")
+    assert type(dg.get_symm_buffer_for_sm90_mega_moe(group, E, 40, K, H, N_I)) is dg.SM90SymmBuffer
+    with pytest.raises(NotImplementedError, match="SM90SymmBuffer: use_fp8_dispatch=False"):
+        dg.SM90SymmBuffer(group, E, 40, K, H, N_I, False)
+    with pytest.raises(NotImplementedError, match="get_symm_buffer_for_sm90_mega_moe: use_fp8_dispatch=False"):
+        dg.get_symm_buffer_for_sm90_mega_moe(group, E, 40, K, H, N_I, use_fp8_dispatch=False)
+    with pytest.raises(TypeError, match="SM90SymmBuffer: use_fp8_dispatch must be a bool"):
+        dg.SM90SymmBuffer(group, E, 40, K, H, N_I, 1)
+
+
 def test_unsupported_families_raise(group: dist.ProcessGroup) -> None:
     y = torch.empty(1, H, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="nvfp4_mega_moe: GC-MoE has no NVFP4"):
