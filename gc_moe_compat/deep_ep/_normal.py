@@ -545,7 +545,11 @@ class NormalMode:
             workspace = _new_workspace(self.group, nbytes, self.device, self.workspace.placement)
         except WorkspaceAllocationError as exc:
             if overflow.refused_op:
-                self._release(overflow.refused_op)
+                try:
+                    self._release(overflow.refused_op)
+                except CudaError:  # the op now stops the transfers by name; this rank's own error says more
+                    if local is None:
+                        raise
             if local is not None:
                 raise local from exc
             raise ValueError(f"{overflow}; growing the workspace to {nbytes} bytes failed: {exc}") from exc

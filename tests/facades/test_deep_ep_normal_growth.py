@@ -263,6 +263,25 @@ def test_a_ranks_own_error_before_the_growth_is_agreed_on(buf: tuple[Buffer, Gro
     fake.launches = []
     _dispatch(buffer, fake, 9, 12)
     assert [(k, op) for k, op, _ in _fields(fake)] == [(NOTIFY, 3), (DISPATCH, 3)]
+    # this rank's own error where the release fails too (a broken context): its error is raised, the op stopping
+    # the transfers by name
+    monkeypatch.undo()
+    fake = install_fakes(monkeypatch)
+    Group(monkeypatch)
+    monkeypatch.setattr(_normal, "current_stream_handle", lambda device: STREAM)
+    monkeypatch.setattr(driver, "cuMemsetD32Async", lambda *args: (driver.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,))
+    monkeypatch.setattr(driver, "cuGetErrorName", lambda result: (driver.CUresult.CUDA_SUCCESS, b"ILLEGAL"))
+    monkeypatch.setattr(driver, "cuGetErrorString", lambda result: (driver.CUresult.CUDA_SUCCESS, b"illegal"))
+    calls.clear()
+    monkeypatch.setattr(mode, "raise_recorded", raise_recorded)
+    with pytest.raises(DeviceCheckError, match="a topk_idx entry"):
+        _dispatch(buffer, fake, 30, NEED)
+    monkeypatch.undo()
+    fake = install_fakes(monkeypatch)
+    monkeypatch.setattr(_normal.NormalMode, "_require_gpu", lambda mode, fn: None)
+    with pytest.raises(RuntimeError, match=r"cannot transfer again: .*\(dispatch op 4: storing its 'released' words "
+                                           r"failed\)"):
+        _dispatch(buffer, fake, 9, 12)
 
 
 def test_a_growth_that_fails_otherwise_or_overflows_again_stops_the_transfers_by_name(
