@@ -385,7 +385,8 @@ def composed_expected_m(tokens: int, world_size: int, topk: int, num_experts: in
 class ComposedDeepEpDeepGemm:
     """SGLang's DeepEP low-latency MoE (module docstring): one low-latency ``Buffer`` sized for the capacity, the
     original DeepGEMM's masked pipeline (:class:`~gc_moe_compat.ab.masked_gemm.MaskedExperts`) on DeepEP's
-    ``[E/P, P * capacity, H]`` receive layout; per step: dispatch, W1, activation, W2, combine (all captured)."""
+    ``[E/P, P * Tmax, H]`` receive layout (Tmax: the capacity, rounded up to a multiple of 4); per step: dispatch,
+    W1, activation, W2, combine (all captured)."""
 
     def __init__(self, ctx: Context) -> None:
         from gc_moe_compat.ab.masked_gemm import MaskedExperts
@@ -394,11 +395,14 @@ class ComposedDeepEpDeepGemm:
         w = ctx.workload
         self.num_experts = ctx.shape("fp8xfp8").num_experts
         self.ep, self.ep_source = _deep_ep(ctx.group, ctx.world_size, ctx.device.index)  # first: a collective
-        hint = self.ep.Buffer.get_low_latency_rdma_size_hint(w.capacity, w.hidden, ctx.world_size, self.num_experts)
+        # DeepEP's Tmax: the capacity, rounded up to a multiple of 4 (DeepEP asserts ranks x Tmax % 4 == 0)
+        self.max_tokens = -(-w.capacity // 4) * 4
+        hint = self.ep.Buffer.get_low_latency_rdma_size_hint(self.max_tokens, w.hidden, ctx.world_size,
+                                                             self.num_experts)
         self.buf = self.ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=w.local_experts)
         dg = _original_deep_gemm()
         l1, l2 = ctx.weights["fp8_block128"]
-        self.experts = MaskedExperts(dg, l1, l2, ctx.world_size * w.capacity, 1, w.activation_clamp)
+        self.experts = MaskedExperts(dg, l1, l2, ctx.world_size * self.max_tokens, 1, w.activation_clamp)
         self.dg_source = _source(dg)
         self.x: torch.Tensor | None = None
 
@@ -413,7 +417,7 @@ class ComposedDeepEpDeepGemm:
 
     def run(self) -> torch.Tensor:
         (x, x_sf), count, handle, _, _ = self.buf.low_latency_dispatch(
-            self.x, self.topk_idx, self.ctx.workload.capacity, self.num_experts, use_fp8=True)
+            self.x, self.topk_idx, self.max_tokens, self.num_experts, use_fp8=True)
         out = self.experts(x, x_sf, count)
         self.buf.low_latency_combine(out, self.topk_idx, self.topk_weights, handle, out=self.y)
         return self.y
