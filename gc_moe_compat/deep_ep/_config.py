@@ -22,6 +22,14 @@ shape's compiled host record holds it, so a ``topk_idx`` of another dtype always
 TOPK_IDX_RULE = f"{TOPK_IDX_DTYPE} (deep_ep.topk_idx_t, which DeepEP asserts)"
 """How a call refusing a ``topk_idx`` of another dtype names the one it takes (the message's rule)."""
 
+
+def address_rule(vectors: bool, element_size: int) -> str:
+    """How a call refusing a tensor's address states the rule it broke: 16-byte aligned where the kernels read it by
+    16-byte vectors, aligned to its elements (as any row slice of a torch tensor is) where they read it element by
+    element (``vectors`` False)."""
+    return "16-byte aligned (16-byte vector accesses)" if vectors else \
+        f"aligned to its {element_size}-byte elements (element reads)"
+
 BUFFER_ALIGNMENT_BYTES = 128
 """DeepEP's ``NUM_BUFFER_ALIGNMENT_BYTES``: ``Buffer`` takes ``num_nvl_bytes`` and ``num_rdma_bytes`` in multiples of
 it, and both size hints return multiples of it."""

@@ -62,7 +62,7 @@ from gc_moe_compat.comm.ep_ll import (
 )
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep import _compiled_host
-from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES, TOPK_IDX_DTYPES, TOPK_IDX_RULE
+from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES, TOPK_IDX_DTYPES, TOPK_IDX_RULE, address_rule
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
@@ -241,9 +241,7 @@ def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int, de
         raise ValueError(f"{name}: must be contiguous on {device} (the buffer's device), got {t.device}, "
                          f"contiguous={t.is_contiguous()}")
     if t.numel() and t.data_ptr() % (16 if vectors else t.element_size()):
-        raise ValueError(f"{name}: must be " + ("16-byte aligned (16-byte vector accesses)" if vectors else
-                         f"aligned to its {t.element_size()}-byte elements (element reads)") +
-                         f", got {t.data_ptr():#x}")
+        raise ValueError(f"{name}: must be {address_rule(vectors, t.element_size())}, got {t.data_ptr():#x}")
     return t
 
 

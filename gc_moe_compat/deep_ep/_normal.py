@@ -94,6 +94,7 @@ from gc_moe_compat.deep_ep._config import (
     TOPK_IDX_DTYPES,
     TOPK_IDX_RULE,
     Config,
+    address_rule,
     config_field,
 )
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
@@ -339,9 +340,7 @@ def _tensor(fn: str, name: str, t: object, dtypes: Sequence[torch.dtype], shape:
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
     if contiguous and t.numel() and t.data_ptr() % (16 if vectors else t.element_size()):
-        raise ValueError(f"{fn}: {name} must be " + ("16-byte aligned (16-byte vector accesses)" if vectors else
-                         f"aligned to its {t.element_size()}-byte elements (element reads)") +
-                         f", got {t.data_ptr():#x}")
+        raise ValueError(f"{fn}: {name} must be {address_rule(vectors, t.element_size())}, got {t.data_ptr():#x}")
     return t
 
 

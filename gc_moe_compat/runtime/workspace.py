@@ -167,6 +167,11 @@ def _try(allocate: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str
         return None, f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
 
 
+def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` zeroed bytes from torch's caching allocator on ``device`` (one rank, or ranks sharing a GPU)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
 def _symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of torch symmetric memory on ``device``. Its allocator maps memory of its own, so the blocks torch's
     caching allocator keeps are not free to it: where the first try finds no room, they go back to the driver
@@ -208,20 +213,19 @@ class SymmetricWorkspace:
         self._busy = threading.Lock()
         self.placement = where if where is not None else placement(group, self.device.index)
         self._ipc_peers: list[bytes] = []
-        if self.world_size == 1:
-            buffer, failure = _try(lambda: torch.zeros(layout.size, dtype=torch.uint8, device=self.device))
-            agree(group, f"allocate and share {layout.size} bytes", None, failure)
+        what = f"allocate and share {layout.size} bytes"
+        ipc = self.world_size > 1 and self.placement.shares_device
+        symmetric = self.world_size > 1 and not ipc
+        buffer, failure = _try(lambda: (_symmetric_empty if symmetric else _zeros)(layout.size, self.device))
+        if ipc:
+            addresses = self._ipc_rendezvous(group, buffer, failure, what)
+        else:
+            agree(group, what, None, failure)
             self.buffer = buffer
             addresses = [buffer.data_ptr()]
-        elif self.placement.shares_device:
-            buffer, failure = _try(lambda: torch.zeros(layout.size, dtype=torch.uint8, device=self.device))
-            addresses = self._ipc_rendezvous(group, buffer, failure, layout.size)
-        else:
+        if symmetric:
             from torch.distributed import _symmetric_memory as symm_mem
 
-            buffer, failure = _try(lambda: _symmetric_empty(layout.size, self.device))
-            agree(group, f"allocate and share {layout.size} bytes", None, failure)
-            self.buffer = buffer
             handle = symm_mem.rendezvous(self.buffer, group)
             self.buffer.zero_()
             addresses = [int(p) for p in handle.buffer_ptrs]
@@ -246,10 +250,10 @@ class SymmetricWorkspace:
         return self.placement.rendezvous
 
     def _ipc_rendezvous(self, group: dist.ProcessGroup, buffer: torch.Tensor | None, failure: str | None,
-                        nbytes: int) -> list[int]:
+                        what: str) -> list[int]:
         """Every rank's copy mapped into this process through CUDA IPC: this rank's allocation handle and the
         buffer's offset in it (or its allocation's ``failure``) are gathered over ``group``
-        (:func:`agree`), each peer's opened here. Returns the addresses by rank."""
+        (:func:`agree` on ``what``), each peer's opened here. Returns the addresses by rank."""
         mine = None
         if buffer is not None:
             self.buffer = buffer
@@ -260,7 +264,7 @@ class SymmetricWorkspace:
             except CudaError as err:  # agreed on like an allocation's failure, so that no peer waits for this rank
                 failure = (f"the buffer cannot be shared through CUDA IPC ({err.name}); ranks that share a GPU need "
                            "torch's default caching allocator (PYTORCH_CUDA_ALLOC_CONF without expandable_segments)")
-        shared = agree(group, f"allocate and share {nbytes} bytes", mine, failure)
+        shared = agree(group, what, mine, failure)
         addresses = []
         for r, (raw, offset) in enumerate(shared):
             if r == self.rank:
