@@ -100,11 +100,11 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     check_equal("num_tokens_per_rank", got_rank, per_rank)
     check_equal("num_tokens_per_expert", got_expert, per_expert)
     check_equal("is_token_in_rank", got_in, in_rank)
-    routing = (idx[rank].cuda(), w[rank].cuda())
+    own_routing = (idx[rank].cuda(), w[rank].cuda())
     if sliced:
         got_rank, got_expert, got_in = off_16(got_rank), off_16(got_expert), off_16(got_in)
-        routing = tuple(off_16(t) for t in routing)
-        assert all(t.data_ptr() % 16 for t in (got_rank, got_expert, *routing) if t.numel())
+        own_routing = tuple(off_16(t) for t in own_routing)
+        assert all(t.data_ptr() % 16 for t in (got_rank, got_expert, *own_routing) if t.numel())
     x = xs[rank].cuda()
     if fp8:
         payload, scales = _fp8_of(xs[rank])
@@ -115,7 +115,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     prev = deep_ep.Buffer.capture() if use_async else None
     recv, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
         x_in, num_tokens_per_rank=got_rank, is_token_in_rank=got_in, num_tokens_per_expert=got_expert,
-        topk_idx=routing[0], topk_weights=routing[1], expert_alignment=align, num_worst_tokens=worst,
+        topk_idx=own_routing[0], topk_weights=own_routing[1], expert_alignment=align, num_worst_tokens=worst,
         config=config, previous_event=prev, async_finish=use_async)
     if use_async:
         ev.current_stream_wait()
