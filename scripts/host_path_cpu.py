@@ -1,7 +1,7 @@
 """The host path of eager ``deep_ep`` calls on a CPU-only machine: microseconds and Python function calls per call,
 and per call the counts of what costs far more on a GPU than here (allocations, ``torch.empty`` / ``empty_strided``:
 ~2-7 us each for a CUDA tensor on an H200 host; driver launches: ~4.5 us each, the driver's own cost; current-stream
-lookups; environment reads).
+lookups; environment reads, through ``os.environ.get`` or :func:`gc_moe_compat.runtime.env.env_get`).
 
 ``--mode ll``: ``low_latency_dispatch`` (FP8) and ``low_latency_combine`` (``gc_moe_compat.deep_ep._low_latency``);
 ``--mode normal``: the normal mode's ``get_dispatch_layout``, ``dispatch`` (BF16 and FP8 uncached, BF16 cached) and
@@ -48,6 +48,7 @@ from cuda.bindings import driver
 from gc_moe_compat.comm import ep_ll, ep_normal
 from gc_moe_compat.deep_ep import Buffer, _compiled_host, _low_latency, _normal
 from gc_moe_compat.deep_ep._config import aligned_bytes
+from gc_moe_compat.runtime import env as runtime_env
 from gc_moe_compat.runtime import jit
 from gc_moe_compat.runtime.single_rank import single_rank_group
 from gc_moe_compat.runtime.workspace import LayoutPlanner, PeerTable
@@ -226,7 +227,14 @@ def _profiled(fn: Callable[[], object], calls: int, counts: _Counts) -> dict[str
         reads[0] += 1
         return environ_get(key, default)
 
+    class _Counted:  # runtime.env's dict of the variables, its reads counted
+        def get(self, key: bytes) -> bytes | None:
+            reads[0] += 1
+            return variables.get(key)
+
+    variables = runtime_env._data
     os.environ.get = get  # type: ignore[method-assign]
+    runtime_env._data = _Counted()
     prof = cProfile.Profile()
     try:
         prof.enable()
@@ -235,6 +243,7 @@ def _profiled(fn: Callable[[], object], calls: int, counts: _Counts) -> dict[str
         prof.disable()
     finally:
         del os.environ.get
+        runtime_env._data = variables
     stats = pstats.Stats(prof).stats
     stand_ins = {key for key in stats if key[0] in (__file__, normal_host_kit.__file__) and key[2] in _STAND_INS}
     own_work = {key for key in stand_ins if key[2] in _OWN_WORK}

@@ -2,7 +2,8 @@
 
 Modules: ``cuda`` (checked driver calls), ``split`` (SM split arithmetic), ``green`` (partitions), ``jit``
 (compile/cache/load), ``params`` / ``launch`` (kernel arguments and direct launches), ``graph`` (green-context
-graphs and capture attach), ``workspace`` (symmetric memory and peer table), ``status`` (device error records).
+graphs and capture attach), ``workspace`` (symmetric memory and peer table), ``status`` (device error records),
+``env`` (the settings' reads at every call).
 """
 
 from .cuda import CudaError

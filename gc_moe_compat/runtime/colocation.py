@@ -15,6 +15,7 @@ The placement is found once per buffer with one ``all_gather_object`` of the dev
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -49,9 +50,10 @@ class Placement:
         """How many ranks of the group (this one included) run on this rank's GPU."""
         return self.device_uuids.count(self.device_uuids[self.rank])
 
-    @property
+    @functools.cached_property
     def shares_device(self) -> bool:
-        """True when any two ranks of the group share a GPU (then no rank may use torch symmetric memory)."""
+        """True when any two ranks of the group share a GPU (then no rank may use torch symmetric memory); computed
+        once (every eager deep_ep call asks)."""
         return len(set(self.device_uuids)) < self.world_size
 
     @property

@@ -13,8 +13,9 @@ driver calls so that CI can test it on a machine without a GPU: the driver-facin
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from .env import env_get
 
 #: The paper's SM90 default dispatch SM request (overridable with ``GC_MOE_SM90_DISPATCH_SMS``).
 SM90_DEFAULT_DISPATCH_SMS = 4
@@ -64,7 +65,7 @@ class PartitionPlan:
 
 
 def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
+    raw = env_get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
@@ -96,7 +97,7 @@ DEEP_EP_PARTITION_MODES = ("on", "off")
 def env_choice(name: str, default: str, choices: tuple[str, ...], what: str = "green-context split") -> str:
     """Environment variable ``name`` as set now: ``default`` when unset or blank, else one of ``choices``; another
     value raises ``ValueError`` naming the variable, the choices and ``what`` it selects."""
-    raw = os.environ.get(name, "").strip()
+    raw = (env_get(name) or "").strip()
     if raw == "":
         return default
     if raw not in choices:

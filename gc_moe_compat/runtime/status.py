@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import os
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from gc_moe_compat.runtime.env import env_get
 from gc_moe_compat.runtime.params import c_enum_declaration, c_identifier
 
 STATUS_OK = 0
@@ -89,7 +89,7 @@ def status_codes(mirror: torch.Tensor) -> np.ndarray:
 def spin_timeout_setting() -> str | None:
     """``GC_MOE_SPIN_TIMEOUT_MS`` as set now (None: unset): the key of what a caller caches from
     :func:`spin_timeout_ms`, so that a change of the variable is seen by the next call."""
-    return os.environ.get(SPIN_TIMEOUT_ENV)
+    return env_get(SPIN_TIMEOUT_ENV)
 
 
 def spin_timeout_ms(setting: str | None) -> float:
