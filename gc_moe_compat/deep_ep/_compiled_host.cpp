@@ -160,9 +160,10 @@ struct DispatchRecord {
   py::object launches;  // the shape's LlLaunches (kept alive: ``params`` points into it)
   uintptr_t params;     // address of its EpLlParams
   at::Device device;
-  int64_t num_tokens, hidden, topk, local, slots, ranks, groups, route_at, routing_at;
-  at::ScalarType x_dtype, idx_dtype, stats_dtype, recv_dtype, count_dtype, src_info_dtype, layout_dtype,
-      private_dtype;
+  int64_t num_tokens, hidden, topk, local, slots, ranks, groups;
+  // The private allocation's parts (_low_latency._PrivateLayout: element offsets) and its elements.
+  int64_t layout_at, count_at, info_at, route_at, routing_at, private_size;
+  at::ScalarType x_dtype, idx_dtype, stats_dtype, recv_dtype, private_dtype;
   std::optional<at::ScalarType> scale_dtype;  // None: a BF16 payload, no scales
 };
 
@@ -214,10 +215,10 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
       scales = at::empty_strided({r.local, r.slots, r.groups}, {r.groups * r.slots, 1, r.slots},
                                  on(r.device, *r.scale_dtype));
     }
-    recv_count = at::empty({r.local}, on(r.device, r.count_dtype));
-    src_info = at::empty({r.local, r.slots}, on(r.device, r.src_info_dtype));
-    layout_range = at::empty({r.local, r.ranks}, on(r.device, r.layout_dtype));
-    priv = at::empty({r.routing_at + 2 * r.num_tokens * r.topk}, on(r.device, r.private_dtype));
+    priv = at::empty({r.private_size}, on(r.device, r.private_dtype));
+    layout_range = priv.narrow(0, r.layout_at, 2 * r.local * r.ranks).view(at::kLong).view({r.local, r.ranks});
+    recv_count = at::as_strided(priv, {r.local}, {1}, r.count_at);
+    src_info = at::as_strided(priv, {r.local, r.slots}, {r.slots, 1}, r.info_at);
     src_route = at::as_strided(priv, {r.local, r.slots}, {r.slots, 1}, r.route_at);
     routing = at::as_strided(priv, {2, r.num_tokens, r.topk}, {r.num_tokens * r.topk, r.topk, 1}, r.routing_at);
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
@@ -243,10 +244,12 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
 
 // low_latency_combine's host work: None, or (launches, out, call_gen). ``record``: the combine record of the
 // handle's sizes and the call's flags (held by the caller for the call); a topk_idx of another dtype than the
-// record's (int64) goes to the Python path, which refuses it.
+// record's (int64) goes to the Python path, which refuses it. ``call_gen``: the word the kernels store the call's
+// generation into (a call without a receive hook: the workspace's shared one), or None for a new one (a hooked call).
 py::object combine(const CombineRecord& r, const py::handle& src_info_obj, const py::handle& layout_obj,
                    const py::handle& route_obj, const py::handle& routing_obj, const py::handle& x_obj,
-                   const py::handle& idx_obj, const py::handle& weights_obj, const py::handle& out_obj) {
+                   const py::handle& idx_obj, const py::handle& weights_obj, const py::handle& out_obj,
+                   const py::handle& call_gen_obj) {
   const at::Tensor idx = plain_tensor(idx_obj);
   if (!g_ll.set() || !idx.defined()) {
     return py::none();
@@ -274,12 +277,19 @@ py::object combine(const CombineRecord& r, const py::handle& src_info_obj, const
       (given && (!dense(out, r.out_dtype, 2, r.device) || !sizes_are(out, {r.num_tokens, r.hidden})))) {
     return py::none();
   }
-  at::Tensor call_gen;
+  const bool own_gen = call_gen_obj.is_none();
+  at::Tensor call_gen = own_gen ? at::Tensor() : plain_tensor(call_gen_obj);
+  if (!own_gen && (!call_gen.defined() || !dense(call_gen, r.call_gen_dtype, 1, r.device) ||
+                   !sizes_are(call_gen, {1}))) {
+    return py::none();
+  }
   try {
     if (!given) {
       out = at::empty({r.num_tokens, r.hidden}, on(r.device, r.out_dtype));
     }
-    call_gen = at::empty({1}, on(r.device, r.call_gen_dtype));
+    if (own_gen) {
+      call_gen = at::empty({1}, on(r.device, r.call_gen_dtype));
+    }
   } catch (const c10::Error&) {
     return py::none();
   }
@@ -295,7 +305,7 @@ py::object combine(const CombineRecord& r, const py::handle& src_info_obj, const
   store(r.params, kRouting, routing.const_data_ptr());
   store(r.params, kCallGen, call_gen.const_data_ptr());
   return py::make_tuple(r.launches, given ? py::reinterpret_borrow<py::object>(out_obj) : wrap(std::move(out)),
-                        wrap(std::move(call_gen)));
+                        own_gen ? wrap(std::move(call_gen)) : py::reinterpret_borrow<py::object>(call_gen_obj));
 }
 
 // -- the normal mode ---------------------------------------------------------------------------------------------
@@ -684,21 +694,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sets the byte offsets of the fields PARAM_FIELDS[struct] names (once, from the ctypes fields).");
   py::class_<DispatchRecord>(m, "DispatchRecord")
       .def(py::init([](py::object launches, uintptr_t params, at::Device device, int64_t num_tokens, int64_t hidden,
-                       int64_t topk, int64_t local, int64_t slots, int64_t ranks, int64_t groups, int64_t route_at,
-                       int64_t routing_at, at::ScalarType x_dtype, at::ScalarType idx_dtype,
-                       at::ScalarType stats_dtype, at::ScalarType recv_dtype, std::optional<at::ScalarType> scale_dtype,
-                       at::ScalarType count_dtype, at::ScalarType src_info_dtype, at::ScalarType layout_dtype,
+                       int64_t topk, int64_t local, int64_t slots, int64_t ranks, int64_t groups, int64_t layout_at,
+                       int64_t count_at, int64_t info_at, int64_t route_at, int64_t routing_at, int64_t private_size,
+                       at::ScalarType x_dtype, at::ScalarType idx_dtype, at::ScalarType stats_dtype,
+                       at::ScalarType recv_dtype, std::optional<at::ScalarType> scale_dtype,
                        at::ScalarType private_dtype) {
              return DispatchRecord{std::move(launches), params, device, num_tokens, hidden, topk, local, slots,
-                                   ranks, groups, route_at, routing_at, x_dtype, idx_dtype, stats_dtype,
-                                   recv_dtype, count_dtype, src_info_dtype, layout_dtype, private_dtype,
-                                   scale_dtype};
+                                   ranks, groups, layout_at, count_at, info_at, route_at, routing_at, private_size,
+                                   x_dtype, idx_dtype, stats_dtype, recv_dtype, private_dtype, scale_dtype};
            }),
            py::kw_only(), py::arg("launches"), py::arg("params"), py::arg("device"), py::arg("num_tokens"),
            py::arg("hidden"), py::arg("topk"), py::arg("local"), py::arg("slots"), py::arg("ranks"),
-           py::arg("groups"), py::arg("route_at"), py::arg("routing_at"), py::arg("x_dtype"), py::arg("idx_dtype"),
-           py::arg("stats_dtype"), py::arg("recv_dtype"), py::arg("scale_dtype"), py::arg("count_dtype"),
-           py::arg("src_info_dtype"), py::arg("layout_dtype"), py::arg("private_dtype"))
+           py::arg("groups"), py::arg("layout_at"), py::arg("count_at"), py::arg("info_at"), py::arg("route_at"),
+           py::arg("routing_at"), py::arg("private_size"), py::arg("x_dtype"), py::arg("idx_dtype"),
+           py::arg("stats_dtype"), py::arg("recv_dtype"), py::arg("scale_dtype"), py::arg("private_dtype"))
       .def_readonly("launches", &DispatchRecord::launches);
   py::class_<CombineRecord>(m, "CombineRecord")
       .def(py::init([](py::object launches, uintptr_t params, at::Device device, int64_t num_tokens, int64_t hidden,
@@ -720,6 +729,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "low_latency_dispatch's checks, allocations and pointer stores for a recorded call shape, or None.");
   m.def("combine", &combine, py::arg("record"), py::arg("src_info"), py::arg("layout_range"), py::arg("src_route"),
         py::arg("routing"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
+        py::arg("call_gen"),
         "low_latency_combine's checks, allocations and pointer stores for a recorded call shape, or None.");
   py::class_<NormalDispatchRecord>(m, "NormalDispatchRecord")
       .def(py::init([](py::object launch, py::object host, py::object tag, uintptr_t notify_params, uintptr_t params,

@@ -39,6 +39,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from cuda.bindings import driver
@@ -77,22 +78,27 @@ Hook = Callable[[], None]
 _STATS_DTYPE = torch.int32
 """The dtype of ``cumulative_local_expert_recv_stats`` (DeepEP's), the one the checks of both host paths accept."""
 _PRIVATE_DTYPE = torch.int32
-"""The dtype of a dispatch's private allocation, so of the handle's ``src_route`` and ``routing`` views."""
+"""The dtype of a dispatch's private allocation (:class:`_PrivateLayout`), so of its int32 views (``recv_count``,
+``src_info``, the handle's ``src_route`` and ``routing``)."""
+_CALL_GEN_DTYPE = torch.int64
+"""The dtype of a combine's generation word (``EpLlParams.call_gen``: the kernels store a u64 there)."""
 
 
 class _State:
     """What the calls on one workspace keep (created with its first call): the pinned status mirror and the numpy
     view of its code words, the packed launches of each call shape (:class:`LlLaunches`, keyed by the thread, the
     kind of call, its sizes and flags and the spin timeout setting: see :func:`_launches`) and beside them the
-    compiled host path's records of the same shapes (``records``: see :func:`_records`)."""
+    compiled host path's records of the same shapes (``records``: see :func:`_records`); ``unread_gen``, the word
+    where a combine without a receive hook stores its generation (:func:`_call_gen`)."""
 
-    __slots__ = ("codes", "launches", "mirror", "records")
+    __slots__ = ("codes", "launches", "mirror", "records", "unread_gen")
 
     def __init__(self, device: torch.device) -> None:
         self.mirror = new_status_mirror(device)
         self.codes = status_codes(self.mirror)
         self.launches: dict[tuple, LlLaunches] = {}
         self.records: dict[tuple, object] = {}
+        self.unread_gen = torch.empty(1, dtype=_CALL_GEN_DTYPE, device=device)
 
 
 _states: weakref.WeakKeyDictionary[SymmetricWorkspace, _State] = weakref.WeakKeyDictionary()
@@ -322,8 +328,8 @@ def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
 _DispatchMade = tuple[LlLaunches, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
                      torch.Tensor, torch.Tensor, torch.Tensor]
 """A dispatch's packed launches (this call's pointers set) and its tensors: ``recv_x``, the scales (None for BF16),
-``recv_count``, ``src_info``, ``layout_range``, the private allocation and its two views ``src_route`` and
-``routing`` (what either host path makes)."""
+``recv_count``, ``src_info``, ``layout_range``, the private allocation they are views of (:class:`_PrivateLayout`)
+and its two views ``src_route`` and ``routing`` (what either host path makes)."""
 
 
 def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
@@ -411,34 +417,55 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
         # (its transposed [E/P, H/g, P*Tmax]): one strided allocation, not an allocation and a transposed view.
         scales = torch.empty_strided((local, slots, groups), (groups * slots, 1, slots),
                                      dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
-    recv_count = torch.empty(local, dtype=torch.int32, device=device)
-    src_info = torch.empty(local, slots, dtype=torch.int32, device=device)
-    layout_range = torch.empty(local, ranks, dtype=torch.int64, device=device)
-    # One allocation for what only the kernels and the handle's combine use: the call's generation word (int64),
-    # then the handle's src_route [L, P*Tmax] and routing [2, T, k] (int32), each 16-byte aligned.
-    route_at = 4
-    routing_at = route_at + -(-local * slots // 4) * 4
-    private = torch.empty(routing_at + 2 * num_tokens * topk, dtype=_PRIVATE_DTYPE, device=device)
-    src_route = private.as_strided((local, slots), (slots, 1), route_at)
-    routing = private.as_strided((2, num_tokens, topk), (num_tokens * topk, topk, 1), routing_at)
+    at = _private_layout(local, slots, ranks, num_tokens, topk)
+    private = torch.empty(at.size, dtype=_PRIVATE_DTYPE, device=device)
+    layout_range = private[at.layout_range:at.layout_range + 2 * local * ranks].view(torch.int64).view(local, ranks)
+    recv_count = private.as_strided((local,), (1,), at.recv_count)
+    src_info = private.as_strided((local, slots), (slots, 1), at.src_info)
+    src_route = private.as_strided((local, slots), (slots, 1), at.src_route)
+    routing = private.as_strided((2, num_tokens, topk), (num_tokens * topk, topk, 1), at.routing)
     base = private.data_ptr()
     params = launches.params
     params.x, params.topk_idx, params.recv_x = x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr()
     params.recv_scales = 0 if scales is None else scales.data_ptr()
     params.recv_count, params.src_info, params.layout_range = (recv_count.data_ptr(), src_info.data_ptr(),
                                                                layout_range.data_ptr())
-    params.call_gen, params.src_route, params.routing = base, base + 4 * route_at, base + 4 * routing_at
+    params.call_gen, params.src_route, params.routing = base, base + 4 * at.src_route, base + 4 * at.routing
     params.recv_stats = 0 if recv_stats is None else recv_stats.data_ptr()
     if fast is not None:  # the record holds the dtypes this call checked and allocated
         _remember(state.records.setdefault(_record_key("dispatch", (shape.max_tokens, shape.num_experts, flags)), {}),
                   (num_tokens, hidden, topk), lambda: fast.DispatchRecord(
                       launches=launches, params=ctypes.addressof(params), device=device, num_tokens=num_tokens,
                       hidden=hidden, topk=topk, local=local, slots=slots, ranks=ranks, groups=groups,
-                      route_at=route_at, routing_at=routing_at, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
+                      layout_at=at.layout_range, count_at=at.recv_count, info_at=at.src_info, route_at=at.src_route,
+                      routing_at=at.routing, private_size=at.size, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
                       stats_dtype=_STATS_DTYPE, recv_dtype=recv_x.dtype,
-                      scale_dtype=None if scales is None else scales.dtype, count_dtype=recv_count.dtype,
-                      src_info_dtype=src_info.dtype, layout_dtype=layout_range.dtype, private_dtype=private.dtype))
+                      scale_dtype=None if scales is None else scales.dtype, private_dtype=private.dtype))
     return launches, recv_x, scales, recv_count, src_info, layout_range, private, src_route, routing
+
+
+class _PrivateLayout(NamedTuple):
+    """Where each part of a dispatch's one small allocation starts, in its int32 elements, each 16-byte aligned: the
+    call's generation word (a u64 at 0), ``layout_range`` (int64 ``[L, P]``), ``recv_count`` (``[L]``), ``src_info``
+    and ``src_route`` (``[L, P*Tmax]``), ``routing`` (``[2, T, k]``); ``size``, the elements in all. One allocation
+    instead of five: each costs about 2 us of host time per call (a CUDA allocation through torch's caching
+    allocator), the sizes are small, and the parts are views of it with DeepEP's shapes, dtypes and strides."""
+
+    layout_range: int
+    recv_count: int
+    src_info: int
+    src_route: int
+    routing: int
+    size: int
+
+
+def _private_layout(local: int, slots: int, ranks: int, num_tokens: int, topk: int) -> _PrivateLayout:
+    """The :class:`_PrivateLayout` of a dispatch of these sizes (``slots`` = P * Tmax)."""
+    parts = (2 * local * ranks, local, local * slots, local * slots, 2 * num_tokens * topk)
+    starts = [4]  # after the generation word
+    for elements in parts:
+        starts.append(starts[-1] + -(-elements // 4) * 4)
+    return _PrivateLayout(*starts[:-1], size=starts[-2] + parts[-1])
 
 
 def _handle(workspace: SymmetricWorkspace, handle: object, fn: str) -> LowLatencyHandle:
@@ -480,12 +507,13 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
         record = _records(state, "combine", max_tokens, num_experts, hidden, handle.topk, handle.num_tokens,
                           FLAG_SHRINK if shrink else 0, zero_copy)
         made = None if record is None else fast.combine(record, handle[0], handle[1], handle.src_route,
-                                                        handle.routing, x, topk_idx, topk_weights, out)
+                                                        handle.routing, x, topk_idx, topk_weights, out,
+                                                        _call_gen(state, return_recv_hook))
         if made is not None and not capturing:
             raise_for_mirrored_status(workspace.buffer, state.mirror, workspace.world_size, state.codes)
     if made is None:
         made = _checked_combine(workspace, capturing, fast, x, topk_idx, topk_weights, handle, out=out,
-                                zero_copy=zero_copy, shrink=shrink)
+                                zero_copy=zero_copy, shrink=shrink, hooked=return_recv_hook)
     launches, out, call_gen = made
     call = _Call(launches, workspace.device, comm_partition(workspace, num_sms),
                  (x, topk_idx, topk_weights, handle[0], handle.src_route, handle.routing, handle[1], out, call_gen))
@@ -498,7 +526,7 @@ def combine(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tens
 
 def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: ModuleType | None, x: object,
                      topk_idx: object, topk_weights: object, handle: object, *, out: object, zero_copy: bool,
-                     shrink: bool) -> tuple[LlLaunches, torch.Tensor, torch.Tensor]:
+                     shrink: bool, hooked: bool) -> tuple[LlLaunches, torch.Tensor, torch.Tensor]:
     """The Python host path of a combine: checks the handle, raises what earlier calls recorded (outside capture),
     checks the other arguments (raising what a bad one breaks), allocates and sets the pointers in the shape's
     packed launches; with the compiled module (``fast``), records the call shape for its later calls. Returns the
@@ -542,7 +570,9 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
             raise ValueError(f"out: must be [{num_tokens}, {hidden}], got {list(out.shape)}")
     if launches is None:
         launches = _pack(workspace, state, "combine", shape, num_tokens, flags, zero_copy)
-    call_gen = torch.empty(1, dtype=torch.int64, device=device)
+    call_gen = _call_gen(state, hooked)
+    if call_gen is None:
+        call_gen = torch.empty(1, dtype=_CALL_GEN_DTYPE, device=device)
     params = launches.params
     if not zero_copy:  # the zero-copy send rows are the workspace's, set once
         params.x = x.data_ptr()
@@ -558,8 +588,16 @@ def _checked_combine(workspace: SymmetricWorkspace, capturing: bool, fast: Modul
                       hidden=hidden, topk=topk, local=local, slots=slots, ranks=shape.num_ranks,
                       zero_copy=zero_copy, x_dtype=x.dtype, idx_dtype=topk_idx.dtype,
                       weights_dtype=topk_weights.dtype, out_dtype=out.dtype, src_info_dtype=src_info.dtype,
-                      layout_dtype=layout_range.dtype, route_dtype=_PRIVATE_DTYPE, call_gen_dtype=call_gen.dtype))
+                      layout_dtype=layout_range.dtype, route_dtype=_PRIVATE_DTYPE, call_gen_dtype=_CALL_GEN_DTYPE))
     return launches, out, call_gen
+
+
+def _call_gen(state: _State, hooked: bool) -> torch.Tensor | None:
+    """Where a combine's kernels store its generation (``EpLlParams.call_gen``): the receive launch of a call with a
+    receive hook reads it, so such a call gets a word of its own (None here: the host path allocates it, as two
+    hooked calls may be in flight); a call without one receives in its send launch, which takes the generation its
+    own CTAs computed and never reads the word, so its calls share ``state.unread_gen`` (no allocation per call)."""
+    return None if hooked else state.unread_gen
 
 
 def next_combine_buffer(workspace: SymmetricWorkspace, handle: object) -> torch.Tensor:

@@ -57,7 +57,7 @@
 //    stores consumed[1][p] = n.
 //  * The generation of a call: send halves read seq at their start and the last CTA stores seq = n and the call's
 //    own word call_gen = n. A receive launch (kLlPhaseRecv) reads call_gen (stream order: it runs after the send
-//    launch). A fused launch's receive half takes the n its own CTA's send half computed: every CTA reads seq before
+//    launch); a fused launch's call_gen is never read (the host may give every such combine one shared word). A fused launch's receive half takes the n its own CTA's send half computed: every CTA reads seq before
 //    its arrival and the last CTA stores seq after every arrival, so the grid agrees on n, while call_gen may not be
 //    stored yet when another CTA starts receiving.
 //  * A fused launch's receive half has no launch boundary after the send half: it reads nothing the send half wrote

@@ -172,8 +172,11 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launc
                          "weights": weights, "out": combined, "src_info": handle[0], "layout_range": handle[1],
                          "src_route": handle.src_route, "routing": handle.routing,
                          "mirror": _low_latency._states[ws].mirror}
-                call_gens = {p.call_gen for _, p in launches[first:]}  # the call's own word: a fresh int64 [1]
+                # a hooked call's own word (a fresh int64 [1]: its receive launch reads it), else the workspace's
+                # unread one (no allocation)
+                call_gens = {p.call_gen for _, p in launches[first:]}
                 assert len(call_gens) == 1 and 0 not in call_gens
+                assert (call_gens == {_low_latency._states[ws].unread_gen.data_ptr()}) == (not hook)
                 seen.append((_layout(combined), [(what, _symbolic(p, roles, "call_gen")) for what, p in
                                                       launches[first:]]))
         return seen
@@ -187,6 +190,44 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launc
     python_calls.clear()
     assert run() == reference  # the compiled path throughout
     assert python_calls == []
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_small_outputs_are_disjoint_views_of_one_allocation(fast: ModuleType, launches: list, python_calls: list,
+                                                                shape: tuple, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """recv_count, the handle's src_info / layout_range / src_route / routing (and the generation word before them)
+    are views of one allocation on both paths: DeepEP's dtypes, shapes and strides, each contiguous and 16-byte
+    aligned, no two sharing a byte (each filled with its own value, read back intact)."""
+    ranks, experts, tmax, hidden, tokens, k, fp8, round_scale, ue8m0, _, shrink = shape
+    local, slots = experts // ranks, ranks * tmax
+    g = torch.Generator().manual_seed(tokens + k)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) \
+        if tokens else torch.zeros(0, k, dtype=torch.int64)
+    ws = _workspace(ranks, experts, tmax, hidden)
+    for path in ("python", "compiled", "compiled"):  # the first compiled call records the shape, the second is C++
+        monkeypatch.setenv(ENV, path)
+        python_calls.clear()
+        _, recv_count, handle, _ = _dispatch(ws, x, topk_idx, tmax, experts, use_fp8=fp8, round_scale=round_scale,
+                                             use_ue8m0=ue8m0, shrink=shrink)
+        parts = [(recv_count, torch.int32, (local,)), (handle[0], torch.int32, (local, slots)),
+                 (handle[1], torch.int64, (local, ranks)), (handle.src_route, torch.int32, (local, slots)),
+                 (handle.routing, torch.int32, (2, tokens, k))]
+        storage = recv_count.untyped_storage()
+        spans = [(storage.data_ptr(), storage.data_ptr() + 8)]  # the generation word
+        for t, dtype, size in parts:
+            assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, size, True)
+            assert t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() % 16 == 0
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        spans.sort()
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
+        assert spans[-1][1] <= storage.data_ptr() + storage.nbytes()
+        for value, (t, _, _) in enumerate(parts, start=1):
+            t.fill_(value)
+        for value, (t, _, _) in enumerate(parts, start=1):
+            assert bool((t == value).all())
+    assert python_calls == []  # the last call took the compiled path
 
 
 def test_a_compiled_dispatch_is_one_c_call(fast: ModuleType, launches: list, python_calls: list) -> None:
