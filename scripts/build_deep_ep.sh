@@ -3,7 +3,8 @@
 # of the H200 image, main needs NCCL >= 2.29) from a source tree you point to, into a git-ignored folder, so that the
 # A/B runs can load it beside the facade (gc_moe_compat.originals):
 #   bash scripts/build_deep_ep.sh (--src DIR | --git-dir DIR --ref REF) [--dest DIR] [--build]
-#   bash scripts/build_deep_ep.sh --build [--dest DIR]     # build an earlier staging (on the GPU host)
+#   bash scripts/build_deep_ep.sh --build [--dest DIR]     # build an earlier staging (on the GPU host; for
+#                                                          # deep_ep_ab, scripts/device_check.sh builds .carry/deep_ep)
 #   bash scripts/build_deep_ep.sh --env [--dest DIR]       # print the export that puts it on PYTHONPATH (eval it)
 #   --src      a DeepEP checkout (nothing is fetched here, and nothing of it is committed)
 #   --git-dir / --ref  a (bare) clone and the ref to stage from it with git archive, e.g. v1.2.1

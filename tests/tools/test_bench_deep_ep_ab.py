@@ -257,6 +257,8 @@ def test_every_allocation_of_the_script_names_device_and_dtype() -> None:
 def test_device_check_runs_it_at_the_shared_gpu_rank_count() -> None:
     text = (REPO / "scripts/device_check.sh").read_text()
     assert "BENCHES_SHARED=(deep_ep_ab)" in text and '"$name --ranks $shared_gpu${spec:${#name}}"' in text
+    # a staged original DeepEP is built there and put on the benchmarks' path
+    assert "bash scripts/build_deep_ep.sh --build" in text and 'eval "$(bash scripts/build_deep_ep.sh --env)"' in text
     assert subprocess.run(["bash", "-n", str(REPO / "scripts/device_check.sh")]).returncode == 0
 
 
