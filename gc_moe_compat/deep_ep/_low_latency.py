@@ -448,7 +448,7 @@ class _PrivateLayout(NamedTuple):
     """Where each part of a dispatch's one small allocation starts, in its int32 elements, each 16-byte aligned: the
     call's generation word (a u64 at 0), ``layout_range`` (int64 ``[L, P]``), ``recv_count`` (``[L]``), ``src_info``
     and ``src_route`` (``[L, P*Tmax]``), ``routing`` (``[2, T, k]``); ``size``, the elements in all. One allocation
-    instead of five: each costs about 2 us of host time per call (a CUDA allocation through torch's caching
+    instead of four: each costs about 2 us of host time per call (a CUDA allocation through torch's caching
     allocator), the sizes are small, and the parts are views of it with DeepEP's shapes, dtypes and strides."""
 
     layout_range: int

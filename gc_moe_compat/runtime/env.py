@@ -6,7 +6,8 @@ and such a variable is usually unset. ``os.environ.get`` of an unset name costs 
 ``KeyError`` that ``os.environ[name]`` raises), three reads per eager ``deep_ep`` call. On POSIX CPython
 ``os.environ`` keeps the variables in a dict of bytes (its ``_data``, which every assignment to or deletion from
 ``os.environ`` updates, as ``monkeypatch.setenv`` makes them), where one lookup costs ~0.04 us: :func:`env_get` reads
-there, and through ``os.environ.get`` where ``os.environ`` has no such dict.
+there, and through ``os.environ.get`` where ``os.environ`` has no such dict or is no longer the mapping this
+module read it from (a test harness that rebinds ``os.environ``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import os
 
 __all__ = ["env_get"]
 
-_data = getattr(os.environ, "_data", None)
-_encode = getattr(os.environ, "encodekey", None)
-_decode = getattr(os.environ, "decodevalue", None)
+_environ = os.environ
+_data = getattr(_environ, "_data", None)
+_encode = getattr(_environ, "encodekey", None)
+_decode = getattr(_environ, "decodevalue", None)
 _FAST = isinstance(_data, dict) and callable(_encode) and callable(_decode)
 _keys: dict[str, object] = {}
 
 
 def env_get(name: str) -> str | None:
     """``os.environ.get(name)``: the variable's value as set now, or None where it is unset."""
-    if not _FAST:
+    if not _FAST or os.environ is not _environ:
         return os.environ.get(name)
     key = _keys.get(name)
     if key is None:

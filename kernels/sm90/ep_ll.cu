@@ -57,8 +57,9 @@
 //    stores consumed[1][p] = n.
 //  * The generation of a call: send halves read seq at their start and the last CTA stores seq = n and the call's
 //    own word call_gen = n. A receive launch (kLlPhaseRecv) reads call_gen (stream order: it runs after the send
-//    launch); a fused launch's call_gen is never read (the host may give every such combine one shared word). A fused launch's receive half takes the n its own CTA's send half computed: every CTA reads seq before
-//    its arrival and the last CTA stores seq after every arrival, so the grid agrees on n, while call_gen may not be
+//    launch); a fused launch's call_gen is never read (the host gives every unhooked combine one shared word). A
+//    fused launch's receive half takes the n its own CTA's send half computed: every CTA reads seq before its
+//    arrival and the last CTA stores seq after every arrival, so the grid agrees on n, while call_gen may not be
 //    stored yet when another CTA starts receiving.
 //  * A fused launch's receive half has no launch boundary after the send half: it reads nothing the send half wrote
 //    except through the words above. Its own rank's stage rows are ordered like a peer's, by the counts / ready word
@@ -830,7 +831,8 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
 
 // The generation a receive half serves: in a fused launch the one this CTA's send half read from seq (`sent`; the
 // send half's last CTA stores call_gen after every arrival, which no launch boundary orders before this read), in a
-// receive launch the one the call's send launch stored in call_gen (stream order).
+// receive launch the one the call's send launch stored in call_gen (stream order). The one read of call_gen: only a
+// receive launch may read it (the host points every unhooked combine at one shared, unread word).
 __device__ __forceinline__ u64 receive_generation(const EpLlParams& p, u64 sent) {
     if (p.phase == gc_moe::kLlPhaseBoth) return sent;
     return *reinterpret_cast<volatile const u64*>(p.call_gen);

@@ -53,3 +53,12 @@ def test_the_settings_read_through_it_see_the_next_change(path: str, monkeypatch
     monkeypatch.setenv("GC_MOE_DEEP_EP_PARTITION", "sideways")
     with pytest.raises(ValueError, match="GC_MOE_DEEP_EP_PARTITION: must be one of .* got 'sideways'"):
         deep_ep_partition_mode()
+
+
+def test_a_rebound_os_environ_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A harness that replaces os.environ (mock.patch("os.environ", {...})) gets what it put there."""
+    monkeypatch.setenv(NAME, "real")
+    monkeypatch.setattr(os, "environ", {NAME: "replaced"})
+    assert env_get(NAME) == "replaced"
+    monkeypatch.setattr(os, "environ", {})
+    assert env_get(NAME) is None
