@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import statistics
@@ -56,8 +55,8 @@ from _gemm_workload import CLAMP, Layer, make_layer, make_tokens
 from _grouping import GroupedTokens, group_tokens
 from _standalone_gemm import ExpertGemmSM90, Workspace
 from gemm_sm90 import capture, gemm_steps, point_config, time_graph
-from torch.profiler import ProfilerActivity, profile
 
+from gc_moe_compat.ab.timeline import traced_kernels
 from gc_moe_compat.operator.heuristics import W1_SLABS, smem_bytes
 
 SEQUENCES = ("w1", "w2", "w1+w2", "w1+w1", "w2+w2", "w2+w1")
@@ -223,14 +222,7 @@ def kernel_trace(fn: Callable[[], None], trace_file: Path) -> list[tuple[float, 
     graph = capture(fn)
     for _ in range(5):
         graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(TRACE_REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_file))
-    events = json.loads(trace_file.read_text())["traceEvents"]
-    return sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    return traced_kernels(graph, TRACE_REPLAYS, trace_file)
 
 
 def trace_summary(kernels: list[tuple[float, float, str]], replays: int) -> dict[str, object]:

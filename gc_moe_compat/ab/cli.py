@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="timing rounds per point, interleaved over the operators (each round: the warm-up and "
                           "measured windows); the latency is the median of every round's windows, the result file "
                           "keeps each round's and their spread (default 2)")
+    run.add_argument("--timeline", type=int, default=0, metavar="N",
+                     help="after each operator's timing rounds, N more graph replays under the PyTorch profiler: per "
+                          "kernel its median start / end offset and duration within a replay, in the point's "
+                          "`timeline` (each rank's; not the protocol's timing: no L2 flush between those replays)")
     run.add_argument("--quick", action="store_true",
                      help=f"smoke run: {QUICK_WINDOWS[0]} + {QUICK_WINDOWS[1]} windows instead of the protocol's")
     run.add_argument("--out", type=Path, default=None,
@@ -362,5 +366,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or default_out(w)
     cfg = run.RunConfig(workload=w, tokens=tuple(args.tokens), ops=tuple(operators.select(args.ops,
                         args.partition_sweep)), warmup=warmup, windows=windows, repeats=args.repeats, out=out,
-                        command=tuple(command), quick=args.quick, prebuild_only=args.prebuild_only)
+                        command=tuple(command), quick=args.quick, prebuild_only=args.prebuild_only,
+                        timeline=args.timeline)
     return run.main_ranks(cfg)

@@ -73,7 +73,8 @@ def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, ob
     """One point from every rank's record. ``ops`` maps each compared op to its mma type (in report order);
     ``bandwidths`` is each rank's copy bandwidth (bytes/s). An op is reported where every rank measured it;
     otherwise its reasons are kept under ``unavailable``. The timing rounds (module docstring) give ``repeat_us``,
-    ``repeat_window_us``, ``repeat_conditions`` (rank 0's) and, with two rounds or more, ``spread_pct``."""
+    ``repeat_window_us``, ``repeat_conditions`` (rank 0's) and, with two rounds or more, ``spread_pct``; a run with
+    ``--timeline`` gives ``timeline`` (per op, each rank's :func:`~gc_moe_compat.ab.timeline.summarize`)."""
     if len(records) != len(bandwidths) or not records:
         raise ValueError(f"records: need one per rank ({len(bandwidths)}), got {len(records)}")
     latency, per_rank, accuracy, unavailable = {}, {}, {}, {}
@@ -128,6 +129,10 @@ def assemble_point(workload: str, tokens: int, records: Sequence[Mapping[str, ob
     }
     if spread:
         point["spread_pct"] = spread
+    timelines = {op: [r["timeline"][op] for r in records] for op in latency
+                 if all(op in r.get("timeline", {}) for r in records)}
+    if timelines:
+        point["timeline"] = timelines
     if unavailable:
         point["unavailable"] = unavailable
     return point

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gc_moe_compat.ab import prebuild, protocol, report, results
+from gc_moe_compat.ab import prebuild, protocol, report, results, timeline
 from gc_moe_compat.ab.inputs import Tokens, make_tokens, make_weights
 from gc_moe_compat.ab.model_config import Workload
 from gc_moe_compat.ab.operators import REFERENCE_OP, Context, OperatorSpec, Runner
@@ -55,6 +55,7 @@ class RunConfig:
     command: tuple[str, ...]
     quick: bool = False
     prebuild_only: bool = False
+    timeline: int = 0  # graph replays under the profiler per operator and point after its rounds (0: none)
 
 
 class Ranks:
@@ -206,9 +207,13 @@ def _time_round(name: str, timed: _Timed, ranks: Ranks, cfg: RunConfig, record: 
 
 
 def _finish(name: str, runner: Runner, timed: _Timed, ranks: Ranks, record: dict[str, dict],
-            ys: dict[str, torch.Tensor]) -> None:
-    """After an operator's last round: its graph released, the device status check, the bit-identity of the replayed
-    ``y`` with the eager one, and this rank's timing fields (:func:`results.rank_timing`)."""
+            ys: dict[str, torch.Tensor], timeline_replays: int) -> None:
+    """After an operator's last round: ``timeline_replays`` traced replays (:func:`timeline.graph_timeline`, every
+    rank together), its graph released, the device status check, the bit-identity of the replayed ``y`` with the
+    eager one, and this rank's timing fields (:func:`results.rank_timing`)."""
+    if timeline_replays:
+        ranks.align()
+        record["timeline"][name] = timeline.graph_timeline(timed.graph, timeline_replays)
     timed.graph = None
     error = None
     try:
@@ -258,7 +263,7 @@ def _measure_point(specs: Sequence[OperatorSpec], runners: dict[str, Runner], to
                 bar.advance(f"{what} {name}: failed", steps=cfg.repeats - round_ + 1)
     ys: dict[str, torch.Tensor] = {}
     for name, timed in ready.items():
-        _finish(name, runners[name], timed, ranks, record, ys)
+        _finish(name, runners[name], timed, ranks, record, ys, cfg.timeline)
     return ys
 
 
@@ -352,7 +357,7 @@ def run(cfg: RunConfig) -> int:
             refs = _references(tokens, weights, {s.weight_format for s in specs}, w.activation_clamp, rank)
             record: dict[str, dict] = {"latency_us": {}, "repeat_us": {}, "repeat_window_us": {},
                                        "repeat_conditions": {}, "accuracy": {}, "bit_identical": {},
-                                       "unavailable": dict(unavailable), "pairs": {},
+                                       "unavailable": dict(unavailable), "pairs": {}, "timeline": {},
                                        "floor_bytes": _floor_bytes(tokens, w, shape.num_experts, rank)}
             ys = _measure_point(specs, runners, tokens[rank], refs, ranks, cfg, record, bar, f"{w.name} T={t}")
             _pairs(ys, record)

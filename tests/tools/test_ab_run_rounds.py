@@ -46,7 +46,12 @@ class _Ranks:
         """The device barrier the real windows start with (not reached: the windows are faked)."""
 
 
-def test_operators_are_timed_in_interleaved_rounds_on_their_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("timeline_replays", [0, 4])
+def test_operators_are_timed_in_interleaved_rounds_on_their_one_graph(monkeypatch: pytest.MonkeyPatch,
+                                                                      timeline_replays: int) -> None:
+    """Each operator's graph is captured once and timed in interleaved rounds (a failing one leaves the later
+    rounds); with --timeline N each operator that ran every round is traced on its own graph, N replays, before the
+    graph is released."""
     names = ["a", "fails_in_round_2", "bad_check"]
     runners = {n: _Runner(n) for n in names}
     specs = [OperatorSpec(n, n, "fp8_block128", lambda ctx: None, lambda: None) for n in names]
@@ -70,12 +75,20 @@ def test_operators_are_timed_in_interleaved_rounds_on_their_one_graph(monkeypatc
     monkeypatch.setattr(protocol, "graph_windows", timed)
     monkeypatch.setattr(protocol, "gpu_conditions", lambda device: dict(CONDITIONS))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    traced: list[tuple[str, int]] = []
+
+    def graph_timeline(graph: types.SimpleNamespace, replays: int) -> dict[str, object]:
+        assert graph is graphs[graph.name]  # before the graph is released
+        traced.append((graph.name, replays))
+        return {"span_us": 1.0}
+
+    monkeypatch.setattr(run.timeline, "graph_timeline", graph_timeline)
     ranks = _Ranks()
     refs = {"fp8_block128": {"faithful": torch.ones(2, 4)}}
     record: dict[str, dict] = {k: {} for k in ("latency_us", "repeat_us", "repeat_window_us", "repeat_conditions",
-                                               "accuracy", "bit_identical", "unavailable")}
+                                               "accuracy", "bit_identical", "unavailable", "timeline")}
     bar = report.Progress(None, None, 9)
-    cfg = types.SimpleNamespace(warmup=1, windows=3, repeats=3)
+    cfg = types.SimpleNamespace(warmup=1, windows=3, repeats=3, timeline=timeline_replays)
     ys = run._measure_point(specs, runners, object(), refs, ranks, cfg, record, bar, "T=8")
     assert all(r.staged for r in runners.values()) and sorted(graphs) == sorted(names)  # each captured once
     assert order == ["a", "fails_in_round_2", "bad_check", "a", "fails_in_round_2", "bad_check", "a", "bad_check"]
@@ -88,3 +101,6 @@ def test_operators_are_timed_in_interleaved_rounds_on_their_one_graph(monkeypatc
     assert record["repeat_window_us"] == {"a": [[10.0, 11.0, 30.0], [12.0, 13.0, 30.0], [14.0, 15.0, 30.0]]}
     assert record["repeat_conditions"] == {"a": [CONDITIONS] * 3}
     assert bar.done == bar.total == 9  # the failed operators' remaining rounds are counted as done
+    finished = ["a", "bad_check"] if timeline_replays else []  # the operators that ran every round
+    assert traced == [(name, timeline_replays) for name in finished]
+    assert record["timeline"] == dict.fromkeys(finished, {"span_us": 1.0})
