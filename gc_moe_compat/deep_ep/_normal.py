@@ -971,10 +971,9 @@ class NormalMode:
         recv_src_idx = small[src_at:].view(_INDEX_DTYPE)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            recv_topk_idx = small[idx_at:weights_at][:rows * topk * topk_idx.dtype.itemsize].view(
-                topk_idx.dtype).view(rows, topk)
-            recv_topk_weights = small[weights_at:src_at][:rows * topk * _WEIGHT_DTYPE.itemsize].view(
-                _WEIGHT_DTYPE).view(rows, topk)
+            idx_bytes, weight_bytes = rows * topk * topk_idx.dtype.itemsize, rows * topk * _WEIGHT_DTYPE.itemsize
+            recv_topk_idx = small[idx_at:idx_at + idx_bytes].view(topk_idx.dtype).view(rows, topk)
+            recv_topk_weights = small[weights_at:weights_at + weight_bytes].view(_WEIGHT_DTYPE).view(rows, topk)
         p = launch.params[-1]
         p.recv_rows = rows
         if rows:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
+import compiled_host_kit
 import pytest
 import torch
 import torch.distributed as dist
@@ -219,18 +220,7 @@ def test_the_received_ids_weights_and_sources_are_disjoint_views_of_one_allocati
             parts += [(recv_idx, torch.int64, (rows, topk)), (recv_w, torch.float32, (rows, topk))]
         else:
             assert recv_idx is None and recv_w is None
-        storage = handle[3].untyped_storage()
-        spans = []
-        for t, dtype, size in parts:
-            assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, size, True)
-            assert t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() % 16 == 0
-            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
-        spans.sort()
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
-        for value, (t, _, _) in enumerate(parts, start=1):
-            t.fill_(value)
-        for value, (t, _, _) in enumerate(parts, start=1):
-            assert bool((t == value).all())
+        storage = compiled_host_kit.assert_disjoint_views(parts)
         for own in recv_x if isinstance(recv_x, tuple) else (recv_x,):
             assert own.untyped_storage().data_ptr() != storage.data_ptr() or own.numel() == 0 == rows
     assert python_calls == []  # the last dispatch took the compiled path

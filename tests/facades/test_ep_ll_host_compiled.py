@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+import compiled_host_kit
 import pytest
 import torch
 from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths, unaligned
@@ -214,19 +215,8 @@ def test_the_small_outputs_are_disjoint_views_of_one_allocation(fast: ModuleType
         parts = [(recv_count, torch.int32, (local,)), (handle[0], torch.int32, (local, slots)),
                  (handle[1], torch.int64, (local, ranks)), (handle.src_route, torch.int32, (local, slots)),
                  (handle.routing, torch.int32, (2, tokens, k))]
-        storage = recv_count.untyped_storage()
-        spans = [(storage.data_ptr(), storage.data_ptr() + 8)]  # the generation word
-        for t, dtype, size in parts:
-            assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, size, True)
-            assert t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() % 16 == 0
-            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
-        spans.sort()
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
-        assert spans[-1][1] <= storage.data_ptr() + storage.nbytes()
-        for value, (t, _, _) in enumerate(parts, start=1):
-            t.fill_(value)
-        for value, (t, _, _) in enumerate(parts, start=1):
-            assert bool((t == value).all())
+        start = recv_count.untyped_storage().data_ptr()
+        compiled_host_kit.assert_disjoint_views(parts, reserved=((start, start + 8),))  # the generation word
     assert python_calls == []  # the last call took the compiled path
 
 

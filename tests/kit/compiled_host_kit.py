@@ -68,3 +68,24 @@ def unaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = np.zeros(numel * size + size, dtype=np.uint8)
     as_numpy = torch.empty(0, dtype=dtype).numpy().dtype
     return torch.from_numpy(np.frombuffer(raw.data, dtype=as_numpy, count=numel, offset=1).reshape(shape))
+
+
+def assert_disjoint_views(parts: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]],
+                          reserved: tuple[tuple[int, int], ...] = ()) -> torch.UntypedStorage:
+    """Each of ``parts`` (tensor, dtype, shape) has that dtype and shape, is contiguous, 16-byte aligned and a view
+    of the first one's storage, inside it; no two of them, nor ``reserved`` byte spans of it (start, end addresses),
+    share a byte (each filled with its own value, read back intact). Returns the storage."""
+    storage = parts[0][0].untyped_storage()
+    spans = list(reserved)
+    for t, dtype, size in parts:
+        assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, size, True)
+        assert t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() % 16 == 0
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
+    assert spans[-1][1] <= storage.data_ptr() + storage.nbytes()
+    for value, (t, _, _) in enumerate(parts, start=1):
+        t.fill_(value)
+    for value, (t, _, _) in enumerate(parts, start=1):
+        assert bool((t == value).all())
+    return storage
