@@ -516,15 +516,26 @@ def run_measure(rank: int, device: torch.device, job: Job) -> None:
     impls: dict[str, ModuleType] = {"facade": _facade()} | ({"original": module} if module is not None else {})
     where = colocation.placement(dist.group.WORLD, device.index)
     bandwidth = gather(copy_bandwidth() if rank == 0 else None)[0]
+    host_paths = gather(facade_host_path())
     torch.cuda.empty_cache()
     out = JobFile(job.result) if rank == 0 else None
     if out is not None:
+        print(f"facade host path per rank: {host_paths}", flush=True)
         out.update(info={"placement": colocation.describe(where, device.index),
                          "partition": colocation.deep_ep_mode_of(where), "copy_bandwidth_Bps": bandwidth,
-                         "original": "loaded" if module is not None else why})
+                         "facade_host_path": host_paths, "original": "loaded" if module is not None else why})
     runs = {"normal": run_normal, "low_latency": run_low_latency}
     for mode in (m for m in MODES if m in job.args.modes):
         runs[mode](rank, device, job, impls, bandwidth, out, why)
+
+
+def facade_host_path() -> str:
+    """This rank's facade host path, ``compiled`` or ``python`` and why (building the extension now, before any
+    timing, where no call has): a result measured on the Python path says so."""
+    from gc_moe_compat.deep_ep._compiled_host import host_path
+
+    report = host_path()
+    return f"{report['host_path']} ({report['reason']})"
 
 
 def _facade() -> ModuleType:

@@ -98,6 +98,11 @@ def test_errors_name_the_originals_build_folder_without_its_path(tmp_path: Path)
     assert ab.without_root({"job": "x"}, root) == {"job": "x"} and ab.without_root(point, None) is point
 
 
+def test_the_facade_host_path_is_recorded_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GC_MOE_DEEP_EP_HOST_PATH", "python")
+    assert ab.facade_host_path() == "python (GC_MOE_DEEP_EP_HOST_PATH=python)"
+
+
 def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
     size = ab.normal_nvl_bytes(7168, 8192, 4, 24)
     assert size % 128 == 0 and size >= 4 * 8192 * 2 * 7168
