@@ -433,19 +433,10 @@ py::object receive(const NormalDispatchRecord& r, int64_t rows) {
     if (r.scale_dtype) {
       scales = at::empty({rows, r.num_scales}, on(r.device, *r.scale_dtype));
     }
-    // The top-k ids, their weights and the source indices: one allocation, 16-byte aligned parts in that order
-    // (_normal.received_small, which the Python path uses).
-    const auto aligned = [](int64_t bytes) { return (bytes + 15) / 16 * 16; };
-    const int64_t pairs = r.topk ? rows * r.topk : 0;
-    const int64_t idx_bytes = r.topk ? pairs * static_cast<int64_t>(c10::elementSize(*r.idx_dtype)) : 0;
-    const int64_t weight_bytes = pairs * static_cast<int64_t>(c10::elementSize(r.weight_dtype));
-    const int64_t weights_at = aligned(idx_bytes), src_at = weights_at + aligned(weight_bytes);
-    const int64_t src_bytes = rows * static_cast<int64_t>(c10::elementSize(r.index_dtype));
-    const at::Tensor small = at::empty({src_at + src_bytes}, on(r.device, at::kByte));
-    src_idx = small.narrow(0, src_at, src_bytes).view(r.index_dtype);
+    src_idx = at::empty({rows}, on(r.device, r.index_dtype));
     if (r.topk) {
-      idx = small.narrow(0, 0, idx_bytes).view(*r.idx_dtype).view({rows, r.topk});
-      weights = small.narrow(0, weights_at, weight_bytes).view(r.weight_dtype).view({rows, r.topk});
+      idx = at::empty({rows, r.topk}, on(r.device, *r.idx_dtype));
+      weights = at::empty({rows, r.topk}, on(r.device, r.weight_dtype));
     }
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();

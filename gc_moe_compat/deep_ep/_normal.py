@@ -129,21 +129,6 @@ _ROW_DTYPE = torch.bfloat16
 """The dtype of the combine's rows: ``x``, the biases and ``out``."""
 
 
-def received_small(rows: int, topk: int, idx_dtype: torch.dtype | None) -> tuple[int, int, int, int]:
-    """Byte offsets of a dispatch's ``recv_topk_idx`` (``idx_dtype`` ``[rows, topk]``), ``recv_topk_weights``
-    (float32, the same shape) and ``recv_src_idx`` (int32 ``[rows]``) in their one allocation, and its bytes: each
-    part 16-byte aligned, in that order (without top-k, ``idx_dtype`` None, only ``recv_src_idx``, at 0). One
-    allocation where DeepEP makes three: they are made after the CPU wait for the counts, while the GPU waits for
-    the transfer's launch, and each costs about 2 us of host time; the payload and its scales stay allocations of
-    their own (SGLang frees them early with ``dispose_tensor``). ``_compiled_host.cpp``'s ``receive`` lays them out
-    alike."""
-    pairs = 0 if idx_dtype is None else rows * topk
-    idx_at = 0
-    weights_at = -(-pairs * (0 if idx_dtype is None else idx_dtype.itemsize) // 16) * 16
-    src_at = weights_at + -(-pairs * _WEIGHT_DTYPE.itemsize // 16) * 16
-    return idx_at, weights_at, src_at, src_at + rows * _INDEX_DTYPE.itemsize
-
-
 # DeepEP's recommended configs (deep_ep/buffers/legacy.py), as (nvl send, nvl recv, rdma send, rdma recv) chunks;
 # one rank (absent from DeepEP's table) takes the two-rank entry.
 _DISPATCH = {1: (24, 256, 6, 128), 2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128),
@@ -965,15 +950,11 @@ class NormalMode:
         recv_x = torch.empty(rows, payload.shape[1], dtype=payload.dtype, device=self.device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype,
                                                                device=self.device)
-        topk = 0 if topk_idx is None else topk_idx.shape[1]
-        idx_at, weights_at, src_at, nbytes = received_small(rows, topk, None if topk_idx is None else topk_idx.dtype)
-        small = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        recv_src_idx = small[src_at:].view(_INDEX_DTYPE)
+        recv_src_idx = torch.empty(rows, dtype=_INDEX_DTYPE, device=self.device)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            idx_bytes, weight_bytes = rows * topk * topk_idx.dtype.itemsize, rows * topk * _WEIGHT_DTYPE.itemsize
-            recv_topk_idx = small[idx_at:idx_at + idx_bytes].view(topk_idx.dtype).view(rows, topk)
-            recv_topk_weights = small[weights_at:weights_at + weight_bytes].view(_WEIGHT_DTYPE).view(rows, topk)
+            recv_topk_idx = torch.empty(rows, topk_idx.shape[1], dtype=topk_idx.dtype, device=self.device)
+            recv_topk_weights = torch.empty(rows, topk_idx.shape[1], dtype=_WEIGHT_DTYPE, device=self.device)
         p = launch.params[-1]
         p.recv_rows = rows
         if rows:

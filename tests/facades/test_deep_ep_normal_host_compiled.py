@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
-import compiled_host_kit
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,31 +198,6 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, group
     python_calls.clear()
     assert calls.run() == reference
     assert python_calls == []
-
-
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_the_received_ids_weights_and_sources_are_disjoint_views_of_one_allocation(
-        fast: ModuleType, group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch, driver_fake: FakeDriver,
-        python_calls: list, shape: tuple) -> None:
-    """An uncached dispatch's recv_topk_idx, recv_topk_weights and recv_src_idx (handle[3]) on both paths: DeepEP's
-    dtypes and shapes, each contiguous and 16-byte aligned, views of one allocation that no two share a byte of
-    (each filled with its own value, read back intact); recv_x and its scales are allocations of their own."""
-    ranks, tokens, topk, *rest = shape
-    calls = Calls(_buffer(group, monkeypatch, ranks), driver_fake, ranks, tokens, topk, *rest)
-    for path in ("python", "compiled", "compiled"):  # the first compiled call records the shape, the second is C++
-        monkeypatch.setenv(ENV, path)
-        python_calls.clear()
-        recv_x, recv_idx, recv_w, _, handle, _ = calls.buf.dispatch(**calls.dispatch())
-        rows = handle[3].shape[0]
-        parts = [(handle[3], torch.int32, (rows,))]
-        if topk:
-            parts += [(recv_idx, torch.int64, (rows, topk)), (recv_w, torch.float32, (rows, topk))]
-        else:
-            assert recv_idx is None and recv_w is None
-        storage = compiled_host_kit.assert_disjoint_views(parts)
-        for own in recv_x if isinstance(recv_x, tuple) else (recv_x,):
-            assert own.untyped_storage().data_ptr() != storage.data_ptr() or own.numel() == 0 == rows
-    assert python_calls == []  # the last dispatch took the compiled path
 
 
 def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.ProcessGroup,
