@@ -183,9 +183,13 @@ def _normal_calls(group: object, counts: _Counts, hidden: int, experts: int, tok
     x_fp8 = (x.float().to(torch.float8_e4m3fn), torch.ones(tokens, hidden // 128))
     per_rank, per_expert, in_rank = layout_reference(idx, experts, ranks)
     counts.record = _host_record(in_rank, per_expert, ranks)
-    rows = ranks * int(in_rank[:, 0].sum())
-    stride = ep_normal.dispatch_row_layout(2 * hidden, 0, topk).stride
-    nvl = aligned_bytes(ep_normal.data_offset(ranks, experts // ranks, num_sms // 2).data + rows * stride)
+    # room for each direction's rows at once: the dispatch's received rows, the combine's rows sent back (the
+    # record's "most sent"), which carry their weights in a wider stride
+    dispatch_bytes = (ep_normal.data_offset(ranks, experts // ranks, num_sms // 2).data
+                      + ranks * int(in_rank[:, 0].sum()) * ep_normal.dispatch_row_layout(2 * hidden, 0, topk).stride)
+    combine_bytes = (ep_normal.data_offset(ranks, 1, num_sms // 2).data
+                     + int(in_rank.sum()) * ep_normal.combine_row_layout(2 * hidden, topk).stride)
+    nvl = aligned_bytes(max(dispatch_bytes, combine_bytes))
 
     def workspace(layout: LayoutPlanner, group: object = None, device: object = None,
                   where: object = None) -> _NormalWorkspace:
