@@ -4,6 +4,8 @@
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 #                                [--legacy-timeout S]   (seconds per legacy test, default 900)
+#                                [--tree NAME=DIR]... [--rounds N]  (the picked benchmarks once per staged tree and
+#                                                   round, interleaved: scripts/bench_trees.sh; DIR . = this tree)
 #                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
 #                                                   DeepEP's legacy tests with --num-processes P, and the picked
 #                                                   BENCHES_SHARED benchmarks with --ranks P)
@@ -37,6 +39,7 @@ BENCHES_SHARED=(deep_ep_ab)
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
 run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy= legacy_timeout=900 shared_gpu=
+tree_args=() rounds=1
 while (($#)); do
   case "$1" in
     --tests-only) run_bench=0 ;;
@@ -46,7 +49,9 @@ while (($#)); do
     -k) pytest_k=(-k "$2"); shift ;;
     --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
     --legacy-timeout) legacy_timeout="$2"; shift ;;  # its --timeout
-    --shared-gpu) shared_gpu="$2"; shift ;;  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
+    --shared-gpu) shared_gpu="$2"; shift ;;
+    --tree) tree_args+=(--tree "$2"); shift ;;  # NAME=DIR: a tree staged by scripts/stage_base_tree.sh (. = this one)
+    --rounds) rounds="$2"; shift ;;  # the trees' rounds  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
     --counters) counters+=("$2"); shift ;;
@@ -172,7 +177,11 @@ if [[ -n "$de_pid" ]]; then
     echo "DeepEP build failed (deep_ep_build.log); deep_ep_ab records the original as unavailable" >>"$OUT/bench.log"
   fi
 fi
-if ((run_bench)); then
+if ((run_bench)) && ((${#tree_args[@]})); then
+  # an A/B of staged trees: every run's files in $OUT/trees.tar.gz, no headline result files
+  bash scripts/bench_trees.sh --out "$OUT" --rounds "$rounds" "${tree_args[@]}" "${BENCHES[@]}" || bench_rc=1
+  RESULTS=()
+elif ((run_bench)); then
   for spec in "${BENCHES[@]}"; do
     read -ra words <<<"$spec"
     name="${words[0]}"
