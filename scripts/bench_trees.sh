@@ -9,7 +9,8 @@
 #   --rounds N        how many times each tree runs each benchmark (default 1): round 1 runs every tree, then round 2...
 #   --tail K          the lines of each run's output printed after it (default 8: the end of a benchmark's table)
 #   --bench-dir DIR   where BENCH.py lives (default bench/)
-# Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS`, its output beside it (.log); first, for each tree,
+# Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH gc-moe-ab: the tree's own `python -P -m
+# gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree,
 # the file its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it). At the end
 # the runs' files are packed into DIR/trees.tar.gz, one file however many runs there were (the device tool brings
 # back only a few files of a call). Exits 1 when a run failed (the other runs still run), 2 on a usage error.
@@ -61,8 +62,13 @@ for ((round = 1; round <= rounds; round++)); do
     for spec in "${benches[@]}"; do
       read -ra words <<<"$spec"
       tag="${words[0]}_${name}_${round}"
-      if PYTHONPATH="${path_of[$name]}" "$PY" "$bench_dir/${words[0]}.py" --out "$runs/$tag.json" "${words[@]:1}" \
-        >"$runs/$tag.log" 2>&1; then
+      if [[ "${words[0]}" == gc-moe-ab ]]; then
+        command=("$PY" -P -m gc_moe_compat.ab)
+      else
+        command=("$PY" "$bench_dir/${words[0]}.py")
+      fi
+      if PYTHONPATH="${path_of[$name]}" "${command[@]}" --out "$runs/$tag.json" "${words[@]:1}" >"$runs/$tag.log" 2>&1
+      then
         echo "== $tag"
       else
         rc=1

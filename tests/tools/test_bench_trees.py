@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_trees.sh"
+PROBED = "gc_moe_compat/__init__.py"
 
 PROBE = """
 import argparse, json, sys
@@ -30,8 +31,10 @@ print("probe of", gc_moe_compat.__file__)
 
 def _tree(root: Path, name: str) -> Path:
     package = root / name / "gc_moe_compat"
-    package.mkdir(parents=True)
+    (package / "ab").mkdir(parents=True)
     (package / "__init__.py").write_text("")
+    (package / "ab" / "__init__.py").write_text("")
+    (package / "ab" / "__main__.py").write_text(PROBE)  # stands in for the tree's gc-moe-ab
     return root / name
 
 
@@ -51,6 +54,8 @@ def test_each_tree_runs_each_benchmark_per_round_with_its_own_package(tmp_path: 
     out = tmp_path / "out"
     run = _run("--out", str(out), "--rounds", "2", "--bench-dir", str(benches), "--tree", f"a={a}", "--tree",
                f"b={b}", "--tree", "work=.", "probe --x 7", "fails")
+    ab = _run("--out", str(tmp_path / "ab"), "--tree", f"a={a}", "gc-moe-ab --x 3")
+    assert ab.returncode == 0 and ab.stdout.splitlines()[1:3] == ["== gc-moe-ab_a_1", f"probe of {a / PROBED}"]
     assert run.returncode == 1, run.stderr  # the failing benchmark; every other run still ran
     lines = run.stdout.splitlines()
     assert f"tree a: gc_moe_compat from {a}/gc_moe_compat/__init__.py" in lines
