@@ -9,12 +9,13 @@
 //      and the warps take their per-expert cursors in warp order (one __syncthreads per warp), so positions grow with
 //      f. Entry f goes to the target rank's src_index[le][own][pos] (a peer store): every (le, own) list is ascending,
 //      i.e. sorted by (token, slot), the order of reference.dispatch_plan, independent of D and of timing.
-//   B. After a system fence every CTA adds (1 << 32) | count to the local send_counts of EVERY global expert (also
+//   B. After a system fence (GPU scope at one rank: every reader is a kernel of this GPU) every CTA adds (1 << 32) | count to the local send_counts of EVERY global expert (also
 //      count 0): the high word counts contributing CTAs. That is also the grid barrier: block 0 waits (bounded,
 //      acquire) until every send_counts high word is D, so all src_index stores of all CTAs are ordered before it.
 //      It needs no extra persistent state: role3 resets send_counts between replays.
 //   C. Block 0 stores send_counts[dst*e + le] into rank dst's recv_counts[parity][own][le] and, after a system
-//      fence, adds 1 to every rank's tag1_barrier (release, system scope). Every CTA then waits (bounded) until its
+//      fence, adds 1 to every rank's tag1_barrier (release, system scope; at one rank both at GPU scope, and the
+//      wait below acquires at GPU scope). Every CTA then waits (bounded) until its
 //      own tag1_barrier >= P*(n+1): every rank's counts and src_index entries for this replay are visible.
 //   D. Every CTA reads recv_counts[parity] ([P, e] packed words), checks the arrival (high words sum to D*P per
 //      local expert) and scans them into exclusive prefixes: rows per (le, src), rows and pool blocks per le.
@@ -59,6 +60,10 @@ constexpr u32 kScratch = 2 * kMaxExperts;  // phase A: two histograms; phase D: 
 
 __device__ __forceinline__ void red_release_sys_add_u64(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_release_gpu_add_u64(u64* p, u64 v) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_release_gpu_u64(u64* p, u64 v) { gc_moe::st_release_gpu(p, v); }
@@ -227,7 +232,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- B. packed send counts: token count + one contributor per CTA, for every expert; also the grid barrier
     __syncthreads();
-    __threadfence_system();  // every src_index store of this CTA (ordered by the barrier) before the adds
+    // every src_index store of this CTA (ordered by the barrier) before the adds: at system scope where peers read
+    // them, at GPU scope at one rank (every reader is a kernel of this GPU)
+    if (ranks > 1) __threadfence_system();
+    else __threadfence();
     u64* send = reinterpret_cast<u64*>(base + off.send_counts);
     for (u32 x = tid; x < num_e; x += kThreads) atomicAdd(send + x, (1ull << 32) | (s_cursor[x] - s_first[x]));
 
@@ -246,14 +254,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
             }
             __syncthreads();
             if (tid < ranks) {
-                __threadfence_system();
-                red_release_sys_add_u64(gc_moe::peer_ptr<u64>(peers, tid, off.tag1_barrier), 1);
+                u64* tag1 = gc_moe::peer_ptr<u64>(peers, tid, off.tag1_barrier);
+                if (ranks > 1) {
+                    __threadfence_system();
+                    red_release_sys_add_u64(tag1, 1);
+                } else {
+                    __threadfence();
+                    red_release_gpu_add_u64(tag1, 1);
+                }
             }
         }
     }
     if (tid == 0) {
         const u64* tag1 = reinterpret_cast<const u64*>(base + off.tag1_barrier);
-        s_flag = wait_ge<u64>([&] { return gc_moe::ld_acquire_sys(tag1); }, static_cast<u64>(ranks) * (replay + 1),
+        s_flag = wait_ge<u64>([&] { return ranks > 1 ? gc_moe::ld_acquire_sys(tag1) : gc_moe::ld_acquire_gpu(tag1); },
+                              static_cast<u64>(ranks) * (replay + 1),
                               p.timeout_ns, status, gc_moe::kSiteTag1);
     }
     __syncthreads();

@@ -55,7 +55,8 @@
 // Padding rows (beyond the block's valid count) are computed by the WGMMA (N rounds up to 8) and never stored.
 //
 // Remote writes and role3. Each consumer thread ends with fence.sc.sys (__threadfence_system) after its last
-// scatter store, so its combine stores are performed at system scope before the kernel completes; the graph orders
+// scatter store (none at one rank, where every store is local and the kernel boundary orders it), so its combine
+// stores are performed at system scope before the kernel completes; the graph orders
 // role3 after role2, and role3's bookkeeping executes fence.sc.sys and st.release.sys combine_ready[rank] = n + 1
 // on every peer; a peer's combine CTAs ld.acquire.sys it before loading combine (finalize.cu's ordering chain).
 //
@@ -253,7 +254,9 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
             op_release_w2(a, b, local_tid, K::kConsumerBarrier, K::kConsumerThreads);
         }
     }
-    __threadfence_system();  // this thread's combine stores (local and peers') performed at system scope
+    // this thread's combine stores (local and peers') performed at system scope; at one rank every store is local
+    // and the kernel's end orders it before role3 (a graph edge)
+    if (a.peers.world_size > 1) __threadfence_system();
     if (local_tid == 0) op_schedule_done(a, K::kProducerWG ? 2 : 1);
 }
 

@@ -98,9 +98,16 @@ __device__ void bookkeeping(const Args& a, u64 seq, u64 parity, u32 tid) {
     KernelStatus* status = status_record(a);
     // 1. Readiness first (peers may be waiting): role2's stores precede this kernel; the system fence makes them
     //    visible to every GPU before the release store that announces them.
+    //    At one rank the word is this GPU's alone: GPU scope.
     for (u32 r = tid; r < ranks; r += kBookThreads) {
-        __threadfence_system();
-        st_release_sys(peer_ptr<u64>(a.peers, (int)r, a.off.combine_ready) + own, seq + 1);
+        u64* ready = peer_ptr<u64>(a.peers, (int)r, a.off.combine_ready) + own;
+        if (ranks > 1) {
+            __threadfence_system();
+            st_release_sys(ready, seq + 1);
+        } else {
+            __threadfence();
+            st_release_gpu(ready, seq + 1);
+        }
     }
     // 2. Consume recv_counts[parity]: arrival check, statistics, reset. Complete since role1 passed the tag-1 barrier.
     const u32 local = a.p.num_local_experts;
