@@ -9,8 +9,9 @@
 //      and the warps take their per-expert cursors in warp order (one __syncthreads per warp), so positions grow with
 //      f. Entry f goes to the target rank's src_index[le][own][pos] (a peer store): every (le, own) list is ascending,
 //      i.e. sorted by (token, slot), the order of reference.dispatch_plan, independent of D and of timing.
-//   B. After a system fence (GPU scope at one rank: every reader is a kernel of this GPU) every CTA adds (1 << 32) | count to the local send_counts of EVERY global expert (also
-//      count 0): the high word counts contributing CTAs. That is also the grid barrier: block 0 waits (bounded,
+//   B. After a system fence (GPU scope at one rank: every reader is a kernel of this GPU) every CTA adds
+//      (1 << 32) | count to the local send_counts of EVERY global expert (also count 0): the high word counts
+//      contributing CTAs. That is also the grid barrier: block 0 waits (bounded,
 //      acquire) until every send_counts high word is D, so all src_index stores of all CTAs are ordered before it.
 //      It needs no extra persistent state: role3 resets send_counts between replays.
 //   C. Block 0 stores send_counts[dst*e + le] into rank dst's recv_counts[parity][own][le] and, after a system

@@ -6,12 +6,13 @@
 // order, of the FP32-widened BF16 partials in this rank's combine buffer [k+S, Tmax, H]).
 //
 // Ordering chain (why no cross-rank barrier is needed between replays; n = replay_seq at kernel start):
-//  * Partials complete. Rank r's role2 (and role4, slot k) store every partial of replay n before that kernel ends;
-//    the graph runs role3 after role1 and role2 (and role4). Role3's bookkeeping then executes fence.sc.sys and
-//    stores combine_ready[r] = n+1 with st.release.sys on every rank. A combine CTA of rank t acquires (ld.acquire.sys)
-//    combine_ready[r] >= n+1 for every peer r != t, then bar.syncs its warps before they load: every partial any
-//    peer scattered into t's combine buffer for replay n is visible. Rank t's own partials need no flag: the graph
-//    edges order t's role2/role4 before this kernel.
+//  * Partials complete. Rank r's role2 (and role4, slot k) store every partial of replay n before that kernel ends; the
+//    graph runs role3 after role1 and role2 (and role4). Role3's bookkeeping then executes fence.sc.sys and stores
+//    combine_ready[r] = n+1 with st.release.sys on every rank (at one rank fence.sc.gpu and st.release.gpu: no peer
+//    reads it, the own rank's partials are ordered by the graph edges). A combine CTA of rank t acquires
+//    (ld.acquire.sys) combine_ready[r] >= n+1 for every peer r != t, then bar.syncs its warps before they load: every
+//    partial any peer scattered into t's combine buffer for replay n is visible. Rank t's own partials need no flag:
+//    the graph edges order t's role2/role4 before this kernel.
 //  * Readiness is phase-encoded and never reset: a peer cannot publish n+2 while this kernel runs (its role3 of n+1
 //    follows its role1 of n+1, which cannot pass tag-1 barrier n+1 before this rank's role1 of n+1 arrives, after
 //    this kernel), so the value seen is n or n+1; anything past n+1 is reported as a protocol mismatch.

@@ -2,14 +2,14 @@
 status.
 
 Role3 runs on the compute partition after role1 and role2 (and role4 with a fused shared expert). CTA 0's first four
-warps publish this rank's combine readiness (``combine_ready[rank] = replay_seq + 1`` on every rank, release at
-system scope, also with ``T = 0``), consume ``recv_counts[recv_parity]`` with the arrival check (high words sum to
-``dispatch_sms·P`` per local expert), add the received rows into the optional ``cumulative_local_expert_recv_stats``,
-reset ``send_counts``, ``recv_counts[parity]``, ``pool_header`` and the four ring signals, and flip
-``recv_parity``; the CTA whose arrival on ``finalize_arrive`` completes the grid advances ``replay_seq``. Every
-other warp waits (bounded) until every peer's readiness equals ``replay_seq + 1`` and writes
-``y[t] = BF16(sum over valid slots, slot order, FP32)`` of the partials in this rank's ``combine`` buffer (slot
-``k`` = the shared expert when ``S = 1``; a slot with ``topk_idx == -1`` contributes nothing): the semantics of
+warps publish this rank's combine readiness (``combine_ready[rank] = replay_seq + 1`` on every rank, release at system
+scope, at GPU scope where the group has one rank, also with ``T = 0``), consume ``recv_counts[recv_parity]`` with the
+arrival check (high words sum to ``dispatch_sms·P`` per local expert), add the received rows into the optional
+``cumulative_local_expert_recv_stats``, reset ``send_counts``, ``recv_counts[parity]``, ``pool_header`` and the four
+ring signals, and flip ``recv_parity``; the CTA whose arrival on ``finalize_arrive`` completes the grid advances
+``replay_seq``. Every other warp waits (bounded) until every peer's readiness equals ``replay_seq + 1`` and writes
+``y[t] = BF16(sum over valid slots, slot order, FP32)`` of the partials in this rank's ``combine`` buffer (slot ``k`` =
+the shared expert when ``S = 1``; a slot with ``topk_idx == -1`` contributes nothing): the semantics of
 :func:`gc_moe_compat.testing.reference._combine`. The ordering argument (why no cross-rank barrier is needed between
 replays) is written at the top of the kernel source.
 
