@@ -11,9 +11,9 @@
 #   --bench-dir DIR   where BENCH.py lives (default bench/)
 # Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH gc-moe-ab: the tree's own `python -P -m
 # gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree,
-# the file its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it). At the end
-# the runs' files are packed into DIR/trees.tar.gz, one file however many runs there were (the device tool brings
-# back only a few files of a call). Exits 1 when a run failed (the other runs still run), 2 on a usage error.
+# the file its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the
+# commit its SOURCE names. At the end the runs' files are packed into DIR/trees.tar.gz, one file however many runs
+# there were (the device tool brings back only a few files of a call). Exits 1 when a run failed (the other runs still run), 2 on a usage error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -50,7 +50,9 @@ for tree in "${trees[@]}"; do
   fi
   found="$(cd "$bench_dir" && PYTHONPATH="${path_of[$name]}" "$PY" -c \
     'import gc_moe_compat; print(gc_moe_compat.__file__)' 2>&1 | tail -n 1)"
-  echo "tree $name: gc_moe_compat from $found"
+  source_line=
+  [[ "$dir" != "." && -f "$dir/SOURCE" ]] && source_line=" (staged from $(head -n 1 "$dir/SOURCE"))"
+  echo "tree $name: gc_moe_compat from $found$source_line"
 done
 
 runs="$out/trees"

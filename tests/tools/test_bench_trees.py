@@ -51,6 +51,7 @@ def test_each_tree_runs_each_benchmark_per_round_with_its_own_package(tmp_path: 
     (benches / "probe.py").write_text(PROBE)
     (benches / "fails.py").write_text("import sys; print('broken'); sys.exit(3)\n")
     a, b = _tree(tmp_path, "a"), _tree(tmp_path, "b")
+    (a / "SOURCE").write_text("8c86109 8c861092addab3ab1bf89651e27c7fd1ab4074d1\n")  # as stage_base_tree.sh writes
     out = tmp_path / "out"
     run = _run("--out", str(out), "--rounds", "2", "--bench-dir", str(benches), "--tree", f"a={a}", "--tree",
                f"b={b}", "--tree", "work=.", "probe --x 7", "fails")
@@ -58,7 +59,8 @@ def test_each_tree_runs_each_benchmark_per_round_with_its_own_package(tmp_path: 
     assert ab.returncode == 0 and ab.stdout.splitlines()[1:3] == ["== gc-moe-ab_a_1", f"probe of {a / PROBED}"]
     assert run.returncode == 1, run.stderr  # the failing benchmark; every other run still ran
     lines = run.stdout.splitlines()
-    assert f"tree a: gc_moe_compat from {a}/gc_moe_compat/__init__.py" in lines
+    assert (f"tree a: gc_moe_compat from {a}/gc_moe_compat/__init__.py (staged from 8c86109 "
+            "8c861092addab3ab1bf89651e27c7fd1ab4074d1)") in lines
     assert f"tree b: gc_moe_compat from {b}/gc_moe_compat/__init__.py" in lines
     installed = next(line for line in lines if line.startswith("tree work: "))
     assert str(tmp_path) not in installed and installed.endswith("gc_moe_compat/__init__.py")
