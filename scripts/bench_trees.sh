@@ -13,7 +13,8 @@
 # gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree,
 # the file its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the
 # commit its SOURCE names. At the end the runs' files are packed into DIR/trees.tar.gz, one file however many runs
-# there were (the device tool brings back only a few files of a call). Exits 1 when a run failed (the other runs still run), 2 on a usage error.
+# there were (the device tool brings back only a few files of a call). Exits 1 when a run failed (the other runs
+# still run), 2 on a usage error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -38,13 +39,15 @@ usage() { echo "bench_trees: $*" >&2; exit 2; }
 declare -A path_of=() seen=()
 for tree in "${trees[@]}"; do
   name="${tree%%=*}" dir="${tree#*=}"
-  [[ "$tree" == *=* && "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || usage "--tree NAME=TREE with NAME of letters, digits, _.-: got '$tree'"
+  [[ "$tree" == *=* && "$name" =~ ^[A-Za-z0-9_.-]+$ ]] ||
+    usage "--tree NAME=TREE with NAME of letters, digits, _.-: got '$tree'"
   [[ -z "${seen[$name]:-}" ]] || usage "--tree $name given twice"
   seen[$name]=1
   if [[ "$dir" == "." ]]; then
     path_of[$name]="${PYTHONPATH:-}"
   else
-    [[ -d "$dir/gc_moe_compat" ]] || usage "--tree $tree: $dir holds no gc_moe_compat (stage it with scripts/stage_base_tree.sh)"
+    [[ -d "$dir/gc_moe_compat" ]] ||
+      usage "--tree $tree: $dir holds no gc_moe_compat (stage it with scripts/stage_base_tree.sh)"
     dir="$(cd "$dir" && pwd)"
     path_of[$name]="$dir${PYTHONPATH:+:$PYTHONPATH}"
   fi
