@@ -49,9 +49,9 @@ while (($#)); do
     -k) pytest_k=(-k "$2"); shift ;;
     --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
     --legacy-timeout) legacy_timeout="$2"; shift ;;  # its --timeout
-    --shared-gpu) shared_gpu="$2"; shift ;;
+    --shared-gpu) shared_gpu="$2"; shift ;;  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
     --tree) tree_args+=(--tree "$2"); shift ;;  # NAME=DIR: a tree staged by scripts/stage_base_tree.sh (. = this one)
-    --rounds) rounds="$2"; shift ;;  # the trees' rounds  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
+    --rounds) rounds="$2"; shift ;;  # the trees' rounds
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
     --counters) counters+=("$2"); shift ;;
