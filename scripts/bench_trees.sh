@@ -10,11 +10,11 @@
 #   --tail K          the lines of each run's output printed after it (default 8: the end of a benchmark's table)
 #   --bench-dir DIR   where BENCH.py lives (default bench/)
 # Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH gc-moe-ab: the tree's own `python -P -m
-# gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree,
-# the file its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the
-# commit its SOURCE names. At the end the runs' files are packed into DIR/trees.tar.gz, one file however many runs
-# there were (the device tool brings back only a few files of a call). Exits 1 when a run failed (the other runs
-# still run), 2 on a usage error.
+# gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree, the file
+# its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the commit its
+# SOURCE names (its runs' result files name it: GC_MOE_GIT_SHA). At the end the runs' files are packed into
+# DIR/trees.tar.gz, one file however many runs there were (the device tool brings back only a few files of a call).
+# Exits 1 when a run failed (the other runs still run), 2 on a usage error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -36,7 +36,7 @@ usage() { echo "bench_trees: $*" >&2; exit 2; }
 ((${#trees[@]})) || usage "at least one --tree NAME=TREE"
 ((${#benches[@]})) || usage "at least one benchmark"
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || usage "--rounds: a positive integer, got '$rounds'"
-declare -A path_of=() seen=()
+declare -A path_of=() sha_of=() seen=()
 for tree in "${trees[@]}"; do
   name="${tree%%=*}" dir="${tree#*=}"
   [[ "$tree" == *=* && "$name" =~ ^[A-Za-z0-9_.-]+$ ]] ||
@@ -53,8 +53,11 @@ for tree in "${trees[@]}"; do
   fi
   found="$(cd "$bench_dir" && PYTHONPATH="${path_of[$name]}" "$PY" -c \
     'import gc_moe_compat; print(gc_moe_compat.__file__)' 2>&1 | tail -n 1)"
-  source_line=
-  [[ "$dir" != "." && -f "$dir/SOURCE" ]] && source_line=" (staged from $(head -n 1 "$dir/SOURCE"))"
+  source_line= sha_of[$name]=
+  if [[ "$dir" != "." && -f "$dir/SOURCE" ]]; then
+    read -r _ sha_of[$name] <"$dir/SOURCE"
+    source_line=" (staged from $(head -n 1 "$dir/SOURCE"))"
+  fi
   echo "tree $name: gc_moe_compat from $found$source_line"
 done
 
@@ -72,8 +75,11 @@ for ((round = 1; round <= rounds; round++)); do
       else
         command=("$PY" "$bench_dir/${words[0]}.py")
       fi
-      if PYTHONPATH="${path_of[$name]}" "${command[@]}" --out "$runs/$tag.json" "${words[@]:1}" >"$runs/$tag.log" 2>&1
-      then
+      # a staged tree's result files name its commit (docs/bench_protocol.md: GC_MOE_GIT_SHA, GC_MOE_GIT_DIRTY)
+      provenance=()
+      [[ -n "${sha_of[$name]}" ]] && provenance=(GC_MOE_GIT_SHA="${sha_of[$name]}" GC_MOE_GIT_DIRTY=0)
+      if env "${provenance[@]}" PYTHONPATH="${path_of[$name]}" "${command[@]}" --out "$runs/$tag.json" \
+        "${words[@]:1}" >"$runs/$tag.log" 2>&1; then
         echo "== $tag"
       else
         rc=1

@@ -18,13 +18,15 @@ SCRIPT = REPO / "scripts" / "bench_trees.sh"
 PROBED = "gc_moe_compat/__init__.py"
 
 PROBE = """
-import argparse, json, sys
+import argparse, json, os, sys
 import gc_moe_compat
 parser = argparse.ArgumentParser()
 parser.add_argument("--out")
 parser.add_argument("--x")
 args = parser.parse_args()
-open(args.out, "w").write(json.dumps({"package": gc_moe_compat.__file__, "x": args.x}))
+open(args.out, "w").write(json.dumps({"package": gc_moe_compat.__file__, "x": args.x,
+                                      "sha": os.environ.get("GC_MOE_GIT_SHA"),
+                                      "dirty": os.environ.get("GC_MOE_GIT_DIRTY")}))
 print("probe of", gc_moe_compat.__file__)
 """
 
@@ -74,9 +76,10 @@ def test_each_tree_runs_each_benchmark_per_round_with_its_own_package(tmp_path: 
         records = {tree: json.load(tar.extractfile(f"trees/probe_{tree}_2.json")) for tree in ("a", "b", "work")}
     assert {f"trees/{bench}_{tree}_{r}.log" for r in (1, 2) for tree in ("a", "b", "work")
             for bench in ("probe", "fails")} <= names
-    assert records["a"] == {"package": f"{a}/gc_moe_compat/__init__.py", "x": "7"}
-    assert records["b"]["package"] == f"{b}/gc_moe_compat/__init__.py"
-    assert records["work"]["package"] == installed.split(" from ")[1]
+    sha = "8c861092addab3ab1bf89651e27c7fd1ab4074d1"
+    assert records["a"] == {"package": f"{a}/gc_moe_compat/__init__.py", "x": "7", "sha": sha, "dirty": "0"}
+    assert records["b"]["package"] == f"{b}/gc_moe_compat/__init__.py" and records["b"]["sha"] is None
+    assert records["work"]["package"] == installed.split(" from ")[1] and records["work"]["sha"] is None
 
 
 @pytest.mark.parametrize(("args", "message"), [
