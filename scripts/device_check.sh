@@ -187,13 +187,12 @@ elif ((run_bench)); then
     name="${words[0]}"
     result="${RESULT_NAME[$name]:-$name}"
     echo "== bench $name -> $result" >>"$OUT/bench.log"
-    if "$PY" "bench/$name.py" --out "bench/results/$result.json" "${words[@]:1}" >>"$OUT/bench.log" 2>&1; then
-      cp "bench/results/$result.json" "$OUT/"
-      [[ -f "bench/results/$result.png" ]] && cp "bench/results/$result.png" "$OUT/"
-    else
-      bench_rc=1
-      echo "bench $name FAILED" >>"$OUT/bench.log"
-    fi
+    # the committed file goes first, so that what comes back is this run's: a failed run's partial file (a
+    # benchmark that writes as it goes, e.g. deep_ep_ab after each P) comes back too, the failure in bench.log
+    rm -f "bench/results/$result.json" "bench/results/$result.png"
+    "$PY" "bench/$name.py" --out "bench/results/$result.json" "${words[@]:1}" >>"$OUT/bench.log" 2>&1 ||
+      { bench_rc=1; echo "bench $name FAILED" >>"$OUT/bench.log"; }
+    for file in "bench/results/$result.json" "bench/results/$result.png"; do [[ -f "$file" ]] && cp "$file" "$OUT/"; done
   done
 fi
 

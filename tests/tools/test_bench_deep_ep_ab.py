@@ -125,6 +125,10 @@ def test_mismatch_names_what_differs() -> None:
     assert ab.mismatch(a, a.to(torch.int64)) == "torch.int32 [2, 3] != torch.int64 [2, 3]"
     assert ab.mismatch([1, 2], [1, 2]) is None and ab.mismatch([1], [2]) == "[1] != [2]"
     assert ab.mismatch(a, [1]) == "Tensor != list"
+    # compared in slices: the counts of every slice add up, a difference in the last, partial slice included
+    b = a.clone().view(-1)
+    b[[0, 4, 5]] = -1
+    assert all(ab.mismatch(a, b.view(2, 3), chunk=c) == "3 of 6 elements differ" for c in (1, 2, 4, 6, 64))
     got = ab.compare({"x": a, "n": [1], "only_facade": a}, {"x": a + 1, "n": [1]})
     assert got == {"exact": ["n"], "mismatch": {"x": "6 of 6 elements differ"}}
 
