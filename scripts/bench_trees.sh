@@ -9,8 +9,9 @@
 #   --rounds N        how many times each tree runs each benchmark (default 1): round 1 runs every tree, then round 2...
 #   --tail K          the lines of each run's output printed after it (default 8: the end of a benchmark's table)
 #   --bench-dir DIR   where BENCH.py lives (default bench/)
-# Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH gc-moe-ab: the tree's own `python -P -m
-# gc_moe_compat.ab`, -P keeping this checkout off the path), its output beside it (.log); first, for each tree, the file
+# Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH-I_NAME_ROUND where BENCH is picked more than
+# once, I its place among the picks; BENCH gc-moe-ab: the tree's own `python -P -m gc_moe_compat.ab`, -P keeping this
+# checkout off the path), its output beside it (.log); first, for each tree, the file
 # its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the commit its
 # SOURCE names (its runs' result files name it: GC_MOE_GIT_SHA). At the end the runs' files are packed into
 # DIR/trees.tar.gz, one file however many runs there were (the device tool brings back only a few files of a call).
@@ -61,15 +62,19 @@ for tree in "${trees[@]}"; do
   echo "tree $name: gc_moe_compat from $found$source_line"
 done
 
+# a benchmark picked more than once (other arguments) gets its place among the picks in its files' names
+declare -A picks=()
+for spec in "${benches[@]}"; do read -ra words <<<"$spec"; picks[${words[0]}]=$((${picks[${words[0]}]:-0} + 1)); done
 runs="$out/trees"
 mkdir -p "$runs"
 rc=0
 for ((round = 1; round <= rounds; round++)); do
   for tree in "${trees[@]}"; do
     name="${tree%%=*}"
-    for spec in "${benches[@]}"; do
-      read -ra words <<<"$spec"
+    for i in "${!benches[@]}"; do
+      read -ra words <<<"${benches[$i]}"
       tag="${words[0]}_${name}_${round}"
+      ((picks[${words[0]}] > 1)) && tag="${words[0]}-$((i + 1))_${name}_${round}"
       if [[ "${words[0]}" == gc-moe-ab ]]; then
         command=("$PY" -P -m gc_moe_compat.ab)
       else

@@ -57,8 +57,13 @@ def test_each_tree_runs_each_benchmark_per_round_with_its_own_package(tmp_path: 
     out = tmp_path / "out"
     run = _run("--out", str(out), "--rounds", "2", "--bench-dir", str(benches), "--tree", f"a={a}", "--tree",
                f"b={b}", "--tree", "work=.", "probe --x 7", "fails")
-    ab = _run("--out", str(tmp_path / "ab"), "--tree", f"a={a}", "gc-moe-ab --x 3")
-    assert ab.returncode == 0 and ab.stdout.splitlines()[1:3] == ["== gc-moe-ab_a_1", f"probe of {a / PROBED}"]
+    ab = _run("--out", str(tmp_path / "ab"), "--tree", f"a={a}", "gc-moe-ab --x 3", "gc-moe-ab --x 4")
+    assert ab.returncode == 0, ab.stderr
+    # picked twice: each pick's files carry its place among the picks, so the second does not overwrite the first
+    assert ab.stdout.splitlines()[1:5] == ["== gc-moe-ab-1_a_1", f"probe of {a / PROBED}", "== gc-moe-ab-2_a_1",
+                                           f"probe of {a / PROBED}"]
+    with tarfile.open(tmp_path / "ab" / "trees.tar.gz") as tar:
+        assert [json.load(tar.extractfile(f"trees/gc-moe-ab-{i}_a_1.json"))["x"] for i in (1, 2)] == ["3", "4"]
     assert run.returncode == 1, run.stderr  # the failing benchmark; every other run still ran
     lines = run.stdout.splitlines()
     assert (f"tree a: gc_moe_compat from {a}/gc_moe_compat/__init__.py (staged from 8c86109 "
