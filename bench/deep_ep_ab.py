@@ -531,11 +531,13 @@ def run_measure(rank: int, device: torch.device, job: Job) -> None:
 
 def facade_host_path() -> str:
     """This rank's facade host path, ``compiled`` or ``python`` and why (building the extension now, before any
-    timing, where no call has): a result measured on the Python path says so."""
+    timing, where no call has): a result measured on the Python path says so. The cache folder the extension is
+    built in is written ``<cache dir>`` (a result file names no absolute path of the machine)."""
     from gc_moe_compat.deep_ep._compiled_host import host_path
+    from gc_moe_compat.runtime.jit import cache_dir
 
     report = host_path()
-    return f"{report['host_path']} ({report['reason']})"
+    return f"{report['host_path']} ({report['reason']})".replace(str(cache_dir()), "<cache dir>")
 
 
 def _facade() -> ModuleType:

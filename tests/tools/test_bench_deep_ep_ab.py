@@ -101,6 +101,13 @@ def test_errors_name_the_originals_build_folder_without_its_path(tmp_path: Path)
 def test_the_facade_host_path_is_recorded_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GC_MOE_DEEP_EP_HOST_PATH", "python")
     assert ab.facade_host_path() == "python (GC_MOE_DEEP_EP_HOST_PATH=python)"
+    # the compiled path's reason names the cache folder it was built in: recorded without the machine's path
+    from gc_moe_compat.deep_ep import _compiled_host
+    from gc_moe_compat.runtime.jit import cache_dir
+
+    built = {"host_path": "compiled", "reason": f"_compiled_host.cpp built in {cache_dir()}/deep_ep_compiled_host/ab"}
+    monkeypatch.setattr(_compiled_host, "host_path", lambda: built)
+    assert ab.facade_host_path() == "compiled (_compiled_host.cpp built in <cache dir>/deep_ep_compiled_host/ab)"
 
 
 def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
