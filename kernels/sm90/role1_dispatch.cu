@@ -33,6 +33,11 @@
 //      the block's last valid row, so generation g completes at exactly BM*(g+1). Padding rows are not written.
 //      A warp only waits on a block after finishing all its smaller rows, so the smallest blocked row always has
 //      every earlier row landed: no deadlock beyond what the ring capacity rules out (ring.py).
+// One rank, T*k <= 512 (one routing entry per thread): every CTA ranks all entries itself (A with the whole range),
+// so no CTA waits on another: B's arrival wait, C's tag-1 barrier and D's read of recv_counts are skipped, the
+// received rows' entries stay in each CTA's shared memory. Block 0 still stores what the staged protocol leaves for
+// role3 and the checks (src_index, send_counts and recv_counts[parity] as the grid's adds would have made them, the
+// tag-1 phase), publishes the block table as in D, and E pulls the same rows from the same entries.
 // Every wait is bounded by DispatchParams.timeout_ns and ends in role1's status record (status region, record 0);
 // waits also give up as soon as that record holds an error, so a failure ends the whole grid within one timeout.
 #include "common/dropped.cuh"
@@ -169,6 +174,134 @@ __device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* s_warp, u64* tot
     return out;
 }
 
+// The position of this thread's entry (expert x, -1 for none) among the entries of x: the entries of earlier warps
+// of this chunk, then earlier lanes of this warp, after s_cursor[x]; advances s_cursor. Every thread of the CTA
+// calls it (one __syncthreads per warp): the warps take their cursors in f order.
+__device__ __forceinline__ u32 rank_in_chunk(int x, u32* s_cursor, u32 warp, u32 lane) {
+    const u32 same = __match_any_sync(~0u, x);
+    const u32 leader = __ffs(same) - 1;
+    u32 first = 0;
+    for (u32 w = 0; w < kWarps; ++w) {
+        if (warp == w && x >= 0 && lane == leader) {
+            first = s_cursor[x];
+            s_cursor[x] = first + __popc(same);
+        }
+        __syncthreads();
+    }
+    return __shfl_sync(~0u, first, leader) + __popc(same & ((1u << lane) - 1));
+}
+
+// D's scan: from each local expert's received rows (rows_le, thread tid < local_e), the exclusive prefixes of rows
+// and pool blocks into s_rows / s_blocks [local_e + 1]. True where the pool blocks exceed the workspace's (reported).
+__device__ __forceinline__ bool scan_rows(u32 rows_le, u32 local_e, u32 bm, u32 pool_blocks, u32* s_rows,
+                                          u32* s_blocks, u64* s_warp, KernelStatus* status) {
+    const u32 tid = threadIdx.x;
+    u64 total_rows, total_blocks;
+    const u32 row0 = static_cast<u32>(block_exclusive_scan(rows_le, s_warp, &total_rows));
+    const u32 block0 = static_cast<u32>(block_exclusive_scan((rows_le + bm - 1) / bm, s_warp, &total_blocks));
+    bool bad = false;
+    if (tid < local_e) {
+        s_rows[tid] = row0;
+        s_blocks[tid] = block0;
+    }
+    if (tid == 0) {
+        s_rows[local_e] = static_cast<u32>(total_rows);
+        s_blocks[local_e] = static_cast<u32>(total_blocks);
+        if (total_blocks > pool_blocks) {
+            bad = true;
+            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kSitePoolOverflow, total_blocks,
+                                  pool_blocks);
+        }
+    }
+    return bad;
+}
+
+// D's block table (block 0): pool_table rows (local expert, valid rows, ring row offset), then the release of
+// pool_header = (1 << 32) | blocks (gpu scope: role2 runs on the same GPU).
+__device__ __forceinline__ void publish_pool_table(unsigned char* base, const WorkspaceOffsets& off, const u32* s_rows,
+                                                   const u32* s_blocks, u32 local_e, u32 bm, u32 ring) {
+    const u32 tid = threadIdx.x, n_blocks = s_blocks[local_e];
+    int* table = reinterpret_cast<int*>(base + off.pool_table);
+    for (u32 q = tid; q < n_blocks; q += kThreads) {
+        const u32 le = last_at_most(s_blocks, local_e, q);
+        const u32 done = (q - s_blocks[le]) * bm;
+        table[3 * q + 0] = static_cast<int>(le);
+        table[3 * q + 1] = static_cast<int>(min(bm, s_rows[le + 1] - s_rows[le] - done));
+        table[3 * q + 2] = static_cast<int>((q % ring) * bm);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        st_release_gpu_u64(reinterpret_cast<u64*>(base + off.pool_header), (1ull << 32) | n_blocks);
+    }
+}
+
+// E: pulls the received rows into the ring. entry_of(le, i, j) gives row j's (i-th of local expert le) source rank
+// and routing entry token*k + slot.
+template <typename EntryOf>
+__device__ __forceinline__ void pull_rows(const PeerTable& peers, const WorkspaceOffsets& off, const DispatchParams& p,
+                                          unsigned char* base, const u32* s_rows, const u32* s_blocks, u32 local_e,
+                                          KernelStatus* status, EntryOf entry_of) {
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32, cta = blockIdx.x, grid = gridDim.x;
+    const u32 k = p.topk, bm = p.block_m, ring = p.ring_blocks, n_rows = s_rows[local_e];
+    unsigned char* acts = base + off.l1_acts;
+    float* acts_sf = reinterpret_cast<float*>(base + off.l1_acts_sf);
+    float* weights = reinterpret_cast<float*>(base + off.l1_routing_weights);
+    int4* source = reinterpret_cast<int4*>(base + off.l1_source);
+    u32* full = reinterpret_cast<u32*>(base + off.l1_full_count);
+    const u32* empty1 = reinterpret_cast<const u32*>(base + off.l1_empty_count);
+    const u32* empty2 = reinterpret_cast<const u32*>(base + off.l2_empty_count);
+    const u32 hidden = p.hidden, vectors = hidden / 16, groups = hidden / 128;
+    u32 ready = ~0u;  // the pool block whose refill condition this warp last established
+    for (u32 j = warp * grid + cta; j < n_rows; j += kWarps * grid) {
+        const u32 le = last_at_most(s_rows, local_e, j);
+        const u32 i = j - s_rows[le], n_le = s_rows[le + 1] - s_rows[le];
+        const u32 q = s_blocks[le] + i / bm, b = q % ring, gen = q / ring, r = i % bm;
+        const u32 valid = min(bm, n_le - (i / bm) * bm);
+        const u32 row = b * bm + r;
+        if (q != ready) {
+            int ok = 1;
+            if (gen > 0 && lane == 0) {
+                ok = wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty1 + b); }, p.w1_tasks * gen, p.timeout_ns,
+                                  status, gc_moe::kSiteRefillL1) &&
+                     wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty2 + b); }, p.w2_tasks * gen, p.timeout_ns,
+                                  status, gc_moe::kSiteRefillL2);
+            }
+            if (!__shfl_sync(~0u, ok, 0)) return;
+            ready = q;
+        }
+        const uint2 from_entry = entry_of(le, i, j);  // (source rank, token*k + slot)
+        const u32 src = from_entry.x, token = from_entry.y / k, slot = from_entry.y % k;
+        const unsigned char* peer = gc_moe::peer_ptr<unsigned char>(peers, static_cast<int>(src), 0);
+        const uint4* from = reinterpret_cast<const uint4*>(peer + off.x + static_cast<size_t>(token) * hidden);
+        uint4* to = reinterpret_cast<uint4*>(acts + static_cast<size_t>(row) * hidden);
+        for (u32 v0 = lane; v0 < vectors; v0 += 32 * kCopyUnroll) {
+            uint4 buf[kCopyUnroll];
+#pragma unroll
+            for (u32 u = 0; u < kCopyUnroll; ++u) {
+                if (v0 + 32 * u < vectors) buf[u] = ld_nc_v4(from + v0 + 32 * u);
+            }
+#pragma unroll
+            for (u32 u = 0; u < kCopyUnroll; ++u) {
+                if (v0 + 32 * u < vectors) to[v0 + 32 * u] = buf[u];
+            }
+        }
+        const u32* sf = reinterpret_cast<const u32*>(peer + off.x_sf) + static_cast<size_t>(token) * groups;
+        for (u32 g = lane; g < groups; g += 32) {
+            reinterpret_cast<u32*>(acts_sf)[static_cast<size_t>(g) * off.ring_rows + row] = ld_nc_u32(sf + g);
+        }
+        if (lane == 0) {
+            const u32* w = reinterpret_cast<const u32*>(peer + off.topk_weights);
+            reinterpret_cast<u32*>(weights)[row] = ld_nc_u32(w + static_cast<size_t>(token) * k + slot);
+            source[row] = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(slot),
+                                    static_cast<int>(q));
+        }
+        fence_proxy_async_global();
+        __syncwarp();
+        if (lane == 0) red_release_gpu_add_u32(full + b, r == valid - 1 ? 1 + bm - valid : 1);
+    }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -189,14 +322,53 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const u64 replay = ld_volatile_u64(reinterpret_cast<const u64*>(base + off.replay_seq));
     const u32 parity = static_cast<u32>(ld_volatile_u64(reinterpret_cast<const u64*>(base + off.recv_parity)) & 1);
 
+    const void* idx = base + off.topk_idx;
+    const float* topk_w = reinterpret_cast<const float*>(base + off.topk_weights);
+    const u32 entries = p.num_tokens * k;
+    const u32 bm = p.block_m, ring = p.ring_blocks;
+    int* src_index = reinterpret_cast<int*>(base + off.src_index);
+
+    // ---- One rank, one entry per thread: A over every entry in every CTA, no wait on another CTA (header)
+    if (ranks == 1 && entries <= kThreads && num_e <= kMaxLocal) {
+        u32* s_cursor = s_scratch;              // [num_e] entries of each expert so far
+        u32* s_entry = s_scratch + kMaxLocal;   // [entries] the routing entry of each received row, in row order
+        for (u32 x = tid; x < num_e; x += kThreads) s_cursor[x] = 0;
+        __syncthreads();
+        const int x = tid < entries ? expert_of(idx, topk_w, p.idx_bytes, tid, p) : -1;
+        const u32 pos = rank_in_chunk(x, s_cursor, warp, lane);
+        const bool bad = __syncthreads_or(scan_rows(tid < local_e ? s_cursor[tid] : 0, local_e, bm, off.pool_blocks,
+                                                    s_rows, s_blocks, s_warp, status));
+        if (x >= 0) s_entry[s_rows[x] + pos] = tid;
+        if (cta == 0) {  // what B, C and the grid's adds leave behind (role3 checks and consumes recv_counts)
+            if (x >= 0) {
+                if (pos < cap) {
+                    src_index[static_cast<size_t>(x) * cap + pos] = static_cast<int>(tid);
+                } else {
+                    gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kSiteSrcIndexOverflow, pos, cap);
+                }
+            }
+            u64* send = reinterpret_cast<u64*>(base + off.send_counts);
+            u64* recv = reinterpret_cast<u64*>(base + off.recv_counts) + static_cast<size_t>(parity) * local_e;
+            for (u32 e = tid; e < num_e; e += kThreads) {
+                const u64 packed = (static_cast<u64>(grid) << 32) | s_cursor[e];
+                send[e] = packed;
+                recv[e] = packed;
+            }
+            if (tid == 0) red_release_gpu_add_u64(reinterpret_cast<u64*>(base + off.tag1_barrier), 1);
+        }
+        if (bad) return;
+        __syncthreads();  // every s_entry store
+        if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
+        pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status,
+                  [&](u32, u32, u32 j) { return make_uint2(0, s_entry[j]); });
+        return;
+    }
+
     // ---- A. per-expert positions of this CTA's entries, src_index peer stores (ascending per list)
     u32* s_first = s_scratch;                 // entries before this CTA's range, per global expert
     u32* s_cursor = s_scratch + kMaxExperts;  // next position per global expert
     for (u32 x = tid; x < num_e; x += kThreads) s_first[x] = 0;
     __syncthreads();
-    const void* idx = base + off.topk_idx;
-    const float* topk_w = reinterpret_cast<const float*>(base + off.topk_weights);
-    const u32 entries = p.num_tokens * k;
     const u32 span = (entries + grid - 1) / grid;
     const u32 begin = min(cta * span, entries), end = min(begin + span, entries);
     for (u32 f = tid; f < begin; f += kThreads) {
@@ -209,17 +381,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (u32 chunk = begin; chunk < end; chunk += kThreads) {
         const u32 f = chunk + tid;
         const int x = f < end ? expert_of(idx, topk_w, p.idx_bytes, f, p) : -1;
-        const u32 same = __match_any_sync(~0u, x);
-        const u32 leader = __ffs(same) - 1;
-        u32 first = 0;
-        for (u32 w = 0; w < kWarps; ++w) {  // warps take their cursors in f order
-            if (warp == w && x >= 0 && lane == leader) {
-                first = s_cursor[x];
-                s_cursor[x] = first + __popc(same);
-            }
-            __syncthreads();
-        }
-        const u32 pos = __shfl_sync(~0u, first, leader) + __popc(same & ((1u << lane) - 1));
+        const u32 pos = rank_in_chunk(x, s_cursor, warp, lane);
         if (x >= 0) {
             const u32 dst = x / local_e, le = x % local_e;
             if (pos < cap) {
@@ -297,99 +459,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                                   static_cast<u64>(grid) * ranks);
         }
     }
-    const u32 bm = p.block_m, ring = p.ring_blocks;
-    u64 total_rows, total_blocks;
-    const u32 row0 = static_cast<u32>(block_exclusive_scan(rows_le, s_warp, &total_rows));
-    const u32 block0 = static_cast<u32>(block_exclusive_scan((rows_le + bm - 1) / bm, s_warp, &total_blocks));
-    if (tid < local_e) {
-        s_rows[tid] = row0;
-        s_blocks[tid] = block0;
-    }
-    if (tid == 0) {
-        s_rows[local_e] = static_cast<u32>(total_rows);
-        s_blocks[local_e] = static_cast<u32>(total_blocks);
-        if (total_blocks > off.pool_blocks) {
-            bad = true;
-            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kSitePoolOverflow, total_blocks,
-                                  off.pool_blocks);
-        }
-    }
+    bad |= scan_rows(rows_le, local_e, bm, off.pool_blocks, s_rows, s_blocks, s_warp, status);
     if (__syncthreads_or(bad)) return;
-    const u32 n_blocks = s_blocks[local_e], n_rows = s_rows[local_e];
-    if (cta == 0) {
-        int* table = reinterpret_cast<int*>(base + off.pool_table);
-        for (u32 q = tid; q < n_blocks; q += kThreads) {
-            const u32 le = last_at_most(s_blocks, local_e, q);
-            const u32 done = (q - s_blocks[le]) * bm;
-            table[3 * q + 0] = static_cast<int>(le);
-            table[3 * q + 1] = static_cast<int>(min(bm, s_rows[le + 1] - s_rows[le] - done));
-            table[3 * q + 2] = static_cast<int>((q % ring) * bm);
-        }
-        __syncthreads();
-        if (tid == 0) {
-            __threadfence();
-            st_release_gpu_u64(reinterpret_cast<u64*>(base + off.pool_header), (1ull << 32) | n_blocks);
-        }
-    }
+    if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
 
     // ---- E. pull the received rows into the ring
-    const int* src_index = reinterpret_cast<const int*>(base + off.src_index);
-    unsigned char* acts = base + off.l1_acts;
-    float* acts_sf = reinterpret_cast<float*>(base + off.l1_acts_sf);
-    float* weights = reinterpret_cast<float*>(base + off.l1_routing_weights);
-    int4* source = reinterpret_cast<int4*>(base + off.l1_source);
-    u32* full = reinterpret_cast<u32*>(base + off.l1_full_count);
-    const u32* empty1 = reinterpret_cast<const u32*>(base + off.l1_empty_count);
-    const u32* empty2 = reinterpret_cast<const u32*>(base + off.l2_empty_count);
-    const u32 hidden = p.hidden, vectors = hidden / 16, groups = hidden / 128;
-    u32 ready = ~0u;  // the pool block whose refill condition this warp last established
-    for (u32 j = warp * grid + cta; j < n_rows; j += kWarps * grid) {
-        const u32 le = last_at_most(s_rows, local_e, j);
-        const u32 i = j - s_rows[le], n_le = s_rows[le + 1] - s_rows[le];
+    pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status, [&](u32 le, u32 i, u32) {
         const u32 src = last_at_most(s_src + le * stride, ranks, i);
         const u32 pos = i - s_src[le * stride + src];
-        const u32 q = s_blocks[le] + i / bm, b = q % ring, gen = q / ring, r = i % bm;
-        const u32 valid = min(bm, n_le - (i / bm) * bm);
-        const u32 row = b * bm + r;
-        if (q != ready) {
-            int ok = 1;
-            if (gen > 0 && lane == 0) {
-                ok = wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty1 + b); }, p.w1_tasks * gen, p.timeout_ns,
-                                  status, gc_moe::kSiteRefillL1) &&
-                     wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty2 + b); }, p.w2_tasks * gen, p.timeout_ns,
-                                  status, gc_moe::kSiteRefillL2);
-            }
-            if (!__shfl_sync(~0u, ok, 0)) return;
-            ready = q;
-        }
-        const u32 entry = static_cast<u32>(__ldcg(src_index + (static_cast<size_t>(le) * ranks + src) * cap + pos));
-        const u32 token = entry / k, slot = entry % k;
-        const unsigned char* peer = gc_moe::peer_ptr<unsigned char>(peers, static_cast<int>(src), 0);
-        const uint4* from = reinterpret_cast<const uint4*>(peer + off.x + static_cast<size_t>(token) * hidden);
-        uint4* to = reinterpret_cast<uint4*>(acts + static_cast<size_t>(row) * hidden);
-        for (u32 v0 = lane; v0 < vectors; v0 += 32 * kCopyUnroll) {
-            uint4 buf[kCopyUnroll];
-#pragma unroll
-            for (u32 u = 0; u < kCopyUnroll; ++u) {
-                if (v0 + 32 * u < vectors) buf[u] = ld_nc_v4(from + v0 + 32 * u);
-            }
-#pragma unroll
-            for (u32 u = 0; u < kCopyUnroll; ++u) {
-                if (v0 + 32 * u < vectors) to[v0 + 32 * u] = buf[u];
-            }
-        }
-        const u32* sf = reinterpret_cast<const u32*>(peer + off.x_sf) + static_cast<size_t>(token) * groups;
-        for (u32 g = lane; g < groups; g += 32) {
-            reinterpret_cast<u32*>(acts_sf)[static_cast<size_t>(g) * off.ring_rows + row] = ld_nc_u32(sf + g);
-        }
-        if (lane == 0) {
-            const u32* w = reinterpret_cast<const u32*>(peer + off.topk_weights);
-            reinterpret_cast<u32*>(weights)[row] = ld_nc_u32(w + static_cast<size_t>(token) * k + slot);
-            source[row] = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(slot),
-                                    static_cast<int>(q));
-        }
-        fence_proxy_async_global();
-        __syncwarp();
-        if (lane == 0) red_release_gpu_add_u32(full + b, r == valid - 1 ? 1 + bm - valid : 1);
-    }
+        return make_uint2(src, static_cast<u32>(__ldcg(src_index + (static_cast<size_t>(le) * ranks + src) * cap +
+                                                       pos)));
+    });
 }
