@@ -37,7 +37,8 @@
 // so no CTA waits on another: B's arrival wait, C's tag-1 barrier and D's read of recv_counts are skipped, the
 // received rows' entries stay in each CTA's shared memory. Block 0 still stores what the staged protocol leaves for
 // role3 and the checks (src_index, send_counts and recv_counts[parity] as the grid's adds would have made them, the
-// tag-1 phase), publishes the block table as in D, and E pulls the same rows from the same entries.
+// tag-1 phase: its add finds P*n there, else the replay is out of phase and reported at the tag-1 site, without the
+// staged path's wait), publishes the block table as in D, and E pulls the same rows from the same entries.
 // Every wait is bounded by DispatchParams.timeout_ns and ends in role1's status record (status region, record 0);
 // waits also give up as soon as that record holds an error, so a failure ends the whole grid within one timeout.
 #include "common/dropped.cuh"
@@ -354,10 +355,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                 send[e] = packed;
                 recv[e] = packed;
             }
-            if (tid == 0) red_release_gpu_add_u64(reinterpret_cast<u64*>(base + off.tag1_barrier), 1);
+            if (tid == 0) {  // the phase is checked, not waited for: this replay's arrival is the only one
+                const u64 before = atomicAdd(reinterpret_cast<unsigned long long*>(base + off.tag1_barrier), 1ull);
+                s_flag = before == replay;
+                if (!s_flag) {
+                    gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kSiteTag1, before, replay);
+                }
+            }
         }
         if (bad) return;
-        __syncthreads();  // every s_entry store
+        __syncthreads();  // every s_entry store; block 0: s_flag
+        if (cta == 0 && !s_flag) return;  // no block table for a replay out of phase (role2's wait gives up)
         if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
         pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status,
                   [&](u32, u32, u32 j) { return make_uint2(0, s_entry[j]); });
