@@ -330,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     int* src_index = reinterpret_cast<int*>(base + off.src_index);
 
     // ---- One rank, one entry per thread: A over every entry in every CTA, no wait on another CTA (header)
-    if (ranks == 1 && entries <= kThreads && num_e <= kMaxLocal) {
+    if (ranks == 1 && entries <= kThreads && num_e == local_e) {  // one rank: every expert local (e <= 512)
         u32* s_cursor = s_scratch;              // [num_e] entries of each expert so far
         u32* s_entry = s_scratch + kMaxLocal;   // [entries] the routing entry of each received row, in row order
         for (u32 x = tid; x < num_e; x += kThreads) s_cursor[x] = 0;
@@ -355,7 +355,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
                 send[e] = packed;
                 recv[e] = packed;
             }
-            if (tid == 0) {  // the phase is checked, not waited for: this replay's arrival is the only one
+            // the phase is checked, not waited for: this replay's arrival is the only one (a tag-1 phase ahead of
+            // replay_seq, which the staged wait would pass, is refused here too: no path leaves it behind)
+            if (tid == 0) {
                 const u64 before = atomicAdd(reinterpret_cast<unsigned long long*>(base + off.tag1_barrier), 1ull);
                 s_flag = before == replay;
                 if (!s_flag) {
@@ -365,7 +367,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         if (bad) return;
         __syncthreads();  // every s_entry store; block 0: s_flag
-        if (cta == 0 && !s_flag) return;  // no block table for a replay out of phase (role2's wait gives up)
+        // no block table for a replay out of phase (role2's wait gives up; the other CTAs still pull their rows)
+        if (cta == 0 && !s_flag) return;
         if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
         pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status,
                   [&](u32, u32, u32 j) { return make_uint2(0, s_entry[j]); });

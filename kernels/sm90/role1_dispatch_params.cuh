@@ -32,7 +32,7 @@ static_assert(sizeof(DispatchParams) == 72, "DispatchParams must match gc_moe_co
 // Generated from gc_moe_compat.operator.sm90.role1_dispatch.DispatchSite.
 enum DispatchSite : unsigned int {
     kSiteGridArrival = 1,       // role1 grid arrival (send_counts high words = dispatch CTAs)
-    kSiteTag1 = 2,              // role1 tag-1 barrier (a peer's role1 never arrived)
+    kSiteTag1 = 2,              // role1 tag-1 barrier (a peer's role1 never arrived; one rank: the replay out of phase)
     kSiteRefillL1 = 3,          // role1 ring refill wait on l1_empty_count
     kSiteRefillL2 = 4,          // role1 ring refill wait on l2_empty_count
     kSiteArrivalCheck = 5,      // role1 receive-count arrival check (high words must sum to dispatch_sms*P)

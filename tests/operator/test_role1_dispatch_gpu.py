@@ -237,9 +237,9 @@ def test_role1_tag1_barrier_times_out_when_a_phase_never_completes(group: dist.P
     staged = tokens * rig.buf.shape.topk > role1_dispatch.THREADS
     start = time.monotonic()
     with pytest.raises(DeviceTimeoutError if staged else DeviceCheckError, match="tag-1 barrier"):
-        rig.run(inputs, rig.plan(16, 2), consume=False, timeout_ms=400)
+        rig.run(inputs, rig.plan(16, 2), consume=False, timeout_ms=400 if staged else 3_000)
     elapsed = time.monotonic() - start
-    assert (0.4 <= elapsed < 5) if staged else elapsed < 0.4
+    assert (0.4 <= elapsed < 5) if staged else elapsed < 1.5  # the one-rank path does not wait out its 3 s
     assert int(rig.buf.tag1_barrier) == 2 and int(rig.buf.pool_header) == 0
     rig.buf.destroy()
     fresh = Rig(group, "small")

@@ -69,7 +69,7 @@ class DispatchSite(StatusSite):
     """Status sites of role1 (``gc_moe::DispatchSite``, generated into kernels/sm90/role1_dispatch_params.cuh)."""
 
     GRID_ARRIVAL = 1, "role1 grid arrival (send_counts high words = dispatch CTAs)"
-    TAG1 = 2, "role1 tag-1 barrier (a peer's role1 never arrived)"
+    TAG1 = 2, "role1 tag-1 barrier (a peer's role1 never arrived; one rank: the replay out of phase)"
     REFILL_L1 = 3, "role1 ring refill wait on l1_empty_count"
     REFILL_L2 = 4, "role1 ring refill wait on l2_empty_count"
     ARRIVAL_CHECK = 5, "role1 receive-count arrival check (high words must sum to dispatch_sms*P)"
