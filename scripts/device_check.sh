@@ -9,6 +9,7 @@
 #                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
 #                                                   DeepEP's legacy tests with --num-processes P, and the picked
 #                                                   BENCHES_SHARED benchmarks with --ranks P)
+# Carry .carry/provenance (bash scripts/tree_provenance.sh, run here first) so that result files name this commit.
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package; the original DeepEP where scripts/build_deep_ep.sh staged it in .carry/deep_ep and deep_ep_ab runs),
 # runs the `gpu` / `multigpu` tests and the benchmarks, leaves logs and result files under $OUT, and
@@ -22,6 +23,10 @@ export PYTHONUNBUFFERED=1
 export OUT="${OUT:-$PWD/device_out}"
 export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-/tmp/gc_moe_cache}"
 PY="${PYTHON:-python3}"
+# The commit this copy is (carried .carry/provenance, written here by scripts/tree_provenance.sh): the result files
+# name it (GC_MOE_GIT_SHA / GC_MOE_GIT_DIRTY), not the copy's stale git; a caller's own setting wins.
+[[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"
+echo "tree: ${GC_MOE_GIT_SHA:-as the copy's git says} (dirty: ${GC_MOE_GIT_DIRTY:-as the copy's git says})"
 
 # Benchmarks run by default: bench/<name>.py --out bench/results/<name>.json (append new ones here).
 BENCHES=(runtime_sm90 gemm_sm90 predispatch_sm90 sglang_sequence_sm90)
