@@ -192,12 +192,20 @@ elif ((run_bench)); then
     name="${words[0]}"
     result="${RESULT_NAME[$name]:-$name}"
     echo "== bench $name -> $result" >>"$OUT/bench.log"
-    # the committed file goes first, so that what comes back is this run's: a failed run's partial file (a
-    # benchmark that writes as it goes, e.g. deep_ep_ab after each P) comes back too, the failure in bench.log
-    rm -f "bench/results/$result.json" "bench/results/$result.png"
+    # the committed files step aside, so that what comes back is this run's: a failed run's partial file (a
+    # benchmark that writes as it goes, e.g. deep_ep_ab after each P) comes back too, the failure in bench.log; a
+    # file the run did not write is put back
+    files=("bench/results/$result.json" "bench/results/$result.png")
+    for file in "${files[@]}"; do [[ -f "$file" ]] && mv "$file" "$file.committed"; done
     "$PY" "bench/$name.py" --out "bench/results/$result.json" "${words[@]:1}" >>"$OUT/bench.log" 2>&1 ||
       { bench_rc=1; echo "bench $name FAILED" >>"$OUT/bench.log"; }
-    for file in "bench/results/$result.json" "bench/results/$result.png"; do [[ -f "$file" ]] && cp "$file" "$OUT/"; done
+    for file in "${files[@]}"; do
+      if [[ -f "$file" ]]; then
+        cp "$file" "$OUT/" && rm -f "$file.committed"
+      elif [[ -f "$file.committed" ]]; then
+        mv "$file.committed" "$file"
+      fi
+    done
   done
 fi
 
