@@ -11,10 +11,10 @@
 #   --bench-dir DIR   where BENCH.py lives (default bench/)
 # Each run: `BENCH.py --out DIR/trees/BENCH_NAME_ROUND.json ARGS` (BENCH-I_NAME_ROUND where BENCH is picked more than
 # once, I its place among the picks; BENCH gc-moe-ab: the tree's own `python -P -m gc_moe_compat.ab`, -P keeping this
-# checkout off the path), its output beside it (.log); first, for each tree, the file
-# its `import gc_moe_compat` finds (seen from the benchmark folder, as the benchmarks import it) and the commit its
-# SOURCE names (its runs' result files name it: GC_MOE_GIT_SHA). At the end the runs' files are packed into
-# DIR/trees.tar.gz, one file however many runs there were (the device tool brings back only a few files of a call).
+# checkout off the path), its output beside it (.log); first, for each tree, the file its `import gc_moe_compat` finds
+# (seen from the benchmark folder, as the benchmarks import it) and the commit its SOURCE names (its runs' result files
+# name it: GC_MOE_GIT_SHA). At the end the runs' files are packed into DIR/trees.tar.gz, one file however many runs
+# there were (the device tool brings back only a few files of a call).
 # Exits 1 when a run failed (the other runs still run), 2 on a usage error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,8 +73,9 @@ for ((round = 1; round <= rounds; round++)); do
     name="${tree%%=*}"
     for i in "${!benches[@]}"; do
       read -ra words <<<"${benches[$i]}"
-      tag="${words[0]}_${name}_${round}"
-      ((picks[${words[0]}] > 1)) && tag="${words[0]}-$((i + 1))_${name}_${round}"
+      place=
+      ((picks[${words[0]}] > 1)) && place="-$((i + 1))"
+      tag="${words[0]}${place}_${name}_${round}"
       if [[ "${words[0]}" == gc-moe-ab ]]; then
         command=("$PY" -P -m gc_moe_compat.ab)
       else
