@@ -29,6 +29,11 @@ replays, per call). A point's figure is the slowest rank's median window (docs/b
 together on every rank: after the L2 flush and the device synchronization, a gloo barrier, and before an eager
 window one untimed call (its exchange releases the ranks' GPUs together; the window queues behind it).
 
+``--rounds N``: each point timed in N rounds, the two implementations alternating within a round (their order reversed
+every other round), so that the shared GPU's drift between one measurement and the next (the other ranks' processes
+under MPS) reaches both alike; a figure is the median round's, every round's GPU time is kept (``rounds_us``) with
+its spread (``round_spread_pct``).
+
 ``--phases N``: after each normal-mode point's timing, N more facade calls per op on the phase-timed kernels
 (bench/_ep_normal_phases.py), each read back: per rank and op, when the median and the latest CTA passed each phase
 of the send and receive halves (the point's ``phases``, also printed in the log). Their timing is not the point's.
@@ -157,6 +162,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up windows (the protocol's: 10)")
     parser.add_argument("--windows", type=int, default=10, help="measured windows (the protocol's: 30)")
     parser.add_argument("--calls", type=int, default=5, help="eager calls per timed window")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing rounds per point, the implementations alternating (their order reversed every "
+                             "other round): a figure is the median round's, each round's kept (rounds_us)")
     parser.add_argument("--num-sms", type=int, default=NUM_SMS,
                         help="normal mode's Config.num_sms (both; at most the rank's even SM share)")
     parser.add_argument("--no-original", action="store_true", help="the facade alone")
@@ -182,7 +190,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Refuse what no run can do: counts below their minimum, rank counts past the facade's NVLink group (8) or
     that do not divide a chosen shape's experts, T outside its mode's range."""
     for name, value, low in (("--warmup", args.warmup, 0), ("--windows", args.windows, 1), ("--calls", args.calls, 1),
-                             ("--num-sms", args.num_sms, 2), ("--phases", args.phases, 0)):
+                             ("--rounds", args.rounds, 1), ("--num-sms", args.num_sms, 2),
+                             ("--phases", args.phases, 0)):
         if value < low:
             parser.error(f"{name}: must be >= {low}, got {value}")
     if args.num_sms % 2:
@@ -219,7 +228,7 @@ def plan_lines(args: argparse.Namespace) -> list[str]:
     impls = "facade" if args.no_original else "facade and original"
     lines = [f"ranks P {args.ranks}, each P as P processes on one GPU ({colocation.SHARED_GPU_LABEL}); {impls}",
              f"windows: {args.warmup} warm-up + {args.windows} measured (slowest rank's median), L2 flushed and ranks "
-             "aligned before each",
+             f"aligned before each; {args.rounds} round(s) per point, the implementations alternating",
              "shapes: " + "; ".join(f"{name} = {SHAPES[name].label}" for name in args.shapes)]
     if "normal" in args.modes:
         lines.append(f"normal: T {args.tokens} x {list(NORMAL_OPS)}, Config(min({args.num_sms}, the rank's even SM "
@@ -546,6 +555,12 @@ def _facade() -> ModuleType:
     return facade
 
 
+def spread(point: Mapping[str, Any], key: str) -> str:
+    """``key``'s spread between the point's rounds for its log line ("" with one round)."""
+    rounds = point.get("rounds_us", {}).get(key, [])
+    return f", rounds {point['round_spread_pct'][key]:.1f} % apart" if len(rounds) > 1 else ""
+
+
 def record_point(out: JobFile | None, point: dict[str, object] | None) -> None:
     """Rank 0 keeps the point and prints its line (the full log)."""
     if out is None or point is None:
@@ -553,7 +568,7 @@ def record_point(out: JobFile | None, point: dict[str, object] | None) -> None:
     out.add_point(point)
     lat, host = point["latency_us"], point["host_us"]
     print(f"[{time.monotonic() - _STARTED:.1f} s] {point['job']} {point['preset']} T={point['tokens_per_rank']}: " +
-          ", ".join(f"{key} {us:.1f} us (host {host[key]:.1f})" for key, us in lat.items()) +
+          ", ".join(f"{key} {us:.1f} us (host {host[key]:.1f}{spread(point, key)})" for key, us in lat.items()) +
           f" | mismatches {point['accuracy'].get('mismatch', {})}", flush=True)
     for rank, ops in enumerate(point.get("phases") or []):
         for op, marks in (ops or {}).items():
@@ -627,6 +642,36 @@ def graph_us(fn: Callable[[], object], args: argparse.Namespace) -> float:
         torch.cuda.synchronize()
 
 
+def timed_rounds(calls: Mapping[str, Mapping[str, Callable[[], object]]], ops: Sequence[str],
+                 args: argparse.Namespace, errors: dict[str, str], graph: bool) -> dict[str, dict[str, Any]]:
+    """This rank's timings of every implementation's ``ops`` (``calls[impl][op]``; with ``graph`` also
+    ``calls[impl]["graph:" + op]`` replayed): ``--rounds`` rounds, each timing every implementation in turn, their
+    order reversed every other round, so that drift of the shared GPU (the other ranks' processes, clocks) reaches
+    both alike and neither always follows the other. Returns ``latency_us`` / ``host_us`` (/ ``graph_us``): the
+    median round's figure per ``impl/op``, and ``rounds_us``: each round's GPU time (eager). An implementation that
+    raises is recorded in ``errors`` and left out of the later rounds."""
+    measures = ("latency_us", "host_us", "graph_us") if graph else ("latency_us", "host_us")
+    rounds: dict[str, dict[str, list[float]]] = {m: {} for m in measures}
+    live = [impl for impl in calls if impl not in errors]
+    for r in range(args.rounds):
+        for impl in live if r % 2 == 0 else live[::-1]:
+            if impl in errors:
+                continue
+            try:
+                for op in ops:
+                    key = f"{impl}/{op}"
+                    gpu, host = eager_us(calls[impl][op], args)
+                    rounds["latency_us"].setdefault(key, []).append(gpu)
+                    rounds["host_us"].setdefault(key, []).append(host)
+                    if graph:
+                        rounds["graph_us"].setdefault(key, []).append(graph_us(calls[impl][f"graph:{op}"], args))
+            except Exception as exc:  # recorded, the run goes on
+                errors[impl] = f"{type(exc).__name__}: {exc}"
+    done = {m: {k: v for k, v in figures.items() if k.split("/")[0] not in errors} for m, figures in rounds.items()}
+    return {m: {k: statistics.median(v) for k, v in figures.items()} for m, figures in done.items()} | {
+        "rounds_us": done["latency_us"]}
+
+
 # -- comparisons -------------------------------------------------------------------------------------------------------
 
 
@@ -669,12 +714,26 @@ def slowest(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float]:
     return {name: slowest_rank([r[key][name] for r in records if name in r.get(key, {})]) for name in names}
 
 
+def slowest_rounds(records: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Per timed call, the slowest rank's GPU time in each round (every rank that timed the call ran every round)."""
+    names = dict.fromkeys(name for r in records for name in r.get("rounds_us", {}))
+    return {name: [slowest_rank(list(figures)) for figures in
+                   zip(*(r["rounds_us"][name] for r in records if name in r.get("rounds_us", {})), strict=True)]
+            for name in names}
+
+
+def round_spread_pct(figures: Sequence[float]) -> float:
+    """How far apart a point's rounds are: (slowest - fastest) / fastest, in percent (0 for one round)."""
+    return (max(figures) - min(figures)) / min(figures) * 100 if figures else 0.0
+
+
 def assemble_point(base: dict[str, object], records: Sequence[Mapping[str, Any]], floor_us: Mapping[str, float],
                    ops: Sequence[str], original: str) -> dict[str, object]:
     """One result point from every rank's record: slowest-rank latencies (``impl/op`` keys), per-rank figures, the
     floor per op, the speedup (original over facade, > 1: the facade is faster), the comparison (rank 0's exact
     fields; every rank's mismatches, the other ranks' under their rank) and what became of the original."""
     latency, host, graph = slowest(records, "latency_us"), slowest(records, "host_us"), slowest(records, "graph_us")
+    rounds = slowest_rounds(records)
     speedup = {op: latency[f"original/{op}"] / latency[f"facade/{op}"] for op in ops
                if f"original/{op}" in latency and f"facade/{op}" in latency}
     graph_speedup = {op: graph[f"original/{op}"] / graph[f"facade/{op}"] for op in ops
@@ -688,7 +747,8 @@ def assemble_point(base: dict[str, object], records: Sequence[Mapping[str, Any]]
     if any("phases" in rec for rec in records):
         base = base | {"phases": [rec.get("phases") for rec in records]}
     return base | {"latency_us": latency, "host_us": host, "graph_us": graph,
-                   "per_rank_us": {k: [r["latency_us"].get(k) for r in records] for k in latency},
+                   "per_rank_us": {k: [r.get("latency_us", {}).get(k) for r in records] for k in latency},
+                   "rounds_us": rounds, "round_spread_pct": {k: round_spread_pct(v) for k, v in rounds.items()},
                    "floor_us": dict(floor_us), "speedup": speedup, "graph_speedup": graph_speedup,
                    "accuracy": accuracy, "errors": errors, "original": original}
 
@@ -745,17 +805,22 @@ def normal_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping
     256)``), their comparison."""
     s = SHAPES[shape]
     x, idx, w = (t.to(device) for t in routing(tokens, s.hidden, s.topk, s.experts, normal_seed(shape, tokens, rank)))
-    record: dict[str, Any] = {"latency_us": {}, "host_us": {}, "errors": {}}
-    outputs = {}
+    record: dict[str, Any] = {"errors": {}}
+    outputs, calls = {}, {}
     for impl, (module, buf) in impls.items():
         try:
-            outputs[impl], calls = normal_outputs(buf, module, x, idx, w, s.experts, rank, num_sms)
+            outputs[impl], calls[impl] = normal_outputs(buf, module, x, idx, w, s.experts, rank, num_sms)
             record["recv_rows"] = outputs[impl]["recv_x"].shape[0]
-            for op, fn in calls.items():
-                record["latency_us"][f"{impl}/{op}"], record["host_us"][f"{impl}/{op}"] = eager_us(fn, job.args)
-            maybe_trace(job, "normal", shape, tokens, impl, rank, calls)
+        except Exception as exc:  # recorded, the run goes on
+            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
+    record |= timed_rounds(calls, NORMAL_OPS, job.args, record["errors"], graph=False)
+    for impl, ops in calls.items():
+        if impl in record["errors"]:
+            continue
+        try:
+            maybe_trace(job, "normal", shape, tokens, impl, rank, ops)
             if impl == "facade" and job.args.phases:
-                record["phases"] = normal_phases(device, calls, job.args.phases)
+                record["phases"] = normal_phases(device, ops, job.args.phases)
         except Exception as exc:  # recorded, the run goes on
             record["errors"][impl] = f"{type(exc).__name__}: {exc}"
     if len(outputs) == 2:
@@ -916,18 +981,20 @@ def ll_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping[str
     inputs = [routing(tokens, s.hidden, s.topk, s.experts, ll_seed(shape, tokens, r)) for r in range(job.ranks)]
     x_all = torch.cat([x for x, _, _ in inputs]).to(device)
     x, idx, w = (t.to(device) for t in inputs[rank])
-    record: dict[str, Any] = {"latency_us": {}, "host_us": {}, "graph_us": {}, "errors": {}}
-    outputs = {}
+    record: dict[str, Any] = {"errors": {}}
+    outputs, calls = {}, {}
     for impl, (_, buf) in impls.items():
         try:
-            outputs[impl], calls = ll_outputs(buf, x, idx, w, x_all, s, job, rank)
+            outputs[impl], calls[impl] = ll_outputs(buf, x, idx, w, x_all, s, job, rank)
             record["recv_rows"] = int(outputs[impl]["recv_count"].sum())
-            for op in LL_OPS:
-                record["latency_us"][f"{impl}/{op}"], record["host_us"][f"{impl}/{op}"] = \
-                    eager_us(calls[op], job.args)
-            for op in LL_OPS:
-                record["graph_us"][f"{impl}/{op}"] = graph_us(calls[f"graph:{op}"], job.args)
-            maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: calls[op] for op in LL_OPS})
+        except Exception as exc:  # recorded, the run goes on
+            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
+    record |= timed_rounds(calls, LL_OPS, job.args, record["errors"], graph=True)
+    for impl, ops in calls.items():
+        if impl in record["errors"]:
+            continue
+        try:
+            maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: ops[op] for op in LL_OPS})
         except Exception as exc:  # recorded, the run goes on
             record["errors"][impl] = f"{type(exc).__name__}: {exc}"
     if len(outputs) == 2:
@@ -977,6 +1044,10 @@ def write_results(args: argparse.Namespace, points: list[dict[str, object]], job
              "max_dispatch_tokens_per_rank": args.ll_tmax,
              "all_to_all": ALL_TO_ALL_NOTE,
              "timing": {"warmup_windows": args.warmup, "windows": args.windows, "calls_per_window": args.calls,
+                        "rounds": args.rounds,
+                        "rounds_us": "each round's GPU time (slowest rank per round); the implementations alternate "
+                                     "within a round, their order reversed every other round; a point's figures "
+                                     "are the median round's; round_spread_pct: (slowest - fastest) / fastest",
                         "latency_us": "GPU time per call: CUDA events around a window of eager calls (normal: "
                                       "includes DeepEP's CPU wait inside the uncached dispatch)",
                         "host_us": "perf_counter around the same window, per call, nothing synchronized inside",

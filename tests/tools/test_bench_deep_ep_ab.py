@@ -195,6 +195,43 @@ def test_a_point_takes_the_slowest_rank_and_every_ranks_mismatches() -> None:
     assert p["errors"] == {"rank 1: original": "RuntimeError: x"}
 
 
+def test_rounds_alternate_the_implementations_and_keep_the_median_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rounds: every round times both implementations, the order reversed every other round; a figure is the
+    median round's, each round's GPU time kept; an implementation that raises leaves the later rounds and the
+    figures, recorded in the errors."""
+    order: list[str] = []
+    gpu = iter([10.0, 20.0, 14.0, 26.0, 12.0, 22.0])  # facade, original, original, facade, facade, original
+    monkeypatch.setattr(ab, "eager_us", lambda fn, args: (fn(), (next(gpu), 1.0))[1])
+    calls = {impl: {"dispatch": lambda impl=impl: order.append(impl)} for impl in ("facade", "original")}
+    errors: dict[str, str] = {}
+    got = ab.timed_rounds(calls, ("dispatch",), ab.parse_args(["--rounds", "3"]), errors, graph=False)
+    assert order == ["facade", "original", "original", "facade", "facade", "original"]
+    assert got["rounds_us"] == {"facade/dispatch": [10.0, 26.0, 12.0], "original/dispatch": [20.0, 14.0, 22.0]}
+    assert got["latency_us"] == {"facade/dispatch": 12.0, "original/dispatch": 20.0}
+    assert got["host_us"] == {"facade/dispatch": 1.0, "original/dispatch": 1.0} and not errors
+
+    def fails() -> None:
+        raise RuntimeError("boom")
+
+    order.clear()
+    calls["original"] = {"dispatch": fails}
+    gpu = iter([10.0, 11.0])
+    got = ab.timed_rounds(calls, ("dispatch",), ab.parse_args(["--rounds", "2"]), errors, graph=False)
+    assert order == ["facade", "facade"] and errors == {"original": "RuntimeError: boom"}
+    assert got["latency_us"] == {"facade/dispatch": 10.5} and list(got["rounds_us"]) == ["facade/dispatch"]
+
+
+def test_a_points_rounds_are_the_slowest_rank_per_round_with_their_spread() -> None:
+    records = [{"latency_us": {"facade/dispatch": 12.0}, "host_us": {}, "rounds_us": {"facade/dispatch": [10.0, 12.0]}},
+               {"latency_us": {"facade/dispatch": 11.0}, "host_us": {}, "rounds_us": {"facade/dispatch": [11.0, 11.5]}}]
+    p = ab.assemble_point({"mode": "normal"}, records, {"dispatch": 1.0}, ("dispatch",), "measured")
+    assert p["rounds_us"] == {"facade/dispatch": [11.0, 12.0]}
+    assert p["round_spread_pct"]["facade/dispatch"] == pytest.approx(100 / 11)
+    assert ab.spread(p, "facade/dispatch") == ", rounds 9.1 % apart"
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--rounds", "0"])
+
+
 def test_the_floor_counts_every_rank_on_the_one_gpu() -> None:
     bw = 4e12
     normal = ab.normal_floor_us([100, 300], 1024, bw)
