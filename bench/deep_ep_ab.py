@@ -642,6 +642,33 @@ def graph_us(fn: Callable[[], object], args: argparse.Namespace) -> float:
         torch.cuda.synchronize()
 
 
+def rank_record(record: dict[str, Any], impls: Sequence[str],
+                outputs_of: Callable[[str], tuple[dict[str, Any], dict[str, Callable[[], object]]]],
+                ops: Sequence[str], args: argparse.Namespace,
+                after: Callable[[str, Mapping[str, Callable[[], object]]], None], graph: bool) -> dict[str, Any]:
+    """This rank's part of one point in either mode, filled into ``record``: each implementation's outputs and calls
+    (``outputs_of(impl)``), their timed rounds (:func:`timed_rounds`), then ``after(impl, calls)`` (traces, phases)
+    and the comparison. An implementation that raises is recorded under ``errors`` and the run goes on."""
+    errors: dict[str, str] = record.setdefault("errors", {})
+    outputs, calls = {}, {}
+    for impl in impls:
+        try:
+            outputs[impl], calls[impl] = outputs_of(impl)
+        except Exception as exc:  # recorded, the run goes on
+            errors[impl] = f"{type(exc).__name__}: {exc}"
+    record |= timed_rounds(calls, ops, args, errors, graph=graph)
+    for impl, fns in calls.items():
+        if impl in errors:
+            continue
+        try:
+            after(impl, fns)
+        except Exception as exc:  # recorded, the run goes on
+            errors[impl] = f"{type(exc).__name__}: {exc}"
+    if len(outputs) == 2:
+        record["accuracy"] = compare(outputs["facade"], outputs["original"])
+    return record
+
+
 def timed_rounds(calls: Mapping[str, Mapping[str, Callable[[], object]]], ops: Sequence[str],
                  args: argparse.Namespace, errors: dict[str, str], graph: bool) -> dict[str, dict[str, Any]]:
     """This rank's timings of every implementation's ``ops`` (``calls[impl][op]``; with ``graph`` also
@@ -805,27 +832,20 @@ def normal_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping
     256)``), their comparison."""
     s = SHAPES[shape]
     x, idx, w = (t.to(device) for t in routing(tokens, s.hidden, s.topk, s.experts, normal_seed(shape, tokens, rank)))
-    record: dict[str, Any] = {"errors": {}}
-    outputs, calls = {}, {}
-    for impl, (module, buf) in impls.items():
-        try:
-            outputs[impl], calls[impl] = normal_outputs(buf, module, x, idx, w, s.experts, rank, num_sms)
-            record["recv_rows"] = outputs[impl]["recv_x"].shape[0]
-        except Exception as exc:  # recorded, the run goes on
-            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
-    record |= timed_rounds(calls, NORMAL_OPS, job.args, record["errors"], graph=False)
-    for impl, ops in calls.items():
-        if impl in record["errors"]:
-            continue
-        try:
-            maybe_trace(job, "normal", shape, tokens, impl, rank, ops)
-            if impl == "facade" and job.args.phases:
-                record["phases"] = normal_phases(device, ops, job.args.phases)
-        except Exception as exc:  # recorded, the run goes on
-            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
-    if len(outputs) == 2:
-        record["accuracy"] = compare(outputs["facade"], outputs["original"])
-    return record
+    record: dict[str, Any] = {}
+
+    def outputs_of(impl: str) -> tuple[dict[str, Any], dict[str, Callable[[], object]]]:
+        module, buf = impls[impl]
+        got, calls = normal_outputs(buf, module, x, idx, w, s.experts, rank, num_sms)
+        record["recv_rows"] = got["recv_x"].shape[0]
+        return got, calls
+
+    def after(impl: str, calls: Mapping[str, Callable[[], object]]) -> None:
+        maybe_trace(job, "normal", shape, tokens, impl, rank, calls)
+        if impl == "facade" and job.args.phases:
+            record["phases"] = normal_phases(device, calls, job.args.phases)
+
+    return rank_record(record, list(impls), outputs_of, NORMAL_OPS, job.args, after, graph=False)
 
 
 def normal_phases(device: torch.device, calls: Mapping[str, Callable[[], object]], count: int) -> dict[str, object]:
@@ -981,25 +1001,17 @@ def ll_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping[str
     inputs = [routing(tokens, s.hidden, s.topk, s.experts, ll_seed(shape, tokens, r)) for r in range(job.ranks)]
     x_all = torch.cat([x for x, _, _ in inputs]).to(device)
     x, idx, w = (t.to(device) for t in inputs[rank])
-    record: dict[str, Any] = {"errors": {}}
-    outputs, calls = {}, {}
-    for impl, (_, buf) in impls.items():
-        try:
-            outputs[impl], calls[impl] = ll_outputs(buf, x, idx, w, x_all, s, job, rank)
-            record["recv_rows"] = int(outputs[impl]["recv_count"].sum())
-        except Exception as exc:  # recorded, the run goes on
-            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
-    record |= timed_rounds(calls, LL_OPS, job.args, record["errors"], graph=True)
-    for impl, ops in calls.items():
-        if impl in record["errors"]:
-            continue
-        try:
-            maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: ops[op] for op in LL_OPS})
-        except Exception as exc:  # recorded, the run goes on
-            record["errors"][impl] = f"{type(exc).__name__}: {exc}"
-    if len(outputs) == 2:
-        record["accuracy"] = compare(outputs["facade"], outputs["original"])
-    return record
+    record: dict[str, Any] = {}
+
+    def outputs_of(impl: str) -> tuple[dict[str, Any], dict[str, Callable[[], object]]]:
+        got, calls = ll_outputs(impls[impl][1], x, idx, w, x_all, s, job, rank)
+        record["recv_rows"] = int(got["recv_count"].sum())
+        return got, calls
+
+    def after(impl: str, calls: Mapping[str, Callable[[], object]]) -> None:
+        maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: calls[op] for op in LL_OPS})
+
+    return rank_record(record, list(impls), outputs_of, LL_OPS, job.args, after, graph=True)
 
 
 def ll_floor_us(ranks: int, tokens: int, shape: Shape, bandwidth: float) -> dict[str, float]:

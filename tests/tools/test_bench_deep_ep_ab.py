@@ -221,6 +221,32 @@ def test_rounds_alternate_the_implementations_and_keep_the_median_round(monkeypa
     assert got["latency_us"] == {"facade/dispatch": 10.5} and list(got["rounds_us"]) == ["facade/dispatch"]
 
 
+def test_a_normal_points_record_times_both_in_rounds_and_compares_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """normal_rank_record on stand-in implementations: outputs, every op timed in each round, the comparison; the
+    implementation whose outputs raise is recorded and the other still timed."""
+    timed: list[str] = []
+    monkeypatch.setattr(ab, "eager_us", lambda fn, args: (fn(), (5.0, 1.0))[1])
+    monkeypatch.setattr(ab, "compare", lambda facade, original: {"exact": ["recv_x"], "mismatch": {}})
+
+    def outputs(buf, module, *rest):
+        if buf == "broken":
+            raise RuntimeError("no buffer")
+        return {"recv_x": torch.zeros(3, 2)}, {op: lambda op=op: timed.append(f"{buf}/{op}") for op in ab.NORMAL_OPS}
+
+    monkeypatch.setattr(ab, "normal_outputs", outputs)
+    job = ab.Job("measure", 2, 0, "", ab.parse_args(["--rounds", "2"]), use_original=True)
+    device = torch.device("cpu")
+    record = ab.normal_rank_record(0, device, job, {"facade": (None, "facade"), "original": (None, "original")},
+                                   "glm", 8, 2)
+    assert timed == [f"{impl}/{op}" for impl in ("facade", "original", "original", "facade") for op in ab.NORMAL_OPS]
+    assert record["recv_rows"] == 3 and record["accuracy"]["exact"] == ["recv_x"] and record["errors"] == {}
+    assert record["rounds_us"]["original/combine"] == [5.0, 5.0]
+    record = ab.normal_rank_record(0, device, job, {"facade": (None, "facade"), "original": (None, "broken")},
+                                   "glm", 8, 2)
+    assert record["errors"] == {"original": "RuntimeError: no buffer"} and "accuracy" not in record
+    assert list(record["latency_us"]) == [f"facade/{op}" for op in ab.NORMAL_OPS]
+
+
 def test_a_points_rounds_are_the_slowest_rank_per_round_with_their_spread() -> None:
     records = [{"latency_us": {"facade/dispatch": 12.0}, "host_us": {}, "rounds_us": {"facade/dispatch": [10.0, 12.0]}},
                {"latency_us": {"facade/dispatch": 11.0}, "host_us": {}, "rounds_us": {"facade/dispatch": [11.0, 11.5]}}]
