@@ -6,8 +6,9 @@ variant, each read back after a synchronization. Nsight Compute cannot split the
 launch, and does not profile ranks that share a GPU under MPS; the marks can.
 
 The marks (:data:`MARKS`): the kernel's entry, the send half's wait for every rank's previous release done, the send
-half's rows done, the receive half's wait for every rank's ready done, the receive half's rows done, the exit (the
-combine's send_head rewrite runs between its entry and its send wait). A CTA
+half's rows done, the receive half's wait for every rank's ready done (the dispatch's receive waits per source rank
+inside its rows, so its mark is the receive half's start), the receive half's rows done, the exit (the combine's
+send_head rewrite runs between its entry and its send wait). A CTA
 synchronizes its threads before each mark, so a mark is when its slowest warp got there. ``%globaltimer`` is one clock
 per GPU, so the ranks sharing it can be compared directly.
 """

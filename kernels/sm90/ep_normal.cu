@@ -18,10 +18,11 @@
 //    st.release.sys arrive[own] = n on every rank, then acquires arrive[q] >= n for every q and reduces the matrix.
 //  * a send half first acquires released[r] >= n - 1 of every rank r it may write to (that rank read op n - 1's
 //    rows), writes its rows with peer stores, and its last CTA (fences around the arrival atomic) stores
-//    ready[own] = n on every rank; a receive half acquires ready[q] >= n for every q before reading its data
-//    region, and its last CTA stores released[own] = n on every rank. Each CTA runs the send half, then the receive
-//    half: a CTA's receive half waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the
-//    launch can hold at once (the host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
+//    ready[own] = n on every rank; a receive half acquires ready[q] >= n before reading rows of rank q (the
+//    dispatch's per source, in the order the sources land; the combine's for every q first), and its last CTA stores
+//    released[own] = n on every rank. Each CTA runs the send half, then the receive half: a CTA's receive half
+//    waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the launch can hold at once (the
+//    host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
 // Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error; a failed wait
 // leaves its words unpublished (so peers report too) and every kernel still completes.
 #include <cuda_bf16.h>
@@ -471,57 +472,127 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
     }
 }
 
-// dispatch, receive half: this rank's data region rows [0, num_recv) into DeepEP's outputs; rows past num_recv up to a
-// worst-case allocation get top-k index -1; a warp per row.
+// The first row >= lo that warp `w` of `warps` takes (rows w, w + warps, ...).
+__device__ __forceinline__ u32 first_row_of(u32 lo, u32 w, u32 warps) {
+    return lo + (w + warps - lo % warps) % warps;
+}
+
+// dispatch, receive one row: data region row j into DeepEP's outputs; a warp.
+static __device__ __forceinline__ void dispatch_recv_row(const PeerTable& pt, const EpNormalParams& p, u32 j,
+                                                         u32 lane) {
+    const u32 vecs = p.row_bytes / 16;
+    const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
+    // The source index, top-k slots and first scale words are loaded first, in flight with the row's first
+    // vectors (the scales are not one more memory latency after the payload's stores).
+    const bool slot = lane < p.topk && p.recv_topk_idx;
+    int src_idx = 0;
+    long long e = -1;
+    float weight = 0.f;
+    if (lane == 0) src_idx = *reinterpret_cast<const int*>(src);
+    if (slot) {
+        e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
+        weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
+    }
+    const u32* scales = reinterpret_cast<const u32*>(src + p.off_row_scales);
+    u32 early[kEarlyScaleWords];
+#pragma unroll
+    for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+        const u32 i = 32 * k + lane;
+        early[k] = i < p.num_scales ? scales[i] : 0u;
+    }
+    warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+              reinterpret_cast<const uint4*>(src + 16), vecs, lane);
+    u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
+#pragma unroll
+    for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+        const u32 i = 32 * k + lane;
+        if (i < p.num_scales) recv_scales[i] = early[k];
+    }
+    if (p.num_scales > 32 * kEarlyScaleWords)
+        warp_copy(recv_scales + 32 * kEarlyScaleWords, scales + 32 * kEarlyScaleWords,
+                  p.num_scales - 32 * kEarlyScaleWords, lane);
+    if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
+    if (slot) {
+        const u64 f = static_cast<u64>(j) * p.topk + lane;
+        reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
+        reinterpret_cast<float*>(p.recv_topk_weights)[f] = weight;
+    }
+}
+
+// dispatch, receive half: this rank's data region rows [0, num_recv) into DeepEP's outputs, a warp per row; rows past
+// num_recv up to a worst-case allocation get top-k index -1. The rows are ordered by source rank, and a source's rows
+// are read once that rank's ready word says its send half is done; each warp takes its rows (j = w, w + warps, ...)
+// source by source in the order the sources become ready (its lanes poll the pending sources' words, lane l ranks
+// l, l + 32, ...; every lane then acquires the chosen word itself before reading), so the rows of the ranks that
+// finished sending are copied while a late rank still sends (a wait for every rank before any row left the receive
+// idle until the slowest sender finished: under MPS 20-60 us per call at P = 4).
 static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchRecv);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
     const u32 lane = threadIdx.x & 31;
-    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
     phase_mark(kDispatchPhases, 3);
     const u32 num_recv = static_cast<u32>(prefix_at(p, static_cast<int>(ranks) - 1, own, ranks));
+    const u32 rows = min(num_recv, p.recv_rows);
+    const u32 warp = blockIdx.x * kWarps + threadIdx.x / 32, warps = gridDim.x * kWarps;
+    const u64* ready = reinterpret_cast<const u64*>(pt.base + p.off_ready);
+    // This warp's pending sources: those with a row of this warp below `rows`.
+    u32 pending[kRankWords];
+#pragma unroll
+    for (u32 w = 0; w < kRankWords; ++w) {
+        const u32 q = 32 * w + lane;
+        bool mine = false;
+        if (q < ranks) {
+            const u32 lo = static_cast<u32>(prefix_at(p, static_cast<int>(q) - 1, own, ranks));
+            const u32 hi = min(static_cast<u32>(prefix_at(p, static_cast<int>(q), own, ranks)), rows);
+            mine = lo < hi && first_row_of(lo, warp, warps) < hi;
+        }
+        pending[w] = __ballot_sync(~0u, mine);
+    }
+    bool ok = true;
+    const u64 start = gc_moe::globaltimer_ns();
+    for (;;) {
+        u32 any = 0, landed[kRankWords];
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const bool poll = (pending[w] >> lane) & 1u;
+            landed[w] = __ballot_sync(~0u, poll && gc_moe::ld_acquire_sys(ready + 32 * w + lane) >= p.op);
+            any |= pending[w];
+        }
+        if (!any) break;
+        u32 q = ranks;  // the lowest landed source: its bit is taken off its word
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const u32 bit = q == ranks ? landed[w] & (0u - landed[w]) : 0u;
+            if (bit) q = 32 * w + __ffs(bit) - 1;
+            pending[w] &= ~bit;
+        }
+        if (q == ranks) {  // none landed yet: bounded wait, given up once this kernel's record holds an error
+            if (failed(status)) {
+                ok = false;
+                break;
+            }
+            if (gc_moe::globaltimer_ns() - start > p.timeout_ns) {
+                u32 late = ranks;
+#pragma unroll
+                for (u32 w = 0; w < kRankWords; ++w)
+                    if (late == ranks && pending[w]) late = 32 * w + __ffs(pending[w]) - 1;
+                if (lane == 0)
+                    gc_moe::report_status(status, gc_moe::kStatusTimeout, gc_moe::kNormalSiteReady << 16 | late,
+                                          gc_moe::ld_acquire_sys(ready + late), p.op);
+                ok = false;
+                break;
+            }
+            __nanosleep(GC_MOE_SPIN_SLEEP_NS);
+            continue;
+        }
+        gc_moe::ld_acquire_sys(ready + q);  // every lane's own acquire of the word lane q % 32 saw, before its loads
+        const u32 hi = min(static_cast<u32>(prefix_at(p, static_cast<int>(q), own, ranks)), rows);
+        const u32 lo = static_cast<u32>(prefix_at(p, static_cast<int>(q) - 1, own, ranks));
+        for (u32 j = first_row_of(lo, warp, warps); j < hi; j += warps) dispatch_recv_row(pt, p, j, lane);
+    }
+    ok = __syncthreads_and(ok);
     if (ok && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > p.recv_rows)
         gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv, p.recv_rows);
-    const u32 rows = ok ? min(num_recv, p.recv_rows) : 0;
-    const u32 vecs = p.row_bytes / 16;
-    for (u32 j = blockIdx.x * kWarps + threadIdx.x / 32; j < rows; j += gridDim.x * kWarps) {
-        const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
-        // The source index, top-k slots and first scale words are loaded first, in flight with the row's first
-        // vectors (the scales are not one more memory latency after the payload's stores).
-        const bool slot = lane < p.topk && p.recv_topk_idx;
-        int src_idx = 0;
-        long long e = -1;
-        float weight = 0.f;
-        if (lane == 0) src_idx = *reinterpret_cast<const int*>(src);
-        if (slot) {
-            e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
-            weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
-        }
-        const u32* scales = reinterpret_cast<const u32*>(src + p.off_row_scales);
-        u32 early[kEarlyScaleWords];
-#pragma unroll
-        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
-            const u32 i = 32 * k + lane;
-            early[k] = i < p.num_scales ? scales[i] : 0u;
-        }
-        warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
-                  reinterpret_cast<const uint4*>(src + 16), vecs, lane);
-        u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
-#pragma unroll
-        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
-            const u32 i = 32 * k + lane;
-            if (i < p.num_scales) recv_scales[i] = early[k];
-        }
-        if (p.num_scales > 32 * kEarlyScaleWords)
-            warp_copy(recv_scales + 32 * kEarlyScaleWords, scales + 32 * kEarlyScaleWords,
-                      p.num_scales - 32 * kEarlyScaleWords, lane);
-        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
-        if (slot) {
-            const u64 f = static_cast<u64>(j) * p.topk + lane;
-            reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
-            reinterpret_cast<float*>(p.recv_topk_weights)[f] = weight;
-        }
-    }
     if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
         const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
         for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads)
