@@ -567,11 +567,14 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             pending[w] &= ~bit;
         }
         if (q == ranks) {  // none landed yet: bounded wait, given up once this kernel's record holds an error
-            if (failed(status)) {
+            // both decisions warp-uniform (lane 0's reads): the loop's ballots need every lane
+            const bool gave_up = __shfl_sync(~0u, failed(status), 0);
+            const bool late_now = __shfl_sync(~0u, gc_moe::globaltimer_ns() - start > p.timeout_ns, 0);
+            if (gave_up) {
                 ok = false;
                 break;
             }
-            if (gc_moe::globaltimer_ns() - start > p.timeout_ns) {
+            if (late_now) {
                 u32 late = ranks;
 #pragma unroll
                 for (u32 w = 0; w < kRankWords; ++w)
