@@ -602,7 +602,9 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
     }
     phase_mark(kDispatchPhases, 4);
-    if (ok && p.recv_channel_prefix && blockIdx.x == 0) {
+    // the senders' channel starts, written in their send halves before their ready words: every rank's word first
+    if (ok && p.recv_channel_prefix && blockIdx.x == 0 &&
+        wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady)) {
         for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
             reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
     }
