@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# gc-moe-ab and gc-moe-matrix on the lent GPU machine (device tool `run` with carry [".carry"]), from the repository
-# root:
+# gc-moe-ab and gc-moe-matrix on the lent GPU machine (device tool `run` with carry [".carry"], which holds
+# .carry/provenance: run bash scripts/tree_provenance.sh here first, so that result files name this commit), from the
+# repository root:
 #   bash scripts/ab_device.sh [--ab WORKLOAD]... [--ab-args "ARGS"] [--matrix] [--matrix-args "ARGS"] [--pytest EXPR]
 #   WORKLOAD: a gc-moe-ab workload's arguments, e.g. "--preset glm52" or "--model-config tests/data/deepseek_v3/config.json"
 #   --ab-args     appended to every gc-moe-ab run (e.g. "--quick --tokens 1 8")
@@ -28,6 +29,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OUT="${OUT:-$PWD/device_out}"
 export GC_MOE_CACHE_DIR="${GC_MOE_CACHE_DIR:-$PWD/.carry/gc_moe_cache}"
 PY="${PYTHON:-python3}"
+# The commit this copy is (carried .carry/provenance, written here by scripts/tree_provenance.sh): the result files
+# name it, not the copy's stale git; a caller's own GC_MOE_GIT_SHA wins.
+[[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"
+echo "tree: ${GC_MOE_GIT_SHA:-as the copy's git says} (dirty: ${GC_MOE_GIT_DIRTY:-as the copy's git says})"
 workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0
 while (($#)); do
   case "$1" in

@@ -66,3 +66,10 @@ def test_without_a_record_it_prints_nothing_and_says_why(tmp_path: Path) -> None
     run = _provenance(repo, "--env")
     assert run.returncode == 0 and run.stdout == "" and "no .carry/provenance" in run.stderr
     assert _provenance(repo, "--bogus").returncode == 2
+
+
+def test_both_device_scripts_export_the_recorded_commit_unless_the_caller_set_one() -> None:
+    """scripts/device_check.sh and scripts/ab_device.sh both write result files: each reads the carried record."""
+    line = '[[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"'
+    for script in ("device_check.sh", "ab_device.sh"):
+        assert line in (SCRIPT.parent / script).read_text(), script
