@@ -23,8 +23,9 @@
 //    released[own] = n on every rank. Each CTA runs the send half, then the receive half: a CTA's receive half
 //    waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the launch can hold at once (the
 //    host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
-// Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error; a failed wait
-// leaves its words unpublished (so peers report too) and every kernel still completes.
+// Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error (the dispatch's
+// receive: a timeout; its row-count mismatch still reads every row); a failed wait leaves its words unpublished (so
+// peers report too) and every kernel still completes.
 #include <cuda_bf16.h>
 
 #include "common/peer_table.cuh"
@@ -93,6 +94,10 @@ __device__ __forceinline__ KernelStatus* status_of(const PeerTable& pt, const Ep
 
 __device__ __forceinline__ bool failed(KernelStatus* status) {
     return *reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusOk;
+}
+
+__device__ __forceinline__ bool timed_out(KernelStatus* status) {
+    return *reinterpret_cast<volatile u32*>(&status->code) == gc_moe::kStatusTimeout;
 }
 
 // Thread q < P of the CTA waits until word[q] (of this rank's copy) >= target; true in every thread when all did.
@@ -468,7 +473,7 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
         }
         __threadfence_system();
         __syncthreads();
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
+        if (!timed_out(status)) publish(pt, p.off_ready, p.op);
     }
 }
 
@@ -549,7 +554,7 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         pending[w] = __ballot_sync(~0u, mine);
     }
     bool ok = true;
-    const u64 start = gc_moe::globaltimer_ns();
+    u64 start = gc_moe::globaltimer_ns();  // of the current wait: reset whenever a source lands
     for (;;) {
         u32 any = 0, landed[kRankWords];
 #pragma unroll
@@ -566,9 +571,11 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             if (bit) q = 32 * w + __ffs(bit) - 1;
             pending[w] &= ~bit;
         }
-        if (q == ranks) {  // none landed yet: bounded wait, given up once this kernel's record holds an error
-            // both decisions warp-uniform (lane 0's reads): the loop's ballots need every lane
-            const bool gave_up = __shfl_sync(~0u, failed(status), 0);
+        if (q == ranks) {  // none landed yet: bounded wait, given up once another warp of the grid timed out
+            // both decisions warp-uniform (lane 0's reads): the loop's ballots need every lane. Only a timeout ends
+            // the wait early: the receive's other error (block 0's row-count mismatch) still lets every row be read
+            // before released is published.
+            const bool gave_up = __shfl_sync(~0u, timed_out(status), 0);
             const bool late_now = __shfl_sync(~0u, gc_moe::globaltimer_ns() - start > p.timeout_ns, 0);
             if (gave_up) {
                 ok = false;
@@ -579,21 +586,33 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
 #pragma unroll
                 for (u32 w = 0; w < kRankWords; ++w)
                     if (late == ranks && pending[w]) late = 32 * w + __ffs(pending[w]) - 1;
+                const u64 seen = __shfl_sync(~0u, gc_moe::ld_acquire_sys(ready + late), 0);
+                if (seen >= p.op) continue;  // it landed since the poll: take it on the next round
                 if (lane == 0)
-                    gc_moe::report_status(status, gc_moe::kStatusTimeout, gc_moe::kNormalSiteReady << 16 | late,
-                                          gc_moe::ld_acquire_sys(ready + late), p.op);
+                    gc_moe::report_status(status, gc_moe::kStatusTimeout, gc_moe::kNormalSiteReady << 16 | late, seen,
+                                          p.op);
                 ok = false;
                 break;
             }
             __nanosleep(GC_MOE_SPIN_SLEEP_NS);
             continue;
         }
-        gc_moe::ld_acquire_sys(ready + q);  // every lane's own acquire of the word lane q % 32 saw, before its loads
+        // every lane's own acquire of the word lane q % 32 saw landed (the ballot orders nothing), before its loads;
+        // the word only grows, so this ends at once
+        while (gc_moe::ld_acquire_sys(ready + q) < p.op) {
+        }
+        start = gc_moe::globaltimer_ns();
         const u32 hi = min(static_cast<u32>(prefix_at(p, static_cast<int>(q), own, ranks)), rows);
         const u32 lo = static_cast<u32>(prefix_at(p, static_cast<int>(q) - 1, own, ranks));
         for (u32 j = first_row_of(lo, warp, warps); j < hi; j += warps) dispatch_recv_row(pt, p, j, lane);
     }
     ok = __syncthreads_and(ok);
+    // the senders' channel starts, written in their send halves before their ready words: every rank's word first
+    if (ok && p.recv_channel_prefix && blockIdx.x == 0 &&
+        wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady)) {
+        for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
+            reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
+    }
     if (ok && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > p.recv_rows)
         gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv, p.recv_rows);
     if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
@@ -602,14 +621,8 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
             reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
     }
     phase_mark(kDispatchPhases, 4);
-    // the senders' channel starts, written in their send halves before their ready words: every rank's word first
-    if (ok && p.recv_channel_prefix && blockIdx.x == 0 &&
-        wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady)) {
-        for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
-            reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
-    }
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
+        if (!timed_out(status)) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
     }
 }
@@ -703,7 +716,7 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
     }
     phase_mark(kCombinePhases, 2);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_ready, p.op);
+        if (!timed_out(status)) publish(pt, p.off_ready, p.op);
     }
 }
 
@@ -814,7 +827,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
     }
     phase_mark(kCombinePhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
-        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) publish(pt, p.off_released, p.op);
+        if (!timed_out(status)) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
     }
 }
