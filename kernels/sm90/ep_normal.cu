@@ -601,10 +601,10 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         // the word only grows, so this ends at once
         while (gc_moe::ld_acquire_sys(ready + q) < p.op) {
         }
-        start = gc_moe::globaltimer_ns();
         const u32 hi = min(static_cast<u32>(prefix_at(p, static_cast<int>(q), own, ranks)), rows);
         const u32 lo = static_cast<u32>(prefix_at(p, static_cast<int>(q) - 1, own, ranks));
         for (u32 j = first_row_of(lo, warp, warps); j < hi; j += warps) dispatch_recv_row(pt, p, j, lane);
+        start = gc_moe::globaltimer_ns();  // the copy's time is not the next wait's
     }
     ok = __syncthreads_and(ok);
     // the senders' channel starts, written in their send halves before their ready words: every rank's word first
@@ -613,8 +613,6 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         for (u32 i = threadIdx.x; i < ranks * p.num_channels; i += kThreads)
             reinterpret_cast<int*>(p.recv_channel_prefix)[i] = reinterpret_cast<const int*>(pt.base + p.off_recv_chan)[i];
     }
-    if (ok && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > p.recv_rows)
-        gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv, p.recv_rows);
     if (ok && p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
         const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
         for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads)
@@ -623,6 +621,11 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
     phase_mark(kDispatchPhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (!timed_out(status)) publish(pt, p.off_released, p.op);
+        // The row-count check last, once every CTA has read its rows: reported earlier it would be the record's first
+        // error and hide a later timeout, and released would then go out with a source's rows unread.
+        if (threadIdx.x == 0 && num_recv > p.recv_rows)
+            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv,
+                                  p.recv_rows);
         mirror_status(pt, p);
     }
 }
