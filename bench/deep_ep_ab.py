@@ -685,13 +685,12 @@ def timed_rounds(calls: Mapping[str, Mapping[str, Callable[[], object]]], ops: S
             if impl in errors:
                 continue
             try:
-                for op in ops:
-                    key = f"{impl}/{op}"
+                for op in ops:  # the eager calls first, then the graphs (DeepEP's buffers alternate between calls)
                     gpu, host = eager_us(calls[impl][op], args)
-                    rounds["latency_us"].setdefault(key, []).append(gpu)
-                    rounds["host_us"].setdefault(key, []).append(host)
-                    if graph:
-                        rounds["graph_us"].setdefault(key, []).append(graph_us(calls[impl][f"graph:{op}"], args))
+                    rounds["latency_us"].setdefault(f"{impl}/{op}", []).append(gpu)
+                    rounds["host_us"].setdefault(f"{impl}/{op}", []).append(host)
+                for op in ops if graph else ():
+                    rounds["graph_us"].setdefault(f"{impl}/{op}", []).append(graph_us(calls[impl][f"graph:{op}"], args))
             except Exception as exc:  # recorded, the run goes on
                 errors[impl] = f"{type(exc).__name__}: {exc}"
     done = {m: {k: v for k, v in figures.items() if k.split("/")[0] not in errors} for m, figures in rounds.items()}

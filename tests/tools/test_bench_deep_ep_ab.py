@@ -6,6 +6,7 @@ wiring."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -245,6 +246,31 @@ def test_a_normal_points_record_times_both_in_rounds_and_compares_them(monkeypat
                                    "glm", 8, 2)
     assert record["errors"] == {"original": "RuntimeError: no buffer"} and "accuracy" not in record
     assert list(record["latency_us"]) == [f"facade/{op}" for op in ab.NORMAL_OPS]
+
+
+def test_a_low_latency_points_record_times_eager_and_graph_calls_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ll_rank_record on stand-in implementations: per round each implementation's eager ops, then its graphs; the
+    graph figures are the median round's too, the rounds kept are the eager GPU times."""
+    timed: list[str] = []
+    monkeypatch.setattr(ab, "eager_us", lambda fn, args: (fn(), (5.0, 1.0))[1])
+    graph = iter([3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    monkeypatch.setattr(ab, "graph_us", lambda fn, args: (fn(), next(graph))[1])
+    monkeypatch.setattr(ab, "compare", lambda facade, original: {"exact": ["recv_x"], "mismatch": {}})
+
+    def outputs(buf, *rest):
+        calls = {op: lambda op=op: timed.append(f"{buf}/{op}") for op in ab.LL_OPS}
+        graphs = {f"graph:{op}": lambda op=op: timed.append(f"{buf}/graph:{op}") for op in ab.LL_OPS}
+        return {"recv_count": torch.tensor([2, 1])}, calls | graphs
+
+    monkeypatch.setattr(ab, "ll_outputs", outputs)
+    job = ab.Job("measure", 2, 0, "", ab.parse_args(["--rounds", "2"]), use_original=True)
+    impls = {"facade": (None, "facade"), "original": (None, "original")}
+    record = ab.ll_rank_record(0, torch.device("cpu"), job, impls, "glm", 4)
+    per_impl = [*ab.LL_OPS, *(f"graph:{op}" for op in ab.LL_OPS)]
+    assert timed == [f"{impl}/{op}" for impl in ("facade", "original", "original", "facade") for op in per_impl]
+    assert record["recv_rows"] == 3 and record["accuracy"]["exact"] == ["recv_x"]
+    facade = f"facade/{ab.LL_OPS[0]}"
+    assert record["graph_us"][facade] == statistics.median([3.0, 9.0]) and record["rounds_us"][facade] == [5.0, 5.0]
 
 
 def test_a_points_rounds_are_the_slowest_rank_per_round_with_their_spread() -> None:
