@@ -5,6 +5,10 @@ green context, so each node runs on that partition's SMs. Nodes without dependen
 capture the graph is instantiated and launched on the caller's stream; inside a ``torch.cuda.graph`` capture it is
 added to the capturing graph as a child node (``cuStreamGetCaptureInfo`` -> ``cuGraphAddChildGraphNode`` ->
 ``cuStreamUpdateCaptureDependencies``), so a serving engine's CUDA-graph runner can capture a layer call.
+A dependency may be programmatic (``KernelNode.programmatic``: a ``CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`` edge
+from the kernel's programmatic port): the dependent grid then launches once every CTA of the earlier one has
+executed ``griddepcontrol.launch_dependents`` (or exited), so its launch and prologue overlap the earlier grid, and
+it synchronizes through memory flags or ``griddepcontrol.wait`` (kernels/common/sync.cuh).
 Before a kernel is placed in a graph it is launched once in its context (first launches can serialize).
 Without a partition (``partition=None``, e.g. ``GC_MOE_PARTITION=off``) every node runs in the caller's context.
 """
@@ -31,7 +35,8 @@ _CAPTURE_ACTIVE = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 class KernelNode:
     """One kernel node: ``role`` picks the green context (None: the caller's undivided context).
 
-    ``deps`` names earlier nodes this one waits for. ``warmup_args`` are the arguments of the one-time warm-up
+    ``deps`` names earlier nodes this one waits for; those also in ``programmatic`` through a programmatic edge
+    (module docstring), the others until they complete. ``warmup_args`` are the arguments of the one-time warm-up
     launch in the node's context; None means ``args`` are safe to launch once more.
     """
 
@@ -44,6 +49,7 @@ class KernelNode:
     shared_bytes: int = 0
     deps: tuple[str, ...] = ()
     warmup_args: KernelArgs | None = None
+    programmatic: tuple[str, ...] = ()
 
     @staticmethod
     def make(
@@ -57,12 +63,18 @@ class KernelNode:
         shared_bytes: int = 0,
         deps: Sequence[str] = (),
         warmup_args: KernelArgs | None = None,
+        programmatic: Sequence[str] = (),
     ) -> KernelNode:
-        """A node with normalized launch shapes."""
-        return KernelNode(name, kernel, role, dim3(grid), dim3(block), args, shared_bytes, tuple(deps), warmup_args)
+        """A node with normalized launch shapes; ``programmatic`` must name dependencies in ``deps``."""
+        stray = [d for d in programmatic if d not in deps]
+        if stray:
+            raise ValueError(f"node {name!r}: programmatic dependencies {stray} are not among its deps {list(deps)}")
+        return KernelNode(name, kernel, role, dim3(grid), dim3(block), args, shared_bytes, tuple(deps), warmup_args,
+                          tuple(programmatic))
 
     def signature(self) -> tuple[object, ...]:
-        """Cache identity: kernel, context role, launch shapes, by-value parameter bytes, dependencies."""
+        """Cache identity: kernel, context role, launch shapes, by-value parameter bytes, dependencies and their
+        kinds."""
         role = self.role.value if self.role else None
         return (
             self.name,
@@ -74,6 +86,7 @@ class KernelNode:
             self.shared_bytes,
             self.args.signature,
             self.deps,
+            self.programmatic,
         )
 
 
@@ -84,6 +97,15 @@ def capture_graph(stream: driver.CUstream) -> tuple[driver.CUgraph, list[driver.
     if info[0] != _CAPTURE_ACTIVE:
         return None
     return info[2], list(info[3] or [])[: int(info[-1])]
+
+
+def _programmatic_edge() -> driver.CUgraphEdgeData:
+    """Edge data of a programmatic dependency: out of the earlier kernel's programmatic port (it opens when every
+    CTA has launched its dependents or exited) into the later kernel's launch."""
+    edge = driver.CUgraphEdgeData()
+    edge.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    return edge
 
 
 _warmed: set[tuple[str, str, int]] = set()
@@ -166,8 +188,11 @@ class GreenGraph:
             params.blockDimX, params.blockDimY, params.blockDimZ = node.block
             params.sharedMemBytes = node.shared_bytes
             params.kernelParams = node.args.address
-            deps = [handles[d] for d in node.deps]
+            deps = [handles[d] for d in node.deps if d not in node.programmatic]
             handles[node.name] = call(driver.cuGraphAddKernelNode, self.graph, deps, len(deps), params)
+            for dep in node.programmatic:
+                call(driver.cuGraphAddDependencies, self.graph, [handles[dep]], [handles[node.name]],
+                     [_programmatic_edge()], 1)
 
     def launch(self, stream: int | driver.CUstream | None = None) -> None:
         """Runs the graph on ``stream`` (default: torch's current stream), or attaches it if that stream captures."""

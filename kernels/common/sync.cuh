@@ -89,6 +89,14 @@ __device__ __forceinline__ bool wait_at_least(const u64* flag, u64 target, u64 t
     return true;
 }
 
+// Programmatic dependent launch (a graph edge of type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, runtime/graph.py).
+// launch_dependents: this CTA lets the edge's dependent grid launch once every CTA of this grid has called it or
+// exited (the dependent then runs beside this grid: it must synchronize with it through memory flags or
+// wait_prerequisites). wait_prerequisites: blocks until every grid this one depends on programmatically has completed
+// and its memory operations are visible; both are no-ops in a grid launched without such an edge.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // Busy-waits for `ns` nanoseconds: keeps a block resident so that a grid spreads over every SM it may use.
 __device__ __forceinline__ void busy_wait_ns(u64 ns) {
     const u64 start = globaltimer_ns();

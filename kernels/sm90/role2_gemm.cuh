@@ -21,6 +21,9 @@
 // One persistent grid of C CTAs (one per compute-partition SM, all co-resident) runs both GEMMs over the token ring
 // of the operator workspace. Every task is 256 weight rows (two consumer warpgroups x 2 slabs, W1 and W2 alike:
 // ring.DEFAULT_GEOMETRY) against one pool block.
+// Role2 runs beside role1 in both modes: a concurrent root when partitioned, and behind a programmatic edge that
+// role1 opens at its start when the roles run in sequence on the whole device (operator/sm90/layer.py), so in either
+// mode every read of role1's output waits on the signals below, never on the kernel boundary.
 //
 // Block table. Thread 0 acquires pool_header = (1 << 32) | n (role1, gpu scope) and reads pool_table rows (local
 // expert, valid rows, ring row offset) with L2 loads (role1 rewrote them this replay). Pool block p lives in ring
@@ -139,6 +142,9 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     static_assert(K::kMSub == 2, "operator mode: W1 and W2 tasks of 256 rows (ring.DEFAULT_GEOMETRY)");
     static_assert(K::kOffOut % 16 == 0 && K::kOutPitch % 16 == 0, "W2 staged tile: 16-byte rows for the vector stores");
     using Pipeline = typename K::Pipeline;
+    // role3 (a programmatic edge: operator/sm90/layer.py) may launch now; it waits for this grid's end and memory
+    // (wait_prerequisites) before it reads anything, and its CTAs take SMs only as this grid's CTAs leave them
+    launch_dependents();
     if (params.flags & kRole2Warmup) return;
     const OpArgs a{peers, off, params};
     extern __shared__ u8 smem_raw[];
@@ -255,7 +261,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         }
     }
     // this thread's combine stores (local and peers') performed at system scope; at one rank every store is local
-    // and the kernel's end orders it before role3 (a graph edge)
+    // and the kernel's end orders it before role3 (a programmatic graph edge: role3's wait_prerequisites)
     if (a.peers.world_size > 1) __threadfence_system();
     if (local_tid == 0) op_schedule_done(a, K::kProducerWG ? 2 : 1);
 }

@@ -7,7 +7,8 @@
 //
 // Ordering chain (why no cross-rank barrier is needed between replays; n = replay_seq at kernel start):
 //  * Partials complete. Rank r's role2 (and role4, slot k) store every partial of replay n before that kernel ends; the
-//    graph runs role3 after role1 and role2 (and role4). Role3's bookkeeping then executes fence.sc.sys and stores
+//    graph runs role3 after role1 and role2 (and role4; role2's edge is programmatic: every thread of role3 first
+//    waits in wait_prerequisites until role2 has completed and its stores are visible). Role3's bookkeeping then executes fence.sc.sys and stores
 //    combine_ready[r] = n+1 with st.release.sys on every rank (at one rank fence.sc.gpu and st.release.gpu: no peer
 //    reads it, the own rank's partials are ordered by the graph edges). A combine CTA of rank t acquires
 //    (ld.acquire.sys) combine_ready[r] >= n+1 for every peer r != t, then bar.syncs its warps before they load: every
@@ -255,6 +256,9 @@ extern "C" __global__ void __launch_bounds__(gc_moe::kThreads, 1)
     gc_sm90_finalize(const __grid_constant__ PeerTable peers, const __grid_constant__ WorkspaceOffsets off,
                      const __grid_constant__ FinalizeParams p) {
     using namespace gc_moe;
+    // behind role2's programmatic edge (operator/sm90/layer.py) this grid may start while role2 runs: nothing below
+    // reads the workspace before role2 has completed and its stores are visible
+    wait_prerequisites();
     if (p.flags & kFlagWarmup) return;
     const Args a{peers, off, p};
     __shared__ u64 s_seq, s_parity;

@@ -50,8 +50,7 @@ extern "C" __global__ void rt_set_flag(u64* flag, u64 value) {
 }
 
 // Every block waits (bounded) for *flag >= target; wait_ns[0] receives the longest wait any block saw.
-extern "C" __global__ void rt_spin_on_flag(const u64* flag, u64 target, u64 timeout_ns, KernelStatus* status,
-                                           u64* wait_ns) {
+static __device__ void spin_on_flag(const u64* flag, u64 target, u64 timeout_ns, KernelStatus* status, u64* wait_ns) {
     if (threadIdx.x == 0) {
         const u64 start = gc_moe::globaltimer_ns();
         if (gc_moe::wait_at_least<Scope::kGpu>(flag, target, timeout_ns, status, kSiteSpin)) {
@@ -59,6 +58,33 @@ extern "C" __global__ void rt_spin_on_flag(const u64* flag, u64 target, u64 time
         }
     }
     __syncthreads();
+}
+
+extern "C" __global__ void rt_spin_on_flag(const u64* flag, u64 target, u64 timeout_ns, KernelStatus* status,
+                                           u64* wait_ns) {
+    spin_on_flag(flag, target, timeout_ns, status, wait_ns);
+}
+
+// rt_spin_on_flag behind launch_dependents: the grid lets a programmatic dependent launch at once, so a dependent that
+// sets the flag ends the wait (with a full edge it could not start before the wait timed out).
+extern "C" __global__ void rt_open_then_spin(const u64* flag, u64 target, u64 timeout_ns, KernelStatus* status,
+                                             u64* wait_ns) {
+    gc_moe::launch_dependents();
+    spin_on_flag(flag, target, timeout_ns, status, wait_ns);
+}
+
+// Lets a programmatic dependent launch, stays busy for delay_ns, then stores value into *word with a plain store.
+extern "C" __global__ void rt_open_then_store(u64* word, u64 value, u64 delay_ns) {
+    gc_moe::launch_dependents();
+    gc_moe::busy_wait_ns(delay_ns);
+    if (threadIdx.x == 0 && blockIdx.x == 0) *word = value;
+}
+
+// *copy = *word after wait_prerequisites: the value rt_open_then_store left, where its edge to this grid is
+// programmatic.
+extern "C" __global__ void rt_wait_then_copy(const u64* word, u64* copy) {
+    gc_moe::wait_prerequisites();
+    if (threadIdx.x == 0 && blockIdx.x == 0) *copy = *reinterpret_cast<const volatile u64*>(word);
 }
 
 // Node A (communication partition): arrive; the generation's last block publishes gen_a.

@@ -399,9 +399,11 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
     if partition == "on":  # concurrent roots on the two green contexts, role3 on compute after both
         assert (r1.role, r2.role, r3.role) == (Role.COMM, Role.COMPUTE, Role.COMPUTE)
         assert (r1.deps, r2.deps, r3.deps) == ((), (), ("role1", "role2"))
-    else:  # the whole device, in sequence
+        assert (r2.programmatic, r3.programmatic) == ((), ("role2",))
+    else:  # the whole device, in sequence: role2 launched as role1 starts, role3 as role2 ends (programmatic edges)
         assert (r1.role, r2.role, r3.role) == (None, None, None)
-        assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role2",))
+        assert (r1.deps, r2.deps, r3.deps) == ((), ("role1",), ("role1", "role2"))
+        assert (r2.programmatic, r3.programmatic) == (("role1",), ("role2",))
     assert r1.grid == (buf.dispatch_sms, 1, 1) and r2.grid == (call.model.compute_sms, 1, 1)
     assert r2.block == (call.variant.threads, 1, 1) and r2.shared_bytes == call.variant.smem
     assert r2.kernel.name.startswith(compute_path(mma_type).operator_entry + "-")
@@ -445,9 +447,11 @@ def test_layer_nodes_place_role4_beside_or_before_role2(group: dist.ProcessGroup
     assert [n.name for n in nodes] == ["role1", "role4", "role4_w2", "role2", "role3"]
     r2, r3 = nodes[3], nodes[4]
     sms = call.model.compute_sms
+    assert r3.programmatic == ("role2",)  # role4's edges, and role2's after role4, are full ones
     if partition == "off":
         assert (seen["deps"], r2.deps, r3.deps, r2.grid[0], seen["max_grid"]) == (("role1",), ("role4_w2",),
-                                                                                   ("role2",), sms, None)
+                                                                                   ("role1", "role2"), sms, None)
+        assert r2.programmatic == ()
     elif reserve:
         assert (seen["deps"], r2.deps, r3.deps) == ((), (), ("role1", "role2", "role4_w2"))
         assert (r2.grid[0], seen["max_grid"]) == (sms - reserve, reserve)

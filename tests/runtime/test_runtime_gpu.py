@@ -145,6 +145,60 @@ def test_coresidency_in_one_graph(setter_first):
     print(f"co-residency in one graph (setter first={setter_first}): flag seen after {wait_ns.item() / 1e3:.1f} us")
 
 
+@pytest.mark.parametrize("captured", [False, True])
+def test_programmatic_edge_launches_the_dependent_beside_its_primary(captured):
+    """A grid that opens its programmatic port and then waits for a flag is released by its dependent, which sets
+    the flag: the dependent launched while the primary ran (behind a full edge the wait would time out); eager and
+    as a child of a torch capture (how a serving engine's graph runs the layer)."""
+    mod = module()
+    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    wait_ns = torch.zeros(1, dtype=torch.int64, device="cuda")
+    status, scratch = new_status("cuda"), torch.zeros(8, dtype=torch.int64, device="cuda")
+    graph = get_graph([
+        KernelNode.make("spinner", mod.kernel("rt_open_then_spin"), None, 1, 32,
+                        KernelArgs(ptr(flag), u64(1), u64(spin_timeout_ns(2_000)), ptr(status), ptr(wait_ns)),
+                        warmup_args=KernelArgs(ptr(scratch), u64(0), u64(spin_timeout_ns(2_000)), ptr(scratch[1:]),
+                                               ptr(scratch))),
+        KernelNode.make("setter", mod.kernel("rt_set_flag"), None, 1, 32, KernelArgs(ptr(flag), u64(1)),
+                        deps=("spinner",), programmatic=("spinner",), warmup_args=KernelArgs(ptr(scratch), u64(0))),
+    ], None)
+    outer = None
+    if captured:
+        outer = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(outer):
+            graph.launch()
+    for _ in range(3):
+        flag.zero_()
+        outer.replay() if captured else graph.launch()
+        torch.cuda.synchronize()
+        raise_for_status(status, "programmatic edge", SITES)
+        assert flag.item() == 1
+    print(f"programmatic edge (captured={captured}): the dependent released its primary after "
+          f"{wait_ns.item() / 1e3:.1f} us")
+
+
+def test_programmatic_dependent_sees_its_primary_after_waiting():
+    """A dependent behind a programmatic edge launches while its primary still runs, and after
+    ``griddepcontrol.wait`` reads the value the primary stored last."""
+    mod = module()
+    word = torch.zeros(1, dtype=torch.int64, device="cuda")
+    copy = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    scratch = torch.zeros(2, dtype=torch.int64, device="cuda")
+    for value in (7, 1 << 40, 3):
+        graph = get_graph([
+            KernelNode.make("store", mod.kernel("rt_open_then_store"), None, 4, 32,
+                            KernelArgs(ptr(word), u64(value), u64(200_000)),
+                            warmup_args=KernelArgs(ptr(scratch), u64(0), u64(0))),
+            KernelNode.make("copy", mod.kernel("rt_wait_then_copy"), None, 1, 32, KernelArgs(ptr(word), ptr(copy)),
+                            deps=("store",), programmatic=("store",),
+                            warmup_args=KernelArgs(ptr(scratch), ptr(scratch[1:]))),
+        ], None)
+        copy.fill_(-1)
+        graph.launch()
+        torch.cuda.synchronize()
+        assert copy.item() == value
+
+
 def test_undivided_device_contrast():
     """The same two kernels on two streams of the undivided device: reported, never failed on
     (docs/platform_notes.md)."""

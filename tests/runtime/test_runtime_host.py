@@ -1,10 +1,12 @@
 """Host-side runtime pieces that need no GPU: workspace layout, peer table, kernel arguments, status records."""
 
 import ctypes
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gc_moe_compat.runtime.graph import KernelNode
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, ptr
 from gc_moe_compat.runtime.status import (
     STATUS_MISMATCH,
@@ -127,3 +129,12 @@ def test_spin_timeout(monkeypatch):
     assert spin_timeout_ns(1.5) == 1_500_000
     with pytest.raises(ValueError, match="positive"):
         spin_timeout_ns(0)
+
+
+def test_kernel_node_programmatic_dependencies_must_be_dependencies():
+    kernel = SimpleNamespace(module_key="m", name="k")
+    node = KernelNode.make("b", kernel, None, 1, 32, KernelArgs(), deps=("a",), programmatic=("a",))
+    assert (node.deps, node.programmatic) == (("a",), ("a",))
+    assert node.signature() != KernelNode.make("b", kernel, None, 1, 32, KernelArgs(), deps=("a",)).signature()
+    with pytest.raises(ValueError, match=r"node 'b': programmatic dependencies \['c'\] are not among its deps"):
+        KernelNode.make("b", None, None, 1, 32, KernelArgs(), deps=("a",), programmatic=("c",))

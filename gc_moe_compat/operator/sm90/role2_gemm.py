@@ -352,9 +352,10 @@ def kernel(variant: Role2Variant) -> jit.Kernel:
 
 
 def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, plan: RingPlan, variant: Role2Variant,
-               *, name: str = "role2", deps: Sequence[str] = (), grid: int | None = None,
-               **kw: object) -> KernelNode:
-    """Role2 as a graph node after ``deps`` (none when partitioned: a root concurrent with role1): on the compute
+               *, name: str = "role2", deps: Sequence[str] = (), programmatic: Sequence[str] = (),
+               grid: int | None = None, **kw: object) -> KernelNode:
+    """Role2 as a graph node after ``deps`` (those in ``programmatic`` through a programmatic edge; none when
+    partitioned: a root concurrent with role1): on the compute
     green context when the buffer is partitioned (the whole device otherwise), one CTA per compute SM
     (``model.compute_sms``, or ``grid`` CTAs: fewer when role4 runs beside it on the others; every CTA must be
     resident, the task sequence relies on it, and any grid size walks every task); its warm-up launch has the
@@ -367,7 +368,8 @@ def role2_node(buffer: GcMoeBuffer, weights: Role2Weights, model: RingModel, pla
     args = role2_args(buffer, weights, model, plan, **kw)
     warm = role2_args(buffer, weights, model, plan, **kw, warmup=True)
     return KernelNode.make(name, kernel(variant), role, model.compute_sms if grid is None else grid,
-                           variant.threads, args, shared_bytes=variant.smem, deps=deps, warmup_args=warm)
+                           variant.threads, args, shared_bytes=variant.smem, deps=deps, warmup_args=warm,
+                           programmatic=programmatic)
 
 
 def raise_for_role2_status(buffer: GcMoeBuffer, what: str = "role2 grouped GEMM") -> None:

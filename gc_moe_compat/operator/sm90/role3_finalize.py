@@ -212,16 +212,19 @@ def launch_finalize(buffer: GcMoeBuffer, y: torch.Tensor, stream: object, *,
 
 
 def finalize_node(buffer: GcMoeBuffer, y: torch.Tensor, *, deps: Sequence[str] = ("role1", "role2"),
-                  recv_stats: torch.Tensor | None = None, timeout_ms: float | None = None,
-                  dispatch_sms: int | None = None, max_ctas: int | None = None, name: str = "role3") -> KernelNode:
+                  programmatic: Sequence[str] = (), recv_stats: torch.Tensor | None = None,
+                  timeout_ms: float | None = None, dispatch_sms: int | None = None, max_ctas: int | None = None,
+                  name: str = "role3") -> KernelNode:
     """Role3 as a graph node for :mod:`gc_moe_compat.runtime.graph`, after ``deps`` (role1, role2 and, with a fused
-    shared expert, role4): on the compute green context when the buffer is partitioned (no context otherwise); its
-    warm-up launch has the :data:`WARMUP` flag (no side effect)."""
+    shared expert, role4; those in ``programmatic`` through a programmatic edge: the kernel waits for them in
+    ``griddepcontrol.wait`` before it reads anything): on the compute green context when the buffer is partitioned
+    (no context otherwise); its warm-up launch has the :data:`WARMUP` flag (no side effect)."""
     role = Role.COMPUTE if buffer.partition == "on" else None
     kw = dict(recv_stats=recv_stats, timeout_ms=timeout_ms, dispatch_sms=dispatch_sms)
     args, warmup = finalize_args(buffer, y, **kw), finalize_args(buffer, y, **kw, warmup=True)
     grid = _grid(buffer, y, max_ctas)
-    return KernelNode.make(name, kernel(), role, grid, THREADS, args, deps=deps, warmup_args=warmup)
+    return KernelNode.make(name, kernel(), role, grid, THREADS, args, deps=deps, warmup_args=warmup,
+                           programmatic=programmatic)
 
 
 def raise_for_finalize_status(buffer: GcMoeBuffer, what: str = "role3 finalize") -> None:
