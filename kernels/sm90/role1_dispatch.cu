@@ -307,8 +307,8 @@ __device__ __forceinline__ void pull_rows(const PeerTable& peers, const Workspac
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     gc_sm90_dispatch(const PeerTable peers, const WorkspaceOffsets off, const DispatchParams p) {
-    // role2, where a programmatic edge follows this grid (one rank, sequential roles: operator/sm90/layer.py), starts
-    // now and waits on the ring signals as it does beside role1 in the partitioned mode
+    // role2, where a programmatic edge follows this grid (the roles in sequence on a GPU this rank has alone:
+    // operator/sm90/layer.py), starts now and waits on the ring signals as it does beside role1 when partitioned
     gc_moe::launch_dependents();
     if (p.flags & gc_moe::kDispatchWarmup) return;
     __shared__ u32 s_scratch[kScratch];

@@ -21,9 +21,9 @@
 // One persistent grid of C CTAs (one per compute-partition SM, all co-resident) runs both GEMMs over the token ring
 // of the operator workspace. Every task is 256 weight rows (two consumer warpgroups x 2 slabs, W1 and W2 alike:
 // ring.DEFAULT_GEOMETRY) against one pool block.
-// Role2 runs beside role1 in both modes: a concurrent root when partitioned, and behind a programmatic edge that
-// role1 opens at its start when the roles run in sequence on the whole device (operator/sm90/layer.py), so in either
-// mode every read of role1's output waits on the signals below, never on the kernel boundary.
+// Role2 may run beside role1 in both modes: a concurrent root when partitioned, and behind a programmatic edge that
+// role1 opens at its start when the roles run in sequence on a GPU the rank has alone (operator/sm90/layer.py), so
+// every read of role1's output waits on the signals below, never on the kernel boundary.
 //
 // Block table. Thread 0 acquires pool_header = (1 << 32) | n (role1, gpu scope) and reads pool_table rows (local
 // expert, valid rows, ring row offset) with L2 loads (role1 rewrote them this replay). Pool block p lives in ring

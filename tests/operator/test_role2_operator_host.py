@@ -387,7 +387,7 @@ def _call(buf: api.GcMoeBuffer, t: int) -> layer.LayerCall:
 @pytest.mark.parametrize("mma_type", MMA_TYPES)
 @pytest.mark.parametrize("partition", ["on", "off"])
 def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: _FakeWeights, partition: str,
-                                               mma_type: str) -> None:
+                                               mma_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = _buffer(group, partition, mma_type)
     fakes = _FakeWeights(mma_type)
     y = torch.empty(5, H, dtype=torch.bfloat16)
@@ -418,6 +418,10 @@ def test_layer_nodes_contexts_and_dependencies(group: dist.ProcessGroup, fakes: 
     assert len(r2.args) == 7 and r2.args.signature[4][0] == type(buf.peer_table).__name__
     for node in (r1, r3):
         assert node.warmup_args is not None and node.args.signature != node.warmup_args.signature
+    if partition == "off":  # ranks sharing the GPU keep full edges (one kernel of a rank resident at a time)
+        monkeypatch.setattr(buf, "plan", dataclasses.replace(buf.plan, ranks_on_device=2))
+        r1, r2, r3 = layer.layer_nodes(buf, y, fakes, call)
+        assert (r2.deps, r3.deps, r2.programmatic, r3.programmatic) == (("role1",), ("role1", "role2"), (), ())
     other = _FakeWeights("fp8xfp4" if mma_type == "fp8xfp8" else "fp8xfp8")
     with pytest.raises(ValueError, match=f"weights: {other.mma_type} weights on a buffer of mma_type='{mma_type}'"):
         layer.layer_nodes(buf, y, other, call)

@@ -10,11 +10,13 @@ by :func:`~.role4_shared.reserve_sms` (its module docstring gives the measuremen
 role3 after both; above it *before* role2 ("role2 optionally waits on role4"), on every compute SM while role1
 dispatches. Unpartitioned (``off``): the same kernels on the whole device in
 sequence, role1 -> (role4 -> role4_w2 ->) role2 -> role3 (the buffer's ring then holds the whole pool, so role1 never
-waits for a refill that only role2 could grant). Role2's edge from role1 and role3's from role2 are programmatic
-(:mod:`gc_moe_compat.runtime.graph`): role1 and role2 let their dependents launch at their start, so role2 starts
-beside role1 and waits on the ring signals as it does when partitioned (with role4 before it, its edge stays a full
-one), and role3's launch overlaps role2's end (role3 waits in ``griddepcontrol.wait`` before reading anything; its
-other edges are full ones in both modes).
+waits for a refill that only role2 could grant). Where the rank has the GPU alone, role2's edge from role1 and
+role3's from role2 are programmatic (:mod:`gc_moe_compat.runtime.graph`): role1 and role2 let their dependents launch
+at their start, so role2 starts beside role1 and waits on the ring signals as it does when partitioned (with role4
+before it, its edge stays a full one), and role3's launch overlaps role2's end (role3 waits in
+``griddepcontrol.wait`` before reading anything; its other edges are full ones in both modes). Ranks sharing a GPU
+keep full edges: their no-starvation rule (:func:`gc_moe_compat.runtime.split.shared_device_sms`) needs one kernel
+of a rank resident at a time, and role2's CTAs spinning beside role1's could hold the SMs a peer's role1 needs.
 
 Graphs come from :func:`gc_moe_compat.runtime.graph.get_graph` (cached by kernels, launch shapes, by-value
 parameters and partition; every kernel is warmed up in its context before the graph is built) and are also kept
@@ -79,11 +81,12 @@ def layer_nodes(buffer: GcMoeBuffer, y: torch.Tensor, weights: role2_gemm.Role2W
                                       activation_clamp=call.activation_clamp, activation_alpha=call.activation_alpha,
                                       fast_math=call.variant.fast_math, timeout_ms=call.timeout_ms,
                                       max_grid=reserve or None)
-    # role1 first on the whole device, through a programmatic edge: role2 launches as role1 starts and waits on the
-    # ring signals (as when partitioned), so its launch and prologue overlap role1
+    # role1 first on the whole device, through a programmatic edge where this rank has the GPU alone: role2 launches
+    # as role1 starts and waits on the ring signals (as when partitioned), so its launch and prologue overlap role1
+    alone = buffer.ranks_on_device == 1
     r2_deps = (NODE_NAMES[0],) if not partitioned else ()
-    r2_early = r2_deps
-    r3_deps = NODE_NAMES[:2]  # role2's edge programmatic: role3's launch overlaps role2's end
+    r2_early = r2_deps if alone else ()
+    r3_deps = NODE_NAMES[:2]  # role2's edge programmatic (alone): role3's launch overlaps role2's end
     if r4 and reserve:  # beside: no edge to role2, role3 waits for role4 too
         r3_deps = (*r3_deps, r4[-1].name)
     elif r4:  # before role2
@@ -92,8 +95,8 @@ def layer_nodes(buffer: GcMoeBuffer, y: torch.Tensor, weights: role2_gemm.Role2W
                           deps=r2_deps, programmatic=r2_early, activation_clamp=call.activation_clamp,
                           activation_alpha=call.activation_alpha, timeout_ms=call.timeout_ms,
                           grid=call.model.compute_sms - reserve)
-    r3 = role3_finalize.finalize_node(buffer, y, deps=r3_deps, programmatic=NODE_NAMES[1:2], recv_stats=call.recv_stats,
-                                timeout_ms=call.timeout_ms, name=NODE_NAMES[2])
+    r3 = role3_finalize.finalize_node(buffer, y, deps=r3_deps, programmatic=NODE_NAMES[1:2] if alone else (),
+                                      recv_stats=call.recv_stats, timeout_ms=call.timeout_ms, name=NODE_NAMES[2])
     return [r1, *r4, r2, r3]
 
 
