@@ -8,7 +8,7 @@ operators, each captured in a CUDA graph and timed by replay:
 * ``gc_moe``: ``api.fp8_fp8_gc_moe`` on a ``partition="on"`` buffer (role1 on the communication green context,
   role2/role3 on the compute one, concurrently).
 * ``gc_moe_no_partition``: the same kernels on a ``partition="off"`` buffer (in sequence on the whole device:
-  the ``GC_MOE_PARTITION=off`` overlap ablation).
+  the ``GC_MOE_PARTITION=off`` partition ablation; role2 may start beside role1 behind its programmatic edge).
 * ``composed_baseline``: torch.distributed ``all_to_all_single`` (NCCL) dispatch and combine around DeepGEMM
   2.8.2's masked W1 / W2 with a fused Triton activation (bench/_baseline_sm90.py). Its split sizes and row
   permutations are planned on the host before capture, which favours it. Recorded as unavailable, with the

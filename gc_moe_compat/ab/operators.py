@@ -12,7 +12,8 @@ tokens outside the graph (:meth:`Runner.stage`) and runs the layer (:meth:`Runne
   under the default ``GC_MOE_PARTITION=auto`` (the partition per call: ``meta.partition`` records the buffer's
   ``sequential_max_tokens``, the most tokens a call may have to run with the partition off).
 * ``facade_partition_off`` - the same sequence on a buffer created under ``GC_MOE_PARTITION=off``: the same kernels
-  in sequence on the whole device (the overlap ablation).
+  in sequence on the whole device (the partition ablation; role2 follows role1 through a programmatic edge, so it
+  may start beside role1 where the rank has the GPU alone).
 * ``facade_partition_on`` and ``facade_dispatch_sms_<N>`` (``--partition-sweep``) - the same sequence under
   ``GC_MOE_PARTITION=on`` (partitioned at every T) and under ``GC_MOE_DISPATCH_SMS=N``.
 * ``native_fp8xfp4`` - the native API's FP8xFP4 path (``fp8_fp4_gc_moe``) on the same BF16 experts quantized to
@@ -447,7 +448,7 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
                      "GC_MOE_PARTITION=auto); timed: both calls",
                      "fp8_block128", lambda ctx: MegaMoeSequence(_facade(), ctx), _always),
         OperatorSpec("facade_partition_off", "the same facade sequence on a buffer created with GC_MOE_PARTITION=off "
-                     "(GC-MoE's kernels in sequence on the whole device: the overlap ablation); timed: both calls",
+                     "(GC-MoE's kernels in sequence on the whole device: the partition ablation); timed: both calls",
                      "fp8_block128",
                      lambda ctx: MegaMoeSequence(_facade(), ctx, {"GC_MOE_PARTITION": "off"}), _always),
         OperatorSpec("native_fp8xfp4", "GC-MoE native API fp8_fp4_gc_moe: the same BF16 experts quantized to MXFP4, "

@@ -8,14 +8,17 @@ anywhere; running the operator needs the GPU). Every region is an attribute (``b
 
 Partition mode (:func:`gc_moe_compat.runtime.split.partition_mode`). ``GC_MOE_PARTITION=on`` runs role1 on the
 communication green context and role2/role3 on the compute one; ``off`` runs the same kernels in sequence on the
-whole device (the overlap ablation); ``auto`` (default) is ``on`` except for the calls the operator's rule runs
-with the partition off (:func:`gc_moe_compat.operator.heuristics.sequential_max_tokens`, one rank only; such a call
-runs on :meth:`GcMoeBuffer.for_call`'s alias). The ``partition`` argument wins over the environment. The ring is sized
+whole device (the partition ablation; where the rank has the GPU alone role2 follows role1 through a programmatic
+edge and may start beside it: :mod:`gc_moe_compat.operator.sm90.layer`); ``auto`` (default) is ``on`` except for
+the calls the operator's rule runs with the partition off
+(:func:`gc_moe_compat.operator.heuristics.sequential_max_tokens`, one rank only; such a call runs on
+:meth:`GcMoeBuffer.for_call`'s alias). The ``partition`` argument wins over the environment. The ring is sized
 from the compute SMs the roles will have (:func:`gc_moe_compat.runtime.green.plan_partition`, the buffer's one
 :class:`~gc_moe_compat.runtime.split.PartitionPlan`, which every launch reads): the green partition's
 compute side (``on``; its dispatch request comes from ``dispatch_sms`` > ``GC_MOE_DISPATCH_SMS`` >
 ``GC_MOE_SM90_DISPATCH_SMS`` > 4, see :func:`gc_moe_compat.runtime.split.dispatch_request`) or every SM (``off``).
-With ``off`` the roles run in sequence, so role1 can never wait for role2 to free a ring block: the ring then holds
+With ``off`` role2 cannot be counted on to run before role1 ends (none of its CTAs may be resident yet), so role1
+must never wait for role2 to free a ring block: the ring then holds
 the whole pool (:meth:`gc_moe_compat.operator.ring.RingCapacity.whole_pool`), and with ``auto`` every block of the
 calls it runs in sequence (:meth:`~gc_moe_compat.operator.ring.RingCapacity.for_sequential_calls`). A workspace is
 single-instance: :func:`exclusive` rejects overlapping calls.

@@ -280,7 +280,8 @@ class RingCapacity:
     @classmethod
     def whole_pool(cls, shape: MoEShape, geometry: TaskGeometry = DEFAULT_GEOMETRY) -> RingCapacity:
         """A ring holding every pool block of every ``BM`` candidate: what roles run in sequence need
-        (``GC_MOE_PARTITION=off``: role1 finishes before role2 starts, so it can never wait for a refill)."""
+        (``GC_MOE_PARTITION=off``: role2 starts after role1, or beside it behind a programmatic edge without every CTA
+        resident until role1's leave, so role1 must never wait for a refill only role2 could grant)."""
         models = [RingModel(shape, bm, 1, geometry) for bm in workspace_block_ms()]
         return cls(rows=max(m.pool_blocks * m.block_m for m in models), blocks=max(m.pool_blocks for m in models))
 
