@@ -99,6 +99,13 @@ def capture_graph(stream: driver.CUstream) -> tuple[driver.CUgraph, list[driver.
     return info[2], list(info[3] or [])[: int(info[-1])]
 
 
+def edge_adder(bindings: object = driver) -> object:
+    """The driver call that adds edges with edge data: ``cuGraphAddDependencies`` in the CUDA 13 bindings,
+    ``cuGraphAddDependencies_v2`` in the 12.x ones (there the plain name takes no edge data); both take ``(graph,
+    from, to, edge data, count)``."""
+    return getattr(bindings, "cuGraphAddDependencies_v2", None) or bindings.cuGraphAddDependencies
+
+
 def _programmatic_edge() -> driver.CUgraphEdgeData:
     """Edge data of a programmatic dependency: out of the earlier kernel's programmatic port (it opens when every
     CTA has launched its dependents or exited) into the later kernel's launch."""
@@ -190,9 +197,8 @@ class GreenGraph:
             params.kernelParams = node.args.address
             deps = [handles[d] for d in node.deps if d not in node.programmatic]
             handles[node.name] = call(driver.cuGraphAddKernelNode, self.graph, deps, len(deps), params)
-            for dep in node.programmatic:
-                call(driver.cuGraphAddDependencies, self.graph, [handles[dep]], [handles[node.name]],
-                     [_programmatic_edge()], 1)
+            for dep in node.programmatic:  # one edge a call: each gets its own edge data
+                call(edge_adder(), self.graph, [handles[dep]], [handles[node.name]], [_programmatic_edge()], 1)
 
     def launch(self, stream: int | driver.CUstream | None = None) -> None:
         """Runs the graph on ``stream`` (default: torch's current stream), or attaches it if that stream captures."""

@@ -454,14 +454,16 @@ def test_layer_nodes_place_role4_beside_or_before_role2(group: dist.ProcessGroup
     assert r3.programmatic == ("role2",)  # role4's edges, and role2's after role4, are full ones
     if partition == "off":
         assert (seen["deps"], r2.deps, r3.deps, r2.grid[0], seen["max_grid"]) == (("role1",), ("role4_w2",),
-                                                                                   ("role1", "role2"), sms, None)
+                                                                                   ("role1", "role2", "role4_w2"), sms,
+                                                                                   None)
         assert r2.programmatic == ()
     elif reserve:
         assert (seen["deps"], r2.deps, r3.deps) == ((), (), ("role1", "role2", "role4_w2"))
         assert (r2.grid[0], seen["max_grid"]) == (sms - reserve, reserve)
     else:
         assert (seen["deps"], r2.deps, r3.deps, r2.grid[0], seen["max_grid"]) == ((), ("role4_w2",),
-                                                                                   ("role1", "role2"), sms, None)
+                                                                                   ("role1", "role2", "role4_w2"), sms,
+                                                                                   None)
 
 
 def test_call_key_separates_what_changes_the_graph(group: dist.ProcessGroup, fakes: _FakeWeights) -> None:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gc_moe_compat.runtime.graph import KernelNode
+from gc_moe_compat.runtime.graph import KernelNode, edge_adder
 from gc_moe_compat.runtime.params import KernelArgs, c_enum_declaration, c_identifier, ptr
 from gc_moe_compat.runtime.status import (
     STATUS_MISMATCH,
@@ -138,3 +138,14 @@ def test_kernel_node_programmatic_dependencies_must_be_dependencies():
     assert node.signature() != KernelNode.make("b", kernel, None, 1, 32, KernelArgs(), deps=("a",)).signature()
     with pytest.raises(ValueError, match=r"node 'b': programmatic dependencies \['c'\] are not among its deps"):
         KernelNode.make("b", None, None, 1, 32, KernelArgs(), deps=("a",), programmatic=("c",))
+
+
+def test_programmatic_edges_use_the_bindings_call_that_takes_edge_data():
+    def v13(*args):  # CUDA 13 bindings: the plain name takes edge data
+        return args
+
+    def v2(*args):  # 12.x bindings: the plain name does not, its _v2 does
+        return args
+
+    assert edge_adder(SimpleNamespace(cuGraphAddDependencies=v13)) is v13
+    assert edge_adder(SimpleNamespace(cuGraphAddDependencies=lambda *a: a, cuGraphAddDependencies_v2=v2)) is v2

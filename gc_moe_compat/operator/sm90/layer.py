@@ -86,10 +86,12 @@ def layer_nodes(buffer: GcMoeBuffer, y: torch.Tensor, weights: role2_gemm.Role2W
     alone = buffer.ranks_on_device == 1
     r2_deps = (NODE_NAMES[0],) if not partitioned else ()
     r2_early = r2_deps if alone else ()
-    r3_deps = NODE_NAMES[:2]  # role2's edge programmatic (alone): role3's launch overlaps role2's end
-    if r4 and reserve:  # beside: no edge to role2, role3 waits for role4 too
+    # role2's edge programmatic (alone): role3's launch overlaps role2's end. Role3's full edge from role1 must stay:
+    # role3's griddepcontrol.wait covers role2 only, and role2 can end (done, or given up) while role1 still runs
+    r3_deps = NODE_NAMES[:2]
+    if r4:  # role3 waits for role4's partials (combine slot k) by a full edge, beside role2 or before it
         r3_deps = (*r3_deps, r4[-1].name)
-    elif r4:  # before role2
+    if r4 and not reserve:  # before role2
         r2_deps, r2_early = (r4[-1].name,), ()
     r2 = role2_gemm.role2_node(buffer, weights, call.model, call.plan, call.variant, name=NODE_NAMES[1],
                           deps=r2_deps, programmatic=r2_early, activation_clamp=call.activation_clamp,
