@@ -16,12 +16,15 @@ one (loads issued by a consumer thread, only within its own task). Why these rul
 * Stages: as many as the shared memory holds (at most :data:`MAX_STAGES`); a decode GEMM streams weights, so
   bytes in flight per SM are what hide the DRAM latency.
 * The partition per call (``GC_MOE_PARTITION=auto``, :func:`sequential_max_tokens`): on one rank, a call with fewer
-  than :data:`SEQUENTIAL_BELOW_ROWS` expected rows per expert runs the roles in sequence on the whole device. There
-  the dispatch is too short for its overlap to pay, and the GEMM streams the same weights on all SMs instead of the
-  compute partition's (on an H200, 132 against 128). On the A/B runs of three workloads (bench/README.md) the
-  sequential mode was faster at 12 of the 13 points up to 2 expected rows (by up to 5 %), the partition at every
-  point from 8 up; the threshold picked the faster mode at 25 of 27 points (the two misses by 1.1 %). With more
-  ranks the dispatch crosses GPUs and the rule is unmeasured: the partition stays on.
+  than :data:`SEQUENTIAL_BELOW_ROWS` expected rows per expert runs the roles in sequence on the whole device, where
+  role2 follows role1 through a programmatic edge (it starts beside role1 and takes each ring block as role1 fills
+  it, as when partitioned) and streams the weights on all SMs instead of the compute partition's (132 against 128).
+  On the headline A/B runs of three workloads with those edges (one H100, bench/README.md, twenty-eighth session)
+  the sequential mode was as fast or faster up to 32 rows per expert on glm52 and DeepSeek-V3 (0.989-0.995 of the
+  partition's latency at 4-32 rows) and up to 16 on dsv41-flash, the partition faster at 32 rows on dsv41-flash and
+  at 64 on all three (1.1-1.9 %); below 32 rows the threshold picks the faster mode at 25 of 27 points (the two
+  misses, 32 rows on glm52 and DeepSeek-V3, by 0.6-0.8 %). With more ranks the dispatch crosses GPUs and the rule is
+  unmeasured: the partition stays on.
 
 The shared-memory formulas mirror ``kSmemBytes`` in ``kernels/sm90/role2_gemm_fp8xfp8.cu`` (``"fp8xfp8"``) and
 ``kernels/sm90/role2_gemm_fp8xfp4.cu`` (``"fp8xfp4"``: a 64-row slab of one K128 step is a 4352-byte unit of FP4
@@ -127,7 +130,7 @@ def expected_rows_per_expert(num_tokens: int, num_ranks: int, topk: int, num_exp
     return total * topk / num_experts
 
 
-SEQUENTIAL_BELOW_ROWS = 4.0
+SEQUENTIAL_BELOW_ROWS = 32.0
 """Expected rows per expert below which a one-rank call runs with the partition off (module docstring)."""
 
 

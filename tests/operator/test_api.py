@@ -81,25 +81,26 @@ def test_partition_mode_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_partition_auto_runs_small_calls_in_sequence(group: dist.ProcessGroup) -> None:
-    """``auto`` (the default): a partitioned buffer whose calls below 4 expected rows per expert (T*K/E < 4: T <= 15
-    here) run on an alias with the partition off, on the same storage and guard, with a ring holding their blocks."""
-    buf = _buffer(group)
-    assert (buf.partition, buf.plan.sequential_max_tokens) == ("on", 15)
-    assert buf.describe()["sequential_max_tokens"] == 15
-    assert buf.for_call(16) is buf and buf.for_call(TMAX) is buf
+    """``auto`` (the default): a partitioned buffer whose calls below 32 expected rows per expert (T*K/E < 32: T <=
+    127 here) run on an alias with the partition off, on the same storage and guard, with a ring holding their
+    blocks."""
+    buf = _buffer(group, capacity=256)
+    assert (buf.partition, buf.plan.sequential_max_tokens) == ("on", 127)
+    assert buf.describe()["sequential_max_tokens"] == 127
+    assert buf.for_call(128) is buf and buf.for_call(256) is buf
     seq = buf.for_call(1)
     assert buf.for_call(0) is seq  # an empty call fills the fewest blocks
-    assert seq is buf.for_call(15) and seq is not buf and seq.alias_of is buf
+    assert seq is buf.for_call(127) and seq is not buf and seq.alias_of is buf
     assert (seq.partition, seq.plan.sequential_max_tokens) == ("off", 0)
     assert seq.storage is buf.storage and seq.layout is buf.layout and seq.shape == buf.shape
     with exclusive(buf), pytest.raises(WorkspaceBusyError), exclusive(seq):
         pass
-    for t in range(1, 16):  # every sequential call's blocks fit the ring: no refill, no live-block check
+    for t in range(1, 128):  # every sequential call's blocks fit the ring: no refill, no live-block check
         model = api.ring_model(seq, t)
         assert buf.layout.ring.holds_call(model, t)
         assert api.ring_plan(seq, t, model).ring_blocks >= model.call_pool_blocks(t)
     assert buf.layout.ring == ring.RingCapacity.for_partition(buf.shape, 64).union(
-        ring.RingCapacity.for_sequential_calls(buf.shape, 15))
+        ring.RingCapacity.for_sequential_calls(buf.shape, 127))
     # a retyped alias keeps its own sequential alias
     fp8 = buf.retyped("fp8xfp8")
     assert fp8.for_call(1).shape.mma_type == "fp8xfp8" and fp8.for_call(1).partition == "off"

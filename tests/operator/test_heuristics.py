@@ -35,10 +35,10 @@ def test_role2_and_role4_stages_follow_the_rule() -> None:
         assert v4.stages == most_stages(v4._smem) and v4.smem <= SMEM_LIMIT
 
 
-def test_sequential_max_tokens_is_below_four_expected_rows_on_one_rank() -> None:
-    assert SEQUENTIAL_BELOW_ROWS == 4
-    assert sequential_max_tokens(1, 8, 32, 256) == 15  # glm52 / DeepSeek-V3 share: T * 8 / 32 < 4
-    assert sequential_max_tokens(1, 6, 48, 256) == 31  # dsv41-flash share: T * 6 / 48 < 4
+def test_sequential_max_tokens_is_below_32_expected_rows_on_one_rank() -> None:
+    assert SEQUENTIAL_BELOW_ROWS == 32
+    assert sequential_max_tokens(1, 8, 32, 256) == 127  # glm52 / DeepSeek-V3 share: T * 8 / 32 < 32
+    assert sequential_max_tokens(1, 6, 48, 256) == 255  # dsv41-flash share: T * 6 / 48 < 32
     assert sequential_max_tokens(1, 8, 32, 10) == 10  # capped by the buffer's capacity
-    assert sequential_max_tokens(1, 8, 1, 256) == 0  # no call stays below 4 rows per expert
+    assert sequential_max_tokens(1, 8, 1, 256) == 3  # 8 T < 32: T <= 3
     assert sequential_max_tokens(2, 8, 64, 256) == 0  # more ranks: unmeasured, the partition stays on

@@ -34,12 +34,12 @@ def test_check_on_a_cpu_machine_says_what_would_run_and_what_is_missing_and_exit
     assert "package rich:" in out and "package matplotlib:" in out
     assert "ranks: 1 on 1 GPU(s): peers mapped by local, host collectives nccl" in out
     assert "deep_gemm.set_num_sms is kept for get_num_sms and does not shape it" in out
-    # glm52's share at one rank: 32 experts, top-8, so T * 8 / 32 < 4 up to T = 15
-    assert "partition per call: off for T <= 15 (fewer than 4 expected rows per expert), on above" in out
+    # glm52's share at one rank: 32 experts, top-8, so T * 8 / 32 < 32 up to T = 127
+    assert "partition per call: off for T <= 127 (fewer than 32 expected rows per expert), on above" in out
 
 
 @pytest.mark.parametrize(("world", "gpus", "env", "want"), [
-    (1, 1, None, "off for T <= 31 (fewer than 4 expected rows per expert), on above (GC_MOE_PARTITION=auto)"),
+    (1, 1, None, "off for T <= 255 (fewer than 32 expected rows per expert), on above (GC_MOE_PARTITION=auto)"),
     (1, 1, "on", "on at every T (GC_MOE_PARTITION=on)"),
     (2, 2, None, "on at every T (2 ranks: the rule that runs small calls in sequence is measured on one rank"),
     (2, 1, None, "off at every T (ranks share a GPU)"),
