@@ -23,6 +23,8 @@
 //    released[own] = n on every rank. Each CTA runs the send half, then the receive half: a CTA's receive half
 //    waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the launch can hold at once (the
 //    host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
+// At one rank (P = 1) the rows skip the data region: the dispatch copies x straight into its outputs and the combine
+// reads x in place (dispatch_direct, combine_recv<true>), each publishing ready and released for its op as above.
 // Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error (the dispatch's
 // receive: a timeout; its row-count mismatch still reads every row); a failed wait leaves its words unpublished (so
 // peers report too) and every kernel still completes.
@@ -630,6 +632,60 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
     }
 }
 
+// dispatch at one rank (P = 1): every row goes from the caller's x straight into DeepEP's outputs at its receive
+// position (channel start + send_head), as the two halves would leave it, without the data region: the bytes of one
+// copy instead of two (the receive half is the second), so the one-rank dispatch is bound by one copy's bandwidth. A
+// warp per token; the top-k entries take DeepEP's transform for rank 0 (every expert is local). Then, as the receive
+// half: top-k index -1 in the worst-case rows past the received count, and in the last CTA the receivers' channel
+// starts (this rank's own), ready and released for the op (what a later op's waits read), the row-count check and
+// the status mirror.
+static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, const EpNormalParams& p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchRecv);
+    const u32 lane = threadIdx.x & 31;
+    const u32 vecs = p.row_bytes / 16;
+    const u32 num_recv = static_cast<u32>(prefix_at(p, 0, 0, 1));
+    const u32 rows = min(num_recv, p.recv_rows);
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += gridDim.x * kWarps) {
+        const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
+        if (head < 0) continue;  // a token of unused slots only
+        const u32 j = static_cast<u32>(channel_start(p, 0, channel_of(p, t)) + head);
+        if (j >= rows) continue;  // past the outputs: the last CTA reports the count
+        if (lane < p.topk && p.recv_topk_idx) {
+            const u64 f = static_cast<u64>(t) * p.topk + lane;
+            const long long expert = slot_expert(p, f);
+            const long long e = expert < static_cast<long long>(p.local_experts) ? expert : -1;
+            const float weight = reinterpret_cast<const float*>(p.topk_weights)[f];
+            reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(j) * p.topk + lane] = e;
+            reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(j) * p.topk + lane] = e >= 0 ? weight : 0.f;
+        }
+        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = static_cast<int>(t);
+        warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+                  reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
+        u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
+        for (u32 i = lane; i < p.num_scales; i += 32)
+            recv_scales[i] = reinterpret_cast<const u32*>(p.x_scales)[
+                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride];
+    }
+    if (p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
+        const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
+        for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads)
+            reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
+    }
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
+        if (p.recv_channel_prefix) {
+            for (u32 c = threadIdx.x; c < p.num_channels; c += kThreads)
+                reinterpret_cast<int*>(p.recv_channel_prefix)[c] = channel_start(p, 0, c);
+        }
+        __syncthreads();
+        publish(pt, p.off_ready, p.op);
+        publish(pt, p.off_released, p.op);
+        if (threadIdx.x == 0 && num_recv > p.recv_rows)
+            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv,
+                                  p.recv_rows);
+        mirror_status(pt, p);
+    }
+}
+
 // combine heads (DeepEP's in-place rewrite of the handle's send_head at the start of an intranode combine): within
 // each channel's tokens and each rank column, the entry of a token that does not go to the rank (negative) becomes
 // -h - 1, h the head of the nearest later token of the channel that does, or -kNoLaterHead - 1 where none does; heads
@@ -639,7 +695,9 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
 // chunk's first, kBatch chunks loaded before they are scanned, the nearest later head carried from chunk to chunk.
 // The combine kernel runs it first (before its send half's wait: it touches the caller's send_head only); the
 // receive half reads send_head after every CTA of this rank arrived past it (ready is published after the last
-// arrival, each CTA's stores fenced before its own).
+// arrival, each CTA's stores fenced before its own); at one rank it reads them without that wait, which is safe
+// because a rewrite turns a negative entry into another negative one and never touches a head: the sign the receive
+// tests and the heads it uses are the same before and after.
 static __device__ __forceinline__ void combine_heads(const PeerTable& pt, const EpNormalParams& p) {
     constexpr int kNoLaterHead = 1 << 25;  // DeepEP's: above any channel's queue position
     const u32 ranks = static_cast<u32>(pt.world_size);
@@ -727,7 +785,10 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
 // from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each pair of ranks
 // in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane; one rank at a time past
-// kPairRanksMax ranks).
+// kPairRanksMax ranks). kDirect (one rank, P = 1): the rows are read from the caller's x and its topk_weights at the
+// same row index (the data region row the send half would have copied row j into is j there), with no send half and
+// no wait; the last CTA then publishes ready as well as released (a later op's waits read both).
+template <bool kDirect>
 static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
@@ -737,10 +798,13 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         u32 sum = 0;
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
-    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    const bool ok = kDirect || wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
     phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
-    const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
+    // where row r's bytes start, every how many bytes, and the rows the region holds
+    const u8* data = kDirect ? reinterpret_cast<const u8*>(p.x) : reinterpret_cast<const u8*>(pt.base + p.off_data);
+    const u64 stride = kDirect ? p.row_bytes : p.row_stride;
+    const u64 held_rows = kDirect ? p.recv_rows : p.data_rows;
     const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
     const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
@@ -754,7 +818,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             if (r < ranks) {
                 const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
                 rows[w] = rank_start[r] + channel_start(p, r, c) + head;
-                in = head >= 0 && rows[w] < p.data_rows;  // a row past the region: the sender reported it
+                in = head >= 0 && rows[w] < held_rows;  // a row past the region: the sender reported it
             }
             held[w] = __ballot_sync(~0u, in);
         }
@@ -785,15 +849,19 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             // Up to kPairRanksMax ranks two ranks' vectors in flight per round, summed in rank order (the first's,
             // then the second's); with more ranks one rank's at a time.
             const auto add_rows = [&](u32 row_a, u32 row_b, bool two) {
-                const u8* src_a = data + static_cast<u64>(row_a) * p.row_stride;
-                const u8* src_b = data + static_cast<u64>(row_b) * p.row_stride;
+                const u8* src_a = data + static_cast<u64>(row_a) * stride;
+                const u8* src_b = data + static_cast<u64>(row_b) * stride;
                 const u64 col_bytes = (static_cast<u64>(col0) + lane * 8) * 2;
                 const uint4* vec_a = reinterpret_cast<const uint4*>(src_a + col_bytes);
                 const uint4* vec_b = reinterpret_cast<const uint4*>(src_b + col_bytes);
                 float wt_a = 0.f, wt_b = 0.f;
                 if (weights) {
-                    wt_a = reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
-                    if (two) wt_b = reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
+                    const float* weights_of = reinterpret_cast<const float*>(p.topk_weights);
+                    wt_a = kDirect ? weights_of[static_cast<u64>(row_a) * p.topk + lane]
+                                   : reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
+                    if (two)
+                        wt_b = kDirect ? weights_of[static_cast<u64>(row_b) * p.topk + lane]
+                                       : reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
                 }
                 uint4 u[kBatch];
 #pragma unroll
@@ -830,6 +898,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
     }
     phase_mark(kCombinePhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
+        if (kDirect) publish(pt, p.off_ready, p.op);
         if (!timed_out(status)) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
     }
@@ -840,8 +909,12 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
 extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_dispatch(const PeerTable pt,
                                                                             const EpNormalParams p) {
     phase_mark(kDispatchPhases, 0);
-    dispatch_send(pt, p);
-    dispatch_recv(pt, p);
+    if (pt.world_size == 1) {
+        dispatch_direct(pt, p);
+    } else {
+        dispatch_send(pt, p);
+        dispatch_recv(pt, p);
+    }
     phase_mark(kDispatchPhases, 5);
 }
 
@@ -849,7 +922,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine(c
                                                                            const EpNormalParams p) {
     phase_mark(kCombinePhases, 0);
     combine_heads(pt, p);
-    combine_send(pt, p);
-    combine_recv(pt, p);
+    if (pt.world_size == 1) {  // one rank: the rows are read from x in place (combine_recv<true>)
+        combine_recv<true>(pt, p);
+    } else {
+        combine_send(pt, p);
+        combine_recv<false>(pt, p);
+    }
     phase_mark(kCombinePhases, 5);
 }
