@@ -663,7 +663,11 @@ class NormalMode:
     def _need(self, fn: str, rows: int, launch: NormalLaunch, what: str, refused_op: int | None = None) -> None:
         """The data region of ``launch``'s calls holds ``rows`` rows, else ``ValueError`` naming the bytes. With
         ``refused_op`` (``rows`` is alike on every rank; the op whose counts were exchanged, 0 for none) the error
-        is an :class:`_OverflowError`, on which the Buffer grows its workspace and runs the call again."""
+        is an :class:`_OverflowError`, on which the Buffer grows its workspace and runs the call again. At one rank
+        nothing is needed: the kernels copy between the caller's tensors there, without the data region
+        (kernels/sm90/ep_normal.cu: dispatch_direct, combine_recv<true>)."""
+        if self.ranks == 1:
+            return
         params = launch.params[-1]
         if rows > params.data_rows:
             stride, data = params.row_stride, params.off_data

@@ -3,7 +3,8 @@ of tests/facades/test_deep_ep_normal_launches.py): a count alike on every rank (
 notify, a handle's busiest sender / receiver) grows the workspace in that call and runs the call again on it, from op
 1, with a ``RuntimeWarning``; a growth no rank can make keeps the workspace and releases the refused op's words; a
 ``num_worst_tokens`` dispatch that does not fit raises before any launch. The GPU case (a Buffer grown through
-real calls at one and two ranks, bit-exact) is the normal worker's (tests/kit/deep_ep_normal_worker.py)."""
+real calls at two ranks, bit-exact; at one rank the rows never enter the workspace) is the normal worker's
+(tests/kit/deep_ep_normal_worker.py)."""
 
 from __future__ import annotations
 
