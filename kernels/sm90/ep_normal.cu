@@ -628,6 +628,7 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         if (threadIdx.x == 0 && num_recv > p.recv_rows)
             gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv,
                                   p.recv_rows);
+        __syncthreads();  // the report before the mirror's copy
         mirror_status(pt, p);
     }
 }
@@ -645,6 +646,7 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
     const u32 vecs = p.row_bytes / 16;
     const u32 num_recv = static_cast<u32>(prefix_at(p, 0, 0, 1));
     const u32 rows = min(num_recv, p.recv_rows);
+    phase_mark(kDispatchPhases, 1);  // the two-half path's marks, so that a phase read finds every one
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += gridDim.x * kWarps) {
         const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
         if (head < 0) continue;  // a token of unused slots only
@@ -666,11 +668,14 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
             recv_scales[i] = reinterpret_cast<const u32*>(p.x_scales)[
                 static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride];
     }
+    phase_mark(kDispatchPhases, 2);
+    phase_mark(kDispatchPhases, 3);
     if (p.recv_topk_idx) {  // worst-case rows past the received count: top-k index -1 (DeepEP's rule)
         const u64 first = static_cast<u64>(rows) * p.topk, last = static_cast<u64>(p.recv_rows) * p.topk;
         for (u64 f = first + blockIdx.x * kThreads + threadIdx.x; f < last; f += gridDim.x * kThreads)
             reinterpret_cast<long long*>(p.recv_topk_idx)[f] = -1;
     }
+    phase_mark(kDispatchPhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (p.recv_channel_prefix) {
             for (u32 c = threadIdx.x; c < p.num_channels; c += kThreads)
@@ -682,6 +687,7 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
         if (threadIdx.x == 0 && num_recv > p.recv_rows)
             gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteRecvRows << 16, num_recv,
                                   p.recv_rows);
+        __syncthreads();  // the report before the mirror's copy
         mirror_status(pt, p);
     }
 }
@@ -798,6 +804,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         u32 sum = 0;
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
+    if constexpr (kDirect) __syncthreads();  // rank_start before any warp reads it (wait_all_ranks' barrier otherwise)
     const bool ok = kDirect || wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
     phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
@@ -923,6 +930,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine(c
     phase_mark(kCombinePhases, 0);
     combine_heads(pt, p);
     if (pt.world_size == 1) {  // one rank: the rows are read from x in place (combine_recv<true>)
+        phase_mark(kCombinePhases, 1);  // the send half's marks, so that a phase read finds every one
+        phase_mark(kCombinePhases, 2);
         combine_recv<true>(pt, p);
     } else {
         combine_send(pt, p);
