@@ -665,7 +665,7 @@ class NormalMode:
         ``refused_op`` (``rows`` is alike on every rank; the op whose counts were exchanged, 0 for none) the error
         is an :class:`_OverflowError`, on which the Buffer grows its workspace and runs the call again. At one rank
         nothing is needed: the kernels copy between the caller's tensors there, without the data region
-        (kernels/sm90/ep_normal.cu: dispatch_direct, combine_recv<true>)."""
+        (kernels/sm90/ep_normal.cu: dispatch_direct, combine_direct)."""
         if self.ranks == 1:
             return
         params = launch.params[-1]

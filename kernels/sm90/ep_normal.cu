@@ -24,7 +24,7 @@
 //    waits on its own grid's send half (ready[own]), so the grid is at most the CTAs the launch can hold at once (the
 //    host bounds it by the rank's share of the SMs), as DeepEP's one dispatch kernel.
 // At one rank (P = 1) the rows skip the data region: the dispatch copies x straight into its outputs and the combine
-// reads x in place (dispatch_direct, combine_recv<true>), each publishing ready and released for its op as above.
+// reads x in place (dispatch_direct, combine_direct), each publishing ready and released for its op as above.
 // Every wait is bounded by timeout_ns and ends early once the kernel's status record holds an error (the dispatch's
 // receive: a timeout; its row-count mismatch still reads every row); a failed wait leaves its words unpublished (so
 // peers report too) and every kernel still completes.
@@ -791,10 +791,7 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
 // from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each pair of ranks
 // in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane; one rank at a time past
-// kPairRanksMax ranks). kDirect (one rank, P = 1): the rows are read from the caller's x and its topk_weights at the
-// same row index (the data region row the send half would have copied row j into is j there), with no send half and
-// no wait; the last CTA then publishes ready as well as released (a later op's waits read both).
-template <bool kDirect>
+// kPairRanksMax ranks).
 static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
     __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
@@ -804,14 +801,14 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         u32 sum = 0;
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
-    if constexpr (kDirect) __syncthreads();  // rank_start before any warp reads it (wait_all_ranks' barrier otherwise)
-    const bool ok = kDirect || wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);  // its barrier:
+                                                                                                     // rank_start
     phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
     // where row r's bytes start, every how many bytes, and the rows the region holds
-    const u8* data = kDirect ? reinterpret_cast<const u8*>(p.x) : reinterpret_cast<const u8*>(pt.base + p.off_data);
-    const u64 stride = kDirect ? p.row_bytes : p.row_stride;
-    const u64 held_rows = kDirect ? p.recv_rows : p.data_rows;
+    const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
+    const u64 stride = p.row_stride;
+    const u64 held_rows = p.data_rows;
     const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
     const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
@@ -863,12 +860,8 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
                 const uint4* vec_b = reinterpret_cast<const uint4*>(src_b + col_bytes);
                 float wt_a = 0.f, wt_b = 0.f;
                 if (weights) {
-                    const float* weights_of = reinterpret_cast<const float*>(p.topk_weights);
-                    wt_a = kDirect ? weights_of[static_cast<u64>(row_a) * p.topk + lane]
-                                   : reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
-                    if (two)
-                        wt_b = kDirect ? weights_of[static_cast<u64>(row_b) * p.topk + lane]
-                                       : reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
+                    wt_a = reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
+                    if (two) wt_b = reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
                 }
                 uint4 u[kBatch];
 #pragma unroll
@@ -905,7 +898,60 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
     }
     phase_mark(kCombinePhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
-        if (kDirect) publish(pt, p.off_ready, p.op);
+        if (!timed_out(status)) publish(pt, p.off_released, p.op);
+        mirror_status(pt, p);
+    }
+}
+
+// combine at one rank (P = 1): out[t] = BF16(bias_0 + bias_1 + x[j]) in FP32, j the row the dispatch gave token t
+// (the data region row the send half would have copied row j into is j there, so x and topk_weights are read in place
+// at row j), and its top-k weights copied from row j: the receive half's sums with one term, stored by the same
+// roundings. No send half and no wait. A warp per token, kRowBatch vectors per lane loaded before any is summed (the
+// row copies' bytes in flight: 8 KB per warp, twice the receive half's one rank of kBatch); the last CTA publishes
+// ready as well as released (a later op's waits read both).
+static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const EpNormalParams& p) {
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
+    const u32 lane = threadIdx.x & 31;
+    phase_mark(kCombinePhases, 3);
+    const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
+    const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += gridDim.x * kWarps) {
+        const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
+        const u32 j = static_cast<u32>(channel_start(p, 0, channel_of(p, t)) + head);
+        const bool held = head >= 0 && j < p.recv_rows;  // else the output is the biases alone (a token of no row)
+        const uint4* row = reinterpret_cast<const uint4*>(reinterpret_cast<const u8*>(p.x) + static_cast<u64>(j) *
+                                                           p.row_bytes);
+        if (lane < p.topk && p.out_topk_weights)
+            reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] =
+                held ? 0.f + reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(j) * p.topk + lane] : 0.f;
+        for (u32 col0 = 0; col0 < p.hidden; col0 += kRowBatch * kColumns) {
+            const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
+            uint4 v[kRowBatch];
+#pragma unroll
+            for (u32 i = 0; i < kRowBatch; ++i) {
+                v[i] = make_uint4(0, 0, 0, 0);
+                if (held && col0 + i * kColumns + lane * 8 < p.hidden) v[i] = row[(col0 + i * kColumns) / 8 + lane];
+            }
+#pragma unroll
+            for (u32 i = 0; i < kRowBatch; ++i) {
+                if (col0 + i * kColumns + lane * 8 >= p.hidden) continue;
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                if (bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns));
+                if (bias_1) add_bf16x8(b1, *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns));
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+                if (held) add_bf16x8(acc, v[i]);
+                __nv_bfloat162 out[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) out[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+                *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
+                    *reinterpret_cast<const uint4*>(out);
+            }
+        }
+    }
+    phase_mark(kCombinePhases, 4);
+    if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
+        publish(pt, p.off_ready, p.op);
         if (!timed_out(status)) publish(pt, p.off_released, p.op);
         mirror_status(pt, p);
     }
@@ -929,13 +975,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_combine(c
                                                                            const EpNormalParams p) {
     phase_mark(kCombinePhases, 0);
     combine_heads(pt, p);
-    if (pt.world_size == 1) {  // one rank: the rows are read from x in place (combine_recv<true>)
+    if (pt.world_size == 1) {  // one rank: the rows are read from x in place
         phase_mark(kCombinePhases, 1);  // the send half's marks, so that a phase read finds every one
         phase_mark(kCombinePhases, 2);
-        combine_recv<true>(pt, p);
+        combine_direct(pt, p);
     } else {
         combine_send(pt, p);
-        combine_recv<false>(pt, p);
+        combine_recv(pt, p);
     }
     phase_mark(kCombinePhases, 5);
 }
