@@ -63,6 +63,8 @@ constexpr u32 kRowBatch = 16;      // a row copy's 16-byte vectors in flight per
                                    // row in one round; each round costs a memory latency per row)
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
                                    // H200, ranks under MPS: 5-15 % faster at P = 2 / 4, 3.5-5 % slower at P = 8)
+constexpr u32 kDirectRowLoads = 28;  // one-rank paths: 16-byte vectors in flight per lane (a 7168-column BF16 row
+                                     // in one round)
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
@@ -150,15 +152,15 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
 
 // A warp copies `count` elements (16-byte vectors, or scale words), kRowBatch loads in flight per lane before their
 // stores.
-template <typename T>
+template <u32 kLoads = kRowBatch, typename T>
 __device__ __forceinline__ void warp_copy(T* dst, const T* src, u32 count, u32 lane) {
-    for (u32 v0 = lane; v0 < count; v0 += 32 * kRowBatch) {
-        T r[kRowBatch];
+    for (u32 v0 = lane; v0 < count; v0 += 32 * kLoads) {
+        T r[kLoads];
 #pragma unroll
-        for (u32 i = 0; i < kRowBatch; ++i)
+        for (u32 i = 0; i < kLoads; ++i)
             if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
 #pragma unroll
-        for (u32 i = 0; i < kRowBatch; ++i)
+        for (u32 i = 0; i < kLoads; ++i)
             if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
     }
 }
@@ -633,10 +635,23 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
     }
 }
 
+// The one-rank paths' row of token t (dispatch_direct, combine_direct): lane k of the warp returns the row j the
+// dispatch gives token first + k * step (its channel's start plus its send_head entry), or -1 for none (a token of
+// unused slots, or t past the tokens). One load round for 32 tokens, instead of two dependent loads per token.
+__device__ __forceinline__ int direct_row_of(const EpNormalParams& p, u32 first, u32 step, u32 lane) {
+    const u32 t = first + lane * step;
+    if (t >= p.num_tokens) return -1;
+    const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
+    const int start = channel_start(p, 0, channel_of(p, t));
+    return head < 0 ? -1 : start + head;
+}
+
 // dispatch at one rank (P = 1): every row goes from the caller's x straight into DeepEP's outputs at its receive
 // position (channel start + send_head), as the two halves would leave it, without the data region: the bytes of one
 // copy instead of two (the receive half is the second), so the one-rank dispatch is bound by one copy's bandwidth. A
-// warp per token; the top-k entries take DeepEP's transform for rank 0 (every expert is local). Then, as the receive
+// warp per token, its rows found 32 tokens at a time (direct_row_of) and its top-k and first scale loads issued with
+// its row's, so that a token costs one memory round trip (a BF16 row of up to 7168 columns); the top-k entries take
+// DeepEP's transform for rank 0 (every expert is local). Then, as the receive
 // half: top-k index -1 in the worst-case rows past the received count, and in the last CTA the receivers' channel
 // starts (this rank's own), ready and released for the op (what a later op's waits read), the row-count check and
 // the status mirror.
@@ -646,27 +661,50 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
     const u32 vecs = p.row_bytes / 16;
     const u32 num_recv = static_cast<u32>(prefix_at(p, 0, 0, 1));
     const u32 rows = min(num_recv, p.recv_rows);
+    const u32 step = gridDim.x * kWarps;
     phase_mark(kDispatchPhases, 1);  // the two-half path's marks, so that a phase read finds every one
-    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += gridDim.x * kWarps) {
-        const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
-        if (head < 0) continue;  // a token of unused slots only
-        const u32 j = static_cast<u32>(channel_start(p, 0, channel_of(p, t)) + head);
-        if (j >= rows) continue;  // past the outputs: the last CTA reports the count
-        if (lane < p.topk && p.recv_topk_idx) {
-            const u64 f = static_cast<u64>(t) * p.topk + lane;
-            const long long expert = slot_expert(p, f);
-            const long long e = expert < static_cast<long long>(p.local_experts) ? expert : -1;
-            const float weight = reinterpret_cast<const float*>(p.topk_weights)[f];
-            reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(j) * p.topk + lane] = e;
-            reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(j) * p.topk + lane] = e >= 0 ? weight : 0.f;
+    for (u32 first = blockIdx.x * kWarps + threadIdx.x / 32; first < p.num_tokens; first += 32 * step) {
+        const int row_of_lane = direct_row_of(p, first, step, lane);
+        for (u32 k = 0; k < 32 && first + k * step < p.num_tokens; ++k) {
+            const u32 t = first + k * step;
+            const int row = __shfl_sync(~0u, row_of_lane, k);
+            if (row < 0 || static_cast<u32>(row) >= rows) continue;  // none, or past the outputs (the last CTA
+                                                                      // reports the count)
+            const u32 j = static_cast<u32>(row);
+            // the token's small loads before its row's, so that all are in flight together
+            long long e = -1;
+            float weight = 0.f;
+            const bool slot = lane < p.topk && p.recv_topk_idx;
+            if (slot) {
+                const u64 f = static_cast<u64>(t) * p.topk + lane;
+                e = slot_expert(p, f);
+                weight = reinterpret_cast<const float*>(p.topk_weights)[f];
+            }
+            const u32* scales = reinterpret_cast<const u32*>(p.x_scales) + static_cast<u64>(t) * p.scale_token_stride;
+            u32 early[kEarlyScaleWords];
+#pragma unroll
+            for (u32 w = 0; w < kEarlyScaleWords; ++w) {
+                const u32 i = w * 32 + lane;
+                if (i < p.num_scales) early[w] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
+            }
+            warp_copy<kDirectRowLoads>(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+                                       reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
+            u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
+#pragma unroll
+            for (u32 w = 0; w < kEarlyScaleWords; ++w) {
+                const u32 i = w * 32 + lane;
+                if (i < p.num_scales) recv_scales[i] = early[w];
+            }
+            for (u32 i = 32 * kEarlyScaleWords + lane; i < p.num_scales; i += 32)
+                recv_scales[i] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
+            if (slot) {
+                e = e < static_cast<long long>(p.local_experts) ? e : -1;
+                reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(j) * p.topk + lane] = e;
+                reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(j) * p.topk + lane] =
+                    e >= 0 ? weight : 0.f;
+            }
+            if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = static_cast<int>(t);
         }
-        if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = static_cast<int>(t);
-        warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
-                  reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
-        u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
-        for (u32 i = lane; i < p.num_scales; i += 32)
-            recv_scales[i] = reinterpret_cast<const u32*>(p.x_scales)[
-                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride];
     }
     phase_mark(kDispatchPhases, 2);
     phase_mark(kDispatchPhases, 3);
@@ -906,47 +944,54 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
 // combine at one rank (P = 1): out[t] = BF16(bias_0 + bias_1 + x[j]) in FP32, j the row the dispatch gave token t
 // (the data region row the send half would have copied row j into is j there, so x and topk_weights are read in place
 // at row j), and its top-k weights copied from row j: the receive half's sums with one term, stored by the same
-// roundings. No send half and no wait. A warp per token, kRowBatch vectors per lane loaded before any is summed (the
-// row copies' bytes in flight: 8 KB per warp, twice the receive half's one rank of kBatch); the last CTA publishes
-// ready as well as released (a later op's waits read both).
+// roundings. No send half and no wait. A warp per token, its rows found 32 tokens at a time (direct_row_of), its
+// weights and kDirectRowLoads vectors per lane loaded before any is summed (a BF16 row of up to 7168 columns in one
+// memory round trip); the last CTA publishes ready as well as released (a later op's waits read both).
 static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
     const u32 lane = threadIdx.x & 31;
+    const u32 step = gridDim.x * kWarps;
     phase_mark(kCombinePhases, 3);
     const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
     const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
-    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < p.num_tokens; t += gridDim.x * kWarps) {
-        const int head = reinterpret_cast<const int*>(p.send_head)[t];  // entry (t, rank 0) of [T, 1]
-        const u32 j = static_cast<u32>(channel_start(p, 0, channel_of(p, t)) + head);
-        const bool held = head >= 0 && j < p.recv_rows;  // else the output is the biases alone (a token of no row)
-        const uint4* row = reinterpret_cast<const uint4*>(reinterpret_cast<const u8*>(p.x) + static_cast<u64>(j) *
-                                                           p.row_bytes);
-        if (lane < p.topk && p.out_topk_weights)
-            reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] =
-                held ? 0.f + reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(j) * p.topk + lane] : 0.f;
-        for (u32 col0 = 0; col0 < p.hidden; col0 += kRowBatch * kColumns) {
-            const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
-            uint4 v[kRowBatch];
+    for (u32 first = blockIdx.x * kWarps + threadIdx.x / 32; first < p.num_tokens; first += 32 * step) {
+        const int row_of_lane = direct_row_of(p, first, step, lane);
+        for (u32 k = 0; k < 32 && first + k * step < p.num_tokens; ++k) {
+            const u32 t = first + k * step;
+            const int row = __shfl_sync(~0u, row_of_lane, k);
+            const bool held = row >= 0 && static_cast<u32>(row) < p.recv_rows;  // else the biases alone
+            const u32 j = held ? static_cast<u32>(row) : 0;
+            const uint4* x_row = reinterpret_cast<const uint4*>(reinterpret_cast<const u8*>(p.x) +
+                                                                static_cast<u64>(j) * p.row_bytes);
+            const bool slot = lane < p.topk && p.out_topk_weights;
+            const float weight = slot && held ? reinterpret_cast<const float*>(p.topk_weights)[
+                static_cast<u64>(j) * p.topk + lane] : 0.f;
+            for (u32 col0 = 0; col0 < p.hidden; col0 += kDirectRowLoads * kColumns) {
+                const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
+                uint4 v[kDirectRowLoads];
 #pragma unroll
-            for (u32 i = 0; i < kRowBatch; ++i) {
-                v[i] = make_uint4(0, 0, 0, 0);
-                if (held && col0 + i * kColumns + lane * 8 < p.hidden) v[i] = row[(col0 + i * kColumns) / 8 + lane];
+                for (u32 i = 0; i < kDirectRowLoads; ++i) {
+                    v[i] = make_uint4(0, 0, 0, 0);
+                    if (held && col0 + i * kColumns + lane * 8 < p.hidden) v[i] = x_row[(col0 + i * kColumns) / 8 + lane];
+                }
+#pragma unroll
+                for (u32 i = 0; i < kDirectRowLoads; ++i) {
+                    if (col0 + i * kColumns + lane * 8 >= p.hidden) continue;
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    if (bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns));
+                    if (bias_1) add_bf16x8(b1, *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+                    if (held) add_bf16x8(acc, v[i]);
+                    __nv_bfloat162 out[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) out[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+                    *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
+                        *reinterpret_cast<const uint4*>(out);
+                }
             }
-#pragma unroll
-            for (u32 i = 0; i < kRowBatch; ++i) {
-                if (col0 + i * kColumns + lane * 8 >= p.hidden) continue;
-                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                if (bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns));
-                if (bias_1) add_bf16x8(b1, *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns));
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
-                if (held) add_bf16x8(acc, v[i]);
-                __nv_bfloat162 out[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) out[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-                *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
-                    *reinterpret_cast<const uint4*>(out);
-            }
+            if (slot) reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = 0.f + weight;
         }
     }
     phase_mark(kCombinePhases, 4);
