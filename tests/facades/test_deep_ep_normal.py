@@ -1,16 +1,16 @@
 """The ``deep_ep`` facade's normal mode (DeepEP's intranode ``get_dispatch_layout`` / ``dispatch`` / ``combine``) on
-H200s, bit for bit against the torch references (:mod:`gc_moe_compat.testing.ep_normal_reference`), on one rank and
-on two: every handle tensor (``send_head`` also after a combine, which rewrites it in place as DeepEP's does, after a
-second combine on the same handle and after a cached dispatch), BF16 and FP8 payloads (column-major scales), -1
-slots, T = 0, a rank without tokens, every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached
-re-dispatch, bias, async with ``previous_event``, channels of several 32-token chunks, 20 consecutive rounds, a
-default device of cuda, on the communication green partition and with the partition off; two ranks: a missing peer
-ends in ``DeviceTimeoutError`` naming it. The rewrite's kernel on its own (issue 29): DeepEP's bytes (the reference's
-``combined_send_head``) for up to 8 rank columns, long and empty channels, inside guard words, twice (a reused
-handle), with the facade's grid and with one CTA. In process on one rank: ``get_dispatch_layout`` reports an id
-outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as ``DeviceCheckError`` at the next call (no call waits
-on the CPU, as with DeepEP), a synchronous one's and an ``async_finish`` one's, and ``Buffer.destroy`` raises one
-that no call raised.
+H200s, bit for bit against the torch references (:mod:`gc_moe_compat.testing.ep_normal_reference`), on one rank and on
+two: every handle tensor (``send_head`` also after a combine, which rewrites it in place as DeepEP's does, after a
+second combine on the same handle and after a cached dispatch), BF16 and FP8 payloads (column-major scales), -1 slots,
+T = 0, a rank without tokens, every token to one expert, ``expert_alignment``, ``num_worst_tokens``, a cached
+re-dispatch, bias, -0 / infinities / subnormals / NaN in the payloads, async with ``previous_event``, channels of
+several 32-token chunks, 20 consecutive rounds, a default device of cuda, on the communication green partition and
+with the partition off; two ranks: a missing peer ends in ``DeviceTimeoutError`` naming it. The rewrite's kernel on
+its own (issue 29): DeepEP's bytes (the reference's ``combined_send_head``) for up to 8 rank columns, long and empty
+channels, inside guard words, twice (a reused handle), with the facade's grid and with one CTA. In process on one
+rank: ``get_dispatch_layout`` reports an id outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as
+``DeviceCheckError`` at the next call (no call waits on the CPU, as with DeepEP), a synchronous one's and an
+``async_finish`` one's, and ``Buffer.destroy`` raises one that no call raised.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ CASES = ("normal random BF16 bit-exact", "normal random FP8 (column-major scales
          "normal long channels (send_head's rewrite over several 32-token chunks) bit-exact",
          "normal hidden 8320 FP8 bit-exact", "normal hidden 8320 BF16 + bias bit-exact",
          "normal hidden 384 FP8 bit-exact", "normal routing row slices bit-exact",
-         "normal routing row slices FP8 bit-exact",
+         "normal routing row slices FP8 bit-exact", "normal special values BF16 bit-exact",
+         "normal special values BF16 + bias bit-exact",
          "normal under torch.set_default_device('cuda') bit-exact", "20 consecutive normal rounds bit-exact",
          "normal on a 64 KB workspace")
 GROWTH_CASES = ("2 growths), bit-exact", "a growth the last rank cannot make -> ValueError",

@@ -64,10 +64,28 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().contiguous().view(torch.uint8)
 
 
-def check_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def check_equal(what: str, got: torch.Tensor, want: torch.Tensor, any_nan: bool = False) -> None:
+    """``got`` bit for bit ``want``; with ``any_nan`` a NaN matches any NaN (a sum's NaN is the GPU's canonical one,
+    torch's CPU rounding keeps another payload), every other element still bit for bit."""
     got = got.cpu()
+    want = want.to(got.dtype)
     assert got.shape == want.shape, f"{what}: shape {list(got.shape)} != {list(want.shape)}"
-    assert torch.equal(bits(got), bits(want.to(got.dtype))), f"{what}: {(got != want).sum().item()} elements differ"
+    if any_nan:
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), f"{what}: NaN at other elements"
+        got, want = got.masked_fill(nan, 0), want.masked_fill(nan, 0)
+    assert torch.equal(bits(got), bits(want)), f"{what}: {(bits(got) != bits(want)).sum().item()} bytes differ"
+
+
+SPECIAL_VALUES = (-0.0, float("inf"), float("-inf"), 1e-39, -3e-40, float("nan"))
+"""Written into every 37th column of the payloads (``run_case(special=True)``): -0 (a sum from +0 makes it +0),
+infinities, BF16 subnormals (no flush to zero) and NaN."""
+
+
+def with_special_values(x: torch.Tensor) -> torch.Tensor:
+    for k, value in enumerate(SPECIAL_VALUES):
+        x[:, k::37] = value
+    return x
 
 
 def off_16(t: torch.Tensor) -> torch.Tensor:
@@ -77,13 +95,17 @@ def off_16(t: torch.Tensor) -> torch.Tensor:
 
 def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list[int], kind: str, fp8: bool,
              align: int = 1, worst: int = 0, use_async: bool = False, bias: bool = False, hidden: int = HIDDEN,
-             sliced: bool = False) -> None:
+             sliced: bool = False, special: bool = False) -> None:
     """One layout, uncached dispatch, cached dispatch and two combines, every output against the references;
     ``sliced``: the routing, the counts and the combine's weights passed one element past a 16-byte boundary (as
-    row slices of a larger batch are), which the kernels read element by element."""
+    row slices of a larger batch are), which the kernels read element by element; ``special``: BF16 payloads with
+    :data:`SPECIAL_VALUES` (the combine's NaNs compared as NaN)."""
     gen = torch.Generator().manual_seed(seed)
     experts = experts_for(ranks)
     xs = [(torch.randn(t, hidden, generator=gen, device="cpu") * 2).to(torch.bfloat16) for t in tokens]
+    if special:
+        assert not fp8, "special values: BF16 payloads only (an FP8 block's scale of an infinity is not finite)"
+        xs = [with_special_values(x) for x in xs]
     routes = [routing(gen, t, experts, kind) for t in tokens]
     idx, w = [r[0] for r in routes], [r[1] for r in routes]
     config = deep_ep.Config(SMS, 8, 256)
@@ -179,7 +201,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     if use_async:
         ev.current_stream_wait()
     torch.cuda.synchronize()
-    check_equal("combined_x", combined, want_x)
+    check_equal("combined_x", combined, want_x, any_nan=special)
     check_equal("combined_topk_weights", combined_w, want_w)
     # DeepEP's combine rewrites the handle's send_head in place; a second combine on the same handle reads that
     # rewrite (and leaves it), as does a cached dispatch after it.
@@ -189,7 +211,7 @@ def run_case(buf: deep_ep.Buffer, rank: int, ranks: int, seed: int, tokens: list
     combined, combined_w, _ = buf.combine(x_comb.cuda(), handle, topk_weights=recv_w, config=config,
                                           bias=tuple(t.cuda() for t in b) if bias else None)
     torch.cuda.synchronize()
-    check_equal("second combine combined_x", combined, want_x)
+    check_equal("second combine combined_x", combined, want_x, any_nan=special)
     check_equal("second combine combined_topk_weights", combined_w, want_w)
     check_equal("send_head after a second combine", send_head, heads)
     if not fp8:
@@ -235,6 +257,12 @@ def suite_cases(rank: int, ranks: int) -> None:
         ("hidden 384 FP8", dict(seed=13, tokens=[40] * ranks, kind="random", fp8=True, hidden=384)),
         ("routing row slices", dict(seed=14, tokens=[37] * ranks, kind="random", fp8=False, bias=True, sliced=True)),
         ("routing row slices FP8", dict(seed=15, tokens=[37] * ranks, kind="random", fp8=True, sliced=True)),
+        # -0, infinities, subnormals and NaN through the dispatch's copies and the combine's FP32 sums; hidden 7168:
+        # 896 vectors, one full round of the one-rank paths' 28 vectors per lane.
+        ("special values BF16", dict(seed=16, tokens=[40] * ranks, kind="random", fp8=False, hidden=7168,
+                                     special=True)),
+        ("special values BF16 + bias", dict(seed=17, tokens=[40] * ranks, kind="random", fp8=False, bias=True,
+                                            special=True)),
     ]
     for name, case in cases:
         run_case(buf, rank, ranks, **case)
