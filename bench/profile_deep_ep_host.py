@@ -1,17 +1,17 @@
 """Where the time of one eager ``deep_ep`` facade call goes, on one GPU at one rank: the kernels' GPU time against
 the wall time of the Python call, and the host functions that take it.
 
-For each op (normal ``dispatch`` BF16 uncached, ``combine``; low-latency ``low_latency_dispatch`` FP8 and
-``low_latency_combine``) on one shape: ``--calls`` eager calls back to back, synchronized once at the end, give the
-host time per call (issuing them) and the wall time (until the GPU has finished them); torch's profiler (CUPTI) over
-the same loop gives every kernel's GPU time per call; cProfile over the loop gives the host functions by cumulative
-time. A call whose wall time far exceeds its kernels' is host-bound, and the cProfile table names where; a table of
-the primitives' host costs (current-stream lookups, the low-latency dispatch's allocations, beside an empty call's)
-follows the summary (the uncached dispatch's host time includes its CPU wait for the counts). ``--ncu``:
-instead, one call of each op (after three warm-up calls) between ``cudaProfilerStart`` and ``cudaProfilerStop``, for
-``ncu --profile-from-start off`` (bench/README.md says which sections). This is a diagnosis, not a benchmark: the
-report is text, written to ``--out`` (default ``profile_deep_ep_host.txt`` in the working directory), and the timings
-in it are not the protocol's.
+For each op (normal ``get_dispatch_layout``, ``dispatch`` BF16 and FP8 uncached, ``combine``; low-latency
+``low_latency_dispatch`` FP8 and ``low_latency_combine``) on one shape: ``--calls`` eager calls back to back,
+synchronized once at the end, give the host time per call (issuing them) and the wall time (until the GPU has finished
+them); torch's profiler (CUPTI) over the same loop gives every kernel's GPU time per call; cProfile over the loop
+gives the host functions by cumulative time. A call whose wall time far exceeds its kernels' is host-bound, and the
+cProfile table names where; a table of the primitives' host costs (current-stream lookups, the low-latency dispatch's
+allocations, beside an empty call's) follows the summary (the uncached dispatch's host time includes its CPU wait for
+the counts). ``--ncu``: instead, one call of each op (after three warm-up calls) between ``cudaProfilerStart`` and
+``cudaProfilerStop``, for ``ncu --profile-from-start off`` (bench/README.md says which sections). This is a diagnosis,
+not a benchmark: the report is text, written to ``--out`` (default ``profile_deep_ep_host.txt`` in the working
+directory), and the timings in it are not the protocol's.
 
 ``python bench/profile_deep_ep_host.py --out profile_deep_ep_host.txt``
 """
@@ -124,7 +124,7 @@ def machine_neutral(text: str) -> str:
 
 def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int
         ) -> tuple[dict[str, Callable[[], object]], list[deep_ep.Buffer]]:
-    """The four eager calls, their inputs prepared once; the Buffers to destroy afterwards."""
+    """The eager calls, their inputs prepared once; the Buffers to destroy afterwards."""
     x, idx, w = (t.cuda() for t in routing(tokens, hidden, topk, experts, 7))
     config = deep_ep.Config(NUM_SMS, 8, 256)
     normal = deep_ep.Buffer(group, normal_nvl_bytes(hidden, tokens), 0, explicitly_destroy=True)
@@ -138,6 +138,7 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     recv_x, _, ll_handle, _, _ = ll.low_latency_dispatch(lx, lidx, ll_tokens, experts, use_fp8=False)
     expert_out = recv_x.clone()
     table = {
+        "normal layout": lambda: normal.get_dispatch_layout(idx, experts),
         "normal dispatch bf16": lambda: normal.dispatch(x, **layout),
         "normal dispatch fp8": lambda: normal.dispatch(x_fp8, **layout),
         "normal combine": lambda: normal.combine(recv, handle, topk_weights=recv_w, config=config),
