@@ -941,6 +941,31 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
     }
 }
 
+// combine_direct's sums of one 16-byte vector (8 BF16 columns) in FP32, rounded to BF16 as the receive half does:
+// from_zero is 0 + x (no bias: the same roundings, e.g. -0 becomes +0, in a fifth of the instructions),
+// biased_vector is (bias_0 + bias_1) + x, x counted only when held (else the biases alone).
+__device__ __forceinline__ u32 bf16x2_from(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&v);
+}
+
+__device__ __forceinline__ uint4 from_zero(const uint4 x) {
+    const auto word = [](u32 w) { return bf16x2_from(__fadd_rn(0.f, bf16_lo(w)), __fadd_rn(0.f, bf16_hi(w))); };
+    return make_uint4(word(x.x), word(x.y), word(x.z), word(x.w));
+}
+
+__device__ __forceinline__ uint4 biased_vector(const uint4* bias_0, const uint4* bias_1, u64 at, const uint4 x,
+                                               bool held) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (bias_0) add_bf16x8(acc, bias_0[at]);
+    if (bias_1) add_bf16x8(b1, bias_1[at]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+    if (held) add_bf16x8(acc, x);
+    return make_uint4(bf16x2_from(acc[0], acc[1]), bf16x2_from(acc[2], acc[3]), bf16x2_from(acc[4], acc[5]),
+                      bf16x2_from(acc[6], acc[7]));
+}
+
 // combine at one rank (P = 1): out[t] = BF16(bias_0 + bias_1 + x[j]) in FP32, j the row the dispatch gave token t
 // (the data region row the send half would have copied row j into is j there, so x and topk_weights are read in place
 // at row j), and its top-k weights copied from row j: the receive half's sums with one term, stored by the same
@@ -952,8 +977,9 @@ static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const
     const u32 lane = threadIdx.x & 31;
     const u32 step = gridDim.x * kWarps;
     phase_mark(kCombinePhases, 3);
-    const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
-    const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
+    const uint4* bias_0 = reinterpret_cast<const uint4*>(p.bias_0);
+    const uint4* bias_1 = reinterpret_cast<const uint4*>(p.bias_1);
+    const bool biased = bias_0 || bias_1;
     for (u32 first = blockIdx.x * kWarps + threadIdx.x / 32; first < p.num_tokens; first += 32 * step) {
         const int row_of_lane = direct_row_of(p, first, step, lane);
         for (u32 k = 0; k < 32 && first + k * step < p.num_tokens; ++k) {
@@ -966,29 +992,21 @@ static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const
             const bool slot = lane < p.topk && p.out_topk_weights;
             const float weight = slot && held ? reinterpret_cast<const float*>(p.topk_weights)[
                 static_cast<u64>(j) * p.topk + lane] : 0.f;
-            for (u32 col0 = 0; col0 < p.hidden; col0 += kDirectRowLoads * kColumns) {
-                const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
+            const u32 vecs = p.hidden / 8;  // 16-byte vectors of a BF16 row
+            uint4* out_row = reinterpret_cast<uint4*>(p.out) + static_cast<u64>(t) * vecs;
+            for (u32 v0 = lane; v0 < vecs; v0 += 32 * kDirectRowLoads) {
                 uint4 v[kDirectRowLoads];
 #pragma unroll
                 for (u32 i = 0; i < kDirectRowLoads; ++i) {
                     v[i] = make_uint4(0, 0, 0, 0);
-                    if (held && col0 + i * kColumns + lane * 8 < p.hidden) v[i] = x_row[(col0 + i * kColumns) / 8 + lane];
+                    if (held && v0 + 32 * i < vecs) v[i] = x_row[v0 + 32 * i];
                 }
 #pragma unroll
                 for (u32 i = 0; i < kDirectRowLoads; ++i) {
-                    if (col0 + i * kColumns + lane * 8 >= p.hidden) continue;
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    if (bias_0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns));
-                    if (bias_1) add_bf16x8(b1, *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns));
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
-                    if (held) add_bf16x8(acc, v[i]);
-                    __nv_bfloat162 out[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) out[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-                    *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
-                        *reinterpret_cast<const uint4*>(out);
+                    const u32 at = v0 + 32 * i;
+                    if (at >= vecs) break;
+                    out_row[at] = biased ? biased_vector(bias_0, bias_1, static_cast<u64>(t) * vecs + at, v[i], held)
+                                         : from_zero(v[i]);
                 }
             }
             if (slot) reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = 0.f + weight;
