@@ -59,12 +59,10 @@ constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane
 constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
                                    // 32-token chunks
-constexpr u32 kRowBatch = 16;      // a row copy's 16-byte vectors in flight per lane (8 KB per warp: a 7168-byte FP8
-                                   // row in one round; each round costs a memory latency per row)
+constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
+                                   // BF16 row in one round; each round costs a memory latency per row)
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
                                    // H200, ranks under MPS: 5-15 % faster at P = 2 / 4, 3.5-5 % slower at P = 8)
-constexpr u32 kDirectRowLoads = 28;  // one-rank paths: 16-byte vectors in flight per lane (a 7168-column BF16 row
-                                     // in one round)
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
@@ -152,15 +150,15 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
 
 // A warp copies `count` elements (16-byte vectors, or scale words), kRowBatch loads in flight per lane before their
 // stores.
-template <u32 kLoads = kRowBatch, typename T>
+template <typename T>
 __device__ __forceinline__ void warp_copy(T* dst, const T* src, u32 count, u32 lane) {
-    for (u32 v0 = lane; v0 < count; v0 += 32 * kLoads) {
-        T r[kLoads];
+    for (u32 v0 = lane; v0 < count; v0 += 32 * kRowBatch) {
+        T r[kRowBatch];
 #pragma unroll
-        for (u32 i = 0; i < kLoads; ++i)
+        for (u32 i = 0; i < kRowBatch; ++i)
             if (v0 + 32 * i < count) r[i] = src[v0 + 32 * i];
 #pragma unroll
-        for (u32 i = 0; i < kLoads; ++i)
+        for (u32 i = 0; i < kRowBatch; ++i)
             if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
     }
 }
@@ -687,8 +685,8 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
                 const u32 i = w * 32 + lane;
                 if (i < p.num_scales) early[w] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
             }
-            warp_copy<kDirectRowLoads>(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
-                                       reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
+            warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+                      reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
             u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
 #pragma unroll
             for (u32 w = 0; w < kEarlyScaleWords; ++w) {
@@ -942,7 +940,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
 }
 
 // combine_direct's sums of one 16-byte vector (8 BF16 columns) in FP32, rounded to BF16 as the receive half does:
-// from_zero is 0 + x (no bias: the same roundings, e.g. -0 becomes +0, in a fifth of the instructions),
+// from_zero is 0 + x (no bias: the same roundings, e.g. -0 becomes +0, in about a third of the instructions),
 // biased_vector is (bias_0 + bias_1) + x, x counted only when held (else the biases alone).
 __device__ __forceinline__ u32 bf16x2_from(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -970,7 +968,7 @@ __device__ __forceinline__ uint4 biased_vector(const uint4* bias_0, const uint4*
 // (the data region row the send half would have copied row j into is j there, so x and topk_weights are read in place
 // at row j), and its top-k weights copied from row j: the receive half's sums with one term, stored by the same
 // roundings. No send half and no wait. A warp per token, its rows found 32 tokens at a time (direct_row_of), its
-// weights and kDirectRowLoads vectors per lane loaded before any is summed (a BF16 row of up to 7168 columns in one
+// weights and kRowBatch vectors per lane loaded before any is summed (a BF16 row of up to 7168 columns in one
 // memory round trip); the last CTA publishes ready as well as released (a later op's waits read both).
 static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
@@ -994,15 +992,15 @@ static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const
                 static_cast<u64>(j) * p.topk + lane] : 0.f;
             const u32 vecs = p.hidden / 8;  // 16-byte vectors of a BF16 row
             uint4* out_row = reinterpret_cast<uint4*>(p.out) + static_cast<u64>(t) * vecs;
-            for (u32 v0 = lane; v0 < vecs; v0 += 32 * kDirectRowLoads) {
-                uint4 v[kDirectRowLoads];
+            for (u32 v0 = lane; v0 < vecs; v0 += 32 * kRowBatch) {
+                uint4 v[kRowBatch];
 #pragma unroll
-                for (u32 i = 0; i < kDirectRowLoads; ++i) {
+                for (u32 i = 0; i < kRowBatch; ++i) {
                     v[i] = make_uint4(0, 0, 0, 0);
                     if (held && v0 + 32 * i < vecs) v[i] = x_row[v0 + 32 * i];
                 }
 #pragma unroll
-                for (u32 i = 0; i < kDirectRowLoads; ++i) {
+                for (u32 i = 0; i < kRowBatch; ++i) {
                     const u32 at = v0 + 32 * i;
                     if (at >= vecs) break;
                     out_row[at] = biased ? biased_vector(bias_0, bias_1, static_cast<u64>(t) * vecs + at, v[i], held)
