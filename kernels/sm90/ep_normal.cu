@@ -823,30 +823,41 @@ static __device__ __forceinline__ void combine_send(const PeerTable& pt, const E
     }
 }
 
+// acc[i] += the BF16 vector v[i] for every i < kBatch, or for the first half only unless full (warp-uniform): a
+// round whose second half lies past the row (hidden 7168: the last of four per lane) skips its sums.
+static __device__ __forceinline__ void add_vectors(float (&acc)[kBatch][8], const uint4 (&v)[kBatch], bool full) {
+#pragma unroll
+    for (u32 i = 0; i < kBatch / 2; ++i) add_bf16x8(acc[i], v[i]);
+    if (full) {
+#pragma unroll
+        for (u32 i = kBatch / 2; i < kBatch; ++i) add_bf16x8(acc[i], v[i]);
+    }
+}
+
 // combine, receive half: out[t] = BF16(bias_0 + bias_1 + sum over the ranks t went to, in rank order, of their rows) in
 // FP32 (DeepEP's order), and the top-k weights summed the same way. A warp per token: lane l finds the token's row
-// from rank l (l + 32, ...) once; then per kBatch x 256 columns every lane loads its biases, then for each pair of ranks
-// in order their kBatch vectors each, before summing them (2 kBatch loads in flight per lane; one rank at a time past
-// kPairRanksMax ranks).
-static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
-    __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
-    KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
-    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
-    const u32 lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        u32 sum = 0;
-        for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
-    }
-    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);  // its barrier:
-                                                                                                     // rank_start
-    phase_mark(kCombinePhases, 3);
-    const u32 tokens = ok ? p.num_tokens : 0;
+// from rank l (l + 32, ...) once and sums the row's 16-byte vectors l, l + 32, ...: per kBatch of them it starts its
+// sums (kBiased: from the biases; else at +0, which gives the same bits as adding absent biases: +0 + +0), then for
+// each pair of ranks in order loads their kBatch vectors each before summing them (2 kBatch loads in flight per lane;
+// one rank at a time past kPairRanksMax ranks).
+template <bool kBiased>
+static __device__ __forceinline__ void combine_recv_tokens(const PeerTable& pt, const EpNormalParams& p,
+                                                           const u32 (&rank_start)[kMaxRanks], u32 tokens) {
+    const u32 ranks = static_cast<u32>(pt.world_size), lane = threadIdx.x & 31;
     // where row r's bytes start, every how many bytes, and the rows the region holds
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
     const u64 stride = p.row_stride;
     const u64 held_rows = p.data_rows;
-    const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
-    const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
+    const uint4* bias_0 = reinterpret_cast<const uint4*>(p.bias_0);
+    const uint4* bias_1 = reinterpret_cast<const uint4*>(p.bias_1);
+    const u32 vecs = p.hidden / 8;                  // 16-byte vectors of a BF16 row
+    const u32 warp_vecs = (vecs + 31) / 32;         // lane 0's vectors: the warp's rounds
+    const u32 lane_vecs = (vecs + 31 - lane) / 32;  // this lane's: warp_vecs or one fewer (0 when vecs <= lane)
+    // Two ranks' vectors (the biases' first when kBiased); zeroed once: a vector past the row is never loaded, so it
+    // holds 0 or an earlier round's vector, and its sums are never stored.
+    uint4 a[kBatch], b[kBatch];
+#pragma unroll
+    for (u32 i = 0; i < kBatch; ++i) a[i] = b[i] = make_uint4(0, 0, 0, 0);
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
         const u32 c = channel_of(p, t);
         u32 rows[kRankWords], held[kRankWords];  // lane l: the row from rank 32 w + l; bit l of held[w]: it exists
@@ -862,76 +873,92 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             }
             held[w] = __ballot_sync(~0u, in);
         }
-        for (u32 col0 = 0; col0 < p.hidden; col0 += kBatch * kColumns) {
-            const u64 at = static_cast<u64>(t) * p.hidden + col0 + lane * 8;
-            bool live[kBatch];  // this lane's columns of vector i are inside the row
+        for (u32 j0 = 0; j0 < warp_vecs; j0 += kBatch) {
+            const u32 first = 32 * j0 + lane;  // this lane's vector i of the round: first + 32 i
+            const u32 live = lane_vecs - j0;   // its vectors i < live are in the row (j0 < warp_vecs <= lane_vecs + 1)
             float acc[kBatch][8];
-            uint4 v[kBatch], b[kBatch];
+            if constexpr (kBiased) {  // bias_0 + bias_1 first (DeepEP), an absent one 0
+                const u64 at = static_cast<u64>(t) * vecs + first;
 #pragma unroll
-            for (u32 i = 0; i < kBatch; ++i) {
-                live[i] = col0 + i * kColumns + lane * 8 < p.hidden;
-                v[i] = b[i] = make_uint4(0, 0, 0, 0);
-                if (live[i] && bias_0) v[i] = *reinterpret_cast<const uint4*>(bias_0 + at + i * kColumns);
-                if (live[i] && bias_1) b[i] = *reinterpret_cast<const uint4*>(bias_1 + at + i * kColumns);
+                for (u32 i = 0; i < kBatch; ++i) {
+                    if (i < live && bias_0) a[i] = bias_0[at + 32 * i];
+                    if (i < live && bias_1) b[i] = bias_1[at + 32 * i];
+                }
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i) {
+                    float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
+                    if (bias_0) add_bf16x8(acc[i], a[i]);
+                    if (bias_1) add_bf16x8(b1, b[i]);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], b1[e]);
+                }
+            } else {
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
             }
-#pragma unroll
-            for (u32 i = 0; i < kBatch; ++i) {
-                float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
-                if (bias_0) add_bf16x8(acc[i], v[i]);
-                if (bias_1) add_bf16x8(b1, b[i]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
-            }
-            const bool weights = col0 == 0 && lane < p.topk;  // the first columns' warp also sums the top-k weights
+            const bool full = warp_vecs - j0 > kBatch / 2;  // lane 0's (the most) vectors reach the second half
+            const bool weights = j0 == 0 && lane < p.topk;  // the first round also sums the top-k weights
             float weight = 0.f;
             // Up to kPairRanksMax ranks two ranks' vectors in flight per round, summed in rank order (the first's,
             // then the second's); with more ranks one rank's at a time.
             const auto add_rows = [&](u32 row_a, u32 row_b, bool two) {
                 const u8* src_a = data + static_cast<u64>(row_a) * stride;
                 const u8* src_b = data + static_cast<u64>(row_b) * stride;
-                const u64 col_bytes = (static_cast<u64>(col0) + lane * 8) * 2;
-                const uint4* vec_a = reinterpret_cast<const uint4*>(src_a + col_bytes);
-                const uint4* vec_b = reinterpret_cast<const uint4*>(src_b + col_bytes);
+                const uint4* vec_a = reinterpret_cast<const uint4*>(src_a) + first;
+                const uint4* vec_b = reinterpret_cast<const uint4*>(src_b) + first;
                 float wt_a = 0.f, wt_b = 0.f;
                 if (weights) {
                     wt_a = reinterpret_cast<const float*>(src_a + p.off_row_topk)[lane];
                     if (two) wt_b = reinterpret_cast<const float*>(src_b + p.off_row_topk)[lane];
                 }
-                uint4 u[kBatch];
 #pragma unroll
                 for (u32 i = 0; i < kBatch; ++i) {
-                    u[i] = make_uint4(0, 0, 0, 0);
-                    if (live[i]) v[i] = vec_a[i * kColumns / 8];
-                    if (live[i] && two) u[i] = vec_b[i * kColumns / 8];
+                    if (i < live) a[i] = vec_a[32 * i];
+                    if (i < live && two) b[i] = vec_b[32 * i];
                 }
-#pragma unroll
-                for (u32 i = 0; i < kBatch; ++i)
-                    if (live[i]) add_bf16x8(acc[i], v[i]);
+                add_vectors(acc, a, full);
                 weight += wt_a;
                 if (two) {
-#pragma unroll
-                    for (u32 i = 0; i < kBatch; ++i)
-                        if (live[i]) add_bf16x8(acc[i], u[i]);
+                    add_vectors(acc, b, full);
                     weight += wt_b;
                 }
             };
             if (ranks <= kPairRanksMax) for_each_rank_pair(held, rows, add_rows);
             else for_each_rank(held, rows, [&](u32, u32 row) { add_rows(row, row, false); });
+            uint4* out = reinterpret_cast<uint4*>(p.out) + static_cast<u64>(t) * vecs + first;
 #pragma unroll
             for (u32 i = 0; i < kBatch; ++i) {
-                if (!live[i]) continue;
-                __nv_bfloat162 out[4];
+                __nv_bfloat162 o[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[i][2 * j], acc[i][2 * j + 1]);
-                *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + at + i * kColumns) =
-                    *reinterpret_cast<const uint4*>(out);
+                for (int e = 0; e < 4; ++e) o[e] = __floats2bfloat162_rn(acc[i][2 * e], acc[i][2 * e + 1]);
+                if (i < live) out[32 * i] = *reinterpret_cast<const uint4*>(o);
             }
             if (weights && p.out_topk_weights)
                 reinterpret_cast<float*>(p.out_topk_weights)[static_cast<u64>(t) * p.topk + lane] = weight;
         }
     }
+}
+
+// combine, receive half: waits for every rank's rows, sums its tokens (the bias decided once for all of them), then
+// its last CTA publishes released.
+static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpNormalParams& p) {
+    __shared__ u32 rank_start[kMaxRanks];  // first row of each destination rank's rows in this rank's data region
+    KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);
+    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
+    if (threadIdx.x == 0) {
+        u32 sum = 0;
+        for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
+    }
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);  // its barrier:
+                                                                                                     // rank_start
+    phase_mark(kCombinePhases, 3);
+    const u32 tokens = ok ? p.num_tokens : 0;
+    if (p.bias_0 || p.bias_1) combine_recv_tokens<true>(pt, p, rank_start, tokens);
+    else combine_recv_tokens<false>(pt, p, rank_start, tokens);
     phase_mark(kCombinePhases, 4);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_recv_arrive))) {
         if (!timed_out(status)) publish(pt, p.off_released, p.op);
