@@ -56,7 +56,6 @@ constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
-constexpr u32 kColumns = 256;      // combine receive: BF16 columns of one warp-wide 16-byte vector (8 per lane)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
                                    // 32-token chunks
 constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
