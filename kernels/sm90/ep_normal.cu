@@ -57,7 +57,7 @@ constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
-                                   // 32-token chunks
+                                   // and notify's 32-token chunks
 constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
                                    // BF16 row in one round; each round costs a memory latency per row)
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
@@ -333,21 +333,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
         }
     } else {
         // A warp per (destination rank, channel): send_head[t][r] = the token's index among the channel's tokens to
-        // r (-1 when it does not go to r), and the channel's count.
+        // r (-1 when it does not go to r), and the channel's count. kBatch 32-token chunks are loaded before they are
+        // scanned (one memory round trip per 256 tokens instead of per 32: a channel of 683 tokens, one rank at T =
+        // 8192, took 22).
         const u32 units = ranks * p.num_channels;
+        const bool* in_rank = reinterpret_cast<const bool*>(p.is_token_in_rank);
         for (u32 u = (blockIdx.x - 1) * kWarps + warp; u < units; u += (gridDim.x - 1) * kWarps) {
             const u32 r = u / p.num_channels, c = u % p.num_channels;
             const u32 per = (p.num_tokens + p.num_channels - 1) / p.num_channels;
             const u32 start = min(per * c, p.num_tokens), end = min(start + per, p.num_tokens);
             int running = 0;
-            for (u32 base = start; base < end; base += 32) {
-                const u32 t = base + lane;
-                const bool in = t < end && reinterpret_cast<const bool*>(p.is_token_in_rank)[static_cast<u64>(t) * ranks + r];
-                const u32 ballot = __ballot_sync(~0u, in);
-                if (t < end)
-                    reinterpret_cast<int*>(p.send_head)[static_cast<u64>(t) * ranks + r] =
-                        in ? running + __popc(ballot & ((1u << lane) - 1)) : -1;
-                running += __popc(ballot);
+            for (u32 base = start; base < end; base += 32 * kBatch) {
+                bool in[kBatch];
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i) {
+                    const u32 t = base + 32 * i + lane;
+                    in[i] = t < end && in_rank[static_cast<u64>(t) * ranks + r];
+                }
+#pragma unroll
+                for (u32 i = 0; i < kBatch; ++i) {
+                    const u32 t = base + 32 * i + lane;
+                    const u32 ballot = __ballot_sync(~0u, in[i]);
+                    if (t < end)
+                        reinterpret_cast<int*>(p.send_head)[static_cast<u64>(t) * ranks + r] =
+                            in[i] ? running + __popc(ballot & ((1u << lane) - 1)) : -1;
+                    running += __popc(ballot);
+                }
             }
             if (lane == 0) reinterpret_cast<int*>(p.channel_prefix)[r * p.num_channels + c] = running;
         }
