@@ -57,7 +57,7 @@ constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
-                                   // and notify's 32-token chunks
+                                   // and notify's 32-token chunks, the layout's top-k slots
 constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
                                    // BF16 row in one round; each round costs a memory latency per row)
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
@@ -129,11 +129,12 @@ __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNorma
     __threadfence_system();
 }
 
-// Routing entry f's global expert (p.topk_idx is int64: DeepEP's topk_idx_t, the only dtype the host passes); -1 for
+// A routing entry's global expert (p.topk_idx is int64: DeepEP's topk_idx_t, the only dtype the host passes); -1 for
 // an unused slot. An id >= num_experts or < -1 is reported (when `status` is given; a negative one as its negation,
-// as the low-latency kernels do) and treated as unused, never used as an address.
-__device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
-    const long long e = reinterpret_cast<const long long*>(p.topk_idx)[f];
+// as the low-latency kernels do) and treated as unused, never used as an address. checked_expert takes the loaded id
+// (so that a token's loads can all be in flight first), slot_expert loads entry f.
+__device__ __forceinline__ long long checked_expert(const EpNormalParams& p, long long e,
+                                                    KernelStatus* status = nullptr) {
     if (e >= static_cast<long long>(p.num_experts)) {
         if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteExpertRange << 16,
                                           static_cast<u64>(e), p.num_experts);
@@ -145,6 +146,10 @@ __device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f,
         return -1;
     }
     return e;
+}
+
+__device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
+    return checked_expert(p, reinterpret_cast<const long long*>(p.topk_idx)[f], status);
 }
 
 // A warp copies `count` elements (16-byte vectors, or scale words), kRowBatch loads in flight per lane before their
@@ -242,13 +247,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_layout(co
     __syncthreads();
     for (u32 t = blockIdx.x * kThreads + threadIdx.x; t < p.num_tokens; t += gridDim.x * kThreads) {
         u64 mask_lo = 0, mask_hi = 0;  // destination ranks of token t (P <= 72 < 128)
-        for (u32 k = 0; k < p.topk; ++k) {
-            const long long e = slot_expert(p, static_cast<u64>(t) * p.topk + k, status);
-            if (e < 0) continue;
-            atomicAdd(&experts[e], 1u);
-            const u32 r = static_cast<u32>(e) / p.local_experts;
-            if (r < 64) mask_lo |= 1ull << r;
-            else mask_hi |= 1ull << (r - 64);
+        // kBatch slots' ids loaded before any is counted: one memory round trip per kBatch slots, not per slot
+        const long long* ids = reinterpret_cast<const long long*>(p.topk_idx) + static_cast<u64>(t) * p.topk;
+        for (u32 k0 = 0; k0 < p.topk; k0 += kBatch) {
+            long long raw[kBatch];
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) raw[i] = k0 + i < p.topk ? ids[k0 + i] : -1;
+#pragma unroll
+            for (u32 i = 0; i < kBatch; ++i) {
+                const long long e = k0 + i < p.topk ? checked_expert(p, raw[i], status) : -1;
+                if (e < 0) continue;
+                atomicAdd(&experts[e], 1u);
+                const u32 r = static_cast<u32>(e) / p.local_experts;
+                if (r < 64) mask_lo |= 1ull << r;
+                else mask_hi |= 1ull << (r - 64);
+            }
         }
         for (u32 r = 0; r < ranks; ++r) {
             const bool in = ((r < 64 ? mask_lo >> r : mask_hi >> (r - 64)) & 1) != 0;
