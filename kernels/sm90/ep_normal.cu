@@ -131,8 +131,9 @@ __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpNorma
 
 // A routing entry's global expert (p.topk_idx is int64: DeepEP's topk_idx_t, the only dtype the host passes); -1 for
 // an unused slot. An id >= num_experts or < -1 is reported (when `status` is given; a negative one as its negation,
-// as the low-latency kernels do) and treated as unused, never used as an address. checked_expert takes the loaded id
-// (so that a token's loads can all be in flight first), slot_expert loads entry f.
+// as the low-latency kernels do) and treated as unused, never used as an address. It takes the loaded id: callers load
+// a token's ids with its other loads and check them where they are used (a check right after the load would make the
+// warp wait for the id before issuing the loads after it).
 __device__ __forceinline__ long long checked_expert(const EpNormalParams& p, long long e,
                                                     KernelStatus* status = nullptr) {
     if (e >= static_cast<long long>(p.num_experts)) {
@@ -146,10 +147,6 @@ __device__ __forceinline__ long long checked_expert(const EpNormalParams& p, lon
         return -1;
     }
     return e;
-}
-
-__device__ __forceinline__ long long slot_expert(const EpNormalParams& p, u64 f, KernelStatus* status = nullptr) {
-    return checked_expert(p, reinterpret_cast<const long long*>(p.topk_idx)[f], status);
 }
 
 // A warp copies `count` elements (16-byte vectors, or scale words), kRowBatch loads in flight per lane before their
@@ -402,7 +399,7 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
         long long expert = -1;
         float weight = 0.f;
         if (lane < p.topk) {
-            expert = slot_expert(p, static_cast<u64>(t) * p.topk + lane);
+            expert = reinterpret_cast<const long long*>(p.topk_idx)[static_cast<u64>(t) * p.topk + lane];  // raw
             weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
         }
         // The token's first scale words (strided: DeepEP's scales are column-major).
@@ -483,7 +480,9 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
             if (lane >= p.topk) return;
             // DeepEP's transform: the destination's local expert id, or -1 (weight 0) for another rank's expert.
             const long long begin = static_cast<long long>(r) * p.local_experts;
-            const long long e = (expert >= begin && expert < begin + p.local_experts) ? expert - begin : -1;
+            // checked here, not where it is loaded: a check there waits for the id between the payload's loads
+            const long long g = checked_expert(p, expert);
+            const long long e = (g >= begin && g < begin + p.local_experts) ? g - begin : -1;
             u8* topk = row_at(r, row) + p.off_row_topk;
             reinterpret_cast<long long*>(topk)[lane] = e;
             reinterpret_cast<float*>(topk + 8 * p.topk)[lane] = e >= 0 ? weight : 0.0f;
@@ -698,7 +697,7 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
             const bool slot = lane < p.topk && p.recv_topk_idx;
             if (slot) {
                 const u64 f = static_cast<u64>(t) * p.topk + lane;
-                e = slot_expert(p, f);
+                e = reinterpret_cast<const long long*>(p.topk_idx)[f];  // raw: checked at its store (dispatch_send)
                 weight = reinterpret_cast<const float*>(p.topk_weights)[f];
             }
             const u32* scales = reinterpret_cast<const u32*>(p.x_scales) + static_cast<u64>(t) * p.scale_token_stride;
@@ -719,6 +718,7 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
             for (u32 i = 32 * kEarlyScaleWords + lane; i < p.num_scales; i += 32)
                 recv_scales[i] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
             if (slot) {
+                e = checked_expert(p, e);
                 e = e < static_cast<long long>(p.local_experts) ? e : -1;
                 reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(j) * p.topk + lane] = e;
                 reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(j) * p.topk + lane] =
