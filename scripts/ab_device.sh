@@ -3,6 +3,7 @@
 # .carry/provenance: run bash scripts/tree_provenance.sh here first, so that result files name this commit), from the
 # repository root:
 #   bash scripts/ab_device.sh [--ab WORKLOAD]... [--ab-args "ARGS"] [--matrix] [--matrix-args "ARGS"] [--pytest EXPR]
+#                             [--original NAME]
 #   WORKLOAD: a gc-moe-ab workload's arguments, e.g. "--preset glm52" or "--model-config tests/data/deepseek_v3/config.json"
 #   --ab-args     appended to every gc-moe-ab run (e.g. "--quick --tokens 1 8")
 #   --matrix      run gc-moe-matrix (GPU + CPU cells) with --matrix-args (e.g. "--deepep-src .carry/DeepEP"; shell
@@ -15,7 +16,9 @@
 #                 every workload at once; its latencies are not measurements)
 #   --deadline S  end every step by S seconds after the start (the device call's limit minus a margin) and still
 #                 pack what came back
-# Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/sgl_deep_gemm by
+#   --original NAME  the staging in .carry/NAME to build and compare against (default sgl_deep_gemm, e.g.
+#                 sgl_deep_gemm_pr323 for another ref staged with build_sgl_deep_gemm.sh --dest .carry/NAME)
+# Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/NAME by
 # scripts/build_sgl_deep_gemm.sh (its _C.so and both JIT caches live there); each gc-moe-ab run writes its default
 # ./ab_<workload>.json + PNG in the repository root (so meta.command is the plain command), the matrix
 # ./compat_matrix.*; copy the ones to keep into bench/results/ by hand.
@@ -33,7 +36,7 @@ PY="${PYTHON:-python3}"
 # name it, not the copy's stale git; a caller's own GC_MOE_GIT_SHA wins.
 [[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"
 echo "tree: ${GC_MOE_GIT_SHA:-as the copy's git says} (dirty: ${GC_MOE_GIT_DIRTY:-as the copy's git says})"
-workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0
+workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0 original=sgl_deep_gemm
 while (($#)); do
   case "$1" in
     --ab) workloads+=("$2"); shift ;;
@@ -44,6 +47,7 @@ while (($#)); do
     --parallel) parallel=1 ;;
     --deadline) deadline="$2"; shift ;;
     --prebuild) prebuild="$2"; shift ;;
+    --original) original="$2"; shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
@@ -75,13 +79,14 @@ run_step() {  # run_step NAME LOG COMMAND...: run under the deadline, record the
 pack() {  # the result files, the logs and the caches into $OUT (few files)
   cp ab_*.json ab_*.png compat_matrix.* "$LOGS/" 2>/dev/null
   tar czf "$OUT/results.tar.gz" -C "$LOGS" . 2>/dev/null
-  (cd .carry && tar czf "$OUT/carry_c.tar.gz" sgl_deep_gemm/deep_gemm/_C.so 2>/dev/null
-   tar czf "$OUT/carry_jit.tar.gz" sgl_deep_gemm/cache gc_moe_cache 2>/dev/null)
+  (cd .carry && tar czf "$OUT/carry_c.tar.gz" "$original/deep_gemm/_C.so" 2>/dev/null
+   tar czf "$OUT/carry_jit.tar.gz" "$original/cache" gc_moe_cache 2>/dev/null)
 }
 
 run_step setup setup.log "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || {
   cat "$LOGS/setup.log"; exit 1; }
-dg=.carry/sgl_deep_gemm
+[[ "$original" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "--original: a folder name under .carry, got '$original'" >&2; exit 2; }
+dg=.carry/$original
 if [[ -f $dg/deep_gemm/VERSION ]]; then
   run_step "original SM90 Mega MoE build" build_sgl_deep_gemm.log bash scripts/build_sgl_deep_gemm.sh --build \
     --dest "$dg"

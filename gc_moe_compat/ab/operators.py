@@ -39,6 +39,7 @@ import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
@@ -110,6 +111,8 @@ class OperatorSpec:
     weight_format: str
     build: Callable[[Context], Runner]
     probe_fn: Callable[[], str | None]
+    source_fn: Callable[[], str | None] = lambda: None
+    """Which build of an original it runs (result files record it: two builds of one original share a label)."""
 
     @property
     def mma_type(self) -> str:
@@ -315,6 +318,19 @@ def _source(module: ModuleType) -> str:
     return portable_path(getattr(module, "__file__", None)) or "?"
 
 
+def _original_deep_gemm_source() -> str | None:
+    """The original deep_gemm that runs: where it was loaded from and, for a staging of
+    ``scripts/build_sgl_deep_gemm.sh`` (its ``SOURCE`` file beside the package), the ref and commit it was staged
+    from; None where none loads."""
+    try:
+        dg = _original_deep_gemm()
+    except ImportError:
+        return None
+    where = _source(dg)
+    staged = Path(getattr(dg, "__file__", "") or ".").resolve().parent.parent / "SOURCE"
+    return f"{where} ({staged.read_text().split(';')[0].strip()})" if staged.is_file() else where
+
+
 def _probe_original_mega_moe() -> str | None:
     try:
         dg = _original_deep_gemm()
@@ -457,13 +473,14 @@ def operator_specs(partition_sweep: bool = False) -> list[OperatorSpec]:
         OperatorSpec("original_deep_gemm", "the installed original deep_gemm (sgl-deep-gemm / sgl-project DeepGEMM "
                      "SM90 Mega MoE), SGLang's Hopper sequence on it; timed: its pre-dispatch (where the build has "
                      "one) + fp8_mega_moe", "fp8_block128",
-                     lambda ctx: MegaMoeSequence(_original_deep_gemm(), ctx), _probe_original_mega_moe),
+                     lambda ctx: MegaMoeSequence(_original_deep_gemm(), ctx), _probe_original_mega_moe,
+                     _original_deep_gemm_source),
         OperatorSpec("composed_deepep_deepgemm", "SGLang's deepep low-latency path: DeepEP low_latency_dispatch "
                      "(original deep_ep if importable and its low-latency mode starts in a probe child, else the "
                      "gc_moe_compat.deep_ep facade: meta.partition says which) -> original DeepGEMM masked FP8 "
                      "W1 -> SwiGLU + FP8 1x128 requant (our Triton kernel of SGLang's arithmetic) -> masked W2 -> "
                      "low_latency_combine; timed: all five steps",
-                     "fp8_block128", ComposedDeepEpDeepGemm, _probe_composed),
+                     "fp8_block128", ComposedDeepEpDeepGemm, _probe_composed, _original_deep_gemm_source),
     ]
     if partition_sweep:
         specs.append(OperatorSpec(

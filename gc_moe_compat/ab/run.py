@@ -390,6 +390,19 @@ def _pairs(ys: dict[str, torch.Tensor], record: dict[str, dict]) -> None:
             record["pairs"][f"{a}|{b}"] = accuracy_metrics(ys[a].float(), ys[b].float())
 
 
+def ops_meta(specs: Sequence[OperatorSpec], unavailable: dict[str, str]) -> dict[str, dict[str, str]]:
+    """A result file's ``meta.ops``: per operator its label, formats and status, and for one that ran an original
+    the build it ran (``source``: two builds of one original share a label)."""
+    ops = {}
+    for s in specs:
+        ops[s.name] = {"label": s.label, "mma_type": s.mma_type, "weight_format": s.weight_format,
+                       "status": f"not run: {unavailable[s.name]}" if s.name in unavailable else "measured"}
+        source = None if s.name in unavailable else s.source_fn()
+        if source:
+            ops[s.name]["source"] = source
+    return ops
+
+
 def _write(cfg: RunConfig, points: list[dict[str, object]], partition: dict[str, object], bandwidths: list[float],
            idle: list[dict[str, object]], unavailable: dict[str, str], world: int, *, final: bool) -> None:
     meta = protocol.result_meta("gc-moe-ab", [], partition, world_size=world, env_keys=ENV_KEYS,
@@ -399,9 +412,7 @@ def _write(cfg: RunConfig, points: list[dict[str, object]], partition: dict[str,
         "workload": cfg.workload.describe(),
         "operator_shape": {"num_experts": cfg.workload.local_experts * world, "num_ranks": world,
                            "rule": "E = (model E / ep_size) * world size: the deployment's per-rank share"},
-        "ops": {s.name: {"label": s.label, "mma_type": s.mma_type, "weight_format": s.weight_format,
-                         "status": f"not run: {unavailable[s.name]}" if s.name in unavailable else "measured"}
-                for s in cfg.ops},
+        "ops": ops_meta(cfg.ops, unavailable),
         "reference_op": REFERENCE_OP,
         "timing": {"warmup_windows": cfg.warmup, "windows": cfg.windows, "replays_per_window": protocol.PER_WINDOW,
                    "repeats": cfg.repeats, "l2_flush_bytes": protocol.L2_FLUSH_BYTES, "quick": cfg.quick,

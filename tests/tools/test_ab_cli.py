@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,37 @@ def test_the_original_probe_names_what_would_install_it(monkeypatch: pytest.Monk
     monkeypatch.setattr(operators, "_original_deep_gemm", lambda: Sm100Only)
     reason = {s.name: s for s in operators.operator_specs()}["original_deep_gemm"].probe()
     assert "has no SM90 Mega MoE (transform_weights_for_mega_moe_sm90, fp8_mega_moe missing" in reason
+
+
+def test_the_original_that_runs_is_named_with_the_ref_it_was_staged_from(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Two builds of the original share one label: a result file tells them apart by the op's source, the staging's
+    SOURCE line (scripts/build_sgl_deep_gemm.sh writes it beside the package), else the package path alone."""
+    package = tmp_path / "sgl_deep_gemm_pr323" / "deep_gemm"
+    package.mkdir(parents=True)
+    staged = types.SimpleNamespace(__file__=str(package / "__init__.py"))
+    monkeypatch.setattr(operators, "_original_deep_gemm", lambda: staged)
+    specs = {s.name: s for s in operators.operator_specs()}
+    where = specs["original_deep_gemm"].source_fn()
+    assert where == "<outside the checkout>/deep_gemm/__init__.py"  # as every result file writes a path
+    (package.parent / "SOURCE").write_text("refs/pull/323/head = 8ddf7f9 from mirror; cutlass x; fmt y\n")
+    for name in ("original_deep_gemm", "composed_deepep_deepgemm"):
+        assert specs[name].source_fn() == f"{where} (refs/pull/323/head = 8ddf7f9 from mirror)"
+    assert specs["facade"].source_fn() is None
+
+    def missing() -> None:
+        raise ImportError("no original deep_gemm package is installed on sys.path")
+
+    monkeypatch.setattr(operators, "_original_deep_gemm", missing)
+    assert specs["original_deep_gemm"].source_fn() is None
+    monkeypatch.setattr(operators, "_original_deep_gemm", lambda: staged)
+    meta = run.ops_meta([specs["facade"], specs["original_deep_gemm"], specs["composed_deepep_deepgemm"]],
+                        {"composed_deepep_deepgemm": "needs the masked GEMM"})
+    assert "source" not in meta["facade"] and meta["facade"]["status"] == "measured"
+    assert meta["original_deep_gemm"]["source"] == f"{where} (refs/pull/323/head = 8ddf7f9 from mirror)"
+    assert meta["composed_deepep_deepgemm"] == {"label": specs["composed_deepep_deepgemm"].label,
+                                                "mma_type": "fp8xfp8", "weight_format": "fp8_block128",
+                                                "status": "not run: needs the masked GEMM"}
 
 
 def test_console_scripts_are_declared() -> None:
