@@ -263,8 +263,9 @@ def plan_lines(args: argparse.Namespace, w: Workload, problems: Sequence[str]) -
     lines += placement_lines(world, gpus)
     lines.append(partition_rule_line(w, world, gpus))
     for spec in operators.select(args.ops, args.partition_sweep):
-        reason = spec.probe()
+        reason, source = spec.probe(), spec.source_fn()
         lines.append(f"  {'would run' if reason is None else 'cannot run'}: {spec.name} - {spec.label}"
+                     + ("" if source is None else f"\n      build: {source}")
                      + ("" if reason is None else f"\n      why: {reason}"))
     if any(spec.name == "composed_deepep_deepgemm" for spec in operators.select(args.ops, args.partition_sweep)):
         lines.append(deep_ep_line())

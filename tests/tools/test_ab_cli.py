@@ -236,6 +236,9 @@ def test_the_original_that_runs_is_named_with_the_ref_it_was_staged_from(monkeyp
     for name in ("original_deep_gemm", "composed_deepep_deepgemm"):
         assert specs[name].source_fn() == f"{where} (refs/pull/323/head = 8ddf7f9 from mirror)"
     assert specs["facade"].source_fn() is None
+    args, workload, _ = cli.parse(["--check", "--preset", "glm52", "--ops", "facade", "original_deep_gemm"])
+    plan = "\n".join(cli.plan_lines(args, workload, []))
+    assert f"original_deep_gemm - {specs['original_deep_gemm'].label}\n      build: {where} (refs/pull/323" in plan
 
     def missing() -> None:
         raise ImportError("no original deep_gemm package is installed on sys.path")
