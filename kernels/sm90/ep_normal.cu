@@ -839,14 +839,11 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         u32 sum = 0;
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
-    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);  // its barrier:
-                                                                                                     // rank_start
+    // wait_all_ranks' CTA barrier also orders rank_start before any warp reads it
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
     phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
-    // where row r's bytes start, every how many bytes, and the rows the region holds
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
-    const u64 stride = p.row_stride;
-    const u64 held_rows = p.data_rows;
     const __nv_bfloat16* bias_0 = reinterpret_cast<const __nv_bfloat16*>(p.bias_0);
     const __nv_bfloat16* bias_1 = reinterpret_cast<const __nv_bfloat16*>(p.bias_1);
     for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; t < tokens; t += gridDim.x * kWarps) {
@@ -860,7 +857,7 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             if (r < ranks) {
                 const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
                 rows[w] = rank_start[r] + channel_start(p, r, c) + head;
-                in = head >= 0 && rows[w] < held_rows;  // a row past the region: the sender reported it
+                in = head >= 0 && rows[w] < p.data_rows;  // a row past the region: the sender reported it
             }
             held[w] = __ballot_sync(~0u, in);
         }
@@ -891,8 +888,8 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
             // Up to kPairRanksMax ranks two ranks' vectors in flight per round, summed in rank order (the first's,
             // then the second's); with more ranks one rank's at a time.
             const auto add_rows = [&](u32 row_a, u32 row_b, bool two) {
-                const u8* src_a = data + static_cast<u64>(row_a) * stride;
-                const u8* src_b = data + static_cast<u64>(row_b) * stride;
+                const u8* src_a = data + static_cast<u64>(row_a) * p.row_stride;
+                const u8* src_b = data + static_cast<u64>(row_b) * p.row_stride;
                 const u64 col_bytes = (static_cast<u64>(col0) + lane * 8) * 2;
                 const uint4* vec_a = reinterpret_cast<const uint4*>(src_a + col_bytes);
                 const uint4* vec_b = reinterpret_cast<const uint4*>(src_b + col_bytes);
