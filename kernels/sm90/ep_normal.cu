@@ -229,6 +229,18 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
     acc[4] += bf16_lo(v.z), acc[5] += bf16_hi(v.z), acc[6] += bf16_lo(v.w), acc[7] += bf16_hi(v.w);
 }
 
+// A combine's FP32 sums of 8 columns before any rank's row: bias_0 + bias_1 (DeepEP's order), an absent one 0
+// (b0 / b1 read only where has_0 / has_1).
+__device__ __forceinline__ void start_sums(float (&acc)[8], bool has_0, const uint4 b0, bool has_1, const uint4 b1) {
+    float second[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    if (has_0) add_bf16x8(acc, b0);
+    if (has_1) add_bf16x8(second, b1);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], second[e]);
+}
+
 }  // namespace
 
 // get_dispatch_layout: per-rank and per-expert token counts and is_token_in_rank from topk_idx. Each CTA counts its
@@ -867,10 +879,7 @@ template <bool kBiased>
 static __device__ __forceinline__ void combine_recv_tokens(const PeerTable& pt, const EpNormalParams& p,
                                                            const u32 (&rank_start)[kMaxRanks], u32 tokens) {
     const u32 ranks = static_cast<u32>(pt.world_size), lane = threadIdx.x & 31;
-    // where row r's bytes start, every how many bytes, and the rows the region holds
     const u8* data = reinterpret_cast<const u8*>(pt.base + p.off_data);
-    const u64 stride = p.row_stride;
-    const u64 held_rows = p.data_rows;
     const uint4* bias_0 = reinterpret_cast<const uint4*>(p.bias_0);
     const uint4* bias_1 = reinterpret_cast<const uint4*>(p.bias_1);
     const u32 vecs = p.hidden / 8;                  // 16-byte vectors of a BF16 row
@@ -892,7 +901,7 @@ static __device__ __forceinline__ void combine_recv_tokens(const PeerTable& pt, 
             if (r < ranks) {
                 const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
                 rows[w] = rank_start[r] + channel_start(p, r, c) + head;
-                in = head >= 0 && rows[w] < held_rows;  // a row past the region: the sender reported it
+                in = head >= 0 && rows[w] < p.data_rows;  // a row past the region: the sender reported it
             }
             held[w] = __ballot_sync(~0u, in);
         }
@@ -908,15 +917,7 @@ static __device__ __forceinline__ void combine_recv_tokens(const PeerTable& pt, 
                     if (i < live && bias_1) b[i] = bias_1[at + 32 * i];
                 }
 #pragma unroll
-                for (u32 i = 0; i < kBatch; ++i) {
-                    float b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
-                    if (bias_0) add_bf16x8(acc[i], a[i]);
-                    if (bias_1) add_bf16x8(b1, b[i]);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[i][e] = __fadd_rn(acc[i][e], b1[e]);
-                }
+                for (u32 i = 0; i < kBatch; ++i) start_sums(acc[i], bias_0, a[i], bias_1, b[i]);
             } else {
 #pragma unroll
                 for (u32 i = 0; i < kBatch; ++i)
@@ -929,8 +930,8 @@ static __device__ __forceinline__ void combine_recv_tokens(const PeerTable& pt, 
             // Up to kPairRanksMax ranks two ranks' vectors in flight per round, summed in rank order (the first's,
             // then the second's); with more ranks one rank's at a time.
             const auto add_rows = [&](u32 row_a, u32 row_b, bool two) {
-                const u8* src_a = data + static_cast<u64>(row_a) * stride;
-                const u8* src_b = data + static_cast<u64>(row_b) * stride;
+                const u8* src_a = data + static_cast<u64>(row_a) * p.row_stride;
+                const u8* src_b = data + static_cast<u64>(row_b) * p.row_stride;
                 const uint4* vec_a = reinterpret_cast<const uint4*>(src_a) + first;
                 const uint4* vec_b = reinterpret_cast<const uint4*>(src_b) + first;
                 float wt_a = 0.f, wt_b = 0.f;
@@ -976,8 +977,8 @@ static __device__ __forceinline__ void combine_recv(const PeerTable& pt, const E
         u32 sum = 0;
         for (u32 r = 0; r < ranks; ++r) rank_start[r] = sum, sum += static_cast<u32>(sent(p, own, r, ranks));
     }
-    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);  // its barrier:
-                                                                                                     // rank_start
+    // wait_all_ranks' CTA barrier also orders rank_start before any warp reads it
+    const bool ok = wait_all_ranks(pt, p.off_ready, p.op, p, status, gc_moe::kNormalSiteReady);
     phase_mark(kCombinePhases, 3);
     const u32 tokens = ok ? p.num_tokens : 0;
     if (p.bias_0 || p.bias_1) combine_recv_tokens<true>(pt, p, rank_start, tokens);
@@ -1004,11 +1005,9 @@ __device__ __forceinline__ uint4 from_zero(const uint4 x) {
 
 __device__ __forceinline__ uint4 biased_vector(const uint4* bias_0, const uint4* bias_1, u64 at, const uint4 x,
                                                bool held) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (bias_0) add_bf16x8(acc, bias_0[at]);
-    if (bias_1) add_bf16x8(b1, bias_1[at]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], b1[e]);  // bias_0 + bias_1 first (DeepEP)
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float acc[8];
+    start_sums(acc, bias_0, bias_0 ? bias_0[at] : zero, bias_1, bias_1 ? bias_1[at] : zero);
     if (held) add_bf16x8(acc, x);
     return make_uint4(bf16x2_from(acc[0], acc[1]), bf16x2_from(acc[2], acc[3]), bf16x2_from(acc[4], acc[5]),
                       bf16x2_from(acc[6], acc[7]));
