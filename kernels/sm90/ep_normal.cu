@@ -60,10 +60,6 @@ constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive'
                                    // and notify's 32-token chunks, the layout's top-k slots
 constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
                                    // BF16 row in one round; each round costs a memory latency per row)
-constexpr u32 kHalfBatch = kRowBatch / 2;
-constexpr u32 kPairVecs = 32 * kHalfBatch;  // rows of at most this many vectors (an FP8 row of up to 7168 columns) are
-                                            // copied two per warp round: one row would fill half of the round
-static_assert(kRowBatch % 2 == 0, "a pair round splits the row batch in two");
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
                                    // H200, ranks under MPS: 5-15 % faster at P = 2 / 4, 3.5-5 % slower at P = 8)
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
@@ -166,32 +162,6 @@ __device__ __forceinline__ void warp_copy(T* dst, const T* src, u32 count, u32 l
         for (u32 i = 0; i < kRowBatch; ++i)
             if (v0 + 32 * i < count) dst[v0 + 32 * i] = r[i];
     }
-}
-
-// Lane's part of a row in v[kFirst, kFirst + kCount): vector v0 + 32 i of src into v[kFirst + i] (load_vectors), and
-// back out to dst (store_vectors); vectors at or past count are skipped. Compile-time slots keep v in registers.
-template <u32 kFirst, u32 kCount>
-__device__ __forceinline__ void load_vectors(uint4 (&v)[kRowBatch], const uint4* src, u32 v0, u32 count) {
-#pragma unroll
-    for (u32 i = 0; i < kCount; ++i)
-        if (v0 + 32 * i < count) v[kFirst + i] = src[v0 + 32 * i];
-}
-template <u32 kFirst, u32 kCount>
-__device__ __forceinline__ void store_vectors(uint4* dst, const uint4 (&v)[kRowBatch], u32 v0, u32 count) {
-#pragma unroll
-    for (u32 i = 0; i < kCount; ++i)
-        if (v0 + 32 * i < count) dst[v0 + 32 * i] = v[kFirst + i];
-}
-
-// A warp copies rows a and b of `count` <= kPairVecs vectors each (either skipped where its dst is null), both rows'
-// loads in flight before any store.
-__device__ __forceinline__ void warp_copy_pair(uint4* dst_a, const uint4* src_a, uint4* dst_b, const uint4* src_b,
-                                               u32 count, u32 lane) {
-    uint4 v[kRowBatch];
-    if (dst_a) load_vectors<0, kHalfBatch>(v, src_a, lane, count);
-    if (dst_b) load_vectors<kHalfBatch, kHalfBatch>(v, src_b, lane, count);
-    if (dst_a) store_vectors<0, kHalfBatch>(dst_a, v, lane, count);
-    if (dst_b) store_vectors<kHalfBatch, kHalfBatch>(dst_b, v, lane, count);
 }
 
 // Calls f(rank, row) for every rank whose bit is set in held, in increasing rank order; lane l holds the row of rank
@@ -424,109 +394,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gc_ep_normal_notify(co
     }
 }
 
-// A dispatch send token (dispatch_send): its top-k slots and first scale words (loaded with its row's vectors: what
-// does not depend on the routing goes out first; a token of unused slots only wastes these loads), then its routing:
-// bit l of held[w] says the token goes to rank 32 w + l, at rows[w] of lane l.
-struct SendToken {
-    long long expert;
-    float weight;
-    u32 early[kEarlyScaleWords];
-    u64 rows[kRankWords];
-    u32 held[kRankWords];
-    bool any;  // held has a bit
-};
-
-__device__ __forceinline__ SendToken send_load_small(const EpNormalParams& p, u32 t, bool live, u32 lane) {
-    SendToken s{-1, 0.f, {}, {}, {}, false};
-    if (!live) return s;
-    if (lane < p.topk) {
-        s.expert = reinterpret_cast<const long long*>(p.topk_idx)[static_cast<u64>(t) * p.topk + lane];  // raw
-        s.weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
-    }
-#pragma unroll
-    for (u32 k = 0; k < kEarlyScaleWords; ++k) {  // strided: DeepEP's scales are column-major
-        const u32 i = 32 * k + lane;
-        s.early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
-            static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
-    }
-    return s;
-}
-
-// Token t's receive row at each rank it goes to: M[own-1][r] + channel start + send_head; a row past the data region
-// is reported (the lowest such rank, as a rank-order scan reports first) and not sent.
-__device__ __forceinline__ void send_route(const PeerTable& pt, const EpNormalParams& p, u32 t, u32 lane,
-                                           KernelStatus* status, SendToken& s) {
-    const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
-    const u32 c = channel_of(p, t);
-    u32 any = 0;
-#pragma unroll
-    for (u32 w = 0; w < kRankWords; ++w) {
-        const u32 r = 32 * w + lane;
-        bool in = false;
-        s.rows[w] = 0;
-        if (r < ranks) {
-            const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
-            s.rows[w] = static_cast<u64>(prefix_at(p, static_cast<int>(own) - 1, r, ranks) + channel_start(p, r, c) +
-                                         head);
-            in = head >= 0;
-        }
-        const u32 past = __ballot_sync(~0u, in && s.rows[w] >= p.data_rows);
-        if (past && lane == __ffs(past) - 1)
-            gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteCapacity << 16 | r, s.rows[w],
-                                  p.data_rows);
-        s.held[w] = __ballot_sync(~0u, in && s.rows[w] < p.data_rows);
-        any |= s.held[w];
-    }
-    s.any = any != 0;
-}
-
-__device__ __forceinline__ u8* send_row_at(const PeerTable& pt, const EpNormalParams& p, u32 r, u64 row) {
-    return base_of(pt, r, p.off_data) + row * p.row_stride;
-}
-
-// Token t's row fields other than its vectors, at every rank it goes to: the 16-byte header (source token), the
-// scales and the top-k slots (DeepEP's transform: the destination's local expert id, or -1 with weight 0 for another
-// rank's expert; the id checked here, not where it is loaded: a check there waits for the id between the payload's
-// loads). Warp-uniform.
-__device__ __forceinline__ void send_store_small(const PeerTable& pt, const EpNormalParams& p, u32 t,
-                                                 const SendToken& s, u32 lane) {
-    for_each_rank(s.held, s.rows, [&](u32 r, u64 row) {
-        if (lane == 0) *reinterpret_cast<int4*>(send_row_at(pt, p, r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
-    });
-#pragma unroll
-    for (u32 k = 0; k < kEarlyScaleWords; ++k) {
-        if (32 * k >= p.num_scales) break;  // warp-uniform
-        const u32 i = 32 * k + lane;
-        const bool live = i < p.num_scales;
-        for_each_rank(s.held, s.rows, [&](u32 r, u64 row) {
-            if (live) reinterpret_cast<u32*>(send_row_at(pt, p, r, row) + p.off_row_scales)[i] = s.early[k];
-        });
-    }
-    for (u32 base = 32 * kEarlyScaleWords; base < p.num_scales; base += 32) {
-        const u32 i = base + lane;
-        const bool live = i < p.num_scales;
-        const u64 at = static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride;
-        const u32 scale = live ? reinterpret_cast<const u32*>(p.x_scales)[at] : 0u;
-        for_each_rank(s.held, s.rows, [&](u32 r, u64 row) {
-            if (live) reinterpret_cast<u32*>(send_row_at(pt, p, r, row) + p.off_row_scales)[i] = scale;
-        });
-    }
-    for_each_rank(s.held, s.rows, [&](u32 r, u64 row) {
-        if (lane >= p.topk) return;
-        const long long begin = static_cast<long long>(r) * p.local_experts;
-        const long long g = checked_expert(p, s.expert);
-        const long long e = (g >= begin && g < begin + p.local_experts) ? g - begin : -1;
-        u8* topk = send_row_at(pt, p, r, row) + p.off_row_topk;
-        reinterpret_cast<long long*>(topk)[lane] = e;
-        reinterpret_cast<float*>(topk + 8 * p.topk)[lane] = e >= 0 ? s.weight : 0.0f;
-    });
-}
-
-// dispatch, send half: every token's row goes to each rank it is in, at DeepEP's receive position. A warp per token,
-// or per two tokens where two rows fit one round (kPairVecs: FP8 rows): the tokens' top-k slots, first scale words and
-// first kRowBatch vectors per lane are loaded before lane r finds the row at rank r (the routing's loads then overlap
-// the payload's instead of preceding them: one memory latency per round fewer), then each batch of a token's vectors
-// is loaded once and stored to every rank.
+// dispatch, send half: every token's row goes to each rank it is in, at DeepEP's receive position
+// M[own-1][r] + channel start + send_head. A warp per token: its top-k slots, first scale words and first kRowBatch
+// vectors per lane are loaded before lane r finds the row at rank r (the routing's loads then overlap the payload's
+// instead of preceding them: one memory latency per token fewer), then each batch of the token's vectors is loaded once
+// and stored to every rank.
 static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalDispatchSend);
     const u32 ranks = static_cast<u32>(pt.world_size), own = static_cast<u32>(pt.rank);
@@ -534,39 +406,99 @@ static __device__ __forceinline__ void dispatch_send(const PeerTable& pt, const 
     const bool ok = wait_all_ranks(pt, p.off_released, p.op - 1, p, status, gc_moe::kNormalSiteReleased);
     phase_mark(kDispatchPhases, 1);
     const u32 vecs = p.row_bytes / 16;
-    const u32 stride = gridDim.x * kWarps;
-    const bool pairs = vecs <= kPairVecs;  // warp-uniform
-    const auto src = [&](u32 t) { return reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs; };
-    const auto dst = [&](u32 r, u64 row) { return reinterpret_cast<uint4*>(send_row_at(pt, p, r, row) + 16); };
-    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += pairs ? 2 * stride : stride) {
-        const u32 t_b = t + stride;
-        const bool has_b = pairs && t_b < p.num_tokens;
-        SendToken a = send_load_small(p, t, true, lane);
-        SendToken b = send_load_small(p, t_b, has_b, lane);
+    for (u32 t = blockIdx.x * kWarps + threadIdx.x / 32; ok && t < p.num_tokens; t += gridDim.x * kWarps) {
+        // What does not depend on the routing goes out first (a token of unused slots only wastes these loads).
+        long long expert = -1;
+        float weight = 0.f;
+        if (lane < p.topk) {
+            expert = reinterpret_cast<const long long*>(p.topk_idx)[static_cast<u64>(t) * p.topk + lane];  // raw
+            weight = reinterpret_cast<const float*>(p.topk_weights)[static_cast<u64>(t) * p.topk + lane];
+        }
+        // The token's first scale words (strided: DeepEP's scales are column-major).
+        u32 early[kEarlyScaleWords];
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            const u32 i = 32 * k + lane;
+            early[k] = i < p.num_scales ? reinterpret_cast<const u32*>(p.x_scales)[
+                static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride] : 0u;
+        }
+        const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         uint4 v[kRowBatch];
-        if (pairs) {
-            load_vectors<0, kHalfBatch>(v, src(t), lane, vecs);
-            if (has_b) load_vectors<kHalfBatch, kHalfBatch>(v, src(t_b), lane, vecs);
-        } else {
-            load_vectors<0, kRowBatch>(v, src(t), lane, vecs);
-        }
-        send_route(pt, p, t, lane, status, a);
-        if (has_b) send_route(pt, p, t_b, lane, status, b);
-        if (!a.any && !b.any) continue;  // tokens of unused slots only: nothing to send
-        // Warp-uniform loops (for_each_rank shuffles across the warp); the first batch is already in v.
-        if (pairs) {
-            for_each_rank(a.held, a.rows, [&](u32 r, u64 row) { store_vectors<0, kHalfBatch>(dst(r, row), v, lane, vecs); });
-            for_each_rank(b.held, b.rows,
-                          [&](u32 r, u64 row) { store_vectors<kHalfBatch, kHalfBatch>(dst(r, row), v, lane, vecs); });
-        } else {
-            for (u32 base = 0; base < vecs; base += 32 * kRowBatch) {
-                if (base > 0) load_vectors<0, kRowBatch>(v, src(t), base + lane, vecs);
-                for_each_rank(a.held, a.rows,
-                              [&](u32 r, u64 row) { store_vectors<0, kRowBatch>(dst(r, row), v, base + lane, vecs); });
+#pragma unroll
+        for (u32 i = 0; i < kRowBatch; ++i)
+            if (lane + 32 * i < vecs) v[i] = src[lane + 32 * i];
+        const u32 c = channel_of(p, t);
+        u64 rows[kRankWords];
+        u32 held[kRankWords];  // bit l of held[w]: the token goes to rank 32 w + l, at rows[w] of lane l
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) {
+            const u32 r = 32 * w + lane;
+            bool in = false;
+            rows[w] = 0;
+            if (r < ranks) {
+                const int head = reinterpret_cast<const int*>(p.send_head)[static_cast<u64>(t) * ranks + r];
+                rows[w] = static_cast<u64>(prefix_at(p, static_cast<int>(own) - 1, r, ranks) + channel_start(p, r, c) +
+                                           head);
+                in = head >= 0;
             }
+            const u32 past = __ballot_sync(~0u, in && rows[w] >= p.data_rows);
+            if (past && lane == __ffs(past) - 1)  // the lowest such rank, as a rank-order scan reports first
+                gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kNormalSiteCapacity << 16 | r, rows[w],
+                                      p.data_rows);
+            held[w] = __ballot_sync(~0u, in && rows[w] < p.data_rows);
         }
-        send_store_small(pt, p, t, a, lane);
-        if (has_b) send_store_small(pt, p, t_b, b, lane);
+        u32 any = 0;
+#pragma unroll
+        for (u32 w = 0; w < kRankWords; ++w) any |= held[w];
+        if (!any) continue;  // a token of unused slots only: nothing to send
+        const auto row_at = [&](u32 r, u64 row) { return base_of(pt, r, p.off_data) + row * p.row_stride; };
+        for_each_rank(held, rows, [&](u32 r, u64 row) {
+            if (lane == 0) *reinterpret_cast<int4*>(row_at(r, row)) = make_int4(static_cast<int>(t), 0, 0, 0);
+        });
+        // Warp-uniform loops (for_each_rank shuffles across the warp); the first batch is already in v.
+        for (u32 base = 0; base < vecs; base += 32 * kRowBatch) {
+            const u32 v0 = base + lane;
+            if (base > 0) {
+#pragma unroll
+                for (u32 i = 0; i < kRowBatch; ++i)
+                    if (v0 + 32 * i < vecs) v[i] = src[v0 + 32 * i];
+            }
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                uint4* dst = reinterpret_cast<uint4*>(row_at(r, row) + 16);
+#pragma unroll
+                for (u32 i = 0; i < kRowBatch; ++i)
+                    if (v0 + 32 * i < vecs) dst[v0 + 32 * i] = v[i];
+            });
+        }
+#pragma unroll
+        for (u32 k = 0; k < kEarlyScaleWords; ++k) {
+            if (32 * k >= p.num_scales) break;  // warp-uniform
+            const u32 i = 32 * k + lane;
+            const bool live = i < p.num_scales;
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                if (live) reinterpret_cast<u32*>(row_at(r, row) + p.off_row_scales)[i] = early[k];
+            });
+        }
+        for (u32 base = 32 * kEarlyScaleWords; base < p.num_scales; base += 32) {
+            const u32 i = base + lane;
+            const bool live = i < p.num_scales;
+            const u64 at = static_cast<u64>(t) * p.scale_token_stride + static_cast<u64>(i) * p.scale_hidden_stride;
+            const u32 scale = live ? reinterpret_cast<const u32*>(p.x_scales)[at] : 0u;
+            for_each_rank(held, rows, [&](u32 r, u64 row) {
+                if (live) reinterpret_cast<u32*>(row_at(r, row) + p.off_row_scales)[i] = scale;
+            });
+        }
+        for_each_rank(held, rows, [&](u32 r, u64 row) {
+            if (lane >= p.topk) return;
+            // DeepEP's transform: the destination's local expert id, or -1 (weight 0) for another rank's expert.
+            const long long begin = static_cast<long long>(r) * p.local_experts;
+            // checked here, not where it is loaded: a check there waits for the id between the payload's loads
+            const long long g = checked_expert(p, expert);
+            const long long e = (g >= begin && g < begin + p.local_experts) ? g - begin : -1;
+            u8* topk = row_at(r, row) + p.off_row_topk;
+            reinterpret_cast<long long*>(topk)[lane] = e;
+            reinterpret_cast<float*>(topk + 8 * p.topk)[lane] = e >= 0 ? weight : 0.0f;
+        });
     }
     phase_mark(kDispatchPhases, 2);
     if (last_cta(reinterpret_cast<u64*>(pt.base + p.off_send_arrive))) {
@@ -586,79 +518,46 @@ __device__ __forceinline__ u32 first_row_of(u32 lo, u32 w, u32 warps) {
     return lo + (w + warps - lo % warps) % warps;
 }
 
-// A dispatch receive row's small fields (data region row j; live: the warp copies it): the source index, top-k slots
-// and first scale words, loaded before the row's vectors so that the scales are not one more memory latency after the
-// payload's stores.
-struct RecvRow {
-    u32 j;
-    bool live;
-    int src_idx;
-    long long e;
-    float weight;
-    u32 early[kEarlyScaleWords];
-};
-
-__device__ __forceinline__ const u8* data_row(const PeerTable& pt, const EpNormalParams& p, u32 j) {
-    return reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
-}
-
-__device__ __forceinline__ RecvRow recv_load_small(const PeerTable& pt, const EpNormalParams& p, u32 j, bool live,
-                                                   u32 lane) {
-    RecvRow r{j, live, 0, -1, 0.f, {}};
-    if (!live) return r;
-    const u8* src = data_row(pt, p, j);
-    if (lane == 0) r.src_idx = *reinterpret_cast<const int*>(src);
-    if (lane < p.topk && p.recv_topk_idx) {
-        r.e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
-        r.weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
+// dispatch, receive one row: data region row j into DeepEP's outputs; a warp.
+static __device__ __forceinline__ void dispatch_recv_row(const PeerTable& pt, const EpNormalParams& p, u32 j,
+                                                         u32 lane) {
+    const u32 vecs = p.row_bytes / 16;
+    const u8* src = reinterpret_cast<const u8*>(pt.base + p.off_data) + static_cast<u64>(j) * p.row_stride;
+    // The source index, top-k slots and first scale words are loaded first, in flight with the row's first
+    // vectors (the scales are not one more memory latency after the payload's stores).
+    const bool slot = lane < p.topk && p.recv_topk_idx;
+    int src_idx = 0;
+    long long e = -1;
+    float weight = 0.f;
+    if (lane == 0) src_idx = *reinterpret_cast<const int*>(src);
+    if (slot) {
+        e = reinterpret_cast<const long long*>(src + p.off_row_topk)[lane];
+        weight = reinterpret_cast<const float*>(src + p.off_row_topk + 8 * p.topk)[lane];
     }
     const u32* scales = reinterpret_cast<const u32*>(src + p.off_row_scales);
+    u32 early[kEarlyScaleWords];
 #pragma unroll
     for (u32 k = 0; k < kEarlyScaleWords; ++k) {
         const u32 i = 32 * k + lane;
-        r.early[k] = i < p.num_scales ? scales[i] : 0u;
+        early[k] = i < p.num_scales ? scales[i] : 0u;
     }
-    return r;
-}
-
-// The row's scales, source index and top-k slots into DeepEP's outputs (after its vectors went out).
-__device__ __forceinline__ void recv_store_small(const PeerTable& pt, const EpNormalParams& p, const RecvRow& r,
-                                                 u32 lane) {
-    if (!r.live) return;
-    u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(r.j) * p.num_scales;
+    warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+              reinterpret_cast<const uint4*>(src + 16), vecs, lane);
+    u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
 #pragma unroll
     for (u32 k = 0; k < kEarlyScaleWords; ++k) {
         const u32 i = 32 * k + lane;
-        if (i < p.num_scales) recv_scales[i] = r.early[k];
+        if (i < p.num_scales) recv_scales[i] = early[k];
     }
-    if (p.num_scales > 32 * kEarlyScaleWords) {
-        const u32* scales = reinterpret_cast<const u32*>(data_row(pt, p, r.j) + p.off_row_scales);
+    if (p.num_scales > 32 * kEarlyScaleWords)
         warp_copy(recv_scales + 32 * kEarlyScaleWords, scales + 32 * kEarlyScaleWords,
                   p.num_scales - 32 * kEarlyScaleWords, lane);
+    if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = src_idx;
+    if (slot) {
+        const u64 f = static_cast<u64>(j) * p.topk + lane;
+        reinterpret_cast<long long*>(p.recv_topk_idx)[f] = e;
+        reinterpret_cast<float*>(p.recv_topk_weights)[f] = weight;
     }
-    if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[r.j] = r.src_idx;
-    if (lane < p.topk && p.recv_topk_idx) {
-        const u64 f = static_cast<u64>(r.j) * p.topk + lane;
-        reinterpret_cast<long long*>(p.recv_topk_idx)[f] = r.e;
-        reinterpret_cast<float*>(p.recv_topk_weights)[f] = r.weight;
-    }
-}
-
-// dispatch, receive rows j and j_b (live_b: there is a second row, only where two rows fit one round: kPairVecs) of
-// the data region into DeepEP's outputs; a warp.
-static __device__ __forceinline__ void dispatch_recv_rows(const PeerTable& pt, const EpNormalParams& p, u32 j,
-                                                          u32 j_b, bool live_b, u32 lane) {
-    const u32 vecs = p.row_bytes / 16;
-    const RecvRow a = recv_load_small(pt, p, j, true, lane);
-    const RecvRow b = recv_load_small(pt, p, j_b, live_b, lane);
-    const auto src = [&](const RecvRow& r) { return reinterpret_cast<const uint4*>(data_row(pt, p, r.j) + 16); };
-    const auto dst = [&](const RecvRow& r) {
-        return r.live ? reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(r.j) * vecs : nullptr;
-    };
-    if (vecs <= kPairVecs) warp_copy_pair(dst(a), src(a), dst(b), src(b), vecs, lane);
-    else warp_copy(dst(a), src(a), vecs, lane);
-    recv_store_small(pt, p, a, lane);
-    recv_store_small(pt, p, b, lane);
 }
 
 // dispatch, receive half: this rank's data region rows [0, num_recv) into DeepEP's outputs, a warp per row; rows past
@@ -740,9 +639,7 @@ static __device__ __forceinline__ void dispatch_recv(const PeerTable& pt, const 
         }
         const u32 hi = min(static_cast<u32>(prefix_at(p, static_cast<int>(q), own, ranks)), rows);
         const u32 lo = static_cast<u32>(prefix_at(p, static_cast<int>(q) - 1, own, ranks));
-        const u32 per_round = p.row_bytes / 16 <= kPairVecs ? 2 : 1;  // rows of this warp per copy round
-        for (u32 j = first_row_of(lo, warp, warps); j < hi; j += per_round * warps)
-            dispatch_recv_rows(pt, p, j, j + warps, per_round == 2 && j + warps < hi, lane);
+        for (u32 j = first_row_of(lo, warp, warps); j < hi; j += warps) dispatch_recv_row(pt, p, j, lane);
         start = gc_moe::globaltimer_ns();  // the copy's time is not the next wait's
     }
     ok = __syncthreads_and(ok);
@@ -781,61 +678,13 @@ __device__ __forceinline__ int direct_row_of(const EpNormalParams& p, u32 first,
     return head < 0 ? -1 : start + head;
 }
 
-// A one-rank dispatch token's small loads (dispatch_direct): its top-k slots and first scale words, loaded before its
-// row's vectors so that all are in flight together; live: the token has a row j in the outputs.
-struct DirectToken {
-    u32 t, j;
-    bool live;
-    long long e;
-    float weight;
-    u32 early[kEarlyScaleWords];
-};
-
-__device__ __forceinline__ void direct_load_small(const EpNormalParams& p, DirectToken& d, u32 lane) {
-    d.e = -1;
-    d.weight = 0.f;
-    if (!d.live) return;
-    if (lane < p.topk && p.recv_topk_idx) {
-        const u64 f = static_cast<u64>(d.t) * p.topk + lane;
-        d.e = reinterpret_cast<const long long*>(p.topk_idx)[f];  // raw: checked at its store (dispatch_send)
-        d.weight = reinterpret_cast<const float*>(p.topk_weights)[f];
-    }
-    const u32* scales = reinterpret_cast<const u32*>(p.x_scales) + static_cast<u64>(d.t) * p.scale_token_stride;
-#pragma unroll
-    for (u32 w = 0; w < kEarlyScaleWords; ++w) {
-        const u32 i = w * 32 + lane;
-        if (i < p.num_scales) d.early[w] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
-    }
-}
-
-// The token's scales, top-k entries (DeepEP's transform for rank 0: every expert is local) and source index into
-// row j of the outputs; nothing for a token without a row.
-__device__ __forceinline__ void direct_store_small(const EpNormalParams& p, const DirectToken& d, u32 lane) {
-    if (!d.live) return;
-    u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(d.j) * p.num_scales;
-#pragma unroll
-    for (u32 w = 0; w < kEarlyScaleWords; ++w) {
-        const u32 i = w * 32 + lane;
-        if (i < p.num_scales) recv_scales[i] = d.early[w];
-    }
-    const u32* scales = reinterpret_cast<const u32*>(p.x_scales) + static_cast<u64>(d.t) * p.scale_token_stride;
-    for (u32 i = 32 * kEarlyScaleWords + lane; i < p.num_scales; i += 32)
-        recv_scales[i] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
-    if (lane < p.topk && p.recv_topk_idx) {
-        long long e = checked_expert(p, d.e);
-        e = e < static_cast<long long>(p.local_experts) ? e : -1;
-        reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(d.j) * p.topk + lane] = e;
-        reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(d.j) * p.topk + lane] = e >= 0 ? d.weight : 0.f;
-    }
-    if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[d.j] = static_cast<int>(d.t);
-}
-
 // dispatch at one rank (P = 1): every row goes from the caller's x straight into DeepEP's outputs at its receive
 // position (channel start + send_head), as the two halves would leave it, without the data region: the bytes of one
 // copy instead of two (the receive half is the second), so the one-rank dispatch is bound by one copy's bandwidth. A
-// warp per token, or per two tokens where two rows fit one round (kPairVecs: FP8 rows), their rows found 32 tokens at
-// a time (direct_row_of) and their top-k and first scale loads issued with their rows', so that a round costs one
-// memory round trip (a BF16 row of up to 7168 columns, two FP8 rows). Then, as the receive half: top-k index -1 in the worst-case rows past the received count, and in the last CTA the receivers' channel
+// warp per token, its rows found 32 tokens at a time (direct_row_of) and its top-k and first scale loads issued with
+// its row's, so that a token costs one memory round trip (a BF16 row of up to 7168 columns); the top-k entries take
+// DeepEP's transform for rank 0 (every expert is local). Then, as the receive
+// half: top-k index -1 in the worst-case rows past the received count, and in the last CTA the receivers' channel
 // starts (this rank's own), ready and released for the op (what a later op's waits read), the row-count check and
 // the status mirror.
 static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, const EpNormalParams& p) {
@@ -845,32 +694,49 @@ static __device__ __forceinline__ void dispatch_direct(const PeerTable& pt, cons
     const u32 num_recv = static_cast<u32>(prefix_at(p, 0, 0, 1));
     const u32 rows = min(num_recv, p.recv_rows);
     const u32 step = gridDim.x * kWarps;
-    const bool pairs = vecs <= kPairVecs;  // two tokens per round (warp-uniform)
-    // token t's row j, or none where row is negative or past the outputs (the last CTA reports the count)
-    const auto token = [&](u32 t, int row) {
-        DirectToken d;
-        d.live = row >= 0 && static_cast<u32>(row) < rows;
-        d.t = t;
-        d.j = d.live ? static_cast<u32>(row) : 0u;
-        direct_load_small(p, d, lane);
-        return d;
-    };
-    const auto dst = [&](const DirectToken& d) {
-        return d.live ? reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(d.j) * vecs : nullptr;
-    };
-    const auto src = [&](const DirectToken& d) { return reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(d.t) * vecs; };
     phase_mark(kDispatchPhases, 1);  // the two-half path's marks, so that a phase read finds every one
     for (u32 first = blockIdx.x * kWarps + threadIdx.x / 32; first < p.num_tokens; first += 32 * step) {
         const int row_of_lane = direct_row_of(p, first, step, lane);
-        for (u32 k = 0; k < 32 && first + k * step < p.num_tokens; k += pairs ? 2 : 1) {
-            // the tokens' small loads before their rows', so that all are in flight together
-            const DirectToken a = token(first + k * step, __shfl_sync(~0u, row_of_lane, k));
-            const int row_b = __shfl_sync(~0u, row_of_lane, (k + 1) & 31);  // past the tokens: -1 (direct_row_of)
-            const DirectToken b = token(first + (k + 1) * step, pairs && k + 1 < 32 ? row_b : -1);
-            if (pairs) warp_copy_pair(dst(a), src(a), dst(b), src(b), vecs, lane);
-            else if (a.live) warp_copy(dst(a), src(a), vecs, lane);
-            direct_store_small(p, a, lane);
-            direct_store_small(p, b, lane);
+        for (u32 k = 0; k < 32 && first + k * step < p.num_tokens; ++k) {
+            const u32 t = first + k * step;
+            const int row = __shfl_sync(~0u, row_of_lane, k);
+            if (row < 0 || static_cast<u32>(row) >= rows) continue;  // none, or past the outputs (the last CTA
+                                                                      // reports the count)
+            const u32 j = static_cast<u32>(row);
+            // the token's small loads before its row's, so that all are in flight together
+            long long e = -1;
+            float weight = 0.f;
+            const bool slot = lane < p.topk && p.recv_topk_idx;
+            if (slot) {
+                const u64 f = static_cast<u64>(t) * p.topk + lane;
+                e = reinterpret_cast<const long long*>(p.topk_idx)[f];  // raw: checked at its store (dispatch_send)
+                weight = reinterpret_cast<const float*>(p.topk_weights)[f];
+            }
+            const u32* scales = reinterpret_cast<const u32*>(p.x_scales) + static_cast<u64>(t) * p.scale_token_stride;
+            u32 early[kEarlyScaleWords];
+#pragma unroll
+            for (u32 w = 0; w < kEarlyScaleWords; ++w) {
+                const u32 i = w * 32 + lane;
+                if (i < p.num_scales) early[w] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
+            }
+            warp_copy(reinterpret_cast<uint4*>(p.recv_x) + static_cast<u64>(j) * vecs,
+                      reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs, vecs, lane);
+            u32* recv_scales = reinterpret_cast<u32*>(p.recv_scales) + static_cast<u64>(j) * p.num_scales;
+#pragma unroll
+            for (u32 w = 0; w < kEarlyScaleWords; ++w) {
+                const u32 i = w * 32 + lane;
+                if (i < p.num_scales) recv_scales[i] = early[w];
+            }
+            for (u32 i = 32 * kEarlyScaleWords + lane; i < p.num_scales; i += 32)
+                recv_scales[i] = scales[static_cast<u64>(i) * p.scale_hidden_stride];
+            if (slot) {
+                e = checked_expert(p, e);
+                e = e < static_cast<long long>(p.local_experts) ? e : -1;
+                reinterpret_cast<long long*>(p.recv_topk_idx)[static_cast<u64>(j) * p.topk + lane] = e;
+                reinterpret_cast<float*>(p.recv_topk_weights)[static_cast<u64>(j) * p.topk + lane] =
+                    e >= 0 ? weight : 0.f;
+            }
+            if (lane == 0) reinterpret_cast<int*>(p.recv_src_idx)[j] = static_cast<int>(t);
         }
     }
     phase_mark(kDispatchPhases, 2);
