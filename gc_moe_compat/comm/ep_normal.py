@@ -83,8 +83,8 @@ __all__ = [
 ]
 
 SOURCE = "sm90/ep_normal.cu"
-THREADS = 256
-"""Threads per CTA (8 warps) of every normal-mode kernel."""
+THREADS = 384
+"""Threads per CTA (12 warps) of every normal-mode kernel (kernels/sm90/ep_normal.cu: kThreads)."""
 MAX_TOPK = 32
 """Routing slots per token (one warp lane each in the combine's weight sum)."""
 

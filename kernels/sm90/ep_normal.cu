@@ -51,15 +51,19 @@ using gc_moe::last_cta;
 using gc_moe::u64;
 typedef unsigned char u8;
 
-constexpr u32 kThreads = 256;
+constexpr u32 kThreads = 384;  // 12 warps (ep_normal.py: THREADS): the row copies are bound by the loads a CTA has in
+                               // flight and its issue slots, not by a warp's bytes; with kRowBatch = 14 the direction
+                               // kernels take <= 168 registers, so 12 warps fit where 8 warps of 28 vectors (253
+                               // registers) did (one rank, H 5120, T = 8192, Nsight Compute on an H100: FP8 dispatch
+                               // 69.3 -> 60.8 us, BF16 99.2 -> 95.2, combine 117.4 -> 105.5; P = 4 unchanged)
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
 constexpr u32 kRankWords = (kMaxRanks + 31) / 32;  // words of one rank per lane (lane l: ranks l, l + 32, ...)
 constexpr u32 kBatch = 8;          // loads in flight per lane: combine receive's vectors per rank, combine heads'
                                    // and notify's 32-token chunks, the layout's top-k slots
-constexpr u32 kRowBatch = 28;      // a row copy's 16-byte vectors in flight per lane (14 KB per warp: a 7168-column
-                                   // BF16 row in one round; each round costs a memory latency per row)
+constexpr u32 kRowBatch = 14;      // a row copy's 16-byte vectors in flight per lane (7 KB per warp: a 7168-column
+                                   // FP8 row in one round, a BF16 row in two; each round costs a memory latency)
 constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight per round up to this many ranks (one
                                    // H200, ranks under MPS: 5-15 % faster at P = 2 / 4, 3.5-5 % slower at P = 8)
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
@@ -682,7 +686,7 @@ __device__ __forceinline__ int direct_row_of(const EpNormalParams& p, u32 first,
 // position (channel start + send_head), as the two halves would leave it, without the data region: the bytes of one
 // copy instead of two (the receive half is the second), so the one-rank dispatch is bound by one copy's bandwidth. A
 // warp per token, its rows found 32 tokens at a time (direct_row_of) and its top-k and first scale loads issued with
-// its row's, so that a token costs one memory round trip (a BF16 row of up to 7168 columns); the top-k entries take
+// its row's, so that a token costs one memory round trip (an FP8 row of up to 7168 columns); the top-k entries take
 // DeepEP's transform for rank 0 (every expert is local). Then, as the receive
 // half: top-k index -1 in the worst-case rows past the received count, and in the last CTA the receivers' channel
 // starts (this rank's own), ready and released for the op (what a later op's waits read), the row-count check and
@@ -1017,7 +1021,7 @@ __device__ __forceinline__ uint4 biased_vector(const uint4* bias_0, const uint4*
 // (the data region row the send half would have copied row j into is j there, so x and topk_weights are read in place
 // at row j), and its top-k weights copied from row j: the receive half's sums with one term, stored by the same
 // roundings. No send half and no wait. A warp per token, its rows found 32 tokens at a time (direct_row_of), its
-// weights and kRowBatch vectors per lane loaded before any is summed (a BF16 row of up to 7168 columns in one
+// weights and kRowBatch vectors per lane loaded before any is summed (a BF16 row of up to 3584 columns in one
 // memory round trip); the last CTA publishes ready as well as released (a later op's waits read both).
 static __device__ __forceinline__ void combine_direct(const PeerTable& pt, const EpNormalParams& p) {
     KernelStatus* status = status_of(pt, p, gc_moe::kNormalCombineRecv);

@@ -56,6 +56,7 @@ def test_ep_normal_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_normal.SOURCE).resources
     assert set(resources) == set(ep_normal.ENTRY_NAMES.values())
+    assert f"constexpr u32 kThreads = {ep_normal.THREADS};" in (HEADER.parent / "ep_normal.cu").read_text()
     for name, res in resources.items():
         assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
         assert res.registers * ep_normal.THREADS <= 65536 and res.shared_bytes < 48 * 1024, name

@@ -188,7 +188,8 @@ class Session:
                                     status_mirror=self.mode.mirror.data_ptr(), **fields))
 
     def launch(self, kernel: str, grid: int, params: bytes) -> Launch:
-        return Launch(kernel, (max(1, min(grid, self.cap)), 1, 1), (256, 1, 1), 0, STREAM, 0, self.table, params)
+        return Launch(kernel, (max(1, min(grid, self.cap)), 1, 1), (ep_normal.THREADS, 1, 1), 0, STREAM, 0, self.table,
+                      params)
 
     def check(self, what: str, expected: list[Launch]) -> None:
         got, self.fake.launches = self.fake.launches, []

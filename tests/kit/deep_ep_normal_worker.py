@@ -258,7 +258,7 @@ def suite_cases(rank: int, ranks: int) -> None:
         ("routing row slices", dict(seed=14, tokens=[37] * ranks, kind="random", fp8=False, bias=True, sliced=True)),
         ("routing row slices FP8", dict(seed=15, tokens=[37] * ranks, kind="random", fp8=True, sliced=True)),
         # -0, infinities, subnormals and NaN through the dispatch's copies and the combine's FP32 sums; hidden 7168:
-        # 896 vectors, one full round of the one-rank paths' 28 vectors per lane.
+        # 896 vectors, two full rounds of the row copies' 14 vectors per lane.
         ("special values BF16", dict(seed=16, tokens=[40] * ranks, kind="random", fp8=False, hidden=7168,
                                      special=True)),
         ("special values BF16 + bias", dict(seed=17, tokens=[40] * ranks, kind="random", fp8=False, bias=True,
