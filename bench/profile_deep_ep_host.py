@@ -122,12 +122,13 @@ def machine_neutral(text: str) -> str:
     return text
 
 
-def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int
+def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int, num_sms: int = NUM_SMS
         ) -> tuple[dict[str, Callable[[], object]], list[deep_ep.Buffer]]:
-    """The eager calls, their inputs prepared once; the Buffers to destroy afterwards."""
+    """The eager calls, their inputs prepared once (the normal mode's ``Config(num_sms, 8, 256)``); the Buffers to
+    destroy afterwards."""
     x, idx, w = (t.cuda() for t in routing(tokens, hidden, topk, experts, 7))
-    config = deep_ep.Config(NUM_SMS, 8, 256)
-    normal = deep_ep.Buffer(group, normal_nvl_bytes(hidden, tokens), 0, explicitly_destroy=True)
+    config = deep_ep.Config(num_sms, 8, 256)
+    normal = deep_ep.Buffer(group, normal_nvl_bytes(hidden, tokens, num_sms=num_sms), 0, explicitly_destroy=True)
     layout = dispatch_kwargs(normal, idx, w, experts, config)
     recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
     x_fp8 = fp8_rows(x)
@@ -151,7 +152,7 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
 def ncu_window(args: argparse.Namespace) -> int:
     """Three warm-up calls of each op, then one call of each inside the profiler window (nothing is timed here)."""
     with single_rank_group() as group:
-        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
+        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens, args.num_sms)
         for fn in table.values():
             for _ in range(3):
                 fn()
@@ -174,6 +175,8 @@ def main() -> int:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--num-sms", type=int, default=NUM_SMS,
+                        help=f"the normal mode's Config(num_sms, 8, 256), its grids (default {NUM_SMS}: DeepEP's test)")
     parser.add_argument("--top", type=int, default=30, help="cProfile rows per op")
     parser.add_argument("--out", type=Path, default=Path("profile_deep_ep_host.txt"))
     parser.add_argument("--ncu", action="store_true", help="one call of each op inside cudaProfilerStart/Stop")
@@ -184,11 +187,12 @@ def main() -> int:
     partition = deep_ep_partition_mode()
     sha = os.environ.get("GC_MOE_GIT_SHA") or "unknown"
     report = [f"tree {sha}; deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, "
-              f"{torch.cuda.get_device_name()}: normal T={args.tokens}, low-latency T=Tmax={args.ll_tokens}, "
+              f"{torch.cuda.get_device_name()}: normal T={args.tokens} on Config({args.num_sms}, 8, 256), "
+              f"low-latency T=Tmax={args.ll_tokens}, "
               f"hidden {args.hidden}, top-{args.topk}, {args.experts} experts, {args.calls} eager calls per "
               "measurement", ""]
     with single_rank_group() as group:
-        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens)
+        table, buffers = ops(group, args.tokens, args.hidden, args.topk, args.experts, args.ll_tokens, args.num_sms)
         summary = []
         for name, fn in table.items():
             for _ in range(5):
