@@ -68,6 +68,7 @@ from cuda.bindings import driver
 from gc_moe_compat.comm.ep_normal import (
     HEADER_BYTES,
     MAX_TOPK,
+    THREADS,
     Entry,
     EpNormalParams,
     HostRecord,
@@ -735,7 +736,7 @@ class NormalMode:
         local = experts // self.ranks
         fields = dict(transient=data_offset(self.ranks, local, 1), data_rows=0, num_tokens=tokens, topk=topk,
                       num_experts=experts, local_experts=local)
-        return self._pack(key, ((Entry.LAYOUT, min(num_sms, -(-tokens // 256)), 0),), fields)
+        return self._pack(key, ((Entry.LAYOUT, min(num_sms, -(-tokens // THREADS)), 0),), fields)  # a token a thread
 
     def get_dispatch_layout(self, topk_idx: object, num_experts: object, previous_event: EventOverlap | None,
                             async_finish: bool, allocate_on_comm_stream: bool, num_sms: int) -> tuple:

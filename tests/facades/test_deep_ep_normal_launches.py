@@ -210,7 +210,7 @@ class Session:
                       is_token_in_rank=ptr(in_rank), num_tokens_per_rank=per_rank.data_ptr(),
                       num_tokens_per_expert=per_expert.data_ptr(), num_tokens=tokens, topk=topk, num_experts=experts,
                       local_experts=experts // self.ranks)
-        grid = min(Buffer.num_sms, -(-tokens // 256))
+        grid = min(Buffer.num_sms, -(-tokens // ep_normal.THREADS))
         self.check(f"get_dispatch_layout T={tokens} k={topk}", [self.launch(LAYOUT, grid, self.params(**fields))])
         return idx, out
 
