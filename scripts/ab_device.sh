@@ -17,7 +17,10 @@
 #   --deadline S  end every step by S seconds after the start (the device call's limit minus a margin) and still
 #                 pack what came back
 #   --original NAME  the staging in .carry/NAME to build and compare against (default sgl_deep_gemm, e.g.
-#                 sgl_deep_gemm_pr323 for another ref staged with build_sgl_deep_gemm.sh --dest .carry/NAME)
+#                 sgl_deep_gemm_pr323 for another ref staged with build_sgl_deep_gemm.sh --dest .carry/NAME); given
+#                 more than once, every workload runs once per original in turn (each run with the facade too, so
+#                 the originals are ranked within one call), the result files named ab_<workload>.<NAME>.json/png
+#                 (a second staging fits in the carry with build_sgl_deep_gemm.sh --third-party-of)
 # Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/NAME by
 # scripts/build_sgl_deep_gemm.sh (its _C.so and both JIT caches live there); each gc-moe-ab run writes its default
 # ./ab_<workload>.json + PNG in the repository root (so meta.command is the plain command), the matrix
@@ -36,7 +39,7 @@ PY="${PYTHON:-python3}"
 # name it, not the copy's stale git; a caller's own GC_MOE_GIT_SHA wins.
 [[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"
 echo "tree: ${GC_MOE_GIT_SHA:-as the copy's git says} (dirty: ${GC_MOE_GIT_DIRTY:-as the copy's git says})"
-workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0 original=sgl_deep_gemm
+workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0 originals=()
 while (($#)); do
   case "$1" in
     --ab) workloads+=("$2"); shift ;;
@@ -47,10 +50,14 @@ while (($#)); do
     --parallel) parallel=1 ;;
     --deadline) deadline="$2"; shift ;;
     --prebuild) prebuild="$2"; shift ;;
-    --original) original="$2"; shift ;;
+    --original) originals+=("$2"); shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
+done
+((${#originals[@]})) || originals=(sgl_deep_gemm)
+for original in "${originals[@]}"; do
+  [[ "$original" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "--original: a folder name under .carry, got '$original'" >&2; exit 2; }
 done
 LOGS=/tmp/ab_device_logs
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS" "$GC_MOE_CACHE_DIR"
@@ -79,38 +86,61 @@ run_step() {  # run_step NAME LOG COMMAND...: run under the deadline, record the
 pack() {  # the result files, the logs and the caches into $OUT (few files)
   cp ab_*.json ab_*.png compat_matrix.* "$LOGS/" 2>/dev/null
   tar czf "$OUT/results.tar.gz" -C "$LOGS" . 2>/dev/null
-  (cd .carry && tar czf "$OUT/carry_c.tar.gz" "$original/deep_gemm/_C.so" 2>/dev/null
-   tar czf "$OUT/carry_jit.tar.gz" "$original/cache" gc_moe_cache 2>/dev/null)
+  (cd .carry && tar czf "$OUT/carry_c.tar.gz" "${originals[@]/%//deep_gemm/_C.so}" 2>/dev/null
+   tar czf "$OUT/carry_jit.tar.gz" "${originals[@]/%//cache}" gc_moe_cache 2>/dev/null)
+}
+# The command after its arguments with original $1's exports (build_sgl_deep_gemm.sh --env) where it is staged.
+with_original=(bash -c '[[ -f .carry/$0/deep_gemm/VERSION ]] &&
+  eval "$(bash scripts/build_sgl_deep_gemm.sh --env --dest ".carry/$0")"; exec "$@"')
+suffix_results() {  # with several originals: the run's ab_<workload>.json / .png become ab_<workload>.$1.json / .png
+  ((${#originals[@]} > 1)) || return 0
+  local f o
+  for f in ab_*.json ab_*.png; do
+    [[ -f $f ]] || continue
+    for o in "${originals[@]}"; do [[ $f == *".$o.json" || $f == *".$o.png" ]] && continue 2; done
+    mv "$f" "${f%.*}.$1.${f##*.}"
+  done
 }
 
 run_step setup setup.log "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || {
   cat "$LOGS/setup.log"; exit 1; }
-[[ "$original" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "--original: a folder name under .carry, got '$original'" >&2; exit 2; }
-dg=.carry/$original
-if [[ -f $dg/deep_gemm/VERSION ]]; then
-  run_step "original SM90 Mega MoE build" build_sgl_deep_gemm.log bash scripts/build_sgl_deep_gemm.sh --build \
-    --dest "$dg"
-  eval "$(bash scripts/build_sgl_deep_gemm.sh --env --dest "$dg")"
-  cp "$dg/build.log" "$LOGS/sgl_deep_gemm_build.log" 2>/dev/null
-  pack
-else
-  summary+=("original SM90 Mega MoE: not staged ($dg; scripts/build_sgl_deep_gemm.sh)")
-fi
+pids=()
+for original in "${originals[@]}"; do  # the builds at the same time (CPU work)
+  dg=.carry/$original
+  if [[ -f $dg/deep_gemm/VERSION ]]; then
+    run_step "original $original build" "build_$original.log" bash scripts/build_sgl_deep_gemm.sh --build \
+      --dest "$dg" &
+    pids+=($!)
+  else
+    summary+=("original SM90 Mega MoE: not staged ($dg; scripts/build_sgl_deep_gemm.sh)")
+  fi
+done
+((${#pids[@]})) && wait "${pids[@]}"
+for original in "${originals[@]}"; do  # (run_step's summary line is lost in a background job)
+  [[ -f "$LOGS/build_$original.log" ]] &&
+    summary+=("$(printf '%-44s %s' "original $original build" "$(tail -n 1 "$LOGS/build_$original.log" | cut -c1-90)")")
+  cp ".carry/$original/build.log" "$LOGS/build_${original}_detail.log" 2>/dev/null
+done
+pack
 pids=()
 if ((prebuild)); then  # untimed work at the same time: compiles, the matrix's cells, the tests
   phase_end=$((SECONDS + prebuild))
   for w in "${workloads[@]}"; do
-    # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
-    run_step "gc-moe-ab $w --prebuild-only" "prebuild_$(log_name "$w")" gc-moe-ab $w $ab_args --prebuild-only &
-    pids+=($!)
+    for original in "${originals[@]}"; do
+      # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
+      run_step "gc-moe-ab $w --prebuild-only [$original]" "prebuild_${original}_$(log_name "$w")" \
+        "${with_original[@]}" "$original" gc-moe-ab $w $ab_args --prebuild-only &
+      pids+=($!)
+    done
   done
   if ((matrix)); then
-    run_step gc-moe-matrix matrix.log bash -c "gc-moe-matrix $matrix_args" &
+    run_step gc-moe-matrix matrix.log "${with_original[@]}" "${originals[0]}" bash -c "gc-moe-matrix $matrix_args" &
     pids+=($!)
     matrix=0
   fi
   if [[ -n $pytest_k ]]; then
-    run_step "pytest -k $pytest_k" pytest.log "$PY" -m pytest -q -rs -m gpu tests/tools -k "$pytest_k" &
+    run_step "pytest -k $pytest_k" pytest.log "${with_original[@]}" "${originals[0]}" "$PY" -m pytest -q -rs -m gpu \
+      tests/tools -k "$pytest_k" &
     pids+=($!)
     pytest_k=
   fi
@@ -123,15 +153,20 @@ if ((prebuild)); then  # untimed work at the same time: compiles, the matrix's c
   phase_end=0 pids=()
 fi
 if [[ -n $pytest_k ]]; then
-  run_step "pytest -k $pytest_k" pytest.log "$PY" -m pytest -q -rs -m gpu tests/tools -k "$pytest_k"
+  run_step "pytest -k $pytest_k" pytest.log "${with_original[@]}" "${originals[0]}" "$PY" -m pytest -q -rs -m gpu \
+    tests/tools -k "$pytest_k"
 fi
 for w in "${workloads[@]}"; do
   # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
   if ((parallel)); then
-    run_step "gc-moe-ab $w (parallel)" "$(log_name "$w")" gc-moe-ab $w $ab_args &
+    run_step "gc-moe-ab $w (parallel)" "$(log_name "$w")" "${with_original[@]}" "${originals[0]}" gc-moe-ab $w $ab_args &
     pids+=($!)
   else
-    run_step "gc-moe-ab $w" "$(log_name "$w")" gc-moe-ab $w $ab_args
+    for original in "${originals[@]}"; do
+      run_step "gc-moe-ab $w [$original]" "${original}_$(log_name "$w")" "${with_original[@]}" "$original" \
+        gc-moe-ab $w $ab_args
+      suffix_results "$original"
+    done
   fi
 done
 ((${#pids[@]})) && wait "${pids[@]}"
@@ -139,7 +174,7 @@ done
   summary+=("$(printf '%-44s %s' "gc-moe-ab $w (parallel)" "$(grep -c 'T=' "$LOGS/$(log_name "$w")") lines with T=")")
 done
 if ((matrix)); then
-  run_step gc-moe-matrix matrix.log bash -c "gc-moe-matrix $matrix_args"
+  run_step gc-moe-matrix matrix.log "${with_original[@]}" "${originals[0]}" bash -c "gc-moe-matrix $matrix_args"
 fi
 printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
 pack

@@ -13,6 +13,9 @@
 #   --cutlass  a tree with include/cute and include/cutlass (default SRC/third-party/cutlass; the deepinfer-gemm
 #              2.8.2 sdist's third-party/cutlass works too)
 #   --fmt      a tree with include/fmt (default SRC/third-party/fmt: the submodule, commit 553ec11e)
+#   --third-party-of STAGING  instead of --cutlass / --fmt: DEST/third-party is a relative link to an earlier
+#              staging's (a sibling folder of DEST, e.g. .carry/sgl_deep_gemm), so that two stagings travel to the GPU
+#              host together within the device tool's 64 MiB (cutlass is ~28 MB of each); carry both
 #   --tvm-ffi  the apache-tvm-ffi wheel its bindings need (0.1.15.post2 cp312 works), kept in DEST/wheels and
 #              installed into DEST/site by --build where this Python cannot import tvm_ffi
 #   --dest     where the package is staged (default .carry/sgl_deep_gemm: git-ignored, carried to the lent GPU
@@ -32,7 +35,7 @@
 # DEST/third-party/{cutlass,fmt}/include, DEST/SOURCE (where it came from).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-src= gitdir= ref= cutlass= fmt= wheel= dest="$repo/.carry/sgl_deep_gemm" build=0 env=0
+src= gitdir= ref= cutlass= fmt= shared= wheel= dest="$repo/.carry/sgl_deep_gemm" build=0 env=0
 while (($#)); do
   case "$1" in
     --src) src="$2"; shift ;;
@@ -40,6 +43,7 @@ while (($#)); do
     --ref) ref="$2"; shift ;;
     --cutlass) cutlass="$2"; shift ;;
     --fmt) fmt="$2"; shift ;;
+    --third-party-of) shared="$2"; shift ;;
     --tvm-ffi) wheel="$2"; shift ;;
     --dest) dest="$2"; shift ;;
     --build) build=1 ;;
@@ -74,6 +78,12 @@ stage() {  # copy the source tree, cutlass, fmt (and the wheel) into DEST
     commit="$(checkout_commit "$src")"
     source_line="$src at ${commit:-a tree that is not a git checkout}"
   fi
+  if [[ -n "$shared" ]]; then
+    [[ -z "$cutlass$fmt" ]] || fail "--third-party-of takes the place of --cutlass and --fmt"
+    shared="$(cd "$shared" 2>/dev/null && pwd)" || fail "--third-party-of: no folder $shared"
+    [[ "$(dirname "$shared")" == "$(dirname "$dest")" ]] || fail "--third-party-of $shared is not beside --dest $dest"
+    cutlass="$shared/third-party/cutlass" fmt="$shared/third-party/fmt"
+  fi
   cutlass="${cutlass:-$src/third-party/cutlass}" fmt="${fmt:-$src/third-party/fmt}"
   for f in sgl_deep_gemm/__init__.py sgl_deep_gemm/VERSION csrc/tvm_ffi_api.cpp csrc/apis/sm90_mega.hpp \
            deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh deep_gemm/mega/__init__.py; do
@@ -89,20 +99,26 @@ stage() {  # copy the source tree, cutlass, fmt (and the wheel) into DEST
     fail "--dest $dest exists and is not an earlier staging of this script (no deep_gemm/VERSION): not removing it"
   fi
   rm -rf "$dest"
-  mkdir -p "$dest/deep_gemm/include" "$dest/third-party/cutlass" "$dest/third-party/fmt"
+  mkdir -p "$dest/deep_gemm/include"
   cp "$src/sgl_deep_gemm/"*.py "$src/sgl_deep_gemm/VERSION" "$dest/deep_gemm/"  # __init__.py and its modules
   for sub in utils testing legacy mega; do cp -r "$src/deep_gemm/$sub" "$dest/deep_gemm/"; done
   cp -r "$src/deep_gemm/include/deep_gemm" "$dest/deep_gemm/include/"
   cp -r "$src/csrc" "$dest/"
-  cp -r "$cutlass/include" "$dest/third-party/cutlass/"
-  cp -r "$fmt/include" "$dest/third-party/fmt/"
+  if [[ -n "$shared" ]]; then
+    ln -s "../$(basename "$shared")/third-party" "$dest/third-party"
+  else
+    mkdir -p "$dest/third-party/cutlass" "$dest/third-party/fmt"
+    cp -r "$cutlass/include" "$dest/third-party/cutlass/"
+    cp -r "$fmt/include" "$dest/third-party/fmt/"
+  fi
   ln -s ../../third-party/cutlass/include/cute "$dest/deep_gemm/include/cute"
   ln -s ../../third-party/cutlass/include/cutlass "$dest/deep_gemm/include/cutlass"
   if [[ -n "$wheel" ]]; then
     [[ -f "$wheel" ]] || fail "--tvm-ffi $wheel is not a file"
     mkdir -p "$dest/wheels" && cp "$wheel" "$dest/wheels/"
   fi
-  echo "$source_line; cutlass $cutlass; fmt $fmt; tvm-ffi ${wheel:-not staged}" >"$dest/SOURCE"
+  echo "$source_line; cutlass $cutlass; fmt $fmt${shared:+ (third-party linked to ../$(basename "$shared")/third-party)};"\
+    "tvm-ffi ${wheel:-not staged}" >"$dest/SOURCE"
   echo "staged $(du -sh "$dest" | cut -f1) in $dest (sgl_deep_gemm $(cat "$dest/deep_gemm/VERSION"), source $source_line)"
 }
 

@@ -22,8 +22,8 @@ def _tree(root: Path) -> Path:
     return root
 
 
-def _stage(src: Path, dest: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), "--src", str(src), "--dest", str(dest)], capture_output=True,
+def _stage(src: Path, dest: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), "--src", str(src), "--dest", str(dest), *more], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -42,3 +42,19 @@ def test_stages_every_module_beside_init_and_names_no_enclosing_commit(tmp_path:
     head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert _stage(src, tmp_path / "stage").returncode == 0
     assert f"at {head}" in (tmp_path / "stage" / "SOURCE").read_text()
+
+
+def test_a_second_staging_links_the_first_ones_third_party(tmp_path: Path) -> None:
+    """--third-party-of: two stagings travel together within the device tool's 64 MiB; the second's cutlass and fmt
+    are the first's through a relative link (valid wherever both folders are carried), and a staging elsewhere than
+    beside it is refused."""
+    src = _tree(tmp_path / "tree")
+    assert _stage(src, tmp_path / "carry" / "first").returncode == 0
+    out = _stage(src, tmp_path / "carry" / "second", "--third-party-of", str(tmp_path / "carry" / "first"))
+    assert out.returncode == 0, out.stderr
+    second = tmp_path / "carry" / "second"
+    assert (second / "third-party").is_symlink() and str((second / "third-party").readlink()) == "../first/third-party"
+    assert (second / "deep_gemm" / "include" / "cute" / "x.h").read_text() == "# stand-in\n"
+    assert "third-party linked to ../first/third-party" in (second / "SOURCE").read_text()
+    elsewhere = _stage(src, tmp_path / "other" / "third", "--third-party-of", str(tmp_path / "carry" / "first"))
+    assert elsewhere.returncode != 0 and "is not beside --dest" in elsewhere.stderr
