@@ -2,6 +2,8 @@
 # One command for the lent GPU machine (device tool `run`, from the repository root):
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
+#                                [--ncu-normal T:HIDDEN:EXPERTS[:NUM_SMS]]...  (the deep_ep normal-mode direction
+#                                                   kernels of one eager call each under Nsight Compute, per --tree)
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 #                                [--legacy-timeout S]   (seconds per legacy test, default 900)
 #                                [--tree NAME=DIR]... [--rounds N]  (the picked benchmarks once per staged tree and
@@ -37,13 +39,17 @@ NCU_SECTIONS=(SpeedOfLight ComputeWorkloadAnalysis SchedulerStats WarpStateStats
 # Nsight Compute metrics of a --counters run: DRAM and L2 traffic of whole CUDA-graph replays.
 NCU_COUNTERS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
 NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
+# Nsight Compute sections and metrics of a --ncu-normal run.
+NCU_NORMAL=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats --section LaunchStats
+            --metrics smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum)
 # Benchmarks that start P ranks on one GPU themselves: the only ones --shared-gpu P runs (picked with --bench), given
 # --ranks P before their own arguments.
 BENCHES_SHARED=(deep_ep_ab)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() deepep_legacy= legacy_timeout=900 shared_gpu=
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() deepep_legacy= legacy_timeout=900
+shared_gpu=
 tree_args=() rounds=1
 while (($#)); do
   case "$1" in
@@ -60,6 +66,9 @@ while (($#)); do
     --profile) profiles+=("$2"); shift ;;  # one W1 and one W2 launch of bench/profile_gemm_sm90.py under ncu
     # one CUDA graph of these steps (w1, w2, dg_w1, dg_w2) replayed twice under ncu, caches left alone
     --counters) counters+=("$2"); shift ;;
+    # one eager call of each deep_ep op of bench/profile_deep_ep_host.py --ncu (normal mode: Config(NUM_SMS, 8, 256),
+    # default 24) at one rank, its normal-mode dispatch and combine kernels under ncu, once per --tree (or this tree)
+    --ncu-normal) ncu_normal+=("$2"); shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -228,6 +237,28 @@ for spec in "${counters[@]}"; do
     --format "${format:-fp8xfp8}" --repeats 1 --sequence ${steps//,/ } --graph 2 >"$csv" 2>&1 ||
     echo "counters $spec FAILED ($csv)" >>"$OUT/bench.log"
 done
+
+if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brings back few), a line per kernel here
+  mkdir -p /tmp/ncu_normal
+  specs=(--tree this=.)
+  ((${#tree_args[@]})) && specs=("${tree_args[@]}")
+  for spec in "${ncu_normal[@]}"; do
+    IFS=: read -r tokens hidden experts num_sms <<<"$spec"
+    for ((i = 1; i < ${#specs[@]}; i += 2)); do
+      name="${specs[$i]%%=*}" dir="${specs[$i]#*=}"
+      path="${PYTHONPATH:-}"
+      [[ "$dir" != "." ]] && path="$(cd "$dir" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+      report="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-24}.txt"
+      (cd bench && PYTHONPATH="$path" timeout 300 ncu --profile-from-start off --clock-control none \
+        --kernel-name regex:'gc_ep_normal_(dispatch|combine)$' "${NCU_NORMAL[@]}" "$PY" profile_deep_ep_host.py \
+        --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" --num-sms "${num_sms:-24}") >"$report" 2>&1 ||
+        echo "ncu-normal $name $spec FAILED ($report)" >>"$OUT/bench.log"
+      echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$report" |
+        awk '/gc_ep_normal_/ {printf "%s", (n++ ? "; " : "") $1} /Duration|inst_executed/ {printf " %s %s", $1, $NF}')"
+    done
+  done | tee -a "$OUT/bench.log"
+  tar czf "$OUT/ncu_normal.tar.gz" -C /tmp ncu_normal
+fi
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
 exit $((test_rc || bench_rc))
