@@ -239,19 +239,21 @@ for spec in "${counters[@]}"; do
 done
 
 if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brings back few), a line per kernel here
-  mkdir -p /tmp/ncu_normal
+  rm -rf /tmp/ncu_normal && mkdir -p /tmp/ncu_normal  # a warm machine keeps /tmp: only this call's reports
   specs=(--tree this=.)
   ((${#tree_args[@]})) && specs=("${tree_args[@]}")
   for spec in "${ncu_normal[@]}"; do
     IFS=: read -r tokens hidden experts num_sms <<<"$spec"
+    sms=()  # the benchmark's own default (DeepEP's test config) unless the spec names a count
+    [[ -n "$num_sms" ]] && sms=(--num-sms "$num_sms")
     for ((i = 1; i < ${#specs[@]}; i += 2)); do
       name="${specs[$i]%%=*}" dir="${specs[$i]#*=}"
       path="${PYTHONPATH:-}"
       [[ "$dir" != "." ]] && path="$(cd "$dir" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-      report="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-24}.txt"
+      report="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-default}.txt"
       (cd bench && PYTHONPATH="$path" timeout 300 ncu --profile-from-start off --clock-control none \
         --kernel-name regex:'gc_ep_normal_(dispatch|combine)$' "${NCU_NORMAL[@]}" "$PY" profile_deep_ep_host.py \
-        --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" --num-sms "${num_sms:-24}") >"$report" 2>&1 ||
+        --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" "${sms[@]}") >"$report" 2>&1 ||
         echo "ncu-normal $name $spec FAILED ($report)" >>"$OUT/bench.log"
       echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$report" |
         awk '/gc_ep_normal_/ {printf "%s", (n++ ? "; " : "") $1} /Duration|inst_executed/ {printf " %s %s", $1, $NF}')"
