@@ -10,8 +10,9 @@
 #                 quoting inside it is honoured)
 #   --pytest EXPR run the gpu tests of tests/tools/test_ab_*.py matching EXPR first
 #   --prebuild S  first, at the same time and for at most S seconds: `gc-moe-ab WORKLOAD --prebuild-only` of every
-#                 workload (GC-MoE's kernels and the originals' JIT kernels of every point), the matrix and the
-#                 pytest run (neither is timed); then the gc-moe-ab runs one after the other on the idle GPU
+#                 workload (GC-MoE's kernels and the originals' JIT kernels of every point; one original's workloads
+#                 at a time), the matrix and the pytest run (neither is timed); then the gc-moe-ab runs one after the
+#                 other on the idle GPU
 #   --parallel    run the gc-moe-ab workloads at the same time (a smoke run that compiles every kernel variant of
 #                 every workload at once; its latencies are not measurements)
 #   --deadline S  end every step by S seconds after the start (the device call's limit minus a margin) and still
@@ -125,14 +126,6 @@ pack
 pids=()
 if ((prebuild)); then  # untimed work at the same time: compiles, the matrix's cells, the tests
   phase_end=$((SECONDS + prebuild))
-  for w in "${workloads[@]}"; do
-    for original in "${originals[@]}"; do
-      # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
-      run_step "gc-moe-ab $w --prebuild-only [$original]" "prebuild_${original}_$(log_name "$w")" \
-        "${with_original[@]}" "$original" gc-moe-ab $w $ab_args --prebuild-only &
-      pids+=($!)
-    done
-  done
   if ((matrix)); then
     run_step gc-moe-matrix matrix.log "${with_original[@]}" "${originals[0]}" bash -c "gc-moe-matrix $matrix_args" &
     pids+=($!)
@@ -144,7 +137,19 @@ if ((prebuild)); then  # untimed work at the same time: compiles, the matrix's c
     pids+=($!)
     pytest_k=
   fi
-  wait "${pids[@]}"
+  # One original's workloads at a time: each process holds that original's buffers, and two originals' at once ran
+  # out of GPU memory on an H100 (80 GB).
+  for original in "${originals[@]}"; do
+    group=()
+    for w in "${workloads[@]}"; do
+      # shellcheck disable=SC2086 # the workload and the shared arguments are word lists
+      run_step "gc-moe-ab $w --prebuild-only [$original]" "prebuild_${original}_$(log_name "$w")" \
+        "${with_original[@]}" "$original" gc-moe-ab $w $ab_args --prebuild-only &
+      group+=($!)
+    done
+    ((${#group[@]})) && wait "${group[@]}"
+  done
+  ((${#pids[@]})) && wait "${pids[@]}"
   summary+=("$(printf '%-44s %4d s (every step below ran alone on the GPU)' "prebuild phase" "$SECONDS")")
   for f in "$LOGS"/prebuild_* "$LOGS"/matrix.log "$LOGS"/pytest.log; do
     [[ -f $f ]] && summary+=("  $(basename "$f"): $(grep -E 'prebuild: [0-9.]+ s|compat matrix:|passed|failed' "$f" \
