@@ -11,6 +11,8 @@
 #                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
 #                                                   DeepEP's legacy tests with --num-processes P, and the picked
 #                                                   BENCHES_SHARED benchmarks with --ranks P)
+#                                [--pack]  (at the end, everything under $OUT in one file, $OUT/device_check.tar.gz:
+#                                           the device tool brings back at most 8 files)
 # Carry .carry/provenance (bash scripts/tree_provenance.sh, run here first) so that result files name this commit.
 # Installs what the machine lacks (carried wheels in .whl/, filled by scripts/fetch_device_deps.sh, and this
 # package; the original DeepEP where scripts/build_deep_ep.sh staged it in .carry/deep_ep and deep_ep_ab runs),
@@ -49,7 +51,7 @@ BENCHES_SHARED=(deep_ep_ab)
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
 run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() deepep_legacy= legacy_timeout=900
-shared_gpu=
+shared_gpu= pack=0
 tree_args=() rounds=1
 while (($#)); do
   case "$1" in
@@ -69,6 +71,7 @@ while (($#)); do
     # one eager call of each deep_ep op of bench/profile_deep_ep_host.py --ncu (normal mode: Config(NUM_SMS, 8, 256),
     # default 24) at one rank, its normal-mode dispatch and combine kernels under ncu, once per --tree (or this tree)
     --ncu-normal) ncu_normal+=("$2"); shift ;;
+    --pack) pack=1 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -263,4 +266,7 @@ if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brin
 fi
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
+if ((pack)); then  # one file back instead of many (the summary above was printed from them first)
+  tar czf /tmp/device_check.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/device_check.tar.gz "$OUT/"
+fi
 exit $((test_rc || bench_rc))
