@@ -52,10 +52,8 @@ using gc_moe::u64;
 typedef unsigned char u8;
 
 constexpr u32 kThreads = 384;  // 12 warps (ep_normal.py: THREADS): the row copies are bound by the loads a CTA has in
-                               // flight and its issue slots, not by a warp's bytes; with kRowBatch = 14 the direction
-                               // kernels take <= 168 registers, so 12 warps fit where 8 warps of 28 vectors (253
-                               // registers) did (one rank, H 5120, T = 8192, Nsight Compute on an H100: FP8 dispatch
-                               // 69.3 -> 60.8 us, BF16 99.2 -> 95.2, combine 117.4 -> 105.5; P = 4 unchanged)
+                               // flight, not by one warp's bytes; kRowBatch = 14 keeps the direction kernels at <= 168
+                               // registers, so 12 warps fit (bench/README.md, thirty-first session, has the profile)
 constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kMaxExperts = 2048;  // the layout histogram (config.MAX_EXPERTS)
 constexpr u32 kMaxRanks = 72;      // gc_moe::kMaxPeers
