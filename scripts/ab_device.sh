@@ -3,7 +3,7 @@
 # .carry/provenance: run bash scripts/tree_provenance.sh here first, so that result files name this commit), from the
 # repository root:
 #   bash scripts/ab_device.sh [--ab WORKLOAD]... [--ab-args "ARGS"] [--matrix] [--matrix-args "ARGS"] [--pytest EXPR]
-#                             [--original NAME]
+#                             [--original NAME] [--ncu "ARGS"]...
 #   WORKLOAD: a gc-moe-ab workload's arguments, e.g. "--preset glm52" or "--model-config tests/data/deepseek_v3/config.json"
 #   --ab-args     appended to every gc-moe-ab run (e.g. "--quick --tokens 1 8")
 #   --matrix      run gc-moe-matrix (GPU + CPU cells) with --matrix-args (e.g. "--deepep-src .carry/DeepEP"; shell
@@ -22,6 +22,11 @@
 #                 more than once, every workload runs once per original in turn (each run with the facade too, so
 #                 the originals are ranked within one call), the result files named ab_<workload>.<NAME>.json/png
 #                 (a second staging fits in the carry with build_sgl_deep_gemm.sh --third-party-of)
+#   --ncu "ARGS"  after the timed runs, one `gc-moe-ab ARGS` (a workload, one point, one op: e.g. "--preset glm52
+#                 --tokens 256 --ops facade --repeats 1 --quick") under Nsight Compute (clocks left alone, each graph
+#                 node profiled alone): NCU_LAUNCHES launches of role2 or of the original's Mega MoE kernel after the
+#                 first NCU_SKIP (role2's first is its graph warm-up, which returns at once), the NCU_SECTIONS report in
+#                 ncu_<ARGS>.txt among the logs; given once per op to compare (each run times its ops in turn)
 # Steps: install this package; build (or reuse) the original SM90 Mega MoE staged in .carry/NAME by
 # scripts/build_sgl_deep_gemm.sh (its _C.so and both JIT caches live there); each gc-moe-ab run writes its default
 # ./ab_<workload>.json + PNG in the repository root (so meta.command is the plain command), the matrix
@@ -40,7 +45,11 @@ PY="${PYTHON:-python3}"
 # name it, not the copy's stale git; a caller's own GC_MOE_GIT_SHA wins.
 [[ -n "${GC_MOE_GIT_SHA:-}" ]] || eval "$(bash scripts/tree_provenance.sh --env)"
 echo "tree: ${GC_MOE_GIT_SHA:-as the copy's git says} (dirty: ${GC_MOE_GIT_DIRTY:-as the copy's git says})"
-workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0 originals=()
+workloads=() ab_args= matrix=0 matrix_args= pytest_k= parallel=0 deadline=0 prebuild=0 originals=() ncu_runs=()
+# The --ncu runs: kernels, launches and sections (the kernels' names as ncu's default function base shows them).
+NCU_KERNELS='regex:gc_sm90_fp8_role2|sm90_fp8_mega_moe_impl' NCU_SKIP=2 NCU_LAUNCHES=3
+NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats
+              --section MemoryWorkloadAnalysis --section LaunchStats)
 while (($#)); do
   case "$1" in
     --ab) workloads+=("$2"); shift ;;
@@ -52,6 +61,7 @@ while (($#)); do
     --deadline) deadline="$2"; shift ;;
     --prebuild) prebuild="$2"; shift ;;
     --original) originals+=("$2"); shift ;;
+    --ncu) ncu_runs+=("$2"); shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
@@ -181,6 +191,12 @@ done
 if ((matrix)); then
   run_step gc-moe-matrix matrix.log "${with_original[@]}" "${originals[0]}" bash -c "gc-moe-matrix $matrix_args"
 fi
+for args in "${ncu_runs[@]}"; do
+  # shellcheck disable=SC2086 # the run's arguments are a word list
+  run_step "ncu gc-moe-ab $args" "ncu_$(log_name "$args" | sed 's/^ab_//; s/\.log$/.txt/')" "${with_original[@]}" \
+    "${originals[0]}" ncu --graph-profiling node --clock-control none --kernel-name "$NCU_KERNELS" \
+    --launch-skip "$NCU_SKIP" --launch-count "$NCU_LAUNCHES" "${NCU_SECTIONS[@]}" gc-moe-ab $args --out /tmp/ncu_ab.json
+done
 printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
 pack
 echo "== summary"
