@@ -4,6 +4,8 @@
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--ncu-normal T:HIDDEN:EXPERTS[:NUM_SMS]]...  (the deep_ep normal-mode direction
 #                                                   kernels of one eager call each under Nsight Compute, per --tree)
+#                                [--ncu-ll T[:HIDDEN:EXPERTS]]...  (the deep_ep low-latency kernels of one eager
+#                                                   call each under Nsight Compute with their stall sites per SASS line)
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 #                                [--legacy-timeout S]   (seconds per legacy test, default 900)
 #                                [--tree NAME=DIR]... [--rounds N]  (the picked benchmarks once per staged tree and
@@ -50,7 +52,8 @@ BENCHES_SHARED=(deep_ep_ab)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() deepep_legacy= legacy_timeout=900
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() ncu_ll=() deepep_legacy=
+legacy_timeout=900
 shared_gpu= pack=0
 tree_args=() rounds=1
 while (($#)); do
@@ -71,6 +74,9 @@ while (($#)); do
     # one eager call of each deep_ep op of bench/profile_deep_ep_host.py --ncu (normal mode: Config(NUM_SMS, 8, 256),
     # default 24) at one rank, its normal-mode dispatch and combine kernels under ncu, once per --tree (or this tree)
     --ncu-normal) ncu_normal+=("$2"); shift ;;
+    # the same script's low-latency dispatch and combine kernels (Tmax = T) at one rank under ncu: WarpStateStats and
+    # SourceCounters, and each kernel's SASS with its stall samples per line (ncu --page source) as CSV
+    --ncu-ll) ncu_ll+=("$2"); shift ;;
     --pack) pack=1 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -263,6 +269,27 @@ if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brin
     done
   done | tee -a "$OUT/bench.log"
   tar czf "$OUT/ncu_normal.tar.gz" -C /tmp ncu_normal
+fi
+
+if ((${#ncu_ll[@]})); then  # the reports and their SASS pages in one file, a line per kernel here
+  rm -rf /tmp/ncu_ll && mkdir -p /tmp/ncu_ll
+  for spec in "${ncu_ll[@]}"; do
+    IFS=: read -r tokens hidden experts <<<"$spec"
+    base="/tmp/ncu_ll/T${tokens}_H${hidden:-7168}_E${experts:-256}"
+    (cd bench && timeout 300 ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
+      --kernel-name regex:'ep_ll::(dispatch|combine)' --import-source yes --section LaunchStats \
+      --section WarpStateStats --section SourceCounters -f -o "$base" "$PY" profile_deep_ep_host.py --ncu \
+      --ll-tokens "$tokens" --hidden "${hidden:-7168}" --experts "${experts:-256}") >"$base.log" 2>&1 ||
+      echo "ncu-ll $spec FAILED ($base.log)" >>"$OUT/bench.log"
+    ncu --import "$base.ncu-rep" --print-summary none >"$base.txt" 2>&1
+    for kernel in dispatch combine; do
+      ncu --import "$base.ncu-rep" --kernel-name-base demangled --kernel-name regex:"ep_ll::$kernel" --page source \
+        --csv --print-source sass >"${base}_${kernel}_sass.csv" 2>&1
+    done
+    echo "ncu-ll $spec: $(grep -E 'ep_ll::(dispatch|combine)|^ +Duration ' "$base.txt" |
+      awk '/ep_ll::/ {printf "%s", (n++ ? "; " : "") ($0 ~ /dispatch/ ? "dispatch" : "combine")} /Duration/ {printf " %s %s", $NF, $(NF-1)}')"
+  done | tee -a "$OUT/bench.log"
+  tar czf "$OUT/ncu_ll.tar.gz" -C /tmp ncu_ll
 fi
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
