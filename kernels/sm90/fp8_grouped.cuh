@@ -356,7 +356,8 @@ __device__ __forceinline__ void copy_task_scales(u8* region, const Task& t, cons
 struct Fp8StandaloneBase {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG, kEpi = sm90::kEpi,
-                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads,
+                         kProducerRegs = sm90::kProducerRegs, kConsumerRegs = sm90::kConsumerRegs;
     static constexpr bool kCluster = sm90::kCluster, kFastMath = sm90::kFastMath, kRingRows = false;
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed;
     using Pipeline = sm90::Pipeline;

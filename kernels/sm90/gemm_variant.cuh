@@ -45,6 +45,16 @@ constexpr bool kCluster = GC_CLUSTER != 0 && !GC_OPERATOR;
 constexpr int kConsumerWGs = 2;
 [[maybe_unused]] constexpr int kConsumerThreads = kConsumerWGs * 128;  // the W1 epilogue's and role2's barriers
 constexpr int kThreads = (kConsumerWGs + kProducerWG) * 128;
+// Registers per thread after the pipelined variants' setmaxnreg. The CTA's pool is what the launch allocated (the
+// most __launch_bounds__ allows in steps of 8, 168 at 384 threads, times the threads): setmaxnreg.inc retries until
+// the pool has the registers, so the producer's count plus the consumers' must fit it (above it the consumers never
+// start and the kernel hangs). The producer warpgroup drops to kProducerRegs, the consumers take the rest in steps of
+// 8 (232).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = (kLaunchRegs * kThreads - 128 * kProducerRegs) / (128 * kConsumerWGs) / 8 * 8;
+static_assert(kConsumerRegs <= 256 && 128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kThreads,
+              "setmaxnreg: the warpgroups' registers must fit the CTA's launch allocation");
 constexpr int kBK = 128;
 constexpr int kAcc = kBM / 2;  // accumulator registers per 64-row slab and thread (m64nBMk32)
 

@@ -217,13 +217,13 @@ struct StandaloneArgs {
     u64 timeout_ns;
 };
 
-// The producer warpgroup of the pipelined standalone kernels, at 40 registers: thread `tid` == 0 walks this CTA's tasks
+// The producer warpgroup of the pipelined standalone kernels, at kProducerRegs registers (gemm_variant.cuh): thread `tid` == 0 walks this CTA's tasks
 // (first, + stride, ... below num_tasks; task_at(i) reads one) and issues each one's kb_count K steps in order into
 // pipeline slot `it`; produce(it, task, kb) false gives up.
-template <typename TaskAt, typename Produce>
+template <int kProducerRegs, typename TaskAt, typename Produce>
 __device__ __forceinline__ void produce_tasks(int tid, int first, int stride, int num_tasks, int kb_count,
                                               TaskAt&& task_at, Produce&& produce) {
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
         u32 it = 0;
         for (int i = first; i < num_tasks; i += stride) {

@@ -3,7 +3,8 @@
 //
 // Templates: each weight format's source instantiates them from its entry, role2_body<K, kHostSmemBytes>, with K its
 // kernel policy, a struct of
-//   constants  kBM, kMSub, kAcc, kRows, kBK, kStages, kProducerWG, kConsumerThreads, kSmemBytes, kOffRed, kOffOut,
+//   constants  kBM, kMSub, kAcc, kRows, kBK, kStages, kProducerWG, kConsumerThreads, kProducerRegs, kConsumerRegs
+//              (the pipelined variant's setmaxnreg counts), kSmemBytes, kOffRed, kOffOut,
 //              kOutPitch (the W2 epilogue's staged tile [kBM][kOutPitch bytes] at kOffOut, 16 more bytes after it)
 //              and kConsumerBarrier (a named-barrier id over the kConsumerThreads consumer threads that its own
 //              epilogues never use with another thread count);
@@ -181,7 +182,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     const int wg = tid / 128;
 
     if (K::kProducerWG && wg == 0) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<K::kProducerRegs>();
         if (tid == 0) {
             u32 it = 0;
             u64 mask_seen = 0;
@@ -212,7 +213,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
         }
         return;
     }
-    if (K::kProducerWG) setmaxnreg_inc<232>();
+    if (K::kProducerWG) setmaxnreg_inc<K::kConsumerRegs>();
 
     const int cw = wg - K::kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
     const int local_tid = tid - K::kProducerWG * 128;

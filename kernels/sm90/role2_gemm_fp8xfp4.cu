@@ -320,7 +320,8 @@ __device__ __forceinline__ bool consume(const Pipeline& pipe, const u8* smem, u3
 struct Fp4Role2 {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
-                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads,
+                         kProducerRegs = sm90::kProducerRegs, kConsumerRegs = sm90::kConsumerRegs;
     static constexpr bool kUe8m0 = true, kFastMath = sm90::kFastMath, kRingRows = true;  // the W1 epilogue's
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
                          kOutPitch = sm90::kOutPitch;
@@ -382,7 +383,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 struct Fp4Standalone {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG, kEpi = sm90::kEpi,
-                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads,
+                         kProducerRegs = sm90::kProducerRegs, kConsumerRegs = sm90::kConsumerRegs;
     static constexpr bool kCluster = sm90::kCluster, kFastMath = sm90::kFastMath, kRingRows = false;
     static constexpr bool kUe8m0 = true;  // the W1 epilogue's UE8M0 1x128 scales
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed;

@@ -44,7 +44,8 @@ namespace sm90 {
 struct Fp8Role2 {
     static constexpr int kBM = sm90::kBM, kMSub = sm90::kMSub, kAcc = sm90::kAcc, kRows = sm90::kRows,
                          kBK = sm90::kBK, kStages = sm90::kStages, kProducerWG = sm90::kProducerWG,
-                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads;
+                         kConsumerWGs = sm90::kConsumerWGs, kConsumerThreads = sm90::kConsumerThreads,
+                         kProducerRegs = sm90::kProducerRegs, kConsumerRegs = sm90::kConsumerRegs;
     static constexpr bool kUe8m0 = false, kFastMath = sm90::kFastMath, kRingRows = true;  // the W1 epilogue's
     static constexpr u32 kSmemBytes = sm90::kSmemBytes, kOffRed = sm90::kOffRed, kOffOut = sm90::kOffOut,
                          kOutPitch = sm90::kOutPitch;

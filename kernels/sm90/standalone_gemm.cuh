@@ -4,7 +4,8 @@
 //
 // A template: each source's extern "C" entry instantiates standalone_body<K> with its kernel policy K, a struct of
 //   constants  kSmemBytes, kStages, kConsumerWGs, kProducerWG, kEpi, kMSub, kAcc, kRows, kBK, kOffRed, kCluster
-//              (cluster pairs, PairTask in grouped.cuh) and the W1 epilogue's (kBM, kConsumerThreads, kUe8m0,
+//              (cluster pairs, PairTask in grouped.cuh), kProducerRegs, kConsumerRegs (the pipelined variant's
+//              setmaxnreg counts) and the W1 epilogue's (kBM, kConsumerThreads, kUe8m0,
 //              kFastMath, kRingRows = false: K is epilogue_w1's policy too, sm90/epilogue_w1.cuh);
 //   Pipeline   its StagePipeline;
 //   hooks      static member functions:
@@ -74,10 +75,10 @@ __device__ __forceinline__ void standalone_body(const StandaloneArgs& a) {
         const auto produce_step = [&](u32 it, const PairTask& pt, int kb) {
             return sa_produce<K>(a, pipe, it, pt, kb, policy_w, policy_x, rank);
         };
-        produce_tasks(tid, first, stride, num_tasks, kb_count, task_at, produce_step);
+        produce_tasks<K::kProducerRegs>(tid, first, stride, num_tasks, kb_count, task_at, produce_step);
         return;
     }
-    if (K::kProducerWG) setmaxnreg_inc<232>();
+    if (K::kProducerWG) setmaxnreg_inc<K::kConsumerRegs>();
 
     const int cw = wg - K::kProducerWG, warp = (tid / 32) & 3, lane = tid & 31;
     const int local_tid = tid - K::kProducerWG * 128;
