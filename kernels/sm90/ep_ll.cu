@@ -753,70 +753,81 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     const float* weights = reinterpret_cast<const float*>(p.topk_weights);
     const int* routing = reinterpret_cast<const int*>(p.routing);
     const int* entry_rows = routing + static_cast<u64>(p.num_tokens) * p.topk;  // the routing's second plane
+    // A warp's unit is `span` consecutive column chunks of one token, span the smallest that gives every warp of the
+    // grid at most one unit: the token's slot decisions, rows and weights are read once per unit (a lane per slot,
+    // broadcast by shuffles), and the next chunk's first vectors load while the current chunk is summed, so a warp
+    // waits on about two round trips per unit instead of two per chunk.
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
-    const u32 units = ok ? p.num_tokens * chunks : 0;
+    const u32 warps = gridDim.x * kWarps;
+    const u32 span = ok ? (p.num_tokens * chunks + warps - 1) / warps : 1;
+    const u32 groups = (chunks + span - 1) / span;
+    const u32 units = ok ? p.num_tokens * groups : 0;
     // The rows summed: the combine stage's [parity][token][slot] rows, or (direct) x's [local expert][Tmax] rows.
     const u8* rows = reinterpret_cast<const u8*>(direct ? p.x : pt.base + p.off_combine_stage);
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += gridDim.x * kWarps) {
-        const u32 t = u / chunks, col = (u % chunks) * kCombineColumns + lane * 8;
-        const bool in_row = col < p.hidden;
+    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += warps) {
+        const u32 t = u / groups, first = (u % groups) * span, last = min(chunks, first + span);
         const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
-        // Slot k's row in `rows` (direct: -1 where the dispatch sent no row, nothing to read).
-        const auto row_of = [&](u32 k) -> long long {
-            if (!direct) return static_cast<long long>(token_rows + k);
-            const int e = routing[t * p.topk + k], j = entry_rows[t * p.topk + k];
-            if (e < 0 || j < 0) return -1;
-            return static_cast<long long>(static_cast<u32>(e) % p.local_experts) * p.max_tokens + j;
-        };
-        // The first kCombineUnroll slots' vectors and weights go out before the slot decisions, so that their latency
-        // overlaps the routing checks (every (token, slot) row lies in the stage: an unused slot's vector is loaded
-        // and ignored; on the direct path a dropped slot's is not).
-        uint4 v[kCombineUnroll];
-        float w[kCombineUnroll];
-#pragma unroll
-        for (u32 i = 0; i < kCombineUnroll; ++i) {
-            if (in_row && i < p.topk) {
-                w[i] = weights[t * p.topk + i];
-                const long long r = row_of(i);
-                v[i] = r < 0 ? make_uint4(0, 0, 0, 0)
-                             : *reinterpret_cast<const uint4*>(rows + (static_cast<u64>(r) * p.hidden + col) * 2);
+        // Lane k's slot: its row in `rows` (-1: nothing to read: on the direct path no row was sent), its weight, and
+        // whether it is summed (reported by the token's first unit only).
+        long long slot_row = -1;
+        float slot_weight = 0.f;
+        bool decided = false;
+        if (lane < p.topk) {
+            const u32 f = t * p.topk + lane;
+            slot_weight = weights[f];
+            if (!direct) {
+                slot_row = static_cast<long long>(token_rows + lane);
+            } else {
+                const int e = routing[f], j = entry_rows[f];
+                if (e >= 0 && j >= 0) slot_row = static_cast<long long>(static_cast<u32>(e) % p.local_experts) *
+                                                     p.max_tokens + j;
             }
+            decided = combine_slot(pt, p, f, slot_weight, first == 0 ? status : nullptr) && slot_row >= 0;
         }
-        // Lane j decides slot j once for the warp (reported by the token's first column unit only).
-        const bool decided = lane < p.topk && combine_slot(pt, p, t * p.topk + lane, weights[t * p.topk + lane],
-                                                           u % chunks == 0 ? status : nullptr) &&
-                             (!direct || row_of(lane) >= 0);
         const u32 used_slots = __ballot_sync(~0u, decided);
-        if (!in_row) continue;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
-            if (k0 > 0) {
+        // Slot k's 16-byte vector at column `col` (zero for a slot not summed: the sum skips it).
+        const auto load = [&](u32 k, u32 col) -> uint4 {
+            const long long r = __shfl_sync(~0u, slot_row, k);
+            if (!(used_slots >> k & 1u) || col >= p.hidden) return make_uint4(0, 0, 0, 0);
+            return *reinterpret_cast<const uint4*>(rows + (static_cast<u64>(r) * p.hidden + col) * 2);
+        };
+        uint4 next[kCombineUnroll];  // the first kCombineUnroll slots of the chunk summed next, in flight
 #pragma unroll
-                for (u32 i = 0; i < kCombineUnroll; ++i) {  // the next slots' loads, all in flight
+        for (u32 i = 0; i < kCombineUnroll; ++i) next[i] = load(i, first * kCombineColumns + lane * 8);
+        for (u32 c = first; c < last; ++c) {
+            const u32 col = c * kCombineColumns + lane * 8;
+            uint4 v[kCombineUnroll];
+#pragma unroll
+            for (u32 i = 0; i < kCombineUnroll; ++i) v[i] = next[i];
+            if (c + 1 < last) {
+#pragma unroll
+                for (u32 i = 0; i < kCombineUnroll; ++i) next[i] = load(i, col + kCombineColumns);
+            }
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (u32 k0 = 0; k0 < p.topk; k0 += kCombineUnroll) {
+                if (k0 > 0) {
+#pragma unroll
+                    for (u32 i = 0; i < kCombineUnroll; ++i) v[i] = load(min(k0 + i, 31u), col);  // past topk: unused
+                }
+#pragma unroll
+                for (u32 i = 0; i < kCombineUnroll; ++i) {  // slot order: the reference's summation order
                     const u32 k = k0 + i;
-                    if (k < p.topk && (used_slots >> k & 1u)) {  // a used slot's row: row_of(k) >= 0
-                        w[i] = weights[t * p.topk + k];
-                        const u64 r = static_cast<u64>(row_of(k));
-                        v[i] = *reinterpret_cast<const uint4*>(rows + (r * p.hidden + col) * 2);
-                    }
+                    const float w = __shfl_sync(~0u, slot_weight, min(k, 31u));
+                    if (k >= p.topk || !(used_slots >> k & 1u)) continue;
+                    const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
+                                        bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
+                    // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it.
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, f[j]));
                 }
             }
+            if (col >= p.hidden) continue;
+            __nv_bfloat162 out[4];
 #pragma unroll
-            for (u32 i = 0; i < kCombineUnroll; ++i) {  // slot order: the reference's summation order
-                const u32 k = k0 + i;
-                if (k >= p.topk || !(used_slots >> k & 1u)) continue;
-                const float f[8] = {bf16_lo(v[i].x), bf16_hi(v[i].x), bf16_lo(v[i].y), bf16_hi(v[i].y),
-                                    bf16_lo(v[i].z), bf16_hi(v[i].z), bf16_lo(v[i].w), bf16_hi(v[i].w)};
-                // Separately rounded multiply and add (no FMA contraction): the torch reference reproduces it.
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w[i], f[j]));
-            }
+            for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * p.hidden +
+                                      col) = *reinterpret_cast<const uint4*>(out);
         }
-        __nv_bfloat162 out[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) out[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * p.hidden + col) =
-            *reinterpret_cast<const uint4*>(out);
     }
     if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8), pt.world_size > 1)) {
         if (threadIdx.x == 0 && direct) {
