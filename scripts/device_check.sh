@@ -277,7 +277,7 @@ if ((${#ncu_ll[@]})); then  # the reports and their SASS pages in one file, a li
     IFS=: read -r tokens hidden experts <<<"$spec"
     base="/tmp/ncu_ll/T${tokens}_H${hidden:-7168}_E${experts:-256}"
     (cd bench && timeout 300 ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
-      --kernel-name regex:'ep_ll::(dispatch|combine)' --import-source yes --section LaunchStats \
+      --kernel-name regex:'ep_ll::(dispatch|combine)' --import-source yes --section SpeedOfLight --section LaunchStats \
       --section WarpStateStats --section SourceCounters -f -o "$base" "$PY" profile_deep_ep_host.py --ncu \
       --ll-tokens "$tokens" --hidden "${hidden:-7168}" --experts "${experts:-256}") >"$base.log" 2>&1 ||
       echo "ncu-ll $spec FAILED ($base.log)" >>"$OUT/bench.log"
@@ -286,8 +286,10 @@ if ((${#ncu_ll[@]})); then  # the reports and their SASS pages in one file, a li
       ncu --import "$base.ncu-rep" --kernel-name-base demangled --kernel-name regex:"ep_ll::$kernel" --page source \
         --csv --print-source sass >"${base}_${kernel}_sass.csv" 2>&1
     done
-    echo "ncu-ll $spec: $(grep -E 'ep_ll::(dispatch|combine)|^ +Duration ' "$base.txt" |
-      awk '/ep_ll::/ {printf "%s", (n++ ? "; " : "") ($0 ~ /dispatch/ ? "dispatch" : "combine")} /Duration/ {printf " %s %s", $NF, $(NF-1)}')"
+    # the imported report names kernels by function ("  dispatch(PeerTable, EpLlParams) (grid)x(block), ...")
+    echo "ncu-ll $spec: $(grep -E '^  (dispatch|combine)\(|^ +Duration ' "$base.txt" |
+      awk '/^  (dispatch|combine)\(/ {printf "%s%s", (n++ ? "; " : ""), substr($1, 1, index($1, "(") - 1)}
+           /Duration/ {printf " %s %s", $NF, $(NF-1)}')"
   done | tee -a "$OUT/bench.log"
   tar czf "$OUT/ncu_ll.tar.gz" -C /tmp ncu_ll
 fi
