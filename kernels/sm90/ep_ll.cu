@@ -759,7 +759,7 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     // waits on about two round trips per unit instead of two per chunk.
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
     const u32 warps = gridDim.x * kWarps;
-    const u32 span = ok ? (p.num_tokens * chunks + warps - 1) / warps : 1;
+    const u32 span = ok ? max(1u, (p.num_tokens * chunks + warps - 1) / warps) : 1;  // 1 at T = 0 (no units)
     const u32 groups = (chunks + span - 1) / span;
     const u32 units = ok ? p.num_tokens * groups : 0;
     // The rows summed: the combine stage's [parity][token][slot] rows, or (direct) x's [local expert][Tmax] rows.
