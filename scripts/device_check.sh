@@ -275,11 +275,12 @@ if ((${#ncu_ll[@]})); then  # the reports and their SASS pages in one file, a li
   rm -rf /tmp/ncu_ll && mkdir -p /tmp/ncu_ll
   for spec in "${ncu_ll[@]}"; do
     IFS=: read -r tokens hidden experts <<<"$spec"
-    base="/tmp/ncu_ll/T${tokens}_H${hidden:-7168}_E${experts:-256}"
+    hidden="${hidden:-7168}" experts="${experts:-256}"  # the profile script's defaults, named in the report's name
+    base="/tmp/ncu_ll/T${tokens}_H${hidden}_E${experts}"
     (cd bench && timeout 300 ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
-      --kernel-name regex:'ep_ll::(dispatch|combine)' --import-source yes --section SpeedOfLight --section LaunchStats \
+      --kernel-name regex:'ep_ll::(dispatch|combine)' --section SpeedOfLight --section LaunchStats \
       --section WarpStateStats --section SourceCounters -f -o "$base" "$PY" profile_deep_ep_host.py --ncu \
-      --ll-tokens "$tokens" --hidden "${hidden:-7168}" --experts "${experts:-256}") >"$base.log" 2>&1 ||
+      --ll-tokens "$tokens" --hidden "$hidden" --experts "$experts") >"$base.log" 2>&1 ||
       echo "ncu-ll $spec FAILED ($base.log)" >>"$OUT/bench.log"
     ncu --import "$base.ncu-rep" --print-summary none >"$base.txt" 2>&1
     for kernel in dispatch combine; do
