@@ -158,12 +158,14 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     const int tid = threadIdx.x;
     if (!has_dyn_smem(K::kSmemBytes, tid, a.status(), kSiteSmem)) return;
     if (tid == 0) {
+        GC_ROLE2_MARK(role2_mark_time(kMarkEntry));
         pipe.init(K::kConsumerThreads / 32);
         prefetch_tensormap(tm_w1);
         prefetch_tensormap(tm_w2);
         prefetch_tensormap(tm_l1);
         prefetch_tensormap(tm_l2);
         words[0] = op_pool_blocks(a);
+        GC_ROLE2_MARK(role2_mark_time(kMarkPoolReady));
         words[1] = ~0u;
     }
     __syncthreads();
@@ -196,8 +198,11 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
                         op_schedule_done(a, 2);
                         return;
                     }
+                    GC_ROLE2_MARK(if (it == 0) role2_mark_time(kMarkFirstLoad));
                 }
+                GC_ROLE2_MARK(role2_mark_add(kMarkTasks, 1));
             }
+            GC_ROLE2_MARK(role2_mark_time(kMarkLastTake));
             // No task left: the stage after the last one is published with kNoTask in its word (an arrival without
             // bytes completes its full phase), so the consumers, waiting for it in mbarrier.try_wait, wake and leave at
             // once; the stop slot alone would leave them suspended until try_wait's time limit ran out.
@@ -264,6 +269,7 @@ __device__ __forceinline__ void role2_body(const TensorMap* tm_w1, const TensorM
     // this thread's combine stores (local and peers') performed at system scope; at one rank every store is local
     // and the kernel's end orders it before role3 (a programmatic graph edge: role3's wait_prerequisites)
     if (a.peers.world_size > 1) __threadfence_system();
+    GC_ROLE2_MARK(if (local_tid == 0) role2_mark_time(kMarkExit));
     if (local_tid == 0) op_schedule_done(a, K::kProducerWG ? 2 : 1);
 }
 

@@ -10,8 +10,60 @@
 #include "sm90/grouped.cuh"
 #include "sm90/role2_gemm_params.cuh"
 
+#ifdef GC_ROLE2_MARKS
+// The marked variant's record (bench/role2_marks_sm90.py points it at a device buffer; nothing is recorded while it
+// is null). Outside the namespaces, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
+__device__ unsigned long long* gc_role2_marks;
+#define GC_ROLE2_MARK(...) __VA_ARGS__
+#else
+// The production build: no global, no marks (the statements inside GC_ROLE2_MARK are not compiled).
+#define GC_ROLE2_MARK(...)
+#endif
+
 namespace gc_moe {
 namespace sm90 {
+
+#ifdef GC_ROLE2_MARKS
+// Where one replay's time goes per role2 CTA, in the variant bench/role2_marks_sm90.py builds (GC_ROLE2_MARKS
+// defined): u64 words gc_role2_marks[CTA * kRole2MarkFields + field], %globaltimer nanoseconds for the times, sums
+// and counts for the waits. A wait is counted only when its first load did not find the signal (the spin path of
+// op_wait), so the sums are the time role2 spent waiting on role1's ring fills (L1) and on its own W1 tiles (L2).
+enum Role2Mark : u32 {
+    kMarkEntry = 0,      // thread 0 at the kernel's start (after the warm-up return)
+    kMarkPoolReady = 1,  // thread 0 once role1's pool header (the replay's block count) was acquired
+    kMarkL1WaitNs = 2,   // the producer's waits on l1_full_count (role1 filling a ring block), summed
+    kMarkL1Waits = 3,    // how many of those waits spun
+    kMarkL2WaitNs = 4,   // the producer's waits on l2_full_mask (a W1 tile of the block), summed
+    kMarkL2Waits = 5,    // how many of those waits spun
+    kMarkFirstLoad = 6,  // the pipelined producer's first task's first K step issued (its ring block acquired)
+    kMarkLastTake = 7,   // the pipelined producer found no task left
+    kMarkTasks = 8,      // the tasks the pipelined producer took
+    kMarkExit = 9,       // consumer thread 0 left the task loop
+};
+constexpr u32 kRole2MarkFields = 10;
+constexpr u32 kRole2MarkCtas = 256;  // CTAs recorded (role2's grid is one CTA per compute SM)
+
+__device__ __forceinline__ u64* role2_marks() {
+    u64* marks = reinterpret_cast<u64*>(::gc_role2_marks);
+    return marks != nullptr && blockIdx.x < kRole2MarkCtas ? marks + blockIdx.x * kRole2MarkFields : nullptr;
+}
+
+__device__ __forceinline__ void role2_mark_time(u32 field) {
+    if (u64* m = role2_marks()) m[field] = globaltimer_ns();
+}
+
+__device__ __forceinline__ void role2_mark_add(u32 field, u64 value) {
+    if (u64* m = role2_marks()) atomicAdd(reinterpret_cast<unsigned long long*>(m + field), value);
+}
+
+// A spun wait of `site` that started at `start` and just saw its signal.
+__device__ __noinline__ void role2_mark_wait(u32 site, u64 start) {
+    const u32 field = site == kSiteL1Full ? kMarkL1WaitNs : site == kSiteL2Mask ? kMarkL2WaitNs : ~0u;
+    if (field == ~0u) return;
+    role2_mark_add(field, globaltimer_ns() - start);
+    role2_mark_add(field + 1, 1);
+}
+#endif
 
 __device__ __forceinline__ void red_release_gpu_xor_u64(u64* p, u64 v) {
     asm volatile("red.release.gpu.global.xor.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -64,7 +116,10 @@ __device__ __forceinline__ bool op_wait(const OpArgs& a, Load&& load, Ready&& re
         }
         __nanosleep(GC_MOE_SPIN_SLEEP_NS);
         seen = load();
-        if (ready(seen)) return true;
+        if (ready(seen)) {
+            GC_ROLE2_MARK(role2_mark_wait(site, start));
+            return true;
+        }
     }
 }
 
