@@ -47,6 +47,16 @@
 #include "common/sync.cuh"
 #include "sm90/role1_dispatch_params.cuh"
 
+#ifdef GC_ROLE1_MARKS
+// The marked variant's record (bench/layer_marks_sm90.py points it at a device buffer; nothing is recorded while it
+// is null). Outside the namespace, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
+__device__ unsigned long long* gc_role1_marks;
+#define GC_ROLE1_MARK(...) __VA_ARGS__
+#else
+// The production build: no global, no marks (the statements inside GC_ROLE1_MARK are not compiled).
+#define GC_ROLE1_MARK(...)
+#endif
+
 namespace {
 
 using gc_moe::DispatchParams;
@@ -64,6 +74,50 @@ constexpr u32 kMaxExperts = 2048;          // gc_moe_compat.config.MAX_EXPERTS (
 constexpr u32 kMaxLocal = kThreads;        // config: e <= 512, one scan thread per local expert
 constexpr u32 kCopyUnroll = 8;             // 16-byte vectors in flight per lane
 constexpr u32 kScratch = 2 * kMaxExperts;  // phase A: two histograms; phase D: [e][P+1] prefixes (E + e words)
+
+#ifdef GC_ROLE1_MARKS
+// Where one replay's role1 time goes per warp, in the variant bench/layer_marks_sm90.py builds (GC_ROLE1_MARKS
+// defined): u64 words gc_role1_marks[(CTA * kWarps + warp) * kRole1MarkFields + field], written by the warp's lane 0
+// only: %globaltimer nanoseconds for the times, a sum and counts for the rest. The refill waits are E's waits on a
+// ring block's two empty counts before its first row of generation >= 1, timed whether or not they spun.
+enum Role1Mark : u32 {
+    kMarkEntry = 0,         // the kernel's start (after the warm-up return)
+    kMarkPullStart = 1,     // E begins (the block table is published, this CTA's prefixes are known)
+    kMarkFirstRow = 2,      // the warp's first row released into the ring
+    kMarkRefillWaitNs = 3,  // E's refill waits, summed
+    kMarkRefills = 4,       // how many refill waits
+    kMarkRows = 5,          // rows the warp pulled
+    kMarkExit = 6,          // E done
+};
+constexpr u32 kRole1MarkFields = 7;
+constexpr u32 kRole1MarkWarps = 4096;  // warps recorded (256 CTAs of 16)
+
+// This warp's record (null while the global is null or past the recorded warps).
+__device__ __forceinline__ u64* role1_marks() {
+    u64* marks = reinterpret_cast<u64*>(::gc_role1_marks);
+    const u32 w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    return marks != nullptr && w < kRole1MarkWarps ? marks + static_cast<u64>(w) * kRole1MarkFields : nullptr;
+}
+
+// Lane 0 stores the time into `field`.
+__device__ __forceinline__ void role1_mark_time(u32 field) {
+    if (threadIdx.x % 32 != 0) return;
+    if (u64* m = role1_marks()) m[field] = gc_moe::globaltimer_ns();
+}
+
+// Lane 0 only: adds `value` to `field`.
+__device__ __forceinline__ void role1_mark_add(u32 field, u64 value) {
+    if (u64* m = role1_marks()) m[field] += value;
+}
+
+// Lane 0 only: one more row released (the first one's time kept).
+__device__ __forceinline__ void role1_mark_row() {
+    if (u64* m = role1_marks()) {
+        if (m[kMarkRows] == 0) m[kMarkFirstRow] = gc_moe::globaltimer_ns();
+        m[kMarkRows] += 1;
+    }
+}
+#endif
 
 __device__ __forceinline__ void red_release_sys_add_u64(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -263,10 +317,13 @@ __device__ __forceinline__ void pull_rows(const PeerTable& peers, const Workspac
         if (q != ready) {
             int ok = 1;
             if (gen > 0 && lane == 0) {
+                GC_ROLE1_MARK(const u64 waited_from = gc_moe::globaltimer_ns());
                 ok = wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty1 + b); }, p.w1_tasks * gen, p.timeout_ns,
                                   status, gc_moe::kSiteRefillL1) &&
                      wait_ge<u32>([&] { return ld_acquire_gpu_u32(empty2 + b); }, p.w2_tasks * gen, p.timeout_ns,
                                   status, gc_moe::kSiteRefillL2);
+                GC_ROLE1_MARK(role1_mark_add(kMarkRefillWaitNs, gc_moe::globaltimer_ns() - waited_from);
+                              role1_mark_add(kMarkRefills, 1));
             }
             if (!__shfl_sync(~0u, ok, 0)) return;
             ready = q;
@@ -300,6 +357,7 @@ __device__ __forceinline__ void pull_rows(const PeerTable& peers, const Workspac
         fence_proxy_async_global();
         __syncwarp();
         if (lane == 0) red_release_gpu_add_u32(full + b, r == valid - 1 ? 1 + bm - valid : 1);
+        GC_ROLE1_MARK(if (lane == 0) role1_mark_row());
     }
 }
 
@@ -311,6 +369,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // operator/sm90/layer.py), starts now and waits on the ring signals as it does beside role1 when partitioned
     gc_moe::launch_dependents();
     if (p.flags & gc_moe::kDispatchWarmup) return;
+    GC_ROLE1_MARK(role1_mark_time(kMarkEntry));
     __shared__ u32 s_scratch[kScratch];
     __shared__ u32 s_rows[kMaxLocal + 1];    // exclusive prefix of received rows per local expert
     __shared__ u32 s_blocks[kMaxLocal + 1];  // exclusive prefix of pool blocks per local expert
@@ -373,8 +432,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         // no block table for a replay out of phase (role2's wait gives up; the other CTAs still pull their rows)
         if (cta == 0 && !s_flag) return;
         if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
+        GC_ROLE1_MARK(role1_mark_time(kMarkPullStart));
         pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status,
                   [&](u32, u32, u32 j) { return make_uint2(0, s_entry[j]); });
+        GC_ROLE1_MARK(role1_mark_time(kMarkExit));
         return;
     }
 
@@ -478,10 +539,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (cta == 0) publish_pool_table(base, off, s_rows, s_blocks, local_e, bm, ring);
 
     // ---- E. pull the received rows into the ring
+    GC_ROLE1_MARK(role1_mark_time(kMarkPullStart));
     pull_rows(peers, off, p, base, s_rows, s_blocks, local_e, status, [&](u32 le, u32 i, u32) {
         const u32 src = last_at_most(s_src + le * stride, ranks, i);
         const u32 pos = i - s_src[le * stride + src];
         return make_uint2(src, static_cast<u32>(__ldcg(src_index + (static_cast<size_t>(le) * ranks + src) * cap +
                                                        pos)));
     });
+    GC_ROLE1_MARK(role1_mark_time(kMarkExit));
 }

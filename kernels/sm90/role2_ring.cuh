@@ -11,7 +11,7 @@
 #include "sm90/role2_gemm_params.cuh"
 
 #ifdef GC_ROLE2_MARKS
-// The marked variant's record (bench/role2_marks_sm90.py points it at a device buffer; nothing is recorded while it
+// The marked variant's record (bench/layer_marks_sm90.py points it at a device buffer; nothing is recorded while it
 // is null). Outside the namespaces, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
 __device__ unsigned long long* gc_role2_marks;
 #define GC_ROLE2_MARK(...) __VA_ARGS__
@@ -24,7 +24,7 @@ namespace gc_moe {
 namespace sm90 {
 
 #ifdef GC_ROLE2_MARKS
-// Where one replay's time goes per role2 CTA, in the variant bench/role2_marks_sm90.py builds (GC_ROLE2_MARKS
+// Where one replay's time goes per role2 CTA, in the variant bench/layer_marks_sm90.py builds (GC_ROLE2_MARKS
 // defined): u64 words gc_role2_marks[CTA * kRole2MarkFields + field], %globaltimer nanoseconds for the times, sums
 // and counts for the waits. A wait is counted only when its first load did not find the signal (the spin path of
 // op_wait), so the sums are the time role2 spent waiting on role1's ring fills (L1) and on its own W1 tiles (L2).
