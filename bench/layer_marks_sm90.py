@@ -20,7 +20,8 @@ and once with the marked ones. Both are captured in a CUDA graph; ``latency_us``
 are read back one by one (no L2 flush between them). Per replay every time is taken after the earliest entry of
 either role (one clock per GPU), so role1's and role2's marks compare directly. ``marks[role][field]`` holds the
 median over the replays of the records' median and latest / largest value: times and waits in µs, counts as counted;
-``span`` is the role's latest exit. The two graphs' outputs must be bit-identical.
+``span`` is the role's latest exit; ``last_replay`` keeps the last marked replay's records themselves (``raw``). The
+two graphs' outputs must be bit-identical.
 
 The marked variants are measuring tools, not product kernels: role2's pipelined variants at BM <= 32 and FP8xFP4 BM
 = 64 spill a few words (the marks' call in the waits' spin path); the FP8xFP8 BM = 64 / 96 ones that T = 128 / 256
@@ -200,6 +201,25 @@ def summary(replays: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, 
             for role, fields in per.items()}
 
 
+def raw(records: Mapping[str, np.ndarray]) -> dict[str, list[list[float]]]:
+    """One replay's records as written to the result file (per role, a row per record in ``fields`` order): times
+    in µs after the replay's earliest entry of either role (0 where the kernel left the time unset), the rest as
+    :func:`summary` reads them (waits in µs, counts)."""
+    specs = {s.role: s for s in ROLES}
+    start = min(int(rows[:, specs[r].fields.index("entry")].min()) for r, rows in records.items())
+    out = {}
+    for role, rows in records.items():
+        spec = specs[role]
+        table = rows.astype(np.float64)
+        for i, f in enumerate(spec.fields):
+            if f == "entry" or f in spec.times:
+                table[:, i] = np.where(rows[:, i] != 0, (rows[:, i] - start) / 1e3, 0.0)
+            elif f in spec.waits:
+                table[:, i] = rows[:, i] / 1e3
+        out[role] = [[round(float(v), 3) for v in row] for row in table]
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
@@ -274,7 +294,8 @@ def measure(w: model_config.Workload, tokens_per_rank: Sequence[int], group: obj
                      "latency_us": {name: statistics.median(v) for name, v in latency.items()},
                      "bit_identical": True, "marks": summary(records),
                      "role1_rows_per_replay": [int(r["role1"][:, rows].sum()) for r in records],
-                     "role2_tasks_per_replay": [int(r["role2"][:, tasks].sum()) for r in records]}
+                     "role2_tasks_per_replay": [int(r["role2"][:, tasks].sum()) for r in records],
+                     "last_replay": raw(records[-1])}
             points.append(point)
             print(_line(w.name, t, point), flush=True)
         return points, marked.partition()

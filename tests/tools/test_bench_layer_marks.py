@@ -53,6 +53,14 @@ def test_summary_reads_both_roles_after_the_earliest_entry_of_either() -> None:
     assert r1["span"]["median"] == pytest.approx(120.0)
 
 
+def test_one_replays_records_are_kept_on_the_summarys_scale() -> None:
+    role2 = np.array([_role2(1500, 3500, 10_000, 1, 0, 0, 0, 0, 0, 420_000)], dtype=np.int64)
+    role1 = np.array([_role1(1000, 2000, 0, 4000, 2, 0, 9000)], dtype=np.int64)
+    got = marks.raw({"role1": role1, "role2": role2})
+    assert got["role1"] == [[0.0, 1.0, 0.0, 4.0, 2.0, 0.0, 8.0]]  # no first row: left 0
+    assert got["role2"] == [[0.5, 2.5, 10.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 419.0]]
+
+
 def test_a_role2_variant_without_a_producer_leaves_its_producer_times_out() -> None:
     role2 = np.array([_role2(1000, 2000, 0, 0, 0, 0, 0, 0, 0, 9000)], dtype=np.int64)
     got = marks.summary([{"role2": role2}])["role2"]
@@ -118,3 +126,5 @@ def test_every_record_of_a_replay_is_in_order_and_the_output_stays(group: dist.P
     assert r2["first_load"]["median"] <= r2["last_take"]["median"] <= r2["exit"]["median"]
     assert r1["pull_start"]["max"] <= r1["exit"]["max"] and r1["first_row"]["median"] <= r1["exit"]["median"]
     assert point["role1_rows_per_replay"] == [128 * 8] * 3  # top-8 of 8 experts: every entry is a row
+    assert [len(point["last_replay"][r]) for r in ("role1", "role2")] == [point["records"]["role1"],
+                                                                        point["records"]["role2"]]
