@@ -22,8 +22,9 @@ from gc_moe_compat.ab.protocol import (
 )
 from gc_moe_compat.ab.report import pyplot
 
-__all__ = ["L2_FLUSH_BYTES", "PER_WINDOW", "REPO", "copy_bandwidth", "expert_floor_bytes", "gpu_shortfall", "pyplot",
-           "require_gpus", "result_meta", "timed_windows", "write_partial_result", "write_result"]
+__all__ = ["L2_FLUSH_BYTES", "PER_WINDOW", "REPO", "copy_bandwidth", "expert_floor_bytes", "gpu_shortfall",
+           "point_global", "pyplot", "require_gpus", "result_meta", "timed_windows", "write_partial_result",
+           "write_result"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +48,19 @@ def require_gpus(script: str, count: int = 1, hint: str = "") -> None:
     message = gpu_shortfall(script, count, found, hint)
     if message is not None:
         raise SystemExit(message)
+
+
+def point_global(library: object, name: bytes, target: object) -> None:
+    """Sets the device-pointer global ``name`` of the loaded ``library`` (a ``CUlibrary``: a marked kernel variant's
+    record pointer) to the address of the tensor ``target``, in the current CUDA context: a library's globals have a
+    copy per context, so a caller whose kernels run on green contexts pushes each of them first."""
+    import numpy as np
+    from cuda.bindings import driver
+
+    from gc_moe_compat.runtime.cuda import call
+
+    address, size = call(driver.cuLibraryGetGlobal, library, name)
+    if size != 8:
+        raise RuntimeError(f"{name.decode()}: a pointer of 8 bytes expected, the module's global has {size}")
+    pointer = np.array([target.data_ptr()], dtype=np.uint64)
+    call(driver.cuMemcpyHtoD, address, pointer.ctypes.data, 8)

@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from cuda.bindings import driver
+from _common import point_global
 
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import _normal
 from gc_moe_compat.runtime import jit
-from gc_moe_compat.runtime.cuda import call
 
 DEFINES = {"GC_EP_NORMAL_PHASES": 1}
 """The variant's JIT defines."""
@@ -51,12 +50,7 @@ class PhaseTimes:
 
     def __init__(self, device: torch.device) -> None:
         self.times = torch.zeros(len(DIRECTIONS) * CTAS * len(MARKS), dtype=torch.int64, device=device)
-        library = jit.load_module(ep_normal.SOURCE, DEFINES).library
-        address, size = call(driver.cuLibraryGetGlobal, library, GLOBAL)
-        if size != 8:
-            raise RuntimeError(f"{GLOBAL.decode()}: a pointer of 8 bytes expected, the module's global has {size}")
-        pointer = np.array([self.times.data_ptr()], dtype=np.uint64)
-        call(driver.cuMemcpyHtoD, address, pointer.ctypes.data, 8)
+        point_global(jit.load_module(ep_normal.SOURCE, DEFINES).library, GLOBAL, self.times)
 
     def timed(self, fn: Callable[[], object], direction: str) -> np.ndarray:
         """Runs ``fn`` (one call whose direction kernel is ``direction``'s) on a cleared buffer and returns that

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import REPO, require_gpus, result_meta, write_result
+from _common import REPO, point_global, require_gpus, result_meta, write_result
 from cuda.bindings import driver
 
 from gc_moe_compat.ab import model_config, protocol
@@ -84,6 +84,7 @@ ROLE2 = Recorded("role2", "GC_ROLE2_MARKS", b"gc_role2_marks",
                  records=256)
 """Role2: a record per CTA (``kRole2MarkCtas``)."""
 ROLES = (ROLE1, ROLE2)
+SPECS = {spec.role: spec for spec in ROLES}
 
 
 class Marks:
@@ -97,19 +98,13 @@ class Marks:
     def point(self, module: jit.Module, contexts: Sequence[driver.CUcontext]) -> None:
         """Points ``module``'s global at this buffer in each of ``contexts`` (a library's global has one copy per
         context: with the partition on, role1 and role2 run on green contexts)."""
-        pointer = np.array([self.words.data_ptr()], dtype=np.uint64)
-        name = self.spec.global_name
         for ctx in contexts:
             key = (module.key, int(ctx))
             if key in self.pointed:
                 continue
             call(driver.cuCtxPushCurrent, ctx)
             try:
-                address, size = call(driver.cuLibraryGetGlobal, module.library, name)
-                if size != 8:
-                    raise RuntimeError(f"{name.decode()}: a pointer of 8 bytes expected, the module's global has "
-                                       f"{size}")
-                call(driver.cuMemcpyHtoD, address, pointer.ctypes.data, 8)
+                point_global(module.library, self.spec.global_name, self.words)
             finally:
                 call(driver.cuCtxPopCurrent)
             self.pointed.add(key)
@@ -170,11 +165,15 @@ def marked_kernels(built: list[tuple[Recorded, jit.Module]]) -> Iterator[None]:
         role1_dispatch.kernel, role2_gemm.kernel = production
 
 
+def _origin(records: Mapping[str, np.ndarray]) -> int:
+    """A replay's clock origin: the earliest entry of either role (ns)."""
+    return min(int(rows[:, SPECS[role].fields.index("entry")].min()) for role, rows in records.items())
+
+
 def summary(replays: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, dict[str, float]]]:
     """Per role and field, the median over ``replays`` of the records' median and latest / largest: times in µs
     after the replay's earliest entry of either role, waits in µs, counts as counted; ``span`` the role's latest
     exit. A time left at 0 (a role2 variant without a producer, a role1 warp without rows) is not a record's time."""
-    specs = {s.role: s for s in ROLES}
     per: dict[str, dict[str, dict[str, list[float]]]] = {}
 
     def add(role: str, name: str, values: np.ndarray) -> None:
@@ -183,9 +182,9 @@ def summary(replays: Sequence[Mapping[str, np.ndarray]]) -> dict[str, dict[str, 
         entry["max"].append(float(values.max()))
 
     for records in replays:
-        start = min(int(rows[:, specs[r].fields.index("entry")].min()) for r, rows in records.items())
+        start = _origin(records)
         for role, rows in records.items():
-            spec = specs[role]
+            spec = SPECS[role]
             col = {f: i for i, f in enumerate(spec.fields)}
             add(role, "entry", (rows[:, col["entry"]] - start) / 1e3)
             for f in spec.times:
@@ -205,11 +204,10 @@ def raw(records: Mapping[str, np.ndarray]) -> dict[str, list[list[float]]]:
     """One replay's records as written to the result file (per role, a row per record in ``fields`` order): times
     in µs after the replay's earliest entry of either role (0 where the kernel left the time unset), the rest as
     :func:`summary` reads them (waits in µs, counts)."""
-    specs = {s.role: s for s in ROLES}
-    start = min(int(rows[:, specs[r].fields.index("entry")].min()) for r, rows in records.items())
+    start = _origin(records)
     out = {}
     for role, rows in records.items():
-        spec = specs[role]
+        spec = SPECS[role]
         table = rows.astype(np.float64)
         for i, f in enumerate(spec.fields):
             if f == "entry" or f in spec.times:
