@@ -132,18 +132,19 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     layout = dispatch_kwargs(normal, idx, w, experts, config)
     recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
     x_fp8 = fp8_rows(x)
-    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_tokens, hidden, 1, experts)
+    ll_max = -(-ll_tokens // 4) * 4  # Tmax: DeepEP's rule wants a multiple of 4 (its receive rows, read by TMA)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_max, hidden, 1, experts)
     ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts, explicitly_destroy=True)
     lx, lidx = x[:ll_tokens].contiguous(), idx[:ll_tokens].contiguous()
     lw = w[:ll_tokens].contiguous()
-    recv_x, _, ll_handle, _, _ = ll.low_latency_dispatch(lx, lidx, ll_tokens, experts, use_fp8=False)
+    recv_x, _, ll_handle, _, _ = ll.low_latency_dispatch(lx, lidx, ll_max, experts, use_fp8=False)
     expert_out = recv_x.clone()
     table = {
         "normal layout": lambda: normal.get_dispatch_layout(idx, experts),
         "normal dispatch bf16": lambda: normal.dispatch(x, **layout),
         "normal dispatch fp8": lambda: normal.dispatch(x_fp8, **layout),
         "normal combine": lambda: normal.combine(recv, handle, topk_weights=recv_w, config=config),
-        "ll dispatch fp8": lambda: ll.low_latency_dispatch(lx, lidx, ll_tokens, experts),
+        "ll dispatch fp8": lambda: ll.low_latency_dispatch(lx, lidx, ll_max, experts),
         "ll combine": lambda: ll.low_latency_combine(expert_out, lidx, lw, ll_handle),
     }
     return table, [normal, ll]
@@ -170,7 +171,8 @@ def ncu_window(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="normal-mode tokens (default 512)")
-    parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency tokens = Tmax (default 128)")
+    parser.add_argument("--ll-tokens", type=int, default=128,
+                        help="low-latency tokens; Tmax is the multiple of 4 at or above (default 128)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
@@ -188,7 +190,7 @@ def main() -> int:
     sha = os.environ.get("GC_MOE_GIT_SHA") or "unknown"
     report = [f"tree {sha}; deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, "
               f"{torch.cuda.get_device_name()}: normal T={args.tokens} on Config({args.num_sms}, 8, 256), "
-              f"low-latency T=Tmax={args.ll_tokens}, "
+              f"low-latency T={args.ll_tokens} (Tmax {-(-args.ll_tokens // 4) * 4}), "
               f"hidden {args.hidden}, top-{args.topk}, {args.experts} experts, {args.calls} eager calls per "
               "measurement", ""]
     with single_rank_group() as group:

@@ -74,8 +74,9 @@ while (($#)); do
     # one eager call of each deep_ep op of bench/profile_deep_ep_host.py --ncu (normal mode: Config(NUM_SMS, 8, 256),
     # default 24) at one rank, its normal-mode dispatch and combine kernels under ncu, once per --tree (or this tree)
     --ncu-normal) ncu_normal+=("$2"); shift ;;
-    # the same script's low-latency dispatch and combine kernels (Tmax = T) at one rank under ncu: WarpStateStats and
-    # SourceCounters, and each kernel's SASS with its stall samples per line (ncu --page source) as CSV
+    # the same script's low-latency dispatch and combine kernels (Tmax: T rounded up to a multiple of 4) at one rank
+    # under ncu: WarpStateStats and SourceCounters, and each kernel's SASS with its stall samples per line (ncu --page
+    # source) as CSV
     --ncu-ll) ncu_ll+=("$2"); shift ;;
     --pack) pack=1 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
