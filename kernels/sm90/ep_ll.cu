@@ -216,8 +216,8 @@ __device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelSta
     return checked_expert(p, f, raw_id(p, f), status);
 }
 
-// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank of the
-// halves that run), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
+// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank the
+// checker of each direction), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
 // synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
     constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
@@ -313,12 +313,12 @@ __device__ __forceinline__ void store_scale(u8* base, u32 g, float scale_inv, bo
     }
 }
 
-// Returns the call's generation n (the one this CTA read from seq).
 // Direct path (one rank): the grid's CTAs that move rows (all but the checker, the last CTA; one CTA does both), and
 // whether this CTA is the checker.
 __device__ __forceinline__ u32 direct_movers() { return gridDim.x > 1 ? gridDim.x - 1 : 1; }
 __device__ __forceinline__ bool direct_checker() { return blockIdx.x == gridDim.x - 1; }
 
+// Returns the call's generation n (the one this CTA read from seq).
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
