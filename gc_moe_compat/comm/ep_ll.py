@@ -23,10 +23,12 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
 * combine receive: waits for every rank's readiness and writes ``out[t] = BF16(sum over valid slots, slot order, of
   weight * row)`` in FP32 (separately rounded multiply and add: bit-reproducible by the torch reference).
 
-At one rank (the direct path) there is no stage: dispatch send stores the rows straight into ``recv_x`` and its last
-CTA writes ``recv_count``, ``layout_range`` and the statistics, combine receive reads the rows of ``x`` in place at
-the rows the routing names; each direction's first launch does it all (the fused one, or a hooked call's send launch:
-:func:`ll_grid` sizes both for that half, and a hook's launch returns at once), with the staged path's outputs.
+At one rank (the direct path) there is no stage: dispatch send stores the rows straight into ``recv_x``, combine
+receive reads the rows of ``x`` in place at the rows the routing names, and one more CTA, the checker, re-derives
+from the caller's inputs what the others decide (dispatch: ``recv_count``, ``layout_range`` and the statistics),
+reports dropped entries and publishes the generation while they move rows, so no CTA waits for the grid; each
+direction's first launch does it all (the fused one, or a hooked call's send launch: :func:`ll_grid` sizes both for
+that half, and a hook's launch returns at once), with the staged path's outputs.
 
 Every synchronization word is generation-tagged and double-buffered by the generation's parity, so no call needs a
 host-side reset or a trailing barrier, and two calls of a kind may be in flight (as DeepEP allows). The parity's
@@ -331,16 +333,18 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     token (dispatch send); for dispatch receive and combine send, CTAs owning whole local experts (every CTA up to the
     cap: with fewer local experts than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for
     combine receive a warp per (token, 256 columns). At one rank (the direct path) the combine's send launch does the
-    receive half's work and gets its grid, and a receive launch, which returns at once, one CTA. At least one, at most
-    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    receive half's work and gets its grid, a receive launch, which returns at once, one CTA, and a working launch one
+    CTA more: its checker (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At
+    least one, at most ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
     cap = max(1, min(MAX_SMS, max_ctas))
-    if shape.num_ranks == 1 and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
+    direct = shape.num_ranks == 1
+    if direct and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
         return 1  # the direct path: a hook's launch, which returns at once
     if kernel is Kernel.DISPATCH_SEND:
-        return max(1, min(cap, num_tokens))
-    if kernel is Kernel.COMBINE_RECV or shape.num_ranks == 1:  # one rank: the combine's send launch reduces
+        return max(1, min(cap, num_tokens + direct))
+    if kernel is Kernel.COMBINE_RECV or direct:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
-        return max(1, min(cap, -(-warps // (THREADS // 32))))
+        return max(1, min(cap, -(-warps // (THREADS // 32)) + direct))
     local = shape.local_experts
     return cap if local >= cap else local * (cap // local)
 

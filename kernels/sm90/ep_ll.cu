@@ -11,7 +11,7 @@
 //                             (this rank only)
 //   arrive[4][2]              grid arrival counter per half (LlKernel) and parity (this rank only; the last CTA
 //                             resets it); a fused launch arrives at both of its direction's, as it reports
-//                             into both halves' status records (at one rank only at the half that runs)
+//                             into both halves' status records (at one rank none: the checker CTA stands in)
 //   consumed[2][2]            last generation whose stage this rank has read, per direction and parity (read by peers)
 //   ready[P][2]               combine readiness of source rank q for this rank (written by q)
 //   mask[P]                   u32, this rank's rank mask (DeepEP's shrink mode; read only with kLlShrink)
@@ -31,14 +31,15 @@
 //
 // One rank (the direct path, world_size 1): no peer, so no stage and no wait. Dispatch send stores each slot's row
 // straight into recv_x (its scales into recv_scales, its source into src_info / src_route) at the row the receive
-// would give it (one source: the row in the expert's list), and the grid's last CTA writes recv_count, layout_range
-// and the statistics from the checked routing; combine receive reads each slot's row of x in place, at the row the
-// dispatch's routing names. A dispatch is then its send half and a combine its receive half, each run by the
-// direction's first launch (fused, or a hooked call's send launch: a hook's launch returns at once), so each byte
-// moves once instead of through a stage, and no CTA waits on a word. The words that remain: combine receive takes and
-// stores seq[1] and call_gen as a send half does; each launch that works arrives at its half's counter
-// (kDispatchSend, kCombineRecv), and that half's last CTA mirrors the status records. The ordering and
-// co-residency rules below are those of more than one rank.
+// would give it (one source: the row in the expert's list); combine receive reads each slot's row of x in place, at
+// the row the dispatch's routing names. A dispatch is then its send half and a combine its receive half, each run by
+// the direction's first launch (fused, or a hooked call's send launch: a hook's launch returns at once), so each byte
+// moves once instead of through a stage, and no CTA waits on a word. Nor does any CTA wait for the others: the grid's
+// last CTA is a checker (direct_checker; with a grid of one CTA, that CTA after its share of the work) which
+// re-derives from the caller's inputs what every other CTA decides (the checked routing and the rows per expert;
+// the combine's slot decisions), is the only one to report a dropped input, writes recv_count, layout_range and the
+// statistics (dispatch), takes and stores seq and call_gen and mirrors the status records, while the other CTAs move
+// the rows; no arrival counter is used. The ordering and co-residency rules below are those of more than one rank.
 //
 // Ordering (n = the call's generation, p = n & 1):
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
@@ -182,10 +183,10 @@ __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
     return reinterpret_cast<const long long*>(p.topk_idx)[f];
 }
 
-// The checked expert of routing entry f of p.topk_idx: -1 for an unused slot or a dropped one (an id outside
-// [-1, num_experts), or the expert of an earlier slot of the same token), recorded in `status` when given.
-__device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
-    const long long e = raw_id(p, f);
+// The checked expert of routing entry f of p.topk_idx, whose raw id `e` the caller loaded: -1 for an unused slot or
+// a dropped one (an id outside [-1, num_experts), or the expert of an earlier slot of the same token), recorded in
+// `status` when given.
+__device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long long e, KernelStatus* status) {
     if (e == -1) return -1;
     if (e < -1 || e >= static_cast<long long>(p.num_experts)) {
         if (status) {
@@ -210,8 +211,13 @@ __device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelSta
     return static_cast<int>(e);
 }
 
-// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank of the
-// halves that run), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
+// The checked expert of routing entry f (checked_expert of its raw id).
+__device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
+    return checked_expert(p, f, raw_id(p, f), status);
+}
+
+// Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank the
+// checker of each direction), so that the host sees errors of asynchronous, hooked and graph-replayed calls without
 // synchronizing.
 __device__ __forceinline__ void mirror_status(const PeerTable& pt, const EpLlParams& p) {
     constexpr u32 kWords = 4 * sizeof(KernelStatus) / 4;
@@ -307,6 +313,11 @@ __device__ __forceinline__ void store_scale(u8* base, u32 g, float scale_inv, bo
     }
 }
 
+// Direct path (one rank): the grid's CTAs that move rows (all but the checker, the last CTA; one CTA does both), and
+// whether this CTA is the checker.
+__device__ __forceinline__ u32 direct_movers() { return gridDim.x > 1 ? gridDim.x - 1 : 1; }
+__device__ __forceinline__ bool direct_checker() { return blockIdx.x == gridDim.x - 1; }
+
 // Returns the call's generation n (the one this CTA read from seq).
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
@@ -324,9 +335,13 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     const bool fp8 = p.flags & gc_moe::kLlFp8, round_scale = p.flags & gc_moe::kLlRoundScale;
     const bool ue8m0 = p.flags & gc_moe::kLlUe8m0, direct = ranks == 1;
     const u64 slots = p.max_tokens;  // rows per local expert in recv_x at one rank (direct)
+    // The CTAs that send tokens (a token per CTA, grid-strided): direct, all but the checker; they report nothing
+    // there (the checker reports every dropped entry).
+    const u32 senders = direct ? direct_movers() : gridDim.x;
+    KernelStatus* report = direct ? nullptr : status;
     // The first token's row loads go out before the wait and the routing work, which hide their latency.
     uint4 raw[kSendUnroll];
-    if (blockIdx.x < p.num_tokens)
+    if (blockIdx.x < p.num_tokens && blockIdx.x < senders)
         load_row_pass(raw, reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(blockIdx.x) * vecs, 0, vecs);
     // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied; none
     // on the direct path).
@@ -336,10 +351,10 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         ok = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | q, q) != kFailed && ok;
     }
     ok = __syncthreads_and(ok);
-    for (u32 t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    for (u32 t = blockIdx.x; t < p.num_tokens && blockIdx.x < senders; t += senders) {
         const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         if (threadIdx.x < k_slots) {
-            const int e = slot_expert(p, t * k_slots + threadIdx.x, status);
+            const int e = slot_expert(p, t * k_slots + threadIdx.x, report);
             slot_of[threadIdx.x] = e;
             slot_row[threadIdx.x] = 0;
             reinterpret_cast<int*>(p.routing)[t * k_slots + threadIdx.x] = e;  // the handle's checked routing
@@ -425,12 +440,46 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             }
         }
         // The next token's first loads go out before the barrier.
-        if (t + gridDim.x < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(gridDim.x) * vecs, 0, vecs);
+        if (t + senders < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(senders) * vecs, 0, vecs);
         __syncthreads();  // slot_* are rewritten for the next token
+    }
+    if (direct) {
+        // One rank: the checker counts the rows per expert from the caller's routing itself (slot_expert, the rule
+        // every sender applies), reports each dropped entry, and writes what dispatch receive writes at more ranks:
+        // every expert's rows come from source 0 (none when this rank is masked). Nothing waits for the senders.
+        if (!direct_checker()) return gen;
+        for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
+        __syncthreads();
+        for (u32 f0 = threadIdx.x; f0 < entries; f0 += kThreads * kSendUnroll) {
+            long long ids[kSendUnroll];  // all in flight; a token's slots sit in neighbouring lanes
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i)
+                ids[i] = f0 + i * kThreads < entries ? raw_id(p, f0 + i * kThreads) : -1;
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i) {
+                const int e = ids[i] == -1 ? -1 : checked_expert(p, f0 + i * kThreads, ids[i], status);
+                if (e >= 0) atomicAdd(&rows_of[e], 1u);
+            }
+        }
+        __syncthreads();
+        const bool masked = is_masked(pt, p, own);
+        for (u32 le = threadIdx.x; le < p.local_experts; le += kThreads) {
+            const int rows = masked ? 0 : static_cast<int>(rows_of[le]);
+            reinterpret_cast<int*>(p.recv_count)[le] = rows;
+            reinterpret_cast<long long*>(p.layout_range)[le] = rows;  // (first slot 0) << 32 | rows
+            if (p.recv_stats) atomicAdd(reinterpret_cast<int*>(p.recv_stats) + le, rows);
+        }
+        if (threadIdx.x == 0) {
+            *seq = gen;
+            *reinterpret_cast<u64*>(p.call_gen) = gen;
+        }
+        __syncthreads();     // every thread's reports precede the mirror
+        mirror_status(pt, p);  // no receive half follows
+        return gen;
     }
     // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows), counted
     // from the checked routing every CTA wrote before arriving (the arrival's fences make it visible here).
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8), pt.world_size > 1)) {
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kDispatchSend * 2 + parity) * 8))) {
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         const volatile int* routing = reinterpret_cast<const volatile int*>(p.routing);  // other CTAs' stores
@@ -444,19 +493,9 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 if (es[i] >= 0) atomicAdd(&rows_of[es[i]], 1u);
         }
         __syncthreads();
-        if (direct) {
-            // What dispatch receive writes at one rank: every expert's rows come from source 0 (none when masked).
-            const bool masked = is_masked(pt, p, own);
-            for (u32 le = threadIdx.x; le < p.local_experts; le += kThreads) {
-                const int rows = masked ? 0 : static_cast<int>(rows_of[le]);
-                reinterpret_cast<int*>(p.recv_count)[le] = rows;
-                reinterpret_cast<long long*>(p.layout_range)[le] = rows;  // (first slot 0) << 32 | rows
-                if (p.recv_stats) atomicAdd(reinterpret_cast<int*>(p.recv_stats) + le, rows);
-            }
-        }
         // A CTA whose wait timed out wrote no rows: leave the counts unpublished so that the owners report it too
         // (a dropped slot is reported, but the other rows are complete and published). Masked owners get nothing.
-        if (!direct && *reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
+        if (*reinterpret_cast<volatile u32*>(&status->code) != gc_moe::kStatusTimeout) {
             for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) {
                 const u32 owner = e / p.local_experts, le = e % p.local_experts;
                 if (is_masked(pt, p, owner)) continue;
@@ -468,7 +507,6 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
         }
-        if (direct) mirror_status(pt, p);  // no receive half follows
     }
     return gen;
 }
@@ -727,7 +765,7 @@ __device__ __forceinline__ bool combine_slot(const PeerTable& pt, const EpLlPara
 }
 
 // Receives generation `gen` (receive_generation), or on the direct path (one rank: no send half) reduces the rows of
-// x in place, taking the generation from seq and storing it as a send half does.
+// x in place, its checker taking the generation from seq and storing it as a send half does.
 __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlParams& p, u64 gen) {
     KernelStatus* status = status_of(pt, p, gc_moe::kCombineRecv);
     const u32 ranks = static_cast<u32>(pt.world_size);
@@ -758,13 +796,14 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
     // broadcast by shuffles), and the next chunk's first vectors load while the current chunk is summed, so a warp
     // waits on about two round trips per unit instead of two per chunk.
     const u32 chunks = (p.hidden + kCombineColumns - 1) / kCombineColumns;
-    const u32 warps = gridDim.x * kWarps;
+    const u32 reducers = direct ? direct_movers() : gridDim.x;  // direct: all but the checker (unless it is alone)
+    const u32 warps = reducers * kWarps;
     const u32 span = ok ? max(1u, (p.num_tokens * chunks + warps - 1) / warps) : 1;  // 1 at T = 0 (no units)
     const u32 groups = (chunks + span - 1) / span;
     const u32 units = ok ? p.num_tokens * groups : 0;
     // The rows summed: the combine stage's [parity][token][slot] rows, or (direct) x's [local expert][Tmax] rows.
     const u8* rows = reinterpret_cast<const u8*>(direct ? p.x : pt.base + p.off_combine_stage);
-    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units; u += warps) {
+    for (u32 u = blockIdx.x * kWarps + threadIdx.x / 32; u < units && blockIdx.x < reducers; u += warps) {
         const u32 t = u / groups, first = (u % groups) * span, last = min(chunks, first + span);
         const u64 token_rows = (static_cast<u64>(parity) * p.max_tokens + t) * p.topk;  // the token's first slot row
         // Lane k's slot: its row in `rows` (-1: nothing to read: on the direct path no row was sent), its weight, and
@@ -782,7 +821,8 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
                 if (e >= 0 && j >= 0) slot_row = static_cast<long long>(static_cast<u32>(e) % p.local_experts) *
                                                      p.max_tokens + j;
             }
-            decided = combine_slot(pt, p, f, slot_weight, first == 0 ? status : nullptr) && slot_row >= 0;
+            // Reported once per slot, by the token's first unit (direct: by the checker alone).
+            decided = combine_slot(pt, p, f, slot_weight, first == 0 && !direct ? status : nullptr) && slot_row >= 0;
         }
         const u32 used_slots = __ballot_sync(~0u, decided);
         // Slot k's 16-byte vector at column `col` (zero for a slot not summed: the sum skips it).
@@ -829,13 +869,21 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
                                       col) = *reinterpret_cast<const uint4*>(out);
         }
     }
-    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8), pt.world_size > 1)) {
-        if (threadIdx.x == 0 && direct) {
+    if (direct) {
+        // One rank: the checker decides every slot again (combine_slot, the reducers' rule), reports each dropped one,
+        // takes the generation and mirrors the status records; nothing waits for the reducers.
+        if (!direct_checker()) return;
+        for (u32 f = threadIdx.x; f < p.num_tokens * p.topk; f += kThreads) combine_slot(pt, p, f, weights[f], status);
+        if (threadIdx.x == 0) {
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
-        } else if (threadIdx.x == 0) {
-            gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
         }
+        __syncthreads();  // every thread's reports precede the mirror
+        mirror_status(pt, p);
+        return;
+    }
+    if (last_cta(word(pt, p.off_arrive + (gc_moe::kCombineRecv * 2 + parity) * 8))) {
+        if (threadIdx.x == 0) gc_moe::st_release_sys(word(pt, p.off_consumed + (1 * 2 + parity) * 8), gen);
         mirror_status(pt, p);
     }
 }

@@ -209,16 +209,19 @@ def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """At least one CTA, at most the cap; dispatch send has a CTA per token; dispatch receive and combine send use
     every CTA up to the cap, or an equal number per local expert below it; combine receive a warp per (token, 256
     columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct path) the
-    combine's send launch, which reduces, has combine receive's grid and the receive launches one CTA."""
+    combine's send launch, which reduces, has combine receive's grid and the receive launches one CTA; a working
+    launch there has one CTA more, its checker, below the cap."""
     cap = max(1, min(MAX_SMS, max_ctas))
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens))
+    direct = shape.num_ranks == 1
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens + direct))
     units = num_tokens * -(-shape.hidden // 256)
-    if shape.num_ranks == 1:  # the direct path: the combine's send launch reduces, the receive launches return
+    if direct:  # the direct path: the combine's send launch reduces, the receive launches return
         assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, num_tokens, max_ctas) == 1
         assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas) == 1
         grid = ep_ll.ll_grid(Kernel.COMBINE_SEND, shape, num_tokens, max_ctas)
-        assert 1 <= grid <= cap and (grid == cap or grid * (THREADS // 32) >= units)
-        assert grid == 1 or (grid - 1) * (THREADS // 32) < units
+        reducers = max(1, grid - 1)  # the checker is the last CTA (a lone CTA does both)
+        assert 1 <= grid <= cap and (grid == cap or reducers * (THREADS // 32) >= units)
+        assert reducers == 1 or (reducers - 1) * (THREADS // 32) < units
         return
     local = shape.local_experts
     for kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_SEND):
@@ -238,7 +241,9 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == 128  # 128 local experts, one CTA each
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(4, 1024, 128, 7168, 8), 128) == MAX_SMS  # 256 local
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == 1  # one rank: nothing to do
-    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 4  # one rank: it reduces
+    assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 5  # one rank: 4 reduce, 1 checks
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 129  # a token each + checker
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 256) == MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
@@ -261,12 +266,13 @@ def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens
 
 def test_fused_grid_examples() -> None:
     """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token for the dispatch, a warp
-    per (token, 256 columns) for the combine, each within a rank's share of a shared GPU or a partition's SMs; at
-    eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer tokens)."""
+    per (token, 256 columns) for the combine, and the checker CTA, each within a rank's share of a shared GPU or a
+    partition's SMs; at eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer
+    tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 1
-    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 128
-    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 4  # 28 column-unit warps
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 2
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 129
+    assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 5  # 28 column-unit warps
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == MAX_SMS  # 3584 column-unit warps, capped
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # two ranks share an H200
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 20  # a 20-SM partition
