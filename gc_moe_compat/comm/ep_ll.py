@@ -249,7 +249,7 @@ class EpLlParams(ctypes.Structure):
     and ``routing`` int32 ``[2, T, k]`` the dispatch's checked routing, then each valid slot's row in its expert's list
     of this rank's rows (both kept by the handle for the combine).
     ``flags``: bit 0 FP8 payload, bit 1 power-of-two scales, bit 2 UE8M0-packed scales, bit 3 rank masking.
-    ``status_mirror`` is written by the last CTA of each receive half (at one rank, of each half that runs).
+    ``status_mirror`` is written by the last CTA of each receive half (at one rank by each direction's checker).
     ``phase``: :data:`PHASE_SEND`, :data:`PHASE_RECV` or :data:`PHASE_BOTH`.
     """
 
