@@ -122,6 +122,12 @@ def machine_neutral(text: str) -> str:
     return text
 
 
+def ll_max_tokens(tokens: int) -> int:
+    """The low-latency calls' Tmax for ``tokens``: the multiple of 4 at or above (DeepEP's rule: its receive rows are
+    read by TMA)."""
+    return -(-tokens // 4) * 4
+
+
 def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tokens: int, num_sms: int = NUM_SMS
         ) -> tuple[dict[str, Callable[[], object]], list[deep_ep.Buffer]]:
     """The eager calls, their inputs prepared once (the normal mode's ``Config(num_sms, 8, 256)``); the Buffers to
@@ -132,7 +138,7 @@ def ops(group: object, tokens: int, hidden: int, topk: int, experts: int, ll_tok
     layout = dispatch_kwargs(normal, idx, w, experts, config)
     recv, _, recv_w, _, handle, _ = normal.dispatch(x, **layout)
     x_fp8 = fp8_rows(x)
-    ll_max = -(-ll_tokens // 4) * 4  # Tmax: DeepEP's rule wants a multiple of 4 (its receive rows, read by TMA)
+    ll_max = ll_max_tokens(ll_tokens)
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_max, hidden, 1, experts)
     ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts, explicitly_destroy=True)
     lx, lidx = x[:ll_tokens].contiguous(), idx[:ll_tokens].contiguous()
@@ -190,7 +196,7 @@ def main() -> int:
     sha = os.environ.get("GC_MOE_GIT_SHA") or "unknown"
     report = [f"tree {sha}; deep_ep facade, one rank, GC_MOE_DEEP_EP_PARTITION={partition}, "
               f"{torch.cuda.get_device_name()}: normal T={args.tokens} on Config({args.num_sms}, 8, 256), "
-              f"low-latency T={args.ll_tokens} (Tmax {-(-args.ll_tokens // 4) * 4}), "
+              f"low-latency T={args.ll_tokens} (Tmax {ll_max_tokens(args.ll_tokens)}), "
               f"hidden {args.hidden}, top-{args.topk}, {args.experts} experts, {args.calls} eager calls per "
               "measurement", ""]
     with single_rank_group() as group:
