@@ -321,14 +321,19 @@ def _source(module: ModuleType) -> str:
 def _original_deep_gemm_source() -> str | None:
     """The original deep_gemm that runs: where it was loaded from and, for a staging of
     ``scripts/build_sgl_deep_gemm.sh`` (its ``SOURCE`` file beside the package), the ref and commit it was staged
-    from; None where none loads."""
+    from (a path in that line written as every result file writes one); None where none loads."""
+    from gc_moe_compat.ab.protocol import portable_path
+
     try:
         dg = _original_deep_gemm()
     except ImportError:
         return None
     where = _source(dg)
     staged = Path(getattr(dg, "__file__", "") or ".").resolve().parent.parent / "SOURCE"
-    return f"{where} ({staged.read_text().split(';')[0].strip()})" if staged.is_file() else where
+    if not staged.is_file():
+        return where
+    words = staged.read_text().split(";")[0].split()
+    return f"{where} ({' '.join(portable_path(w) if w.startswith('/') else w for w in words)})"
 
 
 def _probe_original_mega_moe() -> str | None:

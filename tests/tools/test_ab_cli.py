@@ -253,6 +253,10 @@ def test_the_original_that_runs_is_named_with_the_ref_it_was_staged_from(monkeyp
     assert meta["composed_deepep_deepgemm"] == {"label": specs["composed_deepep_deepgemm"].label,
                                                 "mma_type": "fp8xfp8", "weight_format": "fp8_block128",
                                                 "status": "not run: needs the masked GEMM"}
+    # a path in the SOURCE line (the clone it was staged from) is written as every result file writes one
+    (package.parent / "SOURCE").write_text("refs/pull/36/head = 3f9268b from /srv/mirrors/DeepGEMM/repo; cutlass x\n")
+    assert specs["original_deep_gemm"].source_fn() == (f"{where} (refs/pull/36/head = 3f9268b from "
+                                                       "<outside the checkout>/DeepGEMM/repo)")
 
 
 def test_console_scripts_are_declared() -> None:
