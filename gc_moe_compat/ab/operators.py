@@ -50,6 +50,7 @@ from gc_moe_compat import config, quant
 from gc_moe_compat.ab.inputs import LayerWeights, Tokens
 from gc_moe_compat.ab.masked_gemm import masked_gemm_of
 from gc_moe_compat.ab.model_config import Workload
+from gc_moe_compat.ab.protocol import portable_path
 from gc_moe_compat.compute_paths import PATHS, compute_path
 
 __all__ = ["DISPATCH_SWEEP", "REFERENCE_OP", "ComposedDeepEpDeepGemm", "Context", "MegaMoeSequence",
@@ -313,8 +314,6 @@ def _original_deep_gemm() -> ModuleType:
 
 def _source(module: ModuleType) -> str:
     """Where ``module`` was loaded from, as a result file records it (inside the checkout: relative)."""
-    from gc_moe_compat.ab.protocol import portable_path
-
     return portable_path(getattr(module, "__file__", None)) or "?"
 
 
@@ -322,8 +321,6 @@ def _original_deep_gemm_source() -> str | None:
     """The original deep_gemm that runs: where it was loaded from and, for a staging of
     ``scripts/build_sgl_deep_gemm.sh`` (its ``SOURCE`` file beside the package), the ref and commit it was staged
     from (a path in that line written as every result file writes one); None where none loads."""
-    from gc_moe_compat.ab.protocol import portable_path
-
     try:
         dg = _original_deep_gemm()
     except ImportError:
