@@ -66,7 +66,7 @@ from _common import (
 )
 
 import gc_moe_compat.deep_ep as deep_ep
-from gc_moe_compat.ab.protocol import capture_graph, median_graph_window
+from gc_moe_compat.ab.protocol import capture_graph, graph_replay_floor, median_graph_window
 from gc_moe_compat.config import PRESETS as CONFIGS
 from gc_moe_compat.deep_ep._config import aligned_bytes
 from gc_moe_compat.runtime.green import Role, get_partition
@@ -266,6 +266,7 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
     graphs = {"dispatch": capture_graph(lambda: captured.update(dispatch=dispatch())),
               "combine": capture_graph(lambda: buf.low_latency_combine(expert_out, idx, w, handle, out=out))}
     latency = {op: median_graph_window(graph, args.warmup, args.windows) for op, graph in graphs.items()}
+    replay_floor = graph_replay_floor(x.device, args.warmup, args.windows)
     torch.cuda.synchronize()
     replayed = captured["dispatch"]
     # The rows past an expert's count are never written (torch.empty, as DeepEP leaves them): compare the written
@@ -276,6 +277,7 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
     return {"part": "low_latency", "preset": shape, "mma_type": None, "shared": 0, "tokens_per_rank": tokens,
             "hidden": hidden, "topk": topk, "num_experts": experts, "max_dispatch_tokens_per_rank": LL_TMAX,
             "latency_us": latency, "per_rank_us": {op: [us] for op, us in latency.items()}, "floor_us": floor,
+            "graph_replay_floor_us": replay_floor,
             "efficiency": {op: floor[op] / latency[op] for op in LL_OPS},
             "accuracy": {"dispatch_bit_exact_vs_reference": dispatch_exact,
                          "combine_bit_exact_vs_reference": combine_exact,
@@ -296,6 +298,7 @@ def run_low_latency(group: dist.ProcessGroup, bandwidth: float, args: argparse.N
                 p = points[-1]
                 print(f"low_latency {shape} T={t}: " + ", ".join(f"{op} {p['latency_us'][op]:.1f} us "
                                                                  f"(floor {p['floor_us'][op]:.2f})" for op in LL_OPS) +
+                      f" | one-kernel graph {p['graph_replay_floor_us']:.1f} us"
                       f" | exact {list(p['accuracy'].values())}", flush=True)
         finally:
             buf.destroy()
@@ -507,11 +510,13 @@ def print_tables(points: list[dict[str, object]]) -> None:
             print(f"| {p['preset']} | {p['tokens_per_rank']} | {op} | {p['latency_us'][op]:.1f} | "
                   f"{p['floor_us'][op]:.1f} | {p['efficiency'][op]:.3f} | {p['algo_GBps'][op]:.0f} | "
                   f"{'yes' if p['accuracy']['bit_exact'][op] else 'NO'} |")
-    print("\n| shape | T | dispatch us | combine us | floor us (d / c) | bit-exact |\n|---|---|---|---|---|---|")
+    print("\n| shape | T | dispatch us | combine us | floor us (d / c) | one-kernel graph us | bit-exact |"
+          "\n|---|---|---|---|---|---|---|")
     for p in (p for p in points if p["part"] == "low_latency"):
         lat, floor = p["latency_us"], p["floor_us"]
         print(f"| {p['preset']} | {p['tokens_per_rank']} | {lat['dispatch']:.1f} | {lat['combine']:.1f} | "
-              f"{floor['dispatch']:.2f} / {floor['combine']:.2f} | {'yes' if all(p['accuracy'].values()) else 'NO'} |")
+              f"{floor['dispatch']:.2f} / {floor['combine']:.2f} | {p['graph_replay_floor_us']:.1f} | "
+              f"{'yes' if all(p['accuracy'].values()) else 'NO'} |")
     print("\n| preset | T | mode | step us | dispatch+combine done us | GEMM alone us | dispatch+combine alone us |"
           "\n|---|---|---|---|---|---|---|")
     for p in (p for p in points if p["part"] == "overlap"):

@@ -49,6 +49,7 @@ __all__ = [
     "copy_bandwidth",
     "expert_floor_bytes",
     "gpu_conditions",
+    "graph_replay_floor",
     "graph_windows",
     "idle_gpu_check",
     "mean_of_ratios",
@@ -143,6 +144,14 @@ def median_graph_window(graph: torch.cuda.CUDAGraph, warmup: int, windows: int,
                         before_window: Callable[[], None] | None = None) -> float:
     """This rank's median window of ``graph`` replays (µs per replay)."""
     return statistics.median(graph_windows(graph, warmup, windows, before_window=before_window))
+
+
+def graph_replay_floor(device: torch.device, warmup: int, windows: int) -> float:
+    """The median window (µs per replay) of a graph holding one kernel that does nothing measurable (a 1-element
+    add): what replaying any one-kernel graph costs here, launch and inter-graph gap included. A one-kernel
+    benchmark's latency minus this is about its kernel's own time."""
+    probe = torch.zeros(1, dtype=torch.int32, device=device)
+    return median_graph_window(capture_graph(lambda: probe.add_(1)), warmup, windows)
 
 
 def slowest_rank(per_rank_us: Sequence[float]) -> float:
