@@ -151,6 +151,7 @@ def graph_replay_floor(device: torch.device, warmup: int, windows: int) -> float
     add): what replaying any one-kernel graph costs here, launch and inter-graph gap included. A one-kernel
     benchmark's latency minus this is about its kernel's own time."""
     probe = torch.zeros(1, dtype=torch.int32, device=device)
+    probe.add_(1)  # eagerly first, as capture_graph's callers do: any lazy module load happens outside the capture
     return median_graph_window(capture_graph(lambda: probe.add_(1)), warmup, windows)
 
 
