@@ -10,6 +10,8 @@ time the same way:
   is the arithmetic mean of per-point ratios (:func:`mean_of_ratios`);
 * ``gc-moe-ab`` times a point in several rounds (:func:`graph_windows` each) and reports their spread
   (:func:`spread_pct`) with the GPU's clocks, temperature and power after each round (:func:`gpu_conditions`);
+* a benchmark of single kernels times a graph of one 1-element kernel beside them (:func:`graph_replay_floor`): the
+  part of a replay that is no kernel's own time;
 * the floor is the bytes the layer must stream once (:func:`expert_floor_bytes`) over the copy bandwidth measured in
   the same run (:func:`copy_bandwidth`);
 * the GPU should be idle: :func:`idle_gpu_check` reports other compute processes or a busy GPU (a warning, the run
