@@ -67,6 +67,7 @@ from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_sta
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 __all__ = [
+    "COMBINE_CTAS_PER_SM",
     "FLAG_SHRINK",
     "HEADER_BYTES",
     "HINT_TOPK",
@@ -105,6 +106,9 @@ HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
 """Upper bound of a grid (one CTA per SM of an H200)."""
+COMBINE_CTAS_PER_SM = 2
+"""CTAs of the combine kernel that fit an SM (its ``__launch_bounds__``): at one rank, where no CTA waits for
+another, the reducing grid may hold this many per SM."""
 PHASE_SEND, PHASE_RECV, PHASE_BOTH = 0, 1, 2
 """``EpLlParams.phase``: the send half, the receive half (the two launches of a call with a receive hook), or both in
 one launch (``gc_moe::kLlPhase*``)."""
@@ -335,7 +339,9 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     combine receive a warp per (token, 256 columns). At one rank (the direct path) the combine's send launch does the
     receive half's work and gets its grid, a receive launch, which returns at once, one CTA, and a working launch one
     CTA more: its checker (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At
-    least one, at most ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`)."""
+    least one, at most ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except the
+    one-rank combine: nothing waits there, so its grid may fill every SM :data:`COMBINE_CTAS_PER_SM` times, and each
+    warp then sums fewer column chunks of its token, with more loads in flight per SM."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
     if direct and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
@@ -344,7 +350,8 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
         return max(1, min(cap, num_tokens + direct))
     if kernel is Kernel.COMBINE_RECV or direct:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
-        return max(1, min(cap, -(-warps // (THREADS // 32)) + direct))
+        limit = COMBINE_CTAS_PER_SM * cap if direct else cap
+        return max(1, min(limit, -(-warps // (THREADS // 32)) + direct))
     local = shape.local_experts
     return cap if local >= cap else local * (cap // local)
 

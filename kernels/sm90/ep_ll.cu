@@ -78,8 +78,8 @@
 // of its grid that has not started needs. The host's fused grid (ep_ll.fused_grid) is the larger of the two halves'
 // grids, so at most the SMs the launch may use, like theirs: the device's, the rank's share where ranks share the GPU
 // (their kernels together then fill each SM at most once), or the communication partition's; and one CTA fits an
-// empty SM (__launch_bounds__(kThreads, 1): at most 255 registers a thread; static shared memory under 48 KiB, which
-// the compile test checks). Work on other streams only delays CTAs (it completes without these kernels); as the
+// empty SM (__launch_bounds__: at most 255 registers a thread for dispatch, 128 for combine, two of whose CTAs fit;
+// static shared memory under 48 KiB, which the compile test checks). Work on other streams only delays CTAs (it completes without these kernels); as the
 // shared-GPU rule does, this assumes one low-latency kernel of a rank resident at a time. Each half loops over its
 // work with a grid stride (a CTA without work in a half only arrives), so one grid serves both. Every launch path
 // meets the bound, so only a receive hook keeps the two launches.
@@ -908,8 +908,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, cons
     if (p.phase != kLlPhaseSend && pt.world_size > 1) dispatch_recv(pt, p, receive_generation(p, gen));
 }
 
-// Combine: the send half sends the expert outputs back to their tokens' ranks, the receive half reduces them.
-__global__ void __launch_bounds__(kThreads, 1) combine(const PeerTable pt, const EpLlParams p) {
+// Combine: the send half sends the expert outputs back to their tokens' ranks, the receive half reduces them. Two
+// CTAs fit an SM (at most 128 registers a thread): at one rank, where nothing waits, the grid may be twice the SMs, so
+// each warp sums half the column chunks of a token with twice the loads in flight per SM (ep_ll.ll_grid).
+__global__ void __launch_bounds__(kThreads, 2) combine(const PeerTable pt, const EpLlParams p) {
     if (pt.world_size == 1) {  // the direct path: the receive half alone, run by the call's first launch
         if (p.phase != kLlPhaseRecv) combine_recv(pt, p, 0);
         return;
