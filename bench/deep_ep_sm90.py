@@ -21,6 +21,9 @@ run and one result file:
    dispatch bit for bit against :func:`gc_moe_compat.testing.ep_reference.ll_quantize` in DeepEP's receive order
    (counts, source tokens, payload, scales), the combine of seeded expert rows bit for bit against
    :func:`~gc_moe_compat.testing.ep_reference.combine_reference`, the replays identical to the eager calls.
+   ``--phases N``: after each point's timing, N eager calls per op on the phase-timed kernels (bench/_ep_ll_phases.py),
+   each read back: when the median and the latest CTA passed each step, and the one-rank checker CTA's steps (the
+   point's ``phases``, also printed). Their timing is not the point's.
 3. ``overlap``: what the green partition buys SGLang's two-batch overlap: a grouped-GEMM-sized load on the compute
    side while the other micro-batch's dispatch + combine runs. Per preset and T (``Tmax`` = 128, SGLang's default):
    ``green`` (dispatch + combine in one CUDA graph with the kernels on the communication partition, the GEMM on the
@@ -52,6 +55,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import _ep_ll_phases
 import torch
 import torch.distributed as dist
 from _common import (
@@ -274,6 +278,10 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
     replay_identical = check_ll_dispatch(replayed, x, idx) and bits_equal(out, combine_eager)
     floor_bytes = ll_floor_bytes(tokens, hidden, topk)
     floor = {op: floor_bytes[op] / bandwidth * 1e6 for op in LL_OPS}
+    phases = {}
+    if args.phases:
+        phases = {"phases": ll_phases(x.device, dispatch, lambda: buf.low_latency_combine(expert_out, idx, w, handle),
+                                      args.phases, (x, idx, combine_eager))}
     return {"part": "low_latency", "preset": shape, "mma_type": None, "shared": 0, "tokens_per_rank": tokens,
             "hidden": hidden, "topk": topk, "num_experts": experts, "max_dispatch_tokens_per_rank": LL_TMAX,
             "latency_us": latency, "per_rank_us": {op: [us] for op, us in latency.items()}, "floor_us": floor,
@@ -281,7 +289,26 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
             "efficiency": {op: floor[op] / latency[op] for op in LL_OPS},
             "accuracy": {"dispatch_bit_exact_vs_reference": dispatch_exact,
                          "combine_bit_exact_vs_reference": combine_exact,
-                         "replay_bit_identical": replay_identical}}
+                         "replay_bit_identical": replay_identical}, **phases}
+
+
+def ll_phases(device: torch.device, dispatch: Callable[[], tuple], combine: Callable[[], tuple], count: int,
+              want: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, object]:
+    """``count`` eager calls of each op on the phase-timed kernels, each read back (bench/_ep_ll_phases.py): per op
+    the summary of its marks (one rank: the checker CTA apart), and whether every call's output equals the
+    production kernels' (``want``: the tokens, the routing and the eager combine's output)."""
+    x, idx, combined = want
+    identical = True
+    marks: dict[str, list] = {op: [] for op in LL_OPS}
+    out: dict[str, tuple] = {}  # each call's outputs, overwritten by the next
+    with _ep_ll_phases.variant(device) as times:
+        for _ in range(count):
+            marks["dispatch"].append(times.timed(lambda: out.update(dispatch=dispatch()), "dispatch"))
+            marks["combine"].append(times.timed(lambda: out.update(combine=combine()), "combine"))
+            identical = identical and check_ll_dispatch(out["dispatch"], x, idx) and \
+                bits_equal(out["combine"][0], combined)
+    return {**{op: _ep_ll_phases.summary(calls, op, checker=True) for op, calls in marks.items()},
+            "outputs_identical": identical}
 
 
 def run_low_latency(group: dist.ProcessGroup, bandwidth: float, args: argparse.Namespace
@@ -300,10 +327,30 @@ def run_low_latency(group: dist.ProcessGroup, bandwidth: float, args: argparse.N
                                                                  f"(floor {p['floor_us'][op]:.2f})" for op in LL_OPS) +
                       f" | one-kernel graph {p['graph_replay_floor_us']:.1f} us"
                       f" | exact {list(p['accuracy'].values())}", flush=True)
+                for line in phase_lines(p):
+                    print(line, flush=True)
         finally:
             buf.destroy()
             torch.cuda.empty_cache()
     return points, partition
+
+
+def phase_lines(point: dict[str, object]) -> list[str]:
+    """The printed lines of a low-latency point's ``phases``: per op, the median and latest moving CTA and the
+    checker at each mark, µs after the call's first entry."""
+    phases = point.get("phases")
+    if not phases:
+        return []
+    lines = []
+    for op in LL_OPS:
+        got = phases[op]
+        line = f"  phases T={point['tokens_per_rank']} {op} ({got['ctas']} CTAs, last exit CTA {got['last_exit_cta']}):"
+        for key in ("median_us", "latest_us", "checker_us"):
+            if key in got:
+                line += f" | {key[:-3]} " + " ".join(f"{m} {us:.2f}" for m, us in got[key].items())
+        lines.append(line)
+    lines.append(f"  phases outputs identical to the production kernels': {phases['outputs_identical']}")
+    return lines
 
 
 # -- part 3: overlap under a GEMM --------------------------------------------------------------------------------------
@@ -534,7 +581,8 @@ def plan_lines(args: argparse.Namespace) -> list[str]:
                      "per window")
     if "low_latency" in args.parts:
         lines.append(f"low_latency: {args.ll_shapes} x T {args.ll_tokens} (Tmax {LL_TMAX}) x {len(LL_OPS)} graphs, "
-                     f"{PER_WINDOW} replays per window")
+                     f"{PER_WINDOW} replays per window" +
+                     (f"; then {args.phases} phase-timed eager calls per op" if args.phases else ""))
     if "overlap" in args.parts:
         lines.append(f"overlap: {args.overlap_presets} x T {args.overlap_tokens} (Tmax {OVERLAP_TMAX}) x "
                      f"{len(MODES)} modes, {args.steps} steps per window")
@@ -554,12 +602,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ll-shapes", nargs="+", default=list(LL_SHAPES), choices=list(LL_SHAPES))
     parser.add_argument("--overlap-tokens", type=int, nargs="+", default=list(OVERLAP_TOKENS))
     parser.add_argument("--overlap-presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--phases", type=int, default=0,
+                        help="low_latency: eager calls per op on the phase-timed kernels after each point "
+                             "(bench/_ep_ll_phases.py): where the time inside each goes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
     args = parser.parse_args(argv)
     for name, value in (("--warmup", args.warmup), ("--windows", args.windows), ("--calls", args.calls),
-                        ("--steps", args.steps)):
-        if value < (0 if name == "--warmup" else 1):
-            parser.error(f"{name}: must be >= {0 if name == '--warmup' else 1}, got {value}")
+                        ("--steps", args.steps), ("--phases", args.phases)):
+        least = 0 if name in ("--warmup", "--phases") else 1
+        if value < least:
+            parser.error(f"{name}: must be >= {least}, got {value}")
     for name, tokens, lo, hi in (("--tokens", args.tokens, 1, None), ("--ll-tokens", args.ll_tokens, 1, LL_TMAX),
                                  ("--overlap-tokens", args.overlap_tokens, 1, OVERLAP_TMAX)):
         bad = [t for t in tokens if t < lo or (hi is not None and t > hi)]

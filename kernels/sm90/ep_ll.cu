@@ -95,6 +95,11 @@
 #include "common/sync.cuh"
 #include "sm90/ep_ll_params.cuh"
 
+#ifdef GC_EP_LL_PHASES
+// Outside the anonymous namespace, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
+__device__ unsigned long long* gc_ep_ll_phase_times;
+#endif
+
 namespace {
 
 using gc_moe::EpLlParams;
@@ -114,6 +119,30 @@ constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in t
 constexpr u32 kSendUnroll = 4;        // dispatch send: a token row's 16-byte vectors (and routing ids) in flight per thread
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
+
+#ifdef GC_EP_LL_PHASES
+// Phase timing, in the variant bench/_ep_ll_phases.py builds (GC_EP_LL_PHASES defined): at each mark the CTA
+// synchronizes and its thread 0 stores %globaltimer into gc_ep_ll_phase_times[(direction * kPhaseCtas + CTA) *
+// kPhaseMarks + mark], where the host points the global (nothing while it is null). Dispatch's marks: entry, the
+// token's routing checked, the prefix count of its rows done, its slots' rows placed, its row stored, exit (a CTA
+// with several tokens keeps its last token's, one without a token marks 1-4 where its token loop ends); at one rank
+// the checker CTA's marks 1-4 are its own: its table cleared, the routing counted, the counts published, the status
+// mirrored (a lone CTA keeps the checker's). Combine's: entry, the CTA's units summed (one rank: the checker's slots
+// decided again), exit; at more ranks the send half lies between the entry and mark 1. The production build has no
+// global and no marks.
+constexpr u32 kPhaseMarks = 6;
+constexpr u32 kPhaseCtas = 512;
+
+__device__ __forceinline__ void phase_mark(u32 direction, u32 mark) {
+    __syncthreads();
+    u64* times = ::gc_ep_ll_phase_times;
+    if (times && threadIdx.x == 0 && blockIdx.x < kPhaseCtas)
+        times[(direction * kPhaseCtas + blockIdx.x) * kPhaseMarks + mark] = gc_moe::globaltimer_ns();
+}
+#else
+__device__ __forceinline__ void phase_mark(u32, u32) {}
+#endif
+constexpr u32 kDispatchPhases = 0, kCombinePhases = 1;  // phase_mark's directions
 
 // Outcome of a wait on a peer's word.
 enum Wait : u32 {
@@ -361,6 +390,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] = -1;
         }
         __syncthreads();
+        phase_mark(kDispatchPhases, 1);
         if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
         // Checked entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot)
         // order. A valid slot's expert is named by no earlier slot of token t, so only earlier tokens count, each
@@ -386,6 +416,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             }
         }
         __syncthreads();
+        phase_mark(kDispatchPhases, 2);
         if (threadIdx.x < k_slots) {
             const int e = slot_of[threadIdx.x];
             const u32 j = slot_row[threadIdx.x];
@@ -416,6 +447,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 row != nullptr ? static_cast<int>(j) : -1;
         }
         __syncthreads();
+        phase_mark(kDispatchPhases, 3);
         // The row, read once (kSendUnroll vectors per thread in flight), each vector stored to every slot's row; an
         // FP8 scale group (128 columns) is a half warp.
         for (u32 pass = 0; pass * kSendUnroll * kThreads < vecs; ++pass) {
@@ -439,10 +471,13 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 }
             }
         }
+        phase_mark(kDispatchPhases, 4);
         // The next token's first loads go out before the barrier.
         if (t + senders < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(senders) * vecs, 0, vecs);
         __syncthreads();  // slot_* are rewritten for the next token
     }
+    if (blockIdx.x >= p.num_tokens || blockIdx.x >= senders)  // no token here: marks 1-4 where the loop ends
+        for (u32 mark = 1; mark <= 4; ++mark) phase_mark(kDispatchPhases, mark);
     if (direct) {
         // One rank: the checker counts the rows per expert from the caller's routing itself (slot_expert, the rule
         // every sender applies), reports each dropped entry, and writes what dispatch receive writes at more ranks:
@@ -450,6 +485,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         if (!direct_checker()) return gen;
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
+        phase_mark(kDispatchPhases, 1);
         for (u32 f0 = threadIdx.x; f0 < entries; f0 += kThreads * kSendUnroll) {
             long long ids[kSendUnroll];  // all in flight; a token's slots sit in neighbouring lanes
 #pragma unroll
@@ -462,6 +498,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             }
         }
         __syncthreads();
+        phase_mark(kDispatchPhases, 2);
         const bool masked = is_masked(pt, p, own);
         for (u32 le = threadIdx.x; le < p.local_experts; le += kThreads) {
             const int rows = masked ? 0 : static_cast<int>(rows_of[le]);
@@ -474,7 +511,9 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             *reinterpret_cast<u64*>(p.call_gen) = gen;
         }
         __syncthreads();     // every thread's reports precede the mirror
+        phase_mark(kDispatchPhases, 3);
         mirror_status(pt, p);  // no receive half follows
+        phase_mark(kDispatchPhases, 4);
         return gen;
     }
     // The counts follow every CTA's rows: the last CTA to arrive publishes every expert's (generation, rows), counted
@@ -869,11 +908,13 @@ __device__ __forceinline__ void combine_recv(const PeerTable& pt, const EpLlPara
                                       col) = *reinterpret_cast<const uint4*>(out);
         }
     }
+    if (!direct || !direct_checker() || reducers == 1) phase_mark(kCombinePhases, 1);
     if (direct) {
         // One rank: the checker decides every slot again (combine_slot, the reducers' rule), reports each dropped one,
         // takes the generation and mirrors the status records; nothing waits for the reducers.
         if (!direct_checker()) return;
         for (u32 f = threadIdx.x; f < p.num_tokens * p.topk; f += kThreads) combine_slot(pt, p, f, weights[f], status);
+        if (reducers > 1) phase_mark(kCombinePhases, 1);
         if (threadIdx.x == 0) {
             *seq = gen;
             *reinterpret_cast<u64*>(p.call_gen) = gen;
@@ -903,22 +944,27 @@ namespace gc_moe::ep_ll {
 
 // Dispatch: the send half sends this rank's tokens, the receive half receives and packs them (DeepEP's layout).
 __global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, const EpLlParams p) {
+    phase_mark(kDispatchPhases, 0);
     u64 gen = 0;
     if (p.phase != kLlPhaseRecv) gen = dispatch_send(pt, p);
     if (p.phase != kLlPhaseSend && pt.world_size > 1) dispatch_recv(pt, p, receive_generation(p, gen));
+    phase_mark(kDispatchPhases, 5);
 }
 
 // Combine: the send half sends the expert outputs back to their tokens' ranks, the receive half reduces them. Two
 // CTAs fit an SM (at most 128 registers a thread): at one rank, where nothing waits, the grid may be twice the SMs, so
 // each warp sums half the column chunks of a token with twice the loads in flight per SM (ep_ll.ll_grid).
 __global__ void __launch_bounds__(kThreads, 2) combine(const PeerTable pt, const EpLlParams p) {
+    phase_mark(kCombinePhases, 0);
     if (pt.world_size == 1) {  // the direct path: the receive half alone, run by the call's first launch
         if (p.phase != kLlPhaseRecv) combine_recv(pt, p, 0);
+        phase_mark(kCombinePhases, 2);
         return;
     }
     u64 gen = 0;
     if (p.phase != kLlPhaseRecv) gen = combine_send(pt, p);
     if (p.phase != kLlPhaseSend) combine_recv(pt, p, receive_generation(p, gen));
+    phase_mark(kCombinePhases, 2);
 }
 
 }  // namespace gc_moe::ep_ll
