@@ -105,7 +105,7 @@ MAX_TOPK = 32
 HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
-"""Upper bound of a grid (one CTA per SM of an H200)."""
+"""Upper bound of the SMs a grid fills (an H200's: one CTA an SM; the one-rank combine :data:`COMBINE_CTAS_PER_SM`)."""
 COMBINE_CTAS_PER_SM = 2
 """CTAs of the combine kernel that fit an SM (its ``__launch_bounds__``): at one rank, where no CTA waits for
 another, the reducing grid may hold this many per SM."""
@@ -361,7 +361,8 @@ def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = 
     :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
     without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
     grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
-    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's)."""
+    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's, the
+    combine's up to :data:`COMBINE_CTAS_PER_SM` an SM)."""
     return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 
@@ -403,7 +404,8 @@ class LlLaunches:
     :class:`EpLlParams`, everything but the per-call pointers fixed: a call sets its pointers, then launches),
     ``args`` (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and the grids
     without a partition of each half's launch (``grids``) and of each direction's fused launch (``fused_grids``, by
-    either half), at most ``max_ctas`` CTAs: at most the SMs one launch of the rank may fill (the facade passes
+    either half), at most ``max_ctas`` CTAs (the one-rank combine: :data:`COMBINE_CTAS_PER_SM` times as many, where
+    nothing waits): at most the SMs one launch of the rank may fill (the facade passes
     :attr:`~gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`), which the fused launches' co-residency
     rests on. The driver copies the arguments when a launch (or a captured node) is made, so every call reuses the
     same ones instead of packing its own; an instance serves one thread, and a receive hook launches from a
