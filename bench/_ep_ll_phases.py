@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
+import _phase_marks
 import numpy as np
 import torch
-from _common import point_global
 
 from gc_moe_compat.comm import ep_ll
 from gc_moe_compat.runtime import jit
@@ -31,7 +31,8 @@ DEFINES = {"GC_EP_LL_PHASES": 1}
 """The variant's JIT defines."""
 MARKS = {"dispatch": ("entry", "routing", "prefix", "placed", "stored", "exit"),
          "combine": ("entry", "summed", "exit")}
-"""Each direction's marks, in order (the kernel's ``phase_mark`` indices)."""
+"""Each direction's marks, in order (the kernel's ``phase_mark`` indices), in the order of the directions' blocks
+of the buffer (``kDispatchPhases`` / ``kCombinePhases``)."""
 CHECKER_MARKS = {"dispatch": ("entry", "cleared", "counted", "published", "mirrored", "exit"),
                  "combine": ("entry", "decided", "exit")}
 """The one-rank checker CTA's marks, in order."""
@@ -39,8 +40,6 @@ SLOTS = 6
 """Marks per CTA the buffer holds (``kPhaseMarks``)."""
 CTAS = 512
 """CTAs per direction the buffer holds (``kPhaseCtas``)."""
-DIRECTIONS = {"dispatch": 0, "combine": 1}
-"""Each direction kernel's block of the buffer (``kDispatchPhases`` / ``kCombinePhases``)."""
 GLOBAL = b"gc_ep_ll_phase_times"
 
 
@@ -50,51 +49,26 @@ def _variant_kernel(kernel: ep_ll.Kernel) -> jit.Kernel:
     return jit.load_module(ep_ll.SOURCE, DEFINES).kernel(ep_ll._MANGLED[kernel.entry])
 
 
-class PhaseTimes:
-    """The device buffer the variant's marks go to (``[direction][CTA][slot]`` int64 nanoseconds) and its readout."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.times = torch.zeros(len(DIRECTIONS) * CTAS * SLOTS, dtype=torch.int64, device=device)
-        point_global(jit.load_module(ep_ll.SOURCE, DEFINES).library, GLOBAL, self.times)
-
-    def timed(self, fn: Callable[[], object], direction: str) -> np.ndarray:
-        """Runs ``fn`` (one call that launches ``direction``'s kernel) on a cleared buffer and returns that kernel's
-        marks, ``[CTAs that ran, marks]`` in ns, in CTA order (rows beyond the grid dropped: all zero)."""
-        self.times.zero_()
-        torch.cuda.synchronize()
-        fn()
-        torch.cuda.synchronize()
-        block = self.times.view(len(DIRECTIONS), CTAS, SLOTS)[DIRECTIONS[direction]].cpu().numpy()
-        marks = block[block[:, 0] != 0][:, :len(MARKS[direction])]
-        if not len(marks):
-            raise RuntimeError(f"the {direction} kernel stored no phase marks: it did not run the phase-timed variant "
-                               "in this context (GC_MOE_DEEP_EP_PARTITION=on launches on a green context, whose copy "
-                               "of the global this process did not set)")
-        return marks
-
-
 @functools.cache
-def phase_times(device: torch.device) -> PhaseTimes:
+def phase_times(device: torch.device) -> _phase_marks.PhaseTimes:
     """This process's buffer on ``device`` (one: the variant's global points at it)."""
-    return PhaseTimes(device)
+    return _phase_marks.PhaseTimes(device, jit.load_module(ep_ll.SOURCE, DEFINES).library, GLOBAL,
+                                   {direction: len(marks) for direction, marks in MARKS.items()}, CTAS, SLOTS)
 
 
 @contextlib.contextmanager
-def variant(device: torch.device) -> Iterator[PhaseTimes]:
+def variant(device: torch.device) -> Iterator[_phase_marks.PhaseTimes]:
     """Within the block the facade's low-latency calls launch the phase-timed variant (``ep_ll.kernel_of``, which
     every launch reads, swapped), whose marks go to the returned buffer; after it, the production kernels again."""
-    times, production = phase_times(device), ep_ll.kernel_of
-    ep_ll.kernel_of = _variant_kernel
-    try:
+    times = phase_times(device)
+    with _phase_marks.swapped(ep_ll, "kernel_of", _variant_kernel):
         yield times
-    finally:
-        ep_ll.kernel_of = production
 
 
 def summary(calls: Sequence[np.ndarray], direction: str, checker: bool) -> dict[str, object]:
-    """Over the calls (each :meth:`PhaseTimes.timed`'s marks), the median per mark of: the median and the latest
-    moving CTA, and (``checker``: one rank, the grid's last CTA, when it is not alone) the checker, each in µs after
-    the call's first entry; the CTAs of the grid, and which CTA exited last in most calls."""
+    """Over the calls (each :meth:`_phase_marks.PhaseTimes.timed`'s marks), the median per mark of: the median and
+    the latest moving CTA, and (``checker``: one rank, the grid's last CTA, when it is not alone) the checker, each in
+    µs after the call's first entry; the CTAs of the grid, and which CTA exited last in most calls."""
     marks = MARKS[direction]
     split = checker and calls and calls[0].shape[0] > 1
     median: dict[str, list[float]] = {m: [] for m in marks}

@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
+import _phase_marks
 import numpy as np
 import torch
-from _common import point_global
 
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.deep_ep import _normal
@@ -34,57 +34,32 @@ MARKS = ("entry", "send_wait", "send_rows", "recv_wait", "recv_rows", "exit")
 """The kernel's marks, in order (``kPhaseMarks`` of the kernel)."""
 CTAS = 256
 """CTAs per direction the buffer holds (``kPhaseCtas``)."""
-DIRECTIONS = {"dispatch": 0, "combine": 1}
-"""Each direction kernel's block of the buffer (``kDispatchPhases`` / ``kCombinePhases``)."""
+DIRECTIONS = ("dispatch", "combine")
+"""The direction kernels' blocks of the buffer, in order (``kDispatchPhases`` / ``kCombinePhases``)."""
 GLOBAL = b"gc_ep_normal_phase_times"
 
 
 @functools.cache
 def _variant_kernel(entry: ep_normal.Entry) -> jit.Kernel:
-    """``entry`` of the phase-timed variant (what :func:`install` makes the facade launch)."""
+    """``entry`` of the phase-timed variant (what :func:`variant` makes the facade launch)."""
     return jit.load_module(ep_normal.SOURCE, DEFINES).kernel(ep_normal.ENTRY_NAMES[entry])
 
 
-class PhaseTimes:
-    """The device buffer the variant's marks go to (``[direction][CTA][mark]`` u64 nanoseconds) and its readout."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.times = torch.zeros(len(DIRECTIONS) * CTAS * len(MARKS), dtype=torch.int64, device=device)
-        point_global(jit.load_module(ep_normal.SOURCE, DEFINES).library, GLOBAL, self.times)
-
-    def timed(self, fn: Callable[[], object], direction: str) -> np.ndarray:
-        """Runs ``fn`` (one call whose direction kernel is ``direction``'s) on a cleared buffer and returns that
-        kernel's marks, ``[CTAs that ran, marks]`` in ns (rows of CTAs beyond the grid dropped: all zero)."""
-        self.times.zero_()
-        torch.cuda.synchronize()
-        fn()
-        torch.cuda.synchronize()
-        block = self.times.view(len(DIRECTIONS), CTAS, len(MARKS))[DIRECTIONS[direction]].cpu().numpy()
-        marks = block[block[:, 0] != 0]
-        if not len(marks):
-            raise RuntimeError(f"the {direction} kernel stored no phase marks: it did not run the phase-timed variant "
-                               "in this context (GC_MOE_DEEP_EP_PARTITION=on launches on a green context, whose copy "
-                               "of the global this process did not set)")
-        return marks
-
-
 @functools.cache
-def phase_times(device: torch.device) -> PhaseTimes:
+def phase_times(device: torch.device) -> _phase_marks.PhaseTimes:
     """This process's buffer on ``device`` (one: the variant's global points at it)."""
-    return PhaseTimes(device)
+    return _phase_marks.PhaseTimes(device, jit.load_module(ep_normal.SOURCE, DEFINES).library, GLOBAL,
+                                   dict.fromkeys(DIRECTIONS, len(MARKS)), CTAS, len(MARKS))
 
 
 @contextlib.contextmanager
-def variant(device: torch.device) -> Iterator[PhaseTimes]:
+def variant(device: torch.device) -> Iterator[_phase_marks.PhaseTimes]:
     """Within the block the facade's normal-mode calls launch the phase-timed variant (the normal mode's
     ``kernel_of``, which it reads at every launch, swapped), whose marks go to the returned buffer; after it, the
     production kernels again."""
-    times, production = phase_times(device), _normal.kernel_of
-    _normal.kernel_of = _variant_kernel
-    try:
+    times = phase_times(device)
+    with _phase_marks.swapped(_normal, "kernel_of", _variant_kernel):
         yield times
-    finally:
-        _normal.kernel_of = production
 
 
 def summary(calls: Sequence[np.ndarray]) -> dict[str, object]:

@@ -91,6 +91,7 @@
 #include <cuda_fp8.h>
 
 #include "common/peer_table.cuh"
+#include "common/phase_marks.cuh"
 #include "common/status.cuh"
 #include "common/sync.cuh"
 #include "sm90/ep_ll_params.cuh"
@@ -121,23 +122,18 @@ constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.top
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
 #ifdef GC_EP_LL_PHASES
-// Phase timing, in the variant bench/_ep_ll_phases.py builds (GC_EP_LL_PHASES defined): at each mark the CTA
-// synchronizes and its thread 0 stores %globaltimer into gc_ep_ll_phase_times[(direction * kPhaseCtas + CTA) *
-// kPhaseMarks + mark], where the host points the global (nothing while it is null). Dispatch's marks: entry, the
-// token's routing checked, the prefix count of its rows done, its slots' rows placed, its row stored, exit (a CTA
-// with several tokens keeps its last token's, one without a token marks 1-4 where its token loop ends); at one rank
-// the checker CTA's marks 1-4 are its own: its table cleared, the routing counted, the counts published, the status
-// mirrored (a lone CTA keeps the checker's). Combine's: entry, the CTA's units summed (one rank: the checker's slots
-// decided again), exit; at more ranks the send half lies between the entry and mark 1. The production build has no
-// global and no marks.
+// Phase timing, in the variant bench/_ep_ll_phases.py builds (GC_EP_LL_PHASES defined: the marks go to
+// gc_ep_ll_phase_times, common/phase_marks.cuh). Dispatch's marks: entry, the token's routing checked, the prefix
+// count of its rows done, its slots' rows placed, its row stored, exit (a CTA with several tokens keeps its last
+// token's, one without a token marks 1-4 where its token loop ends); at one rank the checker CTA's marks 1-4 are its
+// own: its table cleared, the routing counted, the counts published, the status mirrored (a lone CTA keeps the
+// checker's). Combine's: entry, the CTA's units summed (one rank: the checker's slots decided again), exit; at more
+// ranks the send half lies between the entry and mark 1. The production build has no global and no marks.
 constexpr u32 kPhaseMarks = 6;
 constexpr u32 kPhaseCtas = 512;
 
 __device__ __forceinline__ void phase_mark(u32 direction, u32 mark) {
-    __syncthreads();
-    u64* times = ::gc_ep_ll_phase_times;
-    if (times && threadIdx.x == 0 && blockIdx.x < kPhaseCtas)
-        times[(direction * kPhaseCtas + blockIdx.x) * kPhaseMarks + mark] = gc_moe::globaltimer_ns();
+    gc_moe::store_phase_mark<kPhaseMarks, kPhaseCtas>(::gc_ep_ll_phase_times, direction, mark);
 }
 #else
 __device__ __forceinline__ void phase_mark(u32, u32) {}

@@ -31,6 +31,7 @@
 #include <cuda_bf16.h>
 
 #include "common/peer_table.cuh"
+#include "common/phase_marks.cuh"
 #include "common/status.cuh"
 #include "common/sync.cuh"
 #include "sm90/ep_normal_params.cuh"
@@ -67,20 +68,15 @@ constexpr u32 kPairRanksMax = 4;  // combine receive: two ranks' rows in flight 
 constexpr u32 kEarlyScaleWords = 2;  // dispatch send and receive: a row's first 64 scale words, loaded ahead of its payload
 
 #ifdef GC_EP_NORMAL_PHASES
-// Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined): at each mark of a
-// direction kernel the CTA synchronizes and its thread 0 stores %globaltimer into
-// gc_ep_normal_phase_times[(direction * kPhaseCtas + CTA) * kPhaseMarks + mark], where the host points the global
-// (nothing while it is null). The marks: entry, send half's wait done, send half's rows done, receive half's wait
-// done, receive half's rows done, exit (the combine's send_head rewrite runs between entry and its send wait). The
-// production build has no global and no marks.
+// Phase timing, in the variant bench/_ep_normal_phases.py builds (GC_EP_NORMAL_PHASES defined: a direction
+// kernel's marks go to gc_ep_normal_phase_times, common/phase_marks.cuh). The marks: entry, send half's wait done,
+// send half's rows done, receive half's wait done, receive half's rows done, exit (the combine's send_head rewrite
+// runs between entry and its send wait). The production build has no global and no marks.
 constexpr u32 kPhaseMarks = 6;
 constexpr u32 kPhaseCtas = 256;
 
 __device__ __forceinline__ void phase_mark(u32 direction, u32 mark) {
-    __syncthreads();
-    u64* times = ::gc_ep_normal_phase_times;
-    if (times && threadIdx.x == 0 && blockIdx.x < kPhaseCtas)
-        times[(direction * kPhaseCtas + blockIdx.x) * kPhaseMarks + mark] = gc_moe::globaltimer_ns();
+    gc_moe::store_phase_mark<kPhaseMarks, kPhaseCtas>(::gc_ep_normal_phase_times, direction, mark);
 }
 #else
 __device__ __forceinline__ void phase_mark(u32, u32) {}

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import _ep_ll_phases as phases  # noqa: E402 - bench/ is a script folder, put on the path above
+import _phase_marks  # noqa: E402
 import deep_ep_sm90 as bench  # noqa: E402
 
 from gc_moe_compat.comm import ep_ll  # noqa: E402
@@ -63,6 +64,14 @@ def test_phase_lines_print_each_op_and_the_output_check() -> None:
     assert "T=128 dispatch (3 CTAs, last exit CTA 1)" in lines[0] and "| checker entry 0.10 decided 1.00" in lines[0]
     assert lines[-1].endswith("production kernels': True")
     assert bench.phase_lines({"tokens_per_rank": 1}) == []
+
+
+def test_the_swapped_lookup_is_restored_even_when_the_block_raises() -> None:
+    production = ep_ll.kernel_of
+    with pytest.raises(RuntimeError, match="inside"), _phase_marks.swapped(ep_ll, "kernel_of", phases._variant_kernel):
+        assert ep_ll.kernel_of is phases._variant_kernel
+        raise RuntimeError("inside")
+    assert ep_ll.kernel_of is production
 
 
 def test_phases_must_not_be_negative() -> None:
