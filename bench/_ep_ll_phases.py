@@ -10,7 +10,8 @@ rows done (the row index in each expert's list), its slots' rows placed, its row
 the CTA's units summed, the exit. At one rank the grid's last CTA is the checker (it counts, reports and publishes
 while the others move rows); its marks between entry and exit are its own steps (:data:`CHECKER_MARKS`), so the
 summary keeps it apart. A CTA synchronizes its threads before each mark, so a mark is when its slowest warp got
-there, and the variant's barriers make it a little slower than the production kernels.
+there, and the variant's barriers make it a little slower than the production kernels. Time calls without a receive
+hook: a hook's second launch of the same kernel would store its own marks over CTA 0's.
 """
 
 from __future__ import annotations

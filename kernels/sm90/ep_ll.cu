@@ -79,8 +79,9 @@
 // grids, so at most the SMs the launch may use, like theirs: the device's, the rank's share where ranks share the GPU
 // (their kernels together then fill each SM at most once), or the communication partition's; and one CTA fits an
 // empty SM (__launch_bounds__: at most 255 registers a thread for dispatch, 128 for combine, two of whose CTAs fit;
-// static shared memory under 48 KiB, which the compile test checks). Work on other streams only delays CTAs (it completes without these kernels); as the
-// shared-GPU rule does, this assumes one low-latency kernel of a rank resident at a time. Each half loops over its
+// static shared memory under 48 KiB, which the compile test checks). Work on other streams only delays CTAs (it
+// completes without these kernels); as the shared-GPU rule does, this assumes one low-latency kernel of a rank
+// resident at a time. Each half loops over its
 // work with a grid stride (a CTA without work in a half only arrives), so one grid serves both. Every launch path
 // meets the bound, so only a receive hook keeps the two launches.
 //
