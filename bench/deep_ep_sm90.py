@@ -16,11 +16,14 @@ run and one result file:
    (``deepep-test``: H 7168, top-8, 288 experts, as ``tests/legacy/test_low_latency.py``) and the presets', each op
    captured in its own CUDA graph (the kernels where ``GC_MOE_DEEP_EP_PARTITION`` puts them: the caller's stream over
    the whole device by default, the ``Buffer.num_sms`` = 20 communication partition with ``on``) and timed by
-   replay. Floor: the bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and
-   scales out; combine: every slot's BF16 row in, the BF16 tokens out) over the copy bandwidth. Accuracy: the eager
-   dispatch bit for bit against :func:`gc_moe_compat.testing.ep_reference.ll_quantize` in DeepEP's receive order
+   replay; ``pair_graph_us``: both in one graph, the dispatch's handle taken by the combine, as a decode step's graph
+   holds them (one graph replay's own cost instead of two: ``graph_replay_floor_us``, a one-kernel graph). Floor: the
+   bytes each op must read and write once (dispatch: the BF16 tokens in, every slot's FP8 row and scales out;
+   combine: every slot's BF16 row in, the BF16 tokens out) over the copy bandwidth. Accuracy: the eager dispatch bit
+   for bit against :func:`gc_moe_compat.testing.ep_reference.ll_quantize` in DeepEP's receive order
    (counts, source tokens, payload, scales), the combine of seeded expert rows bit for bit against
-   :func:`~gc_moe_compat.testing.ep_reference.combine_reference`, the replays identical to the eager calls.
+   :func:`~gc_moe_compat.testing.ep_reference.combine_reference`, the replays (both graphs' combine outputs)
+   identical to the eager calls.
    ``--phases N``: after each point's timing, N eager calls per op on the phase-timed kernels (bench/_ep_ll_phases.py),
    each read back: when the median and the latest CTA passed each step, and the one-rank checker CTA's steps (the
    point's ``phases``, also printed). Their timing is not the point's.
@@ -266,16 +269,22 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
     torch.cuda.synchronize()
     combine_exact = bits_equal(combine_eager, want)
     captured: dict[str, object] = {}
-    out = torch.empty_like(combine_eager)
+    out, pair_out = torch.empty_like(combine_eager), torch.empty_like(combine_eager)
+
+    def pair() -> None:  # both ops in one graph, as a decode step's graph holds them: the combine takes this handle
+        buf.low_latency_combine(expert_out, idx, w, dispatch()[2], out=pair_out)
+
     graphs = {"dispatch": capture_graph(lambda: captured.update(dispatch=dispatch())),
               "combine": capture_graph(lambda: buf.low_latency_combine(expert_out, idx, w, handle, out=out))}
     latency = {op: median_graph_window(graph, args.warmup, args.windows) for op, graph in graphs.items()}
+    pair_us = median_graph_window(capture_graph(pair), args.warmup, args.windows)
     replay_floor = graph_replay_floor(x.device, args.warmup, args.windows)
     torch.cuda.synchronize()
     replayed = captured["dispatch"]
     # The rows past an expert's count are never written (torch.empty, as DeepEP leaves them): compare the written
-    # rows, through the same check as the eager call's, and the whole combine output.
-    replay_identical = check_ll_dispatch(replayed, x, idx) and bits_equal(out, combine_eager)
+    # rows, through the same check as the eager call's, and the whole combine output (of both graphs).
+    replay_identical = check_ll_dispatch(replayed, x, idx) and bits_equal(out, combine_eager) and \
+        bits_equal(pair_out, combine_eager)
     floor_bytes = ll_floor_bytes(tokens, hidden, topk)
     floor = {op: floor_bytes[op] / bandwidth * 1e6 for op in LL_OPS}
     phases = {}
@@ -285,7 +294,7 @@ def ll_point(buf: deep_ep.Buffer, shape: str, tokens: int, bandwidth: float, arg
     return {"part": "low_latency", "preset": shape, "mma_type": None, "shared": 0, "tokens_per_rank": tokens,
             "hidden": hidden, "topk": topk, "num_experts": experts, "max_dispatch_tokens_per_rank": LL_TMAX,
             "latency_us": latency, "per_rank_us": {op: [us] for op, us in latency.items()}, "floor_us": floor,
-            "graph_replay_floor_us": replay_floor,
+            "pair_graph_us": pair_us, "graph_replay_floor_us": replay_floor,
             "efficiency": {op: floor[op] / latency[op] for op in LL_OPS},
             "accuracy": {"dispatch_bit_exact_vs_reference": dispatch_exact,
                          "combine_bit_exact_vs_reference": combine_exact,
@@ -325,6 +334,7 @@ def run_low_latency(group: dist.ProcessGroup, bandwidth: float, args: argparse.N
                 p = points[-1]
                 print(f"low_latency {shape} T={t}: " + ", ".join(f"{op} {p['latency_us'][op]:.1f} us "
                                                                  f"(floor {p['floor_us'][op]:.2f})" for op in LL_OPS) +
+                      f" | both in one graph {p['pair_graph_us']:.1f} us"
                       f" | one-kernel graph {p['graph_replay_floor_us']:.1f} us"
                       f" | exact {list(p['accuracy'].values())}", flush=True)
                 for line in phase_lines(p):
@@ -557,11 +567,12 @@ def print_tables(points: list[dict[str, object]]) -> None:
             print(f"| {p['preset']} | {p['tokens_per_rank']} | {op} | {p['latency_us'][op]:.1f} | "
                   f"{p['floor_us'][op]:.1f} | {p['efficiency'][op]:.3f} | {p['algo_GBps'][op]:.0f} | "
                   f"{'yes' if p['accuracy']['bit_exact'][op] else 'NO'} |")
-    print("\n| shape | T | dispatch us | combine us | floor us (d / c) | one-kernel graph us | bit-exact |"
-          "\n|---|---|---|---|---|---|---|")
+    print("\n| shape | T | dispatch us | combine us | both in one graph us | floor us (d / c) | one-kernel graph us "
+          "| bit-exact |\n|---|---|---|---|---|---|---|---|")
     for p in (p for p in points if p["part"] == "low_latency"):
         lat, floor = p["latency_us"], p["floor_us"]
-        print(f"| {p['preset']} | {p['tokens_per_rank']} | {lat['dispatch']:.1f} | {lat['combine']:.1f} | "
+        pair = f"{p['pair_graph_us']:.1f}" if "pair_graph_us" in p else "-"  # files before the column have none
+        print(f"| {p['preset']} | {p['tokens_per_rank']} | {lat['dispatch']:.1f} | {lat['combine']:.1f} | {pair} | "
               f"{floor['dispatch']:.2f} / {floor['combine']:.2f} | {p['graph_replay_floor_us']:.1f} | "
               f"{'yes' if all(p['accuracy'].values()) else 'NO'} |")
     print("\n| preset | T | mode | step us | dispatch+combine done us | GEMM alone us | dispatch+combine alone us |"
