@@ -571,8 +571,8 @@ def print_tables(points: list[dict[str, object]]) -> None:
           "| bit-exact |\n|---|---|---|---|---|---|---|---|")
     for p in (p for p in points if p["part"] == "low_latency"):
         lat, floor = p["latency_us"], p["floor_us"]
-        pair = f"{p['pair_graph_us']:.1f}" if "pair_graph_us" in p else "-"  # files before the column have none
-        print(f"| {p['preset']} | {p['tokens_per_rank']} | {lat['dispatch']:.1f} | {lat['combine']:.1f} | {pair} | "
+        print(f"| {p['preset']} | {p['tokens_per_rank']} | {lat['dispatch']:.1f} | {lat['combine']:.1f} | "
+              f"{p['pair_graph_us']:.1f} | "
               f"{floor['dispatch']:.2f} / {floor['combine']:.2f} | {p['graph_replay_floor_us']:.1f} | "
               f"{'yes' if all(p['accuracy'].values()) else 'NO'} |")
     print("\n| preset | T | mode | step us | dispatch+combine done us | GEMM alone us | dispatch+combine alone us |"
