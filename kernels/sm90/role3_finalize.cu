@@ -252,7 +252,9 @@ using gc_moe::FinalizeParams;
 using gc_moe::PeerTable;
 using gc_moe::WorkspaceOffsets;
 
-extern "C" __global__ void __launch_bounds__(gc_moe::kThreads, 1)
+// Two CTAs fit an SM (at most 85 registers a thread): the host's grid is up to twice the compute SMs
+// (role3_finalize.finalize_grid), so each warp sums fewer units one after another.
+extern "C" __global__ void __launch_bounds__(gc_moe::kThreads, 2)
     gc_sm90_finalize(const __grid_constant__ PeerTable peers, const __grid_constant__ WorkspaceOffsets off,
                      const __grid_constant__ FinalizeParams p) {
     using namespace gc_moe;

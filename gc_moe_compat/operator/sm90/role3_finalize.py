@@ -39,6 +39,7 @@ from gc_moe_compat.runtime.status import StatusSite, raise_for_status, spin_time
 __all__ = [
     "BOOK_WARPS",
     "CHUNK",
+    "CTAS_PER_SM",
     "KERNEL",
     "SOURCE",
     "THREADS",
@@ -64,6 +65,8 @@ BOOK_WARPS = 4
 """CTA 0's bookkeeping warps; every other warp of the grid combines."""
 CHUNK = 256
 """Hidden columns per combine unit: one warp, 16 bytes (8 BF16) per lane."""
+CTAS_PER_SM = 2
+"""Role3 CTAs that fit an SM (the kernel's ``__launch_bounds__``): the grid's bound per compute SM."""
 WARMUP = 1
 """``FinalizeParams.flags`` bit: return at once (the one-time warm-up launch of a graph node)."""
 
@@ -123,9 +126,11 @@ def finalize_sites(num_ranks: int, num_local_experts: int) -> dict[int, str]:
 
 def finalize_grid(num_tokens: int, hidden: int, max_ctas: int) -> int:
     """CTAs of one launch: one combine warp per unit (token x ``CHUNK`` columns) plus the bookkeeping warps, at most
-    ``max_ctas`` (one CTA per compute SM), at least 1 (bookkeeping runs even with ``T = 0``)."""
+    :data:`CTAS_PER_SM` per compute SM (``max_ctas`` SMs; no CTA waits for another, so the grid need not be resident
+    at once, and with two an SM each warp sums fewer units one after another), at least 1 (bookkeeping runs even
+    with ``T = 0``)."""
     warps = num_tokens * (hidden // CHUNK) + BOOK_WARPS
-    return max(1, min(max_ctas, -(-warps // (THREADS // 32))))
+    return max(1, min(CTAS_PER_SM * max_ctas, -(-warps // (THREADS // 32))))
 
 
 def _check_y(y: object, capacity: int, hidden: int, device: torch.device) -> None:
