@@ -211,8 +211,10 @@ __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
 
 // The checked expert of routing entry f of p.topk_idx, whose raw id `e` the caller loaded: -1 for an unused slot or
 // a dropped one (an id outside [-1, num_experts), or the expert of an earlier slot of the same token), recorded in
-// `status` when given.
-__device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long long e, KernelStatus* status) {
+// `status` when given. `token` holds the raw ids of f's token, slot 0 first: p.topk_idx itself, or a copy in shared
+// memory (dispatch send), so that the repeat rule costs no round trip there.
+__device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long long e, KernelStatus* status,
+                                              const long long* token) {
     if (e == -1) return -1;
     if (e < -1 || e >= static_cast<long long>(p.num_experts)) {
         if (status) {
@@ -226,9 +228,8 @@ __device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long l
         }
         return -1;
     }
-    const u32 first = f - f % p.topk;
-    for (u32 g = first; g < f; ++g) {
-        if (raw_id(p, g) == e) {
+    for (u32 g = 0; g < f % p.topk; ++g) {
+        if (token[g] == e) {
             if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRepeat << 16,
                                               static_cast<u64>(e), f % p.topk);
             return -1;
@@ -237,9 +238,14 @@ __device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long l
     return static_cast<int>(e);
 }
 
+// The raw ids of the token of routing entry f, in p.topk_idx.
+__device__ __forceinline__ const long long* token_ids(const EpLlParams& p, u32 f) {
+    return reinterpret_cast<const long long*>(p.topk_idx) + (f - f % p.topk);
+}
+
 // The checked expert of routing entry f (checked_expert of its raw id).
 __device__ __forceinline__ int slot_expert(const EpLlParams& p, u32 f, KernelStatus* status = nullptr) {
-    return checked_expert(p, f, raw_id(p, f), status);
+    return checked_expert(p, f, raw_id(p, f), status, token_ids(p, f));
 }
 
 // Copies the four status records into the pinned host mirror (the last CTA of each receive half; at one rank the
@@ -270,12 +276,11 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
     }
 }
 
+// Four E4M3 bytes, a first (lowest), two conversions of a pair each.
 __device__ __forceinline__ u32 fp8x4(float a, float b, float c, float d) {
-    const u32 q0 = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
-    const u32 q1 = __nv_cvt_float_to_fp8(b, __NV_SATFINITE, __NV_E4M3);
-    const u32 q2 = __nv_cvt_float_to_fp8(c, __NV_SATFINITE, __NV_E4M3);
-    const u32 q3 = __nv_cvt_float_to_fp8(d, __NV_SATFINITE, __NV_E4M3);
-    return q0 | q1 << 8 | q2 << 16 | q3 << 24;
+    const u32 lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const u32 hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | hi << 16;
 }
 
 // The E4M3 quantization of one 16-byte vector (8 BF16 columns) of a row, DeepEP's rule. Each lane holds 8 columns,
@@ -318,11 +323,18 @@ __device__ __forceinline__ void load_row_pass(uint4 (&raw)[kSendUnroll], const u
     }
 }
 
+// Routing entries f0 + i * kThreads (those below `end`; -1 past it) of p.topk_idx into ids, all in flight at once.
+__device__ __forceinline__ void load_ids(const EpLlParams& p, long long (&ids)[kSendUnroll], u32 f0, u32 end) {
+#pragma unroll
+    for (u32 i = 0; i < kSendUnroll; ++i) ids[i] = f0 + i * kThreads < end ? raw_id(p, f0 + i * kThreads) : -1;
+}
+
 // Whether entry f (whose raw id is the valid expert e) is the first of its token's slots naming e, i.e. its checked
 // expert is e (slot_expert's repeat rule).
 __device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e) {
-    for (u32 g = f - f % p.topk; g < f; ++g)
-        if (raw_id(p, g) == e) return false;
+    const long long* token = token_ids(p, f);
+    for (u32 g = 0; g < f % p.topk; ++g)
+        if (token[g] == e) return false;
     return true;
 }
 
@@ -346,6 +358,7 @@ __device__ __forceinline__ bool direct_checker() { return blockIdx.x == gridDim.
 
 // Returns the call's generation n (the one this CTA read from seq).
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
+    __shared__ long long slot_raw[kMaxTopk];  // the current token's raw ids
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row's payload in the owner's receive stage, or (direct) in recv_x
@@ -379,28 +392,29 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     ok = __syncthreads_and(ok);
     for (u32 t = blockIdx.x; t < p.num_tokens && blockIdx.x < senders; t += senders) {
         const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
+        // One round trip for the routing: the token's own ids (copied to shared memory, where the repeat rule reads
+        // them) and the first batch of the earlier tokens' ids, all in flight together.
+        const u32 earlier = t * k_slots;
+        if (threadIdx.x < k_slots) slot_raw[threadIdx.x] = raw_id(p, earlier + threadIdx.x);
+        long long ids[kSendUnroll];
+        load_ids(p, ids, threadIdx.x, earlier);
+        __syncthreads();
         if (threadIdx.x < k_slots) {
-            const int e = slot_expert(p, t * k_slots + threadIdx.x, report);
+            const int e = checked_expert(p, earlier + threadIdx.x, slot_raw[threadIdx.x], report, slot_raw);
             slot_of[threadIdx.x] = e;
             slot_row[threadIdx.x] = 0;
-            reinterpret_cast<int*>(p.routing)[t * k_slots + threadIdx.x] = e;  // the handle's checked routing
-            if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] = -1;
+            reinterpret_cast<int*>(p.routing)[earlier + threadIdx.x] = e;  // the handle's checked routing
+            if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + earlier + threadIdx.x] = -1;
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 1);
         if (!ok) continue;  // CTA-uniform; the routing is still written, the rows are not
         // Checked entries f < t*k + slot with the slot's expert, counted by the whole CTA: rows are in (token, slot)
         // order. A valid slot's expert is named by no earlier slot of token t, so only earlier tokens count, each
-        // once (the first of its slots naming the expert). The raw ids are loaded kSendUnroll at a time, all in
-        // flight; the repeat rule is looked at only for an entry that names one of the slots' experts.
-        const u32 earlier = t * k_slots;
+        // once (the first of its slots naming the expert). The repeat rule is looked at only for an entry that
+        // names one of the slots' experts.
         for (u32 f0 = threadIdx.x; f0 < earlier; f0 += kThreads * kSendUnroll) {
-            long long ids[kSendUnroll];
-#pragma unroll
-            for (u32 i = 0; i < kSendUnroll; ++i) {
-                const u32 f = f0 + i * kThreads;
-                ids[i] = f < earlier ? raw_id(p, f) : -1;
-            }
+            if (f0 != threadIdx.x) load_ids(p, ids, f0, earlier);
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i) {
                 if (ids[i] < 0) continue;
@@ -445,26 +459,35 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 3);
-        // The row, read once (kSendUnroll vectors per thread in flight), each vector stored to every slot's row; an
-        // FP8 scale group (128 columns) is a half warp.
+        // The row, read once (kSendUnroll vectors per thread in flight), quantized once, then stored slot by slot
+        // (a slot's row pointers read once per pass); an FP8 scale group (128 columns) is a half warp.
         for (u32 pass = 0; pass * kSendUnroll * kThreads < vecs; ++pass) {
             if (pass > 0) load_row_pass(raw, src, pass, vecs);
-#pragma unroll
-            for (u32 i = 0; i < kSendUnroll; ++i) {
-                const u32 v = (pass * kSendUnroll + i) * kThreads + threadIdx.x;
-                const bool valid = v < vecs;
-                if (!fp8) {
-                    for (u32 k = 0; k < k_slots; ++k)
-                        if (valid && slot_dst[k] != nullptr) reinterpret_cast<uint4*>(slot_dst[k])[v] = raw[i];
-                    continue;
-                }
-                float scale_inv;
-                const uint2 q = quantize_vector(raw[i], round_scale, scale_inv);
+            const u32 v0 = pass * kSendUnroll * kThreads + threadIdx.x;  // vector i is v0 + i * kThreads
+            if (!fp8) {
                 for (u32 k = 0; k < k_slots; ++k) {
-                    u8* row = slot_dst[k];
-                    if (!valid || row == nullptr) continue;
-                    reinterpret_cast<uint2*>(row)[v] = q;
-                    if (v % 16 == 0) store_scale(slot_scales[k], v / 16, scale_inv, direct, ue8m0, slots);
+                    uint4* row = reinterpret_cast<uint4*>(slot_dst[k]);
+                    if (row == nullptr) continue;  // CTA-uniform
+#pragma unroll
+                    for (u32 i = 0; i < kSendUnroll; ++i)
+                        if (v0 + i * kThreads < vecs) row[v0 + i * kThreads] = raw[i];
+                }
+                continue;
+            }
+            uint2 q[kSendUnroll];
+            float scale_inv[kSendUnroll];
+#pragma unroll
+            for (u32 i = 0; i < kSendUnroll; ++i) q[i] = quantize_vector(raw[i], round_scale, scale_inv[i]);
+            for (u32 k = 0; k < k_slots; ++k) {
+                uint2* row = reinterpret_cast<uint2*>(slot_dst[k]);
+                if (row == nullptr) continue;  // CTA-uniform
+                u8* scales = slot_scales[k];
+#pragma unroll
+                for (u32 i = 0; i < kSendUnroll; ++i) {
+                    const u32 v = v0 + i * kThreads;
+                    if (v >= vecs) continue;
+                    row[v] = q[i];
+                    if (v % 16 == 0) store_scale(scales, v / 16, scale_inv[i], direct, ue8m0, slots);
                 }
             }
         }
@@ -490,7 +513,8 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                 ids[i] = f0 + i * kThreads < entries ? raw_id(p, f0 + i * kThreads) : -1;
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i) {
-                const int e = ids[i] == -1 ? -1 : checked_expert(p, f0 + i * kThreads, ids[i], status);
+                const u32 f = f0 + i * kThreads;
+                const int e = ids[i] == -1 ? -1 : checked_expert(p, f, ids[i], status, token_ids(p, f));
                 if (e >= 0) atomicAdd(&rows_of[e], 1u);
             }
         }
