@@ -119,6 +119,7 @@ constexpr u32 kCombineColumns = 256;  // combine receive: one warp, 8 BF16 colum
 constexpr u32 kCombineUnroll = 8;     // combine receive: slots' loads in flight per lane
 constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
 constexpr u32 kSendUnroll = 4;        // dispatch send: a token row's 16-byte vectors (and routing ids) in flight per thread
+constexpr u32 kBatch = kThreads * kSendUnroll;  // dispatch send: routing ids a CTA loads at once (load_ids)
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
@@ -329,13 +330,28 @@ __device__ __forceinline__ void load_ids(const EpLlParams& p, long long (&ids)[k
     for (u32 i = 0; i < kSendUnroll; ++i) ids[i] = f0 + i * kThreads < end ? raw_id(p, f0 + i * kThreads) : -1;
 }
 
+// The raw ids of the token of routing entry f: in `batch` (a copy in shared memory of the entries from `base` on)
+// when the token starts there, otherwise in p.topk_idx; so that the repeat rule reads no global memory for a token
+// inside the batch.
+__device__ __forceinline__ const long long* batch_token(const EpLlParams& p, u32 f, const long long* batch, u32 base) {
+    const u32 first = f - f % p.topk;
+    return first >= base ? batch + (first - base) : token_ids(p, f);
+}
+
 // Whether entry f (whose raw id is the valid expert e) is the first of its token's slots naming e, i.e. its checked
-// expert is e (slot_expert's repeat rule).
-__device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e) {
-    const long long* token = token_ids(p, f);
+// expert is e (slot_expert's repeat rule); `token` holds the raw ids of its token.
+__device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e, const long long* token) {
     for (u32 g = 0; g < f % p.topk; ++g)
         if (token[g] == e) return false;
     return true;
+}
+
+// A batch of routing ids copied to shared memory: entry base + j in batch[j] (kSendUnroll per thread, as load_ids
+// holds them). Every thread of the CTA calls it; the caller synchronizes again before the next batch overwrites it.
+__device__ __forceinline__ void stage_ids(long long* batch, const long long (&ids)[kSendUnroll]) {
+#pragma unroll
+    for (u32 i = 0; i < kSendUnroll; ++i) batch[i * kThreads + threadIdx.x] = ids[i];
+    __syncthreads();
 }
 
 // Stores the scale of group g (128 columns) of a dispatched FP8 row whose scales start at `base`: the stage's FP32
@@ -359,6 +375,7 @@ __device__ __forceinline__ bool direct_checker() { return blockIdx.x == gridDim.
 // Returns the call's generation n (the one this CTA read from seq).
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ long long slot_raw[kMaxTopk];  // the current token's raw ids
+    __shared__ long long batch_ids[kBatch];   // a batch of routing ids (stage_ids)
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row's payload in the owner's receive stage, or (direct) in recv_x
@@ -413,18 +430,22 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         // order. A valid slot's expert is named by no earlier slot of token t, so only earlier tokens count, each
         // once (the first of its slots naming the expert). The repeat rule is looked at only for an entry that
         // names one of the slots' experts.
-        for (u32 f0 = threadIdx.x; f0 < earlier; f0 += kThreads * kSendUnroll) {
-            if (f0 != threadIdx.x) load_ids(p, ids, f0, earlier);
+        for (u32 base = 0; base < earlier; base += kBatch) {
+            if (base > 0) load_ids(p, ids, base + threadIdx.x, earlier);
+            stage_ids(batch_ids, ids);
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i) {
                 if (ids[i] < 0) continue;
+                const u32 f = base + i * kThreads + threadIdx.x;
                 for (u32 k = 0; k < k_slots; ++k) {
                     if (ids[i] == slot_of[k]) {  // slot_of[k] >= 0 here: a valid expert
-                        if (first_in_token(p, f0 + i * kThreads, ids[i])) atomicAdd(&slot_row[k], 1u);
+                        if (first_in_token(p, f, ids[i], batch_token(p, f, batch_ids, base)))
+                            atomicAdd(&slot_row[k], 1u);
                         break;  // the slots' valid experts are distinct
                     }
                 }
             }
+            __syncthreads();  // batch_ids is rewritten by the next batch
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 2);
@@ -506,17 +527,18 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         phase_mark(kDispatchPhases, 1);
-        for (u32 f0 = threadIdx.x; f0 < entries; f0 += kThreads * kSendUnroll) {
-            long long ids[kSendUnroll];  // all in flight; a token's slots sit in neighbouring lanes
-#pragma unroll
-            for (u32 i = 0; i < kSendUnroll; ++i)
-                ids[i] = f0 + i * kThreads < entries ? raw_id(p, f0 + i * kThreads) : -1;
+        for (u32 base = 0; base < entries; base += kBatch) {
+            long long ids[kSendUnroll];  // all in flight
+            load_ids(p, ids, base + threadIdx.x, entries);
+            stage_ids(batch_ids, ids);
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i) {
-                const u32 f = f0 + i * kThreads;
-                const int e = ids[i] == -1 ? -1 : checked_expert(p, f, ids[i], status, token_ids(p, f));
+                const u32 f = base + i * kThreads + threadIdx.x;
+                const long long* token = batch_token(p, f, batch_ids, base);
+                const int e = ids[i] == -1 ? -1 : checked_expert(p, f, ids[i], status, token);
                 if (e >= 0) atomicAdd(&rows_of[e], 1u);
             }
+            __syncthreads();  // batch_ids is rewritten by the next batch
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 2);
