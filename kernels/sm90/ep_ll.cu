@@ -96,6 +96,7 @@
 #include "common/status.cuh"
 #include "common/sync.cuh"
 #include "sm90/ep_ll_params.cuh"
+#include "sm90/ptx.cuh"
 
 #ifdef GC_EP_LL_PHASES
 // Outside the anonymous namespace, so that the cubin names it plainly (cuLibraryGetGlobal looks it up by name).
@@ -376,6 +377,8 @@ __device__ __forceinline__ bool direct_checker() { return blockIdx.x == gridDim.
 __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlParams& p) {
     __shared__ long long slot_raw[kMaxTopk];  // the current token's raw ids
     __shared__ long long batch_ids[kBatch];   // a batch of routing ids (stage_ids)
+    __shared__ alignas(128) uint4 row_stage[kBatch];  // a pass of the token's row as sent (BF16, or E4M3 packed)
+    __shared__ float pass_scales[kBatch / 16];        // that pass's FP8 scales, one a group of 128 columns
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row's payload in the owner's receive stage, or (direct) in recv_x
@@ -480,38 +483,42 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 3);
-        // The row, read once (kSendUnroll vectors per thread in flight), quantized once, then stored slot by slot
-        // (a slot's row pointers read once per pass); an FP8 scale group (128 columns) is a half warp.
-        for (u32 pass = 0; pass * kSendUnroll * kThreads < vecs; ++pass) {
+        // The row, a pass of kBatch vectors at a time (kSendUnroll per thread in flight), quantized once into shared
+        // memory; each slot's part of the pass is then one bulk copy issued by the slot's thread (the TMA unit writes
+        // the slots' rows: no store instruction per slot and vector). An FP8 scale group (128 columns) is a half
+        // warp; a pass's scales are stored by the threads, a (slot, group) pair each.
+        for (u32 pass = 0; pass * kBatch < vecs; ++pass) {
             if (pass > 0) load_row_pass(raw, src, pass, vecs);
-            const u32 v0 = pass * kSendUnroll * kThreads + threadIdx.x;  // vector i is v0 + i * kThreads
-            if (!fp8) {
-                for (u32 k = 0; k < k_slots; ++k) {
-                    uint4* row = reinterpret_cast<uint4*>(slot_dst[k]);
-                    if (row == nullptr) continue;  // CTA-uniform
+            const u32 pass_vecs = min(kBatch, vecs - pass * kBatch), vec_bytes = fp8 ? 8 : 16;
+            if (threadIdx.x < k_slots) gc_moe::sm90::bulk_wait_read();  // the last pass's copies read row_stage
+            __syncthreads();
 #pragma unroll
-                    for (u32 i = 0; i < kSendUnroll; ++i)
-                        if (v0 + i * kThreads < vecs) row[v0 + i * kThreads] = raw[i];
+            for (u32 i = 0; i < kSendUnroll; ++i) {
+                const u32 j = i * kThreads + threadIdx.x;  // the vector's place in the pass
+                if (!fp8) {
+                    if (j < pass_vecs) row_stage[j] = raw[i];
+                    continue;
                 }
-                continue;
+                float scale_inv;
+                const uint2 q = quantize_vector(raw[i], round_scale, scale_inv);  // every lane: the amax shuffles
+                if (j < pass_vecs) reinterpret_cast<uint2*>(row_stage)[j] = q;
+                if (j < pass_vecs && j % 16 == 0) pass_scales[j / 16] = scale_inv;
             }
-            uint2 q[kSendUnroll];
-            float scale_inv[kSendUnroll];
-#pragma unroll
-            for (u32 i = 0; i < kSendUnroll; ++i) q[i] = quantize_vector(raw[i], round_scale, scale_inv[i]);
-            for (u32 k = 0; k < k_slots; ++k) {
-                uint2* row = reinterpret_cast<uint2*>(slot_dst[k]);
-                if (row == nullptr) continue;  // CTA-uniform
-                u8* scales = slot_scales[k];
-#pragma unroll
-                for (u32 i = 0; i < kSendUnroll; ++i) {
-                    const u32 v = v0 + i * kThreads;
-                    if (v >= vecs) continue;
-                    row[v] = q[i];
-                    if (v % 16 == 0) store_scale(scales, v / 16, scale_inv[i], direct, ue8m0, slots);
-                }
+            gc_moe::sm90::fence_proxy_async_shared();
+            __syncthreads();
+            if (threadIdx.x < k_slots && slot_dst[threadIdx.x] != nullptr) {
+                gc_moe::sm90::bulk_store(slot_dst[threadIdx.x] + static_cast<u64>(pass) * kBatch * vec_bytes,
+                                         gc_moe::sm90::smem_addr(row_stage), pass_vecs * vec_bytes);
+                gc_moe::sm90::bulk_commit();
+            }
+            const u32 groups = fp8 ? pass_vecs / 16 : 0;
+            for (u32 j = threadIdx.x; j < groups * k_slots; j += kThreads) {
+                const u32 k = j / groups, g = j % groups;
+                if (slot_dst[k] != nullptr)
+                    store_scale(slot_scales[k], pass * (kBatch / 16) + g, pass_scales[g], direct, ue8m0, slots);
             }
         }
+        if (threadIdx.x < k_slots) gc_moe::sm90::bulk_wait_all();  // the rows written before the marks and arrival
         phase_mark(kDispatchPhases, 4);
         // The next token's first loads go out before the barrier.
         if (t + senders < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(senders) * vecs, 0, vecs);

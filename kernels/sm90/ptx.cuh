@@ -89,6 +89,28 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
                  : "memory");
 }
 
+// Contiguous bulk copy shared -> global (bytes and both addresses multiples of 16) in the thread's bulk group; the
+// shared source must have been made visible to the async proxy first (fence_proxy_async_shared, then a barrier).
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+// Closes the thread's bulk group of the bulk stores issued so far.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until the thread's committed bulk stores have read their shared sources (which may then be rewritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// Waits until the thread's committed bulk stores are complete: their writes are visible to the thread, and to others
+// through its later release (a fence, or a barrier before another thread's).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads of them (bulk_store).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // 2D tile load multicast to the CTAs of the cluster in `cta_mask`: in each, the tile lands at `dst` and completes its
 // bytes on `bar` (the same shared offsets in every CTA).
 __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, int c0, int c1, u32 bar,
