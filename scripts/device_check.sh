@@ -8,6 +8,8 @@
 #                                                   call each under Nsight Compute with their stall sites per SASS line)
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 #                                [--legacy-timeout S]   (seconds per legacy test, default 900)
+#                                [--legacy-tests 'A.py B.py']  (which of them: default both)
+#                                [--no-pytest]  (with --tests-only: the legacy tests alone)
 #                                [--tree NAME=DIR]... [--rounds N]  (the picked benchmarks once per staged tree and
 #                                                   round, interleaved: scripts/bench_trees.sh; DIR . = this tree)
 #                                [--shared-gpu P]  (P ranks on one GPU under CUDA MPS: the `multigpu` tests,
@@ -53,7 +55,7 @@ BENCHES_SHARED=(deep_ep_ab)
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
 run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() ncu_ll=() deepep_legacy=
-legacy_timeout=900
+legacy_timeout=900 legacy_tests="test_intranode.py test_low_latency.py" run_pytest=1
 shared_gpu= pack=0
 tree_args=() rounds=1
 while (($#)); do
@@ -65,6 +67,8 @@ while (($#)); do
     -k) pytest_k=(-k "$2"); shift ;;
     --deepep-legacy) deepep_legacy="$2"; shift ;;  # scripts/run_deepep_legacy_tests.sh --deepep DIR
     --legacy-timeout) legacy_timeout="$2"; shift ;;  # its --timeout
+    --legacy-tests) legacy_tests="$2"; shift ;;  # its --tests
+    --no-pytest) run_pytest=0 ;;
     --shared-gpu) shared_gpu="$2"; shift ;;  # P ranks share the GPU (tests/kit/two_rank.py's SHARED_GPU_ENV)
     --tree) tree_args+=(--tree "$2"); shift ;;  # NAME=DIR: a tree staged by scripts/stage_base_tree.sh (. = this one)
     --rounds) rounds="$2"; shift ;;  # the trees' rounds
@@ -171,7 +175,7 @@ if ((run_bench)) && [[ " ${BENCHES[*]} " == *" deep_ep_ab"* && -f .carry/deep_ep
   de_pid=$!
 fi
 
-if ((run_tests)); then
+if ((run_tests && run_pytest)); then
   timeout_opt=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=300)
   "$PY" -m pytest -m "$markers" -v -s -rA "${timeout_opt[@]}" "${pytest_k[@]}" \
@@ -181,7 +185,8 @@ fi
 
 if [[ -n "$deepep_legacy" ]]; then
   PYTHON="$PY" bash scripts/run_deepep_legacy_tests.sh --deepep "$deepep_legacy" --logs "$OUT/deepep_legacy" \
-    --num-processes "$legacy_procs" --timeout "$legacy_timeout" >"$OUT/deepep_legacy.log" 2>&1 || test_rc=1
+    --num-processes "$legacy_procs" --timeout "$legacy_timeout" --tests "$legacy_tests" >"$OUT/deepep_legacy.log" 2>&1 \
+    || test_rc=1
   tail -n 3 "$OUT/deepep_legacy.log"
 fi
 
