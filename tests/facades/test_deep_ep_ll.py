@@ -42,10 +42,11 @@ def test_deep_ep_low_latency_modes(nproc: int) -> None:
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(MULTI_RANKS, marks=pytest.mark.multigpu)])
 def test_deep_ep_low_latency_shapes(nproc: int) -> None:
-    """Hidden 7168 / top-8 (DeepSeek-V3), 7296 (a partial 256-column chunk) / top-9 and 128 / top-12 (the combine's
-    path for more than 8 slots), bit for bit."""
+    """Hidden 7168 / top-8 (DeepSeek-V3), 7296 (a partial 256-column chunk) / top-9, 128 / top-12 (the combine's
+    path for more than 8 slots) and 8320 / top-6 at 200 tokens (a row in two passes, the routing in two batches), bit
+    for bit."""
     out = run_suite("shapes", nproc, "hidden=7168 top-8 bit-exact", "hidden=7296 top-9 bit-exact",
-                    "hidden=128 top-12 bit-exact")
+                    "hidden=128 top-12 bit-exact", "hidden=8320 top-6 bit-exact")
     assert out.count("shape cases bit-exact") == nproc
 
 

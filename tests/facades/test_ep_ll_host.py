@@ -33,7 +33,7 @@ HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
 def test_ep_ll_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both entry points (C++ names, so a profiler shows ``gc_moe::ep_ll::dispatch`` / ``::combine``) build for
     sm_90a: no stack frame, no spills, one 256-thread CTA of dispatch and two of combine fit an SM's registers
-    (:data:`ep_ll.COMBINE_CTAS_PER_SM`), and the static shared memory stays far under the 48 KiB static limit."""
+    (:data:`ep_ll.COMBINE_CTAS_PER_SM`), and the static shared memory stays under the 48 KiB static limit."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_ll.SOURCE).resources
     assert set(resources) == set(ep_ll._MANGLED.values())

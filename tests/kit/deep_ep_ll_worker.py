@@ -44,9 +44,11 @@ class Shape:
 SHAPE = Shape()
 """The shape of every suite but ``shapes``."""
 TMAX, HIDDEN, TOPK = SHAPE.tmax, SHAPE.hidden, SHAPE.topk
-SHAPES = (Shape(24, 7168, 8, 32), Shape(16, 7296, 9, 16), Shape(8, 128, 12, 16))
+SHAPES = (Shape(24, 7168, 8, 32), Shape(16, 7296, 9, 16), Shape(8, 128, 12, 16), Shape(200, 8320, 6, 8))
 """The ``shapes`` suite's: DeepSeek-V3's hidden and top-k; 57 x 128 columns (a partial 256-column chunk in the
-combine) with top-9; one partial chunk with top-12 (the combine's path for more than 8 slots)."""
+combine) with top-9; one partial chunk with top-12 (the combine's path for more than 8 slots); 65 x 128 columns with
+top-6 and 200 tokens (dispatch send's second pass of a row, 16 of its 1040 vectors, and its routing ids in two
+batches of 1024 entries, a token straddling the two)."""
 
 
 def ll_buffer(ranks: int, shape: Shape = SHAPE, **options: int) -> deep_ep.Buffer:
