@@ -43,10 +43,11 @@
 //
 // Ordering (n = the call's generation, p = n & 1):
 //  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
-//    overwrites were read; stores the token's row for each slot into the slot owner's stage (peer stores) at the row
-//    given by the earlier entries with that expert. The grid's last CTA (fences around the arrival atomic: every
-//    CTA's rows and checked routing precede it) counts the rows per expert from the checked routing and stores
-//    counts[le*P + own][p] = (n << 32) | rows on every owner with st.release.sys.
+//    overwrites were read; stores the token's row for each slot into the slot owner's stage (peer bulk copies, which
+//    their issuing threads wait to complete before the arrival) at the row given by the earlier entries with that
+//    expert. The grid's last CTA (fences around the arrival atomic: every CTA's rows and checked routing precede it)
+//    counts the rows per expert from the checked routing and stores counts[le*P + own][p] = (n << 32) | rows on
+//    every owner with st.release.sys.
 //  * dispatch receive: a CTA owns whole local experts (expert_split); a thread per (expert, source) acquires its
 //    count once (ld.acquire.sys, wait until the tag reaches n; a later tag is a protocol error), and the CTA
 //    bar.syncs before any thread reads the stage; its warps then share the experts' rows. The grid's last CTA
@@ -119,18 +120,18 @@ constexpr u32 kWarps = kThreads / 32;
 constexpr u32 kCombineColumns = 256;  // combine receive: one warp, 8 BF16 columns (16 bytes) per lane
 constexpr u32 kCombineUnroll = 8;     // combine receive: slots' loads in flight per lane
 constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
-constexpr u32 kSendUnroll = 4;        // dispatch send: a token row's 16-byte vectors (and routing ids) in flight per thread
-constexpr u32 kBatch = kThreads * kSendUnroll;  // dispatch send: routing ids a CTA loads at once (load_ids)
+constexpr u32 kSendUnroll = 4;        // dispatch send: a row's 16-byte vectors (and routing ids) in flight per thread
+constexpr u32 kBatch = kThreads * kSendUnroll;  // dispatch send: a pass's vectors, a batch's routing ids (load_ids)
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
 #ifdef GC_EP_LL_PHASES
 // Phase timing, in the variant bench/_ep_ll_phases.py builds (GC_EP_LL_PHASES defined: the marks go to
 // gc_ep_ll_phase_times, common/phase_marks.cuh). Dispatch's marks: entry, the token's routing checked, the prefix
-// count of its rows done, its slots' rows placed, its row stored, exit (a CTA with several tokens keeps its last
-// token's, one without a token marks 1-4 where its token loop ends); at one rank the checker CTA's marks 1-4 are its
-// own: its table cleared, the routing counted, the counts published, the status mirrored (a lone CTA keeps the
-// checker's). Combine's: entry, the CTA's units summed (one rank: the checker's slots decided again), exit; at more
+// count of its rows done, its slots' rows placed, its row's copies complete, exit (a CTA with several tokens keeps
+// its last token's, one without a token marks 1-4 where its token loop ends); at one rank the checker CTA's marks 1-4
+// are its own: its table cleared, the routing counted, the counts published, the status mirrored (a lone CTA keeps
+// the checker's). Combine's: entry, the CTA's units summed (one rank: the checker's slots decided again), exit; at more
 // ranks the send half lies between the entry and mark 1. The production build has no global and no marks.
 constexpr u32 kPhaseMarks = 6;
 constexpr u32 kPhaseCtas = 512;
@@ -572,7 +573,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         for (u32 e = threadIdx.x; e < p.num_experts; e += kThreads) rows_of[e] = 0;
         __syncthreads();
         const volatile int* routing = reinterpret_cast<const volatile int*>(p.routing);  // other CTAs' stores
-        for (u32 f0 = threadIdx.x; f0 < entries; f0 += kThreads * kSendUnroll) {
+        for (u32 f0 = threadIdx.x; f0 < entries; f0 += kBatch) {
             int es[kSendUnroll];
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i)
