@@ -7,11 +7,11 @@ which CTA ends it or after which step; the marks do.
 
 The marks (:data:`MARKS`, per direction): dispatch's entry, the token's routing checked, the prefix count of its
 rows done (the row index in each expert's list), its slots' rows placed, its row's copies complete, the exit;
-combine's entry, the CTA's units summed, the exit. At one rank the grid's last CTA is the checker (it counts, reports and publishes
-while the others move rows); its marks between entry and exit are its own steps (:data:`CHECKER_MARKS`), so the
-summary keeps it apart. A CTA synchronizes its threads before each mark, so a mark is when its slowest warp got
-there, and the variant's barriers make it a little slower than the production kernels. Time calls without a receive
-hook: a hook's second launch of the same kernel would store its own marks over CTA 0's.
+combine's entry, the CTA's units summed, the exit. At one rank the grid's last CTA is the checker (it counts,
+reports and publishes while the others move rows); its marks between entry and exit are its own steps
+(:data:`CHECKER_MARKS`), so the summary keeps it apart. A CTA synchronizes its threads before each mark, so a mark
+is when its slowest warp got there, and the variant's barriers make it a little slower than the production kernels.
+Time calls without a receive hook: a hook's second launch of the same kernel would store its own marks over CTA 0's.
 """
 
 from __future__ import annotations
