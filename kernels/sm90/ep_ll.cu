@@ -212,6 +212,14 @@ __device__ __forceinline__ long long raw_id(const EpLlParams& p, u32 f) {
     return reinterpret_cast<const long long*>(p.topk_idx)[f];
 }
 
+// Whether entry f (whose raw id is the valid expert e) is the first of its token's slots naming e, i.e. its checked
+// expert is e (checked_expert's repeat rule); `token` holds the raw ids of its token.
+__device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e, const long long* token) {
+    for (u32 g = 0; g < f % p.topk; ++g)
+        if (token[g] == e) return false;
+    return true;
+}
+
 // The checked expert of routing entry f of p.topk_idx, whose raw id `e` the caller loaded: -1 for an unused slot or
 // a dropped one (an id outside [-1, num_experts), or the expert of an earlier slot of the same token), recorded in
 // `status` when given. `token` holds the raw ids of f's token, slot 0 first: p.topk_idx itself, or a copy in shared
@@ -231,12 +239,10 @@ __device__ __forceinline__ int checked_expert(const EpLlParams& p, u32 f, long l
         }
         return -1;
     }
-    for (u32 g = 0; g < f % p.topk; ++g) {
-        if (token[g] == e) {
-            if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRepeat << 16,
-                                              static_cast<u64>(e), f % p.topk);
-            return -1;
-        }
+    if (!first_in_token(p, f, e, token)) {
+        if (status) gc_moe::report_status(status, gc_moe::kStatusMismatch, gc_moe::kLlSiteExpertRepeat << 16,
+                                          static_cast<u64>(e), f % p.topk);
+        return -1;
     }
     return static_cast<int>(e);
 }
@@ -338,14 +344,6 @@ __device__ __forceinline__ void load_ids(const EpLlParams& p, long long (&ids)[k
 __device__ __forceinline__ const long long* batch_token(const EpLlParams& p, u32 f, const long long* batch, u32 base) {
     const u32 first = f - f % p.topk;
     return first >= base ? batch + (first - base) : token_ids(p, f);
-}
-
-// Whether entry f (whose raw id is the valid expert e) is the first of its token's slots naming e, i.e. its checked
-// expert is e (slot_expert's repeat rule); `token` holds the raw ids of its token.
-__device__ __forceinline__ bool first_in_token(const EpLlParams& p, u32 f, long long e, const long long* token) {
-    for (u32 g = 0; g < f % p.topk; ++g)
-        if (token[g] == e) return false;
-    return true;
 }
 
 // A batch of routing ids copied to shared memory: entry base + j in batch[j] (kSendUnroll per thread, as load_ids
