@@ -346,6 +346,15 @@ __device__ __forceinline__ const long long* batch_token(const EpLlParams& p, u32
     return first >= base ? batch + (first - base) : token_ids(p, f);
 }
 
+// The slot of the current token whose checked expert is the raw id e, or -1 (none, or e not a valid expert): two
+// shared-memory reads, no loop over the slots (the slots' valid experts are distinct).
+__device__ __forceinline__ int slot_named(const EpLlParams& p, long long e, const int* slot_of,
+                                          const u8* slot_of_expert) {
+    if (e < 0 || e >= static_cast<long long>(p.num_experts)) return -1;
+    const u32 k = slot_of_expert[e];
+    return k < p.topk && slot_of[k] == e ? static_cast<int>(k) : -1;
+}
+
 // A batch of routing ids copied to shared memory: entry base + j in batch[j] (kSendUnroll per thread, as load_ids
 // holds them). Every thread of the CTA calls it; the caller synchronizes again before the next batch overwrites it.
 __device__ __forceinline__ void stage_ids(long long* batch, const long long (&ids)[kSendUnroll]) {
@@ -379,6 +388,8 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     __shared__ alignas(128) uint4 row_stage[kBatch];  // a pass of the token's row as sent (BF16, or E4M3 packed)
     __shared__ float pass_scales[kBatch / 16];        // that pass's FP8 scales, one a group of 128 columns
     __shared__ int slot_of[kMaxTopk];      // the current token's checked experts (-1: unused or dropped)
+    __shared__ u8 slot_of_expert[kMaxExperts];  // expert e's slot k in the current token where slot_of[k] == e (any
+                                                // other entry is stale or unset: slot_named rejects it)
     __shared__ u32 slot_row[kMaxTopk];     // its row in each expert's list: earlier entries with that expert
     __shared__ u8* slot_dst[kMaxTopk];     // that row's payload in the owner's receive stage, or (direct) in recv_x
                                            // (null: unused, or owner masked)
@@ -421,6 +432,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         if (threadIdx.x < k_slots) {
             const int e = checked_expert(p, earlier + threadIdx.x, slot_raw[threadIdx.x], report, slot_raw);
             slot_of[threadIdx.x] = e;
+            if (e >= 0) slot_of_expert[e] = static_cast<u8>(threadIdx.x);
             slot_row[threadIdx.x] = 0;
             reinterpret_cast<int*>(p.routing)[earlier + threadIdx.x] = e;  // the handle's checked routing
             if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + earlier + threadIdx.x] = -1;
@@ -437,15 +449,10 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             stage_ids(batch_ids, ids);
 #pragma unroll
             for (u32 i = 0; i < kSendUnroll; ++i) {
-                if (ids[i] < 0) continue;
+                const int k = slot_named(p, ids[i], slot_of, slot_of_expert);
+                if (k < 0) continue;
                 const u32 f = base + i * kThreads + threadIdx.x;
-                for (u32 k = 0; k < k_slots; ++k) {
-                    if (ids[i] == slot_of[k]) {  // slot_of[k] >= 0 here: a valid expert
-                        if (first_in_token(p, f, ids[i], batch_token(p, f, batch_ids, base)))
-                            atomicAdd(&slot_row[k], 1u);
-                        break;  // the slots' valid experts are distinct
-                    }
-                }
+                if (first_in_token(p, f, ids[i], batch_token(p, f, batch_ids, base))) atomicAdd(&slot_row[k], 1u);
             }
             __syncthreads();  // batch_ids is rewritten by the next batch
         }
