@@ -8,9 +8,10 @@ receive half, exactly as with DeepEP). A profiler sees one kernel name per direc
 ``bench_kineto(kernel_names=('dispatch', 'combine'))`` matches (one table line per name, and ``::dispatch`` /
 ``::combine`` in the trace events, one per call, two with a hook).
 
-* dispatch send: a CTA per token reads the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's
-  rule, optional power-of-two scales) or keeps it BF16, and stores it into the receive stage of each of its slots'
-  owner ranks, ``[parity][local expert][source rank][row]`` (peer stores over NVLink), the row being the count of
+* dispatch send: a CTA per token (or per column part of it, where there are fewer tokens than CTAs) reads its part of
+  the token once, quantizes it to FP8 E4M3 with FP32 1x128 scales (DeepEP's rule, optional power-of-two scales) or
+  keeps it BF16, and copies it into the receive stage of each of its slots' owner ranks, ``[parity][local
+  expert][source rank][row]`` (bulk copies over NVLink), the row being the count of
   earlier (token, slot) entries with that expert; it also writes the routing the handle keeps for the combine (int32
   ``[2, T, k]``: the checked expert, -1 where an entry was dropped, then the entry's row); the grid's last CTA then
   publishes ``(generation << 32) | rows`` for every (expert, source) pair;
@@ -73,6 +74,7 @@ __all__ = [
     "HINT_TOPK",
     "MAX_EXPERTS",
     "MAX_TOPK",
+    "MIN_PART_GROUPS",
     "PHASE_BOTH",
     "PHASE_RECV",
     "PHASE_SEND",
@@ -109,6 +111,10 @@ MAX_SMS = 132
 COMBINE_CTAS_PER_SM = 2
 """CTAs of the combine kernel that fit an SM (its ``__launch_bounds__``): at one rank, where no CTA waits for
 another, the reducing grid may hold this many per SM."""
+MIN_PART_GROUPS = 8
+"""Scale groups (128 columns) a dispatch send CTA's share of a token's row has at least, the last share excepted (the
+kernel's ``kMinPartGroups``): with fewer tokens than CTAs, up to ``hidden / 128 / MIN_PART_GROUPS`` CTAs share a
+row."""
 PHASE_SEND, PHASE_RECV, PHASE_BOTH = 0, 1, 2
 """``EpLlParams.phase``: the send half, the receive half (the two launches of a call with a receive hook), or both in
 one launch (``gc_moe::kLlPhase*``)."""
@@ -333,21 +339,24 @@ def _template(shape: LlShape, num_tokens: int, flags: int, timeout_ns: int) -> E
 
 
 def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX_SMS) -> int:
-    """CTAs of one half's own launch (a call with a receive hook; :func:`fused_grid` for both in one): a CTA per
-    token (dispatch send); for dispatch receive and combine send, CTAs owning whole local experts (every CTA up to the
-    cap: with fewer local experts than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for
-    combine receive a warp per (token, 256 columns). At one rank (the direct path) the combine's send launch does the
-    receive half's work and gets its grid, a receive launch, which returns at once, one CTA, and a working launch one
-    CTA more: its checker (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At
-    least one, at most ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except the
-    one-rank combine: nothing waits there, so its grid may fill every SM :data:`COMBINE_CTAS_PER_SM` times, and each
-    warp then sums fewer column chunks of its token, with more loads in flight per SM."""
+    """CTAs of one half's own launch (a call with a receive hook; :func:`fused_grid` for both in one): dispatch
+    send, a CTA per token and column part (up to ``hidden / 128 / MIN_PART_GROUPS`` parts a token, so that a small
+    batch's rows leave through several SMs; the kernel splits whatever grid it gets the same way); for dispatch
+    receive and combine send, CTAs owning whole local experts (every CTA up to the cap: with fewer local experts
+    than the cap, each expert gets the same number of CTAs, ``L * (cap // L)``); for combine receive a warp per
+    (token, 256 columns). At one rank (the direct path) the combine's send launch does the receive half's work and
+    gets its grid, a receive launch, which returns at once, one CTA, and a working launch one CTA more: its checker
+    (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At least one, at most
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except the one-rank
+    combine: nothing waits there, so its grid may fill every SM :data:`COMBINE_CTAS_PER_SM` times, and each warp
+    then sums fewer column chunks of its token, with more loads in flight per SM."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
     if direct and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
         return 1  # the direct path: a hook's launch, which returns at once
     if kernel is Kernel.DISPATCH_SEND:
-        return max(1, min(cap, num_tokens + direct))
+        parts = max(1, shape.hidden // 128 // MIN_PART_GROUPS)
+        return max(1, min(cap, num_tokens * parts + direct))
     if kernel is Kernel.COMBINE_RECV or direct:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
         limit = COMBINE_CTAS_PER_SM * cap if direct else cap

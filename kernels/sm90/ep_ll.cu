@@ -42,12 +42,12 @@
 // the rows; no arrival counter is used. The ordering and co-residency rules below are those of more than one rank.
 //
 // Ordering (n = the call's generation, p = n & 1):
-//  * dispatch send, a CTA per token: waits (bounded) until consumed[0][p] on every rank >= n - 2, so the stages it
-//    overwrites were read; stores the token's row for each slot into the slot owner's stage (peer bulk copies, which
-//    their issuing threads wait to complete before the arrival) at the row given by the earlier entries with that
-//    expert. The grid's last CTA (fences around the arrival atomic: every CTA's rows and checked routing precede it)
-//    counts the rows per expert from the checked routing and stores counts[le*P + own][p] = (n << 32) | rows on
-//    every owner with st.release.sys.
+//  * dispatch send, a CTA per token (or column part of it: send_parts): waits (bounded) until consumed[0][p] on
+//    every rank >= n - 2, so the stages it overwrites were read; stores the token's row (its part) for each slot into
+//    the slot owner's stage (peer bulk copies, which their issuing threads wait to complete before the arrival) at
+//    the row given by the earlier entries with that expert. The grid's last CTA (fences around the arrival atomic:
+//    every CTA's rows and checked routing precede it) counts the rows per expert from the checked routing and stores
+//    counts[le*P + own][p] = (n << 32) | rows on every owner with st.release.sys.
 //  * dispatch receive: a CTA owns whole local experts (expert_split); a thread per (expert, source) acquires its
 //    count once (ld.acquire.sys, wait until the tag reaches n; a later tag is a protocol error), and the CTA
 //    bar.syncs before any thread reads the stage; its warps then share the experts' rows. The grid's last CTA
@@ -122,6 +122,7 @@ constexpr u32 kCombineUnroll = 8;     // combine receive: slots' loads in flight
 constexpr u32 kCopyUnroll = 8;        // 16-byte vectors in flight per lane in the row copies
 constexpr u32 kSendUnroll = 4;        // dispatch send: a row's 16-byte vectors (and routing ids) in flight per thread
 constexpr u32 kBatch = kThreads * kSendUnroll;  // dispatch send: a pass's vectors, a batch's routing ids (load_ids)
+constexpr u32 kMinPartGroups = 8;  // dispatch send: scale groups (128 columns) of a column part, at least (send_parts)
 constexpr u32 kMaxTopk = 32;          // routing slots per token (EpLlParams.topk)
 constexpr u32 kMaxExperts = 1024;     // global experts (the count table's rows per parity, EpLlParams)
 
@@ -321,15 +322,32 @@ __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, u32 c
     }
 }
 
-// One pass of a token row's loads in dispatch send: vector (pass * kSendUnroll + i) * kThreads + warp * 32 + lane
-// into raw[i] (zero past the row), all in flight at once. vecs is a multiple of 16: a half warp is all in the row
-// or all past it.
-__device__ __forceinline__ void load_row_pass(uint4 (&raw)[kSendUnroll], const uint4* src, u32 pass, u32 vecs) {
+// One pass of a token row's loads in dispatch send: vector first + i * kThreads + warp * 32 + lane into raw[i] (zero
+// from `end` on), all in flight at once. first and end are multiples of 16: a half warp is all before `end` or all
+// past it.
+__device__ __forceinline__ void load_row_pass(uint4 (&raw)[kSendUnroll], const uint4* src, u32 first, u32 end) {
 #pragma unroll
     for (u32 i = 0; i < kSendUnroll; ++i) {
-        const u32 v = (pass * kSendUnroll + i) * kThreads + threadIdx.x;
-        raw[i] = v < vecs ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
+        const u32 v = first + i * kThreads + threadIdx.x;
+        raw[i] = v < end ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
     }
+}
+
+// Dispatch send's column parts: with fewer tokens than sending CTAs, `parts` CTAs share a token's row, each
+// quantizing and copying a range of whole scale groups (all but the last at least kMinPartGroups) to every slot, so
+// that a small batch's rows leave through several SMs; one part per token when the tokens fill the senders.
+struct SendParts {
+    u32 parts;        // CTAs per token
+    u32 stride;       // tokens in flight: the CTAs' token step
+    u32 part;         // this CTA's part (0 writes the token's routing, headers and sources)
+    u32 first, end;   // its vectors of the row
+};
+
+__device__ __forceinline__ SendParts send_parts(u32 senders, u32 num_tokens, u32 vecs) {
+    const u32 groups = vecs / 16;
+    const u32 parts = max(1u, min(senders / max(1u, num_tokens), groups / kMinPartGroups));
+    const u32 part = blockIdx.x % parts, part_groups = (groups + parts - 1) / parts;
+    return {parts, senders / parts, part, min(vecs, part * part_groups * 16), min(vecs, (part + 1) * part_groups * 16)};
 }
 
 // Routing entries f0 + i * kThreads (those below `end`; -1 past it) of p.topk_idx into ids, all in flight at once.
@@ -404,14 +422,19 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
     const bool fp8 = p.flags & gc_moe::kLlFp8, round_scale = p.flags & gc_moe::kLlRoundScale;
     const bool ue8m0 = p.flags & gc_moe::kLlUe8m0, direct = ranks == 1;
     const u64 slots = p.max_tokens;  // rows per local expert in recv_x at one rank (direct)
-    // The CTAs that send tokens (a token per CTA, grid-strided): direct, all but the checker; they report nothing
-    // there (the checker reports every dropped entry).
+    // The CTAs that send tokens (direct: all but the checker), `parts` a token (send_parts), grid-strided. A token's
+    // part 0 writes its routing, headers and sources and reports its dropped entries; direct, none reports (the
+    // checker reports every dropped entry).
     const u32 senders = direct ? direct_movers() : gridDim.x;
-    KernelStatus* report = direct ? nullptr : status;
+    const SendParts sp = send_parts(senders, p.num_tokens, vecs);
+    const bool lead = sp.part == 0, sending = blockIdx.x < sp.stride * sp.parts;
+    const u32 first_token = blockIdx.x / sp.parts;
+    KernelStatus* report = direct || !lead ? nullptr : status;
     // The first token's row loads go out before the wait and the routing work, which hide their latency.
     uint4 raw[kSendUnroll];
-    if (blockIdx.x < p.num_tokens && blockIdx.x < senders)
-        load_row_pass(raw, reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(blockIdx.x) * vecs, 0, vecs);
+    if (first_token < p.num_tokens && sending)
+        load_row_pass(raw, reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(first_token) * vecs, sp.first,
+                      sp.end);
     // Every stage this CTA may write must have been read two generations back (bounded wait, usually satisfied; none
     // on the direct path).
     bool ok = true;
@@ -420,7 +443,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
         ok = wait_rank(pt, p, flag, gen - 2, status, gc_moe::kLlSiteConsumed << 16 | q, q) != kFailed && ok;
     }
     ok = __syncthreads_and(ok);
-    for (u32 t = blockIdx.x; t < p.num_tokens && blockIdx.x < senders; t += senders) {
+    for (u32 t = first_token; t < p.num_tokens && sending; t += sp.stride) {
         const uint4* src = reinterpret_cast<const uint4*>(p.x) + static_cast<u64>(t) * vecs;
         // One round trip for the routing: the token's own ids (copied to shared memory, where the repeat rule reads
         // them) and the first batch of the earlier tokens' ids, all in flight together.
@@ -434,8 +457,8 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             slot_of[threadIdx.x] = e;
             if (e >= 0) slot_of_expert[e] = static_cast<u8>(threadIdx.x);
             slot_row[threadIdx.x] = 0;
-            reinterpret_cast<int*>(p.routing)[earlier + threadIdx.x] = e;  // the handle's checked routing
-            if (!ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + earlier + threadIdx.x] = -1;
+            if (lead) reinterpret_cast<int*>(p.routing)[earlier + threadIdx.x] = e;  // the handle's checked routing
+            if (lead && !ok) reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + earlier + threadIdx.x] = -1;
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 1);
@@ -471,31 +494,35 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
                     row = reinterpret_cast<u8*>(p.recv_x) + slot * (fp8 ? p.hidden : 2 * p.hidden);
                     const u64 group_rows = static_cast<u64>(le) * (ue8m0 ? p.hidden / 512 : p.hidden / 128) * slots;
                     scales = fp8 ? reinterpret_cast<u8*>(p.recv_scales) + (group_rows + j) * 4 : nullptr;
-                    reinterpret_cast<int*>(p.src_info)[slot] = static_cast<int>(t);
-                    reinterpret_cast<int*>(p.src_route)[slot] = static_cast<int>(t * k_slots + threadIdx.x);
+                    if (lead) {
+                        reinterpret_cast<int*>(p.src_info)[slot] = static_cast<int>(t);
+                        reinterpret_cast<int*>(p.src_route)[slot] = static_cast<int>(t * k_slots + threadIdx.x);
+                    }
                 } else {
                     const u64 list = (static_cast<u64>(parity) * p.num_experts + le * ranks + own) * p.max_tokens;
                     row = peer_ptr<u8>(pt, owner, p.off_recv_stage + (list + j) * p.row_stride);
-                    *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x), 0,
-                                                              0);
+                    if (lead)
+                        *reinterpret_cast<int4*>(row) = make_int4(static_cast<int>(t), static_cast<int>(threadIdx.x),
+                                                                  0, 0);
                     row += 16;  // the payload follows the (token, slot) header
                     scales = row + p.hidden;
                 }
             }
             slot_dst[threadIdx.x] = row;
             slot_scales[threadIdx.x] = scales;
-            reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] =
-                row != nullptr ? static_cast<int>(j) : -1;
+            if (lead)
+                reinterpret_cast<int*>(p.routing)[static_cast<u64>(entries) + t * k_slots + threadIdx.x] =
+                    row != nullptr ? static_cast<int>(j) : -1;
         }
         __syncthreads();
         phase_mark(kDispatchPhases, 3);
-        // The row, a pass of kBatch vectors at a time (kSendUnroll per thread in flight), quantized once into shared
-        // memory; each slot's part of the pass is then one bulk copy issued by the slot's thread (the TMA unit writes
-        // the slots' rows: no store instruction per slot and vector). An FP8 scale group (128 columns) is a half
-        // warp; a pass's scales are stored by the threads, a (slot, group) pair each.
-        for (u32 pass = 0; pass * kBatch < vecs; ++pass) {
-            if (pass > 0) load_row_pass(raw, src, pass, vecs);
-            const u32 pass_vecs = min(kBatch, vecs - pass * kBatch), vec_bytes = fp8 ? 8 : 16;
+        // The CTA's columns of the row, a pass of kBatch vectors at a time (kSendUnroll per thread in flight),
+        // quantized once into shared memory; each slot's part of the pass is then one bulk copy issued by the slot's
+        // thread (the TMA unit writes the slots' rows: no store instruction per slot and vector). An FP8 scale group
+        // (128 columns) is a half warp; a pass's scales are stored by the threads, a (slot, group) pair each.
+        for (u32 pass = sp.first; pass < sp.end; pass += kBatch) {
+            if (pass > sp.first) load_row_pass(raw, src, pass, sp.end);
+            const u32 pass_vecs = min(kBatch, sp.end - pass), vec_bytes = fp8 ? 8 : 16;
             if (threadIdx.x < k_slots) gc_moe::sm90::bulk_wait_read();  // the last pass's copies read row_stage
             __syncthreads();
 #pragma unroll
@@ -513,7 +540,7 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             gc_moe::sm90::fence_proxy_async_shared();
             __syncthreads();
             if (threadIdx.x < k_slots && slot_dst[threadIdx.x] != nullptr) {
-                gc_moe::sm90::bulk_store(slot_dst[threadIdx.x] + static_cast<u64>(pass) * kBatch * vec_bytes,
+                gc_moe::sm90::bulk_store(slot_dst[threadIdx.x] + static_cast<u64>(pass) * vec_bytes,
                                          gc_moe::sm90::smem_addr(row_stage), pass_vecs * vec_bytes);
                 gc_moe::sm90::bulk_commit();
             }
@@ -521,16 +548,17 @@ __device__ __forceinline__ u64 dispatch_send(const PeerTable& pt, const EpLlPara
             for (u32 j = threadIdx.x; j < groups * k_slots; j += kThreads) {
                 const u32 k = j / groups, g = j % groups;
                 if (slot_dst[k] != nullptr)
-                    store_scale(slot_scales[k], pass * (kBatch / 16) + g, pass_scales[g], direct, ue8m0, slots);
+                    store_scale(slot_scales[k], pass / 16 + g, pass_scales[g], direct, ue8m0, slots);
             }
         }
         if (threadIdx.x < k_slots) gc_moe::sm90::bulk_wait_all();  // the rows written before the marks and arrival
         phase_mark(kDispatchPhases, 4);
         // The next token's first loads go out before the barrier.
-        if (t + senders < p.num_tokens) load_row_pass(raw, src + static_cast<u64>(senders) * vecs, 0, vecs);
+        if (t + sp.stride < p.num_tokens)
+            load_row_pass(raw, src + static_cast<u64>(sp.stride) * vecs, sp.first, sp.end);
         __syncthreads();  // slot_* are rewritten for the next token
     }
-    if (blockIdx.x >= p.num_tokens || blockIdx.x >= senders)  // no token here: marks 1-4 where the loop ends
+    if (first_token >= p.num_tokens || !sending)  // no token here: marks 1-4 where the loop ends
         for (u32 mark = 1; mark <= 4; ++mark) phase_mark(kDispatchPhases, mark);
     if (direct) {
         // One rank: the checker counts the rows per expert from the caller's routing itself (slot_expert, the rule

@@ -209,14 +209,17 @@ def test_required_bytes_example() -> None:
 @settings(max_examples=200, deadline=None)
 @given(shapes, st.integers(0, 512), st.integers(1, 200))
 def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
-    """At least one CTA, at most the cap; dispatch send has a CTA per token; dispatch receive and combine send use
-    every CTA up to the cap, or an equal number per local expert below it; combine receive a warp per (token, 256
-    columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct path) the
-    combine's send launch, which reduces, has combine receive's grid up to COMBINE_CTAS_PER_SM times the cap (nothing
-    waits there) and the receive launches one CTA; a working launch there has one CTA more, its checker, below that."""
+    """At least one CTA, at most the cap; dispatch send has a CTA per token and column part; dispatch receive and
+    combine send use every CTA up to the cap, or an equal number per local expert below it; combine receive a warp
+    per (token, 256 columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct
+    path) the combine's send launch, which reduces, has combine receive's grid up to COMBINE_CTAS_PER_SM times the
+    cap (nothing waits there) and the receive launches one CTA; a working launch there has one CTA more, its
+    checker, below that."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == max(1, min(cap, num_tokens + direct))
+    parts = max(1, shape.hidden // 128 // ep_ll.MIN_PART_GROUPS)
+    expected = max(1, min(cap, num_tokens * parts + direct))
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == expected
     units = num_tokens * -(-shape.hidden // 256)
     if direct:  # the direct path: the combine's send launch reduces, the receive launches return
         assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, num_tokens, max_ctas) == 1
@@ -240,8 +243,10 @@ def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
 
 def test_ll_grid_examples() -> None:
     shape = LlShape(2, 256, 128, 7168, 8)
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == 128
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 16) == 112  # 56 scale groups: 7 parts a token
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 128) == MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, 0) == 1
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(2, 256, 128, 512, 8), 16) == 16  # 4 groups: one part
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128) == 128  # 128 local experts, one CTA each
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(4, 1024, 128, 7168, 8), 128) == MAX_SMS  # 256 local
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, LlShape(1, 256, 128, 7168, 8), 128) == 1  # one rank: nothing to do
@@ -249,13 +254,54 @@ def test_ll_grid_examples() -> None:
     # One rank, T = 128: 3584 warps' worth of (token, 256 columns), two CTAs per SM: each warp sums 2 chunks, not 4.
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 2 * MAX_SMS
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128, max_ctas=20) == 40
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 129  # a token each + checker
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 8  # 7 parts + checker
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 256) == MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 0) == 1
     assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, 3) == 11  # 3 tokens * 28 column chunks = 84 warps
+
+
+def _send_parts(senders: int, num_tokens: int, hidden: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """The kernel's split of dispatch send's CTAs (kernels/sm90/ep_ll.cu, ``send_parts``): parts a token, the token
+    stride, and each part's vector range."""
+    vecs = hidden // 8
+    groups = vecs // 16
+    parts = max(1, min(senders // max(1, num_tokens), groups // ep_ll.MIN_PART_GROUPS))
+    per = -(-groups // parts)
+    return parts, senders // parts, [(min(vecs, q * per * 16), min(vecs, (q + 1) * per * 16)) for q in range(parts)]
+
+
+def test_min_part_groups_is_the_kernels() -> None:
+    """The host's MIN_PART_GROUPS is the kernel's kMinPartGroups (one rule, sized on both sides)."""
+    text = (KERNELS_DIR / ep_ll.SOURCE).read_text()
+    assert f"constexpr u32 kMinPartGroups = {ep_ll.MIN_PART_GROUPS};" in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes, st.integers(0, 300), st.integers(1, 200))
+def test_dispatch_send_parts_cover_every_row(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
+    """Whatever grid dispatch send gets (its own, or a fused one), the kernel's parts cover each token's row once in
+    whole scale groups (16 vectors), each part but the last at least MIN_PART_GROUPS groups, and the token stride
+    reaches every token; with its own grid below the cap every token gets the host's parts."""
+    direct = shape.num_ranks == 1
+    for grid in (ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas),
+                 ep_ll.fused_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas)):
+        senders = max(1, grid - 1) if direct else grid
+        parts, stride, ranges = _send_parts(senders, num_tokens, shape.hidden)
+        vecs = shape.hidden // 8
+        covered = [v for first, end in ranges for v in range(first, end)]
+        assert covered == list(range(vecs))
+        assert all(first % 16 == 0 and end % 16 == 0 for first, end in ranges)
+        assert all(end - first >= 16 * ep_ll.MIN_PART_GROUPS for first, end in ranges[:-1])
+        assert stride >= 1 and stride * parts <= senders
+    cap = max(1, min(MAX_SMS, max_ctas))
+    host_parts = max(1, shape.hidden // 128 // ep_ll.MIN_PART_GROUPS)
+    if num_tokens and num_tokens * host_parts + direct <= cap:
+        grid = ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas)
+        assert _send_parts(max(1, grid - 1) if direct else grid, num_tokens, shape.hidden)[0] == host_parts
 
 
 @settings(max_examples=200, deadline=None)
@@ -274,20 +320,21 @@ def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens
 
 
 def test_fused_grid_examples() -> None:
-    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token for the dispatch, a warp
+    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token and column part (7 a
+    token: 56 scale groups, 8 a part at least) for the dispatch, a warp
     per (token, 256 columns) for the combine (two CTAs an SM), and the checker CTA, each within the SMs the launch
     may use; at eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer
     tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 2
-    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 129
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 8
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == MAX_SMS
     assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 5  # 28 column-unit warps
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == 2 * MAX_SMS  # 3584 column-unit warps, two CTAs an SM
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # a 66-SM share
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 40  # a 20-SM partition
     eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == 128  # a CTA per token
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 7) == 108
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == MAX_SMS  # a CTA per token and part, capped
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 7) == 108  # 49 send CTAs, 108 expert CTAs
     assert ep_ll.fused_grid(Kernel.COMBINE_SEND, eight, 1) == 108
     assert ep_ll.fused_grid(Kernel.COMBINE_SEND, eight, 128) == MAX_SMS  # 448 column-unit CTAs, capped
 
