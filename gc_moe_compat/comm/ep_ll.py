@@ -348,9 +348,10 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     gets its grid, a receive launch, which returns at once, one CTA, and a working launch one CTA more: its checker
     (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At least one, at most
     ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except at one rank: nothing
-    waits there, so a working grid may fill every SM :data:`CTAS_PER_SM` times; a dispatch CTA then sends fewer
-    tokens (an SM overlaps two tokens' chains), a combine warp sums fewer column chunks of its token, with more
-    loads in flight per SM."""
+    waits there, so a working grid may fill every SM :data:`CTAS_PER_SM` times: the combine's, whose warps then sum
+    fewer column chunks of their token with more loads in flight per SM, and dispatch send's where a token a CTA
+    does not fit one CTA an SM (a CTA then sends one token, not two, and an SM overlaps two tokens' chains; with
+    fewer tokens, twice the column parts a token measured slower)."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
     if direct and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
@@ -358,6 +359,8 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     limit = CTAS_PER_SM * cap if direct else cap  # one rank: nothing waits, every working grid may fill SMs twice
     if kernel is Kernel.DISPATCH_SEND:
         parts = max(1, shape.hidden // 128 // MIN_PART_GROUPS)
+        if num_tokens + direct <= cap:  # a token a CTA fits one an SM: more column parts instead measured slower
+            limit = cap
         return max(1, min(limit, num_tokens * parts + direct))
     if kernel is Kernel.COMBINE_RECV or direct:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)

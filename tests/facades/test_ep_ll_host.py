@@ -209,14 +209,14 @@ def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """At least one CTA, at most the cap; dispatch send has a CTA per token and column part; dispatch receive and
     combine send use every CTA up to the cap, or an equal number per local expert below it; combine receive a warp
     per (token, 256 columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct
-    path) the working grids (dispatch send; the combine's send launch, which reduces, with combine receive's grid)
-    go up to CTAS_PER_SM times the cap (nothing waits there) and the receive launches one CTA; a working launch
-    there has one CTA more, its checker, below that."""
+    path) the working grids go up to CTAS_PER_SM times the cap (nothing waits there): the combine's send launch,
+    which reduces, with combine receive's grid, and dispatch send's where its tokens and checker exceed the cap;
+    the receive launches one CTA; a working launch there has one CTA more, its checker, below that."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
     limit = ep_ll.CTAS_PER_SM * cap if direct else cap
     parts = max(1, shape.hidden // 128 // ep_ll.MIN_PART_GROUPS)
-    expected = max(1, min(limit, num_tokens * parts + direct))
+    expected = max(1, min(limit if num_tokens + direct > cap else cap, num_tokens * parts + direct))
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == expected
     units = num_tokens * -(-shape.hidden // 256)
     if direct:  # the direct path: the combine's send launch reduces, the receive launches return
@@ -252,9 +252,11 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 2 * MAX_SMS
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128, max_ctas=20) == 40
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 8  # 7 parts + checker
-    # One rank, two CTAs per SM: at T = 128 two parts a token, at T = 256 one token a CTA (not two).
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 2 * MAX_SMS
+    # One rank: at T = 128 a token a CTA fits one CTA an SM; at T = 256 two CTAs an SM send a token each (not two).
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 256) == 2 * MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 131) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 132) == 2 * MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
@@ -324,10 +326,11 @@ def test_fused_grid_examples() -> None:
     receive half where dispatch send has fewer tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 8
-    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == 2 * MAX_SMS  # 897 token parts, two CTAs an SM
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == MAX_SMS  # 897 token parts, capped
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 256) == 2 * MAX_SMS  # 257 CTAs' worth: two an SM
     assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 5  # 28 column-unit warps
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == 2 * MAX_SMS  # 3584 column-unit warps, two CTAs an SM
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 132  # a 66-SM share
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 132  # a 66-SM share, 129 > 66
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 40  # a 20-SM partition
     eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == MAX_SMS  # a CTA per token and part, capped
