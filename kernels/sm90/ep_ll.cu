@@ -1027,8 +1027,8 @@ __device__ __forceinline__ u64 receive_generation(const EpLlParams& p, u64 sent)
 namespace gc_moe::ep_ll {
 
 // Dispatch: the send half sends this rank's tokens, the receive half receives and packs them (DeepEP's layout). Two
-// CTAs fit an SM (at most 128 registers a thread): at one rank, where nothing waits, the grid may be twice the SMs, so
-// a CTA sends one token (or column part) where it would send two, and an SM overlaps two tokens' chains
+// CTAs fit an SM (at most 128 registers a thread): at one rank, where nothing waits, a grid of more tokens than SMs
+// may be twice the SMs, so a CTA sends one token where it would send two, and an SM overlaps two tokens' chains
 // (ep_ll.ll_grid).
 __global__ void __launch_bounds__(kThreads, 2) dispatch(const PeerTable pt, const EpLlParams p) {
     phase_mark(kDispatchPhases, 0);
