@@ -139,9 +139,10 @@ ALL_TO_ALL_NOTE = ("omitted: on a gloo group (ranks sharing a GPU) torch.distrib
 
 
 def env_variant(text: str) -> dict[str, str]:
-    """``"K=V K2=V2"`` as a dict (one ``--ll-original-env`` attempt); ``ValueError`` naming a word without ``=``."""
+    """``"K=V K2=V2"`` (or ``"K=V+K2=V2"``: one word, which survives ``device_check.sh --bench``'s split on spaces) as
+    a dict (one ``--ll-original-env`` attempt); ``ValueError`` naming a word without ``=``."""
     pairs = {}
-    for word in text.split():
+    for word in text.replace("+", " ").split():
         key, sep, value = word.partition("=")
         if not sep or not key:
             raise ValueError(f"--ll-original-env: {word!r} is not KEY=VALUE")
@@ -169,7 +170,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="normal mode's Config.num_sms (both; at most the rank's even SM share)")
     parser.add_argument("--no-original", action="store_true", help="the facade alone")
     parser.add_argument("--ll-original-env", nargs="+", default=list(LL_ORIGINAL_ENV),
-                        help="NVSHMEM settings for the original's low-latency probe, one 'K=V K=V' string per try")
+                        help="NVSHMEM settings for the original's low-latency probe, one 'K=V K=V' (or 'K=V+K=V') "
+                             "string per try")
     parser.add_argument("--probe-timeout", type=float, default=45.0, help="seconds per low-latency probe")
     parser.add_argument("--job-timeout", type=float, default=300.0, help="seconds per rank count's measurement")
     parser.add_argument("--trace", type=Path, default=None,

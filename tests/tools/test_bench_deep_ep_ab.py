@@ -51,6 +51,7 @@ def test_a_rank_count_that_divides_the_chosen_shapes_is_accepted() -> None:
 
 def test_env_variant_reads_key_value_words() -> None:
     assert ab.env_variant("A=1 B= C=x=y") == {"A": "1", "B": "", "C": "x=y"}
+    assert ab.env_variant("A=1+B=P2P,TRANSPORT") == {"A": "1", "B": "P2P,TRANSPORT"}  # one word a try
     with pytest.raises(ValueError, match="KEY=VALUE"):
         ab.env_variant("A=1 =2")
 
