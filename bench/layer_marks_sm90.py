@@ -9,6 +9,9 @@ kernels/sm90/role1_dispatch.cu) record:
   its last task taken, the consumers' exit, the tasks the CTA took, and, summed over the replay, the time its
   producer spun on role1's ring fills (``l1_wait``, l1_full_count) and on W1 tiles of its own grid (``l2_wait``,
   l2_full_mask) with how many waits spun (a signal already there costs nothing);
+* role2, per token (the first ``ROLE2.tail`` combine rows): the latest time a W2 epilogue stored a tile of it, over
+  its k slots and H tiles, i.e. when the token could be combined (``combinable``: how long before role2's exit the
+  tokens were complete, the bound on combining them while role2 runs);
 * role1, per warp: the kernel's entry, the start of its row pulls (the block table published), its first row
   released into the ring, its exit, its rows, and its waits for ring refills (role2 emptying a block of an earlier
   generation), timed whether or not they spun.
@@ -59,7 +62,8 @@ from gc_moe_compat.runtime.single_rank import single_rank_group
 @dataclass(frozen=True)
 class Recorded:
     """One role's marked variant: its JIT define, its global, its record's words (``Role1Mark`` / ``Role2Mark`` of
-    the kernel, in order) by kind, and how many records the device buffer holds."""
+    the kernel, in order) by kind, how many records the device buffer holds, and how many words follow them (role2:
+    a time per token, ``kRole2MarkTokens``)."""
 
     role: str
     define: str
@@ -69,6 +73,7 @@ class Recorded:
     counts: tuple[str, ...]
     fields: tuple[str, ...]
     records: int
+    tail: int = 0
 
 
 ROLE1 = Recorded("role1", "GC_ROLE1_MARKS", b"gc_role1_marks",
@@ -81,8 +86,8 @@ ROLE2 = Recorded("role2", "GC_ROLE2_MARKS", b"gc_role2_marks",
                  counts=("l1_waits", "l2_waits", "tasks"),
                  fields=("entry", "pool_ready", "l1_wait_ns", "l1_waits", "l2_wait_ns", "l2_waits", "first_load",
                          "last_take", "tasks", "exit"),
-                 records=256)
-"""Role2: a record per CTA (``kRole2MarkCtas``)."""
+                 records=256, tail=8192)
+"""Role2: a record per CTA (``kRole2MarkCtas``), then a time per token."""
 ROLES = (ROLE1, ROLE2)
 SPECS = {spec.role: spec for spec in ROLES}
 
@@ -92,7 +97,7 @@ class Marks:
 
     def __init__(self, spec: Recorded, device: torch.device) -> None:
         self.spec = spec
-        self.words = torch.zeros(spec.records * len(spec.fields), dtype=torch.int64, device=device)
+        self.words = torch.zeros(spec.records * len(spec.fields) + spec.tail, dtype=torch.int64, device=device)
         self.pointed: set[tuple[str, int]] = set()
 
     def point(self, module: jit.Module, contexts: Sequence[driver.CUcontext]) -> None:
@@ -111,12 +116,21 @@ class Marks:
 
     def read(self) -> np.ndarray:
         """The records of the replay since the last clear that ran, ``[records, fields]``."""
-        rows = self.words.view(self.spec.records, len(self.spec.fields)).cpu().numpy()
+        size = self.spec.records * len(self.spec.fields)
+        rows = self.words[:size].view(self.spec.records, len(self.spec.fields)).cpu().numpy()
         ran = rows[rows[:, self.spec.fields.index("entry")] != 0]
         if not len(ran):
             raise RuntimeError(f"{self.spec.role} stored no marks: the replay did not run its marked variant with the "
                                "global set in the context it ran in")
         return ran
+
+    def read_tail(self, count: int) -> np.ndarray:
+        """The first ``count`` words after the records (role2: the tokens' times, 0 where none was stored)."""
+        if not 0 <= count <= self.spec.tail:
+            raise ValueError(f"{self.spec.role}: the buffer holds {self.spec.tail} words after its records, "
+                             f"not {count}")
+        start = self.spec.records * len(self.spec.fields)
+        return self.words[start:start + count].cpu().numpy()
 
 
 def replay(graph: torch.cuda.CUDAGraph, marks: Mapping[str, Marks]) -> dict[str, np.ndarray]:
@@ -127,6 +141,45 @@ def replay(graph: torch.cuda.CUDAGraph, marks: Mapping[str, Marks]) -> dict[str,
     graph.replay()
     torch.cuda.synchronize()
     return {role: m.read() for role, m in marks.items()}
+
+
+BEFORE_EXIT_US = (5.0, 10.0, 20.0, 40.0)
+"""Margins before role2's latest exit at which :func:`combinable` counts the complete tokens."""
+
+
+def combinable(replays: Sequence[tuple[Mapping[str, np.ndarray], np.ndarray]]) -> dict[str, object]:
+    """From each replay's records and tokens' times (one rank: token t's time at index t): the median over the
+    replays of when the tokens were complete (µs after the earliest entry of either role: their median and latest),
+    of how long before role2's latest exit (``before_exit_us``: the tokens' 10th / 50th / 90th percentile), and of
+    the share complete ``m`` µs before that exit (``share_before_exit``, per margin of :data:`BEFORE_EXIT_US`): what
+    a combine running while role2 runs could take off the finalize that follows it. A token without a time (no slot
+    stored) is left out and counted."""
+    done_median, done_max, missing = [], [], []
+    before: dict[str, list[float]] = {q: [] for q in ("p10", "p50", "p90")}
+    share: dict[str, list[float]] = {str(m): [] for m in BEFORE_EXIT_US}
+    for records, tokens in replays:
+        start = _origin(records)
+        exit_ = (int(records["role2"][:, ROLE2.fields.index("exit")].max()) - start) / 1e3
+        stored = tokens[tokens != 0]
+        missing.append(int(len(tokens) - len(stored)))
+        if not len(stored):
+            continue
+        done = (stored - start) / 1e3
+        done_median.append(float(np.median(done)))
+        done_max.append(float(done.max()))
+        lead = exit_ - done
+        for q, p in (("p10", 10), ("p50", 50), ("p90", 90)):
+            before[q].append(float(np.percentile(lead, p)))
+        for m in BEFORE_EXIT_US:
+            share[str(m)].append(float(np.mean(lead >= m)))
+
+    def med(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    return {"done_us": {"median": med(done_median), "max": med(done_max)},
+            "before_exit_us": {q: med(v) for q, v in before.items()},
+            "share_before_exit": {m: med(v) for m, v in share.items()},
+            "tokens_without_time": max(missing) if missing else 0}
 
 
 def contexts_of(runner: MegaMoeSequence) -> list[driver.CUcontext]:
@@ -232,9 +285,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("replays", "warmup", "windows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
-    bad = [t for t in args.tokens if t < 1]
+    bad = [t for t in args.tokens if not 1 <= t <= ROLE2.tail]
     if bad:
-        parser.error(f"--tokens: every T must be at least 1, got {bad}")
+        parser.error(f"--tokens: every T must be 1..{ROLE2.tail} (the tokens role2's marks time), got {bad}")
     return args
 
 
@@ -247,7 +300,14 @@ def _line(name: str, t: int, point: Mapping[str, object]) -> str:
             f"{r1['refill_wait_us']['median']:.1f}/{r1['refill_wait_us']['max']:.1f}; role2 pool ready "
             f"{r2['pool_ready']['median']:.1f}, exit median/latest {r2['exit']['median']:.1f}/{r2['exit']['max']:.1f}, "
             f"L1 wait median/max {r2['l1_wait_us']['median']:.1f}/{r2['l1_wait_us']['max']:.1f}, L2 wait "
-            f"{r2['l2_wait_us']['median']:.1f}/{r2['l2_wait_us']['max']:.1f} us")
+            f"{r2['l2_wait_us']['median']:.1f}/{r2['l2_wait_us']['max']:.1f} us; tokens complete median/latest "
+            f"{_fmt(point['combinable']['done_us']['median'])}/{_fmt(point['combinable']['done_us']['max'])}, before "
+            f"role2's exit p10/p50/p90 " + "/".join(_fmt(v) for v in point["combinable"]["before_exit_us"].values())
+            + " us")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def measure(w: model_config.Workload, tokens_per_rank: Sequence[int], group: object, *, replays: int, warmup: int,
@@ -282,7 +342,10 @@ def measure(w: model_config.Workload, tokens_per_rank: Sequence[int], group: obj
             for _ in range(2):  # interleaved rounds: a drift of the machine hits both alike
                 for name, graph in graphs.items():
                     latency[name] += protocol.graph_windows(graph, warmup, windows)
-            records = [replay(graphs["marked"], marks) for _ in range(replays)]
+            records, tokens = [], []
+            for _ in range(replays):
+                records.append(replay(graphs["marked"], marks))
+                tokens.append(marks["role2"].read_tail(t))
             marked.check(f"layer_marks_sm90 T={t} (marked replays)")
             if not torch.equal(y_production, y_marked):
                 raise RuntimeError(f"T={t}: the marked kernels changed the layer's output")
@@ -293,6 +356,7 @@ def measure(w: model_config.Workload, tokens_per_rank: Sequence[int], group: obj
                      "bit_identical": True, "marks": summary(records),
                      "role1_rows_per_replay": [int(r["role1"][:, rows].sum()) for r in records],
                      "role2_tasks_per_replay": [int(r["role2"][:, tasks].sum()) for r in records],
+                     "combinable": combinable(list(zip(records, tokens, strict=True))),
                      "last_replay": raw(records[-1])}
             points.append(point)
             print(_line(w.name, t, point), flush=True)

@@ -68,7 +68,7 @@ from gc_moe_compat.runtime.status import KernelStatus, StatusSite, raise_for_sta
 from gc_moe_compat.runtime.workspace import MAX_RANKS, PeerTable
 
 __all__ = [
-    "COMBINE_CTAS_PER_SM",
+    "CTAS_PER_SM",
     "FLAG_SHRINK",
     "HEADER_BYTES",
     "HINT_TOPK",
@@ -107,10 +107,10 @@ MAX_TOPK = 32
 HINT_TOPK = 16
 """Top-k the size hint provisions the combine stage for (calls with a larger k need a larger buffer)."""
 MAX_SMS = 132
-"""Upper bound of the SMs a grid fills (an H200's: one CTA an SM; the one-rank combine :data:`COMBINE_CTAS_PER_SM`)."""
-COMBINE_CTAS_PER_SM = 2
-"""CTAs of the combine kernel that fit an SM (its ``__launch_bounds__``): at one rank, where no CTA waits for
-another, the reducing grid may hold this many per SM."""
+"""Upper bound of the SMs a grid fills (an H200's: one CTA an SM; the one-rank grids :data:`CTAS_PER_SM`)."""
+CTAS_PER_SM = 2
+"""CTAs of either kernel that fit an SM (their ``__launch_bounds__``): at one rank, where no CTA waits for another,
+the working grid (dispatch send, the reducing combine) may hold this many per SM."""
 MIN_PART_GROUPS = 8
 """Scale groups (128 columns) a dispatch send CTA's share of a token's row has at least, the last share excepted (the
 kernel's ``kMinPartGroups``): with fewer tokens than CTAs, up to ``hidden / 128 / MIN_PART_GROUPS`` CTAs share a
@@ -347,19 +347,23 @@ def ll_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = MAX
     (token, 256 columns). At one rank (the direct path) the combine's send launch does the receive half's work and
     gets its grid, a receive launch, which returns at once, one CTA, and a working launch one CTA more: its checker
     (kernels/sm90/ep_ll.cu: it counts, reports and publishes while the others move rows). At least one, at most
-    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except the one-rank
-    combine: nothing waits there, so its grid may fill every SM :data:`COMBINE_CTAS_PER_SM` times, and each warp
-    then sums fewer column chunks of its token, with more loads in flight per SM."""
+    ``max_ctas`` (the SMs of the partition the launch runs on; at most :data:`MAX_SMS`), except at one rank: nothing
+    waits there, so a working grid may fill every SM :data:`CTAS_PER_SM` times: the combine's, whose warps then sum
+    fewer column chunks of their token with more loads in flight per SM, and dispatch send's where a token a CTA
+    does not fit one CTA an SM (a CTA then sends one token, not two, and an SM overlaps two tokens' chains; with
+    fewer tokens, twice the column parts a token measured slower)."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
     if direct and kernel in (Kernel.DISPATCH_RECV, Kernel.COMBINE_RECV):
         return 1  # the direct path: a hook's launch, which returns at once
+    limit = CTAS_PER_SM * cap if direct else cap  # one rank: nothing waits, every working grid may fill SMs twice
     if kernel is Kernel.DISPATCH_SEND:
         parts = max(1, shape.hidden // 128 // MIN_PART_GROUPS)
-        return max(1, min(cap, num_tokens * parts + direct))
+        if num_tokens + direct <= cap:  # a token a CTA fits one an SM: more column parts instead measured slower
+            limit = cap
+        return max(1, min(limit, num_tokens * parts + direct))
     if kernel is Kernel.COMBINE_RECV or direct:  # one rank: the combine's send launch reduces
         warps = num_tokens * -(-shape.hidden // 256)
-        limit = COMBINE_CTAS_PER_SM * cap if direct else cap
         return max(1, min(limit, -(-warps // (THREADS // 32)) + direct))
     local = shape.local_experts
     return cap if local >= cap else local * (cap // local)
@@ -370,8 +374,8 @@ def fused_grid(kernel: Kernel, shape: LlShape, num_tokens: int, max_ctas: int = 
     :func:`ll_grid`, so at most ``max_ctas`` like each (each half loops over its work with a grid stride; a CTA
     without work in a half only arrives). Its receiving CTAs wait for words its own last CTA publishes, so the whole
     grid must be resident at once: ``max_ctas`` is at most the SMs the launch may use, and one CTA fits an SM
-    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's, the
-    combine's up to :data:`COMBINE_CTAS_PER_SM` an SM)."""
+    (kernels/sm90/ep_ll.cu, "Co-residency"; at one rank nothing waits, and the grid is the working half's, up to
+    :data:`CTAS_PER_SM` an SM)."""
     return max(ll_grid(kernel.send, shape, num_tokens, max_ctas), ll_grid(kernel.receive, shape, num_tokens, max_ctas))
 
 
@@ -410,15 +414,15 @@ _BLOCK = (THREADS, 1, 1)
 
 class LlLaunches:
     """The launches of low-latency calls of one shape on one workspace, packed once: ``params`` (the calls'
-    :class:`EpLlParams`, everything but the per-call pointers fixed: a call sets its pointers, then launches),
-    ``args`` (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and the grids
-    without a partition of each half's launch (``grids``) and of each direction's fused launch (``fused_grids``, by
-    either half), at most ``max_ctas`` CTAs (the one-rank combine: :data:`COMBINE_CTAS_PER_SM` times as many, where
-    nothing waits): at most the SMs one launch of the rank may fill (the facade passes
-    :attr:`~gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`), which the fused launches' co-residency
-    rests on. The driver copies the arguments when a launch (or a captured node) is made, so every call reuses the
-    same ones instead of packing its own; an instance serves one thread, and a receive hook launches from a
-    :meth:`detached` copy, which later calls do not reach."""
+    :class:`EpLlParams`, everything but the per-call pointers fixed: a call sets its pointers, then launches), ``args``
+    (the by-value arguments the driver reads: a copy of the peer table, then ``params``) and the grids without a
+    partition of each half's launch (``grids``) and of each direction's fused launch (``fused_grids``, by either half),
+    at most ``max_ctas`` CTAs (at one rank :data:`CTAS_PER_SM` times as many, where nothing waits): at most the SMs one
+    launch of the rank may fill (the facade passes
+    :attr:`~gc_moe_compat.runtime.workspace.SymmetricWorkspace.sm_share`), which the fused launches' co-residency rests
+    on. The driver copies the arguments when a launch (or a captured node) is made, so every call reuses the same ones
+    instead of packing its own; an instance serves one thread, and a receive hook launches from a :meth:`detached` copy,
+    which later calls do not reach."""
 
     __slots__ = ("args", "fused_grids", "grids", "max_ctas", "num_tokens", "params", "shape", "table")
 

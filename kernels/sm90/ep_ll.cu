@@ -79,8 +79,8 @@
 // of its grid that has not started needs. The host's fused grid (ep_ll.fused_grid) is the larger of the two halves'
 // grids, so at most the SMs the launch may use, like theirs: the device's, the rank's share where ranks share the GPU
 // (their kernels together then fill each SM at most once), or the communication partition's; and one CTA fits an
-// empty SM (__launch_bounds__: at most 255 registers a thread for dispatch, 128 for combine, two of whose CTAs fit;
-// static shared memory under 48 KiB, which the compile test checks). Work on other streams only delays CTAs (it
+// empty SM (__launch_bounds__: at most 128 registers a thread, two CTAs of either kernel fit; static shared memory
+// under 48 KiB, which the compile test checks). Work on other streams only delays CTAs (it
 // completes without these kernels); as the shared-GPU rule does, this assumes one low-latency kernel of a rank
 // resident at a time. Each half loops over its
 // work with a grid stride (a CTA without work in a half only arrives), so one grid serves both. Every launch path
@@ -1026,8 +1026,11 @@ __device__ __forceinline__ u64 receive_generation(const EpLlParams& p, u64 sent)
 
 namespace gc_moe::ep_ll {
 
-// Dispatch: the send half sends this rank's tokens, the receive half receives and packs them (DeepEP's layout).
-__global__ void __launch_bounds__(kThreads, 1) dispatch(const PeerTable pt, const EpLlParams p) {
+// Dispatch: the send half sends this rank's tokens, the receive half receives and packs them (DeepEP's layout). Two
+// CTAs fit an SM (at most 128 registers a thread): at one rank, where nothing waits, a grid of more tokens than SMs
+// may be twice the SMs, so a CTA sends one token where it would send two, and an SM overlaps two tokens' chains
+// (ep_ll.ll_grid).
+__global__ void __launch_bounds__(kThreads, 2) dispatch(const PeerTable pt, const EpLlParams p) {
     phase_mark(kDispatchPhases, 0);
     u64 gen = 0;
     if (p.phase != kLlPhaseRecv) gen = dispatch_send(pt, p);

@@ -126,6 +126,7 @@ __device__ __forceinline__ void op_epilogue_w2(const OpArgs& a, const float (&ac
         const size_t elem =
             (static_cast<size_t>(src.z) * a.off.capacity + src.y) * a.p.hidden + t.tile * K::kRows + c * 8;
         st_global_v4(peer_ptr<__nv_bfloat16>(a.peers, src.x, a.off.combine) + elem, v);
+        GC_ROLE2_MARK(if (c == 0) role2_mark_token(static_cast<u64>(src.x) * a.off.capacity + src.y));
     }
 }
 

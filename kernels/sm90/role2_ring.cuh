@@ -42,6 +42,9 @@ enum Role2Mark : u32 {
 };
 constexpr u32 kRole2MarkFields = 10;
 constexpr u32 kRole2MarkCtas = 256;  // CTAs recorded (role2's grid is one CTA per compute SM)
+// After the CTA records, a word per combine row (source rank * capacity + token, the first kRole2MarkTokens): the
+// latest time a W2 epilogue stored a tile of it, over the token's slots and H tiles (when the token could be combined).
+constexpr u32 kRole2MarkTokens = 8192;
 
 __device__ __forceinline__ u64* role2_marks() {
     u64* marks = reinterpret_cast<u64*>(::gc_role2_marks);
@@ -54,6 +57,14 @@ __device__ __forceinline__ void role2_mark_time(u32 field) {
 
 __device__ __forceinline__ void role2_mark_add(u32 field, u64 value) {
     if (u64* m = role2_marks()) atomicAdd(reinterpret_cast<unsigned long long*>(m + field), value);
+}
+
+// A W2 epilogue stores its tile of combine row `row` now.
+__device__ __forceinline__ void role2_mark_token(u64 row) {
+    u64* marks = reinterpret_cast<u64*>(::gc_role2_marks);
+    if (marks != nullptr && row < kRole2MarkTokens)
+        atomicMax(reinterpret_cast<unsigned long long*>(marks + kRole2MarkCtas * kRole2MarkFields + row),
+                  static_cast<unsigned long long>(globaltimer_ns()));
 }
 
 // A spun wait of `site` that started at `start` and just saw its signal.

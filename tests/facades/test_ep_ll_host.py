@@ -32,16 +32,14 @@ HEADER = KERNELS_DIR / "sm90" / "ep_ll_params.cuh"
 @needs_nvcc
 def test_ep_ll_compiles_for_sm90a_without_spills(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both entry points (C++ names, so a profiler shows ``gc_moe::ep_ll::dispatch`` / ``::combine``) build for
-    sm_90a: no stack frame, no spills, one 256-thread CTA of dispatch and two of combine fit an SM's registers
-    (:data:`ep_ll.COMBINE_CTAS_PER_SM`), and the static shared memory stays under the 48 KiB static limit."""
+    sm_90a: no stack frame, no spills, two 256-thread CTAs of either fit an SM's registers
+    (:data:`ep_ll.CTAS_PER_SM`), and the static shared memory stays under the 48 KiB static limit."""
     monkeypatch.setenv("GC_MOE_CACHE_DIR", str(tmp_path))
     resources = jit.compile_cubin(ep_ll.SOURCE).resources
     assert set(resources) == set(ep_ll._MANGLED.values())
-    per_sm = {ep_ll._MANGLED["gc_moe::ep_ll::dispatch"]: 1,
-              ep_ll._MANGLED["gc_moe::ep_ll::combine"]: ep_ll.COMBINE_CTAS_PER_SM}
     for name, res in resources.items():
         assert (res.stack_bytes, res.spill_stores, res.spill_loads) == (0, 0, 0), name
-        assert res.registers * THREADS * per_sm[name] <= 65536, name
+        assert res.registers * THREADS * ep_ll.CTAS_PER_SM <= 65536, name
         assert res.shared_bytes < 48 * 1024, name
 
 
@@ -78,10 +76,9 @@ def test_header_flags_and_kernel_constants_equal_the_host() -> None:
     assert "namespace gc_moe::ep_ll {" in source
     assert {kernel.entry for kernel in Kernel} == set(ep_ll._MANGLED) == {"gc_moe::ep_ll::dispatch",
                                                                          "gc_moe::ep_ll::combine"}
-    per_sm = {"dispatch": 1, "combine": ep_ll.COMBINE_CTAS_PER_SM}
     for entry, symbol in ep_ll._MANGLED.items():
         name = entry.rsplit("::", 1)[1]
-        assert f"__global__ void __launch_bounds__(kThreads, {per_sm[name]}) {name}(const PeerTable pt, " \
+        assert f"__global__ void __launch_bounds__(kThreads, {ep_ll.CTAS_PER_SM}) {name}(const PeerTable pt, " \
                "const EpLlParams p)" in source
         assert symbol == f"_ZN6gc_moe5ep_ll{len(name)}{name}ENS_9PeerTableENS_10EpLlParamsE"  # Itanium mangling
 
@@ -212,13 +209,14 @@ def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
     """At least one CTA, at most the cap; dispatch send has a CTA per token and column part; dispatch receive and
     combine send use every CTA up to the cap, or an equal number per local expert below it; combine receive a warp
     per (token, 256 columns) (8 per CTA), up to the cap, and no CTA without work below it. At one rank (the direct
-    path) the combine's send launch, which reduces, has combine receive's grid up to COMBINE_CTAS_PER_SM times the
-    cap (nothing waits there) and the receive launches one CTA; a working launch there has one CTA more, its
-    checker, below that."""
+    path) the working grids go up to CTAS_PER_SM times the cap (nothing waits there): the combine's send launch,
+    which reduces, with combine receive's grid, and dispatch send's where its tokens and checker exceed the cap;
+    the receive launches one CTA; a working launch there has one CTA more, its checker, below that."""
     cap = max(1, min(MAX_SMS, max_ctas))
     direct = shape.num_ranks == 1
+    limit = ep_ll.CTAS_PER_SM * cap if direct else cap
     parts = max(1, shape.hidden // 128 // ep_ll.MIN_PART_GROUPS)
-    expected = max(1, min(cap, num_tokens * parts + direct))
+    expected = max(1, min(limit if num_tokens + direct > cap else cap, num_tokens * parts + direct))
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, shape, num_tokens, max_ctas) == expected
     units = num_tokens * -(-shape.hidden // 256)
     if direct:  # the direct path: the combine's send launch reduces, the receive launches return
@@ -226,7 +224,6 @@ def test_ll_grid_bounds(shape: LlShape, num_tokens: int, max_ctas: int) -> None:
         assert ep_ll.ll_grid(Kernel.COMBINE_RECV, shape, num_tokens, max_ctas) == 1
         grid = ep_ll.ll_grid(Kernel.COMBINE_SEND, shape, num_tokens, max_ctas)
         reducers = max(1, grid - 1)  # the checker is the last CTA (a lone CTA does both)
-        limit = ep_ll.COMBINE_CTAS_PER_SM * cap
         assert 1 <= grid <= limit and (grid == limit or reducers * (THREADS // 32) >= units)
         assert reducers == 1 or (reducers - 1) * (THREADS // 32) < units
         return
@@ -255,8 +252,11 @@ def test_ll_grid_examples() -> None:
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128) == 2 * MAX_SMS
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(1, 256, 128, 7168, 8), 128, max_ctas=20) == 40
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 1) == 8  # 7 parts + checker
+    # One rank: at T = 128 a token a CTA fits one CTA an SM; at T = 256 two CTAs an SM send a token each (not two).
     assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 128) == MAX_SMS
-    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 256) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 256) == 2 * MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 131) == MAX_SMS
+    assert ep_ll.ll_grid(Kernel.DISPATCH_SEND, LlShape(1, 256, 128, 7168, 8), 132) == 2 * MAX_SMS
     assert ep_ll.ll_grid(Kernel.DISPATCH_RECV, shape, 128, max_ctas=20) == 20
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 256, 128, 7168, 8), 1) == 128  # 32 experts * 4 CTAs
     assert ep_ll.ll_grid(Kernel.COMBINE_SEND, LlShape(8, 288, 256, 7168, 8), 1) == 108  # 36 experts * 3 CTAs
@@ -310,27 +310,27 @@ def test_fused_grid_is_the_larger_half_within_the_cap(shape: LlShape, num_tokens
     """A direction's fused grid (named by either half) is the larger of its halves' grids, so every CTA either half
     would launch is there and the grid stays within the cap the halves' grids keep: the SMs the launch may use, every
     CTA resident at once (the kernel's receive half waits for words of its own grid); at one rank, where nothing
-    waits, the combine's up to COMBINE_CTAS_PER_SM per SM, all resident too."""
+    waits, up to CTAS_PER_SM per SM, all resident too."""
     cap = max(1, min(MAX_SMS, max_ctas))
     for send in (Kernel.DISPATCH_SEND, Kernel.COMBINE_SEND):
-        per_sm = ep_ll.COMBINE_CTAS_PER_SM if send is Kernel.COMBINE_SEND and shape.num_ranks == 1 else 1
+        per_sm = ep_ll.CTAS_PER_SM if shape.num_ranks == 1 else 1
         halves = [ep_ll.ll_grid(k, shape, num_tokens, max_ctas) for k in (send, send.receive)]
         for kernel in (send, send.receive):
             assert ep_ll.fused_grid(kernel, shape, num_tokens, max_ctas) == max(halves) <= per_sm * cap
 
 
 def test_fused_grid_examples() -> None:
-    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token and column part (7 a
-    token: 56 scale groups, 8 a part at least) for the dispatch, a warp
-    per (token, 256 columns) for the combine (two CTAs an SM), and the checker CTA, each within the SMs the launch
-    may use; at eight ranks the larger half (the expert CTAs of the receive half where dispatch send has fewer
-    tokens)."""
+    """The issue's shape at one rank (256 experts, H 7168; the direct path): a CTA per token and column part (7 a token:
+    56 scale groups, 8 a part at least) for the dispatch, a warp per (token, 256 columns) for the combine, and the
+    checker CTA, each within twice the SMs the launch may use; at eight ranks the larger half (the expert CTAs of the
+    receive half where dispatch send has fewer tokens)."""
     one = LlShape(1, 256, 128, 7168, 8)
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 1) == 8
-    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == MAX_SMS
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 128) == MAX_SMS  # 897 token parts, capped
+    assert ep_ll.fused_grid(Kernel.DISPATCH_RECV, one, 256) == 2 * MAX_SMS  # 257 CTAs' worth: two an SM
     assert ep_ll.fused_grid(Kernel.COMBINE_SEND, one, 1) == 5  # 28 column-unit warps
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128) == 2 * MAX_SMS  # 3584 column-unit warps, two CTAs an SM
-    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 66  # a 66-SM share
+    assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, one, 128, max_ctas=66) == 132  # a 66-SM share, 129 > 66
     assert ep_ll.fused_grid(Kernel.COMBINE_RECV, one, 128, max_ctas=20) == 40  # a 20-SM partition
     eight = LlShape(8, 288, 128, 7168, 8)  # 36 local experts: 108 expert CTAs
     assert ep_ll.fused_grid(Kernel.DISPATCH_SEND, eight, 128) == MAX_SMS  # a CTA per token and part, capped

@@ -61,6 +61,27 @@ def test_one_replays_records_are_kept_on_the_summarys_scale() -> None:
     assert got["role2"] == [[0.5, 2.5, 10.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 419.0]]
 
 
+def test_combinable_reads_the_tokens_times_against_role2s_latest_exit() -> None:
+    """Tokens complete 60 / 90 / 95 / 99 us after the origin (role1's entry at 1 us), role2's latest exit at 101 us;
+    a fifth token without a time is left out and counted; two identical replays give their own values."""
+    role2 = np.array([_role2(2000, 3000, 0, 0, 0, 0, 4000, 90_000, 3, 101_000),
+                      _role2(1500, 3000, 0, 0, 0, 0, 4000, 90_000, 3, 95_000)], dtype=np.int64)
+    role1 = np.array([_role1(1000, 2000, 3000, 0, 0, 5, 50_000)], dtype=np.int64)
+    tokens = np.array([61_000, 91_000, 96_000, 100_000, 0], dtype=np.int64)
+    replay = ({"role1": role1, "role2": role2}, tokens)
+    got = marks.combinable([replay, replay])
+    assert got["done_us"] == {"median": pytest.approx(92.5), "max": pytest.approx(99.0)}
+    assert got["before_exit_us"]["p50"] == pytest.approx(7.5)  # leads 40, 10, 5, 1 us
+    assert got["share_before_exit"] == {"5.0": 0.75, "10.0": 0.5, "20.0": 0.25, "40.0": 0.25}
+    assert got["tokens_without_time"] == 1
+
+
+def test_combinable_without_any_time_says_so() -> None:
+    role2 = np.array([_role2(1000, 2000, 0, 0, 0, 0, 0, 0, 0, 9000)], dtype=np.int64)
+    got = marks.combinable([({"role2": role2}, np.zeros(3, dtype=np.int64))])
+    assert got["done_us"] == {"median": None, "max": None} and got["tokens_without_time"] == 3
+
+
 def test_a_role2_variant_without_a_producer_leaves_its_producer_times_out() -> None:
     role2 = np.array([_role2(1000, 2000, 0, 0, 0, 0, 0, 0, 0, 9000)], dtype=np.int64)
     got = marks.summary([{"role2": role2}])["role2"]
@@ -68,7 +89,7 @@ def test_a_role2_variant_without_a_producer_leaves_its_producer_times_out() -> N
     assert got["exit"]["median"] == pytest.approx(8.0)
 
 
-@pytest.mark.parametrize("argv", [["--replays", "0"], ["--windows", "0"], ["--tokens", "0"],
+@pytest.mark.parametrize("argv", [["--replays", "0"], ["--windows", "0"], ["--tokens", "0"], ["--tokens", "8193"],
                                   ["--preset", "glm52", "--model-config", "x.json"]])
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
@@ -87,6 +108,7 @@ def test_the_fields_are_the_kernels_marks_in_order(spec: marks.Recorded, kernel:
     assert at == sorted(at)
     assert f"{prefix}Fields = {len(spec.fields)};" in source
     assert f"{prefix}{records} = {spec.records};" in source
+    assert spec.tail == 0 or f"{prefix}Tokens = {spec.tail};" in source
     assert set(spec.times) | set(spec.waits) | set(spec.counts) == set(spec.fields) - {"entry"}
 
 
@@ -128,3 +150,7 @@ def test_every_record_of_a_replay_is_in_order_and_the_output_stays(group: dist.P
     assert point["role1_rows_per_replay"] == [128 * 8] * 3  # top-8 of 8 experts: every entry is a row
     assert [len(point["last_replay"][r]) for r in ("role1", "role2")] == [point["records"]["role1"],
                                                                         point["records"]["role2"]]
+    done = point["combinable"]
+    assert done["tokens_without_time"] == 0  # every token has a stored slot
+    assert r2["pool_ready"]["median"] < done["done_us"]["median"] <= done["done_us"]["max"] <= r2["span"]["max"]
+    assert 0 <= done["before_exit_us"]["p10"] <= done["before_exit_us"]["p50"] <= done["before_exit_us"]["p90"]
