@@ -16,9 +16,10 @@ its own seeded inputs and hands the same tensors to both implementations.
   captured in a CUDA graph: it is timed eagerly only.
 * ``low_latency``: ``low_latency_dispatch`` (BF16 in, FP8 1x128 out) and ``low_latency_combine`` at T = 1 .. 256
   (``Tmax`` 256, or 128 with ``--ll-tmax``), eager and captured in a CUDA graph and replayed. The original's
-  low-latency mode needs NVSHMEM, which hung at initialisation on the H200 host (IBGDA finds no network card): before
-  each P it is tried in child processes with a timeout (``--ll-original-env`` variants, ``--probe-timeout``); where
-  it does not start the result says ``did not start: <reason>`` and the facade runs alone.
+  low-latency mode needs NVSHMEM, whose initialisation hung on the lent machines under MPS with its CUDA VMM heap
+  and passes without it (then its static heap must hold the Buffer: :func:`size_static_heap`): before each P it is
+  tried in child processes with a timeout (``--ll-original-env`` variants, ``--probe-timeout``); where it does not
+  start the result says ``did not start: <reason>`` and the facade runs alone.
 
 Shapes (:data:`SHAPES`): SGLang's deployments' hidden sizes, top-k and expert counts (all experts split over the P
 ranks). Per call and implementation: ``latency_us`` is the GPU time (CUDA events around a window of ``--calls``
@@ -127,10 +128,16 @@ LL_TMAX = (256, 128)
 RANKS = (2, 4)
 NUM_SMS = 24
 LL_ORIGINAL_ENV = ("NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1 "
-                   "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1",)
+                   "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 NVSHMEM_DISABLE_CUDA_VMM=1",
+                   "NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NCCL=1 "
+                   "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1")
 """The NVSHMEM settings the original's low-latency probe tries, in order (one string per attempt): no remote
 transport (no network card to find), NCCL off (NVSHMEM disables it under MPS anyway) and the full multiple-PEs-per-GPU
-mode under MPS. DeepEP's Buffer itself sets ``NVSHMEM_IB_ENABLE_IBGDA=1`` before it initializes NVSHMEM."""
+mode under MPS; first with NVSHMEM's cudaIpc heap instead of its CUDA VMM one (under MPS on the lent machines every
+try with VMM hung at initialisation; without it NVSHMEM initialised, its heap then sized by :func:`size_static_heap`).
+DeepEP's Buffer itself sets ``NVSHMEM_IB_ENABLE_IBGDA=1`` before it initializes NVSHMEM."""
+NVSHMEM_DEFAULT_HEAP = 1 << 30
+"""NVSHMEM's ``NVSHMEM_SYMMETRIC_SIZE`` default: the whole symmetric heap where it is static (VMM off)."""
 ALL_TO_ALL_NOTE = ("omitted: on a gloo group (ranks sharing a GPU) torch.distributed.all_to_all runs on the host "
                    "(device-to-host copies over TCP), so it would not measure a GPU exchange")
 
@@ -505,6 +512,7 @@ def run_probe(rank: int, device: torch.device, job: Job) -> None:
     if module is None:
         raise RuntimeError(why)
     shape = SHAPES[job.args.shapes[0]]
+    size_static_heap(ll_rdma_bytes(module, job.ranks, job.args.ll_tmax, [shape]))
     buf = ll_buffer(module, job.ranks, job.args.ll_tmax, [shape])
     x, idx, w = (t.to(device) for t in routing(1, shape.hidden, shape.topk, shape.experts, seed=rank))
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, job.args.ll_tmax, shape.experts)
@@ -908,10 +916,26 @@ def run_normal(rank: int, device: torch.device, job: Job, modules: Mapping[str, 
 # -- low-latency mode --------------------------------------------------------------------------------------------------
 
 
+def size_static_heap(nbytes: int, environ: dict[str, str] | None = None) -> None:
+    """Where NVSHMEM's symmetric heap is static (``NVSHMEM_DISABLE_CUDA_VMM=1``) it holds ``NVSHMEM_SYMMETRIC_SIZE``
+    bytes, 1 GiB by default, less than a low-latency Buffer of Tmax 256 at hidden 7168 (~3.8 GB): the allocation
+    then comes back null and DeepEP's ``cudaMemset`` of it fails ('invalid argument'). Set it to ``nbytes`` (the
+    Buffer's RDMA bytes) plus the default again for NVSHMEM's own allocations, unless the try sets it; before the
+    Buffer initializes NVSHMEM, in the rank's process (``environ``: ``os.environ`` by default)."""
+    env = os.environ if environ is None else environ
+    if env.get("NVSHMEM_DISABLE_CUDA_VMM") == "1" and "NVSHMEM_SYMMETRIC_SIZE" not in env:
+        env["NVSHMEM_SYMMETRIC_SIZE"] = str(nbytes + NVSHMEM_DEFAULT_HEAP)
+
+
+def ll_rdma_bytes(module: ModuleType, ranks: int, tmax: int, shapes: Sequence[Shape]) -> int:
+    """``module``'s low-latency size hint, the largest over ``shapes``."""
+    return max(module.Buffer.get_low_latency_rdma_size_hint(tmax, s.hidden, ranks, s.experts) for s in shapes)
+
+
 def ll_buffer(module: ModuleType, ranks: int, tmax: int, shapes: Sequence[Shape]) -> Any:
     """One low-latency Buffer of ``module`` for every shape: its own size hint's largest, as many QPs per rank as
     the most local experts (DeepEP's test)."""
-    hint = max(module.Buffer.get_low_latency_rdma_size_hint(tmax, s.hidden, ranks, s.experts) for s in shapes)
+    hint = ll_rdma_bytes(module, ranks, tmax, shapes)
     qps = max(s.experts // ranks for s in shapes)
     return module.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=qps,
                          explicitly_destroy=True)
@@ -1026,6 +1050,8 @@ def run_low_latency(rank: int, device: torch.device, job: Job, modules: Mapping[
     args = job.args
     shapes = [SHAPES[s] for s in args.shapes]
     started = {impl: m for impl, m in modules.items() if impl == "facade" or job.ll_original_env is not None}
+    if "original" in started:
+        size_static_heap(ll_rdma_bytes(started["original"], job.ranks, args.ll_tmax, shapes))
     impls, status = build_buffers(started, lambda module: ll_buffer(module, job.ranks, args.ll_tmax, shapes),
                                   original if "original" not in modules else job.ll_status)
     for shape in args.shapes:

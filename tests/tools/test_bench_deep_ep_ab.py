@@ -56,6 +56,20 @@ def test_env_variant_reads_key_value_words() -> None:
         ab.env_variant("A=1 =2")
 
 
+def test_the_static_nvshmem_heap_is_sized_to_the_buffer_only_where_vmm_is_off() -> None:
+    need = 3_800_000_000
+    env = {"NVSHMEM_DISABLE_CUDA_VMM": "1"}
+    ab.size_static_heap(need, env)
+    assert int(env["NVSHMEM_SYMMETRIC_SIZE"]) == need + ab.NVSHMEM_DEFAULT_HEAP  # the default 1 GiB would be short
+    given = {"NVSHMEM_DISABLE_CUDA_VMM": "1", "NVSHMEM_SYMMETRIC_SIZE": "8G"}
+    ab.size_static_heap(need, given)
+    assert given["NVSHMEM_SYMMETRIC_SIZE"] == "8G"  # a try's own size is kept
+    for vmm in ({}, {"NVSHMEM_DISABLE_CUDA_VMM": "0"}):
+        ab.size_static_heap(need, vmm)
+        assert "NVSHMEM_SYMMETRIC_SIZE" not in vmm  # VMM's heap grows by itself
+    assert "NVSHMEM_DISABLE_CUDA_VMM=1" in ab.LL_ORIGINAL_ENV[0]
+
+
 def test_dry_run_prints_the_plan_with_the_shared_gpu_label(capsys: pytest.CaptureFixture[str]) -> None:
     assert ab.main(["--dry-run", "--ranks", "2", "4", "8"]) == 0
     out = capsys.readouterr().out
@@ -397,7 +411,8 @@ def test_a_killed_probe_waits_for_the_gpu_before_the_measurement(tmp_path: Path,
     outcome.timed_out, outcome.exit_codes, outcome.data = True, [-9, -9], {}
     monkeypatch.setattr(ab, "run_job", lambda job, timeout: outcome)
     calls = []
-    env, verdict = ab.probe_original_ll(8, ab.parse_args(["--probe-timeout", "10"]), tmp_path,
+    one_try = ab.parse_args(["--probe-timeout", "10", "--ll-original-env", "A=1"])
+    env, verdict = ab.probe_original_ll(8, one_try, tmp_path,
                                         ready=lambda: calls.append(1) or (True, "the GPU took a new client after 3 s"))
     assert env is None and calls == [1]
     assert verdict.endswith("timed out after 10 s (ranks killed); then the GPU took a new client after 3 s")
