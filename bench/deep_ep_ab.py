@@ -35,9 +35,11 @@ every other round), so that the shared GPU's drift between one measurement and t
 under MPS) reaches both alike; a figure is the median round's, every round's GPU time is kept (``rounds_us``) with
 its spread (``round_spread_pct``).
 
-``--phases N``: after each normal-mode point's timing, N more facade calls per op on the phase-timed kernels
-(bench/_ep_normal_phases.py), each read back: per rank and op, when the median and the latest CTA passed each phase
-of the send and receive halves (the point's ``phases``, also printed in the log). Their timing is not the point's.
+``--phases N``: after each point's timing, N more facade calls per op on the phase-timed kernels
+(bench/_ep_normal_phases.py, bench/_ep_ll_phases.py), each read back: per rank and op, when the median and the latest
+CTA passed each phase (normal mode: of the send and receive halves; low-latency: of the send half, then the exit,
+which follows the receive half and its wait for the peers), the point's ``phases``, also printed in the log. Their
+timing is not the point's.
 
 Floor: the bytes every rank of the GPU moves once (all P ranks share one GPU's memory bandwidth) over the copy
 bandwidth of the same run. No torch.distributed all-to-all is compared: on a gloo group it runs on the host (device
@@ -77,6 +79,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import _ep_ll_phases
 import _ep_normal_phases
 import torch
 import torch.distributed as dist
@@ -187,8 +190,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--trace-tokens", type=int, nargs="+", default=[512, 1],
                         help="the T (normal or low-latency) traced with --trace")
     parser.add_argument("--phases", type=int, default=0,
-                        help="after each normal-mode point's timing, this many more facade calls per op on the "
-                             "phase-timed kernels (bench/_ep_normal_phases.py): where the time inside each goes")
+                        help="after each point's timing, this many more facade calls per op on the phase-timed "
+                             "kernels (bench/_ep_normal_phases.py, bench/_ep_ll_phases.py): where the time inside "
+                             "each goes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -1035,8 +1039,19 @@ def ll_rank_record(rank: int, device: torch.device, job: Job, impls: Mapping[str
 
     def after(impl: str, calls: Mapping[str, Callable[[], object]]) -> None:
         maybe_trace(job, "low_latency", shape, tokens, impl, rank, {op: calls[op] for op in LL_OPS})
+        if impl == "facade" and job.args.phases:
+            record["phases"] = ll_phases(device, calls, job.args.phases)
 
     return rank_record(record, list(impls), outputs_of, LL_OPS, job.args, after, graph=True)
+
+
+def ll_phases(device: torch.device, calls: Mapping[str, Callable[[], object]], count: int) -> dict[str, object]:
+    """``count`` eager calls of each low-latency op on the phase-timed kernels, each read back
+    (bench/_ep_ll_phases.py): per op the marks' summary, every CTA a mover (the one-rank checker CTA does not exist
+    above one rank). Every rank makes the same calls in the same order (each is collective)."""
+    with _ep_ll_phases.variant(device) as times:
+        return {op: _ep_ll_phases.summary([times.timed(calls[op], op) for _ in range(count)], op, checker=False)
+                for op in LL_OPS}
 
 
 def ll_floor_us(ranks: int, tokens: int, shape: Shape, bandwidth: float) -> dict[str, float]:
