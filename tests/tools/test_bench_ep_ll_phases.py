@@ -1,12 +1,15 @@
-"""bench/_ep_ll_phases.py, the phase-timed low-latency kernels that ``bench/deep_ep_sm90.py --phases`` reads: the
-summary of the marks with the one-rank checker apart (host), the printed lines, ``--phases``' bound, the variant
+"""bench/_ep_ll_phases.py, the phase-timed low-latency kernels that ``bench/deep_ep_sm90.py --phases`` (one rank) and
+``bench/deep_ep_ab.py --phases`` (P ranks, every CTA a mover) read: the summary of the marks with the one-rank
+checker apart (host), the printed lines, ``--phases``' bound, the variant
 compiling beside the production kernels without spills and without changing them; on an H200, every CTA of a
 dispatch and a combine marks its steps in order, the outputs equal the production kernels', and the production
 kernels are back after the block."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import _ep_ll_phases as phases  # noqa: E402 - bench/ is a script folder, put on the path above
 import _phase_marks  # noqa: E402
+import deep_ep_ab as ab  # noqa: E402
 import deep_ep_sm90 as bench  # noqa: E402
 
 from gc_moe_compat.comm import ep_ll  # noqa: E402
@@ -78,6 +82,34 @@ def test_phases_must_not_be_negative() -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--phases", "-1"])
     assert bench.parse_args([]).phases == 0 and bench.parse_args(["--phases", "4"]).phases == 4
+
+
+def test_deep_ep_ab_times_each_op_on_the_variant_with_every_cta_a_mover(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    made: list[str] = []
+
+    class Times:  # the variant's buffer: each op's marks, two CTAs, the second one later at every mark
+        def timed(self, fn: Callable[[], object], direction: str) -> np.ndarray:
+            fn()
+            marks = len(phases.MARKS[direction])
+            first = np.arange(1, marks + 1, dtype=np.int64) * 1000
+            return np.stack([first, first + 500])
+
+    @contextlib.contextmanager
+    def variant(device: torch.device) -> Iterator[Times]:
+        yield Times()
+
+    monkeypatch.setattr(phases, "variant", variant)
+    calls = {op: (lambda op=op: made.append(op)) for op in ab.LL_OPS}
+    got = ab.ll_phases(torch.device("cpu"), calls, 3)
+    assert made == ["dispatch"] * 3 + ["combine"] * 3
+    assert set(got) == set(ab.LL_OPS) and all("checker_us" not in s for s in got.values())  # no checker above P = 1
+    assert got["dispatch"]["ctas"] == 2 and got["dispatch"]["latest_us"]["exit"] == pytest.approx(5.5)
+    point = {"job": "low_latency P=2", "preset": "glm", "tokens_per_rank": 8, "latency_us": {}, "host_us": {},
+             "accuracy": {}, "phases": [got, got]}
+    ab.record_point(type("Out", (), {"add_point": lambda self, p: None})(), point)
+    out = capsys.readouterr().out
+    assert "phases rank 1 combine: median CTA entry 0.2 / summed 1.2 / exit 2.2 us; latest CTA's exit 2.5 us" in out
 
 
 @needs_nvcc
