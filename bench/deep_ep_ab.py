@@ -73,7 +73,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -920,7 +920,7 @@ def run_normal(rank: int, device: torch.device, job: Job, modules: Mapping[str, 
 # -- low-latency mode --------------------------------------------------------------------------------------------------
 
 
-def size_static_heap(nbytes: int, environ: dict[str, str] | None = None) -> None:
+def size_static_heap(nbytes: int, environ: MutableMapping[str, str] | None = None) -> None:
     """Where NVSHMEM's symmetric heap is static (``NVSHMEM_DISABLE_CUDA_VMM=1``) it holds ``NVSHMEM_SYMMETRIC_SIZE``
     bytes, 1 GiB by default, less than a low-latency Buffer of Tmax 256 at hidden 7168 (~3.8 GB): the allocation
     then comes back null and DeepEP's ``cudaMemset`` of it fails ('invalid argument'). Set it to ``nbytes`` (the
