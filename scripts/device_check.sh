@@ -3,7 +3,8 @@
 #   bash scripts/device_check.sh [--tests-only | --bench-only | --profiles-only] [--bench 'NAME [ARGS]']... [-k EXPR]
 #                                [--profile PRESET:T:FORMAT]... [--counters PRESET:T:STEP,STEP...[:FORMAT]]...
 #                                [--ncu-normal T:HIDDEN:EXPERTS[:NUM_SMS]]...  (the deep_ep normal-mode direction
-#                                                   kernels of one eager call each under Nsight Compute, per --tree)
+#                                                   kernels of one eager call each under Nsight Compute with their
+#                                                   stall sites per SASS line, per --tree)
 #                                [--ncu-ll T[:HIDDEN:EXPERTS]]...  (the deep_ep low-latency kernels of one eager
 #                                                   call each under Nsight Compute with their stall sites per SASS line)
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
@@ -47,6 +48,7 @@ NCU_COUNTERS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,l
 NCU_COUNTERS+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_miss.sum
 # Nsight Compute sections and metrics of a --ncu-normal run.
 NCU_NORMAL=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats --section LaunchStats
+            --section SourceCounters
             --metrics smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum)
 # Benchmarks that start P ranks on one GPU themselves: the only ones --shared-gpu P runs (picked with --bench), given
 # --ranks P before their own arguments.
@@ -265,11 +267,15 @@ if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brin
       name="${specs[$i]%%=*}" dir="${specs[$i]#*=}"
       path="${PYTHONPATH:-}"
       [[ "$dir" != "." ]] && path="$(cd "$dir" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-      report="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-default}.txt"
+      base="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-default}" report="$base.txt"
       (cd bench && PYTHONPATH="$path" timeout 300 ncu --profile-from-start off --clock-control none \
-        --kernel-name regex:'gc_ep_normal_(dispatch|combine)$' "${NCU_NORMAL[@]}" "$PY" profile_deep_ep_host.py \
-        --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" "${sms[@]}") >"$report" 2>&1 ||
-        echo "ncu-normal $name $spec FAILED ($report)" >>"$OUT/bench.log"
+        --kernel-name regex:'gc_ep_normal_(dispatch|combine)$' "${NCU_NORMAL[@]}" -f -o "$base" "$PY" \
+        profile_deep_ep_host.py --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" "${sms[@]}") \
+        >"$base.log" 2>&1 || echo "ncu-normal $name $spec FAILED ($base.log)" >>"$OUT/bench.log"
+      ncu --import "$base.ncu-rep" --print-summary none >"$report" 2>&1
+      # the SASS with stall samples per line, one file per kernel launch in profile order (dispatch BF16, dispatch
+      # FP8, combine: bench/profile_deep_ep_host.py --ncu)
+      ncu --import "$base.ncu-rep" --page source --csv --print-source sass >"${base}_sass.csv" 2>&1
       echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$report" |
         awk '/gc_ep_normal_/ {printf "%s", (n++ ? "; " : "") $1} /Duration|inst_executed/ {printf " %s %s", $1, $NF}')"
     done
