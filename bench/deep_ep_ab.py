@@ -28,7 +28,9 @@ host time of the Python calls (``perf_counter`` around the same window, per call
 low-latency ``graph_us`` (a graph of two calls, so that DeepEP's two alternating buffers stay consistent across
 replays, per call). A point's figure is the slowest rank's median window (docs/bench_protocol.md), windows started
 together on every rank: after the L2 flush and the device synchronization, a gloo barrier, and before an eager
-window one untimed call (its exchange releases the ranks' GPUs together; the window queues behind it).
+window one untimed call (its exchange releases the ranks' GPUs together; the window queues behind it). Per P the
+job's ``host_reference`` (:func:`host_reference`): each rank's host time per bare launch and its CPUs, so that host
+time that grows with P can be told apart from the calls' own work.
 
 ``--rounds N``: each point timed in N rounds, the two implementations alternating within a round (their order reversed
 every other round), so that the shared GPU's drift between one measurement and the next (the other ranks' processes
@@ -540,16 +542,46 @@ def run_measure(rank: int, device: torch.device, job: Job) -> None:
     where = colocation.placement(dist.group.WORLD, device.index)
     bandwidth = gather(copy_bandwidth() if rank == 0 else None)[0]
     host_paths = gather(facade_host_path())
+    host = gather(host_reference(device, job.args))
     torch.cuda.empty_cache()
     out = JobFile(job.result) if rank == 0 else None
     if out is not None:
         print(f"facade host path per rank: {host_paths}", flush=True)
+        print(f"P={job.ranks}: host reference per rank: {host}", flush=True)
         out.update(info={"placement": colocation.describe(where, device.index),
                          "partition": colocation.deep_ep_mode_of(where), "copy_bandwidth_Bps": bandwidth,
-                         "facade_host_path": host_paths, "original": "loaded" if module is not None else why})
+                         "facade_host_path": host_paths, "host_reference": host,
+                         "original": "loaded" if module is not None else why})
     runs = {"normal": run_normal, "low_latency": run_low_latency}
     for mode in (m for m in MODES if m in job.args.modes):
         runs[mode](rank, device, job, impls, bandwidth, out, why)
+
+
+def host_reference(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """What a host microsecond costs on this rank, beside the points' ``host_us``: ``launch_us``, the host time per
+    call of a one-kernel torch op (zeroing 16 bytes), timed in windows of ``--calls`` as the points' calls are (with
+    every rank's process running, each waiting in its own windows); ``cpus``, the CPUs this process may run on;
+    ``cpu_quota``, the cgroup's CPU limit in CPUs (None: none set). Where the bare launch's host time grows with P as
+    both implementations' calls do, the host (P processes and the MPS server on its CPUs), not a call's own work, is
+    what the extra time is."""
+    small = torch.zeros(4, dtype=torch.float32, device=device)
+
+    def window() -> None:
+        for _ in range(args.calls):
+            small.zero_()
+
+    _, launch = timed_windows(window, args.warmup, args.windows, before_window=barrier, launches=args.calls)
+    return {"launch_us": round(launch, 2), "cpus": len(os.sched_getaffinity(0)), "cpu_quota": cpu_quota()}
+
+
+def cpu_quota(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    """The cgroup (v2) CPU limit of this process in CPUs, from ``cpu.max`` (``"QUOTA PERIOD"``, or ``"max PERIOD"``
+    for none); None where there is none or no such file."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else round(int(quota) / int(period), 2)
 
 
 def facade_host_path() -> str:
@@ -1228,6 +1260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"P={ranks}: {jobs[str(ranks)]['status']} in {outcome.seconds:.0f} s", flush=True)
             write_results(args, points, jobs, original)
     print("\n".join(table_lines(points)))
+    for ranks, job in jobs.items():
+        if "host_reference" in job:
+            print(f"P={ranks}: host reference per rank (bare launch us, CPUs, quota): "
+                  + "; ".join(f"{h['launch_us']} / {h['cpus']} / {h['cpu_quota']}" for h in job["host_reference"]))
     return 0 if all(j["status"] == "finished" for j in jobs.values()) else 1
 
 

@@ -126,6 +126,31 @@ def test_the_facade_host_path_is_recorded_with_its_reason(monkeypatch: pytest.Mo
     assert ab.facade_host_path() == "compiled (_compiled_host.cpp built in <cache dir>/deep_ep_compiled_host/ab)"
 
 
+def test_the_host_reference_times_bare_launches_in_the_points_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def timed(window, warmup, windows, before_window, launches):  # noqa: ANN001, ANN202 - the protocol's signature
+        seen.update(warmup=warmup, windows=windows, before=before_window, launches=launches)
+        window()
+        return [9.0], 4.25
+
+    monkeypatch.setattr(ab, "timed_windows", timed)
+    monkeypatch.setattr(ab.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(ab, "cpu_quota", lambda: 4.0)
+    args = ab.parse_args(["--ranks", "2", "--calls", "7", "--warmup", "1", "--windows", "5"])
+    assert ab.host_reference(torch.device("cpu"), args) == {"launch_us": 4.25, "cpus": 3, "cpu_quota": 4.0}
+    assert seen == {"warmup": 1, "windows": 5, "before": ab.barrier, "launches": 7}
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("max 100000\n", None), ("400000 100000\n", 4.0),
+                                            ("150000 100000", 1.5), ("", None)])
+def test_the_cpu_quota_is_read_from_the_cgroup(tmp_path: Path, text: str, cpus: float | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(text)
+    assert ab.cpu_quota(path) == cpus
+    assert ab.cpu_quota(tmp_path / "absent") is None
+
+
 def test_normal_buffers_hold_a_whole_call_in_128_byte_units() -> None:
     size = ab.normal_nvl_bytes(7168, 8192, 4, 24)
     assert size % 128 == 0 and size >= 4 * 8192 * 2 * 7168
