@@ -273,7 +273,7 @@ if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brin
         profile_deep_ep_host.py --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" "${sms[@]}") \
         >"$base.log" 2>&1 || echo "ncu-normal $name $spec FAILED ($base.log)" >>"$OUT/bench.log"
       ncu --import "$base.ncu-rep" --print-summary none >"$report" 2>&1
-      # the SASS with stall samples per line, one file per kernel launch in profile order (dispatch BF16, dispatch
+      # the SASS with stall samples per line of every launch, one file, in profile order (dispatch BF16, dispatch
       # FP8, combine: bench/profile_deep_ep_host.py --ncu)
       ncu --import "$base.ncu-rep" --page source --csv --print-source sass >"${base}_sass.csv" 2>&1
       echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$report" |
