@@ -5,9 +5,10 @@ lookups; environment reads, through ``os.environ.get`` or :func:`gc_moe_compat.r
 
 ``--mode ll``: ``low_latency_dispatch`` (FP8) and ``low_latency_combine`` (``gc_moe_compat.deep_ep._low_latency``);
 ``--mode normal``: the normal mode's ``get_dispatch_layout``, ``dispatch`` (BF16 and FP8 uncached, BF16 cached) and
-``combine`` through ``Buffer`` (``gc_moe_compat.deep_ep._normal``), seen from rank 0 of a ``--ranks`` world;
-``--mode all`` (the default): both. The whole Python path runs, down to the launch plumbing of ``gc_moe_compat.comm``
-and ``gc_moe_compat.runtime.launch``; only the driver is replaced: the kernel load (``jit.load_module``, which needs
+``combine`` (with the dispatch's config, and without one: SGLang's default) through ``Buffer``
+(``gc_moe_compat.deep_ep._normal``), seen from rank 0 of a ``--ranks`` world; ``--mode all`` (the default): both.
+The whole Python path runs, down to the launch plumbing of ``gc_moe_compat.comm`` and
+``gc_moe_compat.runtime.launch``; only the driver is replaced: the kernel load (``jit.load_module``, which needs
 nvcc) by a fake module, ``cuLaunchKernel`` by a counter (which, for the normal mode's notify kernel, writes the host
 record of received counts and the tag the kernel would: the uncached dispatch reads them in its CPU wait),
 ``cuStreamQuery`` by a stand-in (the stream has always run dry), and torch's current-stream lookup
@@ -202,12 +203,15 @@ def _normal_calls(group: object, counts: _Counts, hidden: int, experts: int, tok
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=idx, topk_weights=w, config=config)
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **layout)
+    default = {key: value for key, value in layout.items() if key != "config"}  # Buffer.num_sms's config
+    default_x, _, default_w, _, default_handle, _ = buf.dispatch(x, **default)
     return {
         "get_dispatch_layout": lambda: buf.get_dispatch_layout(idx, experts),
         "dispatch BF16 (uncached)": lambda: buf.dispatch(x, **layout),
         "dispatch FP8 (uncached)": lambda: buf.dispatch(x_fp8, **layout),
         "dispatch BF16 (cached)": lambda: buf.dispatch(x, handle, config=config),
         "combine": lambda: buf.combine(recv_x, handle, recv_w, config=config),
+        "combine (config=None: SGLang's default)": lambda: buf.combine(default_x, default_handle, default_w),
     }
 
 

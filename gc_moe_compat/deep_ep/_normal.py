@@ -97,6 +97,7 @@ from gc_moe_compat.deep_ep._config import (
     Config,
     address_rule,
     config_field,
+    recommended_config,
 )
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
 from gc_moe_compat.runtime.colocation import Placement, deep_ep_mode_of
@@ -143,11 +144,12 @@ _COMBINE = {1: (10, 256, 6, 128), 2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: 
 
 
 def _table_config(fn: str, table: dict, num_ranks: object, num_sms: int) -> Config:
-    integer(fn, "num_ranks", num_ranks, 1)
-    if num_ranks not in table:
+    chunks = table.get(num_ranks) if type(num_ranks) is int else None
+    if chunks is None:
+        integer(fn, "num_ranks", num_ranks, 1)
         raise ValueError(f"{fn}: num_ranks must be one of {sorted(table)} (DeepEP's recommended configs), got "
                          f"{num_ranks}")
-    return Config(num_sms, *table[num_ranks])
+    return recommended_config(num_sms, chunks)
 
 
 def dispatch_config(num_ranks: int, num_sms: int) -> Config:

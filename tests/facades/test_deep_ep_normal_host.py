@@ -76,6 +76,19 @@ def test_configs_and_hints_are_deepeps() -> None:
     assert vars(Buffer.get_dispatch_config(1)) == vars(Buffer.get_dispatch_config(2))  # one rank: the 2-rank entry
     with pytest.raises(ValueError, match=r"get_dispatch_config: num_ranks must be one of \[1, 2, 4, 8, .*got 3"):
         Buffer.get_dispatch_config(3)
+    # every recommended config is what the checked constructor makes of its row, a new object at every call
+    for table, get in ((_normal._DISPATCH, Buffer.get_dispatch_config), (_normal._COMBINE, Buffer.get_combine_config)):
+        for ranks, chunks in table.items():
+            made = get(ranks)
+            assert type(made) is Config and vars(made) == vars(Config(Buffer.num_sms, *chunks)), ranks
+            made.num_sms = 2
+            assert get(ranks).num_sms == Buffer.num_sms
+    with pytest.raises(TypeError, match="Config: num_sms must be an int"):
+        _normal.combine_config(2, 24.0)
+    with pytest.raises(ValueError, match="Config: num_sms must be in"):
+        _normal.dispatch_config(2, -2)
+    with pytest.raises(TypeError, match="get_combine_config: num_ranks must be an int"):
+        Buffer.get_combine_config(True)
     # DeepEP's arithmetic: 12 channels x 8 ranks x 256 tokens x (hidden + 8 + 128 x (8 + 4 + 4)) + the queue words.
     assert Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 8) == -(-(96 * 5 * 4 + 96 * 256 * 16392) // 128) * 128
     assert Config().get_rdma_buffer_size_hint(7168 * 2, 8) == 0
