@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHES = {"low_latency_dispatch (FP8)": 1, "low_latency_combine": 1, "get_dispatch_layout": 1,
-            "dispatch BF16 (uncached)": 2, "dispatch FP8 (uncached)": 2, "dispatch BF16 (cached)": 1, "combine": 1}
+            "dispatch BF16 (uncached)": 2, "dispatch FP8 (uncached)": 2, "dispatch BF16 (cached)": 1, "combine": 1,
+            "combine (config=None: SGLang's default)": 1}
 
 
 @pytest.mark.parametrize("ranks", [2, 8])
