@@ -7,6 +7,9 @@
 #                                                   stall sites per SASS line, per --tree)
 #                                [--ncu-ll T[:HIDDEN:EXPERTS]]...  (the deep_ep low-latency kernels of one eager
 #                                                   call each under Nsight Compute with their stall sites per SASS line)
+#                                [--ncu-layer PRESET:T[:KERNEL_REGEX]]...  (the one-rank Mega MoE layer's kernels,
+#                                                   default its finalize, under Nsight Compute with their stall sites
+#                                                   per SASS line)
 #                                [--deepep-legacy DIR]  (DeepEP's legacy tests from checkout DIR against the facade)
 #                                [--legacy-timeout S]   (seconds per legacy test, default 900)
 #                                [--legacy-tests 'A.py B.py']  (which of them: default both)
@@ -56,7 +59,7 @@ BENCHES_SHARED=(deep_ep_ab)
 # Result names that are not the script name (two-rank benchmarks name their world size).
 declare -A RESULT_NAME=([operator_sm90]=operator_sm90_x2 [deep_ep_ll]=deep_ep_ll_x2)
 
-run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() ncu_ll=() deepep_legacy=
+run_tests=1 run_bench=1 picked=() pytest_k=() profiles=() counters=() ncu_normal=() ncu_ll=() ncu_layer=() deepep_legacy=
 legacy_timeout=900 legacy_tests="test_intranode.py test_low_latency.py" run_pytest=1
 shared_gpu= pack=0
 tree_args=() rounds=1
@@ -84,6 +87,10 @@ while (($#)); do
     # under ncu: WarpStateStats and SourceCounters, and each kernel's SASS with its stall samples per line (ncu --page
     # source) as CSV
     --ncu-ll) ncu_ll+=("$2"); shift ;;
+    # one call of bench/profile_layer_sm90.py's layer (gc-moe-ab's facade operator, one rank) under ncu: the kernels
+    # KERNEL_REGEX matches (default gc_sm90_finalize, role3), their memory workload and stall samples, each kernel's
+    # SASS with its stall samples per line as CSV; caches flushed before each kernel (ncu's default)
+    --ncu-layer) ncu_layer+=("$2"); shift ;;
     --pack) pack=1 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -305,6 +312,25 @@ if ((${#ncu_ll[@]})); then  # the reports and their SASS pages in one file, a li
            /Duration/ {printf " %s %s", $NF, $(NF-1)}')"
   done | tee -a "$OUT/bench.log"
   tar czf "$OUT/ncu_ll.tar.gz" -C /tmp ncu_ll
+fi
+
+if ((${#ncu_layer[@]})); then  # the reports and their SASS pages in one file, a line per kernel here
+  rm -rf /tmp/ncu_layer && mkdir -p /tmp/ncu_layer
+  for spec in "${ncu_layer[@]}"; do
+    IFS=: read -r preset tokens regex <<<"$spec"
+    regex="${regex:-gc_sm90_finalize}"
+    base="/tmp/ncu_layer/${preset}_T${tokens}_${regex//[^A-Za-z0-9_]/_}"
+    timeout 300 ncu --profile-from-start off --clock-control none --kernel-name regex:"$regex" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SourceCounters --metrics "$NCU_COUNTERS" -f -o "$base" \
+      "$PY" bench/profile_layer_sm90.py --preset "$preset" --tokens "$tokens" >"$base.log" 2>&1 ||
+      echo "ncu-layer $spec FAILED ($base.log)" >>"$OUT/bench.log"
+    ncu --import "$base.ncu-rep" --print-summary none >"$base.txt" 2>&1
+    ncu --import "$base.ncu-rep" --page source --csv --print-source sass >"${base}_sass.csv" 2>&1
+    echo "ncu-layer $spec: $(grep -E '^  gc_sm90_|^ +(Duration|DRAM Throughput|Achieved Occupancy) ' "$base.txt" |
+      awk '/^  gc_sm90_/ {printf "%s%s", (n++ ? "; " : ""), $1} !/^  gc_sm90_/ {printf " %s %s %s", $1, $(NF-1), $NF}')"
+  done | tee -a "$OUT/bench.log"
+  tar czf "$OUT/ncu_layer.tar.gz" -C /tmp ncu_layer
 fi
 
 "$PY" scripts/device_summary.py "$OUT" "${RESULTS[@]}"
