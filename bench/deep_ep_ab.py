@@ -449,9 +449,22 @@ def probe_original_ll(ranks: int, args: argparse.Namespace, workdir: Path,
             return env, f"started with {text!r}"
         why = outcome.data.get("error") or outcome.status(args.probe_timeout)
         if outcome.timed_out:
-            why += f"; then {ready()[1]}"
+            why += f" {probe_progress(outcome.data)}; then {ready()[1]}"
         reasons.append(f"{text!r}: {why}")
     return None, "did not start: " + "; ".join(reasons)
+
+
+PROBE_STEPS = ("the Buffer", "a dispatch", "a combine", "the closing barrier")
+"""What a probe runs, in order (:func:`run_probe`); rank 0 records each one it finished in its job file."""
+
+
+def probe_progress(data: Mapping[str, Any]) -> str:
+    """Where a killed probe stopped, from the steps rank 0 recorded (``data["probe_done"]``): what it was running."""
+    done = int(data.get("probe_done", 0))
+    if done >= len(PROBE_STEPS):
+        return "(every step done on rank 0)"
+    finished = f"after {', '.join(PROBE_STEPS[:done])}" if done else "before any step finished"
+    return f"(rank 0 in {PROBE_STEPS[done]}, {finished})"
 
 
 # -- one rank ----------------------------------------------------------------------------------------------------------
@@ -518,17 +531,27 @@ def run_probe(rank: int, device: torch.device, job: Job) -> None:
     if module is None:
         raise RuntimeError(why)
     shape = SHAPES[job.args.shapes[0]]
+    out = JobFile(job.result) if rank == 0 else None
+
+    def done(step: int) -> None:  # rank 0's progress through PROBE_STEPS, for the verdict of a killed probe
+        if out is not None:
+            out.update(probe_done=step)
+
     size_static_heap(ll_rdma_bytes(module, job.ranks, job.args.ll_tmax, [shape]))
     buf = ll_buffer(module, job.ranks, job.args.ll_tmax, [shape])
+    done(1)
     x, idx, w = (t.to(device) for t in routing(1, shape.hidden, shape.topk, shape.experts, seed=rank))
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, job.args.ll_tmax, shape.experts)
+    torch.cuda.synchronize()
+    done(2)
     local = shape.experts // job.ranks
     rows = torch.zeros(local, job.ranks * job.args.ll_tmax, shape.hidden, dtype=torch.bfloat16, device=device)
     buf.low_latency_combine(rows, idx, w, handle)
     torch.cuda.synchronize()
+    done(3)
     dist.barrier()
-    if rank == 0:
-        JobFile(job.result).update(started=True)
+    if out is not None:
+        out.update(probe_done=4, started=True)
 
 
 def run_measure(rank: int, device: torch.device, job: Job) -> None:

@@ -440,5 +440,14 @@ def test_a_killed_probe_waits_for_the_gpu_before_the_measurement(tmp_path: Path,
     env, verdict = ab.probe_original_ll(8, one_try, tmp_path,
                                         ready=lambda: calls.append(1) or (True, "the GPU took a new client after 3 s"))
     assert env is None and calls == [1]
-    assert verdict.endswith("timed out after 10 s (ranks killed); then the GPU took a new client after 3 s")
+    assert verdict.endswith("timed out after 10 s (ranks killed) (rank 0 in the Buffer, before any step finished); "
+                            "then the GPU took a new client after 3 s")
+
+
+def test_a_killed_probe_says_which_step_rank_0_was_in() -> None:
+    assert ab.probe_progress({}) == "(rank 0 in the Buffer, before any step finished)"
+    assert ab.probe_progress({"probe_done": 1}) == "(rank 0 in a dispatch, after the Buffer)"
+    assert ab.probe_progress({"probe_done": 3}) == ("(rank 0 in the closing barrier, after the Buffer, a dispatch, "
+                                                    "a combine)")
+    assert ab.probe_progress({"probe_done": 4}) == "(every step done on rank 0)"
 
