@@ -81,6 +81,16 @@ def read_kernels(rows: Sequence[Sequence[str]]) -> Iterator[Kernel]:
         yield kernel
 
 
+def distinct(kernels: Iterator[Kernel]) -> list[Kernel]:
+    """``kernels`` without a section that repeats the one before it line for line (the export prints each profiled
+    launch's page twice)."""
+    out: list[Kernel] = []
+    for kernel in kernels:
+        if not out or out[-1] != kernel:
+            out.append(kernel)
+    return out
+
+
 def report(kernel: Kernel, top: int) -> str:
     total = kernel.samples
     if not total:
@@ -103,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=12, help="SASS lines per kernel (default 12)")
     args = parser.parse_args(argv)
     with args.csv.open(newline="") as handle:
-        kernels = list(read_kernels(list(csv.reader(handle))))
+        kernels = distinct(read_kernels(list(csv.reader(handle))))
     if not kernels:
         raise SystemExit(f"{args.csv}: no 'Kernel Name' section (not an ncu --page source --csv export?)")
     print("\n\n".join(report(kernel, args.top) for kernel in kernels))

@@ -41,6 +41,10 @@ def test_each_kernel_is_summed_by_line_and_reason() -> None:
     assert text.splitlines()[0] == "a: 1500 samples; by reason: long_sb 66.7 %, barrier 33.3 %"
     assert len(text.splitlines()) == 2 and "80.0 %" in text and "LDG.E.128" in text and "long_sb 1000" in text
     assert stalls.report(b, top=5) == "b: no stall samples"
+    page = ("a", [["0x10", "NOP", "5", "5", "5", "0", "0"]])
+    repeated = _csv(page, page,
+                    ("a", [["0x10", "NOP", "6", "6", "6", "0", "0"]]))
+    assert [k.samples for k in stalls.distinct(stalls.read_kernels(repeated))] == [5, 6]  # a repeated page once
 
 
 def test_an_export_without_samples_is_refused(tmp_path: Path) -> None:
