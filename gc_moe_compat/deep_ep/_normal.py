@@ -272,6 +272,8 @@ class _Stream:
         return True
 
 
+_MAX_KEPT_STREAMS = 64
+"""Caller streams whose partition-off :class:`_Stream` a Buffer keeps (past it the cache starts again)."""
 CPU_WAIT_TIMEOUT_S = 100.0
 """Least seconds the uncached dispatch's CPU wait for the received counts runs before it raises (DeepEP's
 ``NUM_CPU_TIMEOUT_SECS``); twice the spin timeout where that is longer, so that the kernels' own bounded waits
@@ -364,6 +366,8 @@ def _check_config(fn: str, config: object, max_sms: int) -> Config:
 
 
 def _flags(fn: str, previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
+    if previous_event is None and async_finish is False and allocate_on_comm_stream is False:
+        return
     for name, value in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
         if value is not True and value is not False:
             boolean(fn, name, value)
@@ -448,6 +452,7 @@ class NormalMode:
         self.op = 0
         self._stranded: str | None = None  # an op whose transfer never ran (see _transfers_possible)
         self._pending: list[tuple[_Event, tuple]] = []
+        self._off_streams: dict[int, _Stream] = {}  # _begin's partition-off stream per caller stream handle
         self._host_counts: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         # The packed launches of each call shape (see _pack): a call checks its tensors, allocates its outputs,
         # sets its fields and launches. Beside them the compiled host path's records of the same shapes (see
@@ -588,14 +593,19 @@ class NormalMode:
 
     def _begin(self, fn: str, num_sms: int) -> _Stream:
         """Where a checked call's kernels run (the launch boundary: :meth:`_require_gpu`, then what earlier calls
-        recorded is raised)."""
+        recorded is raised). Partition off, the caller's stream, its :class:`_Stream` (stateless) kept per handle."""
         self._require_gpu(fn)
         self.raise_recorded()
         if self._pending:
             self._pending = [(e, t) for e, t in self._pending if not (isinstance(e, _CommEvent) and e.done())]
         caller = current_stream_handle(self.device)
         if deep_ep_mode_of(self.workspace.placement) == "off":
-            return _Stream(caller, None, caller)
+            stream = self._off_streams.get(caller)
+            if stream is None:
+                if len(self._off_streams) >= _MAX_KEPT_STREAMS:
+                    self._off_streams.clear()
+                stream = self._off_streams[caller] = _Stream(caller, None, caller)
+            return stream
         partition = get_partition(num_sms, self.device.index)
         side = partition.comm
         return _Stream(int(side.stream), side.ctx, caller, partition)

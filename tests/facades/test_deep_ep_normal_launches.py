@@ -406,3 +406,17 @@ def test_a_notify_without_its_tag_raises(group: dist.ProcessGroup, monkeypatch: 
     assert [launch.kernel for launch in fake.launches] == [NOTIFY, NOTIFY]
     fake.launches, fake.tag, s.op = [], True, s.mode.op
     s.dispatch(5, 4, 16, recv=9)
+
+
+def test_each_call_launches_on_the_callers_current_stream(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                          fake: FakeDriver) -> None:
+    """The partition-off calls keep one stream object per caller stream: a call after the current stream changed
+    launches on the new one, and back."""
+    s = Session(group, monkeypatch, fake, 1)
+    for current in (STREAM, 0x6000, STREAM):
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index, current=current: current,
+                            raising=False)
+        fake.launches = []
+        s.buf.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8)
+        assert [launch.stream for launch in fake.launches] == [current]
+    assert sorted(s.mode._off_streams) == [STREAM, 0x6000]
