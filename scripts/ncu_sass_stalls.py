@@ -26,6 +26,8 @@ REASON_PREFIX = "stall_"
 
 @dataclass
 class Line:
+    """One SASS line of a kernel's page: its address, instruction, stall samples and their split by reason."""
+
     address: str
     source: str
     samples: int
@@ -34,14 +36,18 @@ class Line:
 
 @dataclass
 class Kernel:
+    """One profiled launch's page: the kernel's name and its SASS lines in address order."""
+
     name: str
     lines: list[Line] = field(default_factory=list)
 
     @property
     def samples(self) -> int:
+        """The kernel's stall samples in all."""
         return sum(line.samples for line in self.lines)
 
     def reasons(self) -> dict[str, int]:
+        """The kernel's stall samples per reason, summed over its lines."""
         total: dict[str, int] = {}
         for line in self.lines:
             for reason, count in line.reasons.items():
@@ -50,6 +56,7 @@ class Kernel:
 
 
 def _count(text: str) -> int:
+    """A count as the export writes it ("1,234", or empty for none)."""
     text = text.replace(",", "").strip()
     return int(float(text)) if text else 0
 
@@ -92,6 +99,7 @@ def distinct(kernels: Iterator[Kernel]) -> list[Kernel]:
 
 
 def report(kernel: Kernel, top: int) -> str:
+    """The kernel's summary: its samples and leading reasons, then its ``top`` lines by samples."""
     total = kernel.samples
     if not total:
         return f"{kernel.name}: no stall samples"
