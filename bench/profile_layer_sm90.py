@@ -1,6 +1,6 @@
 """One point of the one-rank Mega MoE layer (the facade's SGLang Hopper call, gc-moe-ab's ``facade`` operator) launched
-for Nsight Compute: issue 30's serial parts, chiefly the finalize (role3, ``gc_sm90_finalize``), which moves its
-bytes at about 0.67 of the copy rate at T = 256 (thirty-eighth session).
+for Nsight Compute: issue 30's serial parts, chiefly the finalize (role3, ``gc_sm90_finalize``), the largest of
+them at T = 256 (bench/README.md).
 
 Builds the layer for ``--preset`` (or ``--model-config``) at ``--tokens`` on one rank, runs three warm-up calls (the
 first loads the kernels), then ``--calls`` calls between ``cudaProfilerStart`` and ``cudaProfilerStop``, for ``ncu
@@ -29,7 +29,7 @@ from gc_moe_compat.ab.operators import Context, MegaMoeSequence
 from gc_moe_compat.runtime.single_rank import single_rank_group
 
 WARMUP_CALLS = 3
-"""Calls before the profiled ones: the first loads the kernels and captures the layer's graph."""
+"""Calls before the profiled ones (the first loads the kernels)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
