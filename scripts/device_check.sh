@@ -262,6 +262,12 @@ for spec in "${counters[@]}"; do
     echo "counters $spec FAILED ($csv)" >>"$OUT/bench.log"
 done
 
+ncu_pages() {  # BASE: BASE.ncu-rep's text report (BASE.txt) and every launch's SASS with its stall samples per line,
+  # one CSV in profile order (BASE_sass.csv)
+  ncu --import "$1.ncu-rep" --print-summary none >"$1.txt" 2>&1
+  ncu --import "$1.ncu-rep" --page source --csv --print-source sass >"$1_sass.csv" 2>&1
+}
+
 if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brings back few), a line per kernel here
   rm -rf /tmp/ncu_normal && mkdir -p /tmp/ncu_normal  # a warm machine keeps /tmp: only this call's reports
   specs=(--tree this=.)
@@ -274,16 +280,13 @@ if ((${#ncu_normal[@]})); then  # every report in one file (the device tool brin
       name="${specs[$i]%%=*}" dir="${specs[$i]#*=}"
       path="${PYTHONPATH:-}"
       [[ "$dir" != "." ]] && path="$(cd "$dir" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-      base="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-default}" report="$base.txt"
+      base="/tmp/ncu_normal/${name}_T${tokens}_H${hidden}_E${experts}_sms${num_sms:-default}"
       (cd bench && PYTHONPATH="$path" timeout 300 ncu --profile-from-start off --clock-control none \
         --kernel-name regex:'gc_ep_normal_(dispatch|combine)$' "${NCU_NORMAL[@]}" -f -o "$base" "$PY" \
         profile_deep_ep_host.py --ncu --tokens "$tokens" --hidden "$hidden" --experts "$experts" "${sms[@]}") \
         >"$base.log" 2>&1 || echo "ncu-normal $name $spec FAILED ($base.log)" >>"$OUT/bench.log"
-      ncu --import "$base.ncu-rep" --print-summary none >"$report" 2>&1
-      # the SASS with stall samples per line of every launch, one file, in profile order (dispatch BF16, dispatch
-      # FP8, combine: bench/profile_deep_ep_host.py --ncu)
-      ncu --import "$base.ncu-rep" --page source --csv --print-source sass >"${base}_sass.csv" 2>&1
-      echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$report" |
+      ncu_pages "$base"  # its SASS pages in profile order: dispatch BF16, dispatch FP8, combine (profile_deep_ep_host)
+      echo "ncu-normal $name $spec: $(grep -E '^  gc_ep_normal_|^ +Duration |^ +smsp__inst_executed.sum ' "$base.txt" |
         awk '/gc_ep_normal_/ {printf "%s", (n++ ? "; " : "") $1} /Duration|inst_executed/ {printf " %s %s", $1, $NF}')"
     done
   done | tee -a "$OUT/bench.log"
@@ -325,8 +328,7 @@ if ((${#ncu_layer[@]})); then  # the reports and their SASS pages in one file, a
       --section WarpStateStats --section SourceCounters --metrics "$NCU_COUNTERS" -f -o "$base" \
       "$PY" bench/profile_layer_sm90.py --preset "$preset" --tokens "$tokens" >"$base.log" 2>&1 ||
       echo "ncu-layer $spec FAILED ($base.log)" >>"$OUT/bench.log"
-    ncu --import "$base.ncu-rep" --print-summary none >"$base.txt" 2>&1
-    ncu --import "$base.ncu-rep" --page source --csv --print-source sass >"${base}_sass.csv" 2>&1
+    ncu_pages "$base"
     echo "ncu-layer $spec: $(grep -E '^  gc_sm90_|^ +(Duration|DRAM Throughput|Achieved Occupancy) ' "$base.txt" |
       awk '/^  gc_sm90_/ {printf "%s%s", (n++ ? "; " : ""), $1} !/^  gc_sm90_/ {printf " %s %s %s", $1, $(NF-1), $NF}')"
   done | tee -a "$OUT/bench.log"
