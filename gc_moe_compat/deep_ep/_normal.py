@@ -37,11 +37,13 @@ order on both paths. ``GC_MOE_SPIN_TIMEOUT_MS`` and ``GC_MOE_DEEP_EP_PARTITION``
 between two calls takes effect at the next.
 
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
-NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture. The data region holds one call's rows at once (no
-chunked ring). Where a call needs more rows than it holds by a count alike on every rank (the counts exchange tells
-each rank the largest need of the group; a handle keeps its dispatch's), every rank grows its workspace in that call
-(at least doubling it, a ``RuntimeWarning`` naming the sizes: :meth:`NormalMode._grow`) and runs the call again;
-where a rank cannot allocate that, every rank raises ``ValueError`` naming the bytes and keeps its workspace. A
+NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture (DeepEP's ``num_worst_tokens`` dispatch, cached
+dispatch and combine make no CPU wait and can be captured; here a call's op number, which its kernels' waits compare
+the ranks' words with, is set on the host, so a replayed graph would repeat it). The data region holds one call's rows
+at once (no chunked ring). Where a call needs more rows than it holds by a count alike on every rank (the counts
+exchange tells each rank the largest need of the group; a handle keeps its dispatch's), every rank grows its workspace
+in that call (at least doubling it, a ``RuntimeWarning`` naming the sizes: :meth:`NormalMode._grow`) and runs the call
+again; where a rank cannot allocate that, every rank raises ``ValueError`` naming the bytes and keeps its workspace. A
 ``num_worst_tokens`` dispatch (no exchange before its transfer) whose rows do not fit raises ``ValueError``. The first
 ``HEADER_BYTES`` hold the kernels' synchronization words and status records, a call's exchanged counts follow (a count
 per rank and channel: they grow with ``config.num_sms``, which is at most the device's SMs): a Buffer too small for
@@ -486,8 +488,11 @@ class NormalMode:
             raise RuntimeError(f"{fn}: the Buffer's workspace lives on {self.device}, not a CUDA device; running the "
                                "normal-mode kernels needs the GPU")
         if torch.cuda.is_current_stream_capturing():
-            raise NotImplementedError(f"{fn}: CUDA graph capture of normal-mode calls (the uncached dispatch "
-                                      "synchronizes the CPU; run normal mode eagerly)")
+            raise NotImplementedError(f"{fn}: CUDA graph capture of normal-mode calls is not implemented "
+                                      "(DeepEP's num_worst_tokens dispatch, cached dispatch and combine make no CPU "
+                                      "wait and can be captured; here each call's cross-rank waits carry an op "
+                                      "number set on the host, which a replay would repeat); run normal mode "
+                                      "eagerly")
         if self.ranks > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")
 

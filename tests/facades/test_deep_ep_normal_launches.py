@@ -420,3 +420,35 @@ def test_each_call_launches_on_the_callers_current_stream(group: dist.ProcessGro
         s.buf.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8)
         assert [launch.stream for launch in fake.launches] == [current]
     assert sorted(s.mode._off_streams) == [STREAM, 0x6000]
+
+
+def test_graph_capture_is_refused_before_any_launch(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                    fake: FakeDriver) -> None:
+    """Under a CUDA graph capture every normal-mode call raises NotImplementedError naming it (the calls DeepEP
+    captures included: a ``num_worst_tokens`` dispatch, a cached dispatch, a combine), before any launch and without
+    taking an op number; after the capture the calls run as before."""
+    s = Session(group, monkeypatch, fake, 2)
+    x, out = s.dispatch(5, 4, 16, recv=9)
+    handle, op, config = out[4], s.mode.op, Config(8, 6, 256)
+    in_rank = torch.ones(5, 2, dtype=torch.bool)
+    idx, w = torch.zeros(5, 4, dtype=torch.int64), torch.rand(5, 4)
+    worst = dict(num_tokens_per_rank=in_rank.sum(0).to(torch.int32), is_token_in_rank=in_rank,
+                 num_tokens_per_expert=torch.zeros(16, dtype=torch.int32), topk_idx=idx, topk_weights=w,
+                 num_worst_tokens=12, config=config)
+    refused = {
+        "get_dispatch_layout": lambda: s.buf.get_dispatch_layout(idx, 16),
+        "dispatch": lambda: s.buf.dispatch(x, **worst),
+        "cached dispatch": lambda: s.buf.dispatch(x, handle, config=config),
+        "combine": lambda: s.buf.combine(torch.zeros(9, H, dtype=torch.bfloat16), handle, config=config),
+    }
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for what, call in refused.items():
+        fn = what.split()[-1]
+        with pytest.raises(NotImplementedError, match=f"^{fn}: CUDA graph capture of normal-mode calls is not "
+                                                      "implemented \\(DeepEP's num_worst_tokens dispatch, "
+                                                      "cached dispatch and combine make no CPU wait"):
+            call()
+    assert fake.launches == [] and s.mode.op == op
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    s.combine(handle)
+    s.dispatch(5, 4, 16, worst=12)
