@@ -37,19 +37,20 @@ order on both paths. ``GC_MOE_SPIN_TIMEOUT_MS`` and ``GC_MOE_DEEP_EP_PARTITION``
 between two calls takes effect at the next.
 
 Not implemented, each raising ``NotImplementedError`` naming it: groups above 8 ranks (DeepEP runs them internode over
-NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture (DeepEP's ``num_worst_tokens`` dispatch, cached
-dispatch and combine make no CPU wait and can be captured; here a call's op number, which its kernels' waits compare
-the ranks' words with, is set on the host, so a replayed graph would repeat it). The data region holds one call's rows
-at once (no chunked ring). Where a call needs more rows than it holds by a count alike on every rank (the counts
-exchange tells each rank the largest need of the group; a handle keeps its dispatch's), every rank grows its workspace
-in that call (at least doubling it, a ``RuntimeWarning`` naming the sizes: :meth:`NormalMode._grow`) and runs the call
-again; where a rank cannot allocate that, every rank raises ``ValueError`` naming the bytes and keeps its workspace. A
-``num_worst_tokens`` dispatch (no exchange before its transfer) whose rows do not fit raises ``ValueError``. The first
-``HEADER_BYTES`` hold the kernels' synchronization words and status records, a call's exchanged counts follow (a count
-per rank and channel: they grow with ``config.num_sms``, which is at most the device's SMs): a Buffer too small for
-them constructs, as DeepEP's does, and each of its kernel calls raises ``ValueError`` naming ``num_nvl_bytes``, the
-bytes it needs and the size hint. ``topk_idx`` values are read only by the layout kernel: an id outside
-``[-1, num_experts)`` is treated as an unused slot and reported (``DeviceCheckError``).
+NVSHMEM/RDMA), ``num_tokens_per_rdma_rank``, CUDA graph capture (DeepEP's calls but an uncached dispatch without
+``num_worst_tokens`` make no CPU wait and can be captured; here a dispatch's or combine's op number, which its
+kernels' waits compare the ranks' words with, is set on the host, so a replayed graph would repeat it). The data
+region holds one call's rows at once (no chunked ring). Where a call needs more rows than it holds by a count alike on
+every rank (the counts exchange tells each rank the largest need of the group; a handle keeps its dispatch's), every
+rank grows its workspace in that call (at least doubling it, a ``RuntimeWarning`` naming the sizes:
+:meth:`NormalMode._grow`) and runs the call again; where a rank cannot allocate that, every rank raises ``ValueError``
+naming the bytes and keeps its workspace. A ``num_worst_tokens`` dispatch (no exchange before its transfer) whose rows
+do not fit raises ``ValueError``. The first ``HEADER_BYTES`` hold the kernels' synchronization words and status
+records, a call's exchanged counts follow (a count per rank and channel: they grow with ``config.num_sms``, which is
+at most the device's SMs): a Buffer too small for them constructs, as DeepEP's does, and each of its kernel calls
+raises ``ValueError`` naming ``num_nvl_bytes``, the bytes it needs and the size hint. ``topk_idx`` values are read
+only by the layout kernel: an id outside ``[-1, num_experts)`` is treated as an unused slot and reported
+(``DeviceCheckError``).
 """
 
 from __future__ import annotations
@@ -489,9 +490,9 @@ class NormalMode:
                                "normal-mode kernels needs the GPU")
         if torch.cuda.is_current_stream_capturing():
             raise NotImplementedError(f"{fn}: CUDA graph capture of normal-mode calls is not implemented "
-                                      "(DeepEP's num_worst_tokens dispatch, cached dispatch and combine make no CPU "
-                                      "wait and can be captured; here each call's cross-rank waits carry an op "
-                                      "number set on the host, which a replay would repeat); run normal mode "
+                                      "(DeepEP's calls but an uncached dispatch without num_worst_tokens make no CPU "
+                                      "wait and can be captured; the facade's dispatch and combine number their "
+                                      "cross-rank waits on the host, which a replay would repeat); run normal mode "
                                       "eagerly")
         if self.ranks > MAX_NVL_RANKS:
             raise NotImplementedError(f"{fn}: {INTERNODE_MISSING}")

@@ -424,9 +424,9 @@ def test_each_call_launches_on_the_callers_current_stream(group: dist.ProcessGro
 
 def test_graph_capture_is_refused_before_any_launch(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
                                                     fake: FakeDriver) -> None:
-    """Under a CUDA graph capture every normal-mode call raises NotImplementedError naming it (the calls DeepEP
-    captures included: a ``num_worst_tokens`` dispatch, a cached dispatch, a combine), before any launch and without
-    taking an op number; after the capture the calls run as before."""
+    """Under a CUDA graph capture every normal-mode call raises NotImplementedError naming it (DeepEP captures each
+    of these: they make no CPU wait), before any launch and without taking an op number; after the capture the calls
+    run as before."""
     s = Session(group, monkeypatch, fake, 2)
     x, out = s.dispatch(5, 4, 16, recv=9)
     handle, op, config = out[4], s.mode.op, Config(8, 6, 256)
@@ -445,8 +445,8 @@ def test_graph_capture_is_refused_before_any_launch(group: dist.ProcessGroup, mo
     for what, call in refused.items():
         fn = what.split()[-1]
         with pytest.raises(NotImplementedError, match=f"^{fn}: CUDA graph capture of normal-mode calls is not "
-                                                      "implemented \\(DeepEP's num_worst_tokens dispatch, "
-                                                      "cached dispatch and combine make no CPU wait"):
+                                                      "implemented \\(DeepEP's calls but an uncached dispatch "
+                                                      "without num_worst_tokens make no CPU wait"):
             call()
     assert fake.launches == [] and s.mode.op == op
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
