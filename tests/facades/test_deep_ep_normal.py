@@ -10,7 +10,8 @@ its own (issue 29): DeepEP's bytes (the reference's ``combined_send_head``) for 
 channels, inside guard words, twice (a reused handle), with the facade's grid and with one CTA. In process on one
 rank: ``get_dispatch_layout`` reports an id outside ``[-1, num_experts)`` (issue 32 item 5: below -1 too) as
 ``DeviceCheckError`` at the next call (no call waits on the CPU, as with DeepEP), a synchronous one's and an
-``async_finish`` one's, and ``Buffer.destroy`` raises one that no call raised.
+``async_finish`` one's, and ``Buffer.destroy`` raises one that no call raised. Inside a ``torch.cuda.graph`` capture
+every call raises ``NotImplementedError`` and the Buffer's later eager calls are unchanged.
 """
 
 from __future__ import annotations
@@ -170,3 +171,39 @@ def test_layout_reports_ids_outside_the_experts(group: dist.ProcessGroup, monkey
     buf.get_dispatch_layout(bad_idx, experts)  # an error no call raises: destroy does (it synchronizes)
     with pytest.raises(DeviceCheckError, match=recorded):
         buf.destroy()
+
+
+def test_calls_inside_a_graph_capture_raise_and_the_buffer_goes_on(group: dist.ProcessGroup) -> None:
+    """Inside a real ``torch.cuda.graph`` capture each normal-mode call (the layout, a ``num_worst_tokens`` dispatch,
+    a cached dispatch, a combine: DeepEP captures all four) raises NotImplementedError naming it, the capture ends
+    with the exception, and the Buffer's eager calls afterwards give the rows and sums they gave before it."""
+    tokens, topk, experts, hidden = 16, 4, 8, 256
+    buf = Buffer(group, 1 << 22, 0, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(47)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).cuda()
+    w = torch.rand(tokens, topk, generator=g).cuda()
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **layout)
+    combined, combined_w, _ = buf.combine(recv_x, handle, recv_w)
+    torch.cuda.synchronize()
+    before = [t.clone() for t in (recv_x, combined, combined_w)]
+    calls = {
+        "get_dispatch_layout": lambda: buf.get_dispatch_layout(idx, experts),
+        "dispatch": lambda: buf.dispatch(x, **layout, num_worst_tokens=tokens),
+        "cached dispatch": lambda: buf.dispatch(x, handle),
+        "combine": lambda: buf.combine(recv_x, handle, recv_w),
+    }
+    refused = "CUDA graph capture of normal-mode calls is not implemented"
+    for what, call in calls.items():
+        expected = pytest.raises(NotImplementedError, match=f"^{what.split()[-1]}: {refused}")
+        with expected, torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call()
+    recv_again, _, recv_w_again, _, handle, _ = buf.dispatch(x, **layout)
+    combined_again, combined_w_again, _ = buf.combine(recv_again, handle, recv_w_again)
+    torch.cuda.synchronize()
+    for got, want in zip((recv_again, combined_again, combined_w_again), before, strict=True):
+        assert torch.equal(got, want)
+    buf.destroy()
