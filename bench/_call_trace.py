@@ -7,14 +7,16 @@ The summary answers what the result files' ``latency_us`` / ``host_us`` cannot s
 and end offsets and its duration), and the host gaps between two launches, where an uncached dispatch's CPU wait
 for the received counts and the allocations after it show up. ``bench/deep_ep_ab.py --trace DIR`` writes the traces
 (one Chrome trace per implementation, rank and point) and their summaries; ``python bench/_call_trace.py DIR``
-summarizes saved traces again. Tracing adds host time to every call (the profiler's callbacks): read offsets and
-gaps against each other, not against the untraced ``host_us``.
+summarizes saved traces again, ``--across-ranks`` as one line per point and op (the medians over its ranks' files
+of each rank's median call). Tracing adds host time to every CUDA API call (the profiler's callbacks), so a call
+making more of them is taxed more: read offsets and gaps against each other, not against the untraced ``host_us``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +124,46 @@ def summary_lines(calls: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+DIGEST_FIELDS = ("host_us", "first_launch_us", "launch_calls_us", "between_us", "after_last_us", "alloc_us")
+"""What :func:`call_digest` keeps per op: the host span; the entry's gap to the first launch; the launch calls'
+time in all; the host time between launches (an uncached dispatch's CPU wait among it); the last launch's end to
+the return; the allocations."""
+
+
+def call_digest(calls: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per op that launched a kernel, the medians of :data:`DIGEST_FIELDS` over its calls after the first (calls that
+    launched a different number of kernels than the op's first are left out, as in :func:`summary_lines`)."""
+    digest = {}
+    for op in dict.fromkeys(c["op"] for c in calls):
+        mine = [c for c in calls if c["op"] == op][1:]
+        if not mine or not mine[0]["launches"]:
+            continue
+        mine = [c for c in mine if len(c["launches"]) == len(mine[0]["launches"])]
+        per_call = [(c["host_us"], c["gaps_us"][0], sum(launch["launch_us"] for launch in c["launches"]),
+                     sum(c["gaps_us"][1:-1]), c["gaps_us"][-1], c["alloc_us"]) for c in mine]
+        columns = zip(*per_call, strict=True)
+        digest[op] = {name: statistics.median(values) for name, values in zip(DIGEST_FIELDS, columns, strict=True)}
+    return digest
+
+
+def digest_lines(paths: Sequence[Path]) -> list[str]:
+    """One line per point and op: the trace files of one point (one per rank, ``..._rank<R>.json``, as
+    ``deep_ep_ab.py --trace`` names them) grouped, and each :data:`DIGEST_FIELDS` entry the median over the ranks of
+    each rank's :func:`call_digest` (µs)."""
+    groups: dict[str, list[dict[str, dict[str, float]]]] = {}
+    for path in paths:
+        point = re.sub(r"_rank\d+$", "", path.stem)
+        groups.setdefault(point, []).append(call_digest(summarize(json.loads(path.read_text()))))
+    lines = []
+    for point, ranks in groups.items():
+        for op in dict.fromkeys(op for digest in ranks for op in digest):
+            mine = [digest[op] for digest in ranks if op in digest]
+            fields = ", ".join(f"{name[:-3].replace('_', ' ')} {statistics.median(d[name] for d in mine):.1f}"
+                               for name in DIGEST_FIELDS)
+            lines.append(f"{point} {op}: {fields} us ({len(mine)} ranks)")
+    return lines
+
+
 def summarize_file(path: Path) -> list[str]:
     """The summary lines of one saved trace, headed by its name."""
     return [f"== {path.name}", *summary_lines(summarize(json.loads(path.read_text())))]
@@ -130,10 +172,15 @@ def summarize_file(path: Path) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="trace files, or folders of them (*.json)")
+    parser.add_argument("--across-ranks", action="store_true",
+                        help="one line per point and op, medians over its ranks' files (digest_lines)")
     args = parser.parse_args(argv)
     files = [f for p in args.paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
     if not files:
         parser.error(f"no trace files in {[str(p) for p in args.paths]}")
+    if args.across_ranks:
+        print("\n".join(digest_lines(files)))
+        return 0
     for f in files:
         print("\n".join(summarize_file(f)))
     return 0

@@ -67,3 +67,23 @@ def test_cli_summarizes_a_folder(tmp_path: Path, capsys) -> None:
     assert call_trace.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("== a.json\ndispatch_bf16: 1 calls")
+
+
+def test_digest_takes_each_ops_medians_after_the_first_call() -> None:
+    digest = call_trace.call_digest(call_trace.summarize(_trace([999.0, 40.0, 60.0, 80.0])))
+    assert list(digest) == ["dispatch_bf16"]
+    assert digest["dispatch_bf16"] == {"host_us": 90.0, "first_launch_us": 6.0, "launch_calls_us": 10.0,
+                                       "between_us": 68.0, "after_last_us": 6.0, "alloc_us": 9.0}
+
+
+def test_across_ranks_groups_a_points_rank_files(tmp_path: Path, capsys) -> None:
+    """The files of one point (``_rank<R>``) make one line per op, each field the median over the ranks."""
+    for rank, waits in enumerate(([999.0, 40.0], [999.0, 60.0], [999.0, 100.0])):
+        (tmp_path / f"normal_P3_glm_T512_facade_rank{rank}.json").write_text(json.dumps(_trace(waits)))
+    (tmp_path / "normal_P3_glm_T512_original_rank0.json").write_text(json.dumps(_trace([999.0, 20.0])))
+    assert call_trace.main(["--across-ranks", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "normal_P3_glm_T512_facade dispatch_bf16: host 90.0, first launch 6.0, launch calls 10.0, between 68.0, "
+        "after last 6.0, alloc 9.0 us (3 ranks)",
+        "normal_P3_glm_T512_original dispatch_bf16: host 50.0, first launch 6.0, launch calls 10.0, between 28.0, "
+        "after last 6.0, alloc 9.0 us (1 ranks)"]
