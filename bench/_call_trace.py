@@ -98,17 +98,24 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _steady_calls(calls: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Per op, its calls after the first (whose trace pays the profiler's warm-up) that launched as many kernels as
+    the first of them; ops with no such call are left out."""
+    steady = {}
+    for op in dict.fromkeys(c["op"] for c in calls):
+        mine = [c for c in calls if c["op"] == op][1:]
+        if mine:
+            steady[op] = [c for c in mine if len(c["launches"]) == len(mine[0]["launches"])]
+    return steady
+
+
 def summary_lines(calls: Sequence[Mapping[str, Any]]) -> list[str]:
     """Per op, the medians over its calls after the first: host span, each launch's host offset, its kernel's GPU
     start / end offsets and duration, and the host gap before each launch (the last gap: the last launch to the
     return). Calls that launched a different number of kernels than the op's first are left out."""
     lines = []
-    for op in dict.fromkeys(c["op"] for c in calls):
-        mine = [c for c in calls if c["op"] == op][1:]
-        if not mine:
-            continue
+    for op, mine in _steady_calls(calls).items():
         shape = len(mine[0]["launches"])
-        mine = [c for c in mine if len(c["launches"]) == shape]
         lines.append(f"{op}: {len(mine)} calls, host {_us(_median([c['host_us'] for c in mine]))} us, allocations "
                      f"{_us(_median([c['alloc_us'] for c in mine]))} us (medians)")
         for i in range(shape):
@@ -131,14 +138,11 @@ the return; the allocations."""
 
 
 def call_digest(calls: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per op that launched a kernel, the medians of :data:`DIGEST_FIELDS` over its calls after the first (calls that
-    launched a different number of kernels than the op's first are left out, as in :func:`summary_lines`)."""
+    """Per op that launched a kernel, the medians of :data:`DIGEST_FIELDS` over its :func:`_steady_calls`."""
     digest = {}
-    for op in dict.fromkeys(c["op"] for c in calls):
-        mine = [c for c in calls if c["op"] == op][1:]
-        if not mine or not mine[0]["launches"]:
+    for op, mine in _steady_calls(calls).items():
+        if not mine[0]["launches"]:
             continue
-        mine = [c for c in mine if len(c["launches"]) == len(mine[0]["launches"])]
         per_call = [(c["host_us"], c["gaps_us"][0], sum(launch["launch_us"] for launch in c["launches"]),
                      sum(c["gaps_us"][1:-1]), c["gaps_us"][-1], c["alloc_us"]) for c in mine]
         columns = zip(*per_call, strict=True)
