@@ -4,7 +4,7 @@
 //
 // One call checks the call's tensors against the record of a call shape the Python path checked before (sizes,
 // dtypes, device: what its checks accept for that shape, never more), allocates the outputs as the Python path does
-// (at::empty / at::empty_strided on the record's device) and stores their device addresses into the call shape's
+// (at::empty / at::empty_strided on the record's device, small outputs as parts of one allocation) and stores their device addresses into the call shape's
 // packed parameters (a ctypes EpLlParams or EpNormalParams, at the byte offsets Python passed once to
 // set_param_offsets). It returns the outputs, or None at the first argument that differs from the record (or an
 // allocation that fails): the Python path then runs its own checks and raises its own errors, so every error message
@@ -12,7 +12,6 @@
 // device the record names.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/as_strided.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <torch/csrc/utils/pybind.h>
@@ -155,6 +154,39 @@ py::object wrap(at::Tensor t) {
   return py::cast(std::move(t));
 }
 
+// Every part of one allocation starts at a multiple of this many bytes (gc_moe_compat/deep_ep/_parts.py's
+// PART_ALIGNMENT: the kernels read by 16-byte vectors).
+constexpr int64_t kPartAlignment = 16;
+
+// The byte starts of parts of ``nbytes`` bytes laid out in order, each rounded up to kPartAlignment, and (last) the
+// bytes the allocation needs: _parts.vector_aligned_starts.
+std::vector<int64_t> vector_aligned_starts(std::initializer_list<int64_t> nbytes) {
+  std::vector<int64_t> starts;
+  int64_t end = 0;
+  for (const int64_t size : nbytes) {
+    starts.push_back((end + kPartAlignment - 1) / kPartAlignment * kPartAlignment);
+    end = starts.back() + size;
+  }
+  starts.push_back(end);
+  return starts;
+}
+
+// A contiguous tensor of ``dtype`` and ``sizes`` on the storage of ``block`` (a fresh allocation) from byte
+// ``start`` (a multiple of the dtype's size): what _parts.part makes with Tensor.set_, here without the dispatcher
+// (each ATen view op costs a microsecond or two of host time). Not an autograd view, as DeepEP's separate tensors.
+at::Tensor part_of(const at::Tensor& block, at::ScalarType dtype, int64_t start, at::IntArrayRef sizes) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                          c10::scalarTypeToTypeMeta(dtype));
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, start / static_cast<int64_t>(c10::elementSize(dtype)));
+  return t;
+}
+
 // One dispatch call shape as the Python path checked it (gc_moe_compat/deep_ep/_low_latency.py builds it).
 struct DispatchRecord {
   py::object launches;  // the shape's LlLaunches (kept alive: ``params`` points into it)
@@ -216,14 +248,15 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
                                  on(r.device, *r.scale_dtype));
     }
     priv = at::empty({r.private_size}, on(r.device, r.private_dtype));
-    layout_range = priv.narrow(0, r.layout_at, 2 * r.local * r.ranks).view(at::kLong).view({r.local, r.ranks});
-    recv_count = at::as_strided(priv, {r.local}, {1}, r.count_at);
-    src_info = at::as_strided(priv, {r.local, r.slots}, {r.slots, 1}, r.info_at);
-    src_route = at::as_strided(priv, {r.local, r.slots}, {r.slots, 1}, r.route_at);
-    routing = at::as_strided(priv, {2, r.num_tokens, r.topk}, {r.num_tokens * r.topk, r.topk, 1}, r.routing_at);
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();
   }
+  const int64_t word = static_cast<int64_t>(priv.element_size());  // the parts' starts are in its elements
+  layout_range = part_of(priv, at::kLong, r.layout_at * word, {r.local, r.ranks});
+  recv_count = part_of(priv, r.private_dtype, r.count_at * word, {r.local});
+  src_info = part_of(priv, r.private_dtype, r.info_at * word, {r.local, r.slots});
+  src_route = part_of(priv, r.private_dtype, r.route_at * word, {r.local, r.slots});
+  routing = part_of(priv, r.private_dtype, r.routing_at * word, {2, r.num_tokens, r.topk});
   store(r.params, kX, x.const_data_ptr());
   store(r.params, kTopkIdx, idx.const_data_ptr());
   store(r.params, kRecvX, recv_x.const_data_ptr());
@@ -231,7 +264,7 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
   store(r.params, kRecvCount, recv_count.const_data_ptr());
   store(r.params, kSrcInfo, src_info.const_data_ptr());
   store(r.params, kLayoutRange, layout_range.const_data_ptr());
-  // The views' addresses from the allocation's (an empty view's data pointer is null, its place in params is not).
+  // The parts' addresses from the allocation's (an empty part's data pointer is null, its place in params is not).
   const auto* base = static_cast<const char*>(priv.const_data_ptr());
   store(r.params, kCallGen, base);
   store(r.params, kSrcRoute, base + r.route_at * priv.element_size());
@@ -363,6 +396,9 @@ bool x_parts(const py::handle& x_obj, at::Tensor& payload, at::Tensor& scales, p
   return payload.defined() && payload.dim() == 2;
 }
 
+// The entries of NormalDispatchRecord::handle_at, in _normal._HandleLayout's order.
+enum HandlePart : int { kRankPrefixAt, kChannelPrefixAt, kSendHeadAt, kRecvChannelPrefixAt, kHandleBytes };
+
 // One normal-mode dispatch call shape as the Python path checked it (gc_moe_compat/deep_ep/_normal.py builds it):
 // uncached (the layout's tensors, notify's parameters and the host record of counts) or cached (the handle's
 // tensors instead).
@@ -378,6 +414,9 @@ struct NormalDispatchRecord {
       scale_hidden_stride;
   at::ScalarType x_dtype, count_dtype, mask_dtype, index_dtype, weight_dtype;
   std::optional<at::ScalarType> scale_dtype, idx_dtype;  // None: no scales (BF16) / no top-k
+  // uncached: the byte starts of the handle's four int32 matrices in their one allocation and its bytes, indexed by
+  // HandlePart (_normal._HandleLayout)
+  std::vector<int64_t> handle_at;
 
   // What normal_dispatch / normal_cached_dispatch look the record up by: what they read off the call's tensors.
   py::tuple key() const {
@@ -427,19 +466,28 @@ void store_sent(const NormalDispatchRecord& r, const at::Tensor& payload, const 
 // The received tensors of ``rows`` rows (recv_x, scales or None, recv_src_idx, top-k ids and weights or None),
 // their addresses and the row count stored into the transfer's parameters; None when an allocation fails.
 py::object receive(const NormalDispatchRecord& r, int64_t rows) {
-  at::Tensor recv_x, scales, src_idx, idx, weights;
+  // _normal._received_layout: recv_src_idx, the top-k ids and weights, the scales, parts of one allocation
+  const auto size = [rows](int64_t columns, std::optional<at::ScalarType> dtype) {
+    return dtype ? rows * columns * static_cast<int64_t>(c10::elementSize(*dtype)) : int64_t{0};
+  };
+  const auto idx_dtype = r.topk ? r.idx_dtype : std::nullopt;
+  const auto weight_dtype = r.topk ? std::optional<at::ScalarType>(r.weight_dtype) : std::nullopt;
+  const std::vector<int64_t> at = vector_aligned_starts(
+      {size(1, r.index_dtype), size(r.topk, idx_dtype), size(r.topk, weight_dtype), size(r.num_scales, r.scale_dtype)});
+  at::Tensor recv_x, block, scales, src_idx, idx, weights;
   try {
     recv_x = at::empty({rows, r.hidden}, on(r.device, r.x_dtype));
-    if (r.scale_dtype) {
-      scales = at::empty({rows, r.num_scales}, on(r.device, *r.scale_dtype));
-    }
-    src_idx = at::empty({rows}, on(r.device, r.index_dtype));
-    if (r.topk) {
-      idx = at::empty({rows, r.topk}, on(r.device, *r.idx_dtype));
-      weights = at::empty({rows, r.topk}, on(r.device, r.weight_dtype));
-    }
+    block = at::empty({at.back()}, on(r.device, at::kByte));
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();
+  }
+  src_idx = part_of(block, r.index_dtype, at[0], {rows});
+  if (r.topk) {
+    idx = part_of(block, *r.idx_dtype, at[1], {rows, r.topk});
+    weights = part_of(block, r.weight_dtype, at[2], {rows, r.topk});
+  }
+  if (r.scale_dtype) {
+    scales = part_of(block, *r.scale_dtype, at[3], {rows, r.num_scales});
   }
   const bool any = rows > 0;
   put_normal(r.params, kNRecvRows, static_cast<uint64_t>(rows));
@@ -496,15 +544,19 @@ py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, c
                   !dense(weights, r.weight_dtype, 2, r.device, kEach) || !sizes_are(weights, {r.tokens, r.topk})))) {
     return py::none();
   }
-  at::Tensor rank_prefix, channel_prefix, send_head, recv_channel_prefix;
+  at::Tensor block;
   try {
-    rank_prefix = at::empty({r.ranks, r.ranks}, on(r.device, r.index_dtype));
-    channel_prefix = at::empty({r.ranks, r.channels}, on(r.device, r.index_dtype));
-    send_head = at::empty({r.tokens, r.ranks}, on(r.device, r.index_dtype));
-    recv_channel_prefix = at::empty({r.ranks, r.channels}, on(r.device, r.index_dtype));
+    block = at::empty({r.handle_at[kHandleBytes]}, on(r.device, at::kByte));
   } catch (const c10::Error&) {
     return py::none();
   }
+  const auto handle_part = [&](int part, int64_t rows, int64_t columns) {
+    return part_of(block, r.index_dtype, r.handle_at[part], {rows, columns});
+  };
+  const at::Tensor rank_prefix = handle_part(kRankPrefixAt, r.ranks, r.ranks);
+  const at::Tensor channel_prefix = handle_part(kChannelPrefixAt, r.ranks, r.channels);
+  at::Tensor send_head = handle_part(kSendHeadAt, r.tokens, r.ranks);
+  const at::Tensor recv_channel_prefix = handle_part(kRecvChannelPrefixAt, r.ranks, r.channels);
   put_normal(r.params, kNRankPrefix, address(rank_prefix));
   put_normal(r.params, kNChannelPrefix, address(channel_prefix));
   put_normal(r.params, kNRecvChannelPrefix, address(recv_channel_prefix));
@@ -518,8 +570,8 @@ py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, c
   put_normal(r.notify_params, kNRankPrefix, address(rank_prefix));
   put_normal(r.notify_params, kNChannelPrefix, address(channel_prefix));
   return py::make_tuple(r.launch, found, r.host, r.tag, r.local, payload_obj, scales_obj, idx_obj, weights_obj,
-                        in_rank_obj, wrap(std::move(rank_prefix)), wrap(std::move(channel_prefix)),
-                        wrap(std::move(send_head)), wrap(std::move(recv_channel_prefix)));
+                        in_rank_obj, wrap(rank_prefix), wrap(channel_prefix), wrap(std::move(send_head)),
+                        wrap(recv_channel_prefix));
 }
 
 // An uncached dispatch's host work after the CPU wait: the received tensors of ``rows`` rows, as receive() makes
@@ -738,23 +790,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t scale_token_stride, int64_t scale_hidden_stride, at::ScalarType x_dtype,
                        std::optional<at::ScalarType> scale_dtype, std::optional<at::ScalarType> idx_dtype,
                        at::ScalarType count_dtype, at::ScalarType mask_dtype, at::ScalarType index_dtype,
-                       at::ScalarType weight_dtype) {
+                       at::ScalarType weight_dtype, std::vector<int64_t> handle_at) {
              if (ranks < 1 || experts % ranks || (topk > 0) != idx_dtype.has_value() ||
-                 (num_scales > 0) != scale_dtype.has_value()) {
+                 (num_scales > 0) != scale_dtype.has_value() ||
+                 handle_at.size() != (cached ? 0 : static_cast<size_t>(kHandleBytes + 1))) {
                throw py::value_error("NormalDispatchRecord: inconsistent sizes and dtypes");
              }
              return NormalDispatchRecord{std::move(launch), std::move(host), std::move(tag), notify_params, params,
                                          host_counts, device, cached, ranks, channels, tokens, hidden, experts,
                                          experts / ranks, topk, num_scales, scale_token_stride, scale_hidden_stride,
                                          x_dtype, count_dtype, mask_dtype, index_dtype, weight_dtype, scale_dtype,
-                                         idx_dtype};
+                                         idx_dtype, std::move(handle_at)};
            }),
            py::kw_only(), py::arg("launch"), py::arg("host"), py::arg("tag"), py::arg("notify_params"),
            py::arg("params"), py::arg("host_counts"), py::arg("device"), py::arg("cached"), py::arg("ranks"),
            py::arg("channels"), py::arg("tokens"), py::arg("hidden"), py::arg("experts"), py::arg("topk"),
            py::arg("num_scales"), py::arg("scale_token_stride"), py::arg("scale_hidden_stride"), py::arg("x_dtype"),
            py::arg("scale_dtype"), py::arg("idx_dtype"), py::arg("count_dtype"), py::arg("mask_dtype"),
-           py::arg("index_dtype"), py::arg("weight_dtype"))
+           py::arg("index_dtype"), py::arg("weight_dtype"), py::arg("handle_at"))
       .def_readonly("launch", &NormalDispatchRecord::launch)
       .def_property_readonly("key", &NormalDispatchRecord::key);
   py::class_<NormalCombineRecord>(m, "NormalCombineRecord")

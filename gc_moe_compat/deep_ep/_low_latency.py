@@ -64,6 +64,7 @@ from gc_moe_compat.comm.ep_ll import (
 from gc_moe_compat.config import boolean, int_in_range, integer, shown
 from gc_moe_compat.deep_ep import _compiled_host
 from gc_moe_compat.deep_ep._config import C_INT_MAX, MAX_LAUNCH_SHAPES, TOPK_IDX_DTYPES, TOPK_IDX_RULE, address_rule
+from gc_moe_compat.deep_ep._parts import part
 from gc_moe_compat.runtime import colocation
 from gc_moe_compat.runtime.cuda import as_stream
 from gc_moe_compat.runtime.green import Partition, get_partition
@@ -78,7 +79,7 @@ Hook = Callable[[], None]
 _STATS_DTYPE = torch.int32
 """The dtype of ``cumulative_local_expert_recv_stats`` (DeepEP's), the one the checks of both host paths accept."""
 _PRIVATE_DTYPE = torch.int32
-"""The dtype of a dispatch's private allocation (:class:`_PrivateLayout`), so of its int32 views (``recv_count``,
+"""The dtype of a dispatch's private allocation (:class:`_PrivateLayout`), so of its int32 parts (``recv_count``,
 ``src_info``, the handle's ``src_route`` and ``routing``)."""
 _CALL_GEN_DTYPE = torch.int64
 """The dtype of a combine's generation word (``EpLlParams.call_gen``: the kernels store a u64 there)."""
@@ -328,8 +329,8 @@ def _receive_hook(call: _Call, kernel: Kernel) -> Hook:
 _DispatchMade = tuple[LlLaunches, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
                      torch.Tensor, torch.Tensor, torch.Tensor]
 """A dispatch's packed launches (this call's pointers set) and its tensors: ``recv_x``, the scales (None for BF16),
-``recv_count``, ``src_info``, ``layout_range``, the private allocation they are views of (:class:`_PrivateLayout`)
-and its two views ``src_route`` and ``routing`` (what either host path makes)."""
+``recv_count``, ``src_info``, ``layout_range``, the private allocation they are parts of (:class:`_PrivateLayout`)
+and its two parts ``src_route`` and ``routing`` (what either host path makes)."""
 
 
 def dispatch(workspace: SymmetricWorkspace, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
@@ -419,11 +420,12 @@ def _checked_dispatch(workspace: SymmetricWorkspace, state: _State, fast: Module
                                      dtype=torch.int32 if use_ue8m0 else torch.float32, device=device)
     at = _private_layout(local, slots, ranks, num_tokens, topk)
     private = torch.empty(at.size, dtype=_PRIVATE_DTYPE, device=device)
-    layout_range = private[at.layout_range:at.layout_range + 2 * local * ranks].view(torch.int64).view(local, ranks)
-    recv_count = private.as_strided((local,), (1,), at.recv_count)
-    src_info = private.as_strided((local, slots), (slots, 1), at.src_info)
-    src_route = private.as_strided((local, slots), (slots, 1), at.src_route)
-    routing = private.as_strided((2, num_tokens, topk), (num_tokens * topk, topk, 1), at.routing)
+    word = _PRIVATE_DTYPE.itemsize  # the layout's starts are in its elements
+    layout_range = part(private, torch.int64, word * at.layout_range, (local, ranks))
+    recv_count = part(private, _PRIVATE_DTYPE, word * at.recv_count, (local,))
+    src_info = part(private, _PRIVATE_DTYPE, word * at.src_info, (local, slots))
+    src_route = part(private, _PRIVATE_DTYPE, word * at.src_route, (local, slots))
+    routing = part(private, _PRIVATE_DTYPE, word * at.routing, (2, num_tokens, topk))
     base = private.data_ptr()
     params = launches.params
     params.x, params.topk_idx, params.recv_x = x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr()
@@ -449,7 +451,8 @@ class _PrivateLayout(NamedTuple):
     call's generation word (a u64 at 0), ``layout_range`` (int64 ``[L, P]``), ``recv_count`` (``[L]``), ``src_info``
     and ``src_route`` (``[L, P*Tmax]``), ``routing`` (``[2, T, k]``); ``size``, the elements in all. One allocation
     instead of four: each costs about 2 us of host time per call (a CUDA allocation through torch's caching
-    allocator), the sizes are small, and the parts are views of it with DeepEP's shapes, dtypes and strides."""
+    allocator), the sizes are small, and the parts have DeepEP's shapes, dtypes and strides
+    (:func:`~gc_moe_compat.deep_ep._parts.part`: not autograd views, as DeepEP's separate tensors)."""
 
     layout_range: int
     recv_count: int

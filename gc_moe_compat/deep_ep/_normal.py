@@ -62,6 +62,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -103,6 +104,7 @@ from gc_moe_compat.deep_ep._config import (
     recommended_config,
 )
 from gc_moe_compat.deep_ep._event import EventHandle, EventOverlap
+from gc_moe_compat.deep_ep._parts import part, vector_aligned_starts
 from gc_moe_compat.runtime.colocation import Placement, deep_ep_mode_of
 from gc_moe_compat.runtime.cuda import CudaError, call
 from gc_moe_compat.runtime.green import Partition, Role, get_partition
@@ -163,6 +165,39 @@ def dispatch_config(num_ranks: int, num_sms: int) -> Config:
 def combine_config(num_ranks: int, num_sms: int) -> Config:
     """DeepEP's recommended combine config for ``num_ranks`` with ``num_sms`` (``Buffer.num_sms``)."""
     return _table_config("get_combine_config", _COMBINE, num_ranks, num_sms)
+
+
+class _HandleLayout(NamedTuple):
+    """Where an uncached dispatch's four int32 matrices of the handle start in their one allocation, in bytes
+    (:func:`~gc_moe_compat.deep_ep._parts.vector_aligned_starts`), and its bytes: one allocation before notify's
+    launch instead of four (each about 2 us of host time on the path to notify, which every rank's notify waits
+    for). ``_compiled_host.cpp`` reads the starts from the record (``handle_at``, in this order)."""
+
+    rank_prefix: int
+    channel_prefix: int
+    send_head: int
+    recv_channel_prefix: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, ranks: int, channels: int, tokens: int) -> _HandleLayout:
+        """The layout of a dispatch of ``tokens`` tokens over ``ranks`` ranks and ``channels`` channels."""
+        i = _INDEX_DTYPE.itemsize
+        starts, nbytes = vector_aligned_starts((ranks * ranks * i, ranks * channels * i, tokens * ranks * i,
+                                                ranks * channels * i))
+        return cls(*starts, nbytes=nbytes)
+
+
+def _received_layout(rows: int, topk: int, idx_dtype: torch.dtype | None, num_scales: int,
+                     scale_dtype: torch.dtype | None) -> tuple[list[int], int]:
+    """The byte starts of a dispatch's small received tensors in their one allocation, in this order:
+    ``recv_src_idx``, the received top-k ids and weights (none without top-k), the FP8 scales (none for BF16); and
+    its bytes. One allocation after the CPU wait instead of up to four (every host microsecond there delays the
+    transfer); ``recv_x`` keeps its own. ``_compiled_host.cpp``'s ``receive`` lays them out alike."""
+    return vector_aligned_starts((rows * _INDEX_DTYPE.itemsize,
+                                  rows * topk * idx_dtype.itemsize if topk else 0,
+                                  rows * topk * _WEIGHT_DTYPE.itemsize if topk else 0,
+                                  rows * num_scales * scale_dtype.itemsize if num_scales else 0))
 
 
 class NormalHandle(tuple):
@@ -931,10 +966,12 @@ class NormalMode:
             _set_sent(p, tokens, payload, scales, None, None, send_head)
             host = tag = None
         else:
-            rank_prefix = torch.empty(self.ranks, self.ranks, dtype=_INDEX_DTYPE, device=self.device)
-            channel_prefix = torch.empty(self.ranks, channels, dtype=_INDEX_DTYPE, device=self.device)
-            send_head = torch.empty(tokens, self.ranks, dtype=_INDEX_DTYPE, device=self.device)
-            recv_channel_prefix = torch.empty(self.ranks, channels, dtype=_INDEX_DTYPE, device=self.device)
+            handle_at = _HandleLayout.of(self.ranks, channels, tokens)
+            block = torch.empty(handle_at.nbytes, dtype=torch.uint8, device=self.device)
+            rank_prefix = part(block, _INDEX_DTYPE, handle_at.rank_prefix, (self.ranks, self.ranks))
+            channel_prefix = part(block, _INDEX_DTYPE, handle_at.channel_prefix, (self.ranks, channels))
+            send_head = part(block, _INDEX_DTYPE, handle_at.send_head, (tokens, self.ranks))
+            recv_channel_prefix = part(block, _INDEX_DTYPE, handle_at.recv_channel_prefix, (self.ranks, channels))
             # The transfer's fields that do not depend on the received count are set before notify's launch, so
             # that after the CPU wait only the received tensors are allocated and pointed to: every host
             # microsecond there delays the transfer (DeepEP's C++ does only that much after its wait).
@@ -959,7 +996,8 @@ class NormalMode:
                                scale_token_stride=scale_layout[1], scale_hidden_stride=scale_layout[2],
                                x_dtype=payload.dtype, scale_dtype=None if scales is None else scales.dtype,
                                idx_dtype=None if topk_idx is None else topk_idx.dtype, count_dtype=_COUNT_DTYPE,
-                               mask_dtype=_MASK_DTYPE, index_dtype=_INDEX_DTYPE, weight_dtype=_WEIGHT_DTYPE))
+                               mask_dtype=_MASK_DTYPE, index_dtype=_INDEX_DTYPE, weight_dtype=_WEIGHT_DTYPE,
+                               handle_at=() if cached else handle_at))
         if cached:
             return launch, payload, scales, recv_x, recv_scales, recv_src_idx
         return (launch, None, host, tag, local, payload, scales, topk_idx, topk_weights, in_rank, rank_prefix,
@@ -969,15 +1007,20 @@ class NormalMode:
                   topk_idx: torch.Tensor | None, rows: int) -> tuple:
         """The Python host path's received tensors of a dispatch receiving ``rows`` rows (``recv_x``, its scales,
         ``recv_src_idx``, the top-k ids and weights; None where the call has none), their addresses and the row
-        count set in the transfer's parameters."""
+        count set in the transfer's parameters. ``recv_x`` is an allocation of its own, the others parts of one
+        (:func:`_received_layout`)."""
+        topk = 0 if topk_idx is None else topk_idx.shape[1]
+        num_scales = 0 if scales is None else scales.shape[1]
+        at, nbytes = _received_layout(rows, topk, None if topk_idx is None else topk_idx.dtype,
+                                      num_scales, None if scales is None else scales.dtype)
         recv_x = torch.empty(rows, payload.shape[1], dtype=payload.dtype, device=self.device)
-        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype,
-                                                               device=self.device)
-        recv_src_idx = torch.empty(rows, dtype=_INDEX_DTYPE, device=self.device)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        recv_src_idx = part(block, _INDEX_DTYPE, at[0], (rows,))
+        recv_scales = None if scales is None else part(block, scales.dtype, at[3], (rows, num_scales))
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            recv_topk_idx = torch.empty(rows, topk_idx.shape[1], dtype=topk_idx.dtype, device=self.device)
-            recv_topk_weights = torch.empty(rows, topk_idx.shape[1], dtype=_WEIGHT_DTYPE, device=self.device)
+            recv_topk_idx = part(block, topk_idx.dtype, at[1], (rows, topk))
+            recv_topk_weights = part(block, _WEIGHT_DTYPE, at[2], (rows, topk))
         p = launch.params[-1]
         p.recv_rows = rows
         if rows:

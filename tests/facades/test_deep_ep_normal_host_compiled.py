@@ -61,11 +61,12 @@ def _buffer(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch, ranks: in
 
 
 def _layout(t: object) -> object:
-    """What an output must match between the paths: dtype, shape, strides, device (a tuple's items each)."""
+    """What an output must match between the paths: dtype, shape, strides, device, storage offset (so the place of a
+    part in its allocation), whether an autograd view (a tuple's items each)."""
     if isinstance(t, tuple):
         return tuple(_layout(item) for item in t)
     if isinstance(t, torch.Tensor):
-        return t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset()
+        return t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(), t._is_view()
     return t
 
 
@@ -198,6 +199,40 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, group
     python_calls.clear()
     assert calls.run() == reference
     assert python_calls == []
+
+
+def _disjoint_parts(parts: list[torch.Tensor]) -> None:
+    """``parts`` share one storage, none is an autograd view, each starts 16-byte aligned, and no two overlap."""
+    storage = parts[0].untyped_storage()
+    spans = []
+    for t in parts:
+        assert t.untyped_storage().data_ptr() == storage.data_ptr() and not t._is_view() and t.is_contiguous()
+        start = t.storage_offset() * t.element_size()
+        assert start % 16 == 0
+        spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= storage.nbytes()
+
+
+@pytest.mark.parametrize("host_path", ["python", "compiled"])
+def test_small_outputs_are_disjoint_parts_of_one_allocation(fast: ModuleType, group: dist.ProcessGroup,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            driver_fake: FakeDriver, host_path: str) -> None:
+    """On either path: the handle's four int32 matrices are parts of one allocation (made before notify's launch),
+    ``recv_src_idx``, the received top-k ids and weights and the FP8 scales parts of another (after the CPU wait),
+    ``recv_x`` an allocation of its own; no part is an autograd view (DeepEP returns separate tensors)."""
+    monkeypatch.setenv(ENV, host_path)
+    calls = Calls(_buffer(group, monkeypatch, 2), driver_fake, 2, 300, 8, "f32", 420, 24, 1, 0, None, True)
+    for _ in range(2):  # the second call takes the compiled path where it is asked for
+        (recv_x, recv_scales), recv_idx, recv_w, _, handle, _ = calls.buf.dispatch(**calls.dispatch())
+    rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, _, send_head = handle
+    _disjoint_parts([rank_prefix, channel_prefix, send_head, recv_channel_prefix])
+    _disjoint_parts([recv_src_idx, recv_idx, recv_w, recv_scales])
+    assert recv_x.untyped_storage().data_ptr() not in {
+        t.untyped_storage().data_ptr() for t in (recv_src_idx, rank_prefix)}
+    assert recv_x.storage_offset() == 0 and not recv_x._is_view()
+    assert recv_idx.dtype == torch.int64 and recv_w.dtype == recv_scales.dtype == torch.float32
 
 
 def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.ProcessGroup,

@@ -65,10 +65,11 @@ def _workspace(ranks: int, experts: int, max_tokens: int, hidden: int) -> _Works
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
-    """What an output must match between the paths: dtype, shape, strides, device, storage offset, whether a view."""
+    """What an output must match between the paths: dtype, shape, strides, device, storage offset, whether a view
+    (neither path's are: each allocates, or makes parts of one allocation that are not autograd views)."""
     if t is None:
         return None
-    return t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(), t._base is not None
+    return t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(), t._is_view()
 
 
 def _symbolic(params: EpLlParams, tensors: dict[str, torch.Tensor | None], fresh: str | None = None) -> tuple:
@@ -113,8 +114,10 @@ def _dispatch_view(result: tuple, x: torch.Tensor, topk_idx: torch.Tensor, stats
     """The tensors a dispatch's parameters point at, by role, and what else it returned (the handle's sizes)."""
     recv, recv_count, handle, _ = result
     recv_x, scales = recv if isinstance(recv, tuple) else (recv, None)
-    private = handle.src_route._base
-    assert private is handle.routing._base is not None
+    storage = handle.src_route.untyped_storage()  # the private allocation the small parts share
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in (
+        handle.routing, handle[0], handle[1], recv_count))
+    private = torch.empty(0, dtype=torch.int32).set_(storage)
     tensors = {"x": x, "topk_idx": topk_idx, "recv_x": recv_x, "scales": scales, "recv_count": recv_count,
                "src_info": handle[0], "layout_range": handle[1], "private": private, "src_route": handle.src_route,
                "routing": handle.routing, "stats": stats, "mirror": _low_latency._states[ws].mirror}
