@@ -4,8 +4,8 @@
 //
 // One call checks the call's tensors against the record of a call shape the Python path checked before (sizes,
 // dtypes, device: what its checks accept for that shape, never more), allocates the outputs as the Python path does
-// (at::empty / at::empty_strided on the record's device, small outputs as parts of one allocation) and stores their device addresses into the call shape's
-// packed parameters (a ctypes EpLlParams or EpNormalParams, at the byte offsets Python passed once to
+// (at::empty / at::empty_strided on the record's device, small outputs as parts of one allocation) and stores their
+// device addresses into the call shape's packed parameters (a ctypes EpLlParams or EpNormalParams, at the byte offsets Python passed once to
 // set_param_offsets). It returns the outputs, or None at the first argument that differs from the record (or an
 // allocation that fails): the Python path then runs its own checks and raises its own errors, so every error message
 // lives in Python. Only ATen and the Python binding are used (no CUDA header or library): the allocation goes to the
@@ -171,7 +171,14 @@ std::vector<int64_t> vector_aligned_starts(std::initializer_list<int64_t> nbytes
   return starts;
 }
 
-// A contiguous tensor of ``dtype`` and ``sizes`` on the storage of ``block`` (a fresh allocation) from byte
+// Whether ``block`` (a fresh allocation) is a plain tensor that part_of can share: not one a Python dispatch mode
+// made (a tensor subclass such as a fake tensor carries the Python key, and a part without its Python object would
+// not); the call then goes to the Python path.
+bool plain_block(const at::Tensor& block) {
+  return !block.key_set().has(c10::DispatchKey::Python);
+}
+
+// A contiguous tensor of ``dtype`` and ``sizes`` on the storage of ``block`` (a plain_block) from byte
 // ``start`` (a multiple of the dtype's size): what _parts.part makes with Tensor.set_, here without the dispatcher
 // (each ATen view op costs a microsecond or two of host time). Not an autograd view, as DeepEP's separate tensors.
 at::Tensor part_of(const at::Tensor& block, at::ScalarType dtype, int64_t start, at::IntArrayRef sizes) {
@@ -249,6 +256,9 @@ py::object dispatch(const py::dict& records, const py::handle& x_obj, const py::
     }
     priv = at::empty({r.private_size}, on(r.device, r.private_dtype));
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
+    return py::none();
+  }
+  if (!plain_block(priv)) {
     return py::none();
   }
   const int64_t word = static_cast<int64_t>(priv.element_size());  // the parts' starts are in its elements
@@ -481,6 +491,9 @@ py::object receive(const NormalDispatchRecord& r, int64_t rows) {
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();
   }
+  if (!plain_block(block)) {
+    return py::none();
+  }
   src_idx = part_of(block, r.index_dtype, at[0], {rows});
   if (r.topk) {
     idx = part_of(block, *r.idx_dtype, at[1], {rows, r.topk});
@@ -548,6 +561,9 @@ py::object normal_dispatch(const py::handle& records, const py::handle& x_obj, c
   try {
     block = at::empty({r.handle_at[kHandleBytes]}, on(r.device, at::kByte));
   } catch (const c10::Error&) {
+    return py::none();
+  }
+  if (!plain_block(block)) {
     return py::none();
   }
   const auto handle_part = [&](int part, int64_t rows, int64_t columns) {

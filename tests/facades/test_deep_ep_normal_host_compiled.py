@@ -14,7 +14,14 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed as dist
-from compiled_host_kit import TensorSubclass, compiled_or_skip, misaligned, same_on_both_paths, unaligned
+from compiled_host_kit import (
+    TensorSubclass,
+    assert_disjoint_parts,
+    compiled_or_skip,
+    misaligned,
+    same_on_both_paths,
+    unaligned,
+)
 from test_deep_ep_normal_launches import FakeDriver, HostWorkspace, install_fakes
 
 from gc_moe_compat.comm import ep_normal
@@ -201,20 +208,6 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, group
     assert python_calls == []
 
 
-def _disjoint_parts(parts: list[torch.Tensor]) -> None:
-    """``parts`` share one storage, none is an autograd view, each starts 16-byte aligned, and no two overlap."""
-    storage = parts[0].untyped_storage()
-    spans = []
-    for t in parts:
-        assert t.untyped_storage().data_ptr() == storage.data_ptr() and not t._is_view() and t.is_contiguous()
-        start = t.storage_offset() * t.element_size()
-        assert start % 16 == 0
-        spans.append((start, start + t.numel() * t.element_size()))
-    spans.sort()
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
-    assert spans[-1][1] <= storage.nbytes()
-
-
 @pytest.mark.parametrize("host_path", ["python", "compiled"])
 def test_small_outputs_are_disjoint_parts_of_one_allocation(fast: ModuleType, group: dist.ProcessGroup,
                                                             monkeypatch: pytest.MonkeyPatch,
@@ -227,12 +220,14 @@ def test_small_outputs_are_disjoint_parts_of_one_allocation(fast: ModuleType, gr
     for _ in range(2):  # the second call takes the compiled path where it is asked for
         (recv_x, recv_scales), recv_idx, recv_w, _, handle, _ = calls.buf.dispatch(**calls.dispatch())
     rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, _, send_head = handle
-    _disjoint_parts([rank_prefix, channel_prefix, send_head, recv_channel_prefix])
-    _disjoint_parts([recv_src_idx, recv_idx, recv_w, recv_scales])
+    assert_disjoint_parts([(rank_prefix, torch.int32, (2, 2)), (channel_prefix, torch.int32, (2, 12)),
+                           (send_head, torch.int32, (300, 2)),
+                           (recv_channel_prefix, torch.int32, (2, 12))])
+    assert_disjoint_parts([(recv_src_idx, torch.int32, (420,)), (recv_idx, torch.int64, (420, 8)),
+                           (recv_w, torch.float32, (420, 8)), (recv_scales, torch.float32, (420, 3))])
     assert recv_x.untyped_storage().data_ptr() not in {
         t.untyped_storage().data_ptr() for t in (recv_src_idx, rank_prefix)}
     assert recv_x.storage_offset() == 0 and not recv_x._is_view()
-    assert recv_idx.dtype == torch.int64 and recv_w.dtype == recv_scales.dtype == torch.float32
 
 
 def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.ProcessGroup,

@@ -197,12 +197,12 @@ def test_both_paths_give_the_same_outputs_and_parameters(fast: ModuleType, launc
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_small_outputs_are_disjoint_views_of_one_allocation(fast: ModuleType, launches: list, python_calls: list,
+def test_the_small_outputs_are_disjoint_parts_of_one_allocation(fast: ModuleType, launches: list, python_calls: list,
                                                                 shape: tuple, monkeypatch: pytest.MonkeyPatch
                                                                 ) -> None:
     """recv_count, the handle's src_info / layout_range / src_route / routing (and the generation word before them)
-    are views of one allocation on both paths: DeepEP's dtypes, shapes and strides, each contiguous and 16-byte
-    aligned, no two sharing a byte (each filled with its own value, read back intact)."""
+    are parts of one allocation on both paths: DeepEP's dtypes, shapes and strides, each contiguous and 16-byte
+    aligned, none an autograd view, no two sharing a byte (each filled with its own value, read back intact)."""
     ranks, experts, tmax, hidden, tokens, k, fp8, round_scale, ue8m0, _, shrink = shape
     local, slots = experts // ranks, ranks * tmax
     g = torch.Generator().manual_seed(tokens + k)
@@ -219,7 +219,7 @@ def test_the_small_outputs_are_disjoint_views_of_one_allocation(fast: ModuleType
                  (handle[1], torch.int64, (local, ranks)), (handle.src_route, torch.int32, (local, slots)),
                  (handle.routing, torch.int32, (2, tokens, k))]
         start = recv_count.untyped_storage().data_ptr()
-        compiled_host_kit.assert_disjoint_views(parts, reserved=((start, start + 8),))  # the generation word
+        compiled_host_kit.assert_disjoint_parts(parts, reserved=((start, start + 8),))  # the generation word
     assert python_calls == []  # the last call took the compiled path
 
 
@@ -526,3 +526,24 @@ def test_the_extension_stores_at_the_ctypes_fields_offsets(fast: ModuleType) -> 
     with pytest.raises(ValueError, match="set_param_offsets: no parameter struct EpOtherParams"):
         fast.set_param_offsets("EpOtherParams", {}, 8)
     assert ctypes.sizeof(EpLlParams) == 232
+
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
+def test_allocations_of_a_dispatch_mode_go_to_the_python_path(fast: ModuleType, launches: list,
+                                                              python_calls: list) -> None:
+    """Under a Python dispatch mode whose allocations are tensor subclasses (a fake tensor mode), the compiled
+    dispatch makes no part of its allocation (a part would lack the subclass's Python object): the call goes to the
+    Python path, whose outputs are the mode's tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    ws = _workspace(1, 8, 8, 256)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (5, 4))
+    for _ in range(2):
+        _dispatch(ws, x, idx, 8, 8)
+    python_calls.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        recv_x, recv_count, handle, _ = _dispatch(ws, x, idx, 8, 8)
+    assert python_calls == ["_checked_dispatch"]
+    assert all(isinstance(t, FakeTensor) for t in (recv_x, recv_count, handle.src_route, handle.routing))

@@ -70,15 +70,16 @@ def unaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw.data, dtype=as_numpy, count=numel, offset=1).reshape(shape))
 
 
-def assert_disjoint_views(parts: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]],
+def assert_disjoint_parts(parts: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]],
                           reserved: tuple[tuple[int, int], ...] = ()) -> torch.UntypedStorage:
-    """Each of ``parts`` (tensor, dtype, shape) has that dtype and shape, is contiguous, 16-byte aligned and a view
-    of the first one's storage, inside it; no two of them, nor ``reserved`` byte spans of it (start, end addresses),
-    share a byte (each filled with its own value, read back intact). Returns the storage."""
+    """Each of ``parts`` (tensor, dtype, shape) has that dtype and shape, is contiguous, 16-byte aligned, on the
+    first one's storage and inside it, and not an autograd view (as DeepEP's separate tensors); no two of them, nor
+    ``reserved`` byte spans of it (start, end addresses), share a byte (each filled with its own value, read back
+    intact). Returns the storage."""
     storage = parts[0][0].untyped_storage()
     spans = list(reserved)
     for t, dtype, size in parts:
-        assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, size, True)
+        assert (t.dtype, tuple(t.shape), t.is_contiguous(), t._is_view()) == (dtype, size, True, False)
         assert t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() % 16 == 0
         spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     spans.sort()
