@@ -16,6 +16,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -160,14 +161,15 @@ constexpr int64_t kPartAlignment = 16;
 
 // The byte starts of parts of ``nbytes`` bytes laid out in order, each rounded up to kPartAlignment, and (last) the
 // bytes the allocation needs: _parts.vector_aligned_starts.
-std::vector<int64_t> vector_aligned_starts(std::initializer_list<int64_t> nbytes) {
-  std::vector<int64_t> starts;
+template <size_t N>
+std::array<int64_t, N + 1> vector_aligned_starts(const std::array<int64_t, N>& nbytes) {
+  std::array<int64_t, N + 1> starts{};
   int64_t end = 0;
-  for (const int64_t size : nbytes) {
-    starts.push_back((end + kPartAlignment - 1) / kPartAlignment * kPartAlignment);
-    end = starts.back() + size;
+  for (size_t i = 0; i < N; ++i) {
+    starts[i] = (end + kPartAlignment - 1) / kPartAlignment * kPartAlignment;
+    end = starts[i] + nbytes[i];
   }
-  starts.push_back(end);
+  starts[N] = end;
   return starts;
 }
 
@@ -473,34 +475,47 @@ void store_sent(const NormalDispatchRecord& r, const at::Tensor& payload, const 
   put_normal(r.params, kNTopkWeights, any && r.topk ? address(weights) : 0);
 }
 
+// The small received tensors' parts of one allocation, in _normal._received_layout's order, and its bytes (last).
+enum ReceivedPart : int { kSrcIdxAt, kTopkIdxAt, kTopkWeightsAt, kScalesAt, kReceivedBytes };
+
 // The received tensors of ``rows`` rows (recv_x, scales or None, recv_src_idx, top-k ids and weights or None),
 // their addresses and the row count stored into the transfer's parameters; None when an allocation fails.
 py::object receive(const NormalDispatchRecord& r, int64_t rows) {
-  // _normal._received_layout: recv_src_idx, the top-k ids and weights, the scales, parts of one allocation
-  const auto size = [rows](int64_t columns, std::optional<at::ScalarType> dtype) {
-    return dtype ? rows * columns * static_cast<int64_t>(c10::elementSize(*dtype)) : int64_t{0};
-  };
-  const auto idx_dtype = r.topk ? r.idx_dtype : std::nullopt;
-  const auto weight_dtype = r.topk ? std::optional<at::ScalarType>(r.weight_dtype) : std::nullopt;
-  const std::vector<int64_t> at = vector_aligned_starts(
-      {size(1, r.index_dtype), size(r.topk, idx_dtype), size(r.topk, weight_dtype), size(r.num_scales, r.scale_dtype)});
+  // recv_src_idx alone (no top-k, no scales) is an allocation of its own: a part of one would add work, save none
+  const bool alone = !r.topk && !r.scale_dtype;
+  std::array<int64_t, kReceivedBytes + 1> at{};
+  if (!alone) {  // _normal._received_layout
+    const auto size = [rows](int64_t columns, std::optional<at::ScalarType> dtype) {
+      return dtype ? rows * columns * static_cast<int64_t>(c10::elementSize(*dtype)) : int64_t{0};
+    };
+    const auto idx_dtype = r.topk ? r.idx_dtype : std::nullopt;
+    const auto weight_dtype = r.topk ? std::optional<at::ScalarType>(r.weight_dtype) : std::nullopt;
+    at = vector_aligned_starts<kReceivedBytes>({size(1, r.index_dtype), size(r.topk, idx_dtype),
+                                                size(r.topk, weight_dtype), size(r.num_scales, r.scale_dtype)});
+  }
   at::Tensor recv_x, block, scales, src_idx, idx, weights;
   try {
     recv_x = at::empty({rows, r.hidden}, on(r.device, r.x_dtype));
-    block = at::empty({at.back()}, on(r.device, at::kByte));
+    if (alone) {
+      src_idx = at::empty({rows}, on(r.device, r.index_dtype));
+    } else {
+      block = at::empty({at[kReceivedBytes]}, on(r.device, at::kByte));
+    }
   } catch (const c10::Error&) {  // out of memory and the like: the Python path allocates again and raises torch's
     return py::none();
   }
-  if (!plain_block(block)) {
-    return py::none();
+  if (!alone) {
+    if (!plain_block(block)) {
+      return py::none();
+    }
+    src_idx = part_of(block, r.index_dtype, at[kSrcIdxAt], {rows});
   }
-  src_idx = part_of(block, r.index_dtype, at[0], {rows});
   if (r.topk) {
-    idx = part_of(block, *r.idx_dtype, at[1], {rows, r.topk});
-    weights = part_of(block, r.weight_dtype, at[2], {rows, r.topk});
+    idx = part_of(block, *r.idx_dtype, at[kTopkIdxAt], {rows, r.topk});
+    weights = part_of(block, r.weight_dtype, at[kTopkWeightsAt], {rows, r.topk});
   }
   if (r.scale_dtype) {
-    scales = part_of(block, *r.scale_dtype, at[3], {rows, r.num_scales});
+    scales = part_of(block, *r.scale_dtype, at[kScalesAt], {rows, r.num_scales});
   }
   const bool any = rows > 0;
   put_normal(r.params, kNRecvRows, static_cast<uint64_t>(rows));

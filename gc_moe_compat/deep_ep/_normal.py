@@ -193,7 +193,8 @@ def _received_layout(rows: int, topk: int, idx_dtype: torch.dtype | None, num_sc
     """The byte starts of a dispatch's small received tensors in their one allocation, in this order:
     ``recv_src_idx``, the received top-k ids and weights (none without top-k), the FP8 scales (none for BF16); and
     its bytes. One allocation after the CPU wait instead of up to four (every host microsecond there delays the
-    transfer); ``recv_x`` keeps its own. ``_compiled_host.cpp``'s ``receive`` lays them out alike."""
+    transfer); ``recv_x`` keeps its own, and so does ``recv_src_idx`` where it is alone (no top-k, no scales).
+    ``_compiled_host.cpp``'s ``receive`` lays them out alike."""
     return vector_aligned_starts((rows * _INDEX_DTYPE.itemsize,
                                   rows * topk * idx_dtype.itemsize if topk else 0,
                                   rows * topk * _WEIGHT_DTYPE.itemsize if topk else 0,
@@ -1014,8 +1015,11 @@ class NormalMode:
         at, nbytes = _received_layout(rows, topk, None if topk_idx is None else topk_idx.dtype,
                                       num_scales, None if scales is None else scales.dtype)
         recv_x = torch.empty(rows, payload.shape[1], dtype=payload.dtype, device=self.device)
-        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        recv_src_idx = part(block, _INDEX_DTYPE, at[0], (rows,))
+        if topk or num_scales:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            recv_src_idx = part(block, _INDEX_DTYPE, at[0], (rows,))
+        else:  # alone: an allocation of its own (a part of one would add work, save none)
+            recv_src_idx = torch.empty(rows, dtype=_INDEX_DTYPE, device=self.device)
         recv_scales = None if scales is None else part(block, scales.dtype, at[3], (rows, num_scales))
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:

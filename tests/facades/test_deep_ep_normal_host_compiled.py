@@ -27,6 +27,7 @@ from test_deep_ep_normal_launches import FakeDriver, HostWorkspace, install_fake
 from gc_moe_compat.comm import ep_normal
 from gc_moe_compat.comm.ep_normal import EpNormalParams
 from gc_moe_compat.deep_ep import Buffer, Config, _compiled_host, _normal
+from gc_moe_compat.deep_ep._parts import part
 from gc_moe_compat.runtime.status import DeviceCheckError, KernelStatus
 
 ENV = _compiled_host.HOST_PATH_ENV
@@ -228,6 +229,26 @@ def test_small_outputs_are_disjoint_parts_of_one_allocation(fast: ModuleType, gr
     assert recv_x.untyped_storage().data_ptr() not in {
         t.untyped_storage().data_ptr() for t in (recv_src_idx, rank_prefix)}
     assert recv_x.storage_offset() == 0 and not recv_x._is_view()
+
+
+def test_a_lone_recv_src_idx_is_its_own_allocation(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch,
+                                                   driver_fake: FakeDriver) -> None:
+    """Without top-k and scales ``recv_src_idx`` is the only small received tensor: an allocation of its own, not
+    the one part of a one-part allocation, which would only add host work (the Python path's parts counted; the
+    compiled path's outputs equal its, test_both_paths_give_the_same_outputs_and_parameters)."""
+    made = []
+
+    def counted(block: torch.Tensor, dtype: torch.dtype, start: int, shape: tuple) -> torch.Tensor:
+        made.append(tuple(shape))
+        return part(block, dtype, start, shape)
+
+    monkeypatch.setenv(ENV, "python")
+    monkeypatch.setattr(_normal, "part", counted)
+    calls = Calls(_buffer(group, monkeypatch, 1), driver_fake, 1, 64, 0, None, 40, 8, 1, 0, None, False)
+    _, recv_idx, recv_w, _, handle, _ = calls.buf.dispatch(**calls.dispatch())
+    assert recv_idx is None and recv_w is None and handle[3].shape == (40,)
+    assert made == [(1, 1), (1, 4), (64, 1), (1, 4)]  # the handle's four matrices only
+    assert (handle[3].storage_offset(), handle[3]._is_view(), handle[3].untyped_storage().nbytes()) == (0, False, 160)
 
 
 def test_compiled_calls_allocate_fresh_outputs(fast: ModuleType, group: dist.ProcessGroup,
