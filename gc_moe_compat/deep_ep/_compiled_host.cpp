@@ -186,13 +186,9 @@ bool plain_block(const at::Tensor& block) {
 at::Tensor part_of(const at::Tensor& block, at::ScalarType dtype, int64_t start, at::IntArrayRef sizes) {
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
                                                           c10::scalarTypeToTypeMeta(dtype));
-  std::vector<int64_t> strides(sizes.size());
-  int64_t stride = 1;
-  for (size_t d = sizes.size(); d-- > 0;) {
-    strides[d] = stride;
-    stride *= sizes[d];
-  }
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, start / static_cast<int64_t>(c10::elementSize(dtype)));
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(sizes);
+  impl->set_storage_offset(start / static_cast<int64_t>(c10::elementSize(dtype)));
   return t;
 }
 

@@ -1009,13 +1009,13 @@ class NormalMode:
         """The Python host path's received tensors of a dispatch receiving ``rows`` rows (``recv_x``, its scales,
         ``recv_src_idx``, the top-k ids and weights; None where the call has none), their addresses and the row
         count set in the transfer's parameters. ``recv_x`` is an allocation of its own, the others parts of one
-        (:func:`_received_layout`)."""
+        (:func:`_received_layout`) unless ``recv_src_idx`` is alone."""
         topk = 0 if topk_idx is None else topk_idx.shape[1]
         num_scales = 0 if scales is None else scales.shape[1]
-        at, nbytes = _received_layout(rows, topk, None if topk_idx is None else topk_idx.dtype,
-                                      num_scales, None if scales is None else scales.dtype)
         recv_x = torch.empty(rows, payload.shape[1], dtype=payload.dtype, device=self.device)
         if topk or num_scales:
+            at, nbytes = _received_layout(rows, topk, None if topk_idx is None else topk_idx.dtype,
+                                          num_scales, None if scales is None else scales.dtype)
             block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             recv_src_idx = part(block, _INDEX_DTYPE, at[0], (rows,))
         else:  # alone: an allocation of its own (a part of one would add work, save none)

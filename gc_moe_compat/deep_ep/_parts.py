@@ -36,11 +36,5 @@ def part(block: torch.Tensor, dtype: torch.dtype, start: int, shape: Sequence[in
     """A contiguous tensor of ``dtype`` and ``shape`` on the storage of ``block`` (a fresh allocation: storage offset
     0) from byte ``start`` (a multiple of the dtype's size), not a view of ``block``: it keeps the storage alive as
     ``block`` does."""
-    itemsize = dtype.itemsize
-    strides, stride = [], 1
-    for extent in reversed(shape):
-        strides.append(stride)
-        stride *= extent
-    return torch.empty(0, dtype=dtype, device=block.device).set_(
-        block.untyped_storage(), start // itemsize,
-        tuple(shape), tuple(reversed(strides)))
+    return torch.empty(0, dtype=dtype, device=block.device).set_(block.untyped_storage(), start // dtype.itemsize,
+                                                                 tuple(shape))
