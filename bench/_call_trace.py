@@ -8,8 +8,10 @@ and end offsets and its duration), and the host gaps between two launches, where
 for the received counts and the allocations after it show up. ``bench/deep_ep_ab.py --trace DIR`` writes the traces
 (one Chrome trace per implementation, rank and point) and their summaries; ``python bench/_call_trace.py DIR``
 summarizes saved traces again, ``--across-ranks`` as one line per point and op (the medians over its ranks' files
-of each rank's median call). Tracing adds host time to every CUDA API call (the profiler's callbacks), so a call
-making more of them is taxed more: read offsets and gaps against each other, not against the untraced ``host_us``.
+of each rank's median call), ``--timeline`` each point's ranks on one clock (when each rank entered, launched and
+ran its kernels in the same collective call). Tracing adds host time to every CUDA API call (the profiler's
+callbacks), so a call making more of them is taxed more: read offsets and gaps against each other, not against the
+untraced ``host_us``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def summarize(trace: Mapping[str, Any], ops: Sequence[str] | None = None) -> lis
     for span in spans:
         start, end = span["ts"], span["ts"] + span["dur"]
         mine = [e for e in launches if start <= e["ts"] <= end]
-        record: dict[str, Any] = {"op": span["name"], "host_us": span["dur"], "launches": [], "gaps_us": [],
+        record: dict[str, Any] = {"op": span["name"], "entry": start, "host_us": span["dur"], "launches": [],
+                                  "gaps_us": [],
                                   "alloc_us": sum(e["dur"] for e in allocs if start <= e["ts"] <= end)}
         previous = start
         for launch in mine:
@@ -154,17 +157,64 @@ def digest_lines(paths: Sequence[Path]) -> list[str]:
     """One line per point and op: the trace files of one point (one per rank, ``..._rank<R>.json``, as
     ``deep_ep_ab.py --trace`` names them) grouped, and each :data:`DIGEST_FIELDS` entry the median over the ranks of
     each rank's :func:`call_digest` (µs)."""
-    groups: dict[str, list[dict[str, dict[str, float]]]] = {}
-    for path in paths:
-        point = re.sub(r"_rank\d+$", "", path.stem)
-        groups.setdefault(point, []).append(call_digest(summarize(json.loads(path.read_text()))))
     lines = []
-    for point, ranks in groups.items():
+    for point, files in _point_groups(paths).items():
+        ranks = [call_digest(summarize(json.loads(f.read_text()))) for f in files]
         for op in dict.fromkeys(op for digest in ranks for op in digest):
             mine = [digest[op] for digest in ranks if op in digest]
             fields = ", ".join(f"{name[:-3].replace('_', ' ')} {statistics.median(d[name] for d in mine):.1f}"
                                for name in DIGEST_FIELDS)
             lines.append(f"{point} {op}: {fields} us ({len(mine)} ranks)")
+    return lines
+
+
+def _point_groups(paths: Sequence[Path]) -> dict[str, list[Path]]:
+    """The trace files of each point (one per rank, ``..._rank<R>.json``, as ``deep_ep_ab.py --trace`` names them),
+    in rank order."""
+    groups: dict[str, list[Path]] = {}
+    for path in sorted(paths, key=lambda p: (p.stem.rsplit("_rank", 1)[0], int(p.stem.rsplit("_rank", 1)[-1] or 0))):
+        groups.setdefault(re.sub(r"_rank\d+$", "", path.stem), []).append(path)
+    return groups
+
+
+def _absolute(call: Mapping[str, Any]) -> list[float | None]:
+    """A call's entry, then per launch its host time and its kernel's GPU start and end, on the trace's clock."""
+    times: list[float | None] = [call["entry"]]
+    for launch in call["launches"]:
+        times.append(call["entry"] + launch["launch_at"])
+        times += [None if launch[key] is None else call["entry"] + launch[key] for key in ("gpu_start", "gpu_end")]
+    return times
+
+
+def timeline_lines(paths: Sequence[Path]) -> list[str]:
+    """Each point's ranks on one clock: per op, the k-th steady call of every rank taken together (the ranks meet
+    before each op's calls, so their k-th calls are one collective call), times from the earliest rank's entry into
+    that call; per rank, the medians over the calls of its entry and of each launch's host time and its kernel's GPU
+    start and end; and the median over the calls of the last kernel's end over the ranks (the collective call's
+    latency as the shared GPU ran it). The ranks' processes stamp their traces with the host's one clock."""
+    lines = []
+    for point, files in _point_groups(paths).items():
+        ranks = [_steady_calls(summarize(json.loads(f.read_text()))) for f in files]
+        for op in dict.fromkeys(op for steady in ranks for op in steady):
+            mine = [steady.get(op, []) for steady in ranks]
+            count = min(len(calls) for calls in mine)
+            if count == 0:
+                continue
+            times = [[_absolute(calls[k]) for k in range(count)] for calls in mine]  # [rank][call][event]
+            starts = [min(rank[k][0] for rank in times) for k in range(count)]
+            ends = [max((t for rank in times for t in rank[k][3::3] if t is not None), default=None)
+                    for k in range(count)]
+            last = _median([None if e is None else e - s for e, s in zip(ends, starts, strict=True)])
+            lines.append(f"{point} {op}: {count} calls, last kernel end {_us(last)} us after the first entry "
+                         f"(medians; per rank: entry, then each kernel's launch and its GPU start..end)")
+            for file, calls, rank in zip(files, mine, times, strict=True):
+                at = [_median([None if call[i] is None else call[i] - s for call, s in zip(rank, starts, strict=True)])
+                      for i in range(len(rank[0]))]
+                parts = [f"entry {_us(at[0])}"]
+                for i, launch in enumerate(calls[0]["launches"]):
+                    name = (launch["kernel"] or "?").split("(")[0]
+                    parts.append(f"{name} {_us(at[1 + 3 * i])} gpu {_us(at[2 + 3 * i])}..{_us(at[3 + 3 * i])}")
+                lines.append(f"  rank {file.stem.rsplit('_rank', 1)[-1]}: " + " | ".join(parts))
     return lines
 
 
@@ -178,12 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="trace files, or folders of them (*.json)")
     parser.add_argument("--across-ranks", action="store_true",
                         help="one line per point and op, medians over its ranks' files (digest_lines)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="each point's ranks on one clock, per op and rank (timeline_lines)")
     args = parser.parse_args(argv)
     files = [f for p in args.paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
     if not files:
         parser.error(f"no trace files in {[str(p) for p in args.paths]}")
-    if args.across_ranks:
-        print("\n".join(digest_lines(files)))
+    if args.across_ranks or args.timeline:
+        print("\n".join((digest_lines(files) if args.across_ranks else []) +
+                        (timeline_lines(files) if args.timeline else [])))
         return 0
     for f in files:
         print("\n".join(summarize_file(f)))

@@ -87,3 +87,20 @@ def test_across_ranks_groups_a_points_rank_files(tmp_path: Path, capsys) -> None
         "after last 6.0, alloc 9.0 us (3 ranks)",
         "normal_P3_glm_T512_original dispatch_bf16: host 50.0, first launch 6.0, launch calls 10.0, between 28.0, "
         "after last 6.0, alloc 9.0 us (1 ranks)"]
+
+
+def test_timeline_puts_a_points_ranks_on_one_clock(tmp_path: Path, capsys) -> None:
+    """The k-th steady calls of the ranks are one collective call: times from the earliest rank's entry into it."""
+    for rank, shift in enumerate((0.0, 5.0)):
+        trace = _trace([999.0, 40.0, 60.0])
+        for event in trace["traceEvents"]:
+            if "ts" in event:
+                event["ts"] += shift
+        (tmp_path / f"normal_P2_glm_T512_facade_rank{rank}.json").write_text(json.dumps(trace))
+    assert call_trace.main(["--timeline", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # calls 2 and 3 (waits 40, 60): rank 1 five us later; the last kernel (recv) ends 5 + 30 + wait + 10 after
+    assert lines[0].startswith("normal_P2_glm_T512_facade dispatch_bf16: 2 calls, last kernel end 95.0 us after")
+    assert lines[1] == ("  rank 0: entry 0.0 | notify 6.0 gpu 10.0..18.0 | send 66.0 gpu 70.0..80.0 | "
+                        "recv 70.0 gpu 80.0..90.0")
+    assert lines[2].startswith("  rank 1: entry 5.0 | notify 11.0 gpu 15.0..23.0 |")
