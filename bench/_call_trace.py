@@ -168,13 +168,18 @@ def digest_lines(paths: Sequence[Path]) -> list[str]:
     return lines
 
 
+_RANK = re.compile(r"_rank(\d+)$")
+"""The end of a trace file's stem that names its rank (``deep_ep_ab.py --trace``'s names)."""
+
+
 def _point_groups(paths: Sequence[Path]) -> dict[str, list[Path]]:
-    """The trace files of each point (one per rank, ``..._rank<R>.json``, as ``deep_ep_ab.py --trace`` names them),
-    in rank order."""
+    """The trace files of each point (one per rank, ``..._rank<R>.json``, as ``deep_ep_ab.py --trace`` names them;
+    a file named otherwise is a point of its own), in rank order."""
     groups: dict[str, list[Path]] = {}
-    for path in sorted(paths, key=lambda p: (p.stem.rsplit("_rank", 1)[0], int(p.stem.rsplit("_rank", 1)[-1] or 0))):
-        groups.setdefault(re.sub(r"_rank\d+$", "", path.stem), []).append(path)
-    return groups
+    for path in paths:
+        groups.setdefault(_RANK.sub("", path.stem), []).append(path)
+    return {point: sorted(files, key=lambda f: int(m[1]) if (m := _RANK.search(f.stem)) else 0)
+            for point, files in groups.items()}
 
 
 def _absolute(call: Mapping[str, Any]) -> list[float | None]:
@@ -214,7 +219,8 @@ def timeline_lines(paths: Sequence[Path]) -> list[str]:
                 for i, launch in enumerate(calls[0]["launches"]):
                     name = (launch["kernel"] or "?").split("(")[0]
                     parts.append(f"{name} {_us(at[1 + 3 * i])} gpu {_us(at[2 + 3 * i])}..{_us(at[3 + 3 * i])}")
-                lines.append(f"  rank {file.stem.rsplit('_rank', 1)[-1]}: " + " | ".join(parts))
+                rank_name = m[1] if (m := _RANK.search(file.stem)) else file.stem
+                lines.append(f"  rank {rank_name}: " + " | ".join(parts))
     return lines
 
 

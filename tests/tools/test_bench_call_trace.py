@@ -97,8 +97,10 @@ def test_timeline_puts_a_points_ranks_on_one_clock(tmp_path: Path, capsys) -> No
             if "ts" in event:
                 event["ts"] += shift
         (tmp_path / f"normal_P2_glm_T512_facade_rank{rank}.json").write_text(json.dumps(trace))
+    (tmp_path / "other.json").write_text(json.dumps(_trace([999.0, 40.0])))  # no rank in its name: its own point
     assert call_trace.main(["--timeline", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("other dispatch_bf16: 1 calls") and lines[4].startswith("  rank other: entry 0.0 |")
     # calls 2 and 3 (waits 40, 60): rank 1 five us later; the last kernel (recv) ends 5 + 30 + wait + 10 after
     assert lines[0].startswith("normal_P2_glm_T512_facade dispatch_bf16: 2 calls, last kernel end 95.0 us after")
     assert lines[1] == ("  rank 0: entry 0.0 | notify 6.0 gpu 10.0..18.0 | send 66.0 gpu 70.0..80.0 | "
