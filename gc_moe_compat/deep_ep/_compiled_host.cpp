@@ -5,10 +5,10 @@
 // One call checks the call's tensors against the record of a call shape the Python path checked before (sizes,
 // dtypes, device: what its checks accept for that shape, never more), allocates the outputs as the Python path does
 // (at::empty / at::empty_strided on the record's device, small outputs as parts of one allocation) and stores their
-// device addresses into the call shape's packed parameters (a ctypes EpLlParams or EpNormalParams, at the byte offsets Python passed once to
-// set_param_offsets). It returns the outputs, or None at the first argument that differs from the record (or an
-// allocation that fails): the Python path then runs its own checks and raises its own errors, so every error message
-// lives in Python. Only ATen and the Python binding are used (no CUDA header or library): the allocation goes to the
+// device addresses into the call shape's packed parameters (a ctypes EpLlParams or EpNormalParams, at the byte
+// offsets Python passed once to set_param_offsets). It returns the outputs, or None at the first argument that
+// differs from the record (or an allocation that fails): the Python path then runs its own checks and raises its own
+// errors, so every error message lives in Python. Only ATen and the Python binding are used (no CUDA header or library): the allocation goes to the
 // device the record names.
 
 #include <ATen/core/Tensor.h>
